@@ -1,0 +1,1 @@
+"""Cached model features (image and language); lands with issue #3."""

@@ -1,0 +1,362 @@
+"""Shared pieces of the results parsers: field access with path-qualified errors,
+columnar conversion, and builders for the fragment tables."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from pipeline import knobs
+from pipeline.errors import IngestError
+from pipeline.keys import build_sample_key
+from pipeline.schema import CONFIGS, MEASUREMENTS, SAMPLES, Column, TableSchema
+
+_DERIVED_MEASUREMENT_COLUMNS = {"source_file", "num_copies", "flag_copies_disagree", "flag_partial_config"}
+_ROW_INDEX = Column("row_index", pa.int32(), "position in the file", nullable=False)
+
+FRAGMENT_MEASUREMENTS = TableSchema(
+    name="fragment_measurements",
+    description="measurement rows of one file, before dedupe",
+    primary_key=(),
+    columns=tuple(c for c in MEASUREMENTS.columns if c.name not in _DERIVED_MEASUREMENT_COLUMNS) + (_ROW_INDEX,),
+)
+FRAGMENT_SAMPLES = TableSchema(
+    name="fragment_samples",
+    description="sample rows of one file, first copy per key",
+    primary_key=(),
+    columns=tuple(c for c in SAMPLES.columns if c.name != "source_file") + (_ROW_INDEX,),
+)
+_SUMMARY_DROP = {"summary_source_file", "accuracy", "accuracy_std", "num_samples", "flag_partial_config"}
+RECOMPUTED_STATS = {"latency_total_ms_mean", "latency_total_ms_p50", "latency_total_ms_p95",
+               "latency_prefill_ms_mean", "latency_decode_ms_mean", "latency_vision_ms_mean"}
+FRAGMENT_SUMMARIES = TableSchema(
+    name="fragment_summaries",
+    description="recorded configuration summaries of one file",
+    primary_key=(),
+    columns=tuple(c for c in CONFIGS.columns if c.name not in _SUMMARY_DROP | RECOMPUTED_STATS)
+    + (Column("source_kind", pa.string(), "kind of the file", nullable=False), _ROW_INDEX),
+)
+
+_SAMPLE_META_COLUMNS = ("example_id", "question_id", "image_id", "question")
+
+
+@dataclass
+class ParsedFile:
+    """What one file contributes; tables follow the FRAGMENT_* schemas."""
+
+    kind: str
+    experiment: str
+    dataset: str
+    measurements: pa.Table
+    samples: pa.Table
+    summaries: pa.Table
+    duplicate_rows: int
+    note: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.measurements.num_rows
+
+
+class NotResultsFile(Exception):
+    """Valid JSON that is not an origin results file: listed as skipped."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+class Ctx:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, field: str, reason: str) -> IngestError:
+        return IngestError(self.path, reason, field)
+
+    def obj(self, parent: dict, key: str, where: str) -> dict:
+        value = parent.get(key)
+        if not isinstance(value, dict):
+            raise self.fail(join(where, key), f"expected an object, got {type_name(value)}" if key in parent else "missing")
+        return value
+
+    def lst(self, parent: dict, key: str, where: str) -> list:
+        value = parent.get(key)
+        if not isinstance(value, list):
+            raise self.fail(join(where, key), f"expected a list, got {type_name(value)}" if key in parent else "missing")
+        return value
+
+    def integer(self, parent: dict, key: str, where: str, *, required: bool = True, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = parent.get(key)
+        if value is None:
+            if required:
+                raise self.fail(join(where, key), "missing" if key not in parent else "expected an integer, got null")
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+            raise self.fail(join(where, key), f"expected an integer, got {value!r}")
+        value = int(value)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise self.fail(join(where, key), f"{value} is outside {lo}..{hi}")
+        return value
+
+    def number(self, parent: dict, key: str, where: str) -> float | None:
+        """Optional float; NaN becomes None (a NaN summary is flagged by the caller)."""
+        value = parent.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(join(where, key), f"expected a number, got {value!r}")
+        return None if math.isnan(value) else float(value)
+
+    def string(self, parent: dict, key: str, where: str) -> str:
+        value = parent.get(key)
+        if not isinstance(value, str) or not value:
+            raise self.fail(join(where, key), "missing" if key not in parent else f"expected a non-empty string, got {value!r}")
+        return value
+
+
+def join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType, *, required: bool) -> pa.Array:
+    """Gather ``record[key]`` over records into an arrow array; name the first bad record on failure."""
+    values = [r.get(key) for r in records]
+    try:
+        arr = pa.array(values, type=dtype, from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        arr = None
+    if arr is not None and not (required and arr.null_count):
+        if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
+            # pyarrow silently accepts booleans and truncates nothing; reject bools explicitly
+            if not any(type(v) is bool for v in values):
+                return arr
+        else:
+            return arr
+    expect = "a number" if (pa.types.is_integer(dtype) or pa.types.is_floating(dtype)) else "a string"
+    for i, (record, v) in enumerate(zip(records, values)):
+        field = f"{list_name}[{i}].{key}"
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            if required:
+                raise ctx.fail(field, "missing" if key not in record else f"expected {expect}, got null")
+            continue
+        ok = isinstance(v, str) if expect == "a string" else (isinstance(v, (int, float)) and not isinstance(v, bool))
+        if pa.types.is_integer(dtype) and ok and isinstance(v, float) and not v.is_integer():
+            ok = False
+        if not ok:
+            raise ctx.fail(field, f"expected {expect}, got {v!r}")
+    raise ctx.fail(f"{list_name}[*].{key}", f"cannot convert to {dtype}")  # pragma: no cover - defensive
+
+
+def records_list(ctx: Ctx, doc: dict, key: str) -> list[dict]:
+    records = ctx.lst(doc, key, "")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ctx.fail(f"{key}[{i}]", f"expected an object, got {type_name(r)}")
+    return records
+
+
+@dataclass
+class RunInfo:
+    experiment: str
+    dataset: str
+    split: str | None
+    world_size: int
+    num_total_blocks: int
+
+
+def run_info(ctx: Ctx, config: dict, experiment: str) -> RunInfo:
+    dataset = ctx.string(config, "dataset_name", "config")
+    split = config.get("split") if isinstance(config.get("split"), str) else None
+    world_size = ctx.integer(config, "world_size", "config", required=False, lo=1) or 1
+    total = ctx.integer(config, "num_total_blocks", "config", required=False, lo=1, hi=1024) or knobs.NUM_TOTAL_BLOCKS
+    return RunInfo(experiment, dataset, split, world_size, total)
+
+
+def knob_values(ctx: Ctx, obj: dict, where: str, total_blocks: int) -> tuple[int, int, int]:
+    return (
+        ctx.integer(obj, "max_crops", where, lo=1, hi=64),
+        ctx.integer(obj, "top_k", where, lo=1, hi=knobs.NUM_EXPERTS),
+        ctx.integer(obj, "num_active_blocks", where, lo=1, hi=total_blocks),
+    )
+
+
+def check_name_knobs(ctx: Ctx, pattern: re.Pattern, values: tuple[int, int, int], offset: int = 1) -> None:
+    m = pattern.match(ctx.path.name)
+    if not m:
+        return
+    named = tuple(int(m.group(offset + i)) for i in range(3))
+    if named != values:
+        raise ctx.fail(
+            "config",
+            f"file name says crops{named[0]}_topk{named[1]}_blocks{named[2]} but config has "
+            f"max_crops={values[0]}, top_k={values[1]}, num_active_blocks={values[2]}",
+        )
+
+
+def block_indices(ctx: Ctx, obj: dict, where: str, info: RunInfo, num_active: int) -> list[int]:
+    value = obj.get("active_block_indices")
+    if value is None:
+        if info.experiment in ("exp5", "exp6"):
+            return list(knobs.exp_active_blocks(num_active, info.num_total_blocks))
+        return list(range(num_active))
+    if not isinstance(value, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in value):
+        raise ctx.fail(join(where, "active_block_indices"), f"expected a list of integers, got {value!r}")
+    if len(value) != num_active:
+        raise ctx.fail(join(where, "active_block_indices"), f"has {len(value)} blocks but num_active_blocks is {num_active}")
+    return sorted(value)
+
+
+# ----------------------------------------------------------------------------- sample metadata
+
+
+def answers_of(record: dict, meta: dict) -> list[str] | None:
+    for source in (meta, record):
+        answers = source.get("answers")
+        if isinstance(answers, list):
+            return [str(a) for a in answers]
+        if isinstance(answers, str):
+            return [answers]
+    for source in (meta, record):
+        answer = source.get("answer")
+        if answer is not None and not isinstance(answer, (dict, list)):
+            return [str(answer)]
+    options, idx = meta.get("options", record.get("options")), meta.get("answer_idx", record.get("answer_idx"))
+    if isinstance(options, list) and isinstance(idx, int) and 0 <= idx < len(options):
+        return [str(options[idx])]
+    for source in (meta, record):
+        captions = source.get("captions")
+        if isinstance(captions, list):
+            return [str(c) for c in captions]
+    return None
+
+
+class SampleCollector:
+    """Builds sample keys for a list of per-sample dicts and keeps the first copy of each sample."""
+
+    def __init__(self, ctx: Ctx, dataset: str, split: str | None) -> None:
+        self.ctx, self.dataset, self.split = ctx, dataset, split
+        self.rows: dict[str, list] = {c.name: [] for c in FRAGMENT_SAMPLES.columns}
+        self.seen: set[str] = set()
+
+    def keys(self, records: list[dict], list_name: str) -> list[str]:
+        keys = []
+        rows = self.rows
+        for i, record in enumerate(records):
+            meta = record.get("metadata")
+            if meta is None:
+                meta = {}
+            elif not isinstance(meta, dict):
+                raise self.ctx.fail(f"{list_name}[{i}].metadata", f"expected an object, got {type_name(meta)}")
+            try:
+                key, source = build_sample_key(self.dataset, meta)
+            except ValueError as err:
+                raise self.ctx.fail(f"{list_name}[{i}].metadata", str(err)) from None
+            keys.append(key)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            rows["dataset"].append(self.dataset)
+            rows["sample_key"].append(key)
+            rows["key_source"].append(source)
+            rows["split"].append(self.split)
+            for name in _SAMPLE_META_COLUMNS:
+                value = meta.get(name)
+                rows[name].append(None if value is None else (value if isinstance(value, str) else orjson.dumps(value).decode()))
+            rows["answers"].append(answers_of(record, meta))
+            rest = {k: v for k, v in meta.items() if k not in _SAMPLE_META_COLUMNS and k != "answers"}
+            rows["metadata_json"].append(orjson.dumps(rest, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode())
+            rows["row_index"].append(len(rows["row_index"]))
+        return keys
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pydict(self.rows, schema=FRAGMENT_SAMPLES.arrow_schema())
+
+
+# ----------------------------------------------------------------------------- measurement rows
+
+
+class MeasurementBuilder:
+    """Accumulates fragment measurement columns, block by block (one block = one config)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[pa.Table] = []
+
+    def add(self, info: RunInfo, kind: str, cfg: tuple[int, int, int], keys: list[str], *, blocks: list[int],
+            score: pa.Array, pred: pa.Array | None = None, tier: str | None = None, columns: dict[str, Any] | None = None) -> None:
+        n = len(keys)
+        if n == 0:
+            return
+        schema = FRAGMENT_MEASUREMENTS.arrow_schema()
+        constants = {
+            "experiment": info.experiment, "dataset": info.dataset, "split": info.split,
+            "max_crops": cfg[0], "top_k": cfg[1], "num_active_blocks": cfg[2], "tier": tier,
+            "num_total_blocks": info.num_total_blocks, "active_block_indices": blocks,
+            "world_size": info.world_size, "source_kind": kind,
+        }
+        given: dict[str, Any] = {"sample_key": keys, "score": score, "pred": pred, **(columns or {})}
+        offset = sum(b.num_rows for b in self.blocks)
+        given["row_index"] = pa.array(range(offset, offset + n), pa.int32())
+        arrays = []
+        for field in schema:
+            if field.name in constants:
+                arrays.append(pa.repeat(pa.scalar(constants[field.name], field.type), n))
+                continue
+            value = given.get(field.name)
+            if value is None:
+                value = pa.repeat(pa.scalar(False), n) if pa.types.is_boolean(field.type) else pa.nulls(n, field.type)
+            elif not isinstance(value, pa.Array):
+                value = pa.array(value, field.type)
+            arrays.append(value if value.type == field.type else value.cast(field.type))
+        self.blocks.append(pa.Table.from_arrays(arrays, schema=schema))
+
+    def table(self) -> pa.Table:
+        if not self.blocks:
+            return FRAGMENT_MEASUREMENTS.arrow_schema().empty_table()
+        return pa.concat_tables(self.blocks)
+
+
+def count_duplicates(table: pa.Table) -> int:
+    if table.num_rows == 0:
+        return 0
+    keyed = table.select(["sample_key", "max_crops", "top_k", "num_active_blocks"]).group_by(
+        ["sample_key", "max_crops", "top_k", "num_active_blocks"]).aggregate([])
+    return table.num_rows - keyed.num_rows
+
+
+class SummaryBuilder:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.rows: dict[str, list] = {c.name: [] for c in FRAGMENT_SUMMARIES.columns}
+
+    def add(self, info: RunInfo, cfg: tuple[int, int, int], blocks: list[int], *, accuracy: float | None,
+            std: float | None, num_samples: int | None, tier: str | None = None, nan: bool = False, **latency: float | None) -> None:
+        row = {
+            "experiment": info.experiment, "dataset": info.dataset, "split": info.split,
+            "max_crops": cfg[0], "top_k": cfg[1], "num_active_blocks": cfg[2], "tier": tier,
+            "num_total_blocks": info.num_total_blocks, "active_block_indices": blocks, "world_size": info.world_size,
+            "recorded_accuracy": accuracy, "recorded_accuracy_std": std, "recorded_num_samples": num_samples,
+            "flag_summary_nan": nan or accuracy is None or not num_samples,
+            "source_kind": self.kind, "row_index": len(self.rows["row_index"]),
+        }
+        for name in RECOMPUTED_STATS:
+            row["recorded_" + name] = latency.get(name)
+        for name, values in self.rows.items():
+            values.append(row[name])
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pydict(self.rows, schema=FRAGMENT_SUMMARIES.arrow_schema())
+
+
+def is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)

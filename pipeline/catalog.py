@@ -1,0 +1,121 @@
+"""DuckDB views over the workspace: generated DDL (pure) and the code that executes it.
+
+Views hold no data, so ``ctrl.duckdb`` can always be deleted and rebuilt; ``ctrl query``
+uses an in-memory database with the same views.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import QueryError
+from pipeline.schema import TABLES, quote_ident
+from pipeline.workspace import Workspace
+
+#: per (dataset, sample_key): every recorded exp5/exp6 configuration, what offline training reads
+GROUPS_SQL = """
+WITH e5 AS (
+  SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, score
+  FROM measurements WHERE experiment = 'exp5'
+), e6 AS (
+  SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, score, latency_total_ms,
+         latency_decode_ms, num_vision_tokens, num_output_tokens
+  FROM measurements WHERE experiment = 'exp6'
+), c6 AS (
+  SELECT dataset, max_crops, top_k, num_active_blocks, latency_total_ms_p50
+  FROM configs WHERE experiment = 'exp6'
+)
+SELECT
+  dataset, sample_key, max_crops, top_k, num_active_blocks,
+  e5.score AS score_exp5,
+  e6.score AS score_exp6,
+  coalesce(e6.score, e5.score) AS score,
+  CASE WHEN e6.score IS NOT NULL THEN 'exp6' ELSE 'exp5' END AS score_source,
+  coalesce(e6.latency_total_ms, c6.latency_total_ms_p50) AS latency_total_ms,
+  CASE WHEN e6.latency_total_ms IS NOT NULL THEN 'sample'
+       WHEN c6.latency_total_ms_p50 IS NOT NULL THEN 'config_p50' END AS latency_source,
+  e6.latency_decode_ms, e6.num_vision_tokens, e6.num_output_tokens,
+  count(*) OVER (PARTITION BY dataset, sample_key) AS num_configs
+FROM e5 FULL OUTER JOIN e6 USING (dataset, sample_key, max_crops, top_k, num_active_blocks)
+LEFT JOIN c6 USING (dataset, max_crops, top_k, num_active_blocks)
+"""
+
+GROUPS_COLUMNS = {
+    "dataset, sample_key": "the sample",
+    "max_crops, top_k, num_active_blocks": "the configuration",
+    "score_exp5, score_exp6": "the score recorded by each experiment (null where not recorded)",
+    "score": "score_exp6 where present (same run as the latency), else score_exp5; `score_source` says which",
+    "latency_total_ms": "exp6 per-sample total latency; where exp6 lacks the sample, the configuration's exp6 median",
+    "latency_source": "`sample` or `config_p50` (null: no latency recorded for that configuration)",
+    "latency_decode_ms, num_vision_tokens, num_output_tokens": "from the exp6 measurement",
+    "num_configs": "configurations recorded for the sample",
+}
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def view_ddl(table_paths: dict[str, Path]) -> list[str]:
+    """CREATE VIEW statements for the given tables plus derived views, in a stable order."""
+    statements = [
+        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_sql_string(str(path))})"
+        for name, path in sorted(table_paths.items())
+    ]
+    if {"measurements", "configs"} <= table_paths.keys():
+        statements.append(f"CREATE OR REPLACE VIEW groups AS {GROUPS_SQL.strip()}")
+    return statements
+
+
+def workspace_table_paths(workspace: Workspace) -> dict[str, Path]:
+    gen = workspace.require_generation()
+    return {name: gen / f"{name}.parquet" for name in TABLES if (gen / f"{name}.parquet").exists()}
+
+
+def connect(workspace: Workspace) -> Any:
+    """An in-memory DuckDB connection with the workspace's views."""
+    import duckdb
+
+    con = duckdb.connect()
+    for stmt in view_ddl(workspace_table_paths(workspace)):
+        con.execute(stmt)
+    return con
+
+
+def build_catalog(workspace: Workspace) -> Path:
+    """(Re)write ``ctrl.duckdb`` with views over the live generation; atomic replace."""
+    import duckdb
+
+    tmp = workspace.root / f".{workspace.catalog_path.name}.{uuid.uuid4().hex}.tmp"
+    con = duckdb.connect(str(tmp))
+    try:
+        for stmt in view_ddl(workspace_table_paths(workspace)):
+            con.execute(stmt)
+        con.execute("CHECKPOINT")
+    finally:
+        con.close()
+    os.replace(tmp, workspace.catalog_path)
+    return workspace.catalog_path
+
+
+def run_query(workspace: Workspace, sql: str) -> Any:
+    """Run SQL over the workspace views; returns a pyarrow Table. DuckDB errors become QueryError."""
+    import duckdb
+
+    con = connect(workspace)
+    try:
+        relation = con.sql(sql)
+        if relation is None:  # a statement without a result set
+            import pyarrow as pa
+
+            return pa.table({})
+        return relation.to_arrow_table()
+    except duckdb.Error as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        msg = f"query failed: {first}\nHint: views are {', '.join(sorted(workspace_table_paths(workspace)) + ['groups'])}; `ctrl query \"DESCRIBE measurements\"` lists columns."
+        raise QueryError(msg) from None
+    finally:
+        con.close()

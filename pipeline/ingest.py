@@ -1,0 +1,303 @@
+"""``ctrl ingest``: results files -> parse cache -> a new workspace generation.
+
+Steps, each restartable:
+
+1. discover ``*.json`` under the given paths (sorted, so runs are reproducible);
+2. skip files whose (size, mtime) match the manifest; hash the rest; content already in the
+   parse cache is not parsed again (this is what makes an interrupted ingest resume);
+3. parse new content file by file, in worker processes, into fragments (memory per worker
+   is one file);
+4. if the manifest changed, rebuild the tables from the fragments into a new generation and
+   swap it in atomically; otherwise change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.compact import build_tables
+from pipeline.errors import CtrlError, IngestError
+from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
+from pipeline.schema import FILES
+from pipeline.workspace import Workspace
+
+_FRAGMENT_TABLES = ("measurements", "samples", "summaries")
+
+
+@dataclass
+class IngestConfig:
+    """Options of ``ctrl ingest``.
+
+    > Inputs
+    paths: files and directories; directories are searched recursively for ``*.json``.
+
+    > Output
+    workspace: workspace directory (default: ``$CTRL_WORKSPACE`` or ``./workspace``).
+
+    > Behaviour
+    strict: stop at the first bad file and change nothing (default off: bad files are
+        reported, recorded with status ``error`` and the rest is ingested).
+    num_workers: parser processes; 0 = one per CPU core (max 4), 1 = parse in-process.
+    """
+
+    paths: list[Path]
+    workspace: Path | None = None
+    strict: bool = False
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        self.paths = [Path(p) for p in self.paths]
+        if not self.paths:
+            raise CtrlError("no input paths given\nHint: ctrl ingest exp5_dir exp6_dir")
+        missing = [str(p) for p in self.paths if not p.exists()]
+        if missing:
+            raise CtrlError(f"input path does not exist: {missing[0]}")
+        if self.num_workers < 0:
+            raise CtrlError(f"num_workers must be >= 0, got {self.num_workers!r}")
+
+    @property
+    def resolved_workers(self) -> int:
+        return self.num_workers or max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass
+class FileResult:
+    path: str
+    status: str  # ok | unchanged | skipped | error
+    kind: str | None = None
+    rows: int = 0
+    error: str | None = None
+
+
+@dataclass
+class IngestReport:
+    workspace: Path
+    files: list[FileResult] = field(default_factory=list)
+    changed: bool = False
+    generation: str | None = None
+    table_rows: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(1 for f in self.files if f.status == status)
+
+    @property
+    def errors(self) -> list[FileResult]:
+        return [f for f in self.files if f.status == "error"]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.errors else 0
+
+
+def discover(paths: Iterable[Path]) -> list[Path]:
+    """Absolute paths of every ``*.json`` file under ``paths``, sorted and de-duplicated."""
+    found: set[Path] = set()
+    for p in paths:
+        p = p.resolve()
+        if p.is_dir():
+            found.update(q for q in p.rglob("*.json") if q.is_file() and not q.name.startswith("."))
+        else:
+            found.add(p)
+    return sorted(found)
+
+
+def _fragment_dir(workspace: Workspace, sha: str) -> Path:
+    return workspace.fragments_dir / f"p{PARSER_VERSION}" / sha[:2] / sha
+
+
+def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
+    """Worker: read, hash, parse (unless cached) one file. Returns its fragment meta."""
+    path = Path(path_str)
+    try:
+        data = path.read_bytes()
+        stat = path.stat()
+    except OSError as err:
+        return {"status": "error", "error": f"{path.name}: cannot read: {err.strerror or err}", "sha256": None,
+                "size_bytes": 0, "mtime_ns": 0}
+    sha = hashlib.sha256(data).hexdigest()
+    base = {"sha256": sha, "size_bytes": len(data), "mtime_ns": stat.st_mtime_ns}
+    frag = Path(fragments_root) / sha[:2] / sha
+    meta_file = frag / "meta.json"
+    if meta_file.exists():
+        return {**json.loads(meta_file.read_text()), **base, "cached": True}
+    try:
+        parsed = parse_file(path, data)
+        meta = {"status": "ok", "kind": parsed.kind, "experiment": parsed.experiment, "dataset": parsed.dataset,
+                "rows": parsed.rows, "duplicate_rows": parsed.duplicate_rows, "note": parsed.note, "error": None,
+                "tables": {}}
+        tables = {"measurements": parsed.measurements, "samples": parsed.samples, "summaries": parsed.summaries}
+    except IngestError as err:
+        meta = {"status": "error", "error": str(err), "rows": 0, "duplicate_rows": 0, "tables": {}}
+        tables = {}
+    except NotResultsFile as err:
+        meta = {"status": "skipped", "error": f"{path.name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
+        tables = {}
+    # write into a temporary directory and rename: a killed worker leaves no half fragment
+    frag.parent.mkdir(parents=True, exist_ok=True)
+    tmp = frag.parent / f".tmp-{sha}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        for name, table in tables.items():
+            if table.num_rows:
+                pq.write_table(table, tmp / f"{name}.parquet", compression="zstd")
+                meta["tables"][name] = f"{name}.parquet"
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.rename(tmp, frag)
+        except OSError:  # another process cached the same content meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {**meta, **base, "cached": False}
+
+
+def _read_manifest(workspace: Workspace) -> dict[str, dict]:
+    gen = workspace.current_generation()
+    if gen is None or not (gen / "files.parquet").exists():
+        return {}
+    return {row["path"]: row for row in workspace.read_arrow("files").to_pylist()}
+
+
+def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
+           on_total: Callable[[int], None] | None = None) -> IngestReport:
+    """Ingest ``config.paths`` into the workspace. ``progress(name)`` is called once per file."""
+    started = time.perf_counter()
+    workspace = Workspace(config.workspace)
+    report = IngestReport(workspace=workspace.root)
+    with workspace.lock():
+        files = discover(config.paths)
+        if on_total:
+            on_total(len(files))
+        manifest = _read_manifest(workspace)
+        parser_changed = workspace.state().get("parser_version") not in (None, PARSER_VERSION)
+        now = datetime.now(timezone.utc)
+        new_manifest = dict(manifest)
+        todo: list[Path] = []
+        for path in files:
+            old = manifest.get(str(path))
+            st = path.stat()
+            if (old and not parser_changed and old["size_bytes"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
+                    and (old["status"] != "ok" or _fragment_dir(workspace, old["fragment_sha256"]).exists())):
+                report.files.append(FileResult(str(path), "unchanged" if old["status"] == "ok" else old["status"],
+                                               old["kind"], old["rows"], old["error"]))
+                if progress:
+                    progress(path.name)
+                continue
+            todo.append(path)
+
+        fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
+        for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
+            old = manifest.get(str(path))
+            status = meta["status"]
+            if status == "error" and config.strict:
+                raise IngestError(path, meta["error"].removeprefix(f"{path.name}: "))
+            unchanged = old is not None and old["sha256"] == meta["sha256"] and not parser_changed
+            keep_fragment = old["fragment_sha256"] if (old and status == "error") else None
+            new_manifest[str(path)] = {
+                "path": str(path), "sha256": meta["sha256"] or "", "size_bytes": meta["size_bytes"],
+                "mtime_ns": meta["mtime_ns"], "kind": meta.get("kind"), "experiment": meta.get("experiment"),
+                "dataset": meta.get("dataset"), "status": status, "error": meta.get("error"), "note": meta.get("note"),
+                "rows": meta.get("rows", 0), "duplicate_rows": meta.get("duplicate_rows", 0),
+                "fragment_sha256": meta["sha256"] if status == "ok" else keep_fragment,
+                "ingested_at": old["ingested_at"] if unchanged else now,
+            }
+            result_status = "unchanged" if unchanged and status == "ok" else status
+            report.files.append(FileResult(str(path), result_status, meta.get("kind"), meta.get("rows", 0), meta.get("error")))
+            if progress:
+                progress(path.name)
+
+        report.files.sort(key=lambda f: f.path)
+        if parser_changed or _content_changed(manifest, new_manifest):
+            gen = workspace.commit(lambda out: _build(workspace, out, new_manifest, report))
+            from pipeline.catalog import build_catalog
+
+            build_catalog(workspace)
+            _collect_fragments(workspace, new_manifest)
+            report.changed, report.generation = True, gen.name
+        else:
+            current = workspace.current_generation()
+            report.generation = current.name if current else None
+    report.elapsed_s = time.perf_counter() - started
+    return report
+
+
+def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
+    fields = ("sha256", "status", "fragment_sha256", "error", "kind")
+    return old.keys() != new.keys() or any(tuple(old[p][f] for f in fields) != tuple(new[p][f] for f in fields) for p in new)
+
+
+def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
+    """Yield (path, meta) as files finish; a process pool when it pays off."""
+    if workers <= 1 or len(todo) <= 1:
+        for path in todo:
+            yield path, _parse_to_fragment(str(path), fragments_root)
+        return
+    pool = ProcessPoolExecutor(max_workers=workers)
+    pending: dict[Future, Path] = {}
+    queue = iter(todo)
+    try:
+        for path in queue:  # keep at most 2 tasks per worker in flight: bounded memory for results
+            pending[pool.submit(_parse_to_fragment, str(path), fragments_root)] = path
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: pending[f]):
+                path = pending.pop(fut)
+                yield path, fut.result()
+                nxt = next(queue, None)
+                if nxt is not None:
+                    pending[pool.submit(_parse_to_fragment, str(nxt), fragments_root)] = nxt
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: IngestReport) -> dict:
+    pairs: dict[str, list[tuple[str, str]]] = {name: [] for name in _FRAGMENT_TABLES}
+    for path, row in sorted(manifest.items()):
+        sha = row["fragment_sha256"]
+        if not sha:
+            continue
+        frag = _fragment_dir(workspace, sha)
+        meta = json.loads((frag / "meta.json").read_text())
+        for name, filename in meta.get("tables", {}).items():
+            pairs[name].append((str(frag / filename), path))
+    manifest_table = pa.Table.from_pylist(list(manifest.values()), schema=FILES.arrow_schema()) if manifest else FILES.arrow_schema().empty_table()
+    temp = workspace.root / f".duckdb-tmp-{uuid.uuid4().hex}"
+    try:
+        report.table_rows = build_tables(out, manifest_table, pairs, temp)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return {"parser_version": PARSER_VERSION, "created_at": datetime.now(timezone.utc).isoformat(),
+            "rows": report.table_rows}
+
+
+def _collect_fragments(workspace: Workspace, manifest: dict[str, dict]) -> None:
+    """Drop cached fragments no manifest row references (and caches of older parsers)."""
+    live = {r["sha256"] for r in manifest.values()} | {r["fragment_sha256"] for r in manifest.values()}
+    root = workspace.fragments_dir
+    if not root.exists():
+        return
+    for version_dir in root.iterdir():
+        if version_dir.name != f"p{PARSER_VERSION}":
+            shutil.rmtree(version_dir, ignore_errors=True)
+            continue
+        for bucket in version_dir.iterdir():
+            for frag in bucket.iterdir():
+                if frag.name not in live:
+                    shutil.rmtree(frag, ignore_errors=True)

@@ -1,0 +1,210 @@
+"""Table contracts of the workspace: one entry per table, the only place columns are defined.
+
+Writers cast to these schemas and check primary keys, readers check ``schema_version``,
+the DuckDB views and the README's schema section are generated from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+SCHEMA_VERSION_KEY = b"ctrl.schema_version"
+TABLE_NAME_KEY = b"ctrl.table"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: pa.DataType
+    description: str
+    unit: str | None = None
+    nullable: bool = True
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    description: str
+    columns: tuple[Column, ...]
+    primary_key: tuple[str, ...]
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def arrow_schema(self) -> pa.Schema:
+        fields = [pa.field(c.name, c.dtype, nullable=c.nullable) for c in self.columns]
+        meta = {SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode(), TABLE_NAME_KEY: self.name.encode()}
+        return pa.schema(fields, metadata=meta)
+
+    def duckdb_select_list(self, source_alias: str | None = None) -> str:
+        """``CAST(col AS TYPE) AS col, ...`` in schema order, for writers that go through DuckDB."""
+        prefix = f"{source_alias}." if source_alias else ""
+        return ",\n  ".join(
+            f"CAST({prefix}{quote_ident(c.name)} AS {duckdb_type(c.dtype)}) AS {quote_ident(c.name)}"
+            for c in self.columns
+        )
+
+
+def quote_ident(name: str) -> str:
+    """Quote a SQL identifier for DuckDB; the only place identifiers are quoted."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def duckdb_type(dtype: pa.DataType) -> str:
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+        return "VARCHAR"
+    if pa.types.is_boolean(dtype):
+        return "BOOLEAN"
+    if pa.types.is_int32(dtype):
+        return "INTEGER"
+    if pa.types.is_int64(dtype):
+        return "BIGINT"
+    if pa.types.is_float64(dtype):
+        return "DOUBLE"
+    if pa.types.is_float32(dtype):
+        return "FLOAT"
+    if pa.types.is_timestamp(dtype):
+        return "TIMESTAMPTZ" if dtype.tz else "TIMESTAMP"
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return duckdb_type(dtype.value_type) + "[]"
+    msg = f"no DuckDB type for arrow type {dtype!r}"
+    raise TypeError(msg)
+
+
+_S, _I, _F, _B = pa.string(), pa.int32(), pa.float64(), pa.bool_()
+_KEY = dict(nullable=False)
+
+EXPERIMENTS = ("exp5", "exp6", "core_exp", "online")
+
+SAMPLES = TableSchema(
+    name="samples",
+    description="One row per (dataset, sample_key): the sample's identity and question/answers.",
+    primary_key=("dataset", "sample_key"),
+    columns=(
+        Column("dataset", _S, "dataset name from the file's config.dataset_name", **_KEY),
+        Column("sample_key", _S, "stable sample id built from metadata (see 'Sample keys')", **_KEY),
+        Column("key_source", _S, "rule that built the key: example_id | question_id | image_caption | image | image_question | question_hash", **_KEY),
+        Column("split", _S, "dataset split, e.g. validation"),
+        Column("example_id", _S, "metadata example_id (the dataset's question id for VQA-style sets), as text"),
+        Column("question_id", _S, "metadata question_id, as text"),
+        Column("image_id", _S, "metadata image_id, as text"),
+        Column("question", _S, "question text"),
+        Column("answers", pa.list_(_S), "reference answers (VQA answers, the correct option for multiple choice, captions)"),
+        Column("metadata_json", _S, "the remaining metadata fields as a JSON object"),
+        Column("source_file", _S, "file whose copy of the metadata was kept"),
+    ),
+)
+
+MEASUREMENTS = TableSchema(
+    name="measurements",
+    description="One row per (experiment, dataset, sample_key, max_crops, top_k, num_active_blocks).",
+    primary_key=("experiment", "dataset", "sample_key", "max_crops", "top_k", "num_active_blocks"),
+    columns=(
+        Column("experiment", _S, "exp5 | exp6 | core_exp | online", **_KEY),
+        Column("dataset", _S, "dataset name", **_KEY),
+        Column("split", _S, "dataset split"),
+        Column("sample_key", _S, "see samples.sample_key", **_KEY),
+        Column("max_crops", _I, "crop limit passed to the preprocessor (core_exp: the tier's upper bound)", "crops", **_KEY),
+        Column("top_k", _I, "MoE experts per token", "experts", **_KEY),
+        Column("num_active_blocks", _I, "decoder blocks that ran", "blocks", **_KEY),
+        Column("tier", _S, "core_exp vision tier (low | medium | high); null for exp5/exp6"),
+        Column("num_crops", _I, "crops actually used by the tiling (core_exp only)", "crops"),
+        Column("num_total_blocks", _I, "decoder blocks of the model", "blocks"),
+        Column("active_block_indices", pa.list_(_I), "indices of the blocks that ran, sorted"),
+        Column("score", _F, "the sample's score under the dataset metric, 0..1"),
+        Column("pred", _S, "the cleaned prediction"),
+        Column("latency_total_ms", _F, "whole generate call", "ms"),
+        Column("latency_prefill_ms", _F, "prefill pass; null where the recorded value is not a prefill time", "ms"),
+        Column("latency_decode_ms", _F, "decode steps; null where the recorded 0 cannot be a time", "ms"),
+        Column("latency_vision_ms", _F, "vision tower (core_exp only)", "ms"),
+        Column("latency_prefill_raw_ms", _F, "the prefill figure exactly as recorded", "ms"),
+        Column("num_vision_tokens", _I, "image_input_idx >= 0 count", "tokens"),
+        Column("num_text_tokens", _I, "sequence length minus vision tokens", "tokens"),
+        Column("num_output_tokens", _I, "generated tokens incl. EOS", "tokens"),
+        Column("world_size", _I, "GPUs of the run that wrote the kept copy"),
+        Column("source_file", _S, "file of the kept copy", **_KEY),
+        Column("source_kind", _S, "kind of that file (see 'File kinds')", **_KEY),
+        Column("num_copies", _I, "copies seen across files and sampler padding (1 = unique)", **_KEY),
+        Column("flag_prefill_invalid", _B, "exp6 T_prefill_ms is the last decode step (D1): latency_prefill_ms is null", **_KEY),
+        Column("flag_prefill_partial", _B, "core_exp T_LLM_prefill covers blocks 1..15 only (D2)", **_KEY),
+        Column("flag_text_tokens_derived", _B, "exp6 num_language_tokens counted image placeholders (D10): num_text_tokens = language - vision", **_KEY),
+        Column("flag_decode_missing", _B, "decode time recorded as 0 with more than one output token: latency_decode_ms is null", **_KEY),
+        Column("flag_partial_config", _B, "kept copy is from a rank-0 file of a multi-GPU run whose merge was lost (~1/world_size of the samples)", **_KEY),
+        Column("flag_copies_disagree", _B, "copies of this measurement have different score or pred", **_KEY),
+    ),
+)
+
+_LAT_STATS = ("latency_total_ms_mean", "latency_total_ms_p50", "latency_total_ms_p95",
+              "latency_prefill_ms_mean", "latency_decode_ms_mean", "latency_vision_ms_mean")
+
+CONFIGS = TableSchema(
+    name="configs",
+    description="One row per (experiment, dataset, max_crops, top_k, num_active_blocks): the recorded summary next to the same figures recomputed from measurements.",
+    primary_key=("experiment", "dataset", "max_crops", "top_k", "num_active_blocks"),
+    columns=(
+        Column("experiment", _S, "exp5 | exp6 | core_exp | online", **_KEY),
+        Column("dataset", _S, "dataset name", **_KEY),
+        Column("split", _S, "dataset split"),
+        Column("max_crops", _I, "see measurements", "crops", **_KEY),
+        Column("top_k", _I, "see measurements", "experts", **_KEY),
+        Column("num_active_blocks", _I, "see measurements", "blocks", **_KEY),
+        Column("tier", _S, "core_exp tier"),
+        Column("num_total_blocks", _I, "decoder blocks of the model", "blocks"),
+        Column("active_block_indices", pa.list_(_I), "blocks that ran"),
+        Column("world_size", _I, "GPUs of the run whose summary was kept"),
+        Column("summary_source_file", _S, "file whose summary was kept (merged > final > rank file)"),
+        Column("recorded_accuracy", _F, "summary accuracy as recorded (NaN summaries become null)"),
+        Column("recorded_accuracy_std", _F, "summary std as recorded"),
+        Column("recorded_num_samples", _I, "summary num_samples as recorded (includes sampler padding)"),
+        *(Column("recorded_" + n, _F, "summary latency statistic as recorded (exp6 prefill: see D1)", "ms") for n in _LAT_STATS),
+        Column("accuracy", _F, "mean score over measurements"),
+        Column("accuracy_std", _F, "population std of score over measurements"),
+        Column("num_samples", _I, "distinct samples in measurements", "samples", **_KEY),
+        *(Column(n, _F, "recomputed from measurements (quantiles: linear interpolation)", "ms") for n in _LAT_STATS),
+        Column("flag_summary_nan", _B, "recorded summary is NaN or empty (a configuration that processed no samples)", **_KEY),
+        Column("flag_partial_config", _B, "measurements come from a rank-0 file only (lost merge)", **_KEY),
+    ),
+)
+
+FILES = TableSchema(
+    name="files",
+    description="The manifest: one row per ingested path.",
+    primary_key=("path",),
+    columns=(
+        Column("path", _S, "absolute path of the file", **_KEY),
+        Column("sha256", _S, "content hash of the file as last seen", **_KEY),
+        Column("size_bytes", pa.int64(), "file size", "bytes", **_KEY),
+        Column("mtime_ns", pa.int64(), "modification time when hashed (fast unchanged check)", "ns", **_KEY),
+        Column("kind", _S, "detected file kind (see 'File kinds'); null when unknown"),
+        Column("experiment", _S, "exp5 | exp6 | core_exp"),
+        Column("dataset", _S, "config.dataset_name"),
+        Column("status", _S, "ok | skipped | error", **_KEY),
+        Column("error", _S, "one-line reason for skipped / error"),
+        Column("note", _S, "non-fatal remarks, e.g. why a final aggregate's samples were not used"),
+        Column("rows", _I, "measurement rows parsed from the file, before dedupe", **_KEY),
+        Column("duplicate_rows", _I, "rows repeating an earlier row of the same file (sampler padding)", **_KEY),
+        Column("fragment_sha256", _S, "content whose rows are in the tables (an older version when the file turned bad)"),
+        Column("ingested_at", pa.timestamp("us", tz="UTC"), "when this version was ingested", **_KEY),
+    ),
+)
+
+TABLES: dict[str, TableSchema] = {t.name: t for t in (SAMPLES, MEASUREMENTS, CONFIGS, FILES)}
+
+
+def schema_markdown(table: TableSchema) -> str:
+    """The README section of one table, generated so docs and code cannot drift."""
+    lines = [
+        f"#### `{table.name}`",
+        "",
+        table.description + f" Primary key: ({', '.join(table.primary_key)}).",
+        "",
+        "| column | type | unit | description |",
+        "|---|---|---|---|",
+    ]
+    for c in table.columns:
+        lines.append(f"| `{c.name}` | {duckdb_type(c.dtype)} | {c.unit or ''} | {c.description} |")
+    return "\n".join(lines)

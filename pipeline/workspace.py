@@ -1,0 +1,196 @@
+"""The workspace directory: generations of Parquet tables, the parse cache, the lock, the catalog.
+
+Layout::
+
+    workspace/
+      CURRENT                 name of the live generation, replaced atomically
+      tables/gen-000007/      samples, measurements, configs, files (.parquet) + state.json
+      fragments/p1/ab/<sha>/  parse cache: what one file content contributes
+      ctrl.duckdb             DuckDB catalog of views over the live generation (rebuildable)
+      .lock                   held by the process that writes
+
+A writer builds a complete new generation next to the live one and then swaps ``CURRENT``,
+so a crash or Ctrl-C at any point leaves the previous generation intact.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import SchemaError, WorkspaceError, WorkspaceLockedError
+from pipeline.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES, TableSchema
+
+ENV_VAR = "CTRL_WORKSPACE"
+DEFAULT_WORKSPACE = "workspace"
+CATALOG_NAME = "ctrl.duckdb"
+
+
+def resolve_workspace(path: str | os.PathLike | None = None) -> Path:
+    """``path`` if given, else ``$CTRL_WORKSPACE``, else ``./workspace``; made absolute."""
+    chosen = path if path is not None else os.environ.get(ENV_VAR) or DEFAULT_WORKSPACE
+    return Path(chosen).expanduser().resolve()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Workspace:
+    """A workspace root. Cheap to construct; nothing is created until a writer runs."""
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = resolve_workspace(root)
+
+    # -- locations
+    @property
+    def tables_dir(self) -> Path:
+        return self.root / "tables"
+
+    @property
+    def fragments_dir(self) -> Path:
+        return self.root / "fragments"
+
+    @property
+    def catalog_path(self) -> Path:
+        return self.root / CATALOG_NAME
+
+    def current_generation(self) -> Path | None:
+        """Directory of the live generation, or None for a workspace never written."""
+        try:
+            name = (self.root / "CURRENT").read_text().strip()
+        except FileNotFoundError:
+            return None
+        gen = self.tables_dir / name
+        if not gen.is_dir():
+            msg = f"{self.root / 'CURRENT'} names {name!r}, which does not exist\nHint: re-run `ctrl ingest` to rebuild the workspace."
+            raise WorkspaceError(msg)
+        return gen
+
+    def require_generation(self) -> Path:
+        gen = self.current_generation()
+        if gen is None:
+            msg = f"workspace {self.root} has no tables yet\nHint: run `ctrl ingest PATH...` first (or pass --workspace)."
+            raise WorkspaceError(msg)
+        return gen
+
+    def table_path(self, name: str) -> Path:
+        return self.require_generation() / f"{name}.parquet"
+
+    def state(self) -> dict:
+        gen = self.current_generation()
+        if gen is None:
+            return {}
+        try:
+            return json.loads((gen / "state.json").read_text())
+        except FileNotFoundError:
+            return {}
+
+    # -- readers
+    def read_arrow(self, name: str) -> pa.Table:
+        """Read one table, checking it against its declared schema."""
+        schema = TABLES[name]
+        path = self.table_path(name)
+        table = pq.read_table(path)
+        check_table_schema(table.schema, schema, path)
+        return table
+
+    def read_table(self, name: str):  # -> polars.DataFrame
+        import polars as pl
+
+        return pl.from_arrow(self.read_arrow(name))
+
+    def scan_table(self, name: str):  # -> polars.LazyFrame
+        import polars as pl
+
+        path = self.table_path(name)
+        check_table_schema(pq.read_schema(path), TABLES[name], path)
+        return pl.scan_parquet(path)
+
+    # -- writers
+    @contextmanager
+    def lock(self, purpose: str = "ctrl ingest") -> Iterator[None]:
+        """Exclusive, non-blocking writer lock; released by the OS if the process dies."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fh = open(self.root / ".lock", "a+")
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                msg = (f"workspace {self.root} is locked by {holder}\n"
+                       "Hint: wait for that run to finish; two writers on one workspace would corrupt it.")
+                raise WorkspaceLockedError(msg) from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{purpose} (pid {os.getpid()})")
+            fh.flush()
+            yield
+        finally:
+            fh.close()
+
+    def commit(self, build: Callable[[Path], dict]) -> Path:
+        """Build a new generation with ``build(tmp_dir) -> state`` and make it live atomically.
+
+        Must be called with the lock held. Returns the new generation directory.
+        """
+        self.tables_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.tables_dir / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            state = build(tmp)
+            (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            existing = [int(p.name.split("-")[1]) for p in self.tables_dir.glob("gen-*") if p.name.split("-")[1].isdigit()]
+            gen = self.tables_dir / f"gen-{max(existing, default=0) + 1:06d}"
+            os.rename(tmp, gen)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        previous = self.current_generation()
+        write_bytes_atomic(self.root / "CURRENT", (gen.name + "\n").encode())
+        self._collect_garbage(keep={gen.name} | ({previous.name} if previous else set()))
+        return gen
+
+    def _collect_garbage(self, keep: set[str]) -> None:
+        for p in self.tables_dir.iterdir():
+            if p.name not in keep and (p.name.startswith("gen-") or p.name.startswith(".tmp-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def check_table_schema(actual: pa.Schema, expected: TableSchema, path: Path) -> None:
+    """Strict read: same columns, order and types, and our schema version."""
+    meta = actual.metadata or {}
+    version = meta.get(SCHEMA_VERSION_KEY)
+    if version is not None and version.decode().strip("'") != SCHEMA_VERSION:
+        msg = (f"{path}: schema version {version.decode()!r}, this ctrl reads version {SCHEMA_VERSION!r}\n"
+               "Hint: re-run `ctrl ingest` on the original files to rebuild the workspace.")
+        raise SchemaError(msg)
+    names = actual.names
+    if names != expected.column_names:
+        missing = [c for c in expected.column_names if c not in names]
+        extra = [c for c in names if c not in expected.column_names]
+        msg = f"{path}: columns do not match table {expected.name!r} (missing {missing}, extra {extra})"
+        raise SchemaError(msg)
+    for col in expected.columns:
+        got = actual.field(col.name).type
+        if not got.equals(col.dtype) and not (pa.types.is_list(got) and pa.types.is_list(col.dtype) and got.value_type.equals(col.dtype.value_type)):
+            msg = f"{path}: column {col.name!r} has type {got}, expected {col.dtype}"
+            raise SchemaError(msg)

@@ -1,0 +1,1 @@
+"""Controller policy, reward, GRPO and evaluation; lands with issue #4."""
