@@ -14,7 +14,7 @@ from pipeline.errors import (
     WorkspaceError,
     WorkspaceLockedError,
 )
-from pipeline.ingest import IngestConfig, IngestReport, ingest
+from pipeline.ingestion import IngestConfig, IngestReport, ingest
 from pipeline.keys import build_sample_key
 from pipeline.schema import CONFIGS, FILES, MEASUREMENTS, SAMPLES, TABLES, TableSchema
 from pipeline.status import workspace_status

@@ -137,9 +137,13 @@ def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
         arr = None
     if arr is not None and not (required and arr.null_count):
-        if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
-            # pyarrow silently accepts booleans and truncates nothing; reject bools explicitly
+        if pa.types.is_floating(dtype):
+            # pyarrow silently turns booleans into numbers
             if not any(type(v) is bool for v in values):
+                return arr
+        elif pa.types.is_integer(dtype):
+            # ... and truncates floats like 1.5 into integer columns
+            if not any(type(v) is bool or (type(v) is float and not v.is_integer()) for v in values):
                 return arr
         else:
             return arr
@@ -148,7 +152,7 @@ def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType
         field = f"{list_name}[{i}].{key}"
         if v is None or (isinstance(v, float) and math.isnan(v)):
             if required:
-                raise ctx.fail(field, "missing" if key not in record else f"expected {expect}, got null")
+                raise ctx.fail(field, "missing" if key not in record else f"expected {expect}, got {'null' if v is None else 'NaN'}")
             continue
         ok = isinstance(v, str) if expect == "a string" else (isinstance(v, (int, float)) and not isinstance(v, bool))
         if pa.types.is_integer(dtype) and ok and isinstance(v, float) and not v.is_integer():

@@ -1,0 +1,56 @@
+"""Shared fixtures: small origin-format trees written into tmp_path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from origin_files import (
+    exp5_config_doc,
+    exp5_final_doc,
+    exp5_name,
+    exp6_config_doc,
+    exp6_name,
+    write,
+)
+from pipeline import IngestConfig, IngestReport, Workspace, ingest
+
+# wall-clock deadlines make property tests flaky on a loaded 2-core CI machine
+settings.register_profile("ctrl", deadline=None, print_blob=True)
+settings.load_profile("ctrl")
+
+#: configurations of the small tree
+CONFIGS = [(2, 4, 12), (6, 8, 16)]
+NUM_SAMPLES = 5  # with world size 2: rank 0 gets 0, 2, 4; rank 1 gets 1, 3, 0 (padding)
+
+
+def shard(rank: int, n: int = NUM_SAMPLES, world: int = 2) -> list[int]:
+    padded = list(range(n)) + list(range((-n) % world))
+    return padded[rank::world]
+
+
+@pytest.fixture
+def small_tree(tmp_path: Path) -> Path:
+    """A two-GPU exp5 + exp6 run: rank-0 files, merged files (with padding) and final aggregates."""
+    root = tmp_path / "results"
+    exp5 = root / "exp5" / "exp5_accuracy_coco-2014-vqa"
+    exp6 = root / "exp6" / "exp6_latency_coco-2014-vqa"
+    merged_order = shard(0) + shard(1)
+    for c, k, b in CONFIGS:
+        write(exp5 / exp5_name(c, k, b, rank=0), exp5_config_doc(c, k, b, shard(0), merged=False))
+        write(exp5 / exp5_name(c, k, b), exp5_config_doc(c, k, b, merged_order, merged=True))
+        write(exp6 / exp6_name(c, k, b, rank=0), exp6_config_doc(c, k, b, shard(0), merged=False))
+        write(exp6 / exp6_name(c, k, b), exp6_config_doc(c, k, b, merged_order, merged=True))
+    write(exp5 / "exp5_accuracy_results.json", exp5_final_doc(CONFIGS, merged_order))
+    return root
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path / "ws")
+
+
+def run_ingest(paths: list[Path], workspace: Workspace, **kwargs) -> IngestReport:
+    return ingest(IngestConfig(paths=paths, workspace=workspace.root, num_workers=kwargs.pop("num_workers", 1), **kwargs))
