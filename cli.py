@@ -153,5 +153,13 @@ def status(
         out.print(f"[red]{bad['status']}:[/] {bad['error']}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def schema() -> None:
+    """Print the workspace tables' schemas (columns, types, units) as Markdown."""
+    from pipeline.schema import schemas_markdown
+
+    sys.stdout.write(schemas_markdown() + "\n")
+
+
 if __name__ == "__main__":
     app()

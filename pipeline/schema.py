@@ -208,3 +208,9 @@ def schema_markdown(table: TableSchema) -> str:
     for c in table.columns:
         lines.append(f"| `{c.name}` | {duckdb_type(c.dtype)} | {c.unit or ''} | {c.description} |")
     return "\n".join(lines)
+
+
+
+def schemas_markdown() -> str:
+    """All tables' README sections (``ctrl schema`` prints this)."""
+    return "\n\n".join(schema_markdown(t) for t in TABLES.values())

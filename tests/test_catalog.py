@@ -1,0 +1,71 @@
+"""DuckDB views: generated DDL, the catalog file for plain duckdb, the groups view, schema docs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import CONFIGS, NUM_SAMPLES, run_ingest
+from pipeline import QueryError, SchemaError, run_query, view_ddl
+from pipeline.schema import TABLES, schema_markdown
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_view_ddl_is_sorted_and_quotes_paths():
+    ddl = view_ddl({"samples": Path("/w/it's/samples.parquet"), "configs": Path("/c.parquet"), "measurements": Path("/m.parquet")})
+    assert [s.split()[4] for s in ddl] == ['"configs"', '"measurements"', '"samples"', "groups"]
+    assert "read_parquet('/w/it''s/samples.parquet')" in ddl[2]
+    assert view_ddl({"samples": Path("/s.parquet")})[-1].startswith('CREATE OR REPLACE VIEW "samples"')  # no groups without its inputs
+
+
+def test_catalog_file_works_from_plain_duckdb(small_tree, workspace):
+    run_ingest([small_tree], workspace)
+    with duckdb.connect(str(workspace.catalog_path), read_only=True) as con:
+        n = con.execute("SELECT count(*) FROM measurements WHERE experiment = $e", {"e": "exp6"}).fetchone()[0]
+        views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    assert n == len(CONFIGS) * NUM_SAMPLES
+    assert views == {"samples", "measurements", "configs", "files", "groups"}
+
+
+def test_groups_view_joins_exp5_scores_with_exp6_latency(small_tree, workspace):
+    run_ingest([small_tree], workspace)
+    groups = run_query(workspace, "SELECT * FROM groups ORDER BY sample_key, max_crops").to_pylist()
+    assert len(groups) == NUM_SAMPLES * len(CONFIGS)
+    assert all(g["num_configs"] == len(CONFIGS) and g["latency_source"] == "sample" for g in groups)
+    first = groups[0]
+    assert (first["sample_key"], first["score_exp5"], first["score_exp6"], first["latency_total_ms"]) == ("ex:500000", 0.0, 0.0, 200.0)
+
+
+def test_groups_view_falls_back_to_config_median_latency(tmp_path, workspace):
+    from origin_files import exp5_config_doc, exp5_name, exp6_config_doc, exp6_name, write
+
+    write(tmp_path / "r" / exp5_name(2, 4, 12), exp5_config_doc(2, 4, 12, [0, 1, 2, 3], merged=True))
+    write(tmp_path / "r" / exp6_name(2, 4, 12), exp6_config_doc(2, 4, 12, [0, 1], merged=True))
+    run_ingest([tmp_path / "r"], workspace)
+    rows = run_query(workspace, "SELECT sample_key, latency_total_ms, latency_source, score_source FROM groups ORDER BY sample_key").to_pylist()
+    assert [r["latency_source"] for r in rows] == ["sample", "sample", "config_p50", "config_p50"]
+    assert rows[2]["latency_total_ms"] == pytest.approx(200.5) and rows[2]["score_source"] == "exp5"
+
+
+def test_bad_sql_is_one_clear_error(small_tree, workspace):
+    run_ingest([small_tree], workspace)
+    with pytest.raises(QueryError, match=r"query failed: .*no_such_table"):
+        run_query(workspace, "SELECT * FROM no_such_table")
+
+
+def test_reader_rejects_a_table_of_another_schema(small_tree, workspace):
+    run_ingest([small_tree], workspace)
+    path = workspace.table_path("samples")
+    pq.write_table(pa.table({"dataset": ["x"]}), path)
+    with pytest.raises(SchemaError, match=r"columns do not match table 'samples'"):
+        workspace.read_table("samples")
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_readme_documents_every_table_exactly(name):
+    assert schema_markdown(TABLES[name]) in README.read_text(), f"README schema of {name!r} is stale: paste the output of `ctrl schema`"

@@ -1,0 +1,68 @@
+"""The ctrl command through typer's CliRunner: exit codes, stdout and stderr apart."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from typer.testing import CliRunner
+
+from cli import app
+from conftest import CONFIGS, NUM_SAMPLES
+
+runner = CliRunner()
+
+
+def invoke(*args: str, env: dict | None = None):
+    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+def test_ingest_query_status(small_tree, tmp_path):
+    ws = str(tmp_path / "ws")
+    result = invoke("ingest", str(small_tree / "exp5"), str(small_tree / "exp6"), "--workspace", ws)
+    assert result.exit_code == 0, result.output
+    assert "ingested 9 files (9 ok)" in result.stdout
+    again = invoke("ingest", str(small_tree), "--workspace", ws)
+    assert again.exit_code == 0 and "nothing changed" in again.stdout
+
+    q = invoke("query", "SELECT experiment, count(*) AS n FROM measurements GROUP BY 1 ORDER BY 1", "-w", ws, "--format", "csv")
+    assert q.exit_code == 0
+    assert list(csv.DictReader(io.StringIO(q.stdout))) == [{"experiment": "exp5", "n": str(NUM_SAMPLES * len(CONFIGS))},
+                                                          {"experiment": "exp6", "n": str(NUM_SAMPLES * len(CONFIGS))}]
+    j = invoke("query", "SELECT count(*) AS n FROM samples", "-w", ws, "--format", "json")
+    assert json.loads(j.stdout) == [{"n": NUM_SAMPLES}]
+    t = invoke("query", "SELECT sample_key FROM samples ORDER BY 1", "-w", ws)
+    assert "ex:500004" in t.stdout
+
+    s = invoke("status", "-w", ws, "--json")
+    summary = json.loads(s.stdout)
+    assert summary["datasets"] == [{"dataset": "coco_2014_vqa", "samples": NUM_SAMPLES, "measurements": 2 * NUM_SAMPLES * len(CONFIGS)}]
+    assert summary["flags"]["flag_prefill_invalid"] == NUM_SAMPLES * len(CONFIGS)
+    assert "coco_2014_vqa" in invoke("status", "-w", ws).stdout
+
+
+def test_workspace_from_environment(small_tree, tmp_path):
+    ws = tmp_path / "from_env"
+    assert invoke("ingest", str(small_tree), env={"CTRL_WORKSPACE": str(ws)}).exit_code == 0
+    assert (ws / "ctrl.duckdb").exists()
+
+
+def test_bad_file_exits_non_zero_with_summary_on_stderr(small_tree, tmp_path):
+    (small_tree / "exp6" / "exp6_latency_crops2_topk4_blocks12_rank0.json").write_text("{")
+    result = invoke("ingest", str(small_tree), "-w", str(tmp_path / "ws"))
+    assert result.exit_code == 1
+    assert "bad file: exp6_latency_crops2_topk4_blocks12_rank0.json: invalid JSON" in result.stderr
+    assert "1 bad file(s)" in result.stderr and "ingested" in result.stdout
+
+
+def test_errors_are_one_red_line_not_a_traceback(tmp_path):
+    result = invoke("query", "SELECT 1", "-w", str(tmp_path / "empty"))
+    assert result.exit_code == 1 and "has no tables yet" in result.stderr and "Traceback" not in result.stderr
+    bad_sql = invoke("status", "-w", str(tmp_path / "empty"))
+    assert bad_sql.exit_code == 1
+
+
+def test_missing_input_path(tmp_path):
+    result = runner.invoke(app, ["ingest", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "does not exist" in result.stderr
