@@ -23,7 +23,8 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
-out = Console()
+# results on stdout, diagnostics on stderr; a pipe gets wide tables, not rich's 80 columns
+out = Console() if sys.stdout.isatty() else Console(width=240)
 err = Console(stderr=True)
 
 WorkspaceOption = Annotated[
@@ -118,8 +119,7 @@ def _print_arrow(result: Any, max_rows: int) -> None:
     shown = result if max_rows == 0 else result.slice(0, max_rows)
     for row in shown.to_pylist():
         table.add_row(*("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()))
-    # a pipe gets a wide table rather than rich's 80-column default
-    (out if out.is_terminal else Console(width=240)).print(table)
+    out.print(table)
     if shown.num_rows < result.num_rows:
         err.print(f"{result.num_rows} rows, {shown.num_rows} shown (--max-rows 0 shows all, --format csv exports)")
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from pipeline import knobs
 from pipeline.errors import IngestError
-from pipeline.keys import build_sample_key
+from pipeline.keys import build_sample_key, canonical_id
 from pipeline.schema import CONFIGS, MEASUREMENTS, SAMPLES, Column, TableSchema
 
 _DERIVED_MEASUREMENT_COLUMNS = {"source_file", "num_copies", "flag_copies_disagree", "flag_partial_config"}
@@ -228,7 +228,7 @@ def answers_of(record: dict, meta: dict) -> list[str] | None:
     for source in (meta, record):
         answers = source.get("answers")
         if isinstance(answers, list):
-            return [str(a) for a in answers]
+            return [a if type(a) is str else str(a) for a in answers]
         if isinstance(answers, str):
             return [answers]
     for source in (meta, record):
@@ -245,46 +245,55 @@ def answers_of(record: dict, meta: dict) -> list[str] | None:
     return None
 
 
+_NOT_IN_METADATA_JSON = frozenset(_SAMPLE_META_COLUMNS) | {"answers"}
+_JSON_OPTS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
 class SampleCollector:
     """Builds sample keys for a list of per-sample dicts and keeps the first copy of each sample."""
 
     def __init__(self, ctx: Ctx, dataset: str, split: str | None) -> None:
         self.ctx, self.dataset, self.split = ctx, dataset, split
-        self.rows: dict[str, list] = {c.name: [] for c in FRAGMENT_SAMPLES.columns}
+        self.rows: list[tuple] = []
         self.seen: set[str] = set()
 
     def keys(self, records: list[dict], list_name: str) -> list[str]:
         keys = []
-        rows = self.rows
+        seen, rows, dataset = self.seen, self.rows, self.dataset
         for i, record in enumerate(records):
             meta = record.get("metadata")
             if meta is None:
                 meta = {}
-            elif not isinstance(meta, dict):
+            elif type(meta) is not dict:
                 raise self.ctx.fail(f"{list_name}[{i}].metadata", f"expected an object, got {type_name(meta)}")
-            try:
-                key, source = build_sample_key(self.dataset, meta)
-            except ValueError as err:
-                raise self.ctx.fail(f"{list_name}[{i}].metadata", str(err)) from None
+            example_id = meta.get("example_id")
+            if type(example_id) is int:  # the common case, without the general rule's overhead
+                key, source = f"ex:{example_id}", "example_id"
+            else:
+                try:
+                    key, source = build_sample_key(dataset, meta)
+                except ValueError as err:
+                    raise self.ctx.fail(f"{list_name}[{i}].metadata", str(err)) from None
             keys.append(key)
-            if key in self.seen:
+            if key in seen:
                 continue
-            self.seen.add(key)
-            rows["dataset"].append(self.dataset)
-            rows["sample_key"].append(key)
-            rows["key_source"].append(source)
-            rows["split"].append(self.split)
-            for name in _SAMPLE_META_COLUMNS:
-                value = meta.get(name)
-                rows[name].append(None if value is None else (value if isinstance(value, str) else orjson.dumps(value).decode()))
-            rows["answers"].append(answers_of(record, meta))
-            rest = {k: v for k, v in meta.items() if k not in _SAMPLE_META_COLUMNS and k != "answers"}
-            rows["metadata_json"].append(orjson.dumps(rest, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode())
-            rows["row_index"].append(len(rows["row_index"]))
+            seen.add(key)
+            question = meta.get("question")
+            rows.append((
+                key, source,
+                canonical_id(example_id), canonical_id(meta.get("question_id")), canonical_id(meta.get("image_id")),
+                question if question is None or type(question) is str else orjson.dumps(question).decode(),
+                answers_of(record, meta),
+                orjson.dumps({k: v for k, v in meta.items() if k not in _NOT_IN_METADATA_JSON}, option=_JSON_OPTS).decode(),
+            ))
         return keys
 
     def table(self) -> pa.Table:
-        return pa.Table.from_pydict(self.rows, schema=FRAGMENT_SAMPLES.arrow_schema())
+        n = len(self.rows)
+        names = ("sample_key", "key_source", "example_id", "question_id", "image_id", "question", "answers", "metadata_json")
+        columns = dict(zip(names, map(list, zip(*self.rows)))) if n else {name: [] for name in names}
+        columns.update(dataset=[self.dataset] * n, split=[self.split] * n, row_index=list(range(n)))
+        return pa.Table.from_pydict(columns, schema=FRAGMENT_SAMPLES.arrow_schema())
 
 
 # ----------------------------------------------------------------------------- measurement rows

@@ -64,5 +64,5 @@ def test_errors_are_one_red_line_not_a_traceback(tmp_path):
 
 
 def test_missing_input_path(tmp_path):
-    result = runner.invoke(app, ["ingest", str(tmp_path / "nope")])
+    result = runner.invoke(app, ["ingest", str(tmp_path / "nope")], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "does not exist" in result.stderr

@@ -1,0 +1,613 @@
+"""Deterministic synthetic exp5/exp6 result trees in the exact origin formats (origin_formats.md §4).
+
+Used for the sample data in ``data/``, as test fixtures (small trees, fault injection) and
+for benchmarks (large trees). Only numpy, the standard library and Pillow are imported.
+
+Synthetic model (the hidden truth; also described in ``data/README.md``)
+-------------------------------------------------------------------------
+Each sample belongs to an image with an original size drawn per dataset (varied aspect
+ratios 1:2 .. 3:1). The Molmo tiling rule of §2.1 (all (i, j) with i*j <= max_crops; the
+largest scale when every candidate downscales, else the least upscaling; ties favour fewer
+crops; the margin of 112 px is subtracted first) gives the crop count, so ``max_crops`` 6
+and 10 are identical for a 640x480 COCO image but not for a 1024x768 TextVQA one. Each
+sample also has a hidden *detail need* d (small text or objects; high for TextVQA, DocVQA,
+counting), a *reasoning need* r (high for OK-VQA, ScienceQA), an intrinsic difficulty e,
+and question / answer lengths taken from its generated text.
+
+``p(correct) = sigmoid(base_ds + e - 5.0*d*(1 - vis)*size - (3 + 5r)*blk - 4*(0.3 + r)*topk)``
+with ``vis = log2(1 + crops)/log2(13)``, ``size`` = (pixels / 640x480)^0.25 clipped to
+[0.8, 1.4], ``blk`` = the share of a fixed per-block importance missing from the exp5/exp6
+active-block subset (``knobs.exp_active_blocks``; n = 12 drops block 15) and
+``topk = exp(-k/3.5)``. exp5 and exp6 draw outcomes independently from the same p. An
+outcome is correct, partial (VQA: an alternative answer with 1-2 of the 10 annotator
+votes, score min(votes/3, 1); ANLS: a near miss) or wrong; the per-sample answers and
+the prediction text are consistent with the recorded score. Captions get a CIDEr-like
+quality per sample (good 0.8-1.4, poor 0.1-0.6); exp5 writes the batch mean to every
+sample of the batch and exp6 (batch size 1) writes 0.0 (D19).
+
+Latency (exp6, ms): ``T_total = 55 + vision + prefill + (n_out - 1) * step`` with
+vision = 6 + 11*(crops + 1), prefill = B*(0.9 + seq*(0.0024 + 0.00036*k)) over the whole
+``input_ids`` length, step = B*(0.95 + 0.075*k) + 1.3, each part with mean-one lognormal
+noise (sigma 0.05) and 0.5 % slow outliers (x1.3-2). Totals span about 125-500 ms
+(COCO median 140-265 ms). ``T_decode_ms`` = (n_out - 1) steps (0.0 for one token);
+``T_prefill_ms`` = blocks 1..15 of the *last decode step* (D1), or of the prefill if no
+decode step ran. Under a mid budget, high-detail samples prefer crops and low-detail
+samples prefer experts and blocks, so the best configuration differs per sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from json.encoder import encode_basestring_ascii
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from pipeline import _synthetic_model as model
+from pipeline._synthetic_model import SUPPORTED_DATASETS, DatasetTruth, build_dataset, stream
+from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALANCED_TOP_K, NUM_TOTAL_BLOCKS, exp_active_blocks
+
+__all__ = ["GENERATOR_VERSION", "SUPPORTED_DATASETS", "GeneratedTree", "SampleTruth", "SyntheticSpec",
+           "balanced_combinations", "build_truth", "exp5_batch_size", "generate_tree", "image_filename",
+           "rank_shards", "samples_of", "spec_fingerprint"]
+
+#: bump when the output for an unchanged spec changes (invalidates data/.generated)
+GENERATOR_VERSION = 1
+Config = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    datasets: tuple[str, ...] = ("coco_2014_vqa", "text_vqa")
+    num_samples: int = 150  # per dataset, exp5 covers all of them
+    exp6_num_samples: int | None = None  # exp6 covers the first N in dataset order (None = all)
+    max_crops: tuple[int, ...] = BALANCED_MAX_CROPS
+    top_k: tuple[int, ...] = BALANCED_TOP_K
+    num_active_blocks: tuple[int, ...] = BALANCED_NUM_ACTIVE_BLOCKS
+    world_size: int = 2  # 1 = single GPU layout
+    exp5_batch_size: int = 8  # base per-GPU batch; varied per config like the auto-adjust
+    seed: int = 0
+    write_images: bool = True
+    image_max_side: int = 96  # small images, keep the repo/data tiny
+    indent: int | None = 2  # json.dump indent (origin used indent=2)
+    lost_merge_configs: tuple[tuple[int, int, int], ...] = ()  # only the rank-0 file exists
+    empty_configs: tuple[tuple[int, int, int], ...] = ()  # 0 samples processed: NaN accuracy
+    experiments: tuple[str, ...] = ("exp5", "exp6")
+
+
+@dataclass(frozen=True)
+class SampleTruth:
+    """Hidden truth of one sample (dataset order index ``index``)."""
+
+    dataset: str
+    index: int
+    metadata: dict  # as written in the per-sample dicts
+    image_id: int | str  # also set when the metadata has none (OK-VQA, ScienceQA, ...)
+    image_file: str
+    image_width: int  # original size, used by the tiling rule (the written file is a thumbnail)
+    image_height: int
+    detail_need: float
+    reasoning_need: float
+    difficulty: float
+    text_tokens: int
+
+
+def spec_fingerprint(spec: SyntheticSpec) -> str:
+    """Stable hash of a spec and the generator version (for the data/ stamp file)."""
+    payload = json.dumps({"version": GENERATOR_VERSION, **asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def balanced_combinations(max_crops: tuple[int, ...], top_k: tuple[int, ...], blocks: tuple[int, ...]) -> list[Config]:
+    """The "balanced" sparse strategy (§4.5): first/middle/last of lists with >= 3 values."""
+    def pick(xs: tuple[int, ...]) -> list[int]:
+        return [xs[0], xs[len(xs) // 2], xs[-1]] if len(xs) >= 3 else list(xs)
+    if len(max_crops) == len(top_k) == len(blocks) == 1:
+        return [(max_crops[0], top_k[0], blocks[0])]
+    return list(itertools.product(pick(max_crops), pick(top_k), pick(blocks)))
+
+
+def image_filename(dataset: str, image_id: int | str) -> str:
+    """File name under ``images/``: COCO datasets use the val2014 naming, others the id."""
+    prof = model.PROFILES[dataset]
+    return f"COCO_val2014_{int(image_id):012d}.jpg" if prof.coco_images else f"{image_id}.{prof.image_ext}"
+
+
+@dataclass
+class GeneratedTree:
+    """What :func:`generate_tree` wrote, plus the hidden truth behind it."""
+
+    spec: SyntheticSpec
+    out_dir: Path
+    exp5_dir: Path | None
+    exp6_dir: Path | None
+    images_dir: Path | None
+    files: list[Path]
+    num_records: int  # per-sample list entries across all JSON files
+    record_counts: dict[str, int]
+    configs: list[Config]
+    truth: dict[str, DatasetTruth] = field(repr=False)
+
+    @property
+    def samples(self) -> list[SampleTruth]:
+        return [s for ds in self.spec.datasets for s in samples_of(ds, self.truth[ds])]
+
+    def expected_accuracy(self, dataset: str, sample_index: int, max_crops: int, top_k: int,
+                          num_active_blocks: int, experiment: str = "exp5") -> float:
+        """E[recorded score] of one sample under a configuration (same p in exp5 and exp6)."""
+        return float(self.truth[dataset].expected_score(max_crops, top_k, num_active_blocks, experiment)[sample_index])
+
+    def expected_latency_ms(self, dataset: str, sample_index: int, max_crops: int, top_k: int,
+                            num_active_blocks: int) -> float:
+        """E[T_total_ms] of one sample under a configuration (without the rare outliers)."""
+        return float(self.truth[dataset].expected_latency(max_crops, top_k, num_active_blocks)[sample_index])
+
+    def outcome_table(self, dataset: str, configs: list[Config] | None = None) -> dict[str, np.ndarray]:
+        """``configs`` (n_cfg, 3) and ``accuracy`` / ``latency_ms`` of shape (N, n_cfg)."""
+        cfgs = configs or self.configs
+        t = self.truth[dataset]
+        return {"configs": np.array(cfgs, dtype=np.int64),
+                "accuracy": np.stack([t.expected_score(*c) for c in cfgs], axis=1),
+                "latency_ms": np.stack([t.expected_latency(*c) for c in cfgs], axis=1)}
+
+    def best_config(self, dataset: str, sample_index: int, budget_ms: float) -> Config | None:
+        """Oracle: highest expected accuracy with expected latency <= budget (None if none fits)."""
+        tab = self.outcome_table(dataset)
+        acc = np.where(tab["latency_ms"][sample_index] <= budget_ms, tab["accuracy"][sample_index], -np.inf)
+        return None if np.isneginf(acc.max()) else self.configs[int(acc.argmax())]
+
+
+def samples_of(dataset: str, t: DatasetTruth) -> list[SampleTruth]:
+    return [SampleTruth(dataset, i, t.metadata[i], t.image_ids[t.image_index[i]], t.image_files[t.image_index[i]],
+                        int(t.width[i]), int(t.height[i]), float(t.detail[i]), float(t.reasoning[i]),
+                        float(t.difficulty[i]), int(t.text_tokens[i])) for i in range(t.n)]
+
+
+def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
+    """The hidden per-dataset truth of a spec without writing anything."""
+    return {ds: build_dataset(ds, spec.num_samples, spec.seed) for ds in spec.datasets}
+
+
+# -- JSON text, byte-identical to json.dump(obj, f, indent=spec.indent) ----------------
+
+class _Raw(str):
+    """Already-encoded JSON text (placed verbatim by :class:`_Json`)."""
+
+
+class _Json:
+    """Minimal json.dumps clone that accepts pre-encoded fragments.
+
+    Per-sample records repeat across the rank, merged and final files at the same depth
+    (top dict -> list -> record), so each record is encoded once and reused; the stdlib
+    pure-Python indent encoder would dominate generation time for large trees.
+    """
+
+    def __init__(self, indent: int | None) -> None:
+        self.indent = indent
+        self.sep = "," if indent is not None else ", "
+
+    def nl(self, level: int) -> str:
+        return "" if self.indent is None else "\n" + " " * (self.indent * level)
+
+    def value(self, v: object, level: int = 0) -> str:
+        if isinstance(v, _Raw):
+            return v
+        if isinstance(v, str):
+            return encode_basestring_ascii(v)
+        if v is None or isinstance(v, bool):
+            return {None: "null", True: "true", False: "false"}[v]
+        if isinstance(v, int):
+            return int.__repr__(v)
+        if isinstance(v, float):
+            if v != v:
+                return "NaN"
+            return float.__repr__(v) if math.isfinite(v) else ("Infinity" if v > 0 else "-Infinity")
+        if isinstance(v, dict):
+            if not v:
+                return "{}"
+            inner = self.nl(level + 1)
+            body = (self.sep + inner).join(f"{encode_basestring_ascii(k)}: {self.value(x, level + 1)}" for k, x in v.items())
+            return "{" + inner + body + self.nl(level) + "}"
+        if isinstance(v, (list, tuple)):
+            return self.array([self.value(x, level + 1) for x in v], level)
+        raise TypeError(f"cannot encode {type(v).__name__}")
+
+    def array(self, items: list[str], level: int) -> _Raw:
+        if not items:
+            return _Raw("[]")
+        inner = self.nl(level + 1)
+        return _Raw("[" + inner + (self.sep + inner).join(items) + self.nl(level) + "]")
+
+    def template(self, obj: dict, level: int = 2) -> list[str]:
+        """Encode ``obj`` with ``_Raw("\\x00")`` holes and split there (for fast filling)."""
+        return self.value(obj, level).split("\x00")
+
+
+HOLE = _Raw("\x00")
+
+
+def _fill(parts: list[str], values: list[str]) -> str:
+    out = [parts[0]]
+    for v, p in zip(values, parts[1:]):
+        out.append(v)
+        out.append(p)
+    return "".join(out)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    """compute_statistics (§3.1): numpy linear percentiles, population std."""
+    a = np.asarray(values, dtype=np.float64)
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"P50": float(p50), "P95": float(p95), "P99": float(p99), "mean": float(a.mean()),
+            "std": float(a.std()), "min": float(a.min()), "max": float(a.max())}
+
+
+def _mean_std(scores: list[float]) -> tuple[float, float]:
+    # empty configs: the brief asks for NaN (json.dump writes NaN); see data/README.md
+    if not scores:
+        return math.nan, math.nan
+    a = np.asarray(scores, dtype=np.float64)
+    return float(a.mean()), float(a.std())
+
+
+# -- distributed emulation ------------------------------------------------------------
+
+def rank_shards(n: int, world_size: int) -> list[list[int]]:
+    """DistributedSampler(shuffle=False, drop_last=False): pad by repeating the head, stride W."""
+    if world_size == 1:
+        return [list(range(n))]
+    total = -(-n // world_size) * world_size
+    indices = list(range(n))
+    while len(indices) < total:
+        indices += indices[: total - len(indices)]
+    return [indices[r:total:world_size] for r in range(world_size)]
+
+
+def exp5_batch_size(base: int, max_crops: int, top_k: int, blocks: int) -> int:
+    """_find_optimal_batch_size (§4.2) against a synthetic memory limit, then x0.85."""
+    crops_f = next((f for c, f in ((2, 1.0), (4, 0.8), (6, 0.6), (8, 0.5), (10, 0.4), (12, 0.3)) if max_crops <= c), 0.25)
+    topk_f = next((f for k, f in ((4, 1.0), (8, 0.9), (16, 0.8), (32, 0.7)) if top_k <= k), 0.6)
+    ratio = blocks / NUM_TOTAL_BLOCKS
+    blk_f = 1.0 if ratio <= 0.25 else 0.9 if ratio <= 0.5 else 0.8 if ratio <= 0.75 else 0.7
+    est = max(1, int(base * min(crops_f, topk_f, blk_f)))
+    if max_crops <= 2 and top_k <= 4 and blocks <= NUM_TOTAL_BLOCKS * 0.5:
+        allowed = base * 2
+    elif max_crops <= 4 and top_k <= 8:
+        allowed = int(base * 1.5)
+    else:
+        allowed = base
+    fits = lambda bs: bs * (max_crops + 1) * (0.6 + 0.05 * top_k) * ratio <= 6.0 * base  # noqa: E731
+    cur, working = min(est, allowed), None
+    for attempt in range(5):
+        if fits(cur):
+            working = cur
+            nxt = min(allowed, int(cur * 1.5))
+            if cur < allowed and attempt < 4 and nxt > cur:
+                cur = nxt
+                continue
+            break
+        old = cur
+        cur = max(1, (working + old) // 2) if working is not None else max(1, old // 2)
+        if cur == old:
+            break
+    found = working if working is not None else cur
+    return max(1, int(found * 0.85))
+
+
+# -- the writer -----------------------------------------------------------------------
+
+@dataclass
+class _RunClock:
+    """Deterministic wall clock for start/end times (derived from the seed, never now())."""
+
+    t: datetime
+
+    def span(self, seconds: float) -> tuple[str, str, float]:
+        start, self.t = self.t, self.t + timedelta(seconds=seconds)
+        fmt = "%Y-%m-%d %H:%M:%S"
+        out = (start.strftime(fmt), self.t.strftime(fmt), seconds)
+        self.t += timedelta(seconds=1.7)  # re-configuration between configs
+        return out
+
+
+class _Writer:
+    def __init__(self, spec: SyntheticSpec, out_dir: Path) -> None:
+        self.spec, self.out = spec, out_dir
+        self.js = _Json(spec.indent)
+        self.files: list[Path] = []
+        self.records = {"exp5": 0, "exp6": 0}
+        self.configs = balanced_combinations(spec.max_crops, spec.top_k, spec.num_active_blocks)
+
+    def write(self, path: Path, obj: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.js.value(obj), encoding="ascii")
+        self.files.append(path)
+
+    # per-sample dict fragments ------------------------------------------------------
+    def pred_templates(self, t: DatasetTruth, sample_id_hole: bool) -> list[list[list[str]]]:
+        """For each sample and outcome: the §4.1 dict split at its holes.
+
+        Holes: sample_id (if requested) and, for captions, score + coco_metrics.
+        """
+        metric = t.profile.metric
+        out = []
+        for i in range(t.n):
+            meta, extra = _Raw(self.js.value(t.metadata[i], 3)), t.extra[i]
+            rows = []
+            for o in range(3):
+                sid = HOLE if sample_id_hole else 0
+                pred = t.preds[i][o]
+                if metric == "mc":
+                    d = {"sample_id": sid, "score": float(t.scores[i, o]), "pred": pred, "answer_idx": extra["answer_idx"],
+                         "predicted_idx": int(t.pred_idx[i, o]), "options": extra["options"], "metadata": meta}
+                elif metric == "cider_score":
+                    d = {"sample_id": sid, "pred": pred, "captions": extra["captions"], "metadata": meta,
+                         "score": HOLE, "coco_metrics": HOLE}
+                else:
+                    d = {"sample_id": sid, "score": float(t.scores[i, o]), "pred": pred, "answers": extra["answers"],
+                         "metadata": meta}
+                rows.append(self.js.template(d))
+            out.append(rows)
+        return out
+
+    def coco_metrics(self, cider: float) -> str:
+        m = {"Bleu_1": 0.45 + 0.2 * min(cider, 1.5), "Bleu_2": 0.28 + 0.18 * min(cider, 1.5),
+             "Bleu_3": 0.17 + 0.14 * min(cider, 1.5), "Bleu_4": 0.1 + 0.12 * min(cider, 1.5),
+             "METEOR": 0.14 + 0.08 * min(cider, 1.5), "ROUGE_L": 0.36 + 0.14 * min(cider, 1.5), "CIDEr": cider}
+        return self.js.value(m, 3)
+
+    # exp5 ---------------------------------------------------------------------------
+    def exp5(self, ds: str, t: DatasetTruth, clock: _RunClock) -> None:
+        spec, W = self.spec, self.spec.world_size
+        d = self.out / "exp5" / f"exp5_accuracy_{ds.replace('_', '-')}"
+        tmpl = self.pred_templates(t, sample_id_hole=True)
+        shards = rank_shards(t.n, W)
+        is_cider = t.profile.metric == "cider_score"
+        summary, all_samples = [], []
+        for ci, (C, K, B) in enumerate(self.configs):
+            bs = exp5_batch_size(spec.exp5_batch_size, C, K, B)
+            empty = (C, K, B) in spec.empty_configs
+            codes = t.outcomes(C, K, B, stream(spec.seed, ds, 2, C, K, B))
+            quality = self._cider_quality(t, codes, stream(spec.seed, ds, 5, C, K, B)) if is_cider else None
+            per_rank_texts, per_rank_scores = [], []
+            for shard in shards:
+                texts, scores = [], []
+                for b0 in range(0, 0 if empty else len(shard), bs):
+                    batch = shard[b0:b0 + bs]
+                    if is_cider:  # batch-level CIDEr copied to every sample of the batch (§4.1)
+                        cider = float(np.mean([quality[s] for s in batch]))
+                        metrics = self.coco_metrics(cider)
+                        texts += [_fill(tmpl[s][codes[s]], [str(j), float.__repr__(cider), metrics]) for j, s in enumerate(batch)]
+                        scores += [cider] * len(batch)
+                    else:
+                        texts += [_fill(tmpl[s][codes[s]], [str(j)]) for j, s in enumerate(batch)]
+                        scores += [float(t.scores[s, codes[s]]) for s in batch]
+                per_rank_texts.append(texts)
+                per_rank_scores.append(scores)
+            acc0, std0 = _mean_std(per_rank_scores[0])
+            lat = t.expected_latency(C, K, B)
+            n_batches = -(-len(per_rank_texts[0]) // bs)
+            batch_s = float(np.mean(lat)) * (0.5 + 0.5 * bs) / 1000.0 if t.n else 0.0
+            start, end, dur = clock.span(4.0 * 3 + 2.5 + n_batches * batch_s)
+            block_ix = list(exp_active_blocks(B))
+            base_cfg = {"dataset_name": ds, "split": t.profile.split, "batch_size": spec.exp5_batch_size,
+                        "max_new_tokens": model.MAX_NEW_TOKENS, "max_crops": C, "top_k": K, "num_active_blocks": B,
+                        "num_total_blocks": NUM_TOTAL_BLOCKS, "active_block_indices": block_ix}
+            head = {"max_crops": C, "top_k": K, "num_active_blocks": B}
+            timing = {"duration_seconds": dur, "duration_minutes": dur / 60.0, "duration_hours": dur / 3600.0,
+                      "start_time": start, "end_time": end}
+            incremental = {
+                "summary": [{**head, "accuracy": acc0, "num_samples": len(per_rank_scores[0]), "std": std0, **timing}],
+                "all_samples": self.js.array(per_rank_texts[0], 1),
+                "config": {**base_cfg, "batch_size_used": bs, "world_size": W, "rank": 0, "config_index": ci,
+                           "sampling_strategy": "balanced"},
+            }
+            suffix = "_rank0" if W > 1 else ""
+            self.write(d / f"exp5_accuracy_results_crops{C}_topk{K}_blocks{B}{suffix}.json", incremental)
+            self.records["exp5"] += len(per_rank_texts[0])
+            if (C, K, B) in spec.lost_merge_configs:
+                continue  # the gather never happened: rank 0's file is all there is
+            merged_texts = [x for texts in per_rank_texts for x in texts]
+            acc, std = _mean_std([x for scores in per_rank_scores for x in scores])
+            entry = {**head, "accuracy": acc, "num_samples": len(merged_texts), "std": std}
+            if W > 1:
+                self.write(d / f"exp5_accuracy_results_crops{C}_topk{K}_blocks{B}.json", {
+                    "summary": [entry], "all_samples": self.js.array(merged_texts, 1),
+                    "config": {**base_cfg, "world_size": W, "note": "Merged results from all ranks"}})
+                self.records["exp5"] += len(merged_texts)
+            else:  # single GPU: the final summary keeps durations and times
+                entry.update(timing)
+            summary.append(entry)
+            all_samples += merged_texts
+        self.write(d / "exp5_accuracy_results.json", {
+            "summary": summary, "all_samples": self.js.array(all_samples, 1),
+            "config": self._final_config(ds, t, spec.exp5_batch_size)})
+        self.records["exp5"] += len(all_samples)
+
+    def _final_config(self, ds: str, t: DatasetTruth, batch_size: int) -> dict:
+        return {"dataset_name": ds, "split": t.profile.split, "batch_size": batch_size,
+                "max_new_tokens": model.MAX_NEW_TOKENS, "max_crops_list": list(self.spec.max_crops),
+                "top_k_list": list(self.spec.top_k), "num_active_blocks_list": list(self.spec.num_active_blocks),
+                "sampling_strategy": "balanced", "num_combinations": len(self.configs),
+                "world_size": self.spec.world_size}
+
+    @staticmethod
+    def _cider_quality(t: DatasetTruth, codes: np.ndarray, rng: np.random.Generator) -> list[float]:
+        u = rng.random(t.n)
+        good = model.CIDER_GOOD[0] + u * (model.CIDER_GOOD[1] - model.CIDER_GOOD[0])
+        poor = model.CIDER_POOR[0] + u * (model.CIDER_POOR[1] - model.CIDER_POOR[0])
+        return np.where(codes == 0, good, poor).tolist()
+
+    # exp6 ---------------------------------------------------------------------------
+    def exp6(self, ds: str, t: DatasetTruth, clock: _RunClock) -> None:
+        spec, W = self.spec, self.spec.world_size
+        d = self.out / "exp6" / f"exp6_latency_{ds.replace('_', '-')}"
+        pred_tmpl = self.pred_templates(t, sample_id_hole=False)  # predictions' sample_id is always 0
+        lat_tmpl = self.js.template({k: HOLE for k in (
+            "sample_id", "max_crops", "top_k", "num_active_blocks", "T_total_ms", "T_prefill_ms", "T_decode_ms",
+            "num_vision_tokens", "num_language_tokens", "num_output_tokens", "num_total_tokens", "accuracy")})
+        shards = rank_shards(t.n, W)
+        if spec.exp6_num_samples is not None:  # per rank num_samples // W, first part of each shard
+            per_rank = spec.exp6_num_samples // W if W > 1 else spec.exp6_num_samples
+            shards = [s[:per_rank] for s in shards]
+        is_cider = t.profile.metric == "cider_score"
+        zero_metrics = self.coco_metrics(0.0)
+        summary, all_samples = [], []
+        for C, K, B in self.configs:
+            empty = (C, K, B) in spec.empty_configs
+            codes = t.outcomes(C, K, B, stream(spec.seed, ds, 3, C, K, B))
+            vision, prefill, step = t.latency_parts(C, K, B)
+            nv, seq = t.vision_tokens(C), t.sequence_length(C)
+            noise_rng = stream(spec.seed, ds, 4, C, K, B, W)
+            per_rank = []
+            for shard in shards:
+                idx = np.array([] if empty else shard, dtype=np.int64)
+                m = len(idx)
+                noise = np.exp(noise_rng.normal(-model.LAT_NOISE_SIGMA ** 2 / 2, model.LAT_NOISE_SIGMA, (m, 4)))
+                slow = np.where(noise_rng.random(m) < 0.005, 1.3 + 0.7 * noise_rng.random(m), 1.0)
+                code = codes[idx]
+                n_out = t.out_tokens[idx, code]
+                step_s = step[idx] * noise[:, 2]
+                decode = np.where(n_out > 1, (n_out - 1) * step_s, 0.0)
+                llm_pre = prefill[idx] * noise[:, 1]
+                total = (model.LAT_OVERHEAD * noise[:, 3] + vision[idx] * noise[:, 0] + llm_pre + decode) * slow
+                # D1: the hooks keep overwriting, so "prefill" is blocks 1..15 of the last forward
+                blocks_1_15 = np.where(n_out > 1, step_s - model.LAT_DECODE_HEAD, llm_pre) * (B - 1) / B
+                score = t.scores[idx, code] if not is_cider else np.zeros(m)
+                lat_texts, pred_texts = [], []
+                for j, (s, c, tt, tp, td, no, sc) in enumerate(zip(idx.tolist(), code.tolist(), total.tolist(),
+                                                                   blocks_1_15.tolist(), decode.tolist(),
+                                                                   n_out.tolist(), score.tolist())):
+                    nvi, nli = int(nv[s]), int(seq[s])
+                    lat_texts.append(_fill(lat_tmpl, [str(j), str(C), str(K), str(B), repr(tt), repr(tp), repr(td),
+                                                      str(nvi), str(nli), str(no), str(nvi + nli), repr(sc)]))
+                    parts = pred_tmpl[s][c]
+                    pred_texts.append(_fill(parts, ["0.0", zero_metrics]) if is_cider else parts[0])
+                per_rank.append((lat_texts, pred_texts, total.tolist(), blocks_1_15.tolist(), decode.tolist(), score.tolist()))
+            block_ix = list(exp_active_blocks(B))
+            rank0 = per_rank[0]
+            start, end, dur = clock.span(3.0 + (4 * sum(rank0[2][:1]) + sum(rank0[2]) + 12.0 * len(rank0[2])) / 1000.0)
+            cfg = {"dataset_name": ds, "split": t.profile.split, "batch_size": 1, "max_new_tokens": model.MAX_NEW_TOKENS,
+                   "max_crops": C, "top_k": K, "num_active_blocks": B, "num_total_blocks": NUM_TOTAL_BLOCKS,
+                   "active_block_indices": block_ix, "world_size": W}
+            self.write(d / f"exp6_latency_crops{C}_topk{K}_blocks{B}_rank0.json", {
+                "summary": [self._exp6_summary(C, K, B, [rank0], block_ix)],
+                "per_sample_latencies": self.js.array(rank0[0], 1),
+                "per_sample_predictions": self.js.array(rank0[1], 1), "config": cfg})
+            self.records["exp6"] += 2 * len(rank0[0])
+            if (C, K, B) in spec.lost_merge_configs:
+                continue
+            entry = self._exp6_summary(C, K, B, per_rank, None)
+            lat_all = [x for r in per_rank for x in r[0]]
+            if W > 1:
+                self.write(d / f"exp6_latency_crops{C}_topk{K}_blocks{B}.json", {
+                    "summary": [entry], "per_sample_latencies": self.js.array(lat_all, 1),
+                    "per_sample_predictions": self.js.array([x for r in per_rank for x in r[1]], 1),
+                    "config": {**cfg, "note": "Merged results from all ranks"}})
+                self.records["exp6"] += 2 * len(lat_all)
+            else:
+                entry.update({"duration_seconds": dur, "duration_minutes": dur / 60.0, "duration_hours": dur / 3600.0,
+                              "start_time": start, "end_time": end})
+            summary.append(entry)
+            all_samples += lat_all
+        self.write(d / "exp6_latency_results.json", {
+            "summary": summary, "all_samples": self.js.array(all_samples, 1), "config": self._final_config(ds, t, 1)})
+        self.records["exp6"] += len(all_samples)
+
+    @staticmethod
+    def _exp6_summary(C: int, K: int, B: int, ranks: list, block_ix: list[int] | None) -> dict:
+        total, pre, dec, scores = ([x for r in ranks for x in r[k]] for k in (2, 3, 4, 5))
+        entry: dict = {"max_crops": C, "top_k": K, "num_active_blocks": B}
+        if block_ix is not None:  # the rank file's summary also carries the block info
+            entry.update(num_total_blocks=NUM_TOTAL_BLOCKS, active_block_indices=block_ix)
+        entry.update(num_samples=len(total), accuracy=_mean_std(scores)[0],
+                     latency_total_ms=_stats(total) if total else {}, latency_prefill_ms=_stats(pre) if pre else {},
+                     latency_decode_ms=_stats(dec) if dec else {})
+        return entry
+
+
+# -- images ----------------------------------------------------------------------------
+
+def _write_images(spec: SyntheticSpec, truth: dict[str, DatasetTruth], images_dir: Path) -> list[Path]:
+    """One small image per distinct image: coloured shapes; many small marks when detailed."""
+    images_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ds in spec.datasets:
+        t = truth[ds]
+        rng = stream(spec.seed, ds, 6)
+        for k, name in enumerate(t.image_files):
+            w0, h0 = (int(x) for x in t.image_size[k])
+            scale = min(1.0, spec.image_max_side / max(w0, h0)) if spec.image_max_side else 1.0
+            w, h = max(8, round(w0 * scale)), max(8, round(h0 * scale))
+            bg = tuple(int(x) for x in rng.integers(40, 216, 3))
+            img = Image.new("RGB", (w, h), bg)
+            draw = ImageDraw.Draw(img)
+            for _ in range(int(rng.integers(2, 5))):  # a few large objects
+                x0, y0 = int(rng.integers(0, w * 3 // 4)), int(rng.integers(0, h * 3 // 4))
+                box = [x0, y0, x0 + int(rng.integers(w // 6, w // 2 + 1)), y0 + int(rng.integers(h // 6, h // 2 + 1))]
+                fill = tuple(int(x) for x in rng.integers(0, 256, 3))
+                (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+            for _ in range(int(3 + 25 * t.image_detail[k])):  # text-like strokes / small objects
+                x0, y0 = int(rng.integers(0, w - 3)), int(rng.integers(0, h - 2))
+                draw.rectangle([x0, y0, x0 + int(rng.integers(1, 5)), y0 + 1], fill=(0, 0, 0) if sum(bg) > 380 else (255, 255, 255))
+            path = images_dir / name
+            if path.suffix == ".png":
+                img.save(path, format="PNG", optimize=False)
+            else:
+                img.save(path, format="JPEG", quality=75)
+            written.append(path)
+    return written
+
+
+# -- entry point -----------------------------------------------------------------------
+
+def _validate(spec: SyntheticSpec) -> None:
+    bad = [d for d in spec.datasets if d not in model.PROFILES]
+    if bad:
+        raise ValueError(f"unsupported datasets {bad}; choose from {', '.join(SUPPORTED_DATASETS)}")
+    if spec.world_size < 1 or spec.num_samples < 0 or spec.exp5_batch_size < 1:
+        raise ValueError("world_size and exp5_batch_size must be >= 1, num_samples >= 0")
+    if set(spec.experiments) - {"exp5", "exp6"}:
+        raise ValueError(f"experiments must be a subset of ('exp5', 'exp6'), got {spec.experiments}")
+    for b in spec.num_active_blocks:
+        exp_active_blocks(b)  # raises on values outside 1..16
+
+
+def generate_tree(spec: SyntheticSpec, out_dir: Path, *, overwrite: bool = False) -> GeneratedTree:
+    """Write ``out_dir/{exp5,exp6,images}`` for ``spec``; byte-identical for equal specs.
+
+    Existing non-empty ``exp5``/``exp6``/``images`` subdirectories raise FileExistsError
+    unless ``overwrite`` is set, in which case those three (and nothing else) are removed.
+    """
+    _validate(spec)
+    out_dir = Path(out_dir)
+    subdirs = [out_dir / s for s in ("exp5", "exp6", "images")]
+    for sub in subdirs:
+        if sub.exists() and any(sub.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{sub} is not empty (pass overwrite=True to replace it)")
+            shutil.rmtree(sub)
+    truth = build_truth(spec)
+    writer = _Writer(spec, out_dir)
+    # runs start at a seed-derived instant; exp5 then exp6 per dataset, like the scripts
+    clock = _RunClock(datetime(2025, 10, 6, 9, 0, 0) + timedelta(minutes=(spec.seed * 7919) % (60 * 24 * 30)))
+    for ds in spec.datasets:
+        for exp in ("exp5", "exp6"):
+            if exp in spec.experiments:
+                getattr(writer, exp)(ds, truth[ds], clock)
+                clock.t += timedelta(minutes=7)
+    images_dir = out_dir / "images" if spec.write_images else None
+    files = writer.files + (_write_images(spec, truth, images_dir) if images_dir else [])
+    return GeneratedTree(
+        spec=spec, out_dir=out_dir,
+        exp5_dir=out_dir / "exp5" if "exp5" in spec.experiments else None,
+        exp6_dir=out_dir / "exp6" if "exp6" in spec.experiments else None,
+        images_dir=images_dir, files=sorted(files), num_records=sum(writer.records.values()),
+        record_counts=dict(writer.records), configs=list(writer.configs), truth=truth)
