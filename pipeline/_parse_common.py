@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline import knobs
 from pipeline.errors import IngestError
@@ -133,7 +134,9 @@ def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType
     """Gather ``record[key]`` over records into an arrow array; name the first bad record on failure."""
     values = [r.get(key) for r in records]
     try:
-        arr = pa.array(values, type=dtype, from_pandas=True)
+        arr = pa.array(values, type=dtype)  # not from_pandas=True: it tries to import pandas on every call
+        if pa.types.is_floating(dtype) and arr.null_count < len(arr):
+            arr = pc.if_else(pc.is_nan(arr), pa.scalar(None, dtype), arr)  # NaN is a missing value here
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
         arr = None
     if arr is not None and not (required and arr.null_count):
@@ -247,6 +250,9 @@ def answers_of(record: dict, meta: dict) -> list[str] | None:
 
 _NOT_IN_METADATA_JSON = frozenset(_SAMPLE_META_COLUMNS) | {"answers"}
 _JSON_OPTS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+#: per-process memo of sample rows, bounded so memory stays flat on any tree size
+_ROW_CACHE: dict[tuple[str, str], tuple[dict, tuple]] = {}
+_ROW_CACHE_SIZE = 20_000
 
 
 class SampleCollector:
@@ -278,14 +284,25 @@ class SampleCollector:
             if key in seen:
                 continue
             seen.add(key)
+            # the same sample's metadata recurs in every configuration's file: reuse the row
+            # built for an equal metadata dict (equality makes the reuse exact, not a guess)
+            cached = _ROW_CACHE.get((dataset, key))
+            if cached is not None and cached[0] == meta:
+                rows.append(cached[1])
+                continue
             question = meta.get("question")
-            rows.append((
+            row = (
                 key, source,
                 canonical_id(example_id), canonical_id(meta.get("question_id")), canonical_id(meta.get("image_id")),
                 question if question is None or type(question) is str else orjson.dumps(question).decode(),
                 answers_of(record, meta),
                 orjson.dumps({k: v for k, v in meta.items() if k not in _NOT_IN_METADATA_JSON}, option=_JSON_OPTS).decode(),
-            ))
+            )
+            rows.append(row)
+            if type(meta.get("answers")) is list:  # only then is the row a function of meta alone
+                if len(_ROW_CACHE) >= _ROW_CACHE_SIZE:
+                    _ROW_CACHE.clear()
+                _ROW_CACHE[(dataset, key)] = (meta, row)
         return keys
 
     def table(self) -> pa.Table:
@@ -340,11 +357,11 @@ class MeasurementBuilder:
 
 
 def count_duplicates(table: pa.Table) -> int:
+    """Rows that repeat an earlier (sample, configuration) of the same file: sampler padding."""
     if table.num_rows == 0:
         return 0
-    keyed = table.select(["sample_key", "max_crops", "top_k", "num_active_blocks"]).group_by(
-        ["sample_key", "max_crops", "top_k", "num_active_blocks"]).aggregate([])
-    return table.num_rows - keyed.num_rows
+    keys = zip(*(table.column(c).to_pylist() for c in ("sample_key", "max_crops", "top_k", "num_active_blocks")))
+    return table.num_rows - len(set(keys))
 
 
 class SummaryBuilder:

@@ -29,16 +29,37 @@ def _kv(table: TableSchema) -> str:
 
 
 def _copy(con, select_sql: str, table: TableSchema, out: Path) -> None:
-    con.execute(f"COPY ({select_sql}) TO '{out}' (FORMAT parquet, COMPRESSION zstd, {_kv(table)})")
+    con.execute(f"COPY ({select_sql}) TO '{out}' (FORMAT parquet, COMPRESSION snappy, {_kv(table)})")
 
 
 def _order_by(table: TableSchema) -> str:
     return ", ".join(quote_ident(c) for c in table.primary_key)
 
 
-def _read(paths: list[str]) -> str:
-    listing = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
-    return f"read_parquet([{listing}], filename = true)"
+def _stream(pairs: list[tuple[str, str]], unique_by: tuple[str, ...] | None = None) -> pa.RecordBatchReader:
+    """Every fragment's rows with its ``source_file`` appended, one file at a time.
+
+    DuckDB pulls from this reader as it goes, so only one fragment is in memory at once.
+    A fragment shared by two identical files is streamed once per path. With ``unique_by``,
+    rows whose key was already streamed are dropped here: pairs arrive in path order and
+    rows in file order, so the first copy streamed is the one the precedence rule keeps.
+    """
+    with pa.memory_map(pairs[0][0]) as first:
+        schema = pa.ipc.open_file(first).schema.append(pa.field("source_file", pa.string()))
+    seen: set[tuple] = set()
+
+    def batches():
+        for frag, source in pairs:
+            with pa.memory_map(frag) as mapped:
+                table = pa.ipc.open_file(mapped).read_all()
+            if unique_by:
+                keys = zip(*(table.column(c).to_pylist() for c in unique_by))
+                mask = [not (k in seen or seen.add(k)) for k in keys]
+                table = table.filter(pa.array(mask, pa.bool_()))
+            table = table.append_column(schema.field("source_file"), pa.repeat(pa.scalar(source), table.num_rows))
+            yield from table.to_batches()
+
+    return pa.RecordBatchReader.from_batches(schema, batches())
 
 
 def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, list[tuple[str, str]]], temp_dir: Path) -> dict[str, int]:
@@ -53,7 +74,8 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
     con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY_LIMIT, "temp_directory": str(temp_dir), "threads": 2})
     try:
         for name, pairs in fragment_files.items():
-            con.register(f"map_{name}", pa.table({"frag_file": [p for p, _ in pairs], "source_file": [s for _, s in pairs]}))
+            if pairs:
+                con.register(f"frag_{name}", _stream(pairs, ("dataset", "sample_key") if name == "samples" else None))
         counts: dict[str, int] = {}
         meas_pairs = fragment_files.get("measurements", [])
         meas_cols = ", ".join(quote_ident(c.name) for c in MEASUREMENTS.columns)
@@ -61,8 +83,7 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
             key = ", ".join(quote_ident(c) for c in MEASUREMENTS.primary_key)
             src = f"""
               WITH m AS (
-                SELECT f.*, s.source_file, {priority_sql('f.source_kind', 'measurement')} AS prio
-                FROM {_read(sorted({p for p, _ in meas_pairs}))} f JOIN map_measurements s ON f.filename = s.frag_file
+                SELECT *, {priority_sql('source_kind', 'measurement')} AS prio FROM frag_measurements
               ), ranked AS (
                 SELECT *,
                   row_number() OVER (PARTITION BY {key} ORDER BY prio, source_file, row_index) AS rn,
@@ -80,10 +101,7 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
         samp_cols = ", ".join(quote_ident(c.name) for c in SAMPLES.columns)
         if samp_pairs:
             src = f"""
-              WITH s AS (
-                SELECT f.*, m.source_file FROM {_read(sorted({p for p, _ in samp_pairs}))} f JOIN map_samples m ON f.filename = m.frag_file
-              )
-              SELECT {samp_cols} FROM s
+              SELECT {samp_cols} FROM frag_samples
               QUALIFY row_number() OVER (PARTITION BY dataset, sample_key ORDER BY source_file, row_index) = 1"""
         else:
             src = f"SELECT {samp_cols} FROM (SELECT {_null_row(SAMPLES)}) WHERE false"
@@ -114,10 +132,9 @@ def _configs_sql(summary_pairs: list[tuple[str, str]], out_dir: Path) -> str:
     recorded_cols = [c.name for c in CONFIGS.columns if c.name.startswith("recorded_")]
     if summary_pairs:
         recorded = f"""
-          SELECT f.*, s.source_file AS summary_source_file FROM {_read(sorted({p for p, _ in summary_pairs}))} f
-          JOIN map_summaries s ON f.filename = s.frag_file
+          SELECT * EXCLUDE (source_file), source_file AS summary_source_file FROM frag_summaries
           QUALIFY row_number() OVER (PARTITION BY {key_list}
-                  ORDER BY {priority_sql('f.source_kind', 'summary')}, s.source_file, f.row_index) = 1"""
+                  ORDER BY {priority_sql('source_kind', 'summary')}, source_file, row_index) = 1"""
     else:
         recorded = f"SELECT * FROM (SELECT {_null_row(CONFIGS)}) WHERE false"
     meas = str(out_dir / "measurements.parquet")

@@ -14,6 +14,7 @@ Steps, each restartable:
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import json
 import os
 import shutil
@@ -26,7 +27,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError
@@ -115,8 +115,26 @@ def discover(paths: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
-def _fragment_dir(workspace: Workspace, sha: str) -> Path:
-    return workspace.fragments_dir / f"p{PARSER_VERSION}" / sha[:2] / sha
+def _fragment_meta(workspace: Workspace, sha: str) -> Path:
+    """A fragment is ``<sha>.json`` (written last: its presence marks a complete fragment)
+    plus ``<sha>.<table>.arrow`` files beside it."""
+    return workspace.fragments_dir / f"p{PARSER_VERSION}" / sha[:2] / f"{sha}.json"
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_arrow(table: pa.Table, path: Path) -> None:
+    # uncompressed Arrow IPC: 5x faster to write than Parquet, memory-mapped on read
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
 
 
 def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
@@ -130,8 +148,8 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
                 "size_bytes": 0, "mtime_ns": 0}
     sha = hashlib.sha256(data).hexdigest()
     base = {"sha256": sha, "size_bytes": len(data), "mtime_ns": stat.st_mtime_ns}
-    frag = Path(fragments_root) / sha[:2] / sha
-    meta_file = frag / "meta.json"
+    bucket = Path(fragments_root) / sha[:2]
+    meta_file = bucket / f"{sha}.json"
     if meta_file.exists():
         return {**json.loads(meta_file.read_text()), **base, "cached": True}
     try:
@@ -146,23 +164,14 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     except NotResultsFile as err:
         meta = {"status": "skipped", "error": f"{path.name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
         tables = {}
-    # write into a temporary directory and rename: a killed worker leaves no half fragment
-    frag.parent.mkdir(parents=True, exist_ok=True)
-    tmp = frag.parent / f".tmp-{sha}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        for name, table in tables.items():
-            if table.num_rows:
-                pq.write_table(table, tmp / f"{name}.parquet", compression="zstd")
-                meta["tables"][name] = f"{name}.parquet"
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        try:
-            os.rename(tmp, frag)
-        except OSError:  # another process cached the same content meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # every file lands by rename and the meta last: a killed worker leaves no half fragment
+    bucket.mkdir(parents=True, exist_ok=True)
+    for name, table in tables.items():
+        if table.num_rows:
+            filename = f"{sha}.{name}.arrow"
+            _write_atomic(bucket / filename, lambda tmp, table=table: _write_arrow(table, tmp))
+            meta["tables"][name] = filename
+    _write_atomic(meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
     return {**meta, **base, "cached": False}
 
 
@@ -192,7 +201,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
             old = manifest.get(str(path))
             st = path.stat()
             if (old and not parser_changed and old["size_bytes"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
-                    and (old["status"] != "ok" or _fragment_dir(workspace, old["fragment_sha256"]).exists())):
+                    and (old["status"] != "ok" or _fragment_meta(workspace, old["fragment_sha256"]).exists())):
                 report.files.append(FileResult(str(path), "unchanged" if old["status"] == "ok" else old["status"],
                                                old["kind"], old["rows"], old["error"]))
                 if progress:
@@ -201,6 +210,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
             todo.append(path)
 
         fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
+        todo.sort(key=lambda p: -p.stat().st_size)  # largest first: workers finish together
         for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
             old = manifest.get(str(path))
             status = meta["status"]
@@ -247,7 +257,11 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
         for path in todo:
             yield path, _parse_to_fragment(str(path), fragments_root)
         return
-    pool = ProcessPoolExecutor(max_workers=workers)
+    # forkserver, not fork: the parent may already run DuckDB/polars/arrow threads, and a
+    # forked child can inherit one of their locks held and hang
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["pipeline.parse"])
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
     pending: dict[Future, Path] = {}
     queue = iter(todo)
     try:
@@ -273,10 +287,10 @@ def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: I
         sha = row["fragment_sha256"]
         if not sha:
             continue
-        frag = _fragment_dir(workspace, sha)
-        meta = json.loads((frag / "meta.json").read_text())
+        meta_file = _fragment_meta(workspace, sha)
+        meta = json.loads(meta_file.read_text())
         for name, filename in meta.get("tables", {}).items():
-            pairs[name].append((str(frag / filename), path))
+            pairs[name].append((str(meta_file.parent / filename), path))
     manifest_table = pa.Table.from_pylist(list(manifest.values()), schema=FILES.arrow_schema()) if manifest else FILES.arrow_schema().empty_table()
     temp = workspace.root / f".duckdb-tmp-{uuid.uuid4().hex}"
     try:
@@ -298,6 +312,6 @@ def _collect_fragments(workspace: Workspace, manifest: dict[str, dict]) -> None:
             shutil.rmtree(version_dir, ignore_errors=True)
             continue
         for bucket in version_dir.iterdir():
-            for frag in bucket.iterdir():
-                if frag.name not in live:
-                    shutil.rmtree(frag, ignore_errors=True)
+            for f in bucket.iterdir():
+                if f.name.split(".", 1)[0] not in live:  # also leftovers of killed writers
+                    f.unlink(missing_ok=True)

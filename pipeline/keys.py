@@ -38,7 +38,7 @@ def canonical_id(value: Any) -> str | None:
     """
     if value is None or isinstance(value, bool):
         return None
-    if isinstance(value, int):
+    if type(value) is int:
         return str(value)
     if isinstance(value, float):
         if value != value:  # NaN

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: bump whenever parsing output changes: fragments cached by an older parser are re-parsed
-PARSER_VERSION = "1"
+PARSER_VERSION = "2"
 
 _RANK_SUFFIX = re.compile(r"_rank\d+\.json$")
 _F64, _I32, _STR = pa.float64(), pa.int32(), pa.string()

@@ -5,7 +5,7 @@ Layout::
     workspace/
       CURRENT                 name of the live generation, replaced atomically
       tables/gen-000007/      samples, measurements, configs, files (.parquet) + state.json
-      fragments/p1/ab/<sha>/  parse cache: what one file content contributes
+      fragments/p2/ab/<sha>.* parse cache: what one file content contributes (Arrow IPC + meta)
       ctrl.duckdb             DuckDB catalog of views over the live generation (rebuildable)
       .lock                   held by the process that writes
 

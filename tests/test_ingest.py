@@ -13,7 +13,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from conftest import CONFIGS, NUM_SAMPLES, run_ingest, shard
-from origin_files import exp5_config_doc, exp5_name, exp6_config_doc, exp6_name, write
+from origin_files import exp5_name, exp6_config_doc, exp6_name, write
 from pipeline import IngestError, Workspace, WorkspaceLockedError
 
 
