@@ -10,8 +10,8 @@ measurement runs in a fresh child process so that its peak RSS is its own:
 * ``ingest Nw``: ``ctrl ingest`` into an empty workspace with N parser processes;
 * ``re-ingest``: the same call again on the unchanged tree (the no-op path).
 
-Medians over ``--repeats`` runs; peak RSS is reported for the ingest process and for its
-largest parser worker (they run side by side, so their sum bounds the total).
+Medians over ``--repeats`` runs. Peak RSS: the ingest process's own maximum (getrusage), and
+the summed RSS of it and all its parser workers, sampled from /proc every 20 ms.
 """
 
 from __future__ import annotations
@@ -69,13 +69,44 @@ def _child(mode: str, tree: Path, workspace: Path, workers: int) -> None:
     elapsed = time.perf_counter() - started
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    print(json.dumps({"seconds": elapsed, "main_rss_mib": own / 1024, "worker_rss_mib": kids / 1024}))
+    print(json.dumps({"seconds": elapsed, "main_rss_mib": max(own, kids) / 1024}))
+
+
+def _tree_rss_mib(root_pid: int) -> float:
+    """Summed RSS of ``root_pid`` and all its descendants (parser workers included), from /proc."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/statm") as fh:
+                rss[int(entry)] = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(rss.get(pid, 0) for pid in tree) / 2**20
 
 
 def measure(mode: str, tree: Path, workspace: Path, workers: int = 1) -> dict:
+    """Run one measurement in a child process, sampling the whole process tree's RSS."""
     cmd = [sys.executable, __file__, "--child", mode, "--tree", str(tree), "--workspace", str(workspace), "--workers", str(workers)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0.0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss_mib(proc.pid))
+        time.sleep(0.02)
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{mode} failed:\n{stderr}")
+    return {**json.loads(stdout.strip().splitlines()[-1]), "tree_rss_mib": peak}
 
 
 def main() -> None:
@@ -115,15 +146,15 @@ def main() -> None:
             runs.append(measure(mode, tree, ws, workers))
         seconds = statistics.median(r["seconds"] for r in runs)
         main_rss = max(r["main_rss_mib"] for r in runs)
-        worker_rss = max(r["worker_rss_mib"] for r in runs) if workers > 1 and not warm else None
+        worker_rss = max(r["tree_rss_mib"] for r in runs)
         floor_s = floor_s or seconds
         rows.append((label, seconds, records / seconds, size_mb / seconds, seconds / floor_s, main_rss, worker_rss))
         print(f"  {label}: {seconds:.2f}s", file=sys.stderr)
     print(f"\n{records:,} records in {len(files)} files ({size_mb:.0f} MB), median of {args.repeats}, {os.cpu_count()} cores\n")
-    print("| run | median s | records/s | MB/s | x floor | peak RSS MiB (main) | peak RSS MiB (largest worker) |")
+    print("| run | median s | records/s | MB/s | x floor | peak RSS MiB (main process) | peak RSS MiB (all processes, sampled) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, s, rps, mbs, ratio, main_rss, worker_rss in rows:
-        worker = f"{worker_rss:.0f}" if worker_rss is not None else "-"
+        worker = f"{worker_rss:.0f}"
         print(f"| {label} | {s:.2f} | {rps:,.0f} | {mbs:.0f} | {ratio:.2f} | {main_rss:.0f} | {worker} |")
 
 
