@@ -151,6 +151,9 @@ def status(
     out.print(f"flagged measurements: {flags or 'none'}", highlight=False)
     for bad in summary["bad_files"]:
         out.print(f"[red]{bad['status']}:[/] {bad['error']}", highlight=False, soft_wrap=True)
+    if summary["missing_files"]:
+        out.print(f"{len(summary['missing_files'])} ingested file(s) no longer on disk (their rows are kept), "
+                  f"e.g. {summary['missing_files'][0]}", highlight=False, markup=False)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pipeline.catalog import connect
@@ -37,6 +38,8 @@ def workspace_status(workspace: Workspace) -> dict[str, Any]:
             "flags": rows("SELECT " + ", ".join(f"count(*) FILTER (WHERE {f}) AS {f}" for f in _FLAG_COLUMNS) + " FROM measurements")[0],
             "files": rows("SELECT status, count(*) AS files, sum(rows) AS rows FROM files GROUP BY status ORDER BY status"),
             "bad_files": rows("SELECT path, status, error FROM files WHERE status = 'error' ORDER BY path"),
+            # ingest keeps the rows of files that have since disappeared: say so
+            "missing_files": [r["path"] for r in rows("SELECT path FROM files ORDER BY path") if not Path(r["path"]).exists()],
         }
     finally:
         con.close()

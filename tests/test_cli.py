@@ -40,6 +40,11 @@ def test_ingest_query_status(small_tree, tmp_path):
     assert summary["datasets"] == [{"dataset": "coco_2014_vqa", "samples": NUM_SAMPLES, "measurements": 2 * NUM_SAMPLES * len(CONFIGS)}]
     assert summary["flags"]["flag_prefill_invalid"] == NUM_SAMPLES * len(CONFIGS)
     assert "coco_2014_vqa" in invoke("status", "-w", ws).stdout
+    assert summary["missing_files"] == []
+    gone = next(small_tree.rglob("exp5_accuracy_results.json"))
+    gone.unlink()
+    assert json.loads(invoke("status", "-w", ws, "--json").stdout)["missing_files"] == [str(gone)]
+    assert "1 ingested file(s) no longer on disk" in invoke("status", "-w", ws).stdout
 
 
 def test_workspace_from_environment(small_tree, tmp_path):
