@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from pipeline.knobs import NUM_TOTAL_BLOCKS, TOKENS_PER_CROP, exp_active_blocks
+from pipeline.knobs import select_tiling as knobs_select_tiling
 
 # -- Molmo image geometry (origin_formats.md §2.1)
 CROP_WINDOW_PX = 224
@@ -114,26 +115,11 @@ def count_tokens(text: str) -> int:
 
 
 @lru_cache(maxsize=None)
-def _tiling_candidates(max_crops: int) -> np.ndarray:
-    tilings = [(i, j) for i in range(1, max_crops + 1) for j in range(1, max_crops + 1) if i * j <= max_crops]
-    tilings.sort(key=lambda t: (t[0] * t[1], t[0]))  # ties favour fewer crops, then fewer rows
-    return np.array(tilings, dtype=np.int32)
-
-
 def select_tiling(height: np.ndarray, width: np.ndarray, max_crops: int) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorised Molmo tiling rule (§2.1) for original image sizes; returns (rows, cols).
-
-    Like Molmo, the margin is subtracted first and scales are computed in float32.
-    """
-    cand = _tiling_candidates(max_crops)
-    res = (cand * CROP_WINDOW_PX).astype(np.float32)
-    h = (np.asarray(height) - TOTAL_MARGIN_PX).astype(np.float32)
-    w = (np.asarray(width) - TOTAL_MARGIN_PX).astype(np.float32)
-    scale = np.minimum(res[None, :, 0] / h[:, None], res[None, :, 1] / w[:, None])
-    all_down = np.all(scale < 1, axis=1)
-    ix = np.where(all_down, np.argmax(scale, axis=1),
-                  np.argmin(np.where(scale < 1.0, np.float32(1e10), scale), axis=1))
-    return cand[ix, 0], cand[ix, 1]
+    """Vectorised Molmo tiling rule (§2.1) for original image sizes; returns (rows, cols)."""
+    rows, cols = knobs_select_tiling(np.asarray(height), np.asarray(width), max_crops,
+                                     window_px=CROP_WINDOW_PX, total_margin_px=TOTAL_MARGIN_PX)
+    return np.atleast_1d(rows), np.atleast_1d(cols)
 
 
 def block_deficit(num_active_blocks: int) -> float:

@@ -82,3 +82,92 @@ def tier_of_max_crops(max_crops: int) -> str:
             return spec.name
     msg = f"max_crops {max_crops!r} is outside every tier (1..15)"
     raise ValueError(msg)
+
+
+# -- Knob1: crops. The Molmo tiling rule (origin_formats.md §2.1)
+#: MolmoE-1B geometry: 336-px crops, 4-patch (56 px) margins on each side -> 224-px window
+MOLMO_CROP_WINDOW_PX = 224
+MOLMO_TOTAL_MARGIN_PX = 112
+
+
+def tiling_candidates(max_crops: int) -> np.ndarray:
+    """All (rows, cols) with rows * cols <= max_crops, fewest crops first (ties favour fewer crops)."""
+    if max_crops < 1:
+        msg = f"max_crops must be >= 1, got {max_crops!r}"
+        raise ValueError(msg)
+    tilings = [(i, j) for i in range(1, max_crops + 1) for j in range(1, max_crops + 1) if i * j <= max_crops]
+    tilings.sort(key=lambda t: (t[0] * t[1], t[0]))
+    return np.array(tilings, dtype=np.int32)
+
+
+def select_tiling(height, width, max_crops: int, *, window_px: int = MOLMO_CROP_WINDOW_PX,
+                  total_margin_px: int = MOLMO_TOTAL_MARGIN_PX) -> tuple[np.ndarray, np.ndarray]:
+    """Molmo's tiling rule for image sizes (scalars or arrays); returns (rows, cols).
+
+    If every candidate tiling needs downscaling, take the one with the largest scale;
+    otherwise the least upscaling. The margin is subtracted first and scales are float32,
+    as in Molmo. The image is then resized to (rows*window+margin, cols*window+margin).
+    """
+    cand = tiling_candidates(max_crops)
+    res = (cand * window_px).astype(np.float32)
+    h = (np.atleast_1d(np.asarray(height)) - total_margin_px).astype(np.float32)
+    w = (np.atleast_1d(np.asarray(width)) - total_margin_px).astype(np.float32)
+    h, w = np.maximum(h, 1.0), np.maximum(w, 1.0)
+    scale = np.minimum(res[None, :, 0] / h[:, None], res[None, :, 1] / w[:, None])
+    all_down = np.all(scale < 1, axis=1)
+    ix = np.where(all_down, np.argmax(scale, axis=1), np.argmin(np.where(scale < 1.0, np.float32(1e10), scale), axis=1))
+    rows, cols = cand[ix, 0], cand[ix, 1]
+    if np.ndim(height) == 0 and np.ndim(width) == 0:
+        return int(rows[0]), int(cols[0])
+    return rows, cols
+
+
+# -- Knob3: which blocks run. Importance-based selection (origin_formats.md §2.3, §6)
+
+
+def load_importance_scores(path) -> dict[int, float]:
+    """Read a §6 importance file: a flat {block: score} object, or one wrapped in
+    ``merged_scores`` / ``train_scores`` / ``importance_scores``. Non-integer keys are dropped."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    for wrapper in ("merged_scores", "train_scores", "importance_scores"):
+        if isinstance(data.get(wrapper), dict):
+            data = data[wrapper]
+            break
+    scores: dict[int, float] = {}
+    for key, value in data.items():
+        try:
+            block = int(key)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            scores[block] = float(value)
+    if not scores:
+        msg = f"{path}: no integer block keys with numeric scores"
+        raise ValueError(msg)
+    return scores
+
+
+def select_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOTAL_BLOCKS,
+                         scores: dict[int, float] | None = None) -> tuple[int, ...]:
+    """Blocks that run when ``num_active_blocks`` of ``num_total_blocks`` are kept.
+
+    Block 0 always runs (it embeds the image features and anchors the KV cache). With
+    ``scores``, the other blocks are kept by descending score (ties: lower index; blocks
+    absent from the file score -inf, i.e. go first). Without scores the documented default
+    drops blocks from the second-to-last backwards (n-2, n-3, ...), keeping block 0 and the
+    final block: deep-middle blocks are the most redundant in decoder LMs, and the final
+    block feeds the output norm. Both rules are nested: fewer blocks is a subset of more.
+    """
+    if not 1 <= num_active_blocks <= num_total_blocks:
+        msg = f"num_active_blocks must be in 1..{num_total_blocks}, got {num_active_blocks!r}"
+        raise ValueError(msg)
+    others = list(range(1, num_total_blocks))
+    if scores is None:
+        # keep order: the final block first, then blocks 1, 2, ... (so n-2, n-3, ... are dropped first)
+        ranked = ([num_total_blocks - 1] if num_total_blocks > 1 else []) + list(range(1, num_total_blocks - 1))
+    else:
+        ranked = sorted(others, key=lambda b: (-scores.get(b, float("-inf")), b))
+    return tuple(sorted([0] + ranked[: num_active_blocks - 1]))
