@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
@@ -114,7 +113,6 @@ def count_tokens(text: str) -> int:
     return max(n, 1)
 
 
-@lru_cache(maxsize=None)
 def select_tiling(height: np.ndarray, width: np.ndarray, max_crops: int) -> tuple[np.ndarray, np.ndarray]:
     """Vectorised Molmo tiling rule (§2.1) for original image sizes; returns (rows, cols)."""
     rows, cols = knobs_select_tiling(np.asarray(height), np.asarray(width), max_crops,
