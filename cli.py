@@ -156,6 +156,58 @@ def status(
                   f"e.g. {summary['missing_files'][0]}", highlight=False, markup=False)
 
 
+@app.command("extract-features")
+def extract_features(
+    workspace: WorkspaceOption = None,
+    images: Annotated[Path | None, typer.Option("--images", help="Directory searched (recursively) for images by image_id.",
+                                                exists=True, file_okay=False)] = None,
+    image_pattern: Annotated[str | None, typer.Option("--image-pattern", help="Extra file name pattern, e.g. '{dataset}/{image_id}.jpg'.")] = None,
+    model: Annotated[str, typer.Option("--model", help="'embedded' (built offline from a seed) or a local checkpoint directory.")] = "embedded",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 16,
+    force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
+) -> None:
+    """Compute image and language features per sample once and cache them in the workspace."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from features import FeatureConfig
+    from features import extract_features as run_extract
+    from pipeline import CtrlError
+
+    try:
+        config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
+                               device=device, batch_size=batch_size, force=force)
+        with Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("features", total=None, rate="")
+            started = [0.0]
+
+            def advance(n: int) -> None:
+                import time
+
+                started[0] = started[0] or time.perf_counter()
+                bar.update(task, advance=n)
+                done = bar.tasks[0].completed
+                elapsed = time.perf_counter() - started[0]
+                bar.update(task, rate=f"{done / elapsed:.1f} samples/s" if elapsed > 0 else "")
+
+            report = run_extract(config, progress=advance, on_total=lambda n: bar.update(task, total=n))
+    except CtrlError as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: finished chunks are kept; the next run resumes")
+        raise typer.Exit(code=130) from None
+    out.print(f"features for {report.num_samples} samples (model {report.fingerprint[:16]}): {report.computed} computed, "
+              f"{report.cached} already cached; {report.computed / max(report.elapsed_s, 1e-9):.1f} samples/s",
+              highlight=False, markup=False)
+    for label, ids in (("missing", report.missing_images), ("unreadable", report.unreadable_images)):
+        unique = list(dict.fromkeys(ids))
+        if unique:
+            err.print(f"{len(unique)} {label} image(s), e.g. {', '.join(unique[:5])}: their image features are null",
+                      highlight=False, markup=False)
+
+
 @app.command()
 def schema() -> None:
     """Print the workspace tables' schemas (columns, types, units) as Markdown."""

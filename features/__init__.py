@@ -1,1 +1,8 @@
-"""Cached model features (image and language); lands with issue #3."""
+"""features: per-sample image and language features, computed once per model and cached.
+
+The model runtime itself lives in ``features.model`` (imports torch); ``online`` reuses it.
+"""
+
+from features.extract import FeatureConfig, FeatureReport, extract_features
+
+__all__ = ["FeatureConfig", "FeatureReport", "extract_features"]

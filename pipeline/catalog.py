@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import QueryError
-from pipeline.schema import TABLES, quote_ident
+from pipeline.schema import FEATURE_TABLES, TABLES, quote_ident
 from pipeline.workspace import Workspace
 
 #: per (dataset, sample_key): every recorded exp5/exp6 configuration, what offline training reads
@@ -71,8 +71,13 @@ def view_ddl(table_paths: dict[str, Path]) -> list[str]:
 
 
 def workspace_table_paths(workspace: Workspace) -> dict[str, Path]:
+    """The live generation's tables, plus feature tables (a glob over every model's cache)."""
     gen = workspace.require_generation()
-    return {name: gen / f"{name}.parquet" for name in TABLES if (gen / f"{name}.parquet").exists()}
+    paths = {name: gen / f"{name}.parquet" for name in TABLES if (gen / f"{name}.parquet").exists()}
+    for name in FEATURE_TABLES:
+        if any(workspace.features_dir.glob(f"*/chunk-*/{name}.parquet")):
+            paths[name] = workspace.features_dir / "*" / "chunk-*" / f"{name}.parquet"
+    return paths
 
 
 def connect(workspace: Workspace) -> Any:

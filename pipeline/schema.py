@@ -194,6 +194,54 @@ FILES = TableSchema(
 
 TABLES: dict[str, TableSchema] = {t.name: t for t in (SAMPLES, MEASUREMENTS, CONFIGS, FILES)}
 
+# -- feature tables, written by `ctrl extract-features` under workspace/features/<fingerprint>/
+_FEATURE_KEY = (
+    Column("dataset", _S, "see samples", **_KEY),
+    Column("sample_key", _S, "see samples", **_KEY),
+    Column("model_fingerprint", _S, "hash of the model's config, tokenizer and weights", **_KEY),
+)
+_VECTOR = pa.list_(pa.float32())
+
+IMAGE_FEATURES = TableSchema(
+    name="image_features",
+    description="One row per (dataset, sample_key, model_fingerprint): the pooled vision-backbone output at the reference crop setting.",
+    primary_key=("dataset", "sample_key", "model_fingerprint"),
+    columns=_FEATURE_KEY + (
+        Column("image_id", _S, "samples.image_id"),
+        Column("image_status", _S, "ok | missing | unreadable | no_image_id", **_KEY),
+        Column("image_path", _S, "file the image was read from"),
+        Column("image_width", _I, "original image width", "px"),
+        Column("image_height", _I, "original image height", "px"),
+        Column("reference_max_crops", _I, "max_crops used for the feature", "crops", **_KEY),
+        Column("num_crops", _I, "crops of that tiling (plus one global image)", "crops"),
+        Column("feature", _VECTOR, "float32[image_feature_dim]; null when the image is missing or unreadable"),
+    ),
+)
+
+LANG_FEATURES = TableSchema(
+    name="lang_features",
+    description="One row per (dataset, sample_key, model_fingerprint): mean input embedding (wte) of the prompt's text tokens.",
+    primary_key=("dataset", "sample_key", "model_fingerprint"),
+    columns=_FEATURE_KEY + (
+        Column("num_prompt_tokens", _I, "text tokens of the formatted prompt", "tokens", **_KEY),
+        Column("feature", _VECTOR, "float32[lang_feature_dim]", **_KEY),
+    ),
+)
+
+IMAGE_TILINGS = TableSchema(
+    name="image_tilings",
+    description="One row per (dataset, sample_key, model_fingerprint, max_crops): the tiling the model's preprocessor picks.",
+    primary_key=("dataset", "sample_key", "model_fingerprint", "max_crops"),
+    columns=_FEATURE_KEY + (
+        Column("max_crops", _I, "crop limit", "crops", **_KEY),
+        Column("rows", _I, "tiling rows", **_KEY),
+        Column("cols", _I, "tiling columns", **_KEY),
+        Column("num_crops", _I, "rows * cols (the vision tower sees num_crops + 1 image arrays)", "crops", **_KEY),
+    ),
+)
+
+FEATURE_TABLES: dict[str, TableSchema] = {t.name: t for t in (IMAGE_FEATURES, LANG_FEATURES, IMAGE_TILINGS)}
+
 
 def schema_markdown(table: TableSchema) -> str:
     """The README section of one table, generated so docs and code cannot drift."""
@@ -213,4 +261,4 @@ def schema_markdown(table: TableSchema) -> str:
 
 def schemas_markdown() -> str:
     """All tables' README sections (``ctrl schema`` prints this)."""
-    return "\n\n".join(schema_markdown(t) for t in TABLES.values())
+    return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values()))

@@ -75,7 +75,7 @@ class SyntheticSpec:
     exp5_batch_size: int = 8  # base per-GPU batch; varied per config like the auto-adjust
     seed: int = 0
     write_images: bool = True
-    image_max_side: int = 96  # small images, keep the repo/data tiny
+    image_max_side: int = 448  # big enough that the embedded preprocessor tiles them (84-px windows); a few KB each
     indent: int | None = 2  # json.dump indent (origin used indent=2)
     lost_merge_configs: tuple[tuple[int, int, int], ...] = ()  # only the rank-0 file exists
     empty_configs: tuple[tuple[int, int, int], ...] = ()  # 0 samples processed: NaN accuracy

@@ -66,6 +66,10 @@ class Workspace:
         return self.root / "fragments"
 
     @property
+    def features_dir(self) -> Path:
+        return self.root / "features"
+
+    @property
     def catalog_path(self) -> Path:
         return self.root / CATALOG_NAME
 
@@ -191,6 +195,7 @@ def check_table_schema(actual: pa.Schema, expected: TableSchema, path: Path) -> 
         raise SchemaError(msg)
     for col in expected.columns:
         got = actual.field(col.name).type
-        if not got.equals(col.dtype) and not (pa.types.is_list(got) and pa.types.is_list(col.dtype) and got.value_type.equals(col.dtype.value_type)):
+        lists = (pa.types.is_list(got) or pa.types.is_fixed_size_list(got)) and pa.types.is_list(col.dtype)
+        if not got.equals(col.dtype) and not (lists and got.value_type.equals(col.dtype.value_type)):
             msg = f"{path}: column {col.name!r} has type {got}, expected {col.dtype}"
             raise SchemaError(msg)

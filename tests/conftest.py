@@ -54,3 +54,14 @@ def workspace(tmp_path: Path) -> Workspace:
 
 def run_ingest(paths: list[Path], workspace: Workspace, **kwargs) -> IngestReport:
     return ingest(IngestConfig(paths=paths, workspace=workspace.root, num_workers=kwargs.pop("num_workers", 1), **kwargs))
+
+
+@pytest.fixture(scope="session")
+def embedded_runtime(tmp_path_factory):
+    """The real embedded model, built once per test session into a temporary cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("CTRL_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
+    from features.model import load_runtime
+
+    yield load_runtime("embedded")
+    patch.undo()

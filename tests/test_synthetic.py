@@ -286,7 +286,7 @@ def test_images_one_per_distinct_image(tree_all) -> None:
     assert max(sizes) < 12_000
     with Image.open(tree_all.images_dir / image_filename("coco_2014_vqa", coco.image_ids[0])) as img:
         w, h = img.size
-    assert max(w, h) == 96 and w / h == pytest.approx(coco.image_size[0, 0] / coco.image_size[0, 1], rel=0.05)
+    assert max(w, h) == tree_all.spec.image_max_side and w / h == pytest.approx(coco.image_size[0, 0] / coco.image_size[0, 1], rel=0.05)
     assert len({s.image_file for s in tree_all.samples}) == len(files)
 
 

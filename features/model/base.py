@@ -1,0 +1,216 @@
+"""The one model interface: what features/ (this milestone) and online/ (later) call.
+
+Two backends implement it: the embedded MolmoE-shaped model (``features.model.embedded``,
+built offline from a seed) and a real MolmoE-1B checkpoint directory
+(``features.model.molmoe``, loaded with its own code). Knob changes are always scoped:
+``with runtime.knobs(top_k=4, num_active_blocks=12): ...`` restores the model on exit.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.errors import CtrlError, KnobError
+
+#: the crop setting at which image features are extracted (documented in the README)
+REFERENCE_MAX_CROPS = 6
+
+
+class ModelLoadError(CtrlError):
+    """A model directory that cannot be loaded (missing files or modules, unusable device)."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``torch.device`` for a name; a CUDA device that is not available is a user error."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def validate_top_k(top_k: int | Mapping[int, int], num_layers: int, num_experts: int) -> dict[int, int]:
+    """The ``set_top_k`` argument as {layer: k}, every k an int in 1..num_experts (shared by backends)."""
+    items = {i: top_k for i in range(num_layers)} if not isinstance(top_k, Mapping) else dict(top_k)
+    out: dict[int, int] = {}
+    for layer, k in items.items():
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
+            raise KnobError(f"top_k layer index must be in 0..{num_layers - 1}, got {layer!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= num_experts:
+            raise KnobError(f"top_k must be an integer in 1..{num_experts}, got {k!r}")
+        out[int(layer)] = int(k)
+    return out
+
+
+def validate_active_blocks(blocks: Sequence[int] | None, num_layers: int) -> tuple[int, ...] | None:
+    """Sorted unique block indices containing 0, or None for all blocks (shared by backends)."""
+    if blocks is None:
+        return None
+    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in blocks):
+        raise KnobError(f"active blocks must be integers, got {list(blocks)!r}")
+    chosen = sorted({int(b) for b in blocks})
+    if not chosen or chosen[0] != 0:
+        raise KnobError(f"active blocks must include block 0, got {list(blocks)!r}")
+    if chosen[-1] >= num_layers:
+        raise KnobError(f"active blocks must be in 0..{num_layers - 1}, got {list(blocks)!r}")
+    return None if len(chosen) == num_layers else tuple(chosen)
+
+
+def resolve_importance_scores(scores: str | Path | Mapping[int, float] | None) -> dict[int, float] | None:
+    """An importance file (``pipeline.knobs.load_importance_scores``) or mapping as {block: score}."""
+    if scores is None:
+        return None
+    if isinstance(scores, Mapping):
+        return {int(k): float(v) for k, v in scores.items()}
+    from pipeline.knobs import load_importance_scores
+
+    return load_importance_scores(scores)
+
+
+@dataclass
+class ModelInputs:
+    """One preprocessed request.
+
+    input_ids: int64, shape (1, seq_len): the prompt as the model sees it, image placeholder
+        tokens included.
+    attention_mask: int64, shape (1, seq_len).
+    images: float32, shape (num_crops + 1, 3, crop_px, crop_px), the global image first;
+        None for a text-only request.
+    image_token_positions: int64, shape (num_image_tokens,): where image features replace
+        placeholder embeddings; None without an image.
+    tiling: (rows, cols) chosen by the tiling rule; None without an image.
+    prompt: the formatted prompt text.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    images: torch.Tensor | None
+    image_token_positions: torch.Tensor | None
+    tiling: tuple[int, int] | None
+    prompt: str
+
+    @property
+    def num_crops(self) -> int:
+        return 0 if self.tiling is None else self.tiling[0] * self.tiling[1]
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (without the prompt, EOS included when produced) and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+class ModelRuntime(ABC):
+    """Load once, then preprocess / extract features / generate with knobs."""
+
+    #: "embedded" or "molmoe"
+    kind: str
+    #: identifies weights + config + preprocessing: cached features are keyed by it
+    fingerprint: str
+    num_layers: int
+    num_experts: int
+    default_top_k: int
+    device: torch.device
+
+    # -- preprocessing
+    @abstractmethod
+    def format_prompt(self, question: str) -> str:
+        """The prompt text the model is given for a question."""
+
+    @abstractmethod
+    def tiling(self, width: int, height: int, max_crops: int) -> tuple[int, int]:
+        """(rows, cols) the preprocessor would use for an image of this size (no pixels needed)."""
+
+    @abstractmethod
+    def preprocess(self, image: Image.Image | None, question: str, max_crops: int) -> ModelInputs:
+        """Tokenize the formatted prompt and cut the image into crops + 1 global image."""
+
+    # -- features
+    @property
+    @abstractmethod
+    def image_feature_dim(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def lang_feature_dim(self) -> int: ...
+
+    @abstractmethod
+    def image_features(self, batch: Sequence[ModelInputs]) -> torch.Tensor:
+        """float32, shape (len(batch), image_feature_dim): the vision backbone's output
+        (after pooling and projection) mean-pooled over all image tokens of each request."""
+
+    @abstractmethod
+    def text_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input-embedding table (``wte``) applied to ids: shape (*input_ids.shape, dim)."""
+
+    @abstractmethod
+    def lang_features(self, questions: Sequence[str]) -> torch.Tensor:
+        """float32, shape (len(questions), lang_feature_dim): mean of the input embeddings of
+        each formatted prompt's text tokens (image placeholders excluded)."""
+
+    # -- knobs
+    @abstractmethod
+    def set_top_k(self, top_k: int | Mapping[int, int]) -> None:
+        """MoE top-K for every decoder layer (int) or per layer index (mapping; others keep theirs)."""
+
+    @abstractmethod
+    def current_top_k(self) -> list[int]:
+        """The top-K each decoder layer uses now."""
+
+    @abstractmethod
+    def set_active_blocks(self, blocks: Sequence[int] | None) -> None:
+        """Run only these decoder blocks (must include 0); None runs all."""
+
+    @abstractmethod
+    def current_active_blocks(self) -> list[int]: ...
+
+    @contextmanager
+    def knobs(self, *, top_k: int | Mapping[int, int] | None = None, num_active_blocks: int | None = None,
+              active_blocks: Sequence[int] | None = None) -> Iterator[ModelRuntime]:
+        """Apply knobs for the duration of the block, then restore the previous state.
+
+        ``num_active_blocks`` picks blocks with the runtime's importance rule
+        (``pipeline.knobs.select_active_blocks``); ``active_blocks`` gives them explicitly.
+        """
+        saved_top_k, saved_blocks = self.current_top_k(), self.current_active_blocks()
+        try:
+            if top_k is not None:
+                self.set_top_k(top_k)
+            if active_blocks is not None and num_active_blocks is not None:
+                raise ValueError("pass num_active_blocks or active_blocks, not both")
+            if num_active_blocks is not None:
+                active_blocks = self.blocks_for(num_active_blocks)
+            if active_blocks is not None:
+                self.set_active_blocks(active_blocks)
+            yield self
+        finally:
+            self.set_top_k(dict(enumerate(saved_top_k)))
+            self.set_active_blocks(saved_blocks if len(saved_blocks) < self.num_layers else None)
+
+    @abstractmethod
+    def blocks_for(self, num_active_blocks: int) -> tuple[int, ...]:
+        """The blocks kept for a block count (importance file if given, else the default rule)."""
+
+    # -- generation
+    @abstractmethod
+    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
+        """Greedy decoding with the current knobs, KV cache on."""
+
+    # -- module handles for hooks (online latency measurement)
+    @property
+    @abstractmethod
+    def vision_module(self) -> torch.nn.Module: ...
+
+    @property
+    @abstractmethod
+    def decoder_layers(self) -> Sequence[torch.nn.Module]:
+        """All decoder blocks in order, whether active or not."""
