@@ -140,7 +140,10 @@ def status(
         sys.stdout.write(json.dumps(summary, default=str, indent=1) + "\n")
         return
     out.print(f"workspace {summary['workspace']} ({summary['generation']})  catalog: {summary['catalog']}", highlight=False, markup=False)
-    for title, rows in (("datasets", summary["datasets"]), ("configurations", summary["experiments"]), ("files", summary["files"])):
+    sections = [("datasets", summary["datasets"]), ("configurations", summary["experiments"]), ("files", summary["files"])]
+    if summary["features"]:
+        sections.append(("features (ctrl extract-features)", summary["features"]))
+    for title, rows in sections:
         table = Table(title=title, title_justify="left")
         for name in (rows[0].keys() if rows else ["(none)"]):
             table.add_column(name)

@@ -15,6 +15,7 @@ _FLAG_COLUMNS = ("flag_prefill_invalid", "flag_prefill_partial", "flag_text_toke
 def workspace_status(workspace: Workspace) -> dict[str, Any]:
     """Datasets, samples, configurations per experiment, flag counts and bad files."""
     con = connect(workspace)
+    views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     try:
         def rows(sql: str) -> list[dict[str, Any]]:
             cur = con.execute(sql)
@@ -38,6 +39,11 @@ def workspace_status(workspace: Workspace) -> dict[str, Any]:
             "flags": rows("SELECT " + ", ".join(f"count(*) FILTER (WHERE {f}) AS {f}" for f in _FLAG_COLUMNS) + " FROM measurements")[0],
             "files": rows("SELECT status, count(*) AS files, sum(rows) AS rows FROM files GROUP BY status ORDER BY status"),
             "bad_files": rows("SELECT path, status, error FROM files WHERE status = 'error' ORDER BY path"),
+            "features": rows("""
+                SELECT left(model_fingerprint, 16) AS model, count(*) AS samples,
+                       count(*) FILTER (WHERE image_status = 'ok') AS images_ok,
+                       count(*) FILTER (WHERE image_status <> 'ok') AS images_missing
+                FROM image_features GROUP BY 1 ORDER BY 1""") if "image_features" in views else [],
             # ingest keeps the rows of files that have since disappeared: say so
             "missing_files": [r["path"] for r in rows("SELECT path FROM files ORDER BY path") if not Path(r["path"]).exists()],
         }

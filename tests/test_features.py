@@ -120,6 +120,8 @@ def test_cli_extract_features(runtime, feature_ws, monkeypatch):
     assert "features for 20 samples" in result.stdout and "20 computed" in result.stdout
     status = CliRunner().invoke(app, ["query", "-w", str(ws.root), "SELECT count(*) AS n FROM lang_features", "--format", "json"])
     assert json.loads(status.stdout) == [{"n": 20}]
+    summary = json.loads(CliRunner().invoke(app, ["status", "-w", str(ws.root), "--json"]).stdout)
+    assert summary["features"] == [{"model": runtime.fingerprint[:16], "samples": 20, "images_ok": 20, "images_missing": 0}]
 
 
 def test_fully_cached_run_never_loads_the_model(runtime, feature_ws, monkeypatch):
