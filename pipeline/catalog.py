@@ -55,6 +55,10 @@ GROUPS_COLUMNS = {
 }
 
 
+#: view name -> file inside workspace/runs/<run_id>/
+RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations": "evaluation.parquet"}
+
+
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
@@ -62,7 +66,7 @@ def _sql_string(value: str) -> str:
 def view_ddl(table_paths: dict[str, Path]) -> list[str]:
     """CREATE VIEW statements for the given tables plus derived views, in a stable order."""
     statements = [
-        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_sql_string(str(path))})"
+        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_sql_string(str(path))}, union_by_name = true)"
         for name, path in sorted(table_paths.items())
     ]
     if {"measurements", "configs"} <= table_paths.keys():
@@ -77,6 +81,9 @@ def workspace_table_paths(workspace: Workspace) -> dict[str, Path]:
     for name in FEATURE_TABLES:
         if any(workspace.features_dir.glob(f"*/chunk-*/{name}.parquet")):
             paths[name] = workspace.features_dir / "*" / "chunk-*" / f"{name}.parquet"
+    for name, filename in RUN_VIEWS.items():  # written by the trainer, one file per run
+        if any(workspace.runs_dir.glob(f"*/{filename}")):
+            paths[name] = workspace.runs_dir / "*" / filename
     return paths
 
 

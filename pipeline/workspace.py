@@ -70,6 +70,10 @@ class Workspace:
         return self.root / "features"
 
     @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    @property
     def catalog_path(self) -> Path:
         return self.root / CATALOG_NAME
 

@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_view_ddl_is_sorted_and_quotes_paths():
     ddl = view_ddl({"samples": Path("/w/it's/samples.parquet"), "configs": Path("/c.parquet"), "measurements": Path("/m.parquet")})
     assert [s.split()[4] for s in ddl] == ['"configs"', '"measurements"', '"samples"', "groups"]
-    assert "read_parquet('/w/it''s/samples.parquet')" in ddl[2]
+    assert "read_parquet('/w/it''s/samples.parquet', union_by_name = true)" in ddl[2]
     assert view_ddl({"samples": Path("/s.parquet")})[-1].startswith('CREATE OR REPLACE VIEW "samples"')  # no groups without its inputs
 
 
