@@ -212,6 +212,114 @@ def extract_features(
 
 
 @app.command()
+def train(
+    offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations (online: issue 5).")] = True,
+    workspace: WorkspaceOption = None,
+    model_fingerprint: Annotated[str | None, typer.Option("--model-fingerprint", help="Feature model to use (prefix ok; default: the only one).")] = None,
+    num_epochs: Annotated[int, typer.Option("--num-epochs", min=1, help="Passes over the train split.")] = 30,
+    group_size: Annotated[int, typer.Option("--group-size", min=2, help="Configurations sampled per (sample, budget) group, G.")] = 5,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step.")] = 32,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed: the same options give the same run.")] = 42,
+    budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: from the data).")] = None,
+    budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
+    reward_mode: Annotated[str, typer.Option("--reward-mode", help="soft (origin §7.5 formula) or hard (violations get a fixed penalty).",
+                                             rich_help_panel="Reward and loss")] = "soft",
+    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).", rich_help_panel="Reward and loss")] = "grpo",
+    scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.", rich_help_panel="Reward and loss")] = "batch",
+    clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).", rich_help_panel="Reward and loss")] = None,
+    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial policy (default 0).", rich_help_panel="Reward and loss")] = 0.0,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last checkpoint.")] = None,
+) -> None:
+    """Train the knob controller with GRPO on the recorded configuration groups, then evaluate it."""
+    from pipeline import CtrlError
+
+    if not offline:
+        raise _fail(CtrlError("online training is not available yet (it lands with issue 5); use --offline"))
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainer import OfflineTrainConfig, RewardConfig, format_evaluation_table, train_offline
+
+    try:
+        if resume:
+            config = OfflineTrainConfig.from_run(resume, workspace, num_epochs=num_epochs)
+        else:
+            config = OfflineTrainConfig(
+                workspace=workspace, model_fingerprint=model_fingerprint, num_epochs=num_epochs, group_size=group_size,
+                batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
+                reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
+                clip_epsilon=clip_epsilon, kl_beta=kl_beta, run_id=run_id)
+        with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("train", total=None, info="")
+
+            def show(event: dict) -> None:
+                if event.get("phase") == "train":
+                    val = event.get("val_expected_reward")
+                    bar.update(task, completed=event.get("step", 0), total=event.get("total_steps"),
+                               info=f"epoch {event.get('epoch')} loss {event.get('loss', float('nan')):.4f} "
+                                    f"reward {event.get('reward', float('nan')):.3f} val E[r] "
+                                    + (f"{val:.3f}" if val is not None else "-"))
+                elif event.get("phase") == "evaluate":
+                    bar.update(task, info="evaluating on the test split")
+
+            result = train_offline(config, progress=show)
+    except (CtrlError, ValueError) as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: resume with --resume RUN (the last finished epoch is checkpointed)")
+        raise typer.Exit(code=130) from None
+    out.print(f"run {result.run_id}: best epoch {result.best_epoch}, validation expected reward "
+              f"{result.initial_val_expected_reward:.4f} -> {result.best_val_expected_reward:.4f}; {result.run_dir}",
+              highlight=False, markup=False)
+    if result.evaluation is not None:
+        out.print(format_evaluation_table(result.evaluation))
+        out.print(f"plot: {result.run_dir / 'evaluation.png'}", highlight=False, markup=False)
+
+
+@app.command()
+def evaluate(
+    run: Annotated[str, typer.Argument(help="Run id of the workspace, or a run directory.")],
+    workspace: WorkspaceOption = None,
+    budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; default: the run's grid).")] = None,
+) -> None:
+    """Evaluate a run's controller against the baselines on the test split (table, Parquet, PNG)."""
+    from pipeline import CtrlError, Workspace
+    from trainer import evaluate_run, format_evaluation_table, resolve_run_dir
+
+    try:
+        frame = evaluate_run(workspace, run, budget_ms or None)
+        run_dir = resolve_run_dir(Workspace(workspace), run)
+    except (CtrlError, ValueError) as e:
+        raise _fail(e) from None
+    out.print(format_evaluation_table(frame))
+    out.print(f"written: {run_dir / 'evaluation.parquet'}, {run_dir / 'evaluation.png'}", highlight=False, markup=False)
+
+
+@app.command()
+def predict(
+    budget_ms: Annotated[list[float], typer.Option("--budget-ms", help="Latency budget in ms (repeatable).")],
+    out_path: Annotated[Path, typer.Option("--out", help="Output file, .parquet or .csv.", dir_okay=False)],
+    run: Annotated[str | None, typer.Option("--run", help="Run id of the workspace, or a run directory.")] = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A checkpoint file.", exists=True, dir_okay=False)] = None,
+    workspace: WorkspaceOption = None,
+) -> None:
+    """One knob decision per (sample, budget) for the workspace's samples."""
+    from pipeline import CtrlError
+    from trainer import predict as run_predict
+
+    if (run is None) == (checkpoint is None):
+        raise _fail(CtrlError("give exactly one of --run RUN and --checkpoint PATH"))
+    try:
+        frame = run_predict(workspace, run if run is not None else checkpoint, list(budget_ms), out_path)
+    except (CtrlError, ValueError) as e:
+        raise _fail(e) from None
+    out.print(f"{frame.height} decisions for {frame['sample_key'].n_unique()} samples x {len(budget_ms)} budgets -> {out_path}",
+              highlight=False, markup=False)
+
+
+@app.command()
 def schema() -> None:
     """Print the workspace tables' schemas (columns, types, units) as Markdown."""
     from pipeline.schema import schemas_markdown

@@ -1,1 +1,67 @@
-"""Controller policy, reward, GRPO and evaluation; lands with issue #4."""
+"""trainer: the controller policy, its reward, offline GRPO, evaluation against baselines, prediction.
+
+Reads the workspace through ``pipeline``'s public readers (views ``groups``, ``lang_features``,
+``image_features``) and writes runs to ``workspace/runs/<run_id>/``. Imports torch: ``cli.py``
+imports this package inside the command bodies that need it.
+"""
+
+from trainer.baselines import Decider, LargestDecider, LookupTableDecider, OracleDecider, RandomDecider
+from trainer.data import Action, ActionSpace, OfflineData, default_budget_range, load_offline_data, split_of
+from trainer.evaluate import (
+    EVALUATION_COLUMNS,
+    default_budget_grid,
+    evaluate_deciders,
+    format_evaluation_table,
+    write_evaluation,
+)
+from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
+from trainer.offline import OfflineTrainConfig, RunResult, evaluate_run, resolve_checkpoint, resolve_run_dir, train_offline
+from trainer.policy import ControllerPolicy, PolicyConfig, PolicyDecider, budget_normalization_range, expected_reward
+from trainer.predict import PREDICTION_COLUMNS, predict
+from trainer.reward import REWARD_PARTS, RewardConfig, compute_reward
+
+__all__ = [
+    # configs
+    "OfflineTrainConfig",
+    "PolicyConfig",
+    "RewardConfig",
+    # runners
+    "train_offline",
+    "RunResult",
+    "evaluate_run",
+    "predict",
+    "PREDICTION_COLUMNS",
+    "resolve_run_dir",
+    "resolve_checkpoint",
+    # policy and loss
+    "ControllerPolicy",
+    "PolicyDecider",
+    "expected_reward",
+    "budget_normalization_range",
+    "GroupSamples",
+    "LossOutput",
+    "sample_groups",
+    "group_advantages",
+    "pairwise_objective",
+    "policy_loss",
+    # data and reward
+    "Action",
+    "ActionSpace",
+    "OfflineData",
+    "load_offline_data",
+    "split_of",
+    "default_budget_range",
+    "compute_reward",
+    "REWARD_PARTS",
+    # evaluation
+    "Decider",
+    "OracleDecider",
+    "LookupTableDecider",
+    "LargestDecider",
+    "RandomDecider",
+    "evaluate_deciders",
+    "write_evaluation",
+    "format_evaluation_table",
+    "default_budget_grid",
+    "EVALUATION_COLUMNS",
+]

@@ -1,0 +1,357 @@
+"""Controller policy, GRPO loss, offline training runs and prediction (issue 4)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import run_ingest
+from pipeline import CacheMismatchError, CtrlError, Workspace
+from trainer.data import ActionSpace, OfflineData
+from trainer.grpo import (
+    GroupSamples,
+    exact_kl,
+    group_advantages,
+    grpo_objective,
+    pairwise_objective,
+    policy_loss,
+    sample_groups,
+)
+from trainer.offline import OfflineTrainConfig, train_offline
+from trainer.policy import ControllerPolicy, PolicyConfig, PolicyDecider, expected_reward
+from trainer.reward import RewardConfig, compute_reward
+
+ACTIONS = tuple(itertools.product((2, 6, 10), (4, 8, 12), (12, 14, 16)))  # the full 27-configuration product
+DIM = 8
+
+
+def make_data(n: int = 12, seed: int = 0, full_mask: bool = False) -> OfflineData:
+    """Random features and outcomes; a few configurations unrecorded per sample unless full_mask."""
+    g = torch.Generator().manual_seed(seed)
+    space = ActionSpace(ACTIONS)
+    knobs = space.knob_values()
+    latency = (100 + 10 * knobs[:, 0] + 5 * knobs[:, 1] + 3 * knobs[:, 2])[None, :] * (0.8 + 0.4 * torch.rand(n, 1, generator=g))
+    score = (torch.rand(n, len(space), generator=g) < 0.3 + knobs[:, 0] / 20).float()
+    mask = torch.ones(n, len(space), dtype=torch.bool) if full_mask else torch.rand(n, len(space), generator=g) > 0.3
+    mask[:, 0] = True  # every sample keeps at least one configuration
+    present = torch.arange(n) % 4 != 0
+    image = torch.randn(n, DIM, generator=g) * present[:, None]
+    return OfflineData(action_space=space, model_fingerprint="f" * 64, dataset=["d"] * n,
+                       sample_key=[f"k{i}" for i in range(n)], example_id=[str(i) for i in range(n)],
+                       split=["train"] * n, image_features=image, image_present=present,
+                       lang_features=torch.randn(n, DIM, generator=g), score=torch.where(mask, score, float("nan")),
+                       latency_ms=torch.where(mask, latency, float("nan")), latency_is_sample=mask.clone(), mask=mask)
+
+
+def make_policy(data: OfflineData, seed: int = 0) -> ControllerPolicy:
+    torch.manual_seed(seed)
+    config = PolicyConfig(lang_feature_dim=DIM, image_feature_dim=DIM, budget_min_ms=150.0, budget_max_ms=350.0, hidden_dim=32)
+    policy = ControllerPolicy(config, data.action_space, data.model_fingerprint)
+    with torch.no_grad():  # a non-uniform policy, so that the checks below are not trivially true
+        for p in policy.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return policy.eval()
+
+
+def inputs(data: OfflineData) -> tuple:
+    return data.image_features, data.image_present, data.lang_features
+
+
+# -- the policy --------------------------------------------------------------------------------
+
+def test_masked_probabilities_sum_to_one_and_vanish_outside_the_mask():
+    data = make_data()
+    policy = make_policy(data)
+    budgets = torch.linspace(100, 400, len(data))
+    lp = policy.log_probs(*inputs(data), budgets, data.mask)
+    probs = lp.exp()
+    assert lp.shape == (len(data), len(ACTIONS))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(data)))
+    assert (probs[~data.mask] == 0).all() and torch.isneginf(lp[~data.mask]).all()
+    assert (probs[data.mask] > 0).all()
+    chosen = PolicyDecider(policy).decide(data, budgets)
+    assert data.mask[torch.arange(len(data)), chosen].all()
+
+
+def test_empty_mask_row_is_refused():
+    data = make_data(n=3)
+    mask = data.mask.clone()
+    mask[1] = False
+    with pytest.raises(CtrlError, match="empty action mask"):
+        make_policy(data).log_probs(*inputs(data), 200.0, mask)
+
+
+def test_stage1_does_not_read_image_features():
+    data = make_data(full_mask=True)
+    policy = make_policy(data)
+    image, present, lang = inputs(data)
+    other_image, other_present = torch.randn_like(image) * 10, ~present
+
+    def crops_marginal(img, pres):
+        probs = policy.log_probs(img, pres, lang, 250.0, data.mask).exp()
+        crops = policy.knob_indices[:, 0]
+        return torch.zeros(len(data), 3).index_add_(1, crops, probs)
+
+    torch.testing.assert_close(crops_marginal(image, present), crops_marginal(other_image, other_present))
+    torch.testing.assert_close(crops_marginal(image, present), policy.crops_log_probs(lang, 250.0).exp())
+    # ... while stage 2 does read them (otherwise the check above would be vacuous)
+    joint_a = policy.log_probs(image, present, lang, 250.0, data.mask)
+    joint_b = policy.log_probs(other_image, other_present, lang, 250.0, data.mask)
+    assert not torch.allclose(joint_a, joint_b)
+    # and the budget moves stage 1
+    assert not torch.allclose(policy.crops_log_probs(lang, 160.0), policy.crops_log_probs(lang, 340.0))
+
+
+def test_checkpoint_round_trip_and_fingerprint_refusal(tmp_path):
+    data = make_data()
+    policy = make_policy(data)
+    path = policy.save(tmp_path / "p.pt")
+    loaded = ControllerPolicy.load(path, model_fingerprint=data.model_fingerprint)
+    torch.testing.assert_close(loaded.log_probs(*inputs(data), 220.0, data.mask), policy.log_probs(*inputs(data), 220.0, data.mask))
+    assert loaded.action_space == data.action_space and loaded.config == policy.config
+    with pytest.raises(CacheMismatchError, match="trained on features of model ffffffffffffffff"):
+        ControllerPolicy.load(path, model_fingerprint="0" * 64)
+    with pytest.raises(CacheMismatchError, match="do not fit this policy"):
+        loaded.log_probs(torch.zeros(2, DIM + 1), torch.ones(2, dtype=torch.bool), torch.zeros(2, DIM), 200.0)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CtrlError, match="not a ctrl checkpoint"):
+        ControllerPolicy.load(tmp_path / "junk.pt")
+
+
+def test_expected_reward_is_the_exact_sum():
+    data = make_data()
+    policy = make_policy(data)
+    reward = RewardConfig()
+    budgets = [180.0, 300.0]
+    got = expected_reward(policy, data, budgets, reward)
+    want = 0.0
+    for b in budgets:
+        probs = policy.log_probs(*inputs(data), b, data.mask).exp().detach()
+        r = compute_reward(data.score, data.latency_ms, b, data.action_space.knob_values()[None], reward)["reward"]
+        want += float(sum(probs[i, a] * r[i, a] for i in range(len(data)) for a in range(len(ACTIONS)) if data.mask[i, a]))
+    assert got == pytest.approx(want / (len(budgets) * len(data)), rel=1e-5)
+
+
+# -- the loss ------------------------------------------------------------------------------------
+
+@given(st.lists(st.lists(st.floats(-10, 10, allow_nan=False), min_size=5, max_size=5), min_size=1, max_size=20),
+       st.sampled_from(["group", "batch", "none"]))
+def test_group_advantages_sum_to_zero(rows, scale):
+    rewards = torch.tensor(rows, dtype=torch.float32)
+    advantages, valid = group_advantages(rewards, scale)
+    assert advantages.shape == rewards.shape
+    assert torch.allclose(advantages.sum(1), torch.zeros(len(rows)), atol=1e-3 * max(1.0, float(advantages.abs().max())))
+    assert (advantages[~valid] == 0).all()
+
+
+def test_zero_variance_groups_are_dropped_and_counted():
+    data = make_data(full_mask=True)
+    policy = make_policy(data).train()
+    index = torch.tensor([0, 1, 2, 3])
+    budgets = torch.full((4,), 250.0)
+    actions = torch.tensor([[0, 1, 2, 3, 4], [5, 5, 5, 5, 5], [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]])
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.2, 0.1], [0.3] * 5, [0.7] * 5, [0.0, 1.0, 0.0, 1.0, 1.0]])
+    parts = {"reward": rewards}
+    groups = GroupSamples(index, budgets, actions, torch.zeros(4, 5), rewards, parts)
+    out = policy_loss(policy, data, groups, scale_rewards="group")
+    assert out.num_groups == 4 and out.num_zero_variance_groups == 2
+    lp = policy.log_probs(*(t[index] for t in inputs(data)), budgets, data.mask[index]).gather(1, actions)
+    adv = (rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)
+    want = -(adv[[0, 3]] * lp[[0, 3]]).mean()  # only the two groups with variance, averaged over their members
+    torch.testing.assert_close(out.loss, want)
+    all_flat = GroupSamples(index, budgets, actions, torch.zeros(4, 5), torch.ones(4, 5), {"reward": torch.ones(4, 5)})
+    out = policy_loss(policy, data, all_flat)
+    assert out.num_zero_variance_groups == 4 and out.loss.item() == 0.0
+    out.loss.backward()  # no signal is a zero gradient, not an error
+
+
+def test_pairwise_loss_on_a_hand_example():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]], requires_grad=True)
+    rewards = torch.tensor([[1.0, 0.0, 1.0], [0.4, 0.4, 0.4]])  # row 2: all tied, no pair counts
+    loss, valid = pairwise_objective(lp, rewards)
+    nls = lambda x: -math.log(1 / (1 + math.exp(-x)))  # noqa: E731
+    # pairs of row 1: (0,1) r0 > r1 -> -logsig(lp0 - lp1); (1,2) r1 < r2 -> -logsig(lp2 - lp1); (0,2) tied: skipped
+    want = (nls(-1.0 - -2.0) + nls(-0.5 - -2.0)) / 2
+    assert valid.tolist() == [True, False]
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    # groups are rows: their order never mixes members of different groups (origin D21)
+    loss_swapped, _ = pairwise_objective(lp.flip(0), rewards.flip(0))
+    assert loss_swapped.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_clipped_ratio_matches_plain_loss_on_policy_and_kl():
+    lp = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.2, 0.2]])).requires_grad_(True)
+    adv, valid = group_advantages(torch.tensor([[1.0, 0.0, 0.5, 0.2, 0.1]]), "group")
+    plain, _ = grpo_objective(lp, adv, valid)
+    (g_plain,) = torch.autograd.grad(plain, lp)
+    clipped, ratio = grpo_objective(lp, adv, valid, lp.detach(), clip_epsilon=0.2)
+    (g_clip,) = torch.autograd.grad(clipped, lp)
+    torch.testing.assert_close(g_plain, g_clip)  # at ratio 1 the surrogate has the plain gradient
+    assert ratio == 0.0
+    _, ratio = grpo_objective(lp, adv, valid, lp.detach() - 1.0, clip_epsilon=0.2)  # rho = e: clipped where A > 0
+    assert ratio == pytest.approx(float((adv > 0).float().mean()))
+    p = torch.log(torch.tensor([[0.5, 0.5, 0.0]]))
+    q = torch.log(torch.tensor([[0.25, 0.75, 0.0]]))
+    assert float(exact_kl(p, p)) == 0.0
+    assert float(exact_kl(p, q)) == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75), rel=1e-5)
+
+
+def test_sampled_groups_stay_inside_the_mask():
+    data = make_data(n=20)
+    policy = make_policy(data)
+    g = torch.Generator().manual_seed(0)
+    index = torch.arange(20).repeat_interleave(3)
+    groups = sample_groups(policy, data, index, torch.full((60,), 220.0), 5, RewardConfig(), g)
+    assert groups.actions.shape == (60, 5)
+    assert data.mask[index[:, None], groups.actions].all()
+    assert torch.isfinite(groups.rewards).all()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"group_size": 1}, "`group_size` must be an integer >= 2"),
+    ({"lr": 0.0}, "`lr` must be a finite number > 0"),
+    ({"clip_epsilon": 1.5}, "`clip_epsilon` must be in"),
+    ({"loss_type": "pairwise", "clip_epsilon": 0.2}, "`clip_epsilon` .* no effect with `loss_type`='pairwise'"),
+    ({"budget_min_ms": 300.0, "budget_max_ms": 200.0}, "`budget_max_ms` .* must be greater than `budget_min_ms`"),
+    ({"scale_rewards": "always"}, "`scale_rewards` must be"),
+    ({"loss_type": "ppo"}, "`loss_type` must be"),
+    ({"reward": {"mode": "soft", "gamma": -1.0}}, "`gamma` must be"),
+])
+def test_invalid_configs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OfflineTrainConfig(**kwargs)
+
+
+def test_scale_rewards_aliases():
+    assert OfflineTrainConfig(scale_rewards=True).scale_rewards == "group"
+    assert OfflineTrainConfig(scale_rewards=False).scale_rewards == "none"
+
+
+# -- training runs on a real workspace --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_ws(tmp_path_factory, embedded_runtime) -> Workspace:
+    from features import FeatureConfig, extract_features
+    from pipeline.synthetic import SyntheticSpec, generate_tree
+
+    root = tmp_path_factory.mktemp("trainer")
+    tree = generate_tree(SyntheticSpec(num_samples=40), root / "data")
+    ws = Workspace(root / "ws")
+    assert run_ingest([tree.exp5_dir, tree.exp6_dir], ws).exit_code == 0
+    extract_features(FeatureConfig(workspace=ws.root, images_dir=tree.images_dir), runtime=embedded_runtime)
+    return ws
+
+
+def run_config(ws: Workspace, **kwargs) -> OfflineTrainConfig:
+    return OfflineTrainConfig(**{"workspace": ws.root, "num_epochs": 2, "batch_size": 16, "disable_evaluation": True,
+                                 **kwargs})
+
+
+def comparable(metrics: pl.DataFrame) -> pl.DataFrame:
+    return metrics.drop("run_id", "wall_time_s")
+
+
+def test_train_offline_moves_every_parameter_and_improves(trained_ws):
+    from trainer.policy import ControllerPolicy
+
+    updates: list[dict] = []
+    result = train_offline(run_config(trained_ws, disable_evaluation=False, eval_budgets=[180.0, 260.0]),
+                           progress=updates.append)
+    start = _initial_state(trained_ws, result)
+    last = torch.load(result.last_checkpoint, weights_only=True)["state_dict"]
+    trainable = [n for n, p in ControllerPolicy.load(result.best_checkpoint).named_parameters() if p.requires_grad]
+    assert len(trainable) > 20
+    for name in trainable:
+        assert not torch.equal(start[name], last[name]), f"parameter {name} did not change"
+    epochs = result.metrics.filter(pl.col("kind") == "epoch").sort("epoch")
+    assert epochs["epoch"].to_list() == [0, 1, 2]
+    assert epochs["val/expected_reward"][-1] > epochs["val/expected_reward"][0]
+    assert result.best_val_expected_reward > result.initial_val_expected_reward
+    assert torch.load(result.best_checkpoint, weights_only=True)["epoch"] >= 1
+    run = pl.read_parquet(result.run_dir / "run.parquet")
+    assert run.height == 1 and run["status"][0] == "completed" and run["run_id"][0] == result.run_id
+    assert run["model_fingerprint"][0] == ControllerPolicy.load(result.best_checkpoint).model_fingerprint
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["budget_min_ms"] < config["budget_max_ms"] and config["eval_budgets"] == [180.0, 260.0]
+    metrics = pl.read_parquet(result.run_dir / "metrics.parquet")
+    assert set(metrics["run_id"]) == {result.run_id} and "reward/viol_pen" in metrics.columns
+    steps = metrics.filter(pl.col("kind") == "step")
+    assert (steps["groups"] > 0).all() and steps["zero_variance_groups"].min() >= 0
+    evaluation = pl.read_parquet(result.run_dir / "evaluation.parquet")
+    assert {"controller", "oracle", "lut_p95", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+    controller = evaluation.filter(pl.col("decider") == "controller")
+    assert controller.height == 2 and controller["expected_reward"].is_not_null().all()
+    assert (result.run_dir / "evaluation.png").stat().st_size > 0
+    assert updates and {"loss", "reward", "val_expected_reward"} <= updates[0].keys()
+
+
+def _initial_state(ws: Workspace, result) -> dict:
+    """The policy as train_offline initialised it (same seed, same data)."""
+    from trainer.data import load_offline_data
+    from trainer.offline import _build_policy
+
+    config = OfflineTrainConfig.from_json(json.loads((result.run_dir / "config.json").read_text()))
+    return _build_policy(config, load_offline_data(ws).subset("train")).state_dict()
+
+
+def test_same_seed_gives_identical_metrics(trained_ws):
+    first = train_offline(run_config(trained_ws, seed=7, kl_beta=0.05, clip_epsilon=0.2, num_iterations=2))
+    second = train_offline(run_config(trained_ws, seed=7, kl_beta=0.05, clip_epsilon=0.2, num_iterations=2))
+    assert first.run_id != second.run_id
+    assert comparable(first.metrics).equals(comparable(second.metrics))
+    other = train_offline(run_config(trained_ws, seed=8, kl_beta=0.05, clip_epsilon=0.2, num_iterations=2))
+    assert not comparable(first.metrics).equals(comparable(other.metrics))
+
+
+def test_resume_equals_uninterrupted(trained_ws):
+    full = train_offline(run_config(trained_ws, num_epochs=3, loss_type="pairwise"))
+
+    def stop_in_epoch_2(update: dict) -> None:
+        if update.get("phase") == "train" and update["epoch"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_offline(run_config(trained_ws, num_epochs=3, loss_type="pairwise", run_id="interrupted"), progress=stop_in_epoch_2)
+    run_dir = trained_ws.root / "runs" / "interrupted"
+    assert pl.read_parquet(run_dir / "run.parquet")["status"][0] == "interrupted"
+    with pytest.raises(CtrlError, match="options differ"):
+        train_offline(run_config(trained_ws, num_epochs=3, loss_type="grpo", resume="interrupted"))
+    resumed = train_offline(OfflineTrainConfig.from_run("interrupted", workspace=trained_ws.root))
+    assert resumed.run_id == "interrupted"
+    a = torch.load(full.last_checkpoint, weights_only=True)["state_dict"]
+    b = torch.load(resumed.last_checkpoint, weights_only=True)["state_dict"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    assert comparable(full.metrics).equals(comparable(resumed.metrics))
+    assert pl.read_parquet(run_dir / "run.parquet")["status"][0] == "completed"
+
+
+def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
+    from trainer.predict import PREDICTION_COLUMNS, predict
+
+    result = train_offline(run_config(trained_ws, num_epochs=1))
+    frame = predict(trained_ws.root, result.run_id, [170.0, 300.0], tmp_path / "out.csv")
+    assert tuple(frame.columns) == PREDICTION_COLUMNS
+    assert frame.height == 2 * 80 and ((frame["probability"] > 0) & (frame["probability"] <= 1)).all()
+    assert pl.read_csv(tmp_path / "out.csv").height == frame.height
+    by_dir = predict(trained_ws.root, result.run_dir, [170.0, 300.0], tmp_path / "out.parquet")
+    assert by_dir.equals(pl.read_parquet(tmp_path / "out.parquet")) and by_dir.equals(frame)
+    with pytest.raises(CtrlError, match=r"\.parquet or \.csv"):
+        predict(trained_ws.root, result.best_checkpoint, [200.0], tmp_path / "out.json")
+    foreign = ControllerPolicy.load(result.best_checkpoint)
+    foreign.model_fingerprint = "0" * 64
+    path = foreign.save(tmp_path / "foreign.pt")
+    with pytest.raises(CacheMismatchError, match="trained on features of model 0000000000000000"):
+        predict(trained_ws.root, path, [200.0], None)
+    with pytest.raises(CtrlError, match="not found"):
+        predict(trained_ws.root, "no-such-run", [200.0], None)
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert np.isfinite(frame["budget_ms"].to_numpy()).all()

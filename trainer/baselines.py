@@ -1,0 +1,199 @@
+"""Baseline deciders: per-sample oracle, static lookup tables, always-largest, random.
+
+A decider maps (samples, budget) to one action per sample. Every decider here chooses
+inside ``data.mask`` (the configurations recorded for the sample); when nothing fits the
+budget it falls back to the fastest allowed action. Deciders that take training data
+(the lookup tables) read it in their constructor and never look at the outcomes of the
+data they decide for, only at its mask (which configurations exist for a sample).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from trainer.data import Action, OfflineData
+
+__all__ = ["Decider", "LargestDecider", "LookupTableDecider", "OracleDecider", "RandomDecider", "budget_vector"]
+
+
+@runtime_checkable
+class Decider(Protocol):
+    """``name`` keys the results (``"controller"``, ``"oracle"``, ``"lut_p95"``, ...).
+
+    ``decide(data, budget_ms)``: budget_ms float, 0-d or (N,) tensor in ms -> LongTensor (N,)
+    of action indices, each inside ``data.mask``. A decider may also define
+    ``action_probs(data, budget_ms) -> FloatTensor (N, A)`` (its decision distribution);
+    the evaluation then reports the exact expected reward.
+    """
+
+    name: str
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor) -> torch.Tensor: ...
+
+
+def budget_vector(budget_ms: torch.Tensor | float, n: int) -> torch.Tensor:
+    """float32 (N,) budgets from a scalar, a 0-d or 1-element tensor, or an (N,) tensor."""
+    b = torch.as_tensor(budget_ms, dtype=torch.float32).flatten()
+    if b.numel() == 1:
+        return b.expand(n).clone()
+    if b.numel() != n:
+        raise ValueError(f"`budget_ms` must be a scalar or have one value per sample ({n}), got {b.numel()} values")
+    return b
+
+
+def _require_allowed(data: OfflineData) -> None:
+    empty = int((~data.mask.any(dim=1)).sum())
+    if empty:
+        raise ValueError(f"{empty} samples have no allowed action in `mask`; nothing can be decided for them")
+
+
+def _pick(cand: torch.Tensor, primary: torch.Tensor, secondary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, among ``cand`` (bool (N, A)) the highest ``primary``, ties -> lowest ``secondary``
+    (then the lowest index). Returns (index (N,), row has a candidate (N,))."""
+    inf = torch.tensor(float("inf"))
+    p = torch.where(cand, primary, -inf)
+    best = p.amax(dim=1, keepdim=True)  # amax: max(keepdim=True) is ~300x slower on CPU (torch 2.13)
+    tied = cand & (p == best)
+    s = torch.where(tied, torch.nan_to_num(secondary, nan=1e30), inf)
+    return s.argmin(dim=1), cand.any(dim=1)
+
+
+def _fastest_allowed(data: OfflineData) -> torch.Tensor:
+    """Per sample, the allowed action with the lowest recorded latency."""
+    idx, _ = _pick(data.mask, -data.latency_ms, torch.zeros_like(data.latency_ms))
+    return idx
+
+
+class _Deterministic:
+    name: str
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def action_probs(self, data: OfflineData, budget_ms: torch.Tensor) -> torch.Tensor:
+        """One-hot (N, A): a deterministic decider puts all its mass on its decision."""
+        return torch.nn.functional.one_hot(self.decide(data, budget_ms), len(data.action_space)).float()
+
+
+class OracleDecider(_Deterministic):
+    """Per sample, with hindsight: the allowed action with the best recorded score among
+    those whose recorded latency fits the budget (ties -> lower latency); if none fits,
+    the fastest allowed action. An upper bound no deployable decider reaches."""
+
+    name = "oracle"
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        _require_allowed(data)
+        b = budget_vector(budget_ms, len(data))
+        fits = data.mask & (data.latency_ms <= b[:, None])
+        best, found = _pick(fits, data.score, data.latency_ms)
+        return torch.where(found, best, _fastest_allowed(data))
+
+
+class LookupTableDecider(_Deterministic):
+    """Static lookup table chosen on training data (origin §7.9, done on one latency definition).
+
+    Per configuration, from ``train`` (pass ``data.subset("train")``; its allowed entries only):
+    the mean score and a latency statistic, ``statistic="quantile"`` (the ``quantile``, default
+    p95) or ``"mean"``. For a budget B the table's choice is the configuration with the best
+    mean score among those with statistic <= B * (1 + ``tolerance``) (ties -> lower statistic);
+    when none fits, the configuration with the lowest statistic. The choice depends on the
+    budget only; per sample the best-ranked configuration that is recorded for it is used.
+
+    * ``LookupTableDecider(train)``: ``"lut_p95"``, p95 latency within the budget.
+    * ``LookupTableDecider(train, statistic="mean", tolerance=0.05)``: ``"lut_mean5"``, the
+      origin's mean latency within budget x 1.05.
+    """
+
+    def __init__(self, train: OfflineData, quantile: float = 0.95, tolerance: float = 0.0,
+                 statistic: Literal["quantile", "mean"] = "quantile", name: str | None = None) -> None:
+        if statistic not in ("quantile", "mean"):
+            raise ValueError(f"`statistic` must be 'quantile' or 'mean', got {statistic!r}")
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"`quantile` must be in [0, 1], got {quantile!r}")
+        if tolerance < 0:
+            raise ValueError(f"`tolerance` must be >= 0, got {tolerance!r}")
+        if len(train) == 0:
+            raise ValueError("`train` has no samples: a lookup table needs training data")
+        self.action_space = train.action_space
+        self.statistic, self.quantile, self.tolerance = statistic, quantile, tolerance
+        if name is None:
+            pct = round(tolerance * 100)
+            name = f"lut_p{round(quantile * 100)}" if statistic == "quantile" else "lut_mean"
+            name += str(pct) if statistic == "mean" and pct else (f"_tol{pct}" if pct else "")
+        self.name = name
+        nan = torch.tensor(float("nan"))
+        # only allowed entries count: a configuration is judged by the samples that recorded it
+        score = torch.where(train.mask, train.score, nan).double()
+        latency = torch.where(train.mask, train.latency_ms, nan).double()
+        self.num_samples = train.mask.sum(dim=0)  # (A,)
+        seen = self.num_samples > 0
+        self.mean_score = torch.where(seen, torch.nan_to_num(score, nan=0.0).sum(0) / self.num_samples.clamp(min=1), nan)
+        if statistic == "mean":
+            stat = torch.nan_to_num(latency, nan=0.0).sum(0) / self.num_samples.clamp(min=1)
+        else:
+            stat = torch.nanquantile(latency, quantile, dim=0)
+        self.latency_stat_ms = torch.where(seen, stat, nan)  # (A,), NaN: never recorded in train
+
+    def lookup(self, budget_ms: float) -> Action:
+        """The table's configuration for one budget (before the per-sample mask)."""
+        return self.action_space.actions[int(self._choose(torch.tensor([float(budget_ms)]), None)[0])]
+
+    def _choose(self, budget: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        num_actions = len(self.action_space)
+        seen = ~torch.isnan(self.latency_stat_ms)
+        allowed = seen.expand(len(budget), num_actions) if mask is None else mask & seen
+        stat = self.latency_stat_ms.float()[None, :].expand(len(budget), num_actions)
+        fits = allowed & (stat <= budget[:, None] * (1.0 + self.tolerance))
+        best, found = _pick(fits, self.mean_score.float()[None, :].expand_as(stat), stat)
+        # fallback by the TRAIN statistic (never the decided-for data's latencies); actions
+        # unseen in train rank last but stay possible so that the choice is inside the mask
+        base = allowed if mask is None else mask
+        fallback, _ = _pick(base, -torch.nan_to_num(stat, nan=1e30), torch.zeros_like(stat))
+        return torch.where(found, best, fallback)
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        if data.action_space != self.action_space:
+            raise ValueError("the data's action space differs from the lookup table's (built on other data)")
+        _require_allowed(data)
+        return self._choose(budget_vector(budget_ms, len(data)), data.mask)
+
+
+class LargestDecider(_Deterministic):
+    """The allowed action with the most crops, then top_k, then blocks (lexicographic)."""
+
+    name = "largest"
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        _require_allowed(data)
+        budget_vector(budget_ms, len(data))  # validates the shape; the choice ignores the budget
+        # actions are sorted lexicographically, so the largest is the highest allowed index
+        rank = torch.arange(len(data.action_space), dtype=torch.float32).expand_as(data.score)
+        idx, _ = _pick(data.mask, rank, torch.zeros_like(rank))
+        return idx
+
+
+class RandomDecider:
+    """Uniform over each sample's allowed actions, ignoring the budget.
+
+    Each call draws from a fresh generator seeded with ``seed``, so a call is reproducible
+    and different budgets see the same draws (common random numbers across the grid).
+    """
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = int(seed)
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        _require_allowed(data)
+        budget_vector(budget_ms, len(data))
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.multinomial(data.mask.float(), 1, generator=generator).flatten()
+
+    def action_probs(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        _require_allowed(data)
+        allowed = data.mask.float()
+        return allowed / allowed.sum(dim=1, keepdim=True)

@@ -1,0 +1,399 @@
+"""Offline training data: the recorded configuration groups plus cached features, as tensors.
+
+One row per sample, one column per action (a recorded configuration). Everything a later
+stage needs (policy, GRPO, baselines, evaluation) is in :class:`OfflineData`; it is read
+from the workspace views by :func:`load_offline_data` and split by sample with
+:func:`split_of`, so a sample's configurations never cross splits.
+
+The one latency definition is the ``groups`` view's ``latency_total_ms``: the exp6
+per-sample total (whole generate call); where exp6 lacks the sample, the configuration's
+exp6 median (``latency_is_sample`` is False there, so the substitution stays visible).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.workspace import Workspace
+
+Action = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
+
+SPLITS = ("train", "val", "test")
+DEFAULT_SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
+KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
+
+__all__ = ["SPLITS", "Action", "ActionSpace", "OfflineData", "default_budget_range", "load_offline_data", "split_of"]
+
+
+# -- the action space ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActionSpace:
+    """The configurations recorded in the data, sorted; an action is an index into ``actions``.
+
+    The joint space is kept explicit (not a full product of the knob values) because a
+    sweep need not be a product; ``knob_indices`` maps each action onto per-knob value
+    lists so that factorized heads (crops first, then top_k and blocks) can be built.
+    """
+
+    actions: tuple[Action, ...]
+
+    def __post_init__(self) -> None:
+        actions = tuple(tuple(int(v) for v in a) for a in self.actions)
+        if not actions:
+            raise ValueError("`actions` must not be empty")
+        if any(len(a) != 3 for a in actions):
+            raise ValueError(f"`actions` must be (max_crops, top_k, num_active_blocks) triples, got {self.actions!r}")
+        if list(actions) != sorted(set(actions)):
+            raise ValueError(f"`actions` must be sorted and unique, got {self.actions!r}")
+        object.__setattr__(self, "actions", actions)  # normalised (from_json gives lists)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def _values(self, knob: int) -> tuple[int, ...]:
+        return tuple(sorted({a[knob] for a in self.actions}))
+
+    @property
+    def max_crops_values(self) -> tuple[int, ...]:
+        return self._values(0)
+
+    @property
+    def top_k_values(self) -> tuple[int, ...]:
+        return self._values(1)
+
+    @property
+    def num_active_blocks_values(self) -> tuple[int, ...]:
+        return self._values(2)
+
+    @cached_property
+    def _index(self) -> dict[Action, int]:
+        return {a: i for i, a in enumerate(self.actions)}
+
+    def index(self, action: Action) -> int:
+        """Position of ``action``; KeyError naming it when it is not in the space."""
+        key = tuple(int(v) for v in action)
+        try:
+            return self._index[key]
+        except KeyError:
+            raise KeyError(f"configuration {key!r} is not in the action space ({len(self)} recorded configurations)") from None
+
+    def knob_indices(self) -> torch.Tensor:
+        """LongTensor (A, 3): per action, the index of each knob value in ``*_values``."""
+        lists = (self.max_crops_values, self.top_k_values, self.num_active_blocks_values)
+        return torch.tensor([[lists[j].index(a[j]) for j in range(3)] for a in self.actions], dtype=torch.long)
+
+    def knob_values(self) -> torch.Tensor:
+        """FloatTensor (A, 3): the raw (max_crops, top_k, num_active_blocks) of each action."""
+        return torch.tensor(self.actions, dtype=torch.float32)
+
+    def label(self, index: int) -> str:
+        """``"C/K/B"``, the key of configuration histograms."""
+        return "/".join(str(v) for v in self.actions[index])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"knobs": list(KNOB_NAMES), "actions": [list(a) for a in self.actions]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ActionSpace:
+        knobs = d.get("knobs", list(KNOB_NAMES))
+        if list(knobs) != list(KNOB_NAMES):
+            raise ValueError(f"action space knobs must be {list(KNOB_NAMES)}, got {knobs!r}")
+        return cls(tuple(tuple(a) for a in d["actions"]))
+
+
+# -- the data -----------------------------------------------------------------------------
+
+@dataclass
+class OfflineData:
+    """Features and recorded outcomes of N samples over the A actions of ``action_space``.
+
+    Shapes and dtypes (checked on construction):
+    image_features float32 (N, Di), zeros where the image is missing; image_present bool (N,);
+    lang_features float32 (N, Dl); score float32 (N, A), NaN where not recorded;
+    latency_ms float32 (N, A), NaN where no latency; latency_is_sample bool (N, A), True for
+    the exp6 per-sample latency, False for the configuration-level p50 substitute (and
+    where there is no latency); mask bool (N, A): recorded with a score AND a latency, the
+    only actions allowed for the sample (every row has at least one).
+    """
+
+    action_space: ActionSpace
+    model_fingerprint: str
+    dataset: list[str]
+    sample_key: list[str]
+    example_id: list[str | None]
+    split: list[str]
+    image_features: torch.Tensor
+    image_present: torch.Tensor
+    lang_features: torch.Tensor
+    score: torch.Tensor
+    latency_ms: torch.Tensor
+    latency_is_sample: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, a = len(self.dataset), len(self.action_space)
+        for name in ("sample_key", "example_id", "split"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"`{name}` has {len(getattr(self, name))} entries, `dataset` has {n}")
+        bad_split = set(self.split) - set(SPLITS)
+        if bad_split:
+            raise ValueError(f"`split` values must be in {SPLITS}, got {sorted(bad_split)!r}")
+        _check("image_features", self.image_features, torch.float32, (n, None))
+        _check("image_present", self.image_present, torch.bool, (n,))
+        _check("lang_features", self.lang_features, torch.float32, (n, None))
+        for name in ("score", "latency_ms"):
+            _check(name, getattr(self, name), torch.float32, (n, a))
+        for name in ("latency_is_sample", "mask"):
+            _check(name, getattr(self, name), torch.bool, (n, a))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> OfflineData:
+        """The samples at ``rows`` (indices or a bool mask of length N), same action space."""
+        index = torch.as_tensor(rows)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        idx = index.tolist()
+        return OfflineData(
+            action_space=self.action_space, model_fingerprint=self.model_fingerprint,
+            dataset=[self.dataset[i] for i in idx], sample_key=[self.sample_key[i] for i in idx],
+            example_id=[self.example_id[i] for i in idx], split=[self.split[i] for i in idx],
+            image_features=self.image_features[index], image_present=self.image_present[index],
+            lang_features=self.lang_features[index], score=self.score[index], latency_ms=self.latency_ms[index],
+            latency_is_sample=self.latency_is_sample[index], mask=self.mask[index],
+        )
+
+    def subset(self, split: str) -> OfflineData:
+        """The samples of one split (``"train"``, ``"val"`` or ``"test"``)."""
+        if split not in SPLITS:
+            raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
+        return self.select([i for i, s in enumerate(self.split) if s == split])
+
+    def clone(self) -> OfflineData:
+        """A deep copy (tensors and lists), e.g. to perturb outcomes in a test."""
+        return self.select(torch.arange(len(self)))
+
+
+def _check(name: str, tensor: Any, dtype: torch.dtype, shape: tuple[int | None, ...]) -> None:
+    """The one shape/dtype check of the public containers (None = any size)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype or tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"`{name}` must be {dtype} of shape {want}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+
+
+# -- the split ----------------------------------------------------------------------------
+
+def split_of(dataset: str, sample_key: str, fractions: tuple[float, float, float] = DEFAULT_SPLIT_FRACTIONS) -> str:
+    """``"train"``, ``"val"`` or ``"test"``, from SHA-1 of ``"<dataset>/<sample_key>"``.
+
+    The first 8 bytes of the digest give a uniform u in [0, 1); u < train -> train,
+    u < train + val -> val, else test. Depends on nothing but the sample's identity, so it
+    is stable across workspaces, re-ingests and added samples, and all configurations of
+    a sample land in the same split.
+    """
+    if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
+        raise ValueError(f"`fractions` must be three non-negative numbers summing to 1, got {fractions!r}")
+    digest = hashlib.sha1(f"{dataset}/{sample_key}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    if u < fractions[0]:
+        return "train"
+    return "val" if u < fractions[0] + fractions[1] else "test"
+
+
+# -- loading ------------------------------------------------------------------------------
+
+_HINT_EXTRACT = "Hint: run `ctrl extract-features --images DIR` on this workspace first."
+
+# Materialise groups once (the view is a join): every later query reads the temp table.
+_GROUPS_SQL = """
+CREATE TEMP TABLE _g AS
+SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, score::FLOAT AS score,
+       latency_total_ms::FLOAT AS latency_ms, coalesce(latency_source = 'sample', false) AS latency_is_sample,
+       score IS NOT NULL AND latency_total_ms IS NOT NULL AS allowed
+FROM groups;
+CREATE TEMP TABLE _keys AS
+SELECT dataset, sample_key, (row_number() OVER (ORDER BY dataset, sample_key) - 1)::BIGINT AS row
+FROM _g GROUP BY dataset, sample_key HAVING bool_or(allowed);
+CREATE TEMP TABLE _acts AS
+SELECT max_crops, top_k, num_active_blocks,
+       (row_number() OVER (ORDER BY max_crops, top_k, num_active_blocks) - 1)::BIGINT AS col
+FROM _g GROUP BY max_crops, top_k, num_active_blocks HAVING bool_or(allowed);
+"""
+
+
+def _as_workspace(workspace: Workspace | str | Path) -> Workspace:
+    return workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+
+
+def _resolve_fingerprint(con: Any, requested: str | None) -> str:
+    """The one model fingerprint to read: the requested one (full or unique prefix) or the only one."""
+    counts = con.sql("SELECT model_fingerprint, count(*) FROM lang_features GROUP BY 1 ORDER BY 1").fetchall()
+    available = [fp for fp, _ in counts]
+    listing = ", ".join(f"{fp} ({n} samples)" for fp, n in counts)
+    if not available:
+        raise CtrlError(f"no language features in the workspace\n{_HINT_EXTRACT}")
+    if requested is not None:
+        matches = [fp for fp in available if fp == requested] or [fp for fp in available if fp.startswith(requested)]
+        if len(matches) != 1:
+            what = "matches several" if matches else "matches none"
+            raise CacheMismatchError(f"model fingerprint {requested!r} {what} of the cached feature models: {listing}\n"
+                                     f"Hint: pass one of these fingerprints, or run `ctrl extract-features` with that model.")
+        return matches[0]
+    if len(available) > 1:
+        raise CtrlError(f"features of {len(available)} models are cached: {listing}\n"
+                        "Hint: choose one with model_fingerprint (e.g. `--model-fingerprint "
+                        f"{available[0][:16]}`).")
+    return available[0]
+
+
+def _feature_matrix(table: Any, column: str = "feature") -> tuple[np.ndarray, np.ndarray]:
+    """(rows, matrix) from an Arrow table with ``row`` and a FLOAT[] column, without a per-row loop."""
+    import pyarrow.compute as pc
+
+    rows = table.column("row").to_numpy()
+    feats = table.column(column).combine_chunks()
+    if len(rows) == 0:
+        return rows, np.zeros((0, 0), dtype=np.float32)
+    lengths = pc.list_value_length(feats)
+    lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+    if lo != hi:
+        raise CtrlError(f"cached {column} vectors have different lengths ({lo} .. {hi})\n"
+                        "Hint: re-run `ctrl extract-features --force` for this model.")
+    flat = feats.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    return rows, flat.reshape(len(rows), lo)
+
+
+def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str | None = None) -> OfflineData:
+    """Read the recorded groups and cached features of ``workspace`` into an :class:`OfflineData`.
+
+    * Actions: the configurations with at least one sample recorded with a score and a
+      latency, sorted by (max_crops, top_k, num_active_blocks).
+    * Samples: every (dataset, sample_key) of the ``groups`` view with at least one such
+      configuration, sorted by (dataset, sample_key); a sample without any cannot be decided
+      for and is left out.
+    * ``model_fingerprint``: full or a unique prefix (the feature directory name); required
+      when features of several models are cached.
+
+    Raises CtrlError (with a hint to run ``ctrl extract-features``) when no features are
+    cached or samples lack language features, CacheMismatchError for an unknown fingerprint.
+    """
+    from pipeline.catalog import connect
+
+    ws = _as_workspace(workspace)
+    con = connect(ws)
+    try:
+        views = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        if "groups" not in views:
+            raise CtrlError(f"workspace {ws.root} has no recorded groups (measurements and configs)\n"
+                            "Hint: run `ctrl ingest` on exp5/exp6 results first.")
+        if "lang_features" not in views:
+            raise CtrlError(f"workspace {ws.root} has no cached features\n{_HINT_EXTRACT}")
+        fingerprint = _resolve_fingerprint(con, model_fingerprint)
+
+        con.execute(_GROUPS_SQL)
+        acts = con.sql("SELECT max_crops, top_k, num_active_blocks FROM _acts ORDER BY col").fetchall()
+        if not acts:
+            raise CtrlError(f"workspace {ws.root} has no configuration recorded with both a score and a latency\n"
+                            "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
+        action_space = ActionSpace(tuple(acts))
+        keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id FROM _keys k "
+                       "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
+        cells = con.sql("SELECT k.row, a.col, g.score, g.latency_ms, g.latency_is_sample FROM _g g "
+                        "JOIN _keys k USING (dataset, sample_key) "
+                        "JOIN _acts a USING (max_crops, top_k, num_active_blocks)").to_arrow_table()
+        feature_sql = ("SELECT k.row, f.feature FROM {table} f JOIN _keys k USING (dataset, sample_key) "
+                       "WHERE f.model_fingerprint = $fp {extra} QUALIFY row_number() OVER (PARTITION BY k.row) = 1")
+        lang = con.sql(feature_sql.format(table="lang_features", extra=""), params={"fp": fingerprint}).to_arrow_table()
+        image = None
+        if "image_features" in views:
+            image = con.sql(feature_sql.format(table="image_features", extra="AND f.feature IS NOT NULL"),
+                            params={"fp": fingerprint}).to_arrow_table()
+    finally:
+        con.close()
+
+    n, num_actions = keys.num_rows, len(action_space)
+    dataset = keys.column("dataset").to_pylist()
+    sample_key = keys.column("sample_key").to_pylist()
+
+    lang_rows, lang_mat = _feature_matrix(lang)
+    if len(lang_rows) < n:
+        missing = np.setdiff1d(np.arange(n), lang_rows)
+        first = ", ".join(f"{dataset[i]}/{sample_key[i]}" for i in missing[:3])
+        raise CtrlError(f"{len(missing)} of {n} samples have no language features for model {fingerprint[:16]} "
+                        f"(first: {first})\n{_HINT_EXTRACT}")
+    lang_features = np.zeros((n, lang_mat.shape[1]), dtype=np.float32)
+    lang_features[lang_rows] = lang_mat
+
+    image_present = np.zeros(n, dtype=bool)
+    image_features = np.zeros((n, 0), dtype=np.float32)
+    if image is not None:
+        img_rows, img_mat = _feature_matrix(image)
+        image_features = np.zeros((n, img_mat.shape[1]), dtype=np.float32)
+        image_features[img_rows] = img_mat  # missing images stay zero, image_present says so
+        image_present[img_rows] = True
+
+    r = cells.column("row").to_numpy()
+    c = cells.column("col").to_numpy()
+    score = np.full((n, num_actions), np.nan, dtype=np.float32)
+    latency = np.full((n, num_actions), np.nan, dtype=np.float32)
+    is_sample = np.zeros((n, num_actions), dtype=bool)
+    score[r, c] = cells.column("score").to_numpy(zero_copy_only=False)  # nulls arrive as NaN
+    latency[r, c] = cells.column("latency_ms").to_numpy(zero_copy_only=False)
+    is_sample[r, c] = cells.column("latency_is_sample").to_numpy(zero_copy_only=False)
+    mask = ~np.isnan(score) & ~np.isnan(latency)
+    is_sample &= ~np.isnan(latency)
+
+    return OfflineData(
+        action_space=action_space, model_fingerprint=fingerprint, dataset=dataset, sample_key=sample_key,
+        example_id=keys.column("example_id").to_pylist(),
+        split=[split_of(d, k) for d, k in zip(dataset, sample_key)],
+        image_features=torch.from_numpy(image_features), image_present=torch.from_numpy(image_present),
+        lang_features=torch.from_numpy(lang_features), score=torch.from_numpy(score),
+        latency_ms=torch.from_numpy(latency), latency_is_sample=torch.from_numpy(is_sample),
+        mask=torch.from_numpy(mask),
+    )
+
+
+# -- the budget range ---------------------------------------------------------------------
+
+def default_budget_range(data: OfflineData, low_quantile: float = 0.95, high_quantile: float = 0.95) -> tuple[float, float]:
+    """The default latency-budget range (ms), from the TRAIN split's allowed latencies.
+
+    Per train sample take its fastest and its slowest allowed configuration; then
+
+    * ``lo`` = ``low_quantile`` (0.95) of the fastest latencies, rounded UP to a whole ms:
+      at the lowest budget at least 95 % of the samples still have a configuration that
+      fits, so a violation rate <= 5 % is achievable everywhere in the range. (Below it,
+      most samples cannot meet the budget whatever is chosen: the range would measure
+      nothing but violations.)
+    * ``hi`` = ``high_quantile`` (0.95) of the slowest latencies, rounded to a whole ms:
+      above it the budget hardly binds (95 % of samples can run every configuration).
+
+    Falls back to all samples when the data has no train split (e.g. a test-only subset).
+    """
+    for name, q in (("low_quantile", low_quantile), ("high_quantile", high_quantile)):
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"`{name}` must be in [0, 1], got {q!r}")
+    train = data.subset("train") if "train" in data.split else data
+    if len(train) == 0:
+        raise ValueError("default_budget_range needs at least one sample")
+    inf = torch.tensor(float("inf"))
+    latency = train.latency_ms.double()
+    fastest = torch.where(train.mask, latency, inf).amin(dim=1)
+    slowest = torch.where(train.mask, latency, -inf).amax(dim=1)
+    lo = float(np.ceil(torch.quantile(fastest, low_quantile).item()))
+    hi = float(np.round(torch.quantile(slowest, high_quantile).item()))
+    return lo, max(hi, lo + 1.0)  # never an empty range (e.g. one configuration)

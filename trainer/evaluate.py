@@ -1,0 +1,183 @@
+"""Evaluation of deciders over a grid of latency budgets: metrics frame, Parquet, plot, table.
+
+One row per (decider, budget_ms), computed on the recorded outcomes of the chosen
+configurations (the test split). Columns (see ``EVALUATION_COLUMNS``):
+
+* ``accuracy``: mean recorded score of the chosen configurations;
+* ``latency_ms_mean`` / ``latency_ms_p95``: their recorded latency (linear-interpolation p95);
+* ``violation_rate``: share with latency > budget_ms (no tolerance, origin §7.8 training metric);
+* ``reward_mean``: mean reward (``trainer.reward``) of the decisions;
+* ``expected_reward``: sum_a pi(a|x) r(x, a) averaged over samples, for deciders that expose
+  ``action_probs``; equal to reward_mean for the deterministic baselines, NaN otherwise;
+* ``config_histogram``: JSON ``{"C/K/B": count}`` of the chosen configurations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.baselines import Decider, budget_vector
+from trainer.data import OfflineData, default_budget_range
+from trainer.reward import RewardConfig, compute_reward
+
+__all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "default_budget_grid", "evaluate_deciders",
+           "format_evaluation_table", "write_evaluation"]
+
+EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
+                      "violation_rate", "reward_mean", "expected_reward", "config_histogram")
+#: the goal's violation ceiling, drawn as the reference line of the plot
+VIOLATION_TARGET = 0.05
+
+
+def default_budget_grid(data: OfflineData, num: int = 8) -> list[float]:
+    """``num`` budgets (ms, rounded to 0.1) evenly spaced over ``default_budget_range(data)``."""
+    if num < 1:
+        raise ValueError(f"`num` must be >= 1, got {num!r}")
+    lo, hi = default_budget_range(data)
+    if num == 1:
+        return [lo]
+    return [round(float(b), 1) for b in np.linspace(lo, hi, num)]
+
+
+def _expected_reward(decider: Any, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
+    """Exact sum_a pi(a|x) r(x, a) averaged over samples; NaN if the decider has no distribution."""
+    probs_fn = getattr(decider, "action_probs", None)
+    if probs_fn is None:
+        return float("nan")
+    probs = torch.as_tensor(probs_fn(data, budget), dtype=torch.float64)
+    if probs.shape != rewards.shape:
+        raise ValueError(f"{decider.name}: action_probs has shape {tuple(probs.shape)}, expected {tuple(rewards.shape)}")
+    if bool((probs[~data.mask] > 0).any()):
+        raise ValueError(f"{decider.name}: action_probs puts mass on actions outside the mask")
+    per_sample = (probs * torch.nan_to_num(rewards.double(), nan=0.0)).sum(dim=1)
+    return float(per_sample.mean())
+
+
+def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
+                      reward: RewardConfig) -> Any:  # -> polars.DataFrame
+    """Metrics of every decider at every budget on ``test`` (one row per (decider, budget_ms)).
+
+    Raises ValueError when a decider chooses an action outside ``test.mask`` (its outcome
+    was never recorded, so no metric could be computed honestly).
+    """
+    import polars as pl
+
+    if len(test) == 0:
+        raise ValueError("`test` has no samples")
+    names = [d.name for d in deciders]
+    if len(set(names)) != len(names):
+        raise ValueError(f"decider names must be unique, got {names!r}")
+    n = len(test)
+    rows_idx = torch.arange(n)
+    knob_values = test.action_space.knob_values()  # (A, 3)
+    labels = [test.action_space.label(i) for i in range(len(test.action_space))]
+    rows: list[dict[str, Any]] = []
+    for budget_ms in budgets_ms:
+        budget = budget_vector(float(budget_ms), n)
+        # rewards of every action at this budget: the decisions' rewards and the expected reward
+        all_rewards = compute_reward(test.score, test.latency_ms, budget[:, None], knob_values[None, :, :], reward)["reward"]
+        for decider in deciders:
+            chosen = torch.as_tensor(decider.decide(test, budget)).long()
+            if chosen.shape != (n,):
+                raise ValueError(f"{decider.name}: decide returned shape {tuple(chosen.shape)}, expected ({n},)")
+            outside = int((~test.mask[rows_idx, chosen]).sum())
+            if outside:
+                raise ValueError(f"{decider.name}: {outside} of {n} decisions at budget {budget_ms} ms are outside the mask")
+            score = test.score[rows_idx, chosen].double()
+            latency = test.latency_ms[rows_idx, chosen].double()
+            counts = torch.bincount(chosen, minlength=len(labels)).tolist()
+            rows.append({
+                "decider": decider.name,
+                "budget_ms": float(budget_ms),
+                "num_samples": n,
+                "accuracy": float(score.mean()),
+                "latency_ms_mean": float(latency.mean()),
+                "latency_ms_p95": float(torch.quantile(latency, 0.95)),
+                "violation_rate": float((latency > float(budget_ms)).double().mean()),
+                "reward_mean": float(all_rewards[rows_idx, chosen].double().mean()),
+                "expected_reward": _expected_reward(decider, test, budget, all_rewards),
+                "config_histogram": json.dumps({labels[i]: c for i, c in enumerate(counts) if c}),
+            })
+    order = {name: i for i, name in enumerate(names)}
+    rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
+    schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
+              "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
+              "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def write_evaluation(run_dir: str | os.PathLike, frame: Any, run_id: str | None = None) -> tuple[Path, Path]:
+    """Write ``run_dir/evaluation.parquet`` (with a leading ``run_id`` column, default the
+    directory name) and ``run_dir/evaluation.png``; both appear atomically. Returns the paths."""
+    import polars as pl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = run_id if run_id is not None else run_dir.name
+    missing = [c for c in EVALUATION_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"evaluation frame lacks columns {missing!r}")
+    out = frame.drop("run_id", strict=False).select(pl.lit(run_id, dtype=pl.String).alias("run_id"), pl.all())
+    parquet_path, png_path = run_dir / "evaluation.parquet", run_dir / "evaluation.png"
+    tmp = run_dir / f".evaluation.{uuid.uuid4().hex}.tmp"
+    out.write_parquet(tmp)
+    os.replace(tmp, parquet_path)
+    tmp_png = run_dir / f".evaluation.{uuid.uuid4().hex}.png"
+    _plot(frame, run_id).savefig(tmp_png, dpi=120)
+    os.replace(tmp_png, png_path)
+    return parquet_path, png_path
+
+
+def _plot(frame: Any, title: str) -> Any:
+    """Accuracy and violation rate against budget, one line per decider (Agg canvas, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_acc, ax_vio = fig.subplots(1, 2)
+    for name in frame["decider"].unique(maintain_order=True).to_list():
+        part = frame.filter(frame["decider"] == name).sort("budget_ms")
+        style = {"linewidth": 2.5} if name == "controller" else {"linewidth": 1.5}
+        ax_acc.plot(part["budget_ms"].to_list(), part["accuracy"].to_list(), marker="o", label=name, **style)
+        ax_vio.plot(part["budget_ms"].to_list(), part["violation_rate"].to_list(), marker="o", label=name, **style)
+    ax_vio.axhline(VIOLATION_TARGET, color="black", linestyle="--", linewidth=1, label=f"{VIOLATION_TARGET:.0%} target")
+    ax_acc.set(xlabel="latency budget (ms)", ylabel="accuracy (mean recorded score)", title="accuracy")
+    ax_vio.set(xlabel="latency budget (ms)", ylabel="share of samples with latency > budget", title="budget violation rate",
+               ylim=(-0.02, 1.02))
+    for ax in (ax_acc, ax_vio):
+        ax.grid(alpha=0.3)
+    ax_vio.legend(fontsize="small")
+    fig.suptitle(f"evaluation {title}")
+    return fig
+
+
+def format_evaluation_table(frame: Any) -> Any:  # -> rich.table.Table
+    """A terminal table: one row per (decider, budget), the most frequent configuration last."""
+    from rich.table import Table
+
+    table = Table(title="evaluation (test split)")
+    for header in ("decider", "budget ms", "accuracy", "latency ms mean", "latency ms p95", "violation",
+                   "reward", "expected reward", "top configuration"):
+        table.add_column(header, justify="left" if header in ("decider", "top configuration") else "right")
+    for row in frame.iter_rows(named=True):
+        hist = json.loads(row["config_histogram"]) if row["config_histogram"] else {}
+        top = max(hist.items(), key=lambda kv: kv[1]) if hist else None
+        top_text = f"{top[0]} ({top[1] / row['num_samples']:.0%})" if top else ""
+        violation = f"{row['violation_rate']:.1%}"
+        if row["violation_rate"] > VIOLATION_TARGET:
+            violation = f"[red]{violation}[/red]"
+        expected = row["expected_reward"]
+        table.add_row(row["decider"], f"{row['budget_ms']:.1f}", f"{row['accuracy']:.3f}", f"{row['latency_ms_mean']:.1f}",
+                      f"{row['latency_ms_p95']:.1f}", violation, f"{row['reward_mean']:.3f}",
+                      "" if expected is None or math.isnan(expected) else f"{expected:.3f}", top_text)
+    return table

@@ -1,0 +1,447 @@
+"""The controller policy: a small two-stage network over the recorded knob configurations.
+
+Stage 1 (``crops``) runs before the vision tower in the deployed system, so it reads only the
+language features and the budget. Stage 2 (``top_k`` and ``num_active_blocks``) reads the
+language and image features (plus an image-present flag), the budget and an embedding of the
+stage-1 choice. The heads are *factorized*::
+
+    log pi(c, k, b | x) = log p1(c | lang, budget) + log p2(k | x, c) + log p3(b | x, c)
+
+(``top_k`` and ``num_active_blocks`` are conditionally independent given the crops choice
+and the context; a joint stage-2 head would not survive the online phase, which adds the
+insertion position as another stage-1 factor). Over the joint action space the log-probs are
+then renormalised over each sample's mask (masked log-softmax), so only configurations
+recorded for that sample get probability; with a full mask over a full product space the
+renormalisation is the identity.
+
+The budget enters through a sinusoidal encoding followed by an MLP (``origin_formats.md``
+§7.2), but normalised over a range derived from the data (never the origin's fixed 50-500 ms,
+§9 D22) with frequencies chosen so that every dimension varies over that range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.errors import CacheMismatchError, CtrlError
+
+if TYPE_CHECKING:
+    from trainer.data import ActionSpace, OfflineData
+    from trainer.reward import RewardConfig
+
+#: bump when the checkpoint layout changes
+CHECKPOINT_FORMAT = 1
+
+
+def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.1) -> tuple[float, float]:
+    """The budget encoder's normalisation range: the data's budget range widened by ``margin``.
+
+    ``margin`` is a fraction of the range width added on each side, so budgets at the edges of
+    the training range are not clamped and mildly outside budgets still encode distinctly.
+    """
+    if not max_ms > min_ms:
+        msg = f"budget range must have max_ms > min_ms, got min_ms={min_ms!r}, max_ms={max_ms!r}"
+        raise ValueError(msg)
+    width = max_ms - min_ms
+    return max(0.0, min_ms - margin * width), max_ms + margin * width
+
+
+@dataclass
+class PolicyConfig:
+    """Architecture of :class:`ControllerPolicy` (saved in every checkpoint).
+
+    > Inputs (set from the data; a checkpoint refuses features of other widths)
+    lang_feature_dim: width of ``lang_features.feature`` (int).
+    image_feature_dim: width of ``image_features.feature`` (int).
+    budget_min_ms, budget_max_ms: budget normalisation range in ms (float). Budgets are mapped
+        to [0, 1] over it and clamped outside. Set it from the data's budget range with a
+        margin (:func:`budget_normalization_range`); there is deliberately no default
+        (origin's fixed 50-500 ms wasted most of the encoding, §9 D22).
+
+    > Budget encoder (origin §7.2, resized)
+    budget_encoding_dim: sinusoid width (int, even, default 32): sin and cos of
+        ``pi * f_i * position`` for ``budget_encoding_dim / 2`` frequencies f_i spaced
+        geometrically from 1 to ``budget_max_frequency``.
+    budget_max_frequency: highest frequency (float, default 16): resolves about
+        1/32 of the range; the lowest frequency (1) keeps a monotone component.
+    budget_hidden_dim: width of the budget MLP (Linear, LayerNorm, GELU, Linear, LayerNorm).
+
+    > Trunk and heads
+    hidden_dim: width of every projection and fusion layer (int, default 128; origin used
+        256-2048, far more than 64-dim features need; keeps one decision well under 1 ms).
+    crops_embedding_dim: width of the stage-1 choice embedding fed to stage 2 (default 16).
+    dropout: dropout after each projection (float in [0, 1), default 0.0; origin used 0.1).
+        Off by default because the GRPO ratio and KL terms compare the policy with itself
+        under sampling, which dropout noise would bias (TRL disables dropout for the same reason).
+    """
+
+    lang_feature_dim: int
+    image_feature_dim: int
+    budget_min_ms: float
+    budget_max_ms: float
+    budget_encoding_dim: int = 32
+    budget_max_frequency: float = 16.0
+    budget_hidden_dim: int = 64
+    hidden_dim: int = 128
+    crops_embedding_dim: int = 16
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if int(self.image_feature_dim) < 0:  # 0: a workspace without any image features
+            msg = f"`image_feature_dim` must be >= 0, got {self.image_feature_dim!r}"
+            raise ValueError(msg)
+        for name in ("lang_feature_dim", "budget_hidden_dim", "hidden_dim", "crops_embedding_dim"):
+            if int(getattr(self, name)) < 1:
+                msg = f"`{name}` must be >= 1, got {getattr(self, name)!r}"
+                raise ValueError(msg)
+        if self.budget_encoding_dim < 2 or self.budget_encoding_dim % 2:
+            msg = f"`budget_encoding_dim` must be an even number >= 2, got {self.budget_encoding_dim!r}"
+            raise ValueError(msg)
+        if not self.budget_max_ms > self.budget_min_ms:
+            msg = (f"`budget_max_ms` ({self.budget_max_ms!r}) must be greater than `budget_min_ms` "
+                   f"({self.budget_min_ms!r})\nHint: derive both from the data with budget_normalization_range().")
+            raise ValueError(msg)
+        if not 0.0 <= self.dropout < 1.0:
+            msg = f"`dropout` must be in [0, 1), got {self.dropout!r}"
+            raise ValueError(msg)
+        if self.budget_max_frequency < 1.0:
+            msg = f"`budget_max_frequency` must be >= 1, got {self.budget_max_frequency!r}"
+            raise ValueError(msg)
+
+
+class BudgetEncoder(nn.Module):
+    """Budget in ms (N,) -> (N, budget_hidden_dim): normalise, sinusoid, MLP (origin §7.2)."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__()
+        self.min_ms, self.max_ms = float(config.budget_min_ms), float(config.budget_max_ms)
+        n = config.budget_encoding_dim // 2
+        freqs = math.pi * torch.logspace(0.0, math.log10(config.budget_max_frequency), n)
+        self.register_buffer("frequencies", freqs, persistent=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.budget_encoding_dim, config.budget_hidden_dim), nn.LayerNorm(config.budget_hidden_dim),
+            nn.GELU(), nn.Linear(config.budget_hidden_dim, config.budget_hidden_dim),
+            nn.LayerNorm(config.budget_hidden_dim))
+
+    def encode(self, budget_ms: Tensor) -> Tensor:
+        """The sinusoid (N, budget_encoding_dim) of the clamped normalised budget."""
+        position = ((budget_ms.float() - self.min_ms) / (self.max_ms - self.min_ms)).clamp(0.0, 1.0)
+        angles = position[:, None] * self.frequencies[None, :]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    def forward(self, budget_ms: Tensor) -> Tensor:
+        return _apply(self.mlp, self.encode(budget_ms), self.training)
+
+
+def _apply(seq: nn.Sequential, x: Tensor, training: bool) -> Tensor:
+    """Run a Sequential of Linear/LayerNorm/ReLU/GELU/Dropout through the functional ops.
+
+    Same result as ``seq(x)``, but without ``nn.Module.__call__``, which costs ~8 µs per module
+    on the 2-core CPU against ~4 µs for the op itself: it halves a batch-1 decision.
+    """
+    for m in seq:
+        if isinstance(m, nn.Linear):
+            x = F.linear(x, m.weight, m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            x = F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+        elif isinstance(m, nn.ReLU):
+            x = F.relu(x)
+        elif isinstance(m, nn.GELU):
+            x = F.gelu(x)
+        elif isinstance(m, nn.Dropout):
+            x = F.dropout(x, m.p, training) if training and m.p > 0 else x
+        else:  # a module this helper does not know: fall back to calling it
+            x = m(x)
+    return x
+
+
+def _projection(in_dim: int, out_dim: int, dropout: float) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim), nn.ReLU(), nn.Dropout(dropout))
+
+
+def _head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
+    head = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
+    with torch.no_grad():  # start close to uniform, so early samples explore every configuration
+        head[-1].weight.mul_(0.01)
+        head[-1].bias.zero_()
+    return head
+
+
+class ControllerPolicy(nn.Module):
+    """pi(action | image features, language features, budget) over an :class:`ActionSpace`.
+
+    Inputs (all batched over N): ``image`` float32 (N, Di), zeros where missing;
+    ``image_present`` bool (N,); ``lang`` float32 (N, Dl); ``budget_ms`` float (N,) or a
+    scalar; ``mask`` bool (N, A), the actions allowed per sample (None = all).
+    Features are standardised with per-dimension statistics stored as buffers
+    (:meth:`set_feature_normalization`, computed on the training split).
+    """
+
+    def __init__(self, config: PolicyConfig, action_space: ActionSpace, model_fingerprint: str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.action_space = action_space
+        self.model_fingerprint = model_fingerprint
+        h, d = config.hidden_dim, config.dropout
+        num_crops = len(action_space.max_crops_values)
+        num_top_k = len(action_space.top_k_values)
+        num_blocks = len(action_space.num_active_blocks_values)
+        self.register_buffer("knob_indices", action_space.knob_indices().long().clone(), persistent=False)
+        ci, ki, bi = self.knob_indices.unbind(1)
+        # flat positions of each action's factors in crops (C,), top_k (C*K,) and blocks (C*B,) log-probs
+        self.register_buffer("crops_index", ci.clone(), persistent=False)
+        self.register_buffer("top_k_index", ci * num_top_k + ki, persistent=False)
+        self.register_buffer("blocks_index", ci * num_blocks + bi, persistent=False)
+        for name, dim in (("lang", config.lang_feature_dim), ("image", config.image_feature_dim)):
+            self.register_buffer(f"{name}_mean", torch.zeros(dim))
+            self.register_buffer(f"{name}_std", torch.ones(dim))
+        self.budget_encoder = BudgetEncoder(config)
+        hb = config.budget_hidden_dim
+        # stage 1: crops, before the vision tower (language + budget only)
+        self.lang_proj = _projection(config.lang_feature_dim, h, d)
+        self.stage1_fusion = _projection(h + hb, h, d)
+        self.crops_head = _head(h, h, num_crops)
+        # stage 2: top_k and blocks, after vision (language + image + budget + stage-1 choice)
+        self.image_proj = _projection(config.image_feature_dim + 1, h, d)
+        self.crops_embedding = nn.Embedding(num_crops, config.crops_embedding_dim)
+        # the fusion's first layer is split (context part + choice part) so the context is
+        # projected once and each crops choice only adds a (C, H) term
+        self.stage2_context = nn.Linear(2 * h + hb, h)
+        self.stage2_choice = nn.Linear(config.crops_embedding_dim, h, bias=False)
+        self.stage2_norm = nn.Sequential(nn.LayerNorm(h), nn.ReLU(), nn.Dropout(d))
+        self.top_k_head = _head(h, h, num_top_k)
+        self.blocks_head = _head(h, h, num_blocks)
+
+    # -- inputs
+    def set_feature_normalization(self, image: Tensor, image_present: Tensor, lang: Tensor) -> None:
+        """Store per-dimension mean/std of the features (training split; images only where present)."""
+        with torch.no_grad():
+            self.lang_mean.copy_(lang.float().mean(0))
+            self.lang_std.copy_(lang.float().std(0, correction=0).clamp_min(1e-6))
+            present = image[image_present.bool()].float()
+            if len(present):
+                self.image_mean.copy_(present.mean(0))
+                self.image_std.copy_(present.std(0, correction=0).clamp_min(1e-6))
+
+    def _check_inputs(self, image: Tensor, lang: Tensor) -> None:
+        want = (self.config.image_feature_dim, self.config.lang_feature_dim)
+        if image.shape[-1] != want[0] or lang.shape[-1] != want[1]:
+            msg = (f"features of width image={image.shape[-1]}, lang={lang.shape[-1]} do not fit this policy "
+                   f"(image={want[0]}, lang={want[1]}, model fingerprint {str(self.model_fingerprint)[:16]})\n"
+                   "Hint: use features extracted with the model the policy was trained on.")
+            raise CacheMismatchError(msg)
+
+    # -- the two stages
+    def _stage1(self, lang: Tensor, budget: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        t = self.training
+        lang_h = _apply(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
+        budget_h = self.budget_encoder.forward(budget)
+        logits = _apply(self.crops_head, _apply(self.stage1_fusion, torch.cat([lang_h, budget_h], dim=-1), t), t)
+        return logits.log_softmax(-1), lang_h, budget_h
+
+    def _stage2(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor) -> tuple[Tensor, Tensor]:
+        """log p(top_k | x, c) and log p(blocks | x, c) for every crops choice c: (N, C, K), (N, C, B)."""
+        present = image_present.float()[:, None]
+        image_n = (image.float() - self.image_mean) / self.image_std * present  # a missing image is all zeros
+        t = self.training
+        image_h = _apply(self.image_proj, torch.cat([image_n, present], dim=-1), t)
+        context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.stage2_context.weight,
+                           self.stage2_context.bias)  # (N, H)
+        choice = F.linear(self.crops_embedding.weight, self.stage2_choice.weight)  # (C, H)
+        hidden = _apply(self.stage2_norm, context[:, None, :] + choice[None, :, :], t)  # (N, C, H)
+        return _apply(self.top_k_head, hidden, t).log_softmax(-1), _apply(self.blocks_head, hidden, t).log_softmax(-1)
+
+    @staticmethod
+    def _budget(budget_ms: Tensor | float, n: int) -> Tensor:
+        budget = torch.as_tensor(budget_ms, dtype=torch.float32)
+        return budget.expand(n) if budget.dim() == 0 else budget.reshape(n)
+
+    def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float) -> Tensor:
+        """Stage 1 alone: log p1(crops | lang, budget), (N, C) over ``action_space.max_crops_values``."""
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]))[0]
+
+    def stage2_log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor,
+                         budget_ms: Tensor | float) -> tuple[Tensor, Tensor]:
+        """Stage 2 alone, for every crops choice: log p(top_k | x, c) (N, C, K), log p(blocks | x, c) (N, C, B)."""
+        self._check_inputs(image, lang)
+        _, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, lang.shape[0]))
+        return self._stage2(image, image_present, lang_h, budget_h)
+
+    def log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float,
+                  mask: Tensor | None = None) -> Tensor:
+        """log pi(a | x) over the joint action space, (N, A): -inf outside ``mask``, rows sum to 1."""
+        self._check_inputs(image, lang)
+        n = lang.shape[0]
+        crops_lp, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, n))
+        top_k_lp, blocks_lp = self._stage2(image, image_present, lang_h, budget_h)
+        joint = (crops_lp.index_select(1, self.crops_index)  # (N, A); index_select beats fancy indexing
+                 + top_k_lp.flatten(1).index_select(1, self.top_k_index)
+                 + blocks_lp.flatten(1).index_select(1, self.blocks_index))
+        if mask is None:
+            return joint.log_softmax(-1)
+        if not bool(mask.any(-1).all()):
+            empty = int((~mask.any(-1)).sum())
+            msg = f"{empty} of {n} rows have an empty action mask: no recorded configuration to choose from"
+            raise CtrlError(msg)
+        return joint.masked_fill(~mask, float("-inf")).log_softmax(-1)
+
+    # -- checkpoints
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        """Write a checkpoint (atomic): weights, config, action space, fingerprint, feature dims."""
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "state_dict": self.state_dict(),
+            "config": asdict(self.config),
+            "action_space": self.action_space.to_json(),
+            "model_fingerprint": self.model_fingerprint,
+            "lang_feature_dim": self.config.lang_feature_dim,
+            "image_feature_dim": self.config.image_feature_dim,
+            "budget_range_ms": [self.config.budget_min_ms, self.config.budget_max_ms],
+            **(extra or {}),
+        }
+        return atomic_torch_save(payload, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, model_fingerprint: str | None = None) -> ControllerPolicy:
+        """Read a checkpoint; with ``model_fingerprint``, refuse features of another model."""
+        payload = read_checkpoint(path)
+        from trainer.data import ActionSpace
+
+        policy = cls(PolicyConfig(**payload["config"]), ActionSpace.from_json(payload["action_space"]),
+                     payload["model_fingerprint"])
+        policy.load_state_dict(payload["state_dict"], strict=True)  # never strict=False (§9 D25)
+        policy.eval()
+        if model_fingerprint is not None:
+            check_fingerprint(policy, model_fingerprint, path)
+        return policy
+
+
+def atomic_torch_save(obj: object, path: Path) -> Path:
+    """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves half a checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The raw checkpoint dict; a missing or foreign file is a user error."""
+    path = Path(path)
+    if not path.is_file():
+        msg = f"checkpoint {str(path)!r} does not exist\nHint: pass a run id, a run directory or a .pt file written by `ctrl train --offline`."
+        raise CtrlError(msg)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for a foreign or corrupt file: wrap once, here
+        msg = f"{path}: not a ctrl checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        raise CtrlError(msg) from None
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        msg = f"{path}: checkpoint format {found!r}, this ctrl reads format {CHECKPOINT_FORMAT}"
+        raise CtrlError(msg)
+    return payload
+
+
+def check_fingerprint(policy: ControllerPolicy, model_fingerprint: str, where: str | Path = "checkpoint") -> None:
+    """Raise :class:`CacheMismatchError` when the policy was trained on another model's features."""
+    if policy.model_fingerprint != model_fingerprint:
+        msg = (f"{where}: trained on features of model {str(policy.model_fingerprint)[:16]}, "
+               f"but these features come from model {str(model_fingerprint)[:16]}\n"
+               "Hint: run `ctrl extract-features` with the model the checkpoint was trained on, or train a new run.")
+        raise CacheMismatchError(msg)
+
+
+def _aligned(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tensor | None]:
+    """``data.mask`` mapped into the policy's action space, and the policy->data index map (None = same)."""
+    if tuple(policy.action_space.actions) == tuple(data.action_space.actions):
+        return data.mask, None
+    policy_index = {a: i for i, a in enumerate(policy.action_space.actions)}
+    to_data = torch.full((len(policy.action_space.actions),), -1, dtype=torch.long)
+    mask = torch.zeros(len(data), len(policy.action_space.actions), dtype=torch.bool)
+    for j, action in enumerate(data.action_space.actions):
+        if action in policy_index:  # actions the policy never saw cannot be chosen
+            to_data[policy_index[action]] = j
+            mask[:, policy_index[action]] = data.mask[:, j]
+    return mask, to_data
+
+
+def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+    """log pi over ``data.action_space`` (N, A_data) under ``data.mask``; -inf elsewhere."""
+    mask, to_data = _aligned(policy, data)
+    lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask)
+    if to_data is None:
+        return lp
+    out = torch.full((len(data), len(data.action_space.actions)), float("-inf"))
+    keep = to_data >= 0
+    out[:, to_data[keep]] = lp[:, keep]
+    return out
+
+
+class PolicyDecider:
+    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi."""
+
+    name = "controller"
+
+    def __init__(self, policy: ControllerPolicy) -> None:
+        self.policy = policy
+
+    @torch.inference_mode()
+    def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's expected reward)."""
+        if self.policy.model_fingerprint is not None:
+            check_fingerprint(self.policy, data.model_fingerprint, "controller")
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            return data_log_probs(self.policy, data, budget_ms).exp()
+        finally:
+            self.policy.train(was_training)
+
+    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        """(N,) indices into ``data.action_space``, always inside ``data.mask``: the most probable action."""
+        return self.action_probs(data, budget_ms).argmax(-1)
+
+
+@torch.no_grad()
+def expected_reward(policy: ControllerPolicy, data: OfflineData, budgets_ms: list[float],
+                    reward: RewardConfig, details: bool = False) -> float | dict[str, float]:
+    """Exact E_{a~pi}[r(x, a)] = sum_a pi(a|x) r(x, a), averaged over samples x budgets.
+
+    Every allowed configuration is recorded, so no estimator is needed. With ``details``,
+    also the expected accuracy and violation rate (latency > budget) under the same policy.
+    """
+    from trainer.reward import compute_reward
+
+    was_training = policy.training
+    policy.eval()
+    totals = {"expected_reward": 0.0, "expected_accuracy": 0.0, "expected_violation_rate": 0.0}
+    knobs = data.action_space.knob_values().float()
+    try:
+        for budget in budgets_ms:
+            probs = data_log_probs(policy, data, float(budget)).exp()
+            b = torch.full((len(data), 1), float(budget))
+            r = compute_reward(data.score, data.latency_ms, b, knobs[None], reward)["reward"]
+            totals["expected_reward"] += float((probs * torch.where(data.mask, r, 0.0)).sum(-1).mean())
+            totals["expected_accuracy"] += float((probs * torch.where(data.mask, data.score, 0.0)).sum(-1).mean())
+            viol = torch.where(data.mask, (data.latency_ms > b).float(), 0.0)
+            totals["expected_violation_rate"] += float((probs * viol).sum(-1).mean())
+    finally:
+        policy.train(was_training)
+    out = {k: v / max(len(budgets_ms), 1) for k, v in totals.items()}
+    return out if details else out["expected_reward"]
