@@ -280,7 +280,7 @@ def train(
 
 @app.command()
 def evaluate(
-    run: Annotated[str, typer.Argument(help="Run id of the workspace, or a run directory.")],
+    run: Annotated[str, typer.Argument(help="Run id of the workspace, 'latest', or a run directory.")],
     workspace: WorkspaceOption = None,
     budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; default: the run's grid).")] = None,
 ) -> None:

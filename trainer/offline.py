@@ -235,7 +235,13 @@ def new_run_id() -> str:
 
 
 def resolve_run_dir(workspace: Workspace, run: str | Path) -> Path:
-    """A run directory from a run id of ``workspace`` or a path to a run directory."""
+    """A run directory from a run id of ``workspace``, ``"latest"`` (the most recently
+    started run of the workspace) or a path to a run directory."""
+    if str(run) == "latest":
+        runs = [p for p in (workspace.root / RUNS_DIR).glob("*/config.json")]
+        if not runs:
+            raise CtrlError(f"workspace {workspace.root} has no runs yet\nHint: ctrl train --offline")
+        return max(runs, key=lambda p: p.stat().st_mtime_ns).parent.resolve()
     path = Path(run).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path.resolve()

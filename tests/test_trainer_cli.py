@@ -1,0 +1,62 @@
+"""ctrl train --offline / evaluate / predict through the CLI, and the run views in DuckDB."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from conftest import run_ingest
+from pipeline import Workspace
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, embedded_runtime) -> Workspace:
+    from features import FeatureConfig, extract_features
+    from pipeline.synthetic import SyntheticSpec, generate_tree
+
+    root = tmp_path_factory.mktemp("cli-trainer")
+    tree = generate_tree(SyntheticSpec(num_samples=30), root / "data")
+    workspace = Workspace(root / "ws")
+    assert run_ingest([tree.exp5_dir, tree.exp6_dir], workspace).exit_code == 0
+    extract_features(FeatureConfig(workspace=workspace.root, images_dir=tree.images_dir), runtime=embedded_runtime)
+    return workspace
+
+
+def test_train_evaluate_predict(ws, tmp_path):
+    w = str(ws.root)
+    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--run-id", "cli-run",
+                                  "--reward-mode", "hard"], catch_exceptions=False)
+    assert trained.exit_code == 0, trained.output
+    assert "run cli-run" in trained.stdout and "lut_p95" in trained.stdout
+    assert (ws.runs_dir / "cli-run" / "evaluation.png").exists()
+
+    evaluated = runner.invoke(app, ["evaluate", "latest", "-w", w, "--budget-ms", "250", "--budget-ms", "400"])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "oracle" in evaluated.stdout and "controller" in evaluated.stdout
+
+    views = runner.invoke(app, ["query", "-w", w, "--format", "json", """
+        SELECT (SELECT count(*) FROM runs) AS runs, (SELECT count(*) FROM metrics) > 0 AS has_metrics,
+               (SELECT count(DISTINCT budget_ms) FROM evaluations WHERE run_id = 'cli-run') AS budgets"""])
+    assert json.loads(views.stdout) == [{"runs": 1, "has_metrics": True, "budgets": 2}]
+
+    out = tmp_path / "decisions.csv"
+    predicted = runner.invoke(app, ["predict", "--run", "cli-run", "-w", w, "--budget-ms", "200", "--budget-ms", "300",
+                                    "--out", str(out)])
+    assert predicted.exit_code == 0, predicted.output
+    frame = pl.read_csv(out)
+    assert frame.columns == ["sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k",
+                             "num_active_blocks", "probability"]
+    assert frame.height == 2 * 60 and frame["probability"].is_between(0, 1, closed="right").all()
+
+
+def test_online_is_refused_clearly_and_exactly_one_source_for_predict(ws, tmp_path):
+    online = runner.invoke(app, ["train", "--online", "-w", str(ws.root)])
+    assert online.exit_code == 1 and "issue 5" in online.stderr
+    both = runner.invoke(app, ["predict", "-w", str(ws.root), "--budget-ms", "200", "--out", str(tmp_path / "x.csv")])
+    assert both.exit_code == 1 and "exactly one of --run" in both.stderr
