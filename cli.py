@@ -90,7 +90,7 @@ def ingest(
 
 @app.command()
 def query(
-    sql: Annotated[str, typer.Argument(help="SQL over the views samples, measurements, configs, files, groups.")],
+    sql: Annotated[str, typer.Argument(help="SQL over the workspace views (samples, measurements, configs, files, groups; features and runs once written).")],
     workspace: WorkspaceOption = None,
     output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Rows shown by --format table (0 = all).", min=0)] = 50,
