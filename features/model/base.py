@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipeline import knobs
 from pipeline.errors import CtrlError, KnobError
 
 #: the crop setting at which image features are extracted (documented in the README)
@@ -166,12 +167,16 @@ class ModelRuntime(ABC):
     def current_top_k(self) -> list[int]:
         """The top-K each decoder layer uses now."""
 
-    @abstractmethod
+    #: the active decoder blocks (None: all) and the importance scores; set by subclasses
+    _active: tuple[int, ...] | None = None
+    _scores: dict[int, float] | None = None
+
     def set_active_blocks(self, blocks: Sequence[int] | None) -> None:
         """Run only these decoder blocks (must include 0); None runs all."""
+        self._active = validate_active_blocks(blocks, self.num_layers)
 
-    @abstractmethod
-    def current_active_blocks(self) -> list[int]: ...
+    def current_active_blocks(self) -> list[int]:
+        return list(range(self.num_layers)) if self._active is None else list(self._active)
 
     @contextmanager
     def knobs(self, *, top_k: int | Mapping[int, int] | None = None, num_active_blocks: int | None = None,
@@ -196,9 +201,12 @@ class ModelRuntime(ABC):
             self.set_top_k(dict(enumerate(saved_top_k)))
             self.set_active_blocks(saved_blocks if len(saved_blocks) < self.num_layers else None)
 
-    @abstractmethod
     def blocks_for(self, num_active_blocks: int) -> tuple[int, ...]:
         """The blocks kept for a block count (importance file if given, else the default rule)."""
+        try:
+            return knobs.select_active_blocks(int(num_active_blocks), self.num_layers, self._scores)
+        except ValueError as exc:
+            raise KnobError(str(exc)) from exc
 
     # -- generation
     @abstractmethod

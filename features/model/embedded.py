@@ -62,7 +62,6 @@ from features.model.base import (
     ModelRuntime,
     resolve_device,
     resolve_importance_scores,
-    validate_active_blocks,
     validate_top_k,
 )
 from pipeline import knobs
@@ -489,18 +488,6 @@ class EmbeddedRuntime(ModelRuntime):
 
     def current_top_k(self) -> list[int]:
         return [int(layer.mlp.gate.top_k) for layer in self._all_layers]
-
-    def set_active_blocks(self, blocks: Sequence[int] | None) -> None:
-        self._active = validate_active_blocks(blocks, self.num_layers)
-
-    def current_active_blocks(self) -> list[int]:
-        return list(range(self.num_layers)) if self._active is None else list(self._active)
-
-    def blocks_for(self, num_active_blocks: int) -> tuple[int, ...]:
-        try:
-            return knobs.select_active_blocks(int(num_active_blocks), self.num_layers, self._scores)
-        except ValueError as exc:
-            raise KnobError(str(exc)) from exc
 
     @contextmanager
     def _run_active_blocks(self) -> Iterator[None]:
