@@ -242,6 +242,84 @@ IMAGE_TILINGS = TableSchema(
 
 FEATURE_TABLES: dict[str, TableSchema] = {t.name: t for t in (IMAGE_FEATURES, LANG_FEATURES, IMAGE_TILINGS)}
 
+# -- run tables, written by `ctrl train` / `ctrl evaluate` under workspace/runs/<run_id>/
+_L, _TS = pa.int64(), pa.timestamp("us", tz="UTC")
+_RUN_ID = Column("run_id", _S, "the run directory's name", **_KEY)
+
+RUNS = TableSchema(
+    name="runs",
+    description="One row per training run (runs/<run_id>/run.parquet).",
+    primary_key=("run_id",),
+    columns=(
+        _RUN_ID,
+        Column("created_at", _TS, "start of the run"),
+        Column("finished_at", _TS, "end of the run (null while running)"),
+        Column("status", _S, "running | interrupted | failed | completed"),
+        Column("num_epochs", _L, "epochs asked for"),
+        Column("epochs_done", _L, "epochs finished"),
+        Column("steps", _L, "optimizer steps taken"),
+        Column("best_epoch", _L, "epoch with the best validation expected reward (0 = initial policy)"),
+        Column("best_val_expected_reward", _F, "its exact expected reward on the val split"),
+        Column("initial_val_expected_reward", _F, "the same for the untrained policy"),
+        Column("loss_type", _S, "grpo | pairwise"),
+        Column("seed", _L, "seed of the run"),
+        Column("model_fingerprint", _S, "feature model the run trained on"),
+        Column("workspace", _S, "workspace directory"),
+        Column("num_train_samples", _L, "samples in the train split"),
+        Column("num_val_samples", _L, "samples in the val split"),
+        Column("num_test_samples", _L, "samples in the test split"),
+        Column("num_actions", _L, "configurations in the action space"),
+        Column("budget_min_ms", _F, "training budget range, low end", "ms"),
+        Column("budget_max_ms", _F, "training budget range, high end", "ms"),
+        Column("wall_time_s", _F, "duration", "s"),
+    ),
+)
+
+METRICS = TableSchema(
+    name="metrics",
+    description="One row per optimizer step (kind='step') and per epoch (kind='epoch'; epoch 0 = initial policy).",
+    primary_key=("run_id", "kind", "step", "epoch"),
+    columns=(
+        _RUN_ID,
+        Column("kind", _S, "step | epoch"),
+        Column("step", _L, "optimizer step (epoch rows: the last step of the epoch)"),
+        Column("epoch", _L, "epoch, from 1 (0 = the initial policy)"),
+        Column("loss", _F, "policy loss"),
+        *(Column(f"reward/{part}", _F, f"mean {part} over the sampled configurations") for part in
+          ("mean", "acc_term", "lat_pen", "viol_pen", "complexity", "bonus")),
+        Column("groups", _L, "(sample, budget) groups used"),
+        Column("zero_variance_groups", _L, "groups dropped: all rewards equal, no signal"),
+        Column("kl", _F, "exact KL to the initial policy (0 when off)"),
+        Column("clip_ratio", _F, "share of clipped ratio terms"),
+        Column("grad_norm", _F, "gradient norm before clipping"),
+        Column("val/expected_reward", _F, "epoch rows: exact sum_a pi(a|x) r(x,a) on the val split over the budget grid"),
+        Column("val/expected_accuracy", _F, "epoch rows: expected score on the val split"),
+        Column("val/expected_violation_rate", _F, "epoch rows: expected share of latency > budget"),
+        Column("wall_time_s", _F, "since the run started", "s"),
+    ),
+)
+
+EVALUATIONS = TableSchema(
+    name="evaluations",
+    description="One row per (run, decider, budget) on the test split (runs/<run_id>/evaluation.parquet).",
+    primary_key=("run_id", "decider", "budget_ms"),
+    columns=(
+        _RUN_ID,
+        Column("decider", _S, "controller | oracle | lut_p95 | lut_mean5 | largest | random"),
+        Column("budget_ms", _F, "latency budget", "ms"),
+        Column("num_samples", _L, "test samples"),
+        Column("accuracy", _F, "mean recorded score of the chosen configurations"),
+        Column("latency_ms_mean", _F, "mean latency of the chosen configurations", "ms"),
+        Column("latency_ms_p95", _F, "p95 latency of the chosen configurations", "ms"),
+        Column("violation_rate", _F, "share of samples with latency > budget"),
+        Column("reward_mean", _F, "mean reward of the decisions"),
+        Column("expected_reward", _F, "exact expected reward of the decider's distribution (= reward_mean when deterministic)"),
+        Column("config_histogram", _S, "JSON {\"C/K/B\": count} of the chosen configurations"),
+    ),
+)
+
+RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS)}
+
 
 def schema_markdown(table: TableSchema) -> str:
     """The README section of one table, generated so docs and code cannot drift."""
@@ -261,4 +339,4 @@ def schema_markdown(table: TableSchema) -> str:
 
 def schemas_markdown() -> str:
     """All tables' README sections (``ctrl schema`` prints this)."""
-    return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values()))
+    return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values(), *RUN_TABLES.values()))

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CONFIGS, NUM_SAMPLES, run_ingest
 from pipeline import QueryError, SchemaError, run_query, view_ddl
-from pipeline.schema import FEATURE_TABLES, TABLES, schema_markdown
+from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, schema_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -66,7 +66,7 @@ def test_reader_rejects_a_table_of_another_schema(small_tree, workspace):
         workspace.read_table("samples")
 
 
-@pytest.mark.parametrize("name", sorted(TABLES) + sorted(FEATURE_TABLES))
+@pytest.mark.parametrize("name", sorted(TABLES) + sorted(FEATURE_TABLES) + sorted(RUN_TABLES))
 def test_readme_documents_every_table_exactly(name):
-    table = TABLES.get(name) or FEATURE_TABLES[name]
+    table = TABLES.get(name) or FEATURE_TABLES.get(name) or RUN_TABLES[name]
     assert schema_markdown(table) in README.read_text(), f"README schema of {name!r} is stale: paste the output of `ctrl schema`"

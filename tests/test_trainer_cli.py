@@ -45,6 +45,16 @@ def test_train_evaluate_predict(ws, tmp_path):
                (SELECT count(DISTINCT budget_ms) FROM evaluations WHERE run_id = 'cli-run') AS budgets"""])
     assert json.loads(views.stdout) == [{"runs": 1, "has_metrics": True, "budgets": 2}]
 
+    # the run files follow their declared schemas (pipeline.schema.RUN_TABLES, documented in the README)
+    import pyarrow.parquet as pq
+
+    from pipeline.schema import RUN_TABLES
+    from pipeline.workspace import check_table_schema
+
+    for name, filename in (("runs", "run.parquet"), ("metrics", "metrics.parquet"), ("evaluations", "evaluation.parquet")):
+        path = ws.runs_dir / "cli-run" / filename
+        check_table_schema(pq.read_schema(path), RUN_TABLES[name], path)
+
     out = tmp_path / "decisions.csv"
     predicted = runner.invoke(app, ["predict", "--run", "cli-run", "-w", w, "--budget-ms", "200", "--budget-ms", "300",
                                     "--out", str(out)])
