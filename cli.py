@@ -171,6 +171,8 @@ def extract_features(
     force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
 ) -> None:
     """Compute image and language features per sample once and cache them in the workspace."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from features import FeatureConfig
@@ -187,8 +189,6 @@ def extract_features(
             started = [0.0]
 
             def advance(n: int) -> None:
-                import time
-
                 started[0] = started[0] or time.perf_counter()
                 bar.update(task, advance=n)
                 done = bar.tasks[0].completed

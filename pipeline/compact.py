@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import SchemaError
 from pipeline.kinds import KINDS, priority_sql
-from pipeline.schema import CONFIGS, FILES, MEASUREMENTS, SAMPLES, SCHEMA_VERSION, TableSchema, quote_ident
+from pipeline.schema import CONFIGS, FILES, MEASUREMENTS, SAMPLES, SCHEMA_VERSION, TableSchema, duckdb_type, quote_ident
 from pipeline.workspace import check_table_schema
 
 #: DuckDB's own buffer; it spills to disk beyond this
@@ -121,8 +121,6 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
 
 
 def _null_row(table: TableSchema) -> str:
-    from pipeline.schema import duckdb_type
-
     return ", ".join(f"CAST(NULL AS {duckdb_type(c.dtype)}) AS {quote_ident(c.name)}" for c in table.columns)
 
 

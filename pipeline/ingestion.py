@@ -14,8 +14,8 @@ Steps, each restartable:
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import json
+import multiprocessing
 import os
 import shutil
 import time
@@ -32,7 +32,7 @@ from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
 from pipeline.schema import FILES
-from pipeline.workspace import Workspace
+from pipeline.workspace import Workspace, atomic_path
 
 _FRAGMENT_TABLES = ("measurements", "samples", "summaries")
 
@@ -121,16 +121,6 @@ def _fragment_meta(workspace: Workspace, sha: str) -> Path:
     return workspace.fragments_dir / f"p{PARSER_VERSION}" / sha[:2] / f"{sha}.json"
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_arrow(table: pa.Table, path: Path) -> None:
     # uncompressed Arrow IPC: 5x faster to write than Parquet, memory-mapped on read
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -169,9 +159,11 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     for name, table in tables.items():
         if table.num_rows:
             filename = f"{sha}.{name}.arrow"
-            _write_atomic(bucket / filename, lambda tmp, table=table: _write_arrow(table, tmp))
+            with atomic_path(bucket / filename) as tmp:
+                _write_arrow(table, tmp)
             meta["tables"][name] = filename
-    _write_atomic(meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
+    with atomic_path(meta_file) as tmp:
+        tmp.write_text(json.dumps(meta))
     return {**meta, **base, "cached": False}
 
 
@@ -197,6 +189,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
         now = datetime.now(timezone.utc)
         new_manifest = dict(manifest)
         todo: list[Path] = []
+        sizes: dict[Path, int] = {}
         for path in files:
             old = manifest.get(str(path))
             st = path.stat()
@@ -208,9 +201,10 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                     progress(path.name)
                 continue
             todo.append(path)
+            sizes[path] = st.st_size
 
         fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
-        todo.sort(key=lambda p: -p.stat().st_size)  # largest first: workers finish together
+        todo.sort(key=lambda p: -sizes[p])  # largest first: workers finish together
         for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
             old = manifest.get(str(path))
             status = meta["status"]

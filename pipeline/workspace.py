@@ -41,13 +41,26 @@ def resolve_workspace(path: str | os.PathLike | None = None) -> Path:
     return Path(chosen).expanduser().resolve()
 
 
+@contextmanager
+def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; it replaces ``path`` when the block
+    succeeds and is removed when it fails, so readers see the old file or the whole new one.
+
+    ``suffix`` keeps a file type for writers that infer the format from the name (images).
+    """
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as fh:
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class Workspace:

@@ -65,3 +65,19 @@ def embedded_runtime(tmp_path_factory):
 
     yield load_runtime("embedded")
     patch.undo()
+
+
+def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 256):
+    """Generate a synthetic origin tree under ``root``, ingest it and extract its features.
+
+    Returns (tree, workspace): what every trainer test starts from.
+    """
+    from features import FeatureConfig, extract_features
+    from pipeline.synthetic import SyntheticSpec, generate_tree
+
+    tree = generate_tree(spec or SyntheticSpec(num_samples=40), root / "data")
+    workspace = Workspace(root / "ws")
+    assert run_ingest([tree.exp5_dir, tree.exp6_dir], workspace).exit_code == 0
+    extract_features(FeatureConfig(workspace=workspace.root, images_dir=tree.images_dir,
+                                   batch_size=min(16, chunk_size), chunk_size=chunk_size), runtime=runtime)
+    return tree, workspace

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from conftest import run_ingest
+from conftest import build_feature_workspace
 from pipeline import Workspace
 
 runner = CliRunner()
@@ -17,15 +17,9 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory, embedded_runtime) -> Workspace:
-    from features import FeatureConfig, extract_features
-    from pipeline.synthetic import SyntheticSpec, generate_tree
+    from pipeline.synthetic import SyntheticSpec
 
-    root = tmp_path_factory.mktemp("cli-trainer")
-    tree = generate_tree(SyntheticSpec(num_samples=30), root / "data")
-    workspace = Workspace(root / "ws")
-    assert run_ingest([tree.exp5_dir, tree.exp6_dir], workspace).exit_code == 0
-    extract_features(FeatureConfig(workspace=workspace.root, images_dir=tree.images_dir), runtime=embedded_runtime)
-    return workspace
+    return build_feature_workspace(tmp_path_factory.mktemp("cli-trainer"), embedded_runtime, SyntheticSpec(num_samples=30))[1]
 
 
 def test_train_evaluate_predict(ws, tmp_path):

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_ingest
+from conftest import build_feature_workspace, run_ingest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,7 +25,7 @@ from pipeline import (
     build_sample_key,
     run_query,
 )
-from pipeline.synthetic import SyntheticSpec, generate_tree
+from pipeline.synthetic import SyntheticSpec
 from trainer.baselines import (
     LargestDecider,
     LookupTableDecider,
@@ -55,17 +55,9 @@ NUM_SAMPLES, EXP6_SAMPLES = 40, 30  # samples 30..39 have exp5 scores only -> co
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, embedded_runtime):
     """Generate (2 datasets x 40 samples x 27 configs), ingest and extract features once per module."""
-    from features import FeatureConfig, extract_features
-
-    root = tmp_path_factory.mktemp("trainer")
     spec = SyntheticSpec(num_samples=NUM_SAMPLES, exp6_num_samples=EXP6_SAMPLES, lost_merge_configs=(LOST,))
-    tree = generate_tree(spec, root / "data")
-    ws = Workspace(root / "ws")
-    assert run_ingest([tree.exp5_dir, tree.exp6_dir], ws).exit_code == 0
     # small chunks: one chunk can be removed to simulate samples without features
-    extract_features(FeatureConfig(workspace=ws.root, images_dir=tree.images_dir, batch_size=16, chunk_size=16),
-                     runtime=embedded_runtime)
-    return tree, ws
+    return build_feature_workspace(tmp_path_factory.mktemp("trainer"), embedded_runtime, spec, chunk_size=16)
 
 
 @pytest.fixture(scope="module")

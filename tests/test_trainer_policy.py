@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import run_ingest
+from conftest import build_feature_workspace
 from pipeline import CacheMismatchError, CtrlError, Workspace
 from trainer.data import ActionSpace, OfflineData
 from trainer.grpo import (
@@ -239,15 +239,7 @@ def test_scale_rewards_aliases():
 
 @pytest.fixture(scope="module")
 def trained_ws(tmp_path_factory, embedded_runtime) -> Workspace:
-    from features import FeatureConfig, extract_features
-    from pipeline.synthetic import SyntheticSpec, generate_tree
-
-    root = tmp_path_factory.mktemp("trainer")
-    tree = generate_tree(SyntheticSpec(num_samples=40), root / "data")
-    ws = Workspace(root / "ws")
-    assert run_ingest([tree.exp5_dir, tree.exp6_dir], ws).exit_code == 0
-    extract_features(FeatureConfig(workspace=ws.root, images_dir=tree.images_dir), runtime=embedded_runtime)
-    return ws
+    return build_feature_workspace(tmp_path_factory.mktemp("trainer"), embedded_runtime)[1]
 
 
 def run_config(ws: Workspace, **kwargs) -> OfflineTrainConfig:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.workspace import atomic_path
 from trainer.baselines import Decider, budget_vector
 from trainer.data import OfflineData, default_budget_range
 from trainer.reward import RewardConfig, compute_reward
@@ -128,12 +128,10 @@ def write_evaluation(run_dir: str | os.PathLike, frame: Any, run_id: str | None 
         raise ValueError(f"evaluation frame lacks columns {missing!r}")
     out = frame.drop("run_id", strict=False).select(pl.lit(run_id, dtype=pl.String).alias("run_id"), pl.all())
     parquet_path, png_path = run_dir / "evaluation.parquet", run_dir / "evaluation.png"
-    tmp = run_dir / f".evaluation.{uuid.uuid4().hex}.tmp"
-    out.write_parquet(tmp)
-    os.replace(tmp, parquet_path)
-    tmp_png = run_dir / f".evaluation.{uuid.uuid4().hex}.png"
-    _plot(frame, run_id).savefig(tmp_png, dpi=120)
-    os.replace(tmp_png, png_path)
+    with atomic_path(parquet_path) as tmp:
+        out.write_parquet(tmp)
+    with atomic_path(png_path, suffix=".png") as tmp:  # matplotlib picks the format from the name
+        _plot(frame, run_id).savefig(tmp, dpi=120)
     return parquet_path, png_path
 
 

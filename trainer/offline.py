@@ -26,10 +26,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import secrets
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -39,7 +37,7 @@ from typing import Any, Literal
 import torch
 
 from pipeline.errors import CtrlError
-from pipeline.workspace import Workspace, write_bytes_atomic
+from pipeline.workspace import Workspace, atomic_path, write_bytes_atomic
 from trainer.reward import RewardConfig
 
 RUNS_DIR = "runs"
@@ -274,12 +272,8 @@ def write_frame_atomic(frame: Any, path: Path) -> Path:
         msg = f"output {str(path)!r} must end in .parquet or .csv\nHint: e.g. --out decisions.parquet"
         raise CtrlError(msg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         frame.write_parquet(tmp) if suffix == ".parquet" else frame.write_csv(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -333,7 +327,11 @@ def _resolve(config: OfflineTrainConfig, data: Any) -> OfflineTrainConfig:
 
 
 def _build_policy(config: OfflineTrainConfig, train: Any) -> Any:
-    from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
+    from trainer.policy import (
+        ControllerPolicy,
+        PolicyConfig,
+        budget_normalization_range,
+    )
 
     lo, hi = budget_normalization_range(config.budget_min_ms, config.budget_max_ms, config.budget_margin)
     policy_config = PolicyConfig(lang_feature_dim=train.lang_features.shape[1],
@@ -552,7 +550,12 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     largest, random. Writes ``evaluation.parquet`` (with ``run_id``) and ``evaluation.png`` into
     the run directory and returns the frame (without ``run_id``).
     """
-    from trainer.baselines import LargestDecider, LookupTableDecider, OracleDecider, RandomDecider
+    from trainer.baselines import (
+        LargestDecider,
+        LookupTableDecider,
+        OracleDecider,
+        RandomDecider,
+    )
     from trainer.data import load_offline_data
     from trainer.evaluate import evaluate_deciders, write_evaluation
     from trainer.policy import ControllerPolicy, PolicyDecider

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.workspace import atomic_path
 
 if TYPE_CHECKING:
     from trainer.data import ActionSpace, OfflineData
@@ -328,15 +328,10 @@ class ControllerPolicy(nn.Module):
 def atomic_torch_save(obj: object, path: Path) -> Path:
     """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves half a checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
     return path
 
 

@@ -30,21 +30,14 @@ __all__ = [
 ]
 
 
-def model_fingerprint(model: str = "embedded") -> str:
-    """The fingerprint ``load_runtime(model)`` would report, without loading the weights:
-    lets a fully cached feature run skip the model altogether."""
-    from features.model.embedded import directory_fingerprint
-
+def _resolve(model: str) -> tuple[str, Path]:
+    """("embedded" | "molmoe", directory) for a --model value, building the embedded model when needed."""
     if model == "embedded":
-        return directory_fingerprint(build_embedded_model())
+        return "embedded", build_embedded_model()
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"{model}: no such model directory (use 'embedded' or a local directory)")
-    if is_embedded_dir(path):
-        return directory_fingerprint(path)
-    from features.model.molmoe import checkpoint_fingerprint
-
-    return checkpoint_fingerprint(path)
+    return ("embedded" if is_embedded_dir(path) else "molmoe"), path
 
 
 def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None) -> ModelRuntime:
@@ -53,17 +46,24 @@ def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores
     ``importance_scores`` is a §6 importance file used by ``blocks_for`` / ``knobs(num_active_blocks=...)``;
     without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
     """
-    if model == "embedded":
-        from features.model.embedded import EmbeddedRuntime
-
-        return EmbeddedRuntime(build_embedded_model(), device=device, importance_scores=importance_scores)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(f"{model}: no such model directory (use 'embedded' or a local directory)")
-    if is_embedded_dir(path):
+    kind, path = _resolve(model)
+    if kind == "embedded":
         from features.model.embedded import EmbeddedRuntime
 
         return EmbeddedRuntime(path, device=device, importance_scores=importance_scores)
     from features.model.molmoe import MolmoERuntime
 
     return MolmoERuntime(path, device=device, importance_scores=importance_scores)
+
+
+def model_fingerprint(model: str = "embedded") -> str:
+    """The fingerprint ``load_runtime(model)`` would report, without loading the weights:
+    lets a fully cached feature run skip the model altogether."""
+    kind, path = _resolve(model)
+    if kind == "embedded":
+        from features.model.embedded import directory_fingerprint
+
+        return directory_fingerprint(path)
+    from features.model.molmoe import checkpoint_fingerprint
+
+    return checkpoint_fingerprint(path)
