@@ -241,6 +241,19 @@ class ControllerPolicy(nn.Module):
             raise CacheMismatchError(msg)
 
     # -- the two stages
+    def stage1(self, lang: Tensor, budget_ms: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage 1: log p1(crops | lang, budget) (N, C), the projected language features (N, H) and
+        the budget encoding (N, budget_hidden_dim) that stage 2 (offline or online) reuses."""
+        self._check_lang(lang)
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]))
+
+    def _check_lang(self, lang: Tensor) -> None:
+        if lang.shape[-1] != self.config.lang_feature_dim:
+            msg = (f"language features of width {lang.shape[-1]} do not fit this policy "
+                   f"(lang={self.config.lang_feature_dim}, model fingerprint {str(self.model_fingerprint)[:16]})\n"
+                   "Hint: use features extracted with the model the policy was trained on.")
+            raise CacheMismatchError(msg)
+
     def _stage1(self, lang: Tensor, budget: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         t = self.training
         lang_h = _apply(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
@@ -250,6 +263,20 @@ class ControllerPolicy(nn.Module):
 
     def _stage2(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor) -> tuple[Tensor, Tensor]:
         """log p(top_k | x, c) and log p(blocks | x, c) for every crops choice c: (N, C, K), (N, C, B)."""
+        hidden = self.stage2_hidden(image, image_present, lang_h, budget_h)
+        return self.stage2_heads(hidden)
+
+    def stage2_heads(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Stage-2 hidden states (..., H) -> log p(top_k) (..., K), log p(blocks) (..., B)."""
+        t = self.training
+        return _apply(self.top_k_head, hidden, t).log_softmax(-1), _apply(self.blocks_head, hidden, t).log_softmax(-1)
+
+    def stage2_hidden(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor) -> Tensor:
+        """The stage-2 trunk for every crops choice, (N, C, H), before the heads.
+
+        ``lang_h`` and ``budget_h`` come from :meth:`stage1`. The online controller adds its
+        latency-token and insertion terms to this hidden state before :meth:`stage2_heads`.
+        """
         present = image_present.float()[:, None]
         image_n = (image.float() - self.image_mean) / self.image_std * present  # a missing image is all zeros
         t = self.training
@@ -257,8 +284,7 @@ class ControllerPolicy(nn.Module):
         context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.stage2_context.weight,
                            self.stage2_context.bias)  # (N, H)
         choice = F.linear(self.crops_embedding.weight, self.stage2_choice.weight)  # (C, H)
-        hidden = _apply(self.stage2_norm, context[:, None, :] + choice[None, :, :], t)  # (N, C, H)
-        return _apply(self.top_k_head, hidden, t).log_softmax(-1), _apply(self.blocks_head, hidden, t).log_softmax(-1)
+        return _apply(self.stage2_norm, context[:, None, :] + choice[None, :, :], t)  # (N, C, H)
 
     @staticmethod
     def _budget(budget_ms: Tensor | float, n: int) -> Tensor:
