@@ -211,9 +211,48 @@ def extract_features(
                       highlight=False, markup=False)
 
 
+def _train_online(config: Any) -> None:
+    """Run ``online.train.train_online`` with a progress bar and a one-line summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from online.train import train_online
+    from pipeline import CtrlError
+
+    try:
+        with Progress(TextColumn("online"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("online", total=config.steps, info="starting")
+
+            def show(event: dict) -> None:
+                if event.get("phase") == "calibrate":
+                    bar.update(task, info=f"calibrating the budget range on {event.get('samples')} samples")
+                elif event.get("phase") == "step":
+                    bar.update(task, completed=event["step"], total=event["steps"],
+                               info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
+                                    f"latency {event['latency_ms_mean']:.0f} ms viol {event['violation_rate']:.0%}")
+
+            result = train_online(config, progress=show)
+    except (CtrlError, ValueError) as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: continue with --online --resume RUN (from its last checkpoint)")
+        raise typer.Exit(code=130) from None
+    frame = result.steps
+    lo, hi = result.budget_range_ms
+    if len(frame):
+        first, last = frame.head(max(1, len(frame) // 4)), frame.tail(max(1, len(frame) // 4))
+        out.print(f"online run {result.run_id}: {len(frame)} steps, budget range {lo:.1f}-{hi:.1f} ms; "
+                  f"first/last quarter: reward {first['reward/mean'].mean():.3f} -> {last['reward/mean'].mean():.3f}, "
+                  f"accuracy {first['accuracy'].mean():.3f} -> {last['accuracy'].mean():.3f}, "
+                  f"violations {first['violation_rate'].mean():.0%} -> {last['violation_rate'].mean():.0%}, "
+                  f"latency {first['latency_ms_mean'].mean():.0f} -> {last['latency_ms_mean'].mean():.0f} ms; "
+                  f"{result.run_dir}", highlight=False, markup=False)
+
+
 @app.command()
 def train(
-    offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations (online: issue 5).")] = True,
+    ctx: typer.Context,
+    offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations, or online GRPO running the model.")] = True,
     workspace: WorkspaceOption = None,
     model_fingerprint: Annotated[str | None, typer.Option("--model-fingerprint", help="Feature model to use (prefix ok; default: the only one).")] = None,
     num_epochs: Annotated[int, typer.Option("--num-epochs", min=1, help="Passes over the train split.")] = 30,
@@ -229,14 +268,45 @@ def train(
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.", rich_help_panel="Reward and loss")] = "batch",
     clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).", rich_help_panel="Reward and loss")] = None,
     kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial policy (default 0).", rich_help_panel="Reward and loss")] = 0.0,
+    violation_target: Annotated[float | None, typer.Option("--violation-target", help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (default off).", rich_help_panel="Reward and loss")] = None,
+    use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last checkpoint.")] = None,
+    from_run: Annotated[str, typer.Option("--from", help="Offline (or online) run to continue from; 'latest' = the newest offline run.",
+                                          rich_help_panel="Online")] = "latest",
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start from an untrained controller instead of a run.", rich_help_panel="Online")] = False,
+    model: Annotated[str, typer.Option("--model", help="'embedded' or a local model directory.", rich_help_panel="Online")] = "embedded",
+    images: Annotated[Path | None, typer.Option("--images", help="Image directory (default: paths recorded by extract-features).",
+                                                rich_help_panel="Online")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Online optimizer steps.", rich_help_panel="Online")] = 20,
+    samples_per_step: Annotated[int, typer.Option("--samples-per-step", min=1, help="(sample, budget) groups per online step.",
+                                                  rich_help_panel="Online")] = 2,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per rollout.", rich_help_panel="Online")] = 16,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel="Online")] = "cpu",
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online checkpoints.",
+                                                  rich_help_panel="Online")] = 5,
 ) -> None:
-    """Train the knob controller with GRPO on the recorded configuration groups, then evaluate it."""
+    """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
+    evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
     from pipeline import CtrlError
 
     if not offline:
-        raise _fail(CtrlError("online training is not available yet (it lands with issue 5); use --offline"))
+        from online.train import OnlineTrainConfig
+        from trainer.reward import RewardConfig
+
+        # online keeps the parent run's reward unless --reward-mode is given explicitly
+        given = str(ctx.get_parameter_source("reward_mode")).endswith("COMMANDLINE")
+        try:
+            online_config = OnlineTrainConfig(
+                workspace=workspace, model=model, device=device, images_dir=images, from_run=from_run, fresh=fresh,
+                steps=steps, samples_per_step=samples_per_step, group_size=group_size, max_new_tokens=max_new_tokens,
+                budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms, lr=lr, seed=seed,
+                reward=RewardConfig(mode=reward_mode) if given else None,
+                scale_rewards=scale_rewards, checkpoint_every=checkpoint_every, run_id=run_id, resume=resume)
+        except ValueError as e:
+            raise _fail(e) from None
+        _train_online(online_config)
+        return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainer import OfflineTrainConfig, RewardConfig, format_evaluation_table, train_offline
@@ -249,7 +319,8 @@ def train(
                 workspace=workspace, model_fingerprint=model_fingerprint, num_epochs=num_epochs, group_size=group_size,
                 batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
                 reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
-                clip_epsilon=clip_epsilon, kl_beta=kl_beta, run_id=run_id)
+                clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target, use_tilings=use_tilings,
+                run_id=run_id)
         with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("train", total=None, info="")

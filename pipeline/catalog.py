@@ -55,18 +55,26 @@ GROUPS_COLUMNS = {
 }
 
 
-#: view name -> file inside workspace/runs/<run_id>/
-RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations": "evaluation.parquet"}
+#: view name -> file (glob) inside workspace/runs/<run_id>/
+RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations": "evaluation.parquet",
+             "online_steps": "online_steps.parquet", "rollouts": "rollouts/step-*.parquet"}
 
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def view_ddl(table_paths: dict[str, Path]) -> list[str]:
-    """CREATE VIEW statements for the given tables plus derived views, in a stable order."""
+def _paths_sql(paths: Path | list[Path]) -> str:
+    if isinstance(paths, list):
+        return "[" + ", ".join(_sql_string(str(p)) for p in paths) + "]"
+    return _sql_string(str(paths))
+
+
+def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
+    """CREATE VIEW statements for the given tables (a path/glob or a list of them each) plus
+    derived views, in a stable order."""
     statements = [
-        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_sql_string(str(path))}, union_by_name = true)"
+        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_paths_sql(path)}, union_by_name = true)"
         for name, path in sorted(table_paths.items())
     ]
     if {"measurements", "configs"} <= table_paths.keys():
@@ -74,8 +82,9 @@ def view_ddl(table_paths: dict[str, Path]) -> list[str]:
     return statements
 
 
-def workspace_table_paths(workspace: Workspace) -> dict[str, Path]:
-    """The live generation's tables, plus feature tables (a glob over every model's cache)."""
+def workspace_table_paths(workspace: Workspace) -> dict[str, Path | list[Path]]:
+    """The live generation's tables, plus feature tables (a glob over every model's cache) and
+    run tables; ``measurements`` also reads the online rollouts (experiment 'online')."""
     gen = workspace.require_generation()
     paths = {name: gen / f"{name}.parquet" for name in TABLES if (gen / f"{name}.parquet").exists()}
     for name in FEATURE_TABLES:
@@ -84,6 +93,8 @@ def workspace_table_paths(workspace: Workspace) -> dict[str, Path]:
     for name, filename in RUN_VIEWS.items():  # written by the trainer, one file per run
         if any(workspace.runs_dir.glob(f"*/{filename}")):
             paths[name] = workspace.runs_dir / "*" / filename
+    if "rollouts" in paths and "measurements" in paths:
+        paths["measurements"] = [paths["measurements"], paths["rollouts"]]  # type: ignore[list-item]
     return paths
 
 

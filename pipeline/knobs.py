@@ -151,7 +151,7 @@ def load_importance_scores(path) -> dict[int, float]:
 
 
 def select_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOTAL_BLOCKS,
-                         scores: dict[int, float] | None = None) -> tuple[int, ...]:
+                         scores: dict[int, float] | None = None, *, first_kept: int = 1) -> tuple[int, ...]:
     """Blocks that run when ``num_active_blocks`` of ``num_total_blocks`` are kept.
 
     Block 0 always runs (it embeds the image features and anchors the KV cache). With
@@ -160,14 +160,43 @@ def select_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOT
     drops blocks from the second-to-last backwards (n-2, n-3, ...), keeping block 0 and the
     final block: deep-middle blocks are the most redundant in decoder LMs, and the final
     block feeds the output norm. Both rules are nested: fewer blocks is a subset of more.
+
+    ``first_kept``: blocks 0..first_kept-1 always run (the two-stage controller's insertion
+    position: those blocks ran before stage 2 chose the block count); the rule ranks only
+    the blocks after them.
     """
-    if not 1 <= num_active_blocks <= num_total_blocks:
-        msg = f"num_active_blocks must be in 1..{num_total_blocks}, got {num_active_blocks!r}"
+    if not 1 <= first_kept <= num_total_blocks:
+        msg = f"first_kept must be in 1..{num_total_blocks}, got {first_kept!r}"
         raise ValueError(msg)
-    others = list(range(1, num_total_blocks))
+    if not first_kept <= num_active_blocks <= num_total_blocks:
+        msg = f"num_active_blocks must be in {first_kept}..{num_total_blocks}, got {num_active_blocks!r}"
+        raise ValueError(msg)
+    others = list(range(first_kept, num_total_blocks))
     if scores is None:
-        # keep order: the final block first, then blocks 1, 2, ... (so n-2, n-3, ... are dropped first)
-        ranked = ([num_total_blocks - 1] if num_total_blocks > 1 else []) + list(range(1, num_total_blocks - 1))
+        # keep order: the final block first, then the others in order (so n-2, n-3, ... are dropped first)
+        last = num_total_blocks - 1
+        ranked = ([last] if last >= first_kept else []) + [b for b in others if b != last]
     else:
         ranked = sorted(others, key=lambda b: (-scores.get(b, float("-inf")), b))
-    return tuple(sorted([0] + ranked[: num_active_blocks - 1]))
+    return tuple(sorted(list(range(first_kept)) + ranked[: num_active_blocks - first_kept]))
+
+
+# -- the two-stage controller's insertion position (origin_formats.md §2.3, §7.3)
+#: stage 2 runs after the first p blocks, p in 1..5
+INSERTION_POSITIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+
+def insertion_block_options(insertion_position: int, num_total_blocks: int = NUM_TOTAL_BLOCKS) -> tuple[int, ...]:
+    """Total active-block counts stage 2 may choose after insertion position p (§2.3).
+
+    With R = num_total_blocks - p blocks after the insertion point, s of them are kept,
+    s from max(num_total_blocks - 5, R - 4) to min(num_total_blocks - 1, R) (for 16 blocks:
+    max(11, R - 4) .. min(15, R)); the options are the totals p + s:
+    p = 1 -> 12..16, 2 -> 13..16, 3 -> 14..16, 4 -> 15..16, 5 -> 16.
+    """
+    if not 1 <= insertion_position < num_total_blocks:
+        msg = f"insertion position must be in 1..{num_total_blocks - 1}, got {insertion_position!r}"
+        raise ValueError(msg)
+    remaining = num_total_blocks - insertion_position
+    low, high = max(num_total_blocks - 5, remaining - 4), min(num_total_blocks - 1, remaining)
+    return tuple(insertion_position + s for s in range(low, high + 1))

@@ -318,7 +318,62 @@ EVALUATIONS = TableSchema(
     ),
 )
 
-RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS)}
+_ONLINE_EXTRA = (
+    _RUN_ID,
+    Column("step", _L, "optimizer step of the online run (from 1)", **_KEY),
+    Column("group_index", _L, "(sample, budget) group within the run, from 0", **_KEY),
+    Column("member", _I, "member within its group, 0..G-1", **_KEY),
+    Column("rank", _I, "torch.distributed rank that ran it", **_KEY),
+    Column("insertion_position", _I, "stage 2 ran after blocks 0..p-1 (p in 1..5)", "blocks", **_KEY),
+    Column("budget_ms", _F, "latency budget of the group", "ms", **_KEY),
+    Column("latency_controller_ms", _F, "both controller stages (inside latency_total_ms)", "ms", **_KEY),
+    Column("latency_stage1_ms", _F, "stage 1: crops, insertion position, budget token", "ms", **_KEY),
+    Column("latency_stage2_ms", _F, "stage 2 on the latency token: top-K, block count", "ms", **_KEY),
+    Column("latency_decode_step_ms", pa.list_(_F), "each decode step (num_output_tokens - 1 entries)", "ms", **_KEY),
+    Column("reward", _F, "reward of the rollout (the run's reward config)", **_KEY),
+    Column("violated", _B, "latency_total_ms > budget_ms", **_KEY),
+    Column("log_prob", _F, "log pi of the configuration when it was sampled", **_KEY),
+    Column("generated_text", _S, "the decoded answer before cleaning", **_KEY),
+)
+
+ROLLOUTS = TableSchema(
+    name="rollouts",
+    description=("One row per online rollout (runs/<run_id>/rollouts/step-NNNNNN.parquet): the measurements columns "
+                 "(experiment 'online'; latencies measured with hooks on this machine, latency_total_ms includes the "
+                 "controller) plus the online columns. The `measurements` view includes these rows, with the online "
+                 "columns null for ingested rows."),
+    primary_key=("run_id", "step", "group_index", "member"),
+    columns=MEASUREMENTS.columns + _ONLINE_EXTRA,
+)
+
+ONLINE_STEPS = TableSchema(
+    name="online_steps",
+    description="One row per online optimizer step (runs/<run_id>/online_steps.parquet).",
+    primary_key=("run_id", "step"),
+    columns=(
+        _RUN_ID,
+        Column("step", _L, "optimizer step, from 1", **_KEY),
+        Column("loss", _F, "policy loss"),
+        *(Column(f"reward/{part}", _F, f"mean {part} over the step's rollouts") for part in
+          ("mean", "acc_term", "lat_pen", "viol_pen", "complexity", "bonus")),
+        Column("accuracy", _F, "mean score of the rollouts"),
+        Column("latency_ms_mean", _F, "mean latency_total_ms", "ms"),
+        Column("violation_rate", _F, "share of rollouts over budget"),
+        Column("controller_ms_mean", _F, "mean controller time per rollout", "ms"),
+        Column("groups", _L, "(sample, budget) groups of the step"),
+        Column("zero_variance_groups", _L, "groups dropped: all rewards equal"),
+        Column("rollouts", _L, "rollouts of the step (all ranks)"),
+        Column("prefixes", _L, "shared prefixes run (all ranks): fewer than rollouts when members share a stage-1 choice"),
+        Column("grad_norm", _F, "gradient norm before clipping"),
+        Column("time_model_s", _F, "rollout execution: vision, prefill, decode (rank 0)", "s"),
+        Column("time_controller_s", _F, "controller decisions and sampling during rollouts (rank 0)", "s"),
+        Column("time_update_s", _F, "loss with the latency-token recompute, backward, optimizer (rank 0)", "s"),
+        Column("time_bookkeeping_s", _F, "rewards, gathering across ranks, metrics, Parquet, checkpoints (rank 0)", "s"),
+        Column("wall_time_s", _F, "since the run started", "s"),
+    ),
+)
+
+RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS, ONLINE_STEPS, ROLLOUTS)}
 
 
 def schema_markdown(table: TableSchema) -> str:

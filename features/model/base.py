@@ -110,6 +110,48 @@ class GenerationResult:
     text: str
 
 
+@dataclass
+class PrefixState:
+    """A prefill run up to the insertion point (two-stage online execution, origin §7.3).
+
+    Shared by every rollout with the same (request, crops, insertion position): blocks before
+    the insertion point run with the model's default top-K whatever stage 2 later chooses.
+
+    insertion_position: p; blocks 0..p-1 have run.
+    embeds: (1, seq, d) decoder inputs: text embeddings, image features scattered in and the
+        extra (budget) token appended last when one was given. Detached: reusable for a
+        gradient-carrying recompute (:meth:`ModelRuntime.latency_token`).
+    hidden: (1, seq, d) residual stream after block p-1 (no final norm).
+    cache: backend KV cache holding blocks 0..p-1 (read-only for the members).
+    """
+
+    inputs: ModelInputs
+    insertion_position: int
+    embeds: torch.Tensor
+    hidden: torch.Tensor
+    cache: object
+
+    @property
+    def latency_token(self) -> torch.Tensor:
+        """(d,): the hidden state of the last position after the insertion block."""
+        return self.hidden[0, -1]
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.hidden.shape[1])
+
+
+@dataclass
+class DecodeState:
+    """One rollout after its prefill: cache with every active block, the active blocks, the
+    attention mask so far and the logits of the last position (float32, (vocab,))."""
+
+    cache: object
+    active_blocks: tuple[int, ...]
+    attention_mask: torch.Tensor
+    logits: torch.Tensor
+
+
 class ModelRuntime(ABC):
     """Load once, then preprocess / extract features / generate with knobs."""
 
@@ -201,17 +243,61 @@ class ModelRuntime(ABC):
             self.set_top_k(dict(enumerate(saved_top_k)))
             self.set_active_blocks(saved_blocks if len(saved_blocks) < self.num_layers else None)
 
-    def blocks_for(self, num_active_blocks: int) -> tuple[int, ...]:
-        """The blocks kept for a block count (importance file if given, else the default rule)."""
+    def blocks_for(self, num_active_blocks: int, first_kept: int = 1) -> tuple[int, ...]:
+        """The blocks kept for a block count (importance file if given, else the default rule);
+        blocks 0..first_kept-1 always run (the online insertion position)."""
         try:
-            return knobs.select_active_blocks(int(num_active_blocks), self.num_layers, self._scores)
+            return knobs.select_active_blocks(int(num_active_blocks), self.num_layers, self._scores,
+                                              first_kept=int(first_kept))
         except ValueError as exc:
             raise KnobError(str(exc)) from exc
 
     # -- generation
+    #: the end-of-sequence token id (generation stops after it)
+    eos_id: int
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        """Generated ids as text, special tokens skipped (what the metrics score)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)  # type: ignore[attr-defined]
+
     @abstractmethod
     def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
         """Greedy decoding with the current knobs, KV cache on."""
+
+    # -- two-stage execution (online phase): prefill split at the insertion position
+    @property
+    def hidden_size(self) -> int:
+        """Width of the decoder's residual stream (the budget token's size)."""
+        raise NotImplementedError
+
+    def embedding_rms(self) -> float:
+        """Root mean square of the input-embedding table: the scale a budget token should have."""
+        raise NotImplementedError
+
+    def _no_two_stage(self) -> CtrlError:
+        return CtrlError(f"the {self.kind} runtime does not implement two-stage online execution "
+                         "(prefill_prefix / prefill_suffix / decode_step); use the embedded model")
+
+    def prefill_prefix(self, inputs: ModelInputs, insertion_position: int,
+                       extra_embedding: torch.Tensor | None = None) -> PrefixState:
+        """Embed (vision tower included), append ``extra_embedding`` (d,) as the last position,
+        and run blocks 0..p-1 of the prefill with the current top-K of those blocks."""
+        raise self._no_two_stage()
+
+    def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
+        """Blocks 0..p-1 on ``embeds`` without cache, autograd on: the last position's hidden
+        state (d,), differentiable w.r.t. ``embeds`` (trains the budget token through the LLM)."""
+        raise self._no_two_stage()
+
+    def prefill_suffix(self, prefix: PrefixState, active_blocks: Sequence[int]) -> DecodeState:
+        """Finish the prefill from ``prefix`` with the active blocks >= p (current top-K), then
+        the final norm and LM head. ``prefix`` is not modified: many members share it."""
+        raise self._no_two_stage()
+
+    def decode_step(self, state: DecodeState, token: int) -> None:
+        """One decode step with the state's active blocks: appends ``token`` and updates the
+        state's logits, cache and attention mask (no token is added besides ``token``)."""
+        raise self._no_two_stage()
 
     # -- module handles for hooks (online latency measurement)
     @property

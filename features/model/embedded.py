@@ -56,12 +56,15 @@ from PIL import Image
 from torch import nn
 
 from features.model.base import (
+    DecodeState,
     GenerationResult,
     ModelInputs,
     ModelLoadError,
     ModelRuntime,
+    PrefixState,
     resolve_device,
     resolve_importance_scores,
+    validate_active_blocks,
     validate_top_k,
 )
 from pipeline import knobs
@@ -543,6 +546,94 @@ class EmbeddedRuntime(ModelRuntime):
                 out = self.decoder(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
                                    past_key_values=cache, use_cache=True, logits_to_keep=1)
         return GenerationResult(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    # -- two-stage execution (online phase)
+    @property
+    def hidden_size(self) -> int:
+        return int(self.decoder.config.hidden_size)
+
+    def embedding_rms(self) -> float:
+        weight = self.decoder.get_input_embeddings().weight
+        return float(weight.detach().float().pow(2).mean().sqrt())
+
+    @contextmanager
+    def _layers(self, indices: Sequence[int], final_norm: bool = True) -> Iterator[None]:
+        """Run exactly these decoder layers (and the final norm or not) inside the block.
+
+        ``OlmoeModel.forward`` is reused as is (mask, rotary positions, cache writes): only its
+        layer list and norm are swapped, so nothing of the attention path is re-implemented.
+        """
+        model = self.decoder.model
+        norm = model.norm
+        model.layers = nn.ModuleList([self._all_layers[i] for i in indices])
+        if not final_norm:
+            model.norm = nn.Identity()
+        try:
+            yield
+        finally:
+            model.layers, model.norm = self._all_layers, norm
+
+    def _check_insertion(self, insertion_position: int) -> int:
+        if isinstance(insertion_position, bool) or not 1 <= int(insertion_position) < self.num_layers:
+            raise KnobError(f"insertion position must be in 1..{self.num_layers - 1}, got {insertion_position!r}")
+        return int(insertion_position)
+
+    def prefill_prefix(self, inputs: ModelInputs, insertion_position: int,
+                       extra_embedding: torch.Tensor | None = None) -> PrefixState:
+        from transformers import DynamicCache
+
+        p = self._check_insertion(insertion_position)
+        with torch.no_grad(), self._layers(range(p), final_norm=False):
+            embeds = self._embed(inputs)
+            if extra_embedding is not None:
+                token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
+                embeds = torch.cat([embeds, token], dim=1)
+            cache = DynamicCache(config=self.decoder.config)
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return PrefixState(inputs, p, embeds, out.last_hidden_state, cache)
+
+    def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
+        p = self._check_insertion(insertion_position)
+        with torch.enable_grad(), self._layers(range(p), final_norm=False):
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            out = self.decoder.model(inputs_embeds=embeds.to(self.device), attention_mask=mask, use_cache=False)
+        return out.last_hidden_state[0, -1]
+
+    def prefill_suffix(self, prefix: PrefixState, active_blocks: Sequence[int]) -> DecodeState:
+        from transformers import DynamicCache
+
+        p = prefix.insertion_position
+        active = validate_active_blocks(active_blocks, self.num_layers) or tuple(range(self.num_layers))
+        if active[:p] != tuple(range(p)):
+            raise KnobError(f"active blocks {list(active)} must include blocks 0..{p - 1}: they ran before stage 2")
+        suffix = [b for b in active if b >= p]
+        seq = prefix.seq_len
+        mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
+        # a fresh cache: the members of a group must not write into the shared prefix's cache
+        cache = DynamicCache(config=self.decoder.config)
+        with torch.no_grad():
+            if suffix:
+                with self._layers(suffix):
+                    positions = torch.arange(seq, device=self.device)[None]
+                    out = self.decoder.model(inputs_embeds=prefix.hidden, attention_mask=mask, position_ids=positions,
+                                             past_key_values=cache, use_cache=True)
+                hidden = out.last_hidden_state
+            else:
+                hidden = self.decoder.model.norm(prefix.hidden)
+            logits = self.decoder.lm_head(hidden[:, -1]).float()[0]
+            for i in range(p):  # the prefix's K/V (update() copies: the shared cache stays intact)
+                layer = prefix.cache.layers[i]
+                cache.update(layer.keys, layer.values, i)
+        return DecodeState(cache, active, mask, logits)
+
+    def decode_step(self, state: DecodeState, token: int) -> None:
+        state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
+        with torch.no_grad(), self._layers(state.active_blocks):
+            out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),
+                               attention_mask=state.attention_mask, past_key_values=state.cache, use_cache=True,
+                               logits_to_keep=1)
+        state.logits = out.logits[0, -1].float()
 
     # -- module handles
     @property

@@ -1,0 +1,120 @@
+"""What the online phase reads from a workspace: questions, reference answers, images and the
+cached features of the model being run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from features.images import ImageIndex
+from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.workspace import Workspace
+
+_HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model first."
+
+
+@dataclass
+class OnlineSamples:
+    """N samples (sorted by dataset, sample_key) with everything a rollout needs.
+
+    lang (N, Dl) and image (N, Di) float32 are the cached features; image_present (N,) bool is
+    False where the sample has no readable image (image_path None too).
+    """
+
+    dataset: list[str]
+    sample_key: list[str]
+    split: list[str | None]
+    question: list[str]
+    answers: list[list[str]]
+    image_path: list[str | None]
+    lang: torch.Tensor
+    image: torch.Tensor
+    image_present: torch.Tensor
+    model_fingerprint: str
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.sample_key)
+
+    def rows(self, split: str) -> list[int]:
+        """Indices of the samples in a controller split (``trainer.data.split_of``: by sample key)."""
+        from trainer.data import split_of
+
+        return [i for i in range(len(self)) if split_of(self.dataset[i], self.sample_key[i]) == split]
+
+
+def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir: Path | None = None) -> OnlineSamples:
+    """Samples of the workspace with language features of ``model_fingerprint``.
+
+    Images: ``images_dir`` (looked up by image_id as ``ctrl extract-features`` does) when given,
+    else the path recorded at feature extraction. Samples without reference answers or without
+    a question cannot be scored and are skipped (counted in ``skipped``).
+    """
+    from pipeline.catalog import connect
+
+    con = connect(workspace)
+    try:
+        views = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        if "samples" not in views:
+            raise CtrlError(f"workspace {workspace.root} has no samples\nHint: run `ctrl ingest` first.")
+        if "lang_features" not in views:
+            raise CtrlError(f"workspace {workspace.root} has no cached features\n{_HINT_FEATURES}")
+        cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features").fetchall()]
+        if model_fingerprint not in cached:
+            listing = ", ".join(fp[:16] for fp in cached) or "none"
+            raise CacheMismatchError(f"no features of model {model_fingerprint[:16]} in {workspace.root} "
+                                     f"(cached: {listing})\n{_HINT_FEATURES}")
+        image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
+                      "AND i.model_fingerprint = $fp") if "image_features" in views else ""
+        image_cols = "i.image_path, i.feature AS image_feature" if image_join else \
+            "NULL::VARCHAR AS image_path, NULL::FLOAT[] AS image_feature"
+        table = con.sql(f"""
+            SELECT s.dataset, s.sample_key, s.split, s.question, s.answers, s.image_id, l.feature AS lang_feature,
+                   {image_cols}
+            FROM samples s
+            JOIN lang_features l ON l.dataset = s.dataset AND l.sample_key = s.sample_key AND l.model_fingerprint = $fp
+            {image_join}
+            ORDER BY s.dataset, s.sample_key""", params={"fp": model_fingerprint}).to_arrow_table()
+    finally:
+        con.close()
+
+    rows = table.to_pylist()
+    skipped = {"no_answers": 0, "no_question": 0}
+    kept = []
+    for r in rows:
+        if not r["question"]:
+            skipped["no_question"] += 1
+        elif not r["answers"]:
+            skipped["no_answers"] += 1
+        else:
+            kept.append(r)
+    if not kept:
+        raise CtrlError(f"workspace {workspace.root}: no sample with a question, reference answers and features "
+                        f"of model {model_fingerprint[:16]}")
+    index = ImageIndex(images_dir) if images_dir is not None else None
+    if images_dir is not None and not images_dir.is_dir():
+        raise CtrlError(f"--images {images_dir}: not a directory")
+    paths: list[str | None] = []
+    for r in kept:
+        if index is not None and r["image_id"] is not None:
+            found = index.find(str(r["image_id"]), r["dataset"], r["split"])
+            paths.append(str(found) if found is not None else None)
+        else:
+            paths.append(r["image_path"] if r["image_feature"] is not None else None)
+    lang = np.asarray([r["lang_feature"] for r in kept], dtype=np.float32)
+    image_dim = next((len(r["image_feature"]) for r in kept if r["image_feature"] is not None), 0)
+    image = np.zeros((len(kept), image_dim), dtype=np.float32)
+    present = np.zeros(len(kept), dtype=bool)
+    for i, r in enumerate(kept):
+        if r["image_feature"] is not None and paths[i] is not None:
+            image[i] = r["image_feature"]
+            present[i] = True
+    return OnlineSamples(
+        dataset=[r["dataset"] for r in kept], sample_key=[r["sample_key"] for r in kept],
+        split=[r["split"] for r in kept], question=[r["question"] for r in kept],
+        answers=[list(r["answers"]) for r in kept], image_path=[p if present[i] else None for i, p in enumerate(paths)],
+        lang=torch.from_numpy(lang), image=torch.from_numpy(image), image_present=torch.from_numpy(present),
+        model_fingerprint=model_fingerprint, skipped={k: v for k, v in skipped.items() if v})

@@ -1,0 +1,370 @@
+"""The online phase: two-stage execution on the real embedded model, hook timing, rollouts,
+GRPO steps, resume and a 2-process (gloo) run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import build_feature_workspace
+from pipeline import knobs
+from pipeline.synthetic import SyntheticSpec
+
+
+@pytest.fixture(scope="module")
+def online_ws(tmp_path_factory, embedded_runtime):
+    """A small workspace (ingested + features) and an offline run to continue from."""
+    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+
+    root = tmp_path_factory.mktemp("online")
+    tree, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
+    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
+                                     reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    return tree, ws
+
+
+@pytest.fixture(scope="module")
+def executor(online_ws, embedded_runtime):
+    from online.data import load_online_samples
+    from online.rollout import RolloutExecutor
+    from online.train import OnlineTrainConfig, _build_controller
+
+    _, ws = online_ws
+    samples = load_online_samples(ws, embedded_runtime.fingerprint)
+    controller, _, _ = _build_controller(OnlineTrainConfig(workspace=ws.root), ws, embedded_runtime, samples, (50.0, 150.0))
+    ex = RolloutExecutor(embedded_runtime, controller, samples, max_new_tokens=4)
+    yield ex
+    ex.close()
+
+
+def _image_sample(samples) -> int:
+    return next(i for i in range(len(samples)) if samples.image_present[i])
+
+
+# -- the knob space ---------------------------------------------------------------------------
+
+def test_insertion_options_follow_the_origin_table():
+    # origin §2.3: options depend on the insertion position p
+    assert [knobs.insertion_block_options(p) for p in knobs.INSERTION_POSITIONS] == [
+        (12, 13, 14, 15, 16), (13, 14, 15, 16), (14, 15, 16), (15, 16), (16,)]
+    with pytest.raises(ValueError, match="insertion position"):
+        knobs.insertion_block_options(0)
+    # blocks before the insertion point always run, block choice only among later blocks
+    blocks = knobs.select_active_blocks(13, scores={b: -b for b in range(16)}, first_kept=4)
+    assert blocks[:4] == (0, 1, 2, 3) and len(blocks) == 13
+    assert set(range(16)) - set(blocks) == {13, 14, 15}  # the lowest-scoring blocks after p
+
+
+def test_controller_masks_block_counts_the_insertion_position_forbids(executor):
+    ctrl = executor.controller
+    values = ctrl.num_active_blocks_values
+    for pi, p in enumerate(ctrl.insertion_positions):
+        allowed = set(knobs.insertion_block_options(p))
+        assert [bool(v) for v in ctrl.blocks_valid[pi]] == [b in allowed for b in values]
+    s1 = ctrl.stage1(executor.samples.lang[:3], torch.tensor([60.0, 90.0, 140.0]))
+    # positions without any allowed block count of the action space get no probability
+    assert torch.all(s1.insertion_log_probs[:, ~ctrl.insertion_valid] == float("-inf"))
+    for pi in range(len(ctrl.insertion_positions)):
+        if not ctrl.insertion_valid[pi]:
+            continue
+        n = 3
+        idx = torch.full((n,), pi, dtype=torch.long)
+        _, blocks_lp = ctrl.stage2(s1, executor.samples.image[:n], executor.samples.image_present[:n],
+                                   torch.zeros(n, dtype=torch.long), idx, torch.randn(n, ctrl.two_stage.hidden_size))
+        probs = blocks_lp.exp()
+        assert torch.allclose(probs.sum(-1), torch.ones(n))
+        assert torch.all(probs[:, ~ctrl.blocks_valid[pi]] == 0)
+
+
+def test_new_stage2_terms_start_at_zero_so_the_offline_policy_is_kept(executor):
+    ctrl = executor.controller
+    s1 = ctrl.stage1(executor.samples.lang[:2], torch.tensor([80.0, 120.0]))
+    crops = torch.tensor([0, 1])
+    top_a, _ = ctrl.stage2(s1, executor.samples.image[:2], executor.samples.image_present[:2], crops,
+                           torch.tensor([0, 0]), torch.randn(2, ctrl.two_stage.hidden_size))
+    top_b, _ = ctrl.stage2(s1, executor.samples.image[:2], executor.samples.image_present[:2], crops,
+                           torch.tensor([0, 0]), torch.randn(2, ctrl.two_stage.hidden_size) * 5)
+    offline_top, _ = ctrl.policy.stage2_heads(
+        ctrl.policy.stage2_hidden(executor.samples.image[:2], executor.samples.image_present[:2], s1.lang_h, s1.budget_h)[
+            torch.arange(2), crops])
+    assert torch.allclose(top_a, top_b) and torch.allclose(top_a, offline_top)
+
+
+# -- two-stage execution on the model ---------------------------------------------------------
+
+@pytest.mark.parametrize(("p", "blocks", "top_k"), [(1, 12, 4), (3, 14, 12), (5, 16, 6)])
+def test_split_prefill_generates_what_generate_does(embedded_runtime, executor, p, blocks, top_k):
+    rt = embedded_runtime
+    s = _image_sample(executor.samples)
+    inputs = executor._model_inputs(s, 6)
+    top = {i: top_k for i in range(p, rt.num_layers)}  # blocks before p keep the default top-K
+    active = rt.blocks_for(blocks, first_kept=p)
+    with rt.knobs(top_k=top, active_blocks=active):
+        reference = rt.generate(inputs, max_new_tokens=5).token_ids
+    prefix = rt.prefill_prefix(inputs, p)
+    with rt.knobs(top_k=top):
+        state = rt.prefill_suffix(prefix, active)
+        tokens = [int(state.logits.argmax())]
+        while len(tokens) < 5 and tokens[-1] != rt.eos_id:
+            rt.decode_step(state, tokens[-1])
+            tokens.append(int(state.logits.argmax()))
+    assert tokens == reference
+
+
+def test_budget_token_is_one_extra_prefill_position_and_decode_stays_consistent(embedded_runtime, executor):
+    """D14: with the budget token appended at prefill only, cached decoding equals recomputing
+    the whole sequence (prompt + budget token + generated tokens) without a cache."""
+    rt = embedded_runtime
+    inputs = executor._model_inputs(_image_sample(executor.samples), 2)
+    token = torch.randn(rt.hidden_size) * rt.embedding_rms()
+    prefix = rt.prefill_prefix(inputs, 2, token)
+    assert prefix.seq_len == inputs.input_ids.shape[1] + 1
+    assert torch.equal(prefix.embeds[0, -1], token)
+    state = rt.prefill_suffix(prefix, list(range(16)))
+    generated = [int(state.logits.argmax())]
+    for _ in range(3):
+        rt.decode_step(state, generated[-1])
+        generated.append(int(state.logits.argmax()))
+    assert state.attention_mask.shape[1] == prefix.seq_len + 3  # decode adds only the generated tokens
+    with torch.no_grad():
+        ids = torch.tensor([generated[:-1]])
+        full = torch.cat([prefix.embeds, rt.text_embeddings(ids)], dim=1)
+        logits = rt.decoder(inputs_embeds=full, attention_mask=torch.ones(full.shape[:2], dtype=torch.long)).logits[0]
+    assert int(logits[-1].argmax()) == generated[-1]
+    assert torch.allclose(logits[-1].float(), state.logits, atol=1e-4)
+
+
+def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor):
+    rt = embedded_runtime
+    prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 3)
+    keys = [prefix.cache.layers[i].keys.clone() for i in range(3)]
+    first = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
+    rt.decode_step(first, int(first.logits.argmax()))
+    second = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
+    assert all(torch.equal(prefix.cache.layers[i].keys, k) for i, k in enumerate(keys))
+    assert torch.equal(torch.cat([second.logits]), rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3)).logits)
+
+
+def test_latency_token_recompute_carries_gradient_to_the_budget_token(embedded_runtime, executor):
+    rt = embedded_runtime
+    prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 2,
+                               torch.zeros(rt.hidden_size))
+    budget = torch.randn(1, 1, rt.hidden_size, requires_grad=True)
+    latency = rt.latency_token(torch.cat([prefix.embeds[:, :-1], budget], dim=1), 2)
+    latency.sum().backward()
+    assert budget.grad is not None and budget.grad.abs().sum() > 0
+    with torch.no_grad():  # the recompute equals the measured prefix's latency token
+        again = rt.prefill_prefix(prefix.inputs, 2, budget[0, 0])
+    assert torch.allclose(again.latency_token, latency.detach(), atol=1e-5)
+
+
+def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor):
+    """Crops through the preprocessor (crops + 1 image arrays), top-K only after the insertion
+    position (block 0 keeps the default), skipped blocks never run."""
+    rt, ctrl = embedded_runtime, executor.controller
+    s = _image_sample(executor.samples)
+    seen = {"images": [], "calls": [], "top_k": {}}
+    handles = [rt.vision_module.register_forward_pre_hook(lambda m, a: seen["images"].append(a[0].shape[0]))]
+    for i, layer in enumerate(rt.decoder_layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: seen["calls"].append(i)))
+        handles.append(layer.mlp.gate.register_forward_pre_hook(
+            lambda m, a, i=i: seen["top_k"].setdefault(i, set()).add(int(m.top_k))))
+    try:
+        c = ctrl.max_crops_values.index(10)
+        pi = ctrl.insertion_positions.index(2)
+        k = ctrl.top_k_values.index(4)
+        b = ctrl.num_active_blocks_values.index(14)
+        executor._warm.add(("prefix", 10, 2))  # measured run only: hooks see one execution
+        executor._warm.add((10, 2, 4, 14))
+        (rollout,) = executor.run_fixed([s], (c, pi, k, b))
+    finally:
+        for h in handles:
+            h.remove()
+    assert (rollout.max_crops, rollout.insertion_position, rollout.top_k, rollout.num_active_blocks) == (10, 2, 4, 14)
+    assert seen["images"] == [rollout.num_crops + 1] and 1 < rollout.num_crops <= 10
+    active = rt.blocks_for(14, first_kept=2)
+    assert rollout.active_blocks == active and 0 in active and len(active) == 14
+    steps = rollout.num_output_tokens  # prefill pass + N-1 decode steps, each through the active blocks only
+    assert seen["calls"] == list(active) * steps
+    assert seen["top_k"][0] == {knobs.DEFAULT_TOP_K} and seen["top_k"][1] == {knobs.DEFAULT_TOP_K}
+    assert all(seen["top_k"][i] == {4} for i in active if i >= 2)
+    assert rt.current_top_k() == [knobs.DEFAULT_TOP_K] * 16  # restored afterwards
+
+
+def test_stage_times_are_measured_segments_of_the_request(embedded_runtime, executor):
+    s = _image_sample(executor.samples)
+    c = executor.controller.max_crops_values.index(2)
+    (r,) = executor.run_fixed([s], (c, 0, 0, executor.controller.blocks_valid[0].nonzero()[0].item()))
+    names = [seg[0] for seg in r.segments]
+    assert names[:4] == ["stage1", "prefix", "stage2", "suffix"]
+    assert names[4:] == ["decode"] * (r.num_output_tokens - 1)  # N tokens: N-1 decode steps (D3)
+    assert len(r.decode_step_ms) == r.num_output_tokens - 1
+    walls = [seg[1] for seg in r.segments]
+    assert all(w > 0 for w in walls)
+    assert r.latency_total_ms == pytest.approx(sum(walls))  # segments partition the request
+    # prefill = first block entry .. last block exit of the prefill pass only: its two parts ran
+    # the active blocks once each, no decode step contributes (D1)
+    prefix_seg, suffix_seg = r.segments[1], r.segments[3]
+    assert prefix_seg[3] + suffix_seg[3] == r.num_active_blocks
+    assert r.latency_prefill_ms == pytest.approx(prefix_seg[2] + suffix_seg[2])
+    assert 0 < r.latency_prefill_ms < prefix_seg[1] + suffix_seg[1]
+    assert all(seg[3] == r.num_active_blocks for seg in r.segments[4:])
+    assert 0 < r.latency_vision_ms < prefix_seg[1]
+    assert r.latency_controller_ms == pytest.approx(walls[0] + walls[2]) and r.latency_controller_ms > 0
+
+
+def test_timer_hooks_record_nothing_outside_a_segment(embedded_runtime):
+    from online.timing import RequestTiming, StageTimer
+
+    rt = embedded_runtime
+    inputs = rt.preprocess(None, "What is it?", 2)
+    with StageTimer(rt.vision_module, list(rt.decoder_layers), rt.device) as timer:
+        rt.generate(inputs, max_new_tokens=2)  # untimed: no segment open
+        timing = RequestTiming()
+        with timer.segment("prefix", timing):
+            rt.prefill_prefix(inputs, 3)
+        timer.resolve(timing)
+    (seg,) = timing.segments
+    assert seg.blocks_calls == 3 and seg.vision_ms is None and 0 < seg.blocks_ms <= seg.wall_ms
+
+
+# -- training ---------------------------------------------------------------------------------
+
+def _config(ws, **kw):
+    from online.train import OnlineTrainConfig
+
+    base = dict(workspace=ws.root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
+                budget_min_ms=30.0, budget_max_ms=300.0, checkpoint_every=1, run_id=None)
+    return OnlineTrainConfig(**{**base, **kw})
+
+
+def test_online_run_writes_rollouts_steps_and_checkpoint(online_ws, embedded_runtime):
+    from online.train import train_online
+    from pipeline.catalog import run_query
+    from pipeline.schema import ONLINE_STEPS, ROLLOUTS
+    from pipeline.workspace import check_table_schema
+    from trainer.two_stage import TwoStageController
+
+    _, ws = online_ws
+    result = train_online(_config(ws, run_id="online-a"), runtime=embedded_runtime)
+    run = result.run_dir
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["phase"] == "online" and cfg["parent_run_id"] == "offline-run" and cfg["reward"]["mode"] == "hard"
+    assert len(result.steps) == 2 and result.steps["rollouts"].to_list() == [6, 6]
+    for path, schema in ((run / "online_steps.parquet", ONLINE_STEPS), (run / "rollouts" / "step-000001.parquet", ROLLOUTS)):
+        check_table_schema(pq.read_schema(path), schema, path)
+    rows = run_query(ws, """SELECT experiment, count(*) AS n, min(latency_total_ms) > 0 AS positive,
+                                   bool_and(latency_controller_ms < latency_total_ms) AS ctrl_inside,
+                                   bool_and(violated = (latency_total_ms > budget_ms)) AS viol_ok
+                            FROM measurements WHERE run_id = 'online-a' GROUP BY 1""").to_pylist()
+    assert rows == [{"experiment": "online", "n": 12, "positive": True, "ctrl_inside": True, "viol_ok": True}]
+    # offline rows are still there, side by side
+    assert run_query(ws, "SELECT count(*) AS n FROM measurements WHERE experiment = 'exp6'").to_pylist()[0]["n"] > 0
+    ctrl = TwoStageController.load(result.checkpoint, embedded_runtime.fingerprint)
+    assert ctrl.policy.config.budget_min_ms < 30.0 and ctrl.policy.config.budget_max_ms > 300.0
+
+
+def test_loss_reaches_every_controller_part_through_the_decoder(embedded_runtime, executor):
+    """Both stages learn from the shared reward: the rollouts' log-probabilities carry gradient
+    into the stage-1 heads, the stage-2 heads and, through the recomputed latency token
+    (decoder blocks 0..p-1), into the budget token."""
+    ctrl = executor.controller
+    with torch.no_grad():  # as after a first update: a zero projection would block the path
+        ctrl.latency_proj.weight.normal_(0, 0.1)
+    groups = [(i, 90.0) for i in range(2)]
+    step = executor.run_groups(groups, 3, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1))
+    assert len(step.rollouts) == 6 and 1 <= len(step.prefix_embeds) <= 6
+    ctrl.train()
+    ctrl.zero_grad()
+    log_probs = ctrl(step.batch(executor.samples, embedded_runtime.device), embedded_runtime.latency_token)
+    sampled = torch.tensor([r.log_prob for r in step.rollouts])
+    assert torch.allclose(log_probs.detach(), sampled, atol=1e-4)  # the loss scores what was sampled
+    advantages = torch.linspace(-1, 1, len(log_probs))
+    (-(advantages * log_probs).sum()).backward()
+    for name in ("policy.crops_head.0.weight", "insertion_head.0.weight", "policy.top_k_head.0.weight",
+                 "policy.blocks_head.0.weight", "budget_token_proj.weight", "latency_proj.weight"):
+        grad = dict(ctrl.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    with torch.no_grad():
+        ctrl.latency_proj.weight.zero_()
+    ctrl.zero_grad()
+    ctrl.eval()
+
+
+def test_resume_continues_from_the_checkpoint(online_ws, embedded_runtime):
+    from online.train import train_online
+
+    _, ws = online_ws
+    first = train_online(_config(ws, run_id="online-r", steps=2), runtime=embedded_runtime)
+    saved = torch.load(first.checkpoint, weights_only=True)
+    assert saved["step"] == 2
+    # a step written after the last checkpoint (a crash before the next one) is redone, not duplicated
+    rollouts = first.run_dir / "rollouts"
+    (rollouts / "step-000003.parquet").write_bytes((rollouts / "step-000002.parquet").read_bytes())
+    resumed = train_online(_config(ws, steps=4, resume="online-r"), runtime=embedded_runtime)
+    assert resumed.run_id == "online-r" and resumed.steps["step"].to_list() == [1, 2, 3, 4]
+    assert resumed.steps["loss"][:2].to_list() == first.steps["loss"].to_list()
+    files = sorted(p.name for p in (first.run_dir / "rollouts").glob("*.parquet"))
+    assert files == [f"step-00000{i}.parquet" for i in range(1, 5)]
+    assert [set(pq.read_table(rollouts / f)["step"].to_pylist()) for f in files] == [{1}, {2}, {3}, {4}]
+    run = pq.read_table(first.run_dir / "run.parquet").to_pylist()[0]
+    assert run["status"] == "completed" and run["steps"] == 4
+
+
+def test_clear_errors_for_missing_runs_and_features(online_ws, embedded_runtime, tmp_path):
+    from online.train import train_online
+    from pipeline import CtrlError
+    from pipeline.workspace import Workspace
+
+    _, ws = online_ws
+    with pytest.raises(CtrlError, match="not found"):
+        train_online(_config(ws, from_run="no-such-run"), runtime=embedded_runtime)
+    with pytest.raises(CtrlError, match="ctrl ingest"):
+        train_online(_config(Workspace(tmp_path / "empty")), runtime=embedded_runtime)
+    with pytest.raises(CtrlError, match="not an online run"):
+        train_online(_config(ws, resume="offline-run"), runtime=embedded_runtime)
+
+
+# -- distributed ------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dist_worker(rank: int, world: int, port: int, ws_root: str, cache: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      CTRL_CACHE_DIR=cache)
+    torch.set_num_threads(1)
+    from online.train import OnlineTrainConfig, train_online
+
+    config = OnlineTrainConfig(workspace=ws_root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
+                               budget_min_ms=30.0, budget_max_ms=300.0, run_id="online-ddp", lr=1e-2)
+    result = train_online(config)
+    torch.save({"steps": result.steps["step"].to_list(), "state": result.controller.state_dict()},
+               f"{out}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_gloo_run(online_ws, tmp_path):
+    import torch.multiprocessing as mp
+
+    _, ws = online_ws
+    cache = os.environ.get("CTRL_CACHE_DIR", "")
+    mp.start_processes(_dist_worker, args=(2, _free_port(), str(ws.root), cache, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    done = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [d["steps"] for d in done] == [[1, 2], [1, 2]]
+    # DDP kept the two ranks' controllers identical
+    assert all(torch.equal(v, done[1]["state"][k]) for k, v in done[0]["state"].items())
+    rollouts = pq.read_table(ws.runs_dir / "online-ddp" / "rollouts" / "step-000001.parquet").to_pylist()
+    assert sorted({r["rank"] for r in rollouts}) == [0, 1]  # both ranks ran members
+    assert len(rollouts) == 6 and sorted((r["group_index"], r["member"]) for r in rollouts) == [
+        (g, m) for g in range(2) for m in range(3)]
+    assert all(r["world_size"] == 2 for r in rollouts)
