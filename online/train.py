@@ -233,20 +233,6 @@ def _step_groups(train_rows: list[int], step: int, samples_per_step: int, seed: 
     return groups
 
 
-def _latest_offline_run(workspace: Workspace) -> Path | None:
-    best: tuple[int, Path] | None = None
-    for cfg in workspace.runs_dir.glob("*/config.json"):
-        try:
-            phase = json.loads(cfg.read_text()).get("phase", "offline")
-        except (OSError, ValueError):
-            continue
-        if phase == "offline" and (cfg.parent / "checkpoints" / "best.pt").exists():
-            mtime = cfg.stat().st_mtime_ns
-            if best is None or mtime > best[0]:
-                best = (mtime, cfg.parent)
-    return best[1] if best else None
-
-
 def _write_table(rows: list[dict], schema: Any, path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -286,13 +272,13 @@ def _build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: 
     parent: str | None = None
     run_dir = None
     if not config.fresh:
-        if config.from_run in (None, "latest"):
-            run_dir = _latest_offline_run(workspace)
-            if run_dir is None and config.from_run == "latest":
-                raise CtrlError(f"workspace {workspace.root} has no offline run to continue from\n"
-                                "Hint: run `ctrl train --offline` first, or pass --fresh.")
-        else:
-            run_dir = resolve_run_dir(workspace, config.from_run)
+        try:
+            run_dir = resolve_run_dir(workspace, config.from_run or "latest")
+        except CtrlError as err:
+            if (config.from_run or "latest") != "latest":
+                raise
+            raise CtrlError(f"workspace {workspace.root} has no offline run to continue from\n"
+                            "Hint: run `ctrl train --offline` first, or pass --fresh.") from err
     if run_dir is not None:
         parent = run_dir.name
         run_cfg = json.loads((run_dir / "config.json").read_text())
@@ -430,7 +416,7 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
     controller.train()
     model: Any = controller
     if dist.active:
-        model = torch.nn.parallel.DistributedDataParallel(controller, find_unused_parameters=True)
+        model = torch.nn.parallel.DistributedDataParallel(controller)  # every parameter takes part in the loss
     optimizer = torch.optim.AdamW(controller.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     rows: list[dict] = []
     start_step = 1
@@ -505,18 +491,16 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
                    "time_model_s": local.model_s, "time_controller_s": local.controller_s, "time_update_s": update}
             if dist.rank == 0:
                 _write_table(gathered, ROLLOUTS, run_dir / "rollouts" / f"step-{step:06d}.parquet")
-            saved = False
-            if dist.rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
-                _save_last(run_dir / "checkpoints" / LAST, controller, optimizer, step, rows + [row], created_at)
-                saved = True
             row["time_bookkeeping_s"] = bookkeeping + time.perf_counter() - tick
             row["wall_time_s"] = time.perf_counter() - started
             rows.append(row)
-            if dist.rank == 0:
-                if saved:  # the metrics file always matches the checkpoint (resume keeps it consistent)
-                    _write_table(rows, ONLINE_STEPS, run_dir / "online_steps.parquet")
-                    run_row.update(steps=step, wall_time_s=time.perf_counter() - started)
-                    _write_run_row(run_dir, run_row)
+            if dist.rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
+                _save_last(run_dir / "checkpoints" / LAST, controller, optimizer, step, rows, created_at)
+                # the metrics file always matches the checkpoint (a resumed run rewrites it consistently)
+                _write_table(rows, ONLINE_STEPS, run_dir / "online_steps.parquet")
+                run_row.update(steps=step, wall_time_s=time.perf_counter() - started)
+                _write_run_row(run_dir, run_row)
+                row["time_bookkeeping_s"] = bookkeeping + time.perf_counter() - tick  # the checkpoint included
             if progress:
                 progress({"phase": "step", "step": step, "steps": config.steps, **row})
     except BaseException as err:

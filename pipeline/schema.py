@@ -248,7 +248,7 @@ _RUN_ID = Column("run_id", _S, "the run directory's name", **_KEY)
 
 RUNS = TableSchema(
     name="runs",
-    description="One row per training run (runs/<run_id>/run.parquet).",
+    description="One row per training run (runs/<run_id>/run.parquet); epoch and validation columns are null for online runs.",
     primary_key=("run_id",),
     columns=(
         _RUN_ID,
@@ -272,6 +272,8 @@ RUNS = TableSchema(
         Column("budget_min_ms", _F, "training budget range, low end", "ms"),
         Column("budget_max_ms", _F, "training budget range, high end", "ms"),
         Column("wall_time_s", _F, "duration", "s"),
+        Column("phase", _S, "offline | online"),
+        Column("parent_run_id", _S, "online runs: the run the controller was continued from (null: fresh)"),
     ),
 )
 

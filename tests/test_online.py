@@ -330,6 +330,25 @@ def test_clear_errors_for_missing_runs_and_features(online_ws, embedded_runtime,
         train_online(_config(ws, resume="offline-run"), runtime=embedded_runtime)
 
 
+def test_cli_online_run_and_resume(online_ws, embedded_runtime):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    _, ws = online_ws
+    runner = CliRunner()
+    args = ["train", "--online", "-w", str(ws.root), "--steps", "1", "--samples-per-step", "1", "--group-size", "2",
+            "--max-new-tokens", "2", "--budget-min-ms", "30", "--budget-max-ms", "300", "--run-id", "online-cli"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "online run online-cli: 1 steps, budget range 30.0-300.0 ms" in first.stdout
+    resumed = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--steps", "2", "--resume", "online-cli"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "online run online-cli: 2 steps" in resumed.stdout
+    bad = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--budget-min-ms", "30"])
+    assert bad.exit_code == 1 and "pass both budget_min_ms and budget_max_ms" in bad.stderr
+
+
 # -- distributed ------------------------------------------------------------------------------
 
 def _free_port() -> int:

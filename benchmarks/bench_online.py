@@ -1,0 +1,90 @@
+"""Online GRPO step time on CPU with the embedded model, split into its parts.
+
+    python benchmarks/bench_online.py                   # 12 steps, 2 groups x G=5, 16 new tokens
+
+Builds (once, cached in benchmarks/.cache) a workspace from the shipped sample data (ingest +
+extract-features with the embedded model), then runs ``train_online`` from a fresh controller
+with a fixed budget range and reports per-step medians (the first step, which includes
+warm-up runs of new configurations, is excluded) of:
+
+* model: rollout execution (vision, prefill, decode; shared prefixes once per stage-1 choice);
+* controller: the two controller stages and the sampling during rollouts;
+* update: the loss (recomputing the latency tokens through decoder blocks 0..p-1 with
+  autograd), backward and the optimizer step;
+* bookkeeping: rewards, advantages, metrics rows, Parquet files and checkpoints.
+
+The target (issue 5): controller + bookkeeping < 5% of the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CACHE = ROOT / "benchmarks" / ".cache"
+
+
+def sample_workspace() -> Path:
+    """The shipped sample data ingested, with embedded-model features (cached)."""
+    from features import FeatureConfig, extract_features
+    from pipeline.ingestion import IngestConfig, ingest
+
+    root = CACHE / "online-ws"
+    if (root / ".ready").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    data = ROOT / "data"
+    if not (data / ".generated").exists():
+        raise SystemExit("run `python data/generate.py` first")
+    ingest(IngestConfig(paths=[data / "exp5", data / "exp6"], workspace=root))
+    extract_features(FeatureConfig(workspace=root, images_dir=data / "images"))
+    (root / ".ready").write_text("ok\n")
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--samples-per-step", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    args = parser.parse_args()
+
+    import torch
+
+    from online.train import OnlineTrainConfig, train_online
+
+    ws = sample_workspace()
+    shutil.rmtree(ws / "runs", ignore_errors=True)
+    config = OnlineTrainConfig(workspace=ws, fresh=True, steps=args.steps, samples_per_step=args.samples_per_step,
+                               group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                               budget_min_ms=40.0, budget_max_ms=200.0, checkpoint_every=5)
+    result = train_online(config)
+    frame = result.steps.slice(1)  # step 1 includes the warm-up runs of every new configuration
+    parts = {"model": "time_model_s", "controller": "time_controller_s", "update": "time_update_s",
+             "bookkeeping": "time_bookkeeping_s"}
+    totals = [sum(row[c] for c in parts.values()) for row in frame.iter_rows(named=True)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(frame)} measured steps of "
+          f"{args.samples_per_step} groups x G={args.group_size} ({args.samples_per_step * args.group_size} rollouts), "
+          f"max_new_tokens {args.max_new_tokens}")
+    print(f"step time median {statistics.median(totals):.3f} s")
+    for name, column in parts.items():
+        shares = [row[column] / t for row, t in zip(frame.iter_rows(named=True), totals)]
+        print(f"  {name:<12} median {statistics.median(frame[column].to_list()):.4f} s  "
+              f"share {statistics.median(shares):6.2%}")
+    overhead = [(row["time_controller_s"] + row["time_bookkeeping_s"]) / t
+                for row, t in zip(frame.iter_rows(named=True), totals)]
+    print(f"controller + bookkeeping: median share {statistics.median(overhead):.2%} (target < 5%)")
+    print(f"rollout latency (controller included) median {statistics.median(frame['latency_ms_mean'].to_list()):.1f} ms, "
+          f"controller {statistics.median(frame['controller_ms_mean'].to_list()):.2f} ms per rollout; "
+          f"prefixes per step median {statistics.median(frame['prefixes'].to_list())} for "
+          f"{args.samples_per_step * args.group_size} rollouts")
+
+
+if __name__ == "__main__":
+    main()
