@@ -34,10 +34,23 @@ class OnlineSamples:
     image: torch.Tensor
     image_present: torch.Tensor
     model_fingerprint: str
+    image_size: list[tuple[int, int] | None] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.sample_key)
+
+    def tiling_crops(self, runtime, max_crops_values: tuple[int, ...]) -> torch.Tensor:
+        """(N, C) float: crops of each sample's image at each max_crops value (NaN without an image).
+
+        From the image size alone (the runtime's tiling rule), as at feature extraction."""
+        out = torch.full((len(self), len(max_crops_values)), float("nan"))
+        for i, size in enumerate(self.image_size):
+            if size is not None:
+                for j, c in enumerate(max_crops_values):
+                    rows, cols = runtime.tiling(size[0], size[1], c)
+                    out[i, j] = rows * cols
+        return out
 
     def rows(self, split: str) -> list[int]:
         """Indices of the samples in a controller split (``trainer.data.split_of``: by sample key)."""
@@ -69,8 +82,8 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
                                      f"(cached: {listing})\n{_HINT_FEATURES}")
         image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
                       "AND i.model_fingerprint = $fp") if "image_features" in views else ""
-        image_cols = "i.image_path, i.feature AS image_feature" if image_join else \
-            "NULL::VARCHAR AS image_path, NULL::FLOAT[] AS image_feature"
+        image_cols = "i.image_path, i.image_width, i.image_height, i.feature AS image_feature" if image_join else \
+            "NULL::VARCHAR AS image_path, NULL::INT AS image_width, NULL::INT AS image_height, NULL::FLOAT[] AS image_feature"
         table = con.sql(f"""
             SELECT s.dataset, s.sample_key, s.split, s.question, s.answers, s.image_id, l.feature AS lang_feature,
                    {image_cols}
@@ -117,4 +130,7 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
         split=[r["split"] for r in kept], question=[r["question"] for r in kept],
         answers=[list(r["answers"]) for r in kept], image_path=[p if present[i] else None for i, p in enumerate(paths)],
         lang=torch.from_numpy(lang), image=torch.from_numpy(image), image_present=torch.from_numpy(present),
-        model_fingerprint=model_fingerprint, skipped={k: v for k, v in skipped.items() if v})
+        model_fingerprint=model_fingerprint, skipped={k: v for k, v in skipped.items() if v},
+        image_size=[(int(r["image_width"]), int(r["image_height"])) if present[i] and r["image_width"] else None
+                    for i, r in enumerate(kept)])
+

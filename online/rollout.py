@@ -89,8 +89,8 @@ class StepRollouts:
     controller_s: float = 0.0
     model_s: float = 0.0
 
-    def batch(self, samples: OnlineSamples, device: torch.device) -> RolloutBatch:
-        """The loss inputs for :meth:`TwoStageController.forward`."""
+    def batch(self, samples: OnlineSamples, device: torch.device, tiling_crops: torch.Tensor | None = None) -> RolloutBatch:
+        """The loss inputs for :meth:`TwoStageController.forward` (``tiling_crops``: (N, C) of all samples)."""
         rows = torch.tensor([r.sample for r in self.rollouts], dtype=torch.long)
 
         def ints(name: str) -> torch.Tensor:
@@ -103,7 +103,8 @@ class StepRollouts:
             crops_index=ints("crops_index"), insertion_index=ints("insertion_index"),
             top_k_index=ints("top_k_index"), blocks_index=ints("blocks_index"),
             prefix_embeds=self.prefix_embeds, prefix_of_member=ints("prefix"),
-            prefix_first_member=torch.tensor(self.prefix_first_member, dtype=torch.long, device=device))
+            prefix_first_member=torch.tensor(self.prefix_first_member, dtype=torch.long, device=device),
+            tiling_crops=None if tiling_crops is None else tiling_crops[rows].to(device))
 
 
 class RolloutExecutor:
@@ -124,6 +125,7 @@ class RolloutExecutor:
         self._warm: set[tuple] = set()
         self._images: dict[int, Image.Image | None] = {}
         self._inputs: dict[tuple[int, int], ModelInputs] = {}
+        self.tiling_crops = samples.tiling_crops(runtime, controller.max_crops_values)
 
     def close(self) -> None:
         self.timer.close()
@@ -189,7 +191,8 @@ class RolloutExecutor:
             head = RequestTiming()
             lang = self.samples.lang[sample][None].to(device)
             with timer.segment("stage1", head):
-                s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device))
+                s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device),
+                                 self.tiling_crops[sample][None].to(device))
                 crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
             crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=stage1_generator)
             insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True,

@@ -245,11 +245,12 @@ def _write_table(rows: list[dict], schema: Any, path: Path) -> None:
 
 def _steps_frame(rows: list[dict]) -> Any:
     import polars as pl
+    import pyarrow as pa
 
     from pipeline.schema import ONLINE_STEPS
 
-    return pl.from_arrow(__import__("pyarrow").Table.from_pylist(
-        [{c: r.get(c) for c in ONLINE_STEPS.column_names} for r in rows], schema=ONLINE_STEPS.arrow_schema()))
+    return pl.from_arrow(pa.Table.from_pylist([{c: r.get(c) for c in ONLINE_STEPS.column_names} for r in rows],
+                                              schema=ONLINE_STEPS.arrow_schema()))
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -262,7 +263,6 @@ def _build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: 
         ControllerPolicy,
         PolicyConfig,
         budget_normalization_range,
-        read_checkpoint,
     )
     from trainer.two_stage import TwoStageConfig, TwoStageController, set_budget_range
 
@@ -291,7 +291,6 @@ def _build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: 
             controller = TwoStageController(policy, two_stage)
         if reward is None and isinstance(run_cfg.get("reward"), dict):
             reward = RewardConfig.from_json(run_cfg["reward"])
-        read_checkpoint(checkpoint)  # validated above; keeps the error path uniform
     else:
         from trainer.data import ActionSpace
 
@@ -463,7 +462,7 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
             bookkeeping = time.perf_counter() - tick
 
             tick = time.perf_counter()
-            log_probs = model(local.batch(samples, device), runtime.latency_token)
+            log_probs = model(local.batch(samples, device, executor.tiling_crops), runtime.latency_token)
             own = torch.tensor([[r.group - first_group, r.member] for r in local.rollouts], dtype=torch.long)
             own_adv = advantages[own[:, 0], own[:, 1]].to(device)
             own_valid = valid[own[:, 0]].to(device)

@@ -281,7 +281,8 @@ def test_loss_reaches_every_controller_part_through_the_decoder(embedded_runtime
     assert len(step.rollouts) == 6 and 1 <= len(step.prefix_embeds) <= 6
     ctrl.train()
     ctrl.zero_grad()
-    log_probs = ctrl(step.batch(executor.samples, embedded_runtime.device), embedded_runtime.latency_token)
+    log_probs = ctrl(step.batch(executor.samples, embedded_runtime.device, executor.tiling_crops),
+                     embedded_runtime.latency_token)
     sampled = torch.tensor([r.log_prob for r in step.rollouts])
     assert torch.allclose(log_probs.detach(), sampled, atol=1e-4)  # the loss scores what was sampled
     advantages = torch.linspace(-1, 1, len(log_probs))
@@ -314,6 +315,28 @@ def test_resume_continues_from_the_checkpoint(online_ws, embedded_runtime):
     assert [set(pq.read_table(rollouts / f)["step"].to_pylist()) for f in files] == [{1}, {2}, {3}, {4}]
     run = pq.read_table(first.run_dir / "run.parquet").to_pylist()[0]
     assert run["status"] == "completed" and run["steps"] == 4
+
+
+def test_a_tiling_aware_offline_policy_continues_online(online_ws, embedded_runtime):
+    """Policies trained with --use-tilings read the image's tiling per crops choice; online
+    computes it from the image size with the runtime's tiling rule."""
+    from online.train import train_online
+    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+
+    _, ws = online_ws
+    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-tilings",
+                                     use_tilings=True, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    result = train_online(_config(ws, run_id="online-tilings", steps=1, from_run="offline-tilings"),
+                          runtime=embedded_runtime)
+    assert result.controller.policy.config.use_tilings and len(result.steps) == 1
+    crops = result.controller.max_crops_values
+    from online.data import load_online_samples
+
+    samples = load_online_samples(ws, embedded_runtime.fingerprint)
+    tiling = samples.tiling_crops(embedded_runtime, crops)
+    with_image = samples.image_present
+    assert torch.isnan(tiling[~with_image]).all() and not torch.isnan(tiling[with_image]).any()
+    assert torch.all(tiling[with_image] <= torch.tensor(crops, dtype=torch.float32))
 
 
 def test_clear_errors_for_missing_runs_and_features(online_ws, embedded_runtime, tmp_path):

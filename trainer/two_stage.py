@@ -70,6 +70,7 @@ class Stage1Output:
     budget_token: Tensor
     lang_h: Tensor
     budget_h: Tensor
+    tiling_crops: Tensor | None = None
 
 
 class TwoStageController(nn.Module):
@@ -118,18 +119,21 @@ class TwoStageController(nn.Module):
         return self.policy.action_space.num_active_blocks_values
 
     # -- stages
-    def stage1(self, lang: Tensor, budget_ms: Tensor | float) -> Stage1Output:
-        crops_lp, lang_h, budget_h = self.policy.stage1(lang, budget_ms)
+    def stage1(self, lang: Tensor, budget_ms: Tensor | float, tiling_crops: Tensor | None = None) -> Stage1Output:
+        """``tiling_crops`` (N, C): the crops the image tiles into at each max_crops value (NaN:
+        no image); read only by policies trained with ``use_tilings``."""
+        crops_lp, lang_h, budget_h = self.policy.stage1(lang, budget_ms, tiling_crops=tiling_crops)
         logits = _apply(self.insertion_head, torch.cat([lang_h, budget_h], dim=-1), self.training)
         insertion_lp = logits.masked_fill(~self.insertion_valid, float("-inf")).log_softmax(-1)
         token = F.layer_norm(self.budget_token_proj(budget_h), (self.two_stage.hidden_size,))
-        return Stage1Output(crops_lp, insertion_lp, token * self.two_stage.token_scale, lang_h, budget_h)
+        return Stage1Output(crops_lp, insertion_lp, token * self.two_stage.token_scale, lang_h, budget_h, tiling_crops)
 
     def stage2(self, s1: Stage1Output, image: Tensor, image_present: Tensor, crops_index: Tensor,
                insertion_index: Tensor, latency_token: Tensor) -> tuple[Tensor, Tensor]:
         """log p(top_k) (N, K) and log p(blocks) (N, B) for N requests with the given stage-1
         choices (indices into the value tuples) and latency tokens (N, d)."""
-        trunk = self.policy.stage2_hidden(image, image_present, s1.lang_h, s1.budget_h)  # (N, C, H)
+        trunk = self.policy.stage2_hidden(image, image_present, s1.lang_h, s1.budget_h,
+                                          tiling_crops=s1.tiling_crops)  # (N, C, H)
         hidden = trunk[torch.arange(len(crops_index)), crops_index]
         latency = F.linear(self.latency_norm(latency_token.float()), self.latency_proj.weight, self.latency_proj.bias)
         hidden = hidden + latency + self.insertion_embedding(insertion_index)
@@ -144,7 +148,7 @@ class TwoStageController(nn.Module):
         (``latency_token_fn(embeds, p)``, once per distinct prefix), so the budget token learns
         from stage 2's reward too. This is the one forward per optimiser step that DDP wraps.
         """
-        s1 = self.stage1(batch.lang, batch.budget_ms)
+        s1 = self.stage1(batch.lang, batch.budget_ms, batch.tiling_crops)
         tokens = []
         for u, embeds in enumerate(batch.prefix_embeds):
             m = int(batch.prefix_first_member[u])
@@ -190,7 +194,7 @@ class RolloutBatch:
     crops_index, insertion_index, top_k_index, blocks_index (M,) long; prefix_embeds: U
     detached decoder-input tensors (1, seq, d) without the budget token; prefix_of_member (M,)
     long into them; prefix_first_member (U,) long: a member of each prefix (its stage-1 inputs
-    are those of the whole prefix).
+    are those of the whole prefix); tiling_crops (M, C) as in :meth:`TwoStageController.stage1`.
     """
 
     lang: Tensor
@@ -204,6 +208,7 @@ class RolloutBatch:
     prefix_embeds: Sequence[Tensor]
     prefix_of_member: Tensor
     prefix_first_member: Tensor
+    tiling_crops: Tensor | None = None
 
 
 def set_budget_range(policy: ControllerPolicy, min_ms: float, max_ms: float) -> None:
