@@ -172,12 +172,15 @@ class RolloutExecutor:
     @torch.no_grad()
     def run_groups(self, groups: Sequence[tuple[int, float]], group_size: int, stage1_generator: torch.Generator,
                    stage2_generator: torch.Generator, rank: int = 0, world_size: int = 1,
-                   first_group: int = 0, force: tuple[int, int, int, int] | None = None) -> StepRollouts:
+                   first_group: int = 0, force: tuple[int, int, int, int] | None = None,
+                   greedy: bool = False, insertion_index: int | None = None) -> StepRollouts:
         """Run this rank's share of the members of ``groups`` ((sample, budget_ms) pairs).
 
         Stage-1 choices are drawn from ``stage1_generator``, which every rank advances the same
         way (each rank knows every member's stage-1 choice); members go to ranks round-robin
         by their global index. Stage-2 choices use the rank's own ``stage2_generator``.
+        ``greedy``: the most probable choice at each stage instead of a sample (evaluation);
+        ``insertion_index``: a fixed insertion position (index into the positions).
         """
         import time
 
@@ -197,6 +200,11 @@ class RolloutExecutor:
             crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=stage1_generator)
             insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True,
                                                generator=stage1_generator)
+            if greedy:
+                crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
+                insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
+            if insertion_index is not None:
+                insertion_pick = torch.full((group_size,), int(insertion_index))
             if force is not None:
                 crops_pick = torch.full((group_size,), force[0])
                 insertion_pick = torch.full((group_size,), force[1])
@@ -229,6 +237,8 @@ class RolloutExecutor:
                     tick = time.perf_counter()
                     if force is not None:
                         k, b = force[2], force[3]
+                    elif greedy:
+                        k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
                     else:
                         k = int(torch.multinomial(top_k_lp[0].exp().cpu(), 1, generator=stage2_generator))
                         b = int(torch.multinomial(blocks_lp[0].exp().cpu(), 1, generator=stage2_generator))

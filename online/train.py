@@ -78,9 +78,13 @@ class OnlineTrainConfig:
     seed: seeds the controller init, sample order, budgets and sampling (default 42).
 
     > Runs
+    evaluate: after the last step, evaluate the run with the model on the test split against its
+        offline start (``online.evaluate``; default True).
+    eval_max_samples: test samples the final evaluation runs (default 32; None = all).
     checkpoint_every: steps between checkpoints (default 5; the last step always saves).
     run_id: run directory name (None = timestamp + random suffix).
-    resume: an online run to continue from its last checkpoint (``steps`` may grow).
+    resume: an online run to continue from its last checkpoint (``steps`` may grow; the device
+        and the evaluation options may differ, everything else comes from the run's config.json).
     """
 
     workspace: Path | None = None
@@ -104,6 +108,8 @@ class OnlineTrainConfig:
     scale_rewards: str = "batch"
     reward: RewardConfig | dict | None = None
     seed: int = 42
+    evaluate: bool = True
+    eval_max_samples: int | None = 32
     checkpoint_every: int = 5
     run_id: str | None = None
     resume: str | None = None
@@ -155,6 +161,7 @@ class OnlineRunResult:
     steps: Any  # polars.DataFrame of online_steps
     budget_range_ms: tuple[float, float]
     controller: Any = None  # the trained TwoStageController (this rank's copy)
+    evaluation: Any = None  # polars.DataFrame of the final evaluation (rank 0, with evaluate)
 
 
 # -- distributed ------------------------------------------------------------------------------
@@ -363,9 +370,12 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
             raise CtrlError(f"--resume {run_dir.name}: not an online run\nHint: offline runs resume with "
                             "`ctrl train --offline --resume`; `--from RUN` starts an online run from one.")
         # everything but the step count comes from the run's config.json (the run stays one experiment)
-        steps, device = config.steps, config.device
+        # (the device and the final evaluation are not part of the experiment: taken from this call)
+        keep = {k: getattr(config, k) for k in ("steps", "device", "evaluate", "eval_max_samples")}
         config = OnlineTrainConfig.from_json(saved)
-        config.steps, config.device, config.resume = steps, device, str(run_dir)
+        for k, v in keep.items():
+            setattr(config, k, v)
+        config.resume = str(run_dir)
         checkpoint = run_dir / "checkpoints" / LAST
         if not checkpoint.exists():
             raise CtrlError(f"{checkpoint} does not exist: the run saved no checkpoint yet\nHint: start it again.")
@@ -515,10 +525,17 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
         run_row.update(status="completed", steps=step, finished_at=datetime.now(timezone.utc),
                        wall_time_s=time.perf_counter() - started)
         _write_run_row(run_dir, run_row)
+    evaluation = None
+    if config.evaluate and dist.rank == 0:
+        from online.evaluate import evaluate_online_run
+
+        if progress:
+            progress({"phase": "evaluate"})
+        evaluation = evaluate_online_run(workspace, run_dir, max_samples=config.eval_max_samples, runtime=runtime)
     dist.barrier()
     return OnlineRunResult(run_id=run_id, run_dir=run_dir, checkpoint=run_dir / "checkpoints" / LAST,
                            steps=_steps_frame(rows) if rows else pl.DataFrame(), budget_range_ms=budget_range,
-                           controller=controller)
+                           controller=controller, evaluation=evaluation)
 
 
 def _rollout_row(r: Any, samples: Any, run_id: str, step: int, world_size: int, num_layers: int) -> dict:

@@ -239,7 +239,7 @@ def _config(ws, **kw):
     from online.train import OnlineTrainConfig
 
     base = dict(workspace=ws.root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
-                budget_min_ms=30.0, budget_max_ms=300.0, checkpoint_every=1, run_id=None)
+                budget_min_ms=30.0, budget_max_ms=300.0, checkpoint_every=1, run_id=None, evaluate=False)
     return OnlineTrainConfig(**{**base, **kw})
 
 
@@ -339,6 +339,26 @@ def test_a_tiling_aware_offline_policy_continues_online(online_ws, embedded_runt
     assert torch.all(tiling[with_image] <= torch.tensor(crops, dtype=torch.float32))
 
 
+def test_online_run_is_evaluated_with_the_model_against_its_offline_start(online_ws, embedded_runtime):
+    from online.evaluate import evaluate_online_run
+    from online.train import train_online
+    from pipeline.catalog import run_query
+
+    _, ws = online_ws
+    train_online(_config(ws, run_id="online-eval", steps=1), runtime=embedded_runtime)
+    frame = evaluate_online_run(ws, "online-eval", [40.0, 250.0], max_samples=2, runtime=embedded_runtime)
+    assert frame["decider"].to_list() == ["controller"] * 2 + ["offline_start"] * 2
+    assert frame["num_samples"].to_list() == [2] * 4
+    for row in frame.iter_rows(named=True):
+        assert row["latency_ms_mean"] > 0 and 0 <= row["accuracy"] <= 1
+        hist = json.loads(row["config_histogram"])
+        assert sum(hist.values()) == 2
+        if row["decider"] == "offline_start":  # deployed as is: insertion position 1
+            assert all(label.endswith("@1") for label in hist)
+    stored = run_query(ws, "SELECT count(*) AS n FROM evaluations WHERE run_id = 'online-eval'").to_pylist()
+    assert stored == [{"n": 4}] and (ws.runs_dir / "online-eval" / "evaluation.png").exists()
+
+
 def test_clear_errors_for_missing_runs_and_features(online_ws, embedded_runtime, tmp_path):
     from online.train import train_online
     from pipeline import CtrlError
@@ -361,11 +381,14 @@ def test_cli_online_run_and_resume(online_ws, embedded_runtime):
     _, ws = online_ws
     runner = CliRunner()
     args = ["train", "--online", "-w", str(ws.root), "--steps", "1", "--samples-per-step", "1", "--group-size", "2",
-            "--max-new-tokens", "2", "--budget-min-ms", "30", "--budget-max-ms", "300", "--run-id", "online-cli"]
+            "--max-new-tokens", "2", "--budget-min-ms", "30", "--budget-max-ms", "300", "--run-id", "online-cli",
+            "--eval-max-samples", "1"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert "online run online-cli: 1 steps, budget range 30.0-300.0 ms" in first.stdout
-    resumed = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--steps", "2", "--resume", "online-cli"])
+    assert "offline_start" in first.stdout  # the final evaluation's table
+    resumed = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--steps", "2", "--resume", "online-cli",
+                                  "--no-evaluate"])
     assert resumed.exit_code == 0, resumed.output
     assert "online run online-cli: 2 steps" in resumed.stdout
     bad = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--budget-min-ms", "30"])
@@ -387,7 +410,7 @@ def _dist_worker(rank: int, world: int, port: int, ws_root: str, cache: str, out
     from online.train import OnlineTrainConfig, train_online
 
     config = OnlineTrainConfig(workspace=ws_root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
-                               budget_min_ms=30.0, budget_max_ms=300.0, run_id="online-ddp", lr=1e-2)
+                               budget_min_ms=30.0, budget_max_ms=300.0, run_id="online-ddp", lr=1e-2, evaluate=False)
     result = train_online(config)
     torch.save({"steps": result.steps["step"].to_list(), "state": result.controller.state_dict()},
                f"{out}/rank{rank}.pt")
