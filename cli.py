@@ -213,6 +213,8 @@ def extract_features(
 
 def _train_online(config: Any) -> None:
     """Run ``online.train.train_online`` with a progress bar and a one-line summary."""
+    import os
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from online.train import train_online
@@ -220,12 +222,15 @@ def _train_online(config: Any) -> None:
 
     try:
         with Progress(TextColumn("online"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
+                      TimeElapsedColumn(), console=err, transient=True,
+                      disable=not err.is_terminal or os.environ.get("RANK", "0") != "0") as bar:
             task = bar.add_task("online", total=config.steps, info="starting")
 
             def show(event: dict) -> None:
                 if event.get("phase") == "calibrate":
                     bar.update(task, info=f"calibrating the budget range on {event.get('samples')} samples")
+                elif event.get("phase") == "evaluate":
+                    bar.update(task, info="evaluating on the test split with the model")
                 elif event.get("phase") == "step":
                     bar.update(task, completed=event["step"], total=event["steps"],
                                info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
@@ -237,6 +242,14 @@ def _train_online(config: Any) -> None:
     except KeyboardInterrupt:
         err.print("interrupted: continue with --online --resume RUN (from its last checkpoint)")
         raise typer.Exit(code=130) from None
+    from online.train import current_dist
+
+    if current_dist().rank != 0:  # under torchrun, rank 0 reports
+        return
+    if result.evaluation is not None:
+        from trainer import format_evaluation_table
+
+        out.print(format_evaluation_table(result.evaluation))
     frame = result.steps
     lo, hi = result.budget_range_ms
     if len(frame):
@@ -262,12 +275,16 @@ def train(
     seed: Annotated[int, typer.Option("--seed", help="Seed: the same options give the same run.")] = 42,
     budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: from the data).")] = None,
     budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
-    reward_mode: Annotated[str, typer.Option("--reward-mode", help="soft (origin §7.5 formula) or hard (violations get a fixed penalty).",
-                                             rich_help_panel="Reward and loss")] = "soft",
+    reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 beyond) or soft (origin §7.5 formula).",
+                                             rich_help_panel="Reward and loss")] = "hard",
+    score_target: Annotated[str, typer.Option("--score-target", help="mean (of exp5 and exp6 where both recorded; default) or recorded: the training score.",
+                                              rich_help_panel="Reward and loss")] = "mean",
+    warm_start_steps: Annotated[int, typer.Option("--warm-start-steps", min=0, help="Steps fitting the initial policy to the lut_p95 table (0 = off).",
+                                                  rich_help_panel="Reward and loss")] = 200,
     loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).", rich_help_panel="Reward and loss")] = "grpo",
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.", rich_help_panel="Reward and loss")] = "batch",
     clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).", rich_help_panel="Reward and loss")] = None,
-    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial policy (default 0).", rich_help_panel="Reward and loss")] = 0.0,
+    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.", rich_help_panel="Reward and loss")] = 0.1,
     violation_target: Annotated[float | None, typer.Option("--violation-target", help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (default off).", rich_help_panel="Reward and loss")] = None,
     use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
@@ -285,6 +302,10 @@ def train(
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel="Online")] = "cpu",
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online checkpoints.",
                                                   rich_help_panel="Online")] = 5,
+    online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at the end.",
+                                                  rich_help_panel="Online")] = True,
+    eval_max_samples: Annotated[int, typer.Option("--eval-max-samples", min=1, help="Online: test samples of the final evaluation.",
+                                                  rich_help_panel="Online")] = 32,
 ) -> None:
     """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
     evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
@@ -302,7 +323,8 @@ def train(
                 steps=steps, samples_per_step=samples_per_step, group_size=group_size, max_new_tokens=max_new_tokens,
                 budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms, lr=lr, seed=seed,
                 reward=RewardConfig(mode=reward_mode) if given else None,
-                scale_rewards=scale_rewards, checkpoint_every=checkpoint_every, run_id=run_id, resume=resume)
+                scale_rewards=scale_rewards, checkpoint_every=checkpoint_every, run_id=run_id, resume=resume,
+                evaluate=online_evaluate, eval_max_samples=eval_max_samples)
         except ValueError as e:
             raise _fail(e) from None
         _train_online(online_config)
@@ -320,7 +342,7 @@ def train(
                 batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
                 reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
                 clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target, use_tilings=use_tilings,
-                run_id=run_id)
+                score_target=score_target, warm_start_steps=warm_start_steps, run_id=run_id)
         with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("train", total=None, info="")
@@ -354,14 +376,29 @@ def evaluate(
     run: Annotated[str, typer.Argument(help="Run id of the workspace, 'latest', or a run directory.")],
     workspace: WorkspaceOption = None,
     budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; default: the run's grid).")] = None,
+    max_samples: Annotated[int | None, typer.Option("--max-samples", min=1, help="Online runs: test samples to run (default: all).")] = None,
 ) -> None:
-    """Evaluate a run's controller against the baselines on the test split (table, Parquet, PNG)."""
+    """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
+    the baselines on the recorded outcomes, an online run against its offline start with the model."""
+    import json
+
     from pipeline import CtrlError, Workspace
     from trainer import evaluate_run, format_evaluation_table, resolve_run_dir
 
     try:
-        frame = evaluate_run(workspace, run, budget_ms or None)
         run_dir = resolve_run_dir(Workspace(workspace), run)
+        if json.loads((run_dir / "config.json").read_text()).get("phase") == "online":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            from online.evaluate import evaluate_online_run
+
+            with Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err, transient=True, disable=not err.is_terminal) as bar:
+                task = bar.add_task("evaluate", total=None)
+                frame = evaluate_online_run(workspace, run_dir, budget_ms or None, max_samples=max_samples,
+                                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+        else:
+            frame = evaluate_run(workspace, run_dir, budget_ms or None)
     except (CtrlError, ValueError) as e:
         raise _fail(e) from None
     out.print(format_evaluation_table(frame))
@@ -391,11 +428,123 @@ def predict(
 
 
 @app.command()
+def profile(
+    dataset: Annotated[list[Path], typer.Option("--dataset", help="Dataset directory (dataset.json + images/); repeatable.",
+                                                show_default=False)],
+    model: Annotated[str, typer.Option("--model", help="'embedded', 'testbed' (the trained testbed) or a local model directory.")] = "embedded",
+    configs: Annotated[str, typer.Option("--configs", help="'balanced' (27), 'full' (75) or a list C/K/B,C/K/B (max_crops/top_k/num_active_blocks).")] = "balanced",
+    num_samples: Annotated[int | None, typer.Option("--num-samples", min=1, help="The first N samples of each dataset (default: all).",
+                                                    show_default=False)] = None,
+    world_size: Annotated[int, typer.Option("--world-size", min=1, help="Simulated ranks: each writes its own rank file, then a deterministic merge.")] = 1,
+    out_dir: Annotated[Path, typer.Option("--out", help="Results directory (exp5_accuracy_<dataset>/, exp6_latency_<dataset>/).",
+                                          file_okay=False)] = Path("results/profile"),
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.")] = "cpu",
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured generations before each configuration (per rank).")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 keeps latencies stable on a shared CPU.")] = 1,
+) -> None:
+    """Measure the knob sweep of a model on VQA datasets and write exp5/exp6 result trees (read them with `ctrl ingest`)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from online.profile import ProfileConfig, format_report, profile_model
+    from pipeline import CtrlError
+
+    try:
+        config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
+                               world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
+                               warmup=warmup, threads=threads)
+        with Progress(TextColumn("profile"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("profile", total=None, info="loading the model")
+            report = profile_model(config, progress=lambda n, label: bar.update(task, advance=n, info=label),
+                                   on_total=lambda n: bar.update(task, total=n))
+    except CtrlError as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        err.print("interrupted: finished configurations and rank files are kept; the same command resumes")
+        raise typer.Exit(code=130) from None
+    for line in format_report(report):
+        out.print(line, highlight=False, markup=False)
+    out.print(f"{report.measured} generations measured in {report.measure_s:.1f}s "
+              f"({report.per_minute:.1f} configuration x samples per minute), model {report.model_fingerprint[:16]}; "
+              f"next: ctrl ingest {report.out_dir}", highlight=False, markup=False)
+
+
+@app.command()
 def schema() -> None:
     """Print the workspace tables' schemas (columns, types, units) as Markdown."""
     from pipeline.schema import schemas_markdown
 
     sys.stdout.write(schemas_markdown() + "\n")
+
+# -- ctrl testbed: the procedural VQA task and the trained embedded testbed (issue 6) ------------
+
+testbed_app = typer.Typer(help="The testbed: a procedural VQA task and the embedded model trained on it.",
+                          no_args_is_help=True)
+app.add_typer(testbed_app, name="testbed")
+
+
+@testbed_app.command("generate")
+def testbed_generate(
+    out_dir: Annotated[Path, typer.Argument(help="Dataset directory to write (dataset.json + images/).", file_okay=False)],
+    num_samples: Annotated[int, typer.Option("--num-samples", min=1, help="Samples (one question per image, families in turn).")] = 500,
+    seed: Annotated[int, typer.Option("--seed", help="Seed: the same seed gives byte-identical files.")] = 0,
+    split: Annotated[str, typer.Option("--split", help="Split name recorded in dataset.json (and in the sample ids).")] = "val",
+    name: Annotated[str, typer.Option("--name", help="Dataset name (results and ingest use it).")] = "testbed",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Regenerate even when the same dataset is there.")] = False,
+) -> None:
+    """Write a seeded testbed VQA set (reused when the same set is already there)."""
+    from testbed.task import generate_dataset
+
+    try:
+        root = generate_dataset(out_dir, num_samples, seed=seed, split=split, name=name, overwrite=overwrite)
+    except ValueError as e:
+        raise _fail(e) from None
+    out.print(f"{num_samples} samples -> {root}", highlight=False, markup=False)
+
+
+@testbed_app.command("train")
+def testbed_train(
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 800,
+    num_train_samples: Annotated[int, typer.Option("--num-train-samples", min=1, help="Size of the generated training set.")] = 4000,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step (one knob setting per step).")] = 8,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW peak learning rate.")] = 3e-3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the training set, data order and knob draws.")] = 0,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads (part of the recipe: results depend on it).")] = 1,
+    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or ~/.cache/ctrl).",
+                                                   show_default=False, file_okay=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Train even when this recipe is cached.")] = False,
+    eval_samples: Annotated[int, typer.Option("--eval-samples", min=0, help="Held-out samples for the knob table (0 = no evaluation).")] = 250,
+    eval_dir: Annotated[Path | None, typer.Option("--eval-dir", help="Held-out set directory (default: <cache>/testbed-eval-seed<seed+1000>-n<N>).",
+                                                  show_default=False, file_okay=False)] = None,
+) -> None:
+    """Train the embedded model on the testbed task (cached per recipe) and print its knob trade-off table."""
+    from features.model.embedded import default_cache_root
+    from pipeline import CtrlError
+    from testbed.task import generate_dataset
+    from testbed.train import TrainConfig, evaluate_testbed, format_eval_table, marginal_table, train_testbed
+
+    config = TrainConfig(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
+                         threads=threads)
+    try:
+        def progress(step: int, loss: float) -> None:
+            if step % 50 == 0 or step == steps:
+                err.print(f"step {step}/{steps} loss {loss:.3f}", highlight=False, markup=False)
+
+        report = train_testbed(config, cache_dir, force=force, progress=progress)
+        if report.trained:
+            out.print(f"trained in {report.train_seconds:.0f}s -> {report.model_dir}", highlight=False, markup=False)
+        else:
+            out.print(f"cached: {report.model_dir}", highlight=False, markup=False)
+        if eval_samples:
+            root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+            eval_root = eval_dir or root / f"testbed-eval-seed{seed + 1000}-n{eval_samples}"
+            generate_dataset(eval_root, eval_samples, seed=seed + 1000, split="val")
+            rows = evaluate_testbed(report.model_dir, eval_root)
+            for line in format_eval_table(rows) + [""] + marginal_table(rows):
+                out.print(line, highlight=False, markup=False)
+    except (CtrlError, ValueError) as e:
+        raise _fail(e) from None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Feature extraction throughput of the embedded model on CPU.
 
-    python benchmarks/bench_features.py            # the sample data (300 samples, 157 images)
+    python benchmarks/bench_features.py            # the sample data (800 samples, 426 images)
 
 Generates the sample data if needed, ingests it into a scratch workspace, then times
 ``extract_features`` with --force at batch size 1 (the baseline) and 16, and the cached

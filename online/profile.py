@@ -20,7 +20,9 @@ so ``ctrl ingest <out>`` reads the result like any other run; the measurement is
   ``T_prefill_ms``, ``T_prefill_head_ms`` (last block's exit -> first decode step) and
   ``T_decode_ms`` partition ``T_total_ms``. Image loading and preprocessing are outside, as in
   exp6. ``warmup`` unmeasured generations run before each configuration's first measured one
-  (per rank).
+  (per rank). On CPU, ``threads`` (default 1) torch threads run each request: with more threads
+  than free cores, spinning OpenMP threads made requests up to 10-20x slower and the
+  latencies mostly noise on a shared 2-core machine.
 * **stable sample identity**: every per-sample record of both experiments (exp6's
   ``per_sample_latencies`` included) carries the full metadata (example_id, image_id,
   question, answers, family), the global dataset index (``sample_id`` = ``dataset_index``),
@@ -137,6 +139,9 @@ class ProfileConfig:
     max_new_tokens: int = 16
     device: str = "cpu"
     warmup: int = 1
+    #: torch intra-op threads while profiling on CPU (0 = leave torch's setting). 1 by default:
+    #: on a shared CPU, several spinning threads per op make single requests up to 10x slower and noisy
+    threads: int = 1
     #: filled by __post_init__ from ``configs``
     combinations: list[Config] = field(default_factory=list, init=False)
     strategy: str = field(default="", init=False)
@@ -156,6 +161,8 @@ class ProfileConfig:
             raise CtrlError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.warmup < 0:
             raise CtrlError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.threads < 0:
+            raise CtrlError(f"--threads must be >= 0, got {self.threads}")
         self.out_dir = Path(self.out_dir).expanduser()
         self.combinations, self.strategy = parse_configs(self.configs)
 
@@ -487,6 +494,7 @@ class _Profiler:
         self.measure_s += duration
         fmt = "%Y-%m-%d %H:%M:%S"
         block = {**identity, "world_size": cfg.world_size, "rank": rank, "warmup": cfg.warmup,
+                 "threads": torch.get_num_threads() if runtime.device.type == "cpu" else None,
                  "dataset_indices": indices, "torch": torch.__version__, "complete": True}
         scores = [p["score"] for p in predictions]
         acc, std = _mean_std(scores)
@@ -645,6 +653,9 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
         on_total(sum(sizes) * len(config.combinations))
     profiler = _Profiler(config, runtime, progress or (lambda n, label: None))
     reports = []
+    saved_threads = torch.get_num_threads()
+    if config.threads and runtime.device.type == "cpu":
+        torch.set_num_threads(config.threads)
     try:
         for d, n in zip(datasets, sizes):
             exp5_dir, exp6_dir = profiler._dirs(d)
@@ -655,6 +666,7 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
             reports.append(report)
     finally:
         profiler.close()
+        torch.set_num_threads(saved_threads)
     return ProfileReport(config.out_dir, runtime.fingerprint, reports, profiler.measured, profiler.measure_s,
                          time.perf_counter() - started)
 

@@ -42,8 +42,15 @@ from pipeline.errors import IngestError
 from pipeline.kinds import CORE_EXP_RE, EXP5_CONFIG_RE, EXP6_CONFIG_RE, EXP6_FINAL_RE, looks_like_results_name
 
 __all__ = [
-    "PARSER_VERSION", "ParsedFile", "NotResultsFile", "parse_file", "detect_kind", "load_json",
-    "FRAGMENT_MEASUREMENTS", "FRAGMENT_SAMPLES", "FRAGMENT_SUMMARIES",
+    "FRAGMENT_MEASUREMENTS",
+    "FRAGMENT_SAMPLES",
+    "FRAGMENT_SUMMARIES",
+    "PARSER_VERSION",
+    "NotResultsFile",
+    "ParsedFile",
+    "detect_kind",
+    "load_json",
+    "parse_file",
 ]
 
 #: bump whenever parsing output changes: fragments cached by an older parser are re-parsed
@@ -149,6 +156,7 @@ def _add_exp_summary(ctx: Ctx, sb: SummaryBuilder, info: RunInfo, cfg: tuple[int
         latency_total_ms_p95=_stat(ctx, entry, where, "latency_total_ms", "P95"),
         latency_prefill_ms_mean=_stat(ctx, entry, where, "latency_prefill_ms", "mean"),
         latency_decode_ms_mean=_stat(ctx, entry, where, "latency_decode_ms", "mean"),
+        latency_vision_ms_mean=_stat(ctx, entry, where, "latency_vision_ms", "mean"),
     )
 
 
@@ -266,12 +274,23 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         "latency_prefill_raw_ms": prefill_raw,
         "latency_decode_ms": pc.if_else(decode_missing, pa.scalar(None, _F64), decode),
         "num_vision_tokens": n_vision,
-        "num_text_tokens": pc.subtract(n_language, n_vision),  # D10: language count includes image placeholders
         "num_output_tokens": n_output,
-        "flag_prefill_invalid": pa.repeat(pa.scalar(True), len(keys)),  # D1: last decode step, not prefill
-        "flag_text_tokens_derived": pc.is_valid(n_language),
         "flag_decode_missing": decode_missing,
     }
+    if _ctrl_profile_version(ctx, config) is not None:
+        # written by `ctrl profile` (online/profile.py): a real prefill time, vision timed, text-only counts
+        columns.update({
+            "latency_prefill_ms": prefill_raw,
+            "latency_vision_ms": column(ctx, lats, "per_sample_latencies", "T_vision_ms", _F64, required=False),
+            "num_crops": column(ctx, lats, "per_sample_latencies", "num_crops", _I32, required=False),
+            "num_text_tokens": n_language,
+        })
+    else:
+        columns.update({
+            "num_text_tokens": pc.subtract(n_language, n_vision),  # D10: language count includes image placeholders
+            "flag_prefill_invalid": pa.repeat(pa.scalar(True), len(keys)),  # D1: last decode step, not prefill
+            "flag_text_tokens_derived": pc.is_valid(n_language),
+        })
     mb = MeasurementBuilder()
     mb.add(info, kind, cfg, keys, blocks=blocks, score=score,
            pred=column(ctx, preds, "per_sample_predictions", "pred", _STR, required=False), columns=columns)
@@ -279,6 +298,12 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     _add_exp_summary(ctx, sb, info, cfg, blocks, entry, where)
     table = mb.table()
     return ParsedFile(kind, "exp6", info.dataset, table, samples.table(), sb.table(), count_duplicates(table))
+
+
+def _ctrl_profile_version(ctx: Ctx, config: dict) -> int | None:
+    """``config.ctrl_profile_version`` of files written by ``ctrl profile`` (measured without the
+    origin's defects D1/D2/D10); None for the origin scripts' files."""
+    return ctx.integer(config, "ctrl_profile_version", "config", required=False, lo=1)
 
 
 def _parse_exp6_final(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:

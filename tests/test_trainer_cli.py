@@ -59,8 +59,6 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert frame.height == 2 * 60 and frame["probability"].is_between(0, 1, closed="right").all()
 
 
-def test_online_is_refused_clearly_and_exactly_one_source_for_predict(ws, tmp_path):
-    online = runner.invoke(app, ["train", "--online", "-w", str(ws.root)])
-    assert online.exit_code == 1 and "issue 5" in online.stderr
+def test_predict_needs_exactly_one_source(ws, tmp_path):
     both = runner.invoke(app, ["predict", "-w", str(ws.root), "--budget-ms", "200", "--out", str(tmp_path / "x.csv")])
     assert both.exit_code == 1 and "exactly one of --run" in both.stderr

@@ -25,8 +25,8 @@ from trainer.grpo import (
     policy_loss,
     sample_groups,
 )
-from trainer.offline import OfflineTrainConfig, train_offline
-from trainer.policy import ControllerPolicy, PolicyConfig, PolicyDecider, expected_reward
+from trainer.offline import OfflineTrainConfig, ViolationConstraint, train_offline
+from trainer.policy import CHECKPOINT_FORMAT, ControllerPolicy, PolicyConfig, PolicyDecider, expected_reward
 from trainer.reward import RewardConfig, compute_reward
 
 ACTIONS = tuple(itertools.product((2, 6, 10), (4, 8, 12), (12, 14, 16)))  # the full 27-configuration product
@@ -51,9 +51,10 @@ def make_data(n: int = 12, seed: int = 0, full_mask: bool = False) -> OfflineDat
                        latency_ms=torch.where(mask, latency, float("nan")), latency_is_sample=mask.clone(), mask=mask)
 
 
-def make_policy(data: OfflineData, seed: int = 0) -> ControllerPolicy:
+def make_policy(data: OfflineData, seed: int = 0, use_tilings: bool = False) -> ControllerPolicy:
     torch.manual_seed(seed)
-    config = PolicyConfig(lang_feature_dim=DIM, image_feature_dim=DIM, budget_min_ms=150.0, budget_max_ms=350.0, hidden_dim=32)
+    config = PolicyConfig(lang_feature_dim=DIM, image_feature_dim=DIM, budget_min_ms=150.0, budget_max_ms=350.0, hidden_dim=32,
+                          use_tilings=use_tilings)
     policy = ControllerPolicy(config, data.action_space, data.model_fingerprint)
     with torch.no_grad():  # a non-uniform policy, so that the checks below are not trivially true
         for p in policy.parameters():
@@ -108,6 +109,78 @@ def test_stage1_does_not_read_image_features():
     assert not torch.allclose(joint_a, joint_b)
     # and the budget moves stage 1
     assert not torch.allclose(policy.crops_log_probs(lang, 160.0), policy.crops_log_probs(lang, 340.0))
+
+
+def tilings(n: int, seed: int = 1) -> torch.Tensor:
+    """Plausible crops per max_crops value (2, 6, 10): one row per sample, a few unknown."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.stack([torch.randint(1, 3, (n,), generator=g), torch.randint(3, 7, (n,), generator=g),
+                     torch.randint(6, 11, (n,), generator=g)], dim=1).float()
+    t[0] = float("nan")
+    return t
+
+
+def test_tilings_move_both_stages_only_when_enabled():
+    data = make_data(full_mask=True)
+    image, present, lang = inputs(data)
+    t = tilings(len(data))
+    policy = make_policy(data, use_tilings=True)
+    policy.set_feature_normalization(image, present, lang, t)
+    assert torch.isfinite(policy.tiling_mean).all() and (policy.tiling_std > 0).all()
+    other = t.flip(0)
+    other[0] = float("nan")
+    # stage 1 reads the tilings (it may: they come from the image size, before the vision tower) ...
+    assert not torch.allclose(policy.crops_log_probs(lang, 250.0, tiling_crops=t),
+                              policy.crops_log_probs(lang, 250.0, tiling_crops=other))
+    # ... and so does stage 2, for a fixed crops choice
+    _, lang_h, budget_h = policy.stage1(lang, 250.0, tiling_crops=t)
+    h_a = policy.stage2_hidden(image, present, lang_h, budget_h, tiling_crops=t)
+    h_b = policy.stage2_hidden(image, present, lang_h, budget_h, tiling_crops=other)
+    assert h_a.shape == (len(data), 3, 32) and not torch.allclose(h_a[1:], h_b[1:])
+    # unknown (NaN) rows and None read the same: the training mean
+    all_nan = torch.full_like(t, float("nan"))
+    torch.testing.assert_close(policy.log_probs(image, present, lang, 250.0, tiling_crops=all_nan),
+                               policy.log_probs(image, present, lang, 250.0))
+    torch.testing.assert_close(h_a[0], policy.stage2_hidden(image, present, lang_h, budget_h)[0])
+    with pytest.raises(ValueError, match=r"tiling_crops must have shape \(12, 3\)"):
+        policy.log_probs(image, present, lang, 250.0, tiling_crops=t[:, :2])
+    # a policy without tiling inputs ignores them entirely
+    plain = make_policy(data)
+    torch.testing.assert_close(plain.log_probs(image, present, lang, 250.0, tiling_crops=t),
+                               plain.log_probs(image, present, lang, 250.0))
+    # OfflineData carries them (and data_log_probs passes them on)
+    data.tiling_crops = t
+    torch.testing.assert_close(PolicyDecider(policy).action_probs(data, 250.0),
+                               policy.log_probs(image, present, lang, 250.0, data.mask, tiling_crops=t).exp())
+
+
+def test_old_checkpoint_format_is_refused_with_a_hint(tmp_path):
+    data = make_data()
+    path = make_policy(data).save(tmp_path / "p.pt")
+    payload = torch.load(path, weights_only=True)
+    torch.save({**payload, "format": CHECKPOINT_FORMAT - 1}, tmp_path / "old.pt")
+    with pytest.raises(CtrlError, match=rf"checkpoint format {CHECKPOINT_FORMAT - 1}, this ctrl reads format "
+                                        rf"{CHECKPOINT_FORMAT}\nHint: .*train a new run"):
+        ControllerPolicy.load(tmp_path / "old.pt")
+
+
+def test_violation_constraint_interpolates_and_ascends():
+    c = ViolationConstraint([100.0, 200.0, 300.0], target=0.05, lr=2.0, max_value=1.0)
+    w = c.weights(torch.tensor([100.0, 150.0, 275.0, 50.0, 400.0]))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.25, 0.75],
+                                                [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64))
+    # violations only at the low budget: its multiplier rises, the others stay at 0 (clipped below)
+    c.update(torch.tensor([100.0, 300.0]), torch.tensor([0.30, 0.0]))
+    torch.testing.assert_close(c.values, torch.tensor([0.5, 0.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(c.penalty(torch.tensor([100.0, 150.0, 300.0])), torch.tensor([0.5, 0.25, 0.0]))
+    for _ in range(5):  # capped at max_value
+        c.update(torch.tensor([100.0]), torch.tensor([0.30]))
+    assert float(c.values[0]) == 1.0
+    c.update(torch.tensor([100.0]), torch.tensor([0.0]))  # below the target: it falls again
+    assert float(c.values[0]) == pytest.approx(0.9)
+    off = ViolationConstraint([100.0, 200.0], target=None)
+    off.update(torch.tensor([100.0]), torch.tensor([1.0]))
+    assert not off.values.any()
 
 
 def test_checkpoint_round_trip_and_fingerprint_refusal(tmp_path):
@@ -202,6 +275,17 @@ def test_clipped_ratio_matches_plain_loss_on_policy_and_kl():
     q = torch.log(torch.tensor([[0.25, 0.75, 0.0]]))
     assert float(exact_kl(p, p)) == 0.0
     assert float(exact_kl(p, q)) == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75), rel=1e-5)
+
+
+def test_sampled_groups_report_violations_exactly():
+    data = make_data(n=6)
+    policy = make_policy(data)
+    index, budgets = torch.arange(6), torch.full((6,), 220.0)
+    groups = sample_groups(policy, data, index, budgets, 4, RewardConfig(mode="hard"), torch.Generator().manual_seed(0))
+    over = data.latency_ms > 220.0
+    torch.testing.assert_close(groups.violated, over.gather(1, groups.actions))
+    probs = policy.log_probs(*inputs(data), 220.0, data.mask).exp()
+    torch.testing.assert_close(groups.expected_violation, (probs * over).sum(-1))
 
 
 def test_sampled_groups_stay_inside_the_mask():
@@ -304,18 +388,19 @@ def test_same_seed_gives_identical_metrics(trained_ws):
 
 
 def test_resume_equals_uninterrupted(trained_ws):
-    full = train_offline(run_config(trained_ws, num_epochs=3, loss_type="pairwise"))
+    options = {"num_epochs": 3, "loss_type": "pairwise", "violation_target": 0.01, "use_tilings": True}
+    full = train_offline(run_config(trained_ws, **options))
 
     def stop_in_epoch_2(update: dict) -> None:
         if update.get("phase") == "train" and update["epoch"] == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_offline(run_config(trained_ws, num_epochs=3, loss_type="pairwise", run_id="interrupted"), progress=stop_in_epoch_2)
+        train_offline(run_config(trained_ws, **options, run_id="interrupted"), progress=stop_in_epoch_2)
     run_dir = trained_ws.root / "runs" / "interrupted"
     assert pl.read_parquet(run_dir / "run.parquet")["status"][0] == "interrupted"
     with pytest.raises(CtrlError, match="options differ"):
-        train_offline(run_config(trained_ws, num_epochs=3, loss_type="grpo", resume="interrupted"))
+        train_offline(run_config(trained_ws, **{**options, "loss_type": "grpo"}, resume="interrupted"))
     resumed = train_offline(OfflineTrainConfig.from_run("interrupted", workspace=trained_ws.root))
     assert resumed.run_id == "interrupted"
     a = torch.load(full.last_checkpoint, weights_only=True)["state_dict"]
@@ -324,6 +409,10 @@ def test_resume_equals_uninterrupted(trained_ws):
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
     assert comparable(full.metrics).equals(comparable(resumed.metrics))
     assert pl.read_parquet(run_dir / "run.parquet")["status"][0] == "completed"
+    multipliers = torch.load(full.last_checkpoint, weights_only=True)["violation_multipliers"]
+    torch.testing.assert_close(multipliers, torch.load(resumed.last_checkpoint, weights_only=True)["violation_multipliers"])
+    assert float(multipliers.max()) > 0  # the initial, near-uniform policy violates more than 1 % at low budgets
+    assert ControllerPolicy.load(resumed.best_checkpoint).config.use_tilings
 
 
 def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
@@ -347,3 +436,37 @@ def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
         predict(trained_ws.root, "no-such-run", [200.0], None)
     assert not list(tmp_path.glob(".*.tmp"))
     assert np.isfinite(frame["budget_ms"].to_numpy()).all()
+
+
+# -- training targets and the lookup-table warm start ------------------------------------------
+
+def test_training_targets_use_the_mean_score_only_when_asked():
+    from trainer.offline import training_targets
+
+    data = make_data(n=10)
+    data.mean_score = torch.where(data.mask, (data.score + 0.5) / 2, float("nan"))
+    mean = training_targets(data, "mean")
+    assert torch.equal(mean.score.nan_to_num(-1), data.mean_score.nan_to_num(-1))
+    assert torch.equal(training_targets(data, "recorded").score.nan_to_num(-1), data.score.nan_to_num(-1))
+    assert torch.equal(mean.latency_ms.nan_to_num(-1), data.latency_ms.nan_to_num(-1))  # latencies never change
+    assert not torch.equal(data.score.nan_to_num(-1), mean.score.nan_to_num(-1))  # the input is not modified
+    data.mean_score = None  # data without a mean (e.g. benchmarks): the recorded score
+    assert torch.equal(training_targets(data, "mean").score.nan_to_num(-1), data.score.nan_to_num(-1))
+
+
+def test_warm_start_makes_the_greedy_decision_the_lookup_table():
+    from trainer.baselines import LookupTableDecider
+    from trainer.offline import warm_start
+
+    data = make_data(n=40, full_mask=True)
+    policy = make_policy(data).train()
+    config = OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0, warm_start_steps=150, batch_size=8)
+    table = LookupTableDecider(data)
+    budgets = [160.0, 250.0, 340.0]
+    before = [float((PolicyDecider(policy).decide(data, b) == table.decide(data, b)).float().mean()) for b in budgets]
+    warm_start(policy, data, config)
+    after = [float((PolicyDecider(policy).decide(data, b) == table.decide(data, b)).float().mean()) for b in budgets]
+    assert min(after) >= 0.9 and sum(after) > sum(before)
+    probs = PolicyDecider(policy).action_probs(data, 250.0)
+    # 30 % of the target is spread over the other configurations: sampling still explores
+    assert float(probs.max(-1).values.mean()) < 0.9

@@ -49,7 +49,9 @@ class GroupSamples:
 
     sample_index: long (M,), the data row of each group; budget_ms: float (M,);
     actions: long (M, G), indices into ``data.action_space``; old_log_probs: (M, G) under the
-    sampling policy; rewards: (M, G); parts: reward parts, each (M, G) (``compute_reward`` keys).
+    sampling policy; rewards: (M, G); parts: reward parts, each (M, G) (``compute_reward`` keys);
+    violated: bool (M, G), latency > budget; expected_violation: (M,), the sampling policy's exact
+    probability of a violation, sum_a pi(a) [L(a) > B] (the constraint's measurement).
     """
 
     sample_index: Tensor
@@ -58,6 +60,8 @@ class GroupSamples:
     old_log_probs: Tensor
     rewards: Tensor
     parts: dict[str, Tensor]
+    violated: Tensor | None = None
+    expected_violation: Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -91,6 +95,8 @@ class _Rows:
         self.image_present = data.image_present[index]
         self.lang_features = data.lang_features[index]
         self.mask = data.mask[index]
+        tilings = getattr(data, "tiling_crops", None)
+        self.tiling_crops = None if tilings is None else tilings[index]
 
     def __len__(self) -> int:
         return int(self.mask.shape[0])
@@ -128,10 +134,13 @@ def sample_groups(policy: ControllerPolicy, data: OfflineData, sample_index: Ten
         log_probs = rows_log_probs(policy, data, sample_index, budget_ms)
     finally:
         policy.train(was_training)
-    actions = torch.multinomial(log_probs.exp(), group_size, replacement=True, generator=generator)
+    probs = log_probs.exp()
+    actions = torch.multinomial(probs, group_size, replacement=True, generator=generator)
     parts = lookup_rewards(data, sample_index, actions, budget_ms, reward)
+    over = data.latency_ms[sample_index] > budget_ms.float()[:, None]  # (M, A); NaN (unrecorded) compares False
     return GroupSamples(sample_index=sample_index, budget_ms=budget_ms, actions=actions,
-                        old_log_probs=log_probs.gather(1, actions), rewards=parts["reward"], parts=parts)
+                        old_log_probs=log_probs.gather(1, actions), rewards=parts["reward"], parts=parts,
+                        violated=over.gather(1, actions), expected_violation=(probs * over).sum(-1))
 
 
 def normalize_scale_rewards(scale_rewards: bool | str) -> ScaleRewards:

@@ -76,7 +76,23 @@ class OfflineTrainConfig:
 
     > Parameters that control the reward (``origin_formats.md`` §7.5)
     reward: a ``trainer.reward.RewardConfig`` or a dict of its fields (mode, alpha, beta, gamma,
-        delta, epsilon, hard_violation_reward).
+        delta, epsilon, hard_violation_reward). Default: hard mode (the score within the
+        budget, -1 beyond it): the budget is a constraint; the origin's soft formula lets small
+        violations through and pays for slack.
+    score_target: the score the rewards of training (and the validation selection) use.
+      - ``"mean"``: the mean of the exp5 and exp6 scores where both were recorded for the
+        (sample, configuration), else the recorded one (default): two independent runs of the
+        same configuration, half the outcome noise the policy could memorise.
+      - ``"recorded"``: the ``groups`` view's ``score`` (exp6 where present), as evaluated.
+
+    > Parameters that anchor the policy to the static lookup table
+    warm_start_steps: Adam steps (int >= 0, default 200; 0 = off) that fit the initial policy
+        to the ``lut_p95`` table of the train split before GRPO (cross-entropy to
+        ``warm_start_weight`` on the table's choice at a uniform budget, the rest uniform over
+        the sample's configurations, so sampling still explores). With ``kl_beta`` > 0 this
+        warm-started policy is the KL reference: the controller starts from the budget-only
+        table and deviates per sample only where the recorded rewards pay for it.
+    warm_start_weight: the table's share of the warm-start target (float in (0, 1], default 0.7).
 
     > Parameters that control the loss
     loss_type: ``"grpo"`` or ``"pairwise"``.
@@ -92,10 +108,29 @@ class OfflineTrainConfig:
       - ``"none"``: no division (Dr. GRPO); the step size then depends on the reward weights.
     clip_epsilon: PPO clip range ε of the ratio against the sampling policy (float in (0, 1);
         None = off, the default).
-    kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0; 0 = off, the default).
+    kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0, default 0.1; 0 = off).
+        The initial policy is the warm-started one (see ``warm_start_steps``).
+
+    > Parameters that control the violation constraint (per budget: E[latency > budget] <= target)
+    violation_target: the share of decisions over budget allowed at each budget (float in
+        (0, 1); None = off: reward shaping only). A Lagrange multiplier lambda(b) >= 0 per point
+        of the validation budget grid (linear in between) is subtracted from the reward of
+        every violating configuration; after each step it moves by ``violation_lr`` times
+        (the sampling policy's exact violation probability on the step's groups near b -
+        target) (dual ascent). Reward shaping alone fixes one exchange rate between accuracy
+        and violations for every budget and world; the multiplier finds the rate that meets
+        the constraint, only where it is needed.
+    violation_lr: dual step size (float > 0, default 1.0).
+    violation_max_multiplier: cap of lambda(b) (float > 0, default 10.0): below the lowest
+        budget of the range some samples violate whatever is chosen, so the constraint can
+        be infeasible there and lambda would otherwise grow forever.
 
     > Parameters that control the policy (``trainer.policy.PolicyConfig``)
     hidden_dim: width of the network (int, default 128). dropout: default 0.0.
+    use_tilings: feed each image's tiling (crops per max_crops choice, ``image_tilings``) to
+        both stages (bool, default False). Off by default: on the sample worlds it did not
+        change the test results beyond their noise (the outcome noise of single recorded
+        runs dominates), so the main job keeps the smaller input set.
     budget_margin: the encoder's normalisation range is the budget range widened by this
         fraction on each side (float, default 0.1).
 
@@ -123,12 +158,19 @@ class OfflineTrainConfig:
     max_grad_norm: float | None = 1.0
     num_iterations: int = 1
     seed: int = 42
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(mode="hard"))
     loss_type: Literal["grpo", "pairwise"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "batch"
     clip_epsilon: float | None = None
-    kl_beta: float = 0.0
+    kl_beta: float = 0.1
+    violation_target: float | None = None
+    violation_lr: float = 1.0
+    violation_max_multiplier: float = 10.0
+    score_target: Literal["mean", "recorded"] = "mean"
+    warm_start_steps: int = 200
+    warm_start_weight: float = 0.7
     hidden_dim: int = 128
+    use_tilings: bool = False
     dropout: float = 0.0
     budget_margin: float = 0.1
     num_val_budgets: int = 8
@@ -145,8 +187,17 @@ class OfflineTrainConfig:
         if self.eval_budgets is not None:
             self.eval_budgets = [float(b) for b in self.eval_budgets]
         for name, low in (("group_size", 2), ("num_budgets_per_sample", 1), ("num_epochs", 1), ("batch_size", 1),
-                          ("num_iterations", 1), ("hidden_dim", 1), ("num_val_budgets", 1)):
+                          ("num_iterations", 1), ("hidden_dim", 1), ("num_val_budgets", 1),
+                          ("warm_start_steps", 0)):
             _check_int(name, getattr(self, name), low)
+        if self.violation_target is not None and not 0.0 < self.violation_target < 1.0:
+            msg = f"`violation_target` must be in (0, 1) or None (off), got {self.violation_target!r}"
+            raise ValueError(msg)
+        for name in ("violation_lr", "violation_max_multiplier"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+                msg = f"`{name}` must be a finite number > 0, got {value!r}"
+                raise ValueError(msg)
         for name in ("lr", "weight_decay", "kl_beta", "budget_margin"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
@@ -164,6 +215,12 @@ class OfflineTrainConfig:
         from trainer.grpo import normalize_scale_rewards
 
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)
+        if not 0.0 < self.warm_start_weight <= 1.0:
+            msg = f"`warm_start_weight` must be in (0, 1], got {self.warm_start_weight!r}"
+            raise ValueError(msg)
+        if self.score_target not in ("mean", "recorded"):
+            msg = f"`score_target` must be 'mean' or 'recorded', got {self.score_target!r}"
+            raise ValueError(msg)
         if self.loss_type not in ("grpo", "pairwise"):
             msg = f"`loss_type` must be 'grpo' or 'pairwise', got {self.loss_type!r}"
             raise ValueError(msg)
@@ -236,9 +293,9 @@ def resolve_run_dir(workspace: Workspace, run: str | Path) -> Path:
     """A run directory from a run id of ``workspace``, ``"latest"`` (the most recently
     started run of the workspace) or a path to a run directory."""
     if str(run) == "latest":
-        runs = [p for p in (workspace.root / RUNS_DIR).glob("*/config.json")]
+        runs = [p for p in (workspace.root / RUNS_DIR).glob("*/config.json") if _phase(p) == "offline"]
         if not runs:
-            raise CtrlError(f"workspace {workspace.root} has no runs yet\nHint: ctrl train --offline")
+            raise CtrlError(f"workspace {workspace.root} has no offline runs yet\nHint: ctrl train --offline")
         return max(runs, key=lambda p: p.stat().st_mtime_ns).parent.resolve()
     path = Path(run).expanduser()
     if path.is_dir() and (path / "config.json").exists():
@@ -253,12 +310,25 @@ def resolve_run_dir(workspace: Workspace, run: str | Path) -> Path:
     raise CtrlError(msg)
 
 
+def _phase(config_json: Path) -> str:
+    """"offline" or "online" from a run's config.json (offline configs carry no phase)."""
+    try:
+        return str(json.loads(config_json.read_text()).get("phase", "offline"))
+    except (OSError, ValueError, AttributeError):
+        return "offline"
+
+
 def resolve_checkpoint(workspace: Workspace, run_or_checkpoint: str | Path) -> Path:
     """A checkpoint file from a checkpoint path, a run directory or a run id (its best checkpoint)."""
     path = Path(run_or_checkpoint).expanduser()
     if path.is_file():
         return path.resolve()
-    best = resolve_run_dir(workspace, run_or_checkpoint) / "checkpoints" / BEST
+    run_dir = resolve_run_dir(workspace, run_or_checkpoint)
+    if _phase(run_dir / "config.json") == "online":
+        msg = (f"{run_dir.name} is an online run: its controller needs the model in the loop\n"
+               "Hint: its rollouts are in the `online_steps` and `rollouts` views; evaluate/predict take offline runs.")
+        raise CtrlError(msg)
+    best = run_dir / "checkpoints" / BEST
     if not best.exists():
         msg = f"{best} does not exist: the run has not finished an epoch\nHint: resume it with `ctrl train --offline --resume RUN`."
         raise CtrlError(msg)
@@ -296,7 +366,9 @@ def _write_run_row(run_dir: Path, row: dict) -> None:
               "best_epoch": pl.Int64, "best_val_expected_reward": pl.Float64, "initial_val_expected_reward": pl.Float64,
               "loss_type": pl.String, "seed": pl.Int64, "model_fingerprint": pl.String, "workspace": pl.String,
               "num_train_samples": pl.Int64, "num_val_samples": pl.Int64, "num_test_samples": pl.Int64,
-              "num_actions": pl.Int64, "budget_min_ms": pl.Float64, "budget_max_ms": pl.Float64, "wall_time_s": pl.Float64}
+              "num_actions": pl.Int64, "budget_min_ms": pl.Float64, "budget_max_ms": pl.Float64, "wall_time_s": pl.Float64,
+              "phase": pl.String, "parent_run_id": pl.String}
+    row = {**row, "phase": "offline"}
     write_frame_atomic(pl.DataFrame([{k: row.get(k) for k in schema}], schema=schema), run_dir / "run.parquet")
 
 
@@ -336,11 +408,101 @@ def _build_policy(config: OfflineTrainConfig, train: Any) -> Any:
     lo, hi = budget_normalization_range(config.budget_min_ms, config.budget_max_ms, config.budget_margin)
     policy_config = PolicyConfig(lang_feature_dim=train.lang_features.shape[1],
                                  image_feature_dim=train.image_features.shape[1], budget_min_ms=lo, budget_max_ms=hi,
-                                 hidden_dim=config.hidden_dim, dropout=config.dropout)
+                                 hidden_dim=config.hidden_dim, dropout=config.dropout, use_tilings=config.use_tilings)
     torch.manual_seed(config.seed)  # initial weights depend on the seed only
     policy = ControllerPolicy(policy_config, train.action_space, train.model_fingerprint)
-    policy.set_feature_normalization(train.image_features, train.image_present, train.lang_features)
+    policy.set_feature_normalization(train.image_features, train.image_present, train.lang_features, train.tiling_crops)
     return policy
+
+
+class ViolationConstraint:
+    """Lagrange multipliers lambda(b) >= 0 on a budget grid for E[latency > b] <= target.
+
+    ``penalty(budgets)`` interpolates lambda linearly between grid points (constant beyond
+    the ends); ``update(budgets, violation)`` is one dual-ascent step: per grid point, the
+    interpolation-weighted mean of the measured violation probabilities minus the target,
+    times ``lr``, clipped to [0, max_value]. Off (``target`` None): lambda stays 0.
+    """
+
+    def __init__(self, grid_ms: list[float], target: float | None, lr: float = 1.0, max_value: float = 10.0) -> None:
+        self.grid = torch.tensor(sorted(grid_ms), dtype=torch.float64)
+        self.values = torch.zeros(len(grid_ms), dtype=torch.float64)
+        self.target, self.lr, self.max_value = target, float(lr), float(max_value)
+
+    def weights(self, budgets_ms: torch.Tensor) -> torch.Tensor:
+        """(M, K) linear-interpolation weights of each budget on the grid (rows sum to 1)."""
+        b = budgets_ms.double()
+        k = len(self.grid)
+        w = torch.zeros(len(b), k, dtype=torch.float64)
+        if k == 1:
+            return w + 1.0
+        hi = torch.searchsorted(self.grid, b).clamp(1, k - 1)
+        lo = hi - 1
+        t = ((b - self.grid[lo]) / (self.grid[hi] - self.grid[lo])).clamp(0.0, 1.0)
+        rows = torch.arange(len(b))
+        w[rows, lo] = 1.0 - t
+        w[rows, hi] += t
+        return w
+
+    def penalty(self, budgets_ms: torch.Tensor) -> torch.Tensor:
+        """lambda at each budget, float32 (M,)."""
+        return (self.weights(budgets_ms) @ self.values).float()
+
+    def update(self, budgets_ms: torch.Tensor, violation: torch.Tensor) -> None:
+        if self.target is None:
+            return
+        w = self.weights(budgets_ms)
+        mass = w.sum(0)
+        seen = mass > 0
+        rate = (w * violation.double()[:, None]).sum(0) / mass.clamp_min(1e-12)
+        step = self.lr * (rate - self.target)
+        self.values = torch.where(seen, (self.values + step).clamp(0.0, self.max_value), self.values)
+
+
+def training_targets(data: Any, score_target: str = "mean") -> Any:
+    """A copy of ``data`` whose ``score`` is what the rewards of training are computed from:
+    ``"mean"``, the mean of the exp5 and exp6 scores where both were recorded
+    (``OfflineData.mean_score``, two independent runs: half the outcome noise), else the
+    recorded score; ``"recorded"``, the groups view's ``score`` (exp6 where present)."""
+    out = data.clone()
+    out.score = data.scores(score_target).clone()
+    return out
+
+
+def warm_start(policy: Any, train: Any, config: OfflineTrainConfig) -> None:
+    """Fit the policy to the static lookup table (``lut_p95`` on ``train``) before GRPO.
+
+    ``config.warm_start_steps`` Adam steps of cross-entropy to a target distribution over each
+    sample's allowed configurations: ``warm_start_weight`` on the table's choice at the
+    sampled budget, the rest uniform (so GRPO still samples every configuration). Budgets are
+    uniform over the training range, seeded by ``config.seed``. With ``kl_beta`` > 0 the
+    warm-started policy is also GRPO's KL reference: per-sample deviations from the table
+    must then pay for themselves in reward.
+    """
+    from trainer.baselines import LookupTableDecider
+    from trainer.grpo import rows_log_probs
+
+    if config.warm_start_steps == 0:
+        return
+    table = LookupTableDecider(train)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=config.lr)
+    lo, hi = config.budget_min_ms, config.budget_max_ms
+    batch = config.batch_size * config.num_budgets_per_sample
+    policy.train()
+    for _ in range(config.warm_start_steps):
+        index = torch.randint(len(train), (batch,), generator=generator)
+        budgets = lo + (hi - lo) * torch.rand(batch, generator=generator)
+        rows = train.select(index)
+        choice = table.decide(rows, budgets)
+        allowed = rows.mask.float()
+        target = (1.0 - config.warm_start_weight) * allowed / allowed.sum(1, keepdim=True)
+        target[torch.arange(batch), choice] += config.warm_start_weight
+        log_probs = rows_log_probs(policy, train, index, budgets)
+        loss = -(target * torch.where(rows.mask, log_probs, 0.0)).sum(1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
 
 
 def _split(data: Any, name: str) -> Any:
@@ -372,6 +534,8 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
         data = load_offline_data(workspace, config.model_fingerprint)
     train, val = _split(data, "train"), _split(data, "val")
     resolved = _resolve(config, data)
+    train = training_targets(train, resolved.score_target)
+    val = training_targets(val, resolved.score_target)  # model selection on the same, less noisy, targets
     if resume_dir is not None:
         resolved = _check_resume(resume_dir, resolved)
     run_id = resume_dir.name if resume_dir else (config.run_id or new_run_id())
@@ -382,6 +546,8 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
     write_bytes_atomic(run_dir / "config.json", json.dumps(resolved.to_json(), indent=2).encode())
 
     policy = _build_policy(resolved, train)
+    if resume_dir is None or not (ckpt_dir / LAST).exists():
+        warm_start(policy, train, resolved)  # (a resumed run loads its weights below)
     ref_policy = copy.deepcopy(policy).eval() if resolved.kl_beta > 0 else None
     for p in ref_policy.parameters() if ref_policy is not None else ():
         p.requires_grad_(False)
@@ -389,6 +555,8 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
     generator = torch.Generator().manual_seed(resolved.seed)
     val_budgets = budget_grid(resolved.budget_min_ms, resolved.budget_max_ms, resolved.num_val_budgets)
     lo, hi = resolved.budget_min_ms, resolved.budget_max_ms
+    constraint = ViolationConstraint(val_budgets, resolved.violation_target, resolved.violation_lr,
+                                     resolved.violation_max_multiplier)
     rows: list[dict] = []
     last_val: float | None = None
     start_epoch, step, best, best_epoch, initial = 1, 0, -math.inf, 0, math.nan
@@ -402,6 +570,7 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
         if ref_policy is not None:
             ref_policy.load_state_dict(state["ref_state_dict"])
         rows, step, best, best_epoch, initial = state["metrics"], state["step"], state["best"], state["best_epoch"], state["initial"]
+        constraint.values = state["violation_multipliers"].double()
         start_epoch = state["epoch"] + 1
         last_val = rows[-1]["val/expected_reward"]
         started -= rows[-1]["wall_time_s"]  # wall time continues from the interrupted run
@@ -430,7 +599,8 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
             v = validate()
             initial = best = last_val = v["expected_reward"]
             log({"kind": "epoch", "step": 0, "epoch": 0, **{f"val/{k}": x for k, x in v.items()}})
-            policy.save(ckpt_dir / BEST, extra={"run_id": run_id, "epoch": 0, "val_expected_reward": best})
+            policy.save(ckpt_dir / BEST, extra={"run_id": run_id, "epoch": 0, "val_expected_reward": best,
+                                                "violation_multipliers": constraint.values.tolist()})
         for epoch in range(start_epoch, resolved.num_epochs + 1):
             policy.train()
             epoch_rows = []
@@ -440,7 +610,7 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
                 budgets = lo + (hi - lo) * torch.rand(len(index), generator=generator)
                 step += 1
                 row = {"kind": "step", "step": step, "epoch": epoch,
-                       **_grpo_step(policy, optimizer, train, index, budgets, resolved, generator, ref_policy)}
+                       **_grpo_step(policy, optimizer, train, index, budgets, resolved, generator, ref_policy, constraint)}
                 log(row)
                 epoch_rows.append(row)
                 if progress:
@@ -454,9 +624,10 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
                  **{f"val/{k}": x for k, x in v.items()}})
             if v["expected_reward"] > best:
                 best, best_epoch = v["expected_reward"], epoch
-                policy.save(ckpt_dir / BEST, extra={"run_id": run_id, "epoch": epoch, "val_expected_reward": best})
+                policy.save(ckpt_dir / BEST, extra={"run_id": run_id, "epoch": epoch, "val_expected_reward": best,
+                                                    "violation_multipliers": constraint.values.tolist()})
             _save_last(ckpt_dir / LAST, policy, optimizer, generator, ref_policy, rows, epoch, step, best, best_epoch,
-                       initial, created_at)
+                       initial, created_at, constraint)
             write_frame_atomic(_metrics_frame(rows), run_dir / "metrics.parquet")
             run_row.update(epochs_done=epoch, steps=step, best_epoch=best_epoch, best_val_expected_reward=best,
                            initial_val_expected_reward=initial, wall_time_s=time.perf_counter() - started)
@@ -485,11 +656,18 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
 
 
 def _grpo_step(policy: Any, optimizer: Any, train: Any, index: torch.Tensor, budgets: torch.Tensor,
-               config: OfflineTrainConfig, generator: torch.Generator, ref_policy: Any) -> dict:
+               config: OfflineTrainConfig, generator: torch.Generator, ref_policy: Any,
+               constraint: ViolationConstraint | None = None) -> dict:
     """Sample one batch of groups, take ``num_iterations`` gradient steps on it; the step's metrics."""
     from trainer.grpo import policy_loss, sample_groups
 
     groups = sample_groups(policy, train, index, budgets, config.group_size, config.reward, generator)
+    if constraint is not None and constraint.target is not None:
+        # the multiplier's price of a violation joins the reward (and its logged violation part)
+        extra = constraint.penalty(budgets)[:, None] * groups.violated.float()
+        groups.rewards = groups.rewards - extra
+        groups.parts = {**groups.parts, "reward": groups.rewards, "viol_pen": groups.parts["viol_pen"] + extra}
+        constraint.update(budgets, groups.expected_violation)
     for _ in range(config.num_iterations):
         out = policy_loss(policy, train, groups, loss_type=config.loss_type, scale_rewards=config.scale_rewards,
                           clip_epsilon=config.clip_epsilon, kl_beta=config.kl_beta, ref_policy=ref_policy)
@@ -512,10 +690,11 @@ def _epoch_summary(rows: list[dict]) -> dict:
 
 
 def _save_last(path: Path, policy: Any, optimizer: Any, generator: torch.Generator, ref_policy: Any, rows: list[dict],
-               epoch: int, step: int, best: float, best_epoch: int, initial: float, created_at: datetime) -> None:
+               epoch: int, step: int, best: float, best_epoch: int, initial: float, created_at: datetime,
+               constraint: ViolationConstraint) -> None:
     from trainer.policy import atomic_torch_save
 
-    atomic_torch_save({"state_dict": policy.state_dict(), "optimizer": optimizer.state_dict(),
+    atomic_torch_save({"violation_multipliers": constraint.values, "state_dict": policy.state_dict(), "optimizer": optimizer.state_dict(),
                        "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                        "ref_state_dict": ref_policy.state_dict() if ref_policy is not None else None,
                        "metrics": rows, "epoch": epoch, "step": step, "best": best, "best_epoch": best_epoch,

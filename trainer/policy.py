@@ -14,6 +14,13 @@ then renormalised over each sample's mask (masked log-softmax), so only configur
 recorded for that sample get probability; with a full mask over a full product space the
 renormalisation is the identity.
 
+Both stages may also read the image's *tiling* (``tiling_crops``: per crops choice, the number
+of crops the preprocessor tiles this image into; ``image_tilings``). It depends on the image
+size alone, so it is known before the vision tower and stage 1 may use it; it is the most
+direct per-sample predictor of the vision and prefill cost of each crops choice. Stage 1 reads
+the standardised log(1 + crops) of every choice, stage 2 adds a per-choice term. Missing
+tilings (no readable image, or a caller without them) read as the training mean.
+
 The budget enters through a sinusoidal encoding followed by an MLP (``origin_formats.md``
 §7.2), but normalised over a range derived from the data (never the origin's fixed 50-500 ms,
 §9 D22) with frequencies chosen so that every dimension varies over that range.
@@ -38,8 +45,8 @@ if TYPE_CHECKING:
     from trainer.data import ActionSpace, OfflineData
     from trainer.reward import RewardConfig
 
-#: bump when the checkpoint layout changes
-CHECKPOINT_FORMAT = 1
+#: bump when the checkpoint layout changes (2: tiling inputs)
+CHECKPOINT_FORMAT = 2
 
 
 def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.1) -> tuple[float, float]:
@@ -82,6 +89,9 @@ class PolicyConfig:
     dropout: dropout after each projection (float in [0, 1), default 0.0; origin used 0.1).
         Off by default because the GRPO ratio and KL terms compare the policy with itself
         under sampling, which dropout noise would bias (TRL disables dropout for the same reason).
+    use_tilings: read ``tiling_crops`` (bool, default False): the crops each max_crops choice
+        gives for this image, in both stages. False = features and budget only (the
+        ``tiling_crops`` arguments are then ignored).
     """
 
     lang_feature_dim: int
@@ -94,6 +104,7 @@ class PolicyConfig:
     hidden_dim: int = 128
     crops_embedding_dim: int = 16
     dropout: float = 0.0
+    use_tilings: bool = False
 
     def __post_init__(self) -> None:
         if int(self.image_feature_dim) < 0:  # 0: a workspace without any image features
@@ -181,7 +192,9 @@ class ControllerPolicy(nn.Module):
 
     Inputs (all batched over N): ``image`` float32 (N, Di), zeros where missing;
     ``image_present`` bool (N,); ``lang`` float32 (N, Dl); ``budget_ms`` float (N,) or a
-    scalar; ``mask`` bool (N, A), the actions allowed per sample (None = all).
+    scalar; ``mask`` bool (N, A), the actions allowed per sample (None = all); optional
+    ``tiling_crops`` float (N, C): per ``action_space.max_crops_values`` entry, the crops
+    (rows * cols) of this image's tiling, NaN where unknown (None = all unknown).
     Features are standardised with per-dimension statistics stored as buffers
     (:meth:`set_feature_normalization`, computed on the training split).
     """
@@ -201,14 +214,16 @@ class ControllerPolicy(nn.Module):
         self.register_buffer("crops_index", ci.clone(), persistent=False)
         self.register_buffer("top_k_index", ci * num_top_k + ki, persistent=False)
         self.register_buffer("blocks_index", ci * num_blocks + bi, persistent=False)
-        for name, dim in (("lang", config.lang_feature_dim), ("image", config.image_feature_dim)):
+        for name, dim in (("lang", config.lang_feature_dim), ("image", config.image_feature_dim), ("tiling", num_crops)):
             self.register_buffer(f"{name}_mean", torch.zeros(dim))
             self.register_buffer(f"{name}_std", torch.ones(dim))
         self.budget_encoder = BudgetEncoder(config)
         hb = config.budget_hidden_dim
-        # stage 1: crops, before the vision tower (language + budget only)
+        # tiling inputs of stage 1: standardised log(1 + crops) per choice + a "known" flag
+        self.tiling_dim = num_crops + 1 if config.use_tilings else 0
+        # stage 1: crops, before the vision tower (language + budget + image tiling)
         self.lang_proj = _projection(config.lang_feature_dim, h, d)
-        self.stage1_fusion = _projection(h + hb, h, d)
+        self.stage1_fusion = _projection(h + hb + self.tiling_dim, h, d)
         self.crops_head = _head(h, h, num_crops)
         # stage 2: top_k and blocks, after vision (language + image + budget + stage-1 choice)
         self.image_proj = _projection(config.image_feature_dim + 1, h, d)
@@ -217,14 +232,23 @@ class ControllerPolicy(nn.Module):
         # projected once and each crops choice only adds a (C, H) term
         self.stage2_context = nn.Linear(2 * h + hb, h)
         self.stage2_choice = nn.Linear(config.crops_embedding_dim, h, bias=False)
+        # the choice's own tiling (standardised log(1 + crops)) shifts its hidden state
+        self.stage2_tiling = nn.Linear(1, h, bias=False) if config.use_tilings else None
         self.stage2_norm = nn.Sequential(nn.LayerNorm(h), nn.ReLU(), nn.Dropout(d))
         self.top_k_head = _head(h, h, num_top_k)
         self.blocks_head = _head(h, h, num_blocks)
 
     # -- inputs
-    def set_feature_normalization(self, image: Tensor, image_present: Tensor, lang: Tensor) -> None:
-        """Store per-dimension mean/std of the features (training split; images only where present)."""
+    def set_feature_normalization(self, image: Tensor, image_present: Tensor, lang: Tensor,
+                                  tiling_crops: Tensor | None = None) -> None:
+        """Store per-dimension mean/std of the features (training split; images and tilings only where known)."""
         with torch.no_grad():
+            if tiling_crops is not None:
+                t = torch.log1p(tiling_crops.float())
+                known = ~torch.isnan(t).any(-1)
+                if bool(known.any()):
+                    self.tiling_mean.copy_(t[known].mean(0))
+                    self.tiling_std.copy_(t[known].std(0, correction=0).clamp_min(0.1))  # constant columns stay ~0
             self.lang_mean.copy_(lang.float().mean(0))
             self.lang_std.copy_(lang.float().std(0, correction=0).clamp_min(1e-6))
             present = image[image_present.bool()].float()
@@ -240,12 +264,28 @@ class ControllerPolicy(nn.Module):
                    "Hint: use features extracted with the model the policy was trained on.")
             raise CacheMismatchError(msg)
 
+    def _tiling(self, tiling_crops: Tensor | None, n: int) -> Tensor:
+        """(N, C) standardised log(1 + crops), 0 (the training mean) where unknown."""
+        c = len(self.action_space.max_crops_values)
+        if tiling_crops is None:
+            return torch.zeros(n, c)
+        t = torch.as_tensor(tiling_crops, dtype=torch.float32)
+        if t.shape != (n, c):
+            msg = (f"tiling_crops must have shape ({n}, {c}) (one column per max_crops value "
+                   f"{self.action_space.max_crops_values}), got {tuple(t.shape)}")
+            raise ValueError(msg)
+        return torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
+
     # -- the two stages
-    def stage1(self, lang: Tensor, budget_ms: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
-        """Stage 1: log p1(crops | lang, budget) (N, C), the projected language features (N, H) and
-        the budget encoding (N, budget_hidden_dim) that stage 2 (offline or online) reuses."""
+    def stage1(self, lang: Tensor, budget_ms: Tensor | float, *,
+               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage 1: log p1(crops | lang, budget, tiling) (N, C), the projected language features (N, H)
+        and the budget encoding (N, budget_hidden_dim) that stage 2 (offline or online) reuses.
+
+        ``tiling_crops`` (N, C), optional: the crops this image tiles into at each
+        ``action_space.max_crops_values`` entry (NaN or None = unknown)."""
         self._check_lang(lang)
-        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]))
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)
 
     def _check_lang(self, lang: Tensor) -> None:
         if lang.shape[-1] != self.config.lang_feature_dim:
@@ -254,16 +294,22 @@ class ControllerPolicy(nn.Module):
                    "Hint: use features extracted with the model the policy was trained on.")
             raise CacheMismatchError(msg)
 
-    def _stage1(self, lang: Tensor, budget: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _stage1(self, lang: Tensor, budget: Tensor, tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         t = self.training
         lang_h = _apply(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
         budget_h = self.budget_encoder.forward(budget)
-        logits = _apply(self.crops_head, _apply(self.stage1_fusion, torch.cat([lang_h, budget_h], dim=-1), t), t)
+        parts = [lang_h, budget_h]
+        if self.tiling_dim:
+            known = torch.zeros(lang.shape[0], 1) if tiling_crops is None else \
+                (~torch.isnan(torch.as_tensor(tiling_crops, dtype=torch.float32)).any(-1, keepdim=True)).float()
+            parts += [self._tiling(tiling_crops, lang.shape[0]), known]
+        logits = _apply(self.crops_head, _apply(self.stage1_fusion, torch.cat(parts, dim=-1), t), t)
         return logits.log_softmax(-1), lang_h, budget_h
 
-    def _stage2(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor) -> tuple[Tensor, Tensor]:
+    def _stage2(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor,
+                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """log p(top_k | x, c) and log p(blocks | x, c) for every crops choice c: (N, C, K), (N, C, B)."""
-        hidden = self.stage2_hidden(image, image_present, lang_h, budget_h)
+        hidden = self.stage2_hidden(image, image_present, lang_h, budget_h, tiling_crops=tiling_crops)
         return self.stage2_heads(hidden)
 
     def stage2_heads(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
@@ -271,11 +317,13 @@ class ControllerPolicy(nn.Module):
         t = self.training
         return _apply(self.top_k_head, hidden, t).log_softmax(-1), _apply(self.blocks_head, hidden, t).log_softmax(-1)
 
-    def stage2_hidden(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor) -> Tensor:
+    def stage2_hidden(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor, *,
+                      tiling_crops: Tensor | None = None) -> Tensor:
         """The stage-2 trunk for every crops choice, (N, C, H), before the heads.
 
         ``lang_h`` and ``budget_h`` come from :meth:`stage1`. The online controller adds its
         latency-token and insertion terms to this hidden state before :meth:`stage2_heads`.
+        ``tiling_crops`` (N, C), optional: as in :meth:`stage1` (pass the same tensor).
         """
         present = image_present.float()[:, None]
         image_n = (image.float() - self.image_mean) / self.image_std * present  # a missing image is all zeros
@@ -283,32 +331,35 @@ class ControllerPolicy(nn.Module):
         image_h = _apply(self.image_proj, torch.cat([image_n, present], dim=-1), t)
         context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.stage2_context.weight,
                            self.stage2_context.bias)  # (N, H)
-        choice = F.linear(self.crops_embedding.weight, self.stage2_choice.weight)  # (C, H)
-        return _apply(self.stage2_norm, context[:, None, :] + choice[None, :, :], t)  # (N, C, H)
+        choice = F.linear(self.crops_embedding.weight, self.stage2_choice.weight)[None, :, :]  # (1, C, H)
+        if self.stage2_tiling is not None:
+            tiling = self._tiling(tiling_crops, lang_h.shape[0])  # (N, C)
+            choice = choice + tiling[:, :, None] * self.stage2_tiling.weight[:, 0]  # Linear(1, H) without the call
+        return _apply(self.stage2_norm, context[:, None, :] + choice, t)  # (N, C, H)
 
     @staticmethod
     def _budget(budget_ms: Tensor | float, n: int) -> Tensor:
         budget = torch.as_tensor(budget_ms, dtype=torch.float32)
         return budget.expand(n) if budget.dim() == 0 else budget.reshape(n)
 
-    def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float) -> Tensor:
-        """Stage 1 alone: log p1(crops | lang, budget), (N, C) over ``action_space.max_crops_values``."""
-        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]))[0]
+    def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float, *, tiling_crops: Tensor | None = None) -> Tensor:
+        """Stage 1 alone: log p1(crops | lang, budget, tiling), (N, C) over ``action_space.max_crops_values``."""
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)[0]
 
-    def stage2_log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor,
-                         budget_ms: Tensor | float) -> tuple[Tensor, Tensor]:
+    def stage2_log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float, *,
+                         tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Stage 2 alone, for every crops choice: log p(top_k | x, c) (N, C, K), log p(blocks | x, c) (N, C, B)."""
         self._check_inputs(image, lang)
-        _, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, lang.shape[0]))
-        return self._stage2(image, image_present, lang_h, budget_h)
+        _, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)
+        return self._stage2(image, image_present, lang_h, budget_h, tiling_crops)
 
     def log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float,
-                  mask: Tensor | None = None) -> Tensor:
+                  mask: Tensor | None = None, *, tiling_crops: Tensor | None = None) -> Tensor:
         """log pi(a | x) over the joint action space, (N, A): -inf outside ``mask``, rows sum to 1."""
         self._check_inputs(image, lang)
         n = lang.shape[0]
-        crops_lp, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, n))
-        top_k_lp, blocks_lp = self._stage2(image, image_present, lang_h, budget_h)
+        crops_lp, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, n), tiling_crops)
+        top_k_lp, blocks_lp = self._stage2(image, image_present, lang_h, budget_h, tiling_crops)
         joint = (crops_lp.index_select(1, self.crops_index)  # (N, A); index_select beats fancy indexing
                  + top_k_lp.flatten(1).index_select(1, self.top_k_index)
                  + blocks_lp.flatten(1).index_select(1, self.blocks_index))
@@ -374,7 +425,8 @@ def read_checkpoint(path: str | Path) -> dict:
         raise CtrlError(msg) from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        msg = f"{path}: checkpoint format {found!r}, this ctrl reads format {CHECKPOINT_FORMAT}"
+        msg = (f"{path}: checkpoint format {found!r}, this ctrl reads format {CHECKPOINT_FORMAT}\n"
+               "Hint: checkpoints from an older ctrl cannot be loaded; train a new run with `ctrl train --offline`.")
         raise CtrlError(msg)
     return payload
 
@@ -402,10 +454,24 @@ def _aligned(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tenso
     return mask, to_data
 
 
+def _aligned_tilings(policy: ControllerPolicy, data: OfflineData) -> Tensor | None:
+    """``data.tiling_crops`` with one column per crops value of the policy (NaN where the data has none)."""
+    tilings = getattr(data, "tiling_crops", None)
+    ours, theirs = policy.action_space.max_crops_values, data.action_space.max_crops_values
+    if tilings is None or ours == theirs:
+        return tilings
+    out = torch.full((tilings.shape[0], len(ours)), float("nan"))
+    for j, value in enumerate(ours):
+        if value in theirs:
+            out[:, j] = tilings[:, theirs.index(value)]
+    return out
+
+
 def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
     """log pi over ``data.action_space`` (N, A_data) under ``data.mask``; -inf elsewhere."""
     mask, to_data = _aligned(policy, data)
-    lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask)
+    lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask,
+                          tiling_crops=_aligned_tilings(policy, data))
     if to_data is None:
         return lp
     out = torch.full((len(data), len(data.action_space.actions)), float("-inf"))

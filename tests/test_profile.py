@@ -1,0 +1,252 @@
+"""``ctrl profile``: a measured knob sweep of the embedded model written as exp5/exp6 trees that
+``ctrl ingest`` reads with stable keys, real prefill and vision times, per-rank files and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_ingest
+from PIL import Image, ImageDraw
+from typer.testing import CliRunner
+
+from pipeline import Workspace, run_query
+
+CONFIGS = [(2, 4, 12), (6, 8, 16)]
+CONFIGS_ARG = "2/4/12,6/8/16"
+NUM_SAMPLES = 3
+MAX_NEW_TOKENS = 3
+
+
+def make_dataset(root: Path, n: int = 4, name: str = "tiny_vqa") -> Path:
+    """A tiny dataset directory: coloured shapes of varied sizes and aspect ratios."""
+    from testbed.dataset import VqaSample, write_dataset
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    colours = ["red", "blue", "green", "yellow"]
+    samples = []
+    for i in range(n):
+        colour = colours[i % len(colours)]
+        img = Image.new("RGB", (220 + 90 * i, 180 + 20 * (i % 2)), (240, 240, 240))
+        ImageDraw.Draw(img).rectangle([20, 20, 120 + 30 * i, 140], fill=colour)
+        img.save(root / "images" / f"img{i}.png")
+        samples.append(VqaSample(f"{name}-q{i}", f"img{i}", f"What colour is the large shape in picture {i}?",
+                                 (colour, colour, colour), "colour"))
+    write_dataset(root, name, "validation", samples)
+    return root
+
+
+def run(dataset: Path, out: Path, runtime, **kwargs):
+    from online.profile import ProfileConfig, profile_model
+
+    config = ProfileConfig(datasets=[dataset], configs=kwargs.pop("configs", CONFIGS), out_dir=out,
+                           num_samples=kwargs.pop("num_samples", NUM_SAMPLES), max_new_tokens=MAX_NEW_TOKENS, **kwargs)
+    return profile_model(config, runtime=runtime)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, embedded_runtime):
+    """One dataset profiled with world size 1 and with world size 2."""
+    root = tmp_path_factory.mktemp("profile")
+    dataset = make_dataset(root / "tiny")
+    one = run(dataset, root / "w1", embedded_runtime)
+    two = run(dataset, root / "w2", embedded_runtime, world_size=2)
+    return root, dataset, one, two
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_layout(profiled):
+    root, _, one, two = profiled
+    for out, world in ((root / "w1", 1), (root / "w2", 2)):
+        exp5, exp6 = out / "exp5_accuracy_tiny-vqa", out / "exp6_latency_tiny-vqa"
+        names5 = {p.name for p in exp5.iterdir()}
+        names6 = {p.name for p in exp6.iterdir()}
+        for c, k, b in CONFIGS:
+            assert f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}.json" in names5
+            assert f"exp6_latency_crops{c}_topk{k}_blocks{b}.json" in names6
+            for r in range(world):
+                assert f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}_rank{r}.json" in names5
+                assert f"exp6_latency_crops{c}_topk{k}_blocks{b}_rank{r}.json" in names6
+        assert "exp5_accuracy_results.json" in names5 and "exp6_latency_results.json" in names6
+        assert len(names5) == len(names6) == len(CONFIGS) * (world + 1) + 1
+        assert not [p for p in out.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp"]
+    assert one.measured == two.measured == len(CONFIGS) * NUM_SAMPLES
+
+    # every per-sample record of both experiments carries the full metadata and its configuration
+    merged6 = load(root / "w2" / "exp6_latency_tiny-vqa" / "exp6_latency_crops6_topk8_blocks16.json")
+    assert merged6["config"]["note"] and merged6["config"]["ctrl_profile_version"] == 1
+    assert [r["dataset_index"] for r in merged6["per_sample_latencies"]] == list(range(NUM_SAMPLES))
+    for record in merged6["per_sample_latencies"] + merged6["per_sample_predictions"]:
+        assert {"example_id", "image_id", "question", "answers"} <= set(record["metadata"])
+        assert (record["max_crops"], record["top_k"], record["num_active_blocks"]) == (6, 8, 16)
+    lat = merged6["per_sample_latencies"][0]
+    assert lat["num_total_tokens"] == lat["num_vision_tokens"] + lat["num_language_tokens"]
+    assert len(lat["T_decode_steps_ms"]) == lat["num_output_tokens"] - 1
+    parts = lat["T_embed_ms"] + lat["T_prefill_ms"] + lat["T_prefill_head_ms"] + lat["T_decode_ms"]
+    assert parts == pytest.approx(lat["T_total_ms"], rel=1e-6)
+    assert 0 < lat["T_vision_ms"] < lat["T_embed_ms"]
+    rank1 = load(root / "w2" / "exp6_latency_tiny-vqa" / "exp6_latency_crops6_topk8_blocks16_rank1.json")
+    assert [r["dataset_index"] for r in rank1["per_sample_latencies"]] == [1]
+    assert rank1["config"]["rank"] == 1 and "note" not in rank1["config"]
+
+
+def test_ingest_reads_the_profile(profiled, tmp_path):
+    root, _, _, _ = profiled
+    ws = Workspace(tmp_path / "ws")
+    report = run_ingest([root / "w1"], ws)
+    assert report.exit_code == 0 and not report.errors
+    rows = run_query(ws, "SELECT * FROM measurements ORDER BY experiment, sample_key, max_crops").to_pylist()
+    assert len(rows) == 2 * NUM_SAMPLES * len(CONFIGS)
+    keys = {e: {(r["sample_key"], r["max_crops"], r["top_k"], r["num_active_blocks"]) for r in rows if r["experiment"] == e}
+            for e in ("exp5", "exp6")}
+    assert keys["exp5"] == keys["exp6"] and len(keys["exp6"]) == NUM_SAMPLES * len(CONFIGS)
+    assert {k[0] for k in keys["exp6"]} == {f"ex:tiny_vqa-q{i}" for i in range(NUM_SAMPLES)}
+    exp5 = {(r["sample_key"], r["max_crops"]): r for r in rows if r["experiment"] == "exp5"}
+    for r in (r for r in rows if r["experiment"] == "exp6"):
+        assert r["latency_prefill_ms"] is not None and r["latency_prefill_ms"] > 0
+        assert r["latency_vision_ms"] is not None and r["latency_vision_ms"] > 0
+        assert not r["flag_prefill_invalid"] and not r["flag_text_tokens_derived"] and not r["flag_decode_missing"]
+        assert not r["flag_partial_config"] and r["num_crops"] >= 1
+        assert 1 <= r["num_output_tokens"] <= MAX_NEW_TOKENS
+        assert (r["latency_decode_ms"] > 0) == (r["num_output_tokens"] > 1)
+        assert r["latency_total_ms"] > r["latency_prefill_ms"] + r["latency_vision_ms"]
+        assert r["num_text_tokens"] > 0 and r["num_vision_tokens"] > 0
+        assert r["source_kind"] == "exp6_merged"
+        twin = exp5[(r["sample_key"], r["max_crops"])]
+        assert (twin["score"], twin["pred"]) == (r["score"], r["pred"])  # the same generations
+    samples = run_query(ws, "SELECT sample_key, example_id, image_id, question, answers FROM samples").to_pylist()
+    assert len(samples) == NUM_SAMPLES and all(s["question"] and s["answers"] and s["image_id"] for s in samples)
+    configs = run_query(ws, "SELECT * FROM configs WHERE experiment = 'exp6'").to_pylist()
+    assert len(configs) == len(CONFIGS) and all(c["recorded_latency_vision_ms_mean"] > 0 for c in configs)
+    files = run_query(ws, "SELECT status, count(*) AS n FROM files GROUP BY 1").to_pylist()
+    assert files == [{"status": "ok", "n": 2 * (2 * len(CONFIGS) + 1)}]
+
+
+def test_world_size_two_matches_world_size_one(profiled, tmp_path):
+    root, _, _, _ = profiled
+    tables = {}
+    for world in ("w1", "w2"):
+        ws = Workspace(tmp_path / world)
+        assert run_ingest([root / world], ws).exit_code == 0
+        tables[world] = run_query(ws, "SELECT experiment, sample_key, max_crops, top_k, num_active_blocks, score, pred, "
+                                      "num_output_tokens, num_vision_tokens, num_text_tokens, num_crops, "
+                                      "active_block_indices, source_kind FROM measurements ORDER BY ALL").to_pylist()
+    assert tables["w1"] == tables["w2"]
+    for world in ("w1", "w2"):  # merged files are identical apart from latencies and the world size
+        out = root / world
+        doc = load(out / "exp5_accuracy_tiny-vqa" / "exp5_accuracy_results_crops2_topk4_blocks12.json")
+        tables[world] = ([(s["dataset_index"], s["score"], s["pred"], s["metadata"]) for s in doc["all_samples"]],
+                         doc["summary"])
+    assert tables["w1"] == tables["w2"]
+
+
+def test_resume_skips_complete_configurations(profiled, embedded_runtime, tmp_path):
+    import shutil
+
+    root, dataset, _, _ = profiled
+    out = tmp_path / "resume"
+    shutil.copytree(root / "w2", out)
+    again = run(dataset, out, embedded_runtime, world_size=2)
+    assert again.measured == 0 and again.datasets[0].skipped_configs == CONFIGS
+    # lose the merged files of one configuration and one of its rank files: only that rank is measured again
+    exp5, exp6 = out / "exp5_accuracy_tiny-vqa", out / "exp6_latency_tiny-vqa"
+    (exp5 / "exp5_accuracy_results_crops2_topk4_blocks12.json").unlink()
+    (exp6 / "exp6_latency_crops2_topk4_blocks12.json").unlink()
+    (exp6 / "exp6_latency_crops2_topk4_blocks12_rank1.json").write_text('{"summary": [')  # truncated by a crash
+    again = run(dataset, out, embedded_runtime, world_size=2)
+    assert again.measured == 1 and again.datasets[0].skipped_configs == [(6, 8, 16)]
+    merged = load(exp6 / "exp6_latency_crops2_topk4_blocks12.json")
+    assert [r["dataset_index"] for r in merged["per_sample_latencies"]] == list(range(NUM_SAMPLES))
+    # another sample set in the same directory is refused, not mixed in
+    from pipeline.errors import CtrlError
+
+    with pytest.raises(CtrlError, match="different profiling run"):
+        run(dataset, out, embedded_runtime, world_size=2, num_samples=2)
+
+
+def test_parse_configs():
+    from online.profile import parse_configs
+    from pipeline.errors import CtrlError
+
+    balanced, name = parse_configs("balanced")
+    assert name == "balanced" and len(balanced) == 27
+    assert {c for c, _, _ in balanced} == {2, 6, 10} and {b for _, _, b in balanced} == {12, 14, 16}
+    assert len(parse_configs("full")[0]) == 75
+    assert parse_configs(" 2/4/12, 6/8/16 ,2/4/12") == ([(2, 4, 12), (6, 8, 16)], "custom")
+    for bad in ("2/4", "2/4/x", "", "2/0/12", "balance"):
+        with pytest.raises(CtrlError, match="--configs"):
+            parse_configs(bad)
+
+
+def test_cli(profiled, embedded_runtime, tmp_path, monkeypatch):
+    from cli import app
+
+    _, dataset, _, _ = profiled
+    monkeypatch.setattr("online.profile.load_profile_runtime", lambda *a, **k: embedded_runtime)
+    runner = CliRunner()
+    out = tmp_path / "cli"
+    args = ["profile", "--dataset", str(dataset), "--configs", "2/4/12", "--num-samples", "1", "--max-new-tokens", "2",
+            "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "1 generations measured" in result.stdout and f"ctrl ingest {out}" in result.stdout
+    assert (out / "exp6_latency_tiny-vqa" / "exp6_latency_crops2_topk4_blocks12.json").is_file()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "0 generations measured" in again.stdout and "1 done earlier" in again.stdout
+
+    def fails(*extra: str, dataset_dir: Path = dataset) -> str:
+        res = runner.invoke(app, ["profile", "--dataset", str(dataset_dir), "--out", str(tmp_path / "x"), *extra])
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        return res.stderr
+
+    assert "bad entry '2/4'" in fails("--configs", "2/4")
+    assert "no such directory" in fails(dataset_dir=tmp_path / "nope")
+    broken = make_dataset(tmp_path / "broken", n=2, name="broken")
+    (broken / "images" / "img1.png").unlink()
+    assert "1 of 2 images missing" in fails(dataset_dir=broken)
+    assert "top_k must be in 1..64" in fails("--configs", "2/65/12")
+
+
+def test_testbed_model_without_the_module(monkeypatch):
+    import sys
+
+    from online.profile import load_profile_runtime
+    from pipeline.errors import CtrlError
+
+    monkeypatch.setitem(sys.modules, "testbed.train", None)  # import fails as if the module were absent
+    with pytest.raises(CtrlError, match="--model testbed"):
+        load_profile_runtime("testbed")
+
+
+def test_parser_honours_the_profile_marker(tmp_path):
+    """The same exp6 file: without the marker the origin's defects are flagged (D1, D10); with
+    ``config.ctrl_profile_version`` the recorded prefill, vision time and text-only counts are kept."""
+    from origin_files import exp6_config_doc, exp6_name, write
+
+    from pipeline.errors import IngestError
+    from pipeline.parse import parse_file
+
+    def parse(doc: dict, name: str) -> list[dict]:
+        path = write(tmp_path / name / exp6_name(2, 4, 12, rank=0), doc)
+        return parse_file(path, path.read_bytes()).measurements.to_pylist()
+
+    doc = exp6_config_doc(2, 4, 12, [0, 1], merged=False)
+    for lat in doc["per_sample_latencies"]:
+        lat.update(T_vision_ms=12.5, num_crops=2)
+    origin = parse(doc, "origin")
+    assert all(r["flag_prefill_invalid"] and r["latency_prefill_ms"] is None and r["latency_vision_ms"] is None
+               and r["flag_text_tokens_derived"] and r["num_text_tokens"] == 40 for r in origin)
+    doc["config"]["ctrl_profile_version"] = 1
+    fixed = parse(doc, "fixed")
+    assert all(not r["flag_prefill_invalid"] and r["latency_prefill_ms"] == 6.5 == r["latency_prefill_raw_ms"]
+               and r["latency_vision_ms"] == 12.5 and r["num_crops"] == 2 and not r["flag_text_tokens_derived"]
+               and r["num_text_tokens"] == 3 * 144 + 40 for r in fixed)
+    assert [r["sample_key"] for r in fixed] == [r["sample_key"] for r in origin]
+    doc["config"]["ctrl_profile_version"] = "one"
+    with pytest.raises(IngestError, match="ctrl_profile_version"):
+        parse(doc, "bad")
