@@ -306,6 +306,8 @@ def train(
                                                   rich_help_panel="Online")] = True,
     eval_max_samples: Annotated[int, typer.Option("--eval-max-samples", min=1, help="Online: test samples of the final evaluation.",
                                                   rich_help_panel="Online")] = 32,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="Online: CPU threads per request (0 = torch's default).",
+                                         rich_help_panel="Online")] = 1,
 ) -> None:
     """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
     evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
@@ -324,7 +326,7 @@ def train(
                 budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms, lr=lr, seed=seed,
                 reward=RewardConfig(mode=reward_mode) if given else None,
                 scale_rewards=scale_rewards, checkpoint_every=checkpoint_every, run_id=run_id, resume=resume,
-                evaluate=online_evaluate, eval_max_samples=eval_max_samples)
+                evaluate=online_evaluate, eval_max_samples=eval_max_samples, threads=threads)
         except ValueError as e:
             raise _fail(e) from None
         _train_online(online_config)
@@ -522,7 +524,13 @@ def testbed_train(
     from features.model.embedded import default_cache_root
     from pipeline import CtrlError
     from testbed.task import generate_dataset
-    from testbed.train import TrainConfig, evaluate_testbed, format_eval_table, marginal_table, train_testbed
+    from testbed.train import (
+        TrainConfig,
+        evaluate_testbed,
+        format_eval_table,
+        marginal_table,
+        train_testbed,
+    )
 
     config = TrainConfig(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
                          threads=threads)

@@ -33,16 +33,13 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
                         *, num_budgets: int = 5, max_samples: int | None = None, runtime: Any = None,
                         progress: Any = None) -> Any:  # -> polars.DataFrame
     """Evaluate an online run on the test split with the model (see module doc); writes the files."""
-    import polars as pl
 
     from features.model import load_runtime
-    from online.data import load_online_samples
-    from online.rollout import RolloutExecutor
     from online.train import OnlineTrainConfig
     from trainer.evaluate import write_evaluation
     from trainer.offline import budget_grid, resolve_checkpoint, resolve_run_dir
     from trainer.policy import ControllerPolicy
-    from trainer.reward import RewardConfig, compute_reward
+    from trainer.reward import RewardConfig
     from trainer.two_stage import TwoStageController, set_budget_range
 
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
@@ -66,6 +63,22 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
             start = TwoStageController(policy, controller.two_stage)
             set_budget_range(start.policy, controller.policy.config.budget_min_ms, controller.policy.config.budget_max_ms)
             deciders.append(("offline_start", start, start.insertion_positions.index(1)))
+
+    from online.timing import cpu_threads
+
+    with cpu_threads(config.threads, runtime.device):
+        frame = _run_deciders(ws, config, runtime, deciders, budgets, reward, max_samples, progress)
+    write_evaluation(run_dir, frame, run_dir.name)
+    return frame
+
+
+def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budgets: list[float], reward: Any,
+                  max_samples: int | None, progress: Any) -> Any:
+    import polars as pl
+
+    from online.data import load_online_samples
+    from online.rollout import RolloutExecutor
+    from trainer.reward import compute_reward
 
     samples = load_online_samples(ws, runtime.fingerprint, config.images_dir)
     test = samples.rows("test") or samples.rows("val")
@@ -102,6 +115,4 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
               "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
               "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
-    frame = pl.DataFrame(rows, schema=schema)
-    write_evaluation(run_dir, frame, run_dir.name)
-    return frame
+    return pl.DataFrame(rows, schema=schema)

@@ -155,3 +155,18 @@ class StageTimer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def cpu_threads(threads: int, device: torch.device | str) -> Iterator[None]:
+    """Run the block with ``threads`` torch intra-op threads on CPU (0 = leave torch's setting).
+
+    Measured requests use 1 by default: on a shared 2-core machine torch's spinning worker
+    threads made single requests of the small embedded model 10-20x slower and noisy."""
+    saved = torch.get_num_threads()
+    if threads and torch.device(device).type == "cpu":
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -70,6 +70,8 @@ class OnlineTrainConfig:
     budget_min_ms, budget_max_ms: budget range on this machine (None = calibrated, see module doc).
     calibration_samples: training samples the calibration runs on (default 4).
     warmup: run each configuration once unmeasured before its first measured run (default True).
+    threads: torch intra-op threads on CPU (default 1; 0 = torch's setting): with more threads
+        than free cores, spinning threads make measured latencies slow and noisy.
 
     > Optimisation and reward
     lr: AdamW learning rate (default 3e-4). weight_decay: 1e-5. max_grad_norm: 1.0 (None = off).
@@ -102,6 +104,7 @@ class OnlineTrainConfig:
     budget_max_ms: float | None = None
     calibration_samples: int = 4
     warmup: bool = True
+    threads: int = 1
     lr: float = 3e-4
     weight_decay: float = 1e-5
     max_grad_norm: float | None = 1.0
@@ -344,6 +347,13 @@ def calibrate_budget_range(executor: Any, controller: Any, rows: list[int]) -> t
 def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | None = None, *,
                  runtime: Any = None) -> OnlineRunResult:
     """Run (or resume) an online training run; returns its directory and per-step metrics."""
+    from online.timing import cpu_threads
+
+    with cpu_threads(config.threads, config.device):
+        return _train_online(config, progress, runtime)
+
+
+def _train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | None, runtime: Any) -> OnlineRunResult:
     import polars as pl
 
     from features.model import load_runtime
@@ -370,8 +380,8 @@ def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | N
             raise CtrlError(f"--resume {run_dir.name}: not an online run\nHint: offline runs resume with "
                             "`ctrl train --offline --resume`; `--from RUN` starts an online run from one.")
         # everything but the step count comes from the run's config.json (the run stays one experiment)
-        # (the device and the final evaluation are not part of the experiment: taken from this call)
-        keep = {k: getattr(config, k) for k in ("steps", "device", "evaluate", "eval_max_samples")}
+        # (device, threads and the final evaluation are not part of the experiment: taken from this call)
+        keep = {k: getattr(config, k) for k in ("steps", "device", "threads", "evaluate", "eval_max_samples")}
         config = OnlineTrainConfig.from_json(saved)
         for k, v in keep.items():
             setattr(config, k, v)
