@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--samples-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per request (0 = torch's default)")
     args = parser.parse_args()
 
     import torch
@@ -63,13 +64,15 @@ def main() -> None:
     shutil.rmtree(ws / "runs", ignore_errors=True)
     config = OnlineTrainConfig(workspace=ws, fresh=True, steps=args.steps, samples_per_step=args.samples_per_step,
                                group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                               budget_min_ms=40.0, budget_max_ms=200.0, checkpoint_every=5)
+                               budget_min_ms=40.0, budget_max_ms=200.0, checkpoint_every=5, evaluate=False,
+                               threads=args.threads)
     result = train_online(config)
     frame = result.steps.slice(1)  # step 1 includes the warm-up runs of every new configuration
     parts = {"model": "time_model_s", "controller": "time_controller_s", "update": "time_update_s",
              "bookkeeping": "time_bookkeeping_s"}
     totals = [sum(row[c] for c in parts.values()) for row in frame.iter_rows(named=True)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(frame)} measured steps of "
+    threads = config.threads or torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} thread(s) per request; {len(frame)} measured steps of "
           f"{args.samples_per_step} groups x G={args.group_size} ({args.samples_per_step * args.group_size} rollouts), "
           f"max_new_tokens {args.max_new_tokens}")
     print(f"step time median {statistics.median(totals):.3f} s")
