@@ -1,0 +1,387 @@
+"""Train the embedded model on the testbed task (CPU, minutes, deterministic) and evaluate its knob trade-off.
+
+Recipe (``TrainConfig``): start from ``write_embedded_model(seed=base_seed)`` (same architecture,
+tokenizer and directory format as the embedded default), then AdamW on the teacher-forced
+next-token loss of the answer tokens (answer + EOS) after ``runtime.format_prompt(question)``,
+the image going through ``runtime.preprocess``. Every optimizer step draws one knob setting
+for its whole batch, so that the model degrades gracefully under the knobs:
+
+* ``max_crops`` from ``crops_choices`` (the preprocessing of that step),
+* the MoE top-K of every layer from ``top_k_choices`` (``layer.mlp.gate.top_k``),
+* the number of active blocks n from ``min_blocks..16``, the blocks being
+  ``runtime.blocks_for(n)`` (the importance rule used at inference; block 0 always runs), i.e.
+  LayerSkip-style random depth restricted to the subsets inference uses. With probability
+  ``full_prob``, and always during the first ``full_warmup`` share of the steps (a curriculum),
+  the step runs the full model instead (the largest top-K, all blocks).
+
+The experts run through transformers' ``grouped_mm`` implementation (its CPU fallback has an
+autograd formula; checked against ``eager``). Deterministic for a config: one seeded
+generator for the data order and knobs, ``torch.manual_seed``, a fixed thread count and
+``torch.use_deterministic_algorithms`` during training.
+
+The trained model is cached as ``<cache root>/testbed-v<version>-<recipe hash>`` (``$CTRL_CACHE_DIR``
+or ``~/.cache/ctrl``): written to a temporary sibling, marker last, renamed into place, reused
+when present (:func:`build_testbed_model`). ``testbed.json`` in it records the recipe and the
+training log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from features.model.embedded import (
+    EMBEDDED_VERSION,
+    MARKER_FILE,
+    EmbeddedRuntime,
+    default_cache_root,
+    is_embedded_dir,
+    quiet_transformers,
+    write_embedded_model,
+)
+from testbed.dataset import read_dataset
+from testbed.task import FAMILIES, generate_dataset
+
+#: bump when the training code changes in a way the recipe fields do not capture
+TESTBED_VERSION = 1
+RECIPE_FILE = "testbed.json"
+
+#: the profiled sweep (balanced configurations)
+EVAL_CROPS = (2, 6, 10)
+EVAL_TOP_K = (4, 8, 12)
+EVAL_BLOCKS = (12, 14, 16)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines the trained weights (its hash names the cache directory)."""
+
+    seed: int = 0
+    #: the embedded model's seed the training starts from
+    base_seed: int = 0
+    num_train_samples: int = 4000
+    steps: int = 800
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    crops_choices: tuple[int, ...] = EVAL_CROPS
+    top_k_choices: tuple[int, ...] = EVAL_TOP_K
+    min_blocks: int = 12
+    #: share of steps that run the full model (largest top-K, all blocks)
+    full_prob: float = 0.25
+    #: the first ``full_warmup`` share of the steps all run the full model (a curriculum: learn
+    #: the task first, then robustness to the knobs)
+    full_warmup: float = 0.3
+    #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
+    #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
+    threads: int = 1
+
+    def recipe_hash(self) -> str:
+        payload = json.dumps({"testbed_version": TESTBED_VERSION, "embedded_version": EMBEDDED_VERSION,
+                              **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+@dataclass
+class TrainReport:
+    model_dir: Path
+    trained: bool
+    train_seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+@contextmanager
+def _deterministic(threads: int) -> Iterator[None]:
+    """Fixed thread count and deterministic algorithms for the duration; previous state restored."""
+    saved_threads = torch.get_num_threads()
+    saved_det = torch.are_deterministic_algorithms_enabled()
+    saved_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(max(1, int(threads)))
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved_det, warn_only=saved_warn)
+        torch.set_num_threads(saved_threads)
+
+
+def _answer_ids(runtime: EmbeddedRuntime, answer: str) -> list[int]:
+    return list(runtime.tokenizer(" " + answer.strip(), add_special_tokens=False)["input_ids"]) + [runtime.eos_id]
+
+
+def _set_top_k(runtime: EmbeddedRuntime, top_k: int) -> None:
+    for layer in runtime.decoder_layers:
+        layer.mlp.gate.top_k = int(top_k)
+
+
+def _batch_loss(runtime: EmbeddedRuntime, items: Sequence[tuple[Image.Image, str, str]], max_crops: int,
+                blocks: Sequence[int]) -> torch.Tensor:
+    """Mean over the batch of each example's mean next-token loss on its answer tokens (+ EOS).
+
+    Sequences are right-padded and run without an attention mask: causal attention never lets
+    a real token see the padding after it, and every sequence starts at position 0.
+    """
+    seqs, images, answer_spans = [], [], []
+    for image, question, answer in items:
+        inputs = runtime.preprocess(image, question, max_crops)
+        prompt = inputs.input_ids[0].tolist()
+        target = _answer_ids(runtime, answer)
+        seqs.append(prompt + target[:-1])
+        images.append(inputs.images)
+        answer_spans.append((len(prompt) - 1, target))
+    emb_layer = runtime.decoder.get_input_embeddings()
+    tokens = runtime.vision_backbone(torch.cat(images)).reshape(-1, emb_layer.embedding_dim)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), runtime.tokenizer.pad_token_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    embeds = emb_layer(ids)
+    is_image = ids == runtime.image_patch_id
+    # image features replace the placeholders, row-major over (example, position) as the arrays were stacked
+    embeds = embeds.masked_scatter(is_image[..., None], tokens.to(embeds.dtype))
+    with runtime._layers(blocks):
+        logits = runtime.decoder(inputs_embeds=embeds, use_cache=False).logits
+    losses = []
+    for i, (start, target) in enumerate(answer_spans):
+        pred = logits[i, start:start + len(target)].float()
+        losses.append(torch.nn.functional.cross_entropy(pred, torch.tensor(target)))
+    return torch.stack(losses).mean()
+
+
+def _lr_at(step: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig,
+                progress: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train the runtime's modules in place on the dataset; returns the per-step losses."""
+    dataset = read_dataset(dataset_dir)
+    samples = list(dataset.samples)
+    if not samples:
+        raise ValueError(f"{dataset_dir}: no samples to train on")
+    modules = (runtime.vision_backbone, runtime.decoder)  # the backbone holds the ViT and the projector
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        m.requires_grad_(True)
+        m.train()
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    default_top_k = runtime.default_top_k
+    try:
+        for step in range(config.steps):
+            batch = []
+            for _ in range(config.batch_size):
+                if not order:
+                    order = list(range(len(samples)))
+                    rng.shuffle(order)
+                batch.append(samples[order.pop()])
+            max_crops = rng.choice(config.crops_choices)
+            if step < config.full_warmup * config.steps or rng.random() < config.full_prob:
+                top_k, num_blocks = max(config.top_k_choices), runtime.num_layers
+            else:
+                top_k = rng.choice(config.top_k_choices)
+                num_blocks = rng.randint(config.min_blocks, runtime.num_layers)
+            items = []
+            for s in batch:
+                with Image.open(dataset.image_path(s)) as img:
+                    items.append((img.convert("RGB"), s.question, s.answers[0]))
+            _set_top_k(runtime, top_k)
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, config)
+            loss = _batch_loss(runtime, items, max_crops, runtime.blocks_for(num_blocks))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(step + 1, losses[-1])
+    finally:
+        _set_top_k(runtime, default_top_k)
+        for m in modules:
+            m.requires_grad_(False)
+            m.eval()
+    return losses
+
+
+def save_trained(runtime: EmbeddedRuntime, directory: Path, recipe: dict) -> None:
+    """Save the runtime's modules in the embedded directory format (marker last) plus the recipe file."""
+    from safetensors.torch import save_file
+
+    _set_top_k(runtime, runtime.default_top_k)
+    with quiet_transformers():
+        runtime.vision.save_pretrained(directory / "vision")
+        runtime.decoder.save_pretrained(directory / "decoder")
+        runtime.tokenizer.save_pretrained(directory / "tokenizer")
+    (directory / "projector").mkdir(exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in runtime.projector.state_dict().items()},
+              str(directory / "projector" / "projector.safetensors"), metadata={"format": "pt"})
+    proj_cfg = {"in_dim": runtime.projector.w1.in_features, "hidden_dim": runtime.projector.w1.out_features,
+                "out_dim": runtime.projector.w2.out_features}
+    (directory / "projector" / "projector.json").write_text(json.dumps(proj_cfg, indent=2, sort_keys=True) + "\n")
+    (directory / RECIPE_FILE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+    (directory / MARKER_FILE).write_text(json.dumps(asdict(runtime.spec), indent=2, sort_keys=True) + "\n")
+
+
+def model_dir_for(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    return root / f"testbed-v{TESTBED_VERSION}-{config.recipe_hash()}"
+
+
+def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None, force: bool = False,
+                  progress: Callable[[int, float], None] | None = None) -> TrainReport:
+    """Train (or reuse) the testbed model of this recipe; see :func:`build_testbed_model`."""
+    target = model_dir_for(config, cache_dir)
+    if is_embedded_dir(target) and not force:
+        return TrainReport(target, trained=False)
+    root = target.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        base, model_dir, data_dir = tmp / "base", tmp / "model", tmp / "data"
+        base.mkdir()
+        model_dir.mkdir()
+        with _deterministic(config.threads):
+            write_embedded_model(base, seed=config.base_seed)
+            generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train")
+            runtime = EmbeddedRuntime(base)
+            start = time.perf_counter()
+            losses = train_model(runtime, data_dir, config, progress)
+            seconds = time.perf_counter() - start
+            recipe = {"format": "ctrl-testbed", "testbed_version": TESTBED_VERSION, "recipe_hash": config.recipe_hash(),
+                      "config": asdict(config), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+            save_trained(runtime, model_dir, recipe)
+        if target.exists():
+            shutil.rmtree(target)  # stale (no marker) or forced
+        try:
+            os.replace(model_dir, target)
+        except OSError:
+            if not is_embedded_dir(target):  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TrainReport(target, trained=True, train_seconds=seconds, losses=losses)
+
+
+def build_testbed_model(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None,
+                        progress: Callable[[int, float], None] | None = None) -> Path:
+    """The trained testbed's directory (loadable by ``load_runtime(path)``): reused from the cache
+    when present, trained (minutes on 2 cores) when absent."""
+    return train_testbed(config, cache_dir, progress=progress).model_dir
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EvalRow:
+    max_crops: int
+    top_k: int
+    num_blocks: int
+    family: str  # a family name or "all"
+    accuracy: float
+    num_samples: int
+    mean_latency_ms: float
+
+
+def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequence[int] = EVAL_CROPS,
+                     top_ks: Sequence[int] = EVAL_TOP_K, blocks: Sequence[int] = EVAL_BLOCKS,
+                     max_new_tokens: int = 4, num_samples: int | None = None, threads: int = 1,
+                     progress: Callable[[int], None] | None = None) -> list[EvalRow]:
+    """VQA score of ``runtime.generate`` per configuration and family on a dataset (greedy, KV cache)."""
+    from features.model import load_runtime
+    from online.metrics import score_answer
+
+    dataset = read_dataset(dataset_dir)
+    samples = list(dataset.samples)[:num_samples]
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runtime = load_runtime(str(model_dir))
+        images = {}
+        for s in samples:
+            with Image.open(dataset.image_path(s)) as img:
+                images[s.example_id] = img.convert("RGB")
+        rows: list[EvalRow] = []
+        for c in crops:
+            prepared = [runtime.preprocess(images[s.example_id], s.question, c) for s in samples]
+            for k in top_ks:
+                for b in blocks:
+                    scores: dict[str, list[float]] = {}
+                    elapsed = 0.0
+                    with runtime.knobs(top_k=k, num_active_blocks=b):
+                        for s, inputs in zip(samples, prepared):
+                            t0 = time.perf_counter()
+                            text = runtime.generate(inputs, max_new_tokens=max_new_tokens).text
+                            elapsed += time.perf_counter() - t0
+                            score, _ = score_answer(dataset.name, text, s.answers)
+                            scores.setdefault(s.family, []).append(score)
+                    mean_ms = 1000 * elapsed / max(1, len(samples))
+                    everything = [x for v in scores.values() for x in v]
+                    rows.append(EvalRow(c, k, b, "all", sum(everything) / max(1, len(everything)), len(everything),
+                                        mean_ms))
+                    for fam in sorted(scores, key=lambda f: (FAMILIES.index(f) if f in FAMILIES else 99, f)):
+                        v = scores[fam]
+                        rows.append(EvalRow(c, k, b, fam, sum(v) / len(v), len(v), mean_ms))
+                    if progress is not None:
+                        progress(1)
+    finally:
+        torch.set_num_threads(saved_threads)
+    return rows
+
+
+def format_eval_table(rows: Sequence[EvalRow]) -> list[str]:
+    """A Markdown table: one line per configuration, accuracy overall and per family, mean latency."""
+    families = [f for f in dict.fromkeys(r.family for r in rows) if f != "all"]
+    configs = list(dict.fromkeys((r.max_crops, r.top_k, r.num_blocks) for r in rows))
+    by_key = {(r.max_crops, r.top_k, r.num_blocks, r.family): r for r in rows}
+    head = ["crops", "top_k", "blocks", "ms", "all", *families]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for c, k, b in configs:
+        allrow = by_key[(c, k, b, "all")]
+        cells = [str(c), str(k), str(b), f"{allrow.mean_latency_ms:.1f}", f"{allrow.accuracy:.3f}"]
+        cells += [f"{by_key[(c, k, b, f)].accuracy:.3f}" if (c, k, b, f) in by_key else "" for f in families]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def marginal_table(rows: Sequence[EvalRow]) -> list[str]:
+    """Accuracy averaged over the other two knobs, per knob value and family (Markdown)."""
+    families = list(dict.fromkeys(r.family for r in rows))
+    lines = ["| knob | value | " + " | ".join(families) + " |", "|---|---:|" + "---:|" * len(families)]
+    for name, attr in (("max_crops", "max_crops"), ("top_k", "top_k"), ("blocks", "num_blocks")):
+        for value in sorted({getattr(r, attr) for r in rows}):
+            cells = []
+            for fam in families:
+                v = [r.accuracy for r in rows if getattr(r, attr) == value and r.family == fam]
+                cells.append(f"{sum(v) / len(v):.3f}" if v else "")
+            lines.append(f"| {name} | {value} | " + " | ".join(cells) + " |")
+    return lines

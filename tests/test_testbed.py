@@ -1,0 +1,168 @@
+"""The testbed: the procedural VQA generator and the training of the embedded model on it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from testbed.dataset import read_dataset
+from testbed.task import (
+    COLORS,
+    DIGITS,
+    EXTRA_FAMILIES,
+    FAMILIES,
+    NUM_ANSWERS,
+    TaskSpec,
+    generate_dataset,
+)
+from testbed.train import (
+    RECIPE_FILE,
+    TrainConfig,
+    evaluate_testbed,
+    format_eval_table,
+    model_dir_for,
+    train_testbed,
+)
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- the task -----------------------------------------------------------------------------------
+
+def test_generator_is_deterministic_and_readable(tmp_path):
+    a = generate_dataset(tmp_path / "a", 15, seed=3, split="val")
+    b = generate_dataset(tmp_path / "b", 15, seed=3, split="val")
+    assert _tree_digest(a) == _tree_digest(b)  # byte-identical, dataset.json and every PNG
+    other = generate_dataset(tmp_path / "c", 15, seed=4, split="val")
+    assert _tree_digest(other) != _tree_digest(a)
+
+    ds = read_dataset(a)
+    assert (ds.name, ds.split, len(ds.samples)) == ("testbed", "val", 15)
+    assert {s.family for s in ds.samples} == set(FAMILIES)
+    assert len({s.example_id for s in ds.samples}) == 15
+    for s in ds.samples:
+        path = ds.image_path(s)
+        assert path.is_file()
+        with Image.open(path) as img:
+            assert img.mode == "RGB"
+            assert 224 <= img.width <= 448 and 224 <= img.height <= 448
+        assert len(s.answers) == NUM_ANSWERS and len(set(s.answers)) == 1
+        answer = s.answers[0]
+        expected = {"color": set(COLORS), "dot": set(COLORS), "relation": set(COLORS), "presence": {"yes", "no"},
+                    "speck": {"yes", "no"}}[s.family]
+        assert answer in expected, (s.family, answer)
+        assert s.metadata()["family"] == s.family
+
+
+def test_extra_families(tmp_path):
+    ds = read_dataset(generate_dataset(tmp_path / "x", 6, seed=5, spec=TaskSpec(families=EXTRA_FAMILIES)))
+    assert [s.family for s in ds.samples] == list(EXTRA_FAMILIES) * 3
+    for s in ds.samples:
+        assert s.answers[0] in ({"1", "2", "3", "4"} if s.family == "count" else set(DIGITS))
+    with pytest.raises(ValueError, match="unknown"):
+        TaskSpec(families=("nope",))
+
+
+def test_larger_set_starts_with_the_smaller_one(tmp_path):
+    small = read_dataset(generate_dataset(tmp_path / "s", 5, seed=1))
+    big = read_dataset(generate_dataset(tmp_path / "b", 10, seed=1))
+    assert big.samples[:5] == small.samples
+    for s in small.samples:
+        assert small.image_path(s).read_bytes() == big.image_path(s).read_bytes()
+
+
+def test_existing_dataset_is_reused(tmp_path):
+    root = generate_dataset(tmp_path / "d", 5, seed=0)
+    stamp = (root / "dataset.json").stat().st_mtime_ns
+    generate_dataset(root, 5, seed=0)
+    assert (root / "dataset.json").stat().st_mtime_ns == stamp
+    generate_dataset(root, 6, seed=0)  # another set: rewritten
+    assert len(read_dataset(root).samples) == 6
+    (root / "images" / "tb0-train-000000.png").write_bytes(b"not this")  # not what the generator draws
+    generate_dataset(root, 6, seed=0)
+    assert (root / "images" / "tb0-train-000000.png").read_bytes() != b"not this"
+
+
+def test_cli_generate(tmp_path):
+    from cli import app
+
+    result = CliRunner().invoke(app, ["testbed", "generate", str(tmp_path / "ds"), "--num-samples", "5", "--seed", "2"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert len(read_dataset(tmp_path / "ds").samples) == 5
+
+
+# -- training -----------------------------------------------------------------------------------
+
+TINY = TrainConfig(num_train_samples=6, steps=2, batch_size=2, crops_choices=(1, 2), warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """The tiny recipe trained twice, into two caches."""
+    first = train_testbed(TINY, cache_dir=tmp_path_factory.mktemp("cache1"))
+    second = train_testbed(TINY, cache_dir=tmp_path_factory.mktemp("cache2"))
+    return first, second
+
+
+def test_training_is_deterministic(tiny_models):
+    first, second = tiny_models
+    assert first.trained and second.trained
+    assert len(first.losses) == TINY.steps and all(loss > 0 for loss in first.losses)
+    assert first.losses == second.losses
+    digest1, digest2 = _tree_digest(first.model_dir), _tree_digest(second.model_dir)
+    weights = [k for k in digest1 if k.endswith(".safetensors")]
+    assert {"decoder/model.safetensors", "vision/model.safetensors", "projector/projector.safetensors"} <= set(weights)
+    assert {k: digest1[k] for k in weights} == {k: digest2[k] for k in weights}
+
+
+def test_training_changes_the_weights(tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
+    from features.model.embedded import write_embedded_model
+
+    base = tmp_path / "base"
+    base.mkdir()
+    write_embedded_model(base, seed=TINY.base_seed)
+    trained = load_file(str(tiny_models[0].model_dir / "decoder" / "model.safetensors"))
+    original = load_file(str(base / "decoder" / "model.safetensors"))
+    assert trained.keys() == original.keys()
+    changed = [k for k in trained if not (trained[k] == original[k]).all()]
+    # the experts, the routers, the embeddings and the head all get gradients
+    assert any("experts" in k for k in changed) and any("gate" in k for k in changed)
+    assert any("lm_head" in k for k in changed) and any("embed_tokens" in k for k in changed)
+
+
+def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
+    from features.model import load_runtime
+
+    report = tiny_models[0]
+    cache = report.model_dir.parent
+    assert report.model_dir == model_dir_for(TINY, cache)
+    assert (report.model_dir / RECIPE_FILE).is_file()
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    again = train_testbed(TINY, cache_dir=cache)
+    assert not again.trained and again.model_dir == report.model_dir
+
+    rt = load_runtime(str(report.model_dir))
+    assert rt.kind == "embedded" and rt.current_top_k() == [rt.default_top_k] * rt.num_layers
+    ds = read_dataset(generate_dataset(tmp_path / "ds", 5, seed=9))
+    with Image.open(ds.image_path(ds.samples[0])) as img:
+        inputs = rt.preprocess(img.convert("RGB"), ds.samples[0].question, max_crops=2)
+    with rt.knobs(top_k=4, num_active_blocks=12):
+        result = rt.generate(inputs, max_new_tokens=3)
+    assert 1 <= len(result.token_ids) <= 3
+
+    rows = evaluate_testbed(report.model_dir, ds.root, crops=(1,), top_ks=(4,), blocks=(12,), max_new_tokens=2)
+    assert {r.family for r in rows} == {"all", *FAMILIES}
+    assert all(0.0 <= r.accuracy <= 1.0 for r in rows)
+    assert next(r for r in rows if r.family == "all").num_samples == 5
+    table = format_eval_table(rows)
+    assert len(table) == 3 and table[2].startswith("| 1 | 4 | 12 |")
