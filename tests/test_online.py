@@ -93,6 +93,10 @@ def test_new_stage2_terms_start_at_zero_so_the_offline_policy_is_kept(executor):
         ctrl.policy.stage2_hidden(executor.samples.image[:2], executor.samples.image_present[:2], s1.lang_h, s1.budget_h)[
             torch.arange(2), crops])
     assert torch.allclose(top_a, top_b) and torch.allclose(top_a, offline_top)
+    # and stage 1 prefers insertion position 1 (top-K on every block after block 0, like the
+    # offline data), so the greedy controller at step 0 is the offline policy deployed as is
+    assert torch.all(s1.insertion_log_probs.argmax(-1) == ctrl.insertion_positions.index(1))
+    assert torch.all(s1.insertion_log_probs.exp().max(-1).values > 0.5)
 
 
 # -- two-stage execution on the model ---------------------------------------------------------

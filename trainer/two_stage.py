@@ -41,6 +41,8 @@ from trainer.policy import (
 )
 
 TWO_STAGE_FORMAT = 1
+#: initial logit of insertion position 1 (the others start at ~0): softmax gives it ~0.65 of 5
+INITIAL_P1_LOGIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class TwoStageController(nn.Module):
             self.latency_proj.weight.zero_()
             self.latency_proj.bias.zero_()
             self.insertion_embedding.weight.zero_()
+            if 1 in positions:
+                # start at p = 1 (most probable, ~2/3 with 5 positions), the closest to the offline data,
+                # whose top-K applied to every block: the greedy controller at step 0 is the offline policy
+                self.insertion_head[-1].bias[positions.index(1)] = INITIAL_P1_LOGIT
 
     # -- knob values
     @property
