@@ -71,6 +71,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
+from online.timing import cpu_threads
 from pipeline.errors import CtrlError, KnobError
 from pipeline.workspace import write_bytes_atomic
 
@@ -653,20 +654,17 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
         on_total(sum(sizes) * len(config.combinations))
     profiler = _Profiler(config, runtime, progress or (lambda n, label: None))
     reports = []
-    saved_threads = torch.get_num_threads()
-    if config.threads and runtime.device.type == "cpu":
-        torch.set_num_threads(config.threads)
     try:
-        for d, n in zip(datasets, sizes):
-            exp5_dir, exp6_dir = profiler._dirs(d)
-            exp5_dir.mkdir(parents=True, exist_ok=True)
-            exp6_dir.mkdir(parents=True, exist_ok=True)
-            report = DatasetReport(d.name, n, exp5_dir, exp6_dir)
-            profiler.run_dataset(d, report)
-            reports.append(report)
+        with cpu_threads(config.threads, runtime.device):
+            for d, n in zip(datasets, sizes):
+                exp5_dir, exp6_dir = profiler._dirs(d)
+                exp5_dir.mkdir(parents=True, exist_ok=True)
+                exp6_dir.mkdir(parents=True, exist_ok=True)
+                report = DatasetReport(d.name, n, exp5_dir, exp6_dir)
+                profiler.run_dataset(d, report)
+                reports.append(report)
     finally:
         profiler.close()
-        torch.set_num_threads(saved_threads)
     return ProfileReport(config.out_dir, runtime.fingerprint, reports, profiler.measured, profiler.measure_s,
                          time.perf_counter() - started)
 
