@@ -497,7 +497,8 @@ def _train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | 
             update = time.perf_counter() - tick
 
             tick = time.perf_counter()
-            total_loss = sum(dist.all_gather(float(loss.detach())))  # per-rank parts sum to the loss
+            # each rank's loss is scaled by world_size for DDP's gradient averaging: their mean is the loss
+            total_loss = sum(dist.all_gather(float(loss.detach()))) / dist.world_size
             row = {"run_id": run_id, "step": step, "loss": total_loss,
                    "reward/mean": float(parts["reward"].mean()),
                    **{f"reward/{p}": float(parts[p].mean()) for p in _PARTS},
