@@ -468,8 +468,9 @@ def _train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | 
                                         first_group=first_group)
             tick = time.perf_counter()
             mine = [_rollout_row(r, samples, run_id, step, dist.world_size, runtime.num_layers) for r in local.rollouts]
-            gathered = [row for part in dist.all_gather((mine, len(local.prefix_embeds))) for row in part[0]]
-            num_prefixes = sum(part[1] for part in dist.all_gather((None, len(local.prefix_embeds))))
+            parts_by_rank = dist.all_gather((mine, len(local.prefix_embeds)))
+            gathered = [row for rows_of_rank, _ in parts_by_rank for row in rows_of_rank]
+            num_prefixes = sum(n for _, n in parts_by_rank)
             gathered.sort(key=lambda r: (r["group_index"], r["member"]))
             parts = compute_reward(torch.tensor([r["score"] for r in gathered]),
                                    torch.tensor([r["latency_total_ms"] for r in gathered]),

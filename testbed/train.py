@@ -30,10 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -47,8 +45,10 @@ from features.model.embedded import (
     EMBEDDED_VERSION,
     MARKER_FILE,
     EmbeddedRuntime,
+    cache_tmp_dir,
     default_cache_root,
     is_embedded_dir,
+    publish_model_dir,
     quiet_transformers,
     write_embedded_model,
 )
@@ -260,13 +260,8 @@ def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
     target = model_dir_for(config, cache_dir)
     if is_embedded_dir(target) and not force:
         return TrainReport(target, trained=False)
-    root = target.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    tmp = cache_tmp_dir(target)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
         base, model_dir, data_dir = tmp / "base", tmp / "model", tmp / "data"
         base.mkdir()
         model_dir.mkdir()
@@ -280,13 +275,7 @@ def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
             recipe = {"format": "ctrl-testbed", "testbed_version": TESTBED_VERSION, "recipe_hash": config.recipe_hash(),
                       "config": asdict(config), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
             save_trained(runtime, model_dir, recipe)
-        if target.exists():
-            shutil.rmtree(target)  # stale (no marker) or forced
-        try:
-            os.replace(model_dir, target)
-        except OSError:
-            if not is_embedded_dir(target):  # not a lost race: a real error
-                raise
+        publish_model_dir(model_dir, target, replace=force)  # a stale (no marker) one is replaced too
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TrainReport(target, trained=True, train_seconds=seconds, losses=losses)

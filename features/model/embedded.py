@@ -310,24 +310,38 @@ def build_embedded_model(seed: int = 0, cache_dir: str | Path | None = None) -> 
     target = root / f"embedded-v{EMBEDDED_VERSION}-seed{seed}"
     if is_embedded_dir(target):
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    tmp = cache_tmp_dir(target)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is an ordinary directory
         write_embedded_model(tmp, seed)
-        if target.exists() and not is_embedded_dir(target):
-            shutil.rmtree(target)  # a stale incomplete directory from an old crash
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not is_embedded_dir(target):  # not a lost race: a real error
-                raise
+        publish_model_dir(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def cache_tmp_dir(target: Path) -> Path:
+    """A temporary sibling of ``target`` (same filesystem, so the final rename is atomic), with
+    ordinary permissions (mkdtemp makes it private; the cache is an ordinary directory)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def publish_model_dir(src: Path, target: Path, replace: bool = False) -> None:
+    """Rename a complete model directory into place. An existing ``target`` is removed first when
+    it is incomplete (no marker: an old crash) or ``replace`` is set; losing a race to another
+    builder that published a complete directory is not an error."""
+    if target.exists() and (replace or not is_embedded_dir(target)):
+        shutil.rmtree(target)
+    try:
+        os.replace(src, target)
+    except OSError:
+        if not is_embedded_dir(target):  # not a lost race: a real error
+            raise
 
 
 def _load_strict(cls, directory: Path):
@@ -545,7 +559,7 @@ class EmbeddedRuntime(ModelRuntime):
                 mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
                 out = self.decoder(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
                                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return GenerationResult(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return GenerationResult(tokens, self.decode_text(tokens))
 
     # -- two-stage execution (online phase)
     @property

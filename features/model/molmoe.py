@@ -354,7 +354,7 @@ class MolmoERuntime(ModelRuntime):
                 out = self.model(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
                                  position_ids=torch.tensor([[mask.shape[1] - 1]], device=self.device),
                                  past_key_values=out.past_key_values, use_cache=True, last_logits_only=True)
-        return GenerationResult(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return GenerationResult(tokens, self.decode_text(tokens))
 
     # -- module handles
     @property
