@@ -437,7 +437,7 @@ def profile(
     configs: Annotated[str, typer.Option("--configs", help="'balanced' (27), 'full' (75) or a list C/K/B,C/K/B (max_crops/top_k/num_active_blocks).")] = "balanced",
     num_samples: Annotated[int | None, typer.Option("--num-samples", min=1, help="The first N samples of each dataset (default: all).",
                                                     show_default=False)] = None,
-    world_size: Annotated[int, typer.Option("--world-size", min=1, help="Simulated ranks: each writes its own rank file, then a deterministic merge.")] = 1,
+    world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks simulated in this process, one after the other (each writes its own rank file, then a deterministic merge); under torchrun every process is one rank.")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="Results directory (exp5_accuracy_<dataset>/, exp6_latency_<dataset>/).",
                                           file_okay=False)] = Path("results/profile"),
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
@@ -465,6 +465,10 @@ def profile(
     except KeyboardInterrupt:
         err.print("interrupted: finished configurations and rank files are kept; the same command resumes")
         raise typer.Exit(code=130) from None
+    from online.train import current_dist
+
+    if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports
+        return
     for line in format_report(report):
         out.print(line, highlight=False, markup=False)
     out.print(f"{report.measured} generations measured in {report.measure_s:.1f}s "

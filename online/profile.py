@@ -30,12 +30,12 @@ so ``ctrl ingest <out>`` reads the result like any other run; the measurement is
 * **token counts** (D10): ``num_vision_tokens`` = image feature positions,
   ``num_language_tokens`` = the rest of the prompt (text only), ``num_total_tokens`` = the
   prompt length (their sum).
-* **ranks** (D5, D6): ``world_size`` W ranks are simulated in this process, one after the
-  other; rank r takes dataset indices r, r+W, ... of the first ``num_samples`` (no padding)
-  and writes its own ``..._rank{r}.json`` files; once every rank file of a configuration is
-  complete, a deterministic merge *from the files* (records sorted by dataset index) writes
-  the merged per-config files, and after the sweep the final aggregates are written from the
-  merged files.
+* **ranks** (D5, D6): rank r of W takes dataset indices r, r+W, ... of the first
+  ``num_samples`` (no padding) and writes its own ``..._rank{r}.json`` files. ``world_size``
+  W ranks are simulated in this process, one after the other; under ``torchrun`` every
+  process is one rank (W = its world size) and runs all configurations for its rank. Then a
+  deterministic merge *from the files* (records sorted by dataset index; rank 0, after a
+  barrier) writes the merged per-config files and the final aggregates.
 * **resume**: a configuration whose merged exp5 and exp6 files are complete (same model,
   samples, max_new_tokens and device) is skipped; a complete rank file is not re-measured.
 * **marker**: every file's ``config`` holds ``ctrl_profile_version`` and a ``ctrl_profile``
@@ -72,6 +72,7 @@ import numpy as np
 import torch
 
 from online.timing import cpu_threads
+from online.train import init_distributed_from_env
 from pipeline.errors import CtrlError, KnobError
 from pipeline.workspace import write_bytes_atomic
 
@@ -403,12 +404,18 @@ class _Profiler:
                          f"{identity['num_samples']} samples); use another --out or delete that directory")
 
     # -- one dataset
-    def run_dataset(self, dataset: Any, report: DatasetReport) -> None:
+    def run_dataset(self, dataset: Any, report: DatasetReport, ranks: Sequence[int] | None = None,
+                    barrier: Callable[[], None] = lambda: None, merge: bool = True) -> None:
+        """Measure ``ranks`` (default: every rank, one after the other) of every configuration
+        still to do, then (``merge``) write the merged per-config files and the final aggregates.
+        Under torchrun each process passes its own rank, and only rank 0 merges, after ``barrier``."""
         cfg, runtime = self.config, self.runtime
         n = report.num_samples
         identity = self.identity(dataset, n)
         W = cfg.world_size
+        ranks = range(W) if ranks is None else ranks
         exp5_dir, exp6_dir = report.exp5_dir, report.exp6_dir
+        to_merge = []
         for ci, (c, k, b) in enumerate(cfg.combinations):
             label = f"{dataset.name} crops{c}_topk{k}_blocks{b}"
             merged = [exp5_dir / exp5_name(c, k, b), exp6_dir / exp6_name(c, k, b)]
@@ -418,10 +425,10 @@ class _Profiler:
                     raise self._foreign(p, identity)
             if all(states):
                 report.skipped_configs.append((c, k, b))
-                self.advance(n, f"{label} (done earlier)")
+                self.advance(sum(len(rank_indices(n, W, r)) for r in ranks), f"{label} (done earlier)")
                 continue
             active = list(runtime.blocks_for(b))
-            for rank in range(W):
+            for rank in ranks:
                 files = [exp5_dir / exp5_name(c, k, b, rank), exp6_dir / exp6_name(c, k, b, rank)]
                 extra = {"world_size": W, "rank": rank}
                 rstates = [self._matches(_read_json(p), identity, extra) for p in files]
@@ -433,9 +440,14 @@ class _Profiler:
                     self.advance(len(indices), f"{label} rank {rank} (done earlier)")
                     continue
                 self._run_rank(dataset, report, identity, (c, k, b), ci, active, rank, indices, files, label)
-            self._merge(dataset, identity, (c, k, b), active)
+            to_merge.append(((c, k, b), active))
             report.measured_configs.append((c, k, b))
-        self._final(dataset, report, identity)
+        barrier()
+        if merge:
+            for knob, active in to_merge:
+                self._merge(dataset, identity, knob, active)
+            self._final(dataset, report, identity)
+        barrier()
 
     def _sample_inputs(self, dataset: Any, index: int, max_crops: int):
         from features.images import open_image
@@ -647,11 +659,18 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
             raise CtrlError(f"{d.root}: the dataset has no samples")
         _check_dataset(d, n)
         sizes.append(n)
+    dist = init_distributed_from_env(config.device)
+    if dist.active:
+        if config.world_size not in (1, dist.world_size):
+            raise CtrlError(f"--world-size {config.world_size} differs from torchrun's {dist.world_size} processes "
+                            f"(under torchrun, leave it out)")
+        config.world_size = dist.world_size
     if runtime is None:
         runtime = load_profile_runtime(config.model, config.device)
     _check_knobs(config.combinations, runtime)
     if on_total is not None:
-        on_total(sum(sizes) * len(config.combinations))
+        share = sum(len(rank_indices(n, config.world_size, dist.rank)) for n in sizes) if dist.active else sum(sizes)
+        on_total(share * len(config.combinations))
     profiler = _Profiler(config, runtime, progress or (lambda n, label: None))
     reports = []
     try:
@@ -661,7 +680,10 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
                 exp5_dir.mkdir(parents=True, exist_ok=True)
                 exp6_dir.mkdir(parents=True, exist_ok=True)
                 report = DatasetReport(d.name, n, exp5_dir, exp6_dir)
-                profiler.run_dataset(d, report)
+                if dist.active:  # this process measures its own rank; rank 0 merges from the files
+                    profiler.run_dataset(d, report, ranks=[dist.rank], barrier=dist.barrier, merge=dist.rank == 0)
+                else:
+                    profiler.run_dataset(d, report)
                 reports.append(report)
     finally:
         profiler.close()

@@ -250,3 +250,45 @@ def test_parser_honours_the_profile_marker(tmp_path):
     doc["config"]["ctrl_profile_version"] = "one"
     with pytest.raises(IngestError, match="ctrl_profile_version"):
         parse(doc, "bad")
+
+
+def _torchrun_worker(rank: int, world: int, port: int, dataset: str, out: str, model_dir: str) -> None:
+    import os
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from online.profile import ProfileConfig, profile_model
+
+    config = ProfileConfig(datasets=[Path(dataset)], model=model_dir, configs=CONFIGS, out_dir=Path(out),
+                           num_samples=NUM_SAMPLES, max_new_tokens=MAX_NEW_TOKENS)
+    report = profile_model(config)
+    Path(out, f"measured-rank{rank}.json").write_text(json.dumps(report.measured))
+    torch.distributed.destroy_process_group()
+
+
+def test_torchrun_processes_measure_their_ranks_and_rank0_merges(profiled, embedded_runtime, tmp_path):
+    """Two processes (as torchrun starts them): each measures its own rank files; rank 0 merges
+    them into the same records as the simulated world size 2."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root, dataset, _, _ = profiled
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_torchrun_worker, args=(2, port, str(dataset), str(tmp_path / "out"),
+                                               str(embedded_runtime.path)), nprocs=2, start_method="spawn")
+    # rank r measured its share only: samples r, r+2, ... of every configuration
+    assert [json.loads((tmp_path / "out" / f"measured-rank{r}.json").read_text()) for r in (0, 1)] == [
+        2 * len(CONFIGS), 1 * len(CONFIGS)]
+    name = "exp5_accuracy_results_crops2_topk4_blocks12.json"
+    merged = load(tmp_path / "out" / "exp5_accuracy_tiny-vqa" / name)
+    simulated = load(root / "w2" / "exp5_accuracy_tiny-vqa" / name)
+    def records(doc: dict) -> list:
+        return [(s["dataset_index"], s["rank"], s["score"], s["pred"], s["metadata"]) for s in doc["all_samples"]]
+
+    assert records(merged) == records(simulated)
+    assert merged["config"]["world_size"] == 2 and merged["config"]["ctrl_profile"]["complete"] is True
+    assert (tmp_path / "out" / "exp6_latency_tiny-vqa" / "exp6_latency_results.json").is_file()
