@@ -17,10 +17,13 @@ family        question                              what it needs
                                                     depth / experts
 ============  ====================================  ==========================================
 
-Two more families can be drawn (``TaskSpec(families=...)``): ``count`` (How many small dots
-are there? 1-4) and ``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled
-x2-x3). The default training recipe (minutes on 2 CPU cores) did not get beyond their answer
-priors, so they are not in the default mix.
+More families can be drawn (``TaskSpec(families=...)``): ``count`` (How many small dots are
+there? 1-4), ``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled x2-x3) and
+``texture`` (What pattern is the background? ``plain``, ``lines`` or ``grid``: the background
+colour +- a delta in 1-2 px stripes or checks, mean-preserving, so that the 112-px global view
+shows a plain background and only crops show the pattern). The default training recipe
+(minutes on 2 CPU cores) did not get beyond their answer priors, so they are not in the
+default mix.
 
 Answers are single short words or digits (colours, ``yes``/``no``, digits), stored ten times
 as the ``answers`` list (like the ten human answers of VQA v2, so the VQA score of a correct
@@ -41,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from testbed.dataset import VqaSample, read_dataset, write_dataset
@@ -59,7 +63,11 @@ DIGITS = "1478"
 FAMILIES = ("color", "presence", "dot", "speck", "relation")
 #: further families the generator can draw (``TaskSpec(families=...)``); the default training
 #: recipe does not learn them (see the module docstring)
-EXTRA_FAMILIES = ("count", "digit")
+EXTRA_FAMILIES = ("count", "digit", "texture")
+#: the ``texture`` family's patterns (the answers: "plain" 2 tokens, the others 4 with the embedded tokenizer)
+TEXTURES = ("plain", "lines", "grid")
+#: per-channel +- of a pattern around the background colour (less where the colour is near 0 or 255)
+TEXTURE_CONTRAST = 60
 #: how many times the answer is repeated in ``answers`` (VQA v2 has ten human answers)
 NUM_ANSWERS = 10
 
@@ -136,13 +144,15 @@ def _clutter(rng: random.Random, draw: ImageDraw.ImageDraw, w: int, h: int, back
 
 # -- families ---------------------------------------------------------------------------------
 
-def _color(rng, draw, w, h, bg):
+def _color(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     taken: list = []
     _clutter(rng, draw, w, h, bg, taken, rng.randint(1, 3))
     return "What color is the background?", bg
 
 
-def _presence(rng, draw, w, h, bg):
+def _presence(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     present = rng.random() < 0.5
     if present:
         r = rng.uniform(0.18, 0.26) * min(w, h)
@@ -155,7 +165,8 @@ def _dot_radius(w: int, h: int) -> float:
     return max(2.0, min(w, h) / 110)  # 2-4 px: about a pixel in the 112-px global view
 
 
-def _dot(rng, draw, w, h, bg):
+def _dot(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     color = _other_colors(rng, [bg], 1)[0]
     r = _dot_radius(w, h)
     cx, cy = _place(rng, w, h, r, [])
@@ -163,7 +174,8 @@ def _dot(rng, draw, w, h, bg):
     return "What color is the small dot?", color
 
 
-def _speck(rng, draw, w, h, bg):
+def _speck(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     present = rng.random() < 0.5
     if present:
         r = _dot_radius(w, h)
@@ -172,7 +184,8 @@ def _speck(rng, draw, w, h, bg):
     return "Is there a small dot?", "yes" if present else "no"
 
 
-def _count(rng, draw, w, h, bg):
+def _count(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     taken: list = []
     n = rng.randint(1, 4)
     dot = "black" if bg in ("white", "yellow", "orange") else "white"  # high contrast, as printed dots
@@ -183,7 +196,8 @@ def _count(rng, draw, w, h, bg):
     return "How many small dots are there?", str(n)
 
 
-def _digit(rng, draw, w, h, bg):
+def _digit(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     digit = rng.choice(DIGITS)
     scale = 2 if min(w, h) < 336 else 3
     gw, gh = 3 * scale, 5 * scale
@@ -196,7 +210,33 @@ def _digit(rng, draw, w, h, bg):
     return "What digit is on the label?", digit
 
 
-def _relation(rng, draw, w, h, bg):
+def _texture_step(side: int) -> int:
+    """Stripe / check width in pixels along a side: 1 below 336 px, 2 from 336 px. Either way a
+    period is <= 1.3 px in the 112-px global view (averaged away by the resize filter) and
+    1.7-2.5 px in 3-column crops (visible): the pattern needs the crops."""
+    return max(1, round(side / 224))
+
+
+def _texture(rng, image, w, h, bg):
+    """A background pattern of the background colour +- delta per channel (mean-preserving:
+    blurred, every pattern looks like the plain background)."""
+    pattern = rng.choice(TEXTURES)
+    if pattern != "plain":
+        base = COLORS[bg]
+        delta = [min(TEXTURE_CONTRAST, c, 255 - c) for c in base]
+        hi = tuple(c + d for c, d in zip(base, delta))
+        lo = tuple(c - d for c, d in zip(base, delta))
+        # lines vary along x only; a grid vanishes as soon as either axis is averaged away
+        step = _texture_step(w if pattern == "lines" else max(w, h))
+        cols = (np.arange(w) // step) % 2
+        rows = (np.arange(h) // step) % 2
+        on = np.broadcast_to(cols[None, :] == 0, (h, w)) if pattern == "lines" else (rows[:, None] + cols[None, :]) % 2 == 0
+        image.paste(Image.fromarray(np.where(on[..., None], np.array(hi, np.uint8), np.array(lo, np.uint8))))
+    return "What pattern is the background?", pattern
+
+
+def _relation(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
     colors = _other_colors(rng, [bg], 2)
     shapes = [rng.choice(SHAPES) for _ in colors]
     for side, (shape, color) in enumerate(zip(shapes, colors)):  # 0: left part, 1: right part
@@ -209,7 +249,7 @@ def _relation(rng, draw, w, h, bg):
 
 
 _MAKERS: dict[str, Callable] = {"color": _color, "presence": _presence, "dot": _dot, "speck": _speck,
-                                "relation": _relation, "count": _count, "digit": _digit}
+                                "relation": _relation, "texture": _texture, "count": _count, "digit": _digit}
 
 
 def _sample_rng(seed: int, index: int) -> random.Random:
@@ -225,7 +265,7 @@ def make_sample(seed: int, index: int, spec: TaskSpec = TaskSpec()) -> tuple[str
     h = rng.randrange(spec.min_side, spec.max_side + 1, 16)
     bg = rng.choice(list(COLORS))
     image = Image.new("RGB", (w, h), COLORS[bg])
-    question, answer = _MAKERS[family](rng, ImageDraw.Draw(image), w, h, bg)
+    question, answer = _MAKERS[family](rng, image, w, h, bg)
     return family, question, answer, image
 
 

@@ -16,8 +16,10 @@ from testbed.task import (
     EXTRA_FAMILIES,
     FAMILIES,
     NUM_ANSWERS,
+    TEXTURES,
     TaskSpec,
     generate_dataset,
+    make_sample,
 )
 from testbed.train import (
     RECIPE_FILE,
@@ -62,12 +64,45 @@ def test_generator_is_deterministic_and_readable(tmp_path):
 
 
 def test_extra_families(tmp_path):
-    ds = read_dataset(generate_dataset(tmp_path / "x", 6, seed=5, spec=TaskSpec(families=EXTRA_FAMILIES)))
+    ds = read_dataset(generate_dataset(tmp_path / "x", 3 * len(EXTRA_FAMILIES), seed=5,
+                                       spec=TaskSpec(families=EXTRA_FAMILIES)))
     assert [s.family for s in ds.samples] == list(EXTRA_FAMILIES) * 3
+    expected = {"count": {"1", "2", "3", "4"}, "digit": set(DIGITS), "texture": set(TEXTURES)}
     for s in ds.samples:
-        assert s.answers[0] in ({"1", "2", "3", "4"} if s.family == "count" else set(DIGITS))
+        assert s.answers[0] in expected[s.family]
     with pytest.raises(ValueError, match="unknown"):
         TaskSpec(families=("nope",))
+
+
+def test_texture_patterns_keep_the_mean_colour_and_vanish_in_the_global_view():
+    """A pattern is the background colour +- a delta (same mean), fine enough to be averaged
+    away in the 112-px global view but not in 3-column crops."""
+    import numpy as np
+
+    spec = TaskSpec(families=("texture",))
+    seen = set()
+    for i in range(40):
+        _, _, answer, image = make_sample(0, i, spec)
+        seen.add(answer)
+        pixels = np.asarray(image, dtype=np.int64)
+        h, w, _ = pixels.shape
+        even = pixels[:, : w - w % 4]  # whole periods only: the mean is exactly the background colour
+        background = pixels[-1, -1] if answer == "plain" else None
+        if answer == "plain":
+            assert (pixels == background).all()
+            continue
+        colours = {tuple(p) for p in even.reshape(-1, 3)}
+        assert len(colours) == 2, answer
+        assert tuple(even.reshape(-1, 3).mean(0)) in {tuple(float(v) for v in c) for c in COLORS.values()}
+
+        def high_frequency(img):
+            a = np.asarray(img, dtype=np.float64)
+            return np.abs(np.diff(a, axis=1)).mean() + np.abs(np.diff(a, axis=0)).mean()
+
+        global_view = image.resize((112, 112), Image.Resampling.BICUBIC)
+        crop_view = image.resize((3 * 84 + 28, 3 * 84 + 28), Image.Resampling.BICUBIC)
+        assert high_frequency(global_view) < 0.25 * high_frequency(crop_view), (i, image.size)
+    assert seen == set(TEXTURES)
 
 
 def test_larger_set_starts_with_the_smaller_one(tmp_path):
