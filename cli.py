@@ -515,6 +515,8 @@ def testbed_train(
     num_train_samples: Annotated[int, typer.Option("--num-train-samples", min=1, help="Size of the generated training set.")] = 4000,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step (one knob setting per step).")] = 8,
     lr: Annotated[float, typer.Option("--lr", help="AdamW peak learning rate.")] = 3e-3,
+    vision_lr: Annotated[float | None, typer.Option("--vision-lr", min=0.0, help="Peak learning rate of the ViT and projector (default: the recipe's).",
+                                                    show_default=False)] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the training set, data order and knob draws.")] = 0,
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads (part of the recipe: results depend on it).")] = 1,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or ~/.cache/ctrl).",
@@ -537,7 +539,7 @@ def testbed_train(
     )
 
     config = TrainConfig(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
-                         threads=threads)
+                         threads=threads, **({} if vision_lr is None else {"vision_lr": vision_lr}))
     try:
         def progress(step: int, loss: float) -> None:
             if step % 50 == 0 or step == steps:

@@ -76,6 +76,9 @@ class TrainConfig:
     steps: int = 800
     batch_size: int = 8
     lr: float = 3e-3
+    #: learning rate of the vision path (ViT + projector); None = ``lr``. The vision tower
+    #: learns fine patterns only at a lower rate than the decoder tolerates
+    vision_lr: float | None = None
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -184,10 +187,13 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
     for m in modules:
         m.requires_grad_(True)
         m.train()
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
+    groups = []
+    for module, lr in ((runtime.vision_backbone, config.lr if config.vision_lr is None else config.vision_lr),
+                       (runtime.decoder, config.lr)):
+        own = list(module.parameters())
+        groups += [{"params": [p for p in own if p.ndim >= 2], "weight_decay": config.weight_decay, "base_lr": lr},
+                   {"params": [p for p in own if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98))
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     order: list[int] = []
@@ -213,7 +219,7 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
                     items.append((img.convert("RGB"), s.question, s.answers[0]))
             _set_top_k(runtime, top_k)
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, config)
+                group["lr"] = _lr_at(step, config) * group["base_lr"] / config.lr
             loss = _batch_loss(runtime, items, max_crops, runtime.blocks_for(num_blocks))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

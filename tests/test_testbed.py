@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -173,6 +174,28 @@ def test_training_changes_the_weights(tiny_models, tmp_path):
     # the experts, the routers, the embeddings and the head all get gradients
     assert any("experts" in k for k in changed) and any("gate" in k for k in changed)
     assert any("lm_head" in k for k in changed) and any("embed_tokens" in k for k in changed)
+
+
+def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
+    """vision_lr=0 freezes the ViT and the projector; the decoder still trains at lr."""
+    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from testbed.train import train_model
+
+    base = tmp_path / "base"
+    base.mkdir()
+    write_embedded_model(base, seed=0)
+    runtime = EmbeddedRuntime(base)
+    before = {n: p.clone() for n, p in [*runtime.vision_backbone.named_parameters(),
+                                         *runtime.decoder.named_parameters(prefix="decoder")]}
+    data = generate_dataset(tmp_path / "data", 4, seed=0)
+    config = TrainConfig(num_train_samples=4, steps=2, batch_size=2, crops_choices=(1,), warmup_steps=1,
+                         vision_lr=0.0)
+    train_model(runtime, data, config)
+    vision = dict(runtime.vision_backbone.named_parameters())
+    decoder = dict(runtime.decoder.named_parameters(prefix="decoder"))
+    assert all(torch.equal(vision[n], before[n]) for n in vision)
+    assert any(not torch.equal(decoder[n], before[n]) for n in decoder)
+    assert TrainConfig(vision_lr=1e-4).recipe_hash() != TrainConfig().recipe_hash()
 
 
 def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
