@@ -90,6 +90,12 @@ class TrainConfig:
     #: the first ``full_warmup`` share of the steps all run the full model (a curriculum: learn
     #: the task first, then robustness to the knobs)
     full_warmup: float = 0.3
+    #: "periodic" sets the first ``periodic_filters`` output channels of the ViT's patch
+    #: embedding to fixed stripe/check filters before training (:func:`periodic_patch_filters`),
+    #: a stand-in for the pretrained vision tower a real VLM starts from; "random" keeps the
+    #: embedded model's weights
+    vision_init: str = "random"
+    periodic_filters: int = 21
     #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
     #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
     threads: int = 1
@@ -166,6 +172,41 @@ def _batch_loss(runtime: EmbeddedRuntime, items: Sequence[tuple[Image.Image, str
         pred = logits[i, start:start + len(target)].float()
         losses.append(torch.nn.functional.cross_entropy(pred, torch.tensor(target)))
     return torch.stack(losses).mean()
+
+
+def periodic_patch_filters(patch_px: int, count: int) -> torch.Tensor:
+    """(count <= 21, 3, patch, patch) fixed filters on luminance: cosines of periods 2-5 px, phases 0
+    and pi/2 (0 only for period 2), along x (vertical lines), along y and their product (checks), each
+    zero-mean (a plain patch of any colour gives 0) and of unit norm.
+
+    A linear patch embedding with these responds to fine periodic patterns of either phase
+    (one of the two phases is away from zero), which a randomly initialised 3-layer ViT does not
+    learn to pick out within minutes of training."""
+    xs = torch.arange(patch_px, dtype=torch.float64)
+    filters = []
+    for period in (2, 3, 4, 5):
+        for phase in ((0.0,) if period == 2 else (0.0, math.pi / 2)):  # sin(pi x) is 0 on the pixel grid
+            wave = torch.cos(2 * math.pi * xs / period + phase)
+            filters += [wave[None, :].expand(patch_px, patch_px), wave[:, None].expand(patch_px, patch_px),
+                        wave[:, None] * wave[None, :]]
+    if not 0 <= count <= len(filters):
+        raise ValueError(f"periodic_filters must be in 0..{len(filters)}, got {count}")
+    bank = torch.stack(filters[:count])
+    bank = bank - bank.mean(dim=(1, 2), keepdim=True)  # zero response to any plain patch
+    bank = bank / bank.flatten(1).norm(dim=1)[:, None, None]
+    return (bank[:, None].expand(count, 3, patch_px, patch_px) / math.sqrt(3)).float()
+
+
+def _init_vision(runtime: EmbeddedRuntime, config: TrainConfig) -> None:
+    if config.vision_init == "random":
+        return
+    if config.vision_init != "periodic":
+        raise ValueError(f"vision_init must be 'random' or 'periodic', got {config.vision_init!r}")
+    conv = runtime.vision.embeddings.patch_embedding
+    n = config.periodic_filters
+    with torch.no_grad():
+        scale = conv.weight[n:].flatten(1).norm(dim=1).mean()  # as strong as the other filters
+        conv.weight[:n] = periodic_patch_filters(conv.weight.shape[-1], n) * scale
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
@@ -275,6 +316,7 @@ def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
             write_embedded_model(base, seed=config.base_seed)
             generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train")
             runtime = EmbeddedRuntime(base)
+            _init_vision(runtime, config)
             start = time.perf_counter()
             losses = train_model(runtime, data_dir, config, progress)
             seconds = time.perf_counter() - start

@@ -198,6 +198,32 @@ def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
     assert TrainConfig(vision_lr=1e-4).recipe_hash() != TrainConfig().recipe_hash()
 
 
+def test_periodic_patch_filters_see_fine_patterns_and_not_plain_colour(tmp_path):
+    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from testbed.train import _init_vision, periodic_patch_filters
+
+    bank = periodic_patch_filters(14, 21)
+    assert bank.shape == (21, 3, 14, 14)
+    plain = torch.full((3, 14, 14), 0.7)
+    assert (bank * plain).sum(dim=(1, 2, 3)).abs().max() < 1e-5
+    for period in (2, 4):
+        for shift in range(period):  # any phase of the pattern against the patch grid
+            stripes = ((torch.arange(14) + shift) // (period // 2) % 2).float()[None, None, :].expand(3, 14, 14)
+            assert (bank * stripes).sum(dim=(1, 2, 3)).abs().max() > 0.5
+    with pytest.raises(ValueError, match="0..21"):
+        periodic_patch_filters(14, 22)
+
+    base = tmp_path / "base"
+    base.mkdir()
+    write_embedded_model(base, seed=0)
+    runtime = EmbeddedRuntime(base)
+    weight = runtime.vision.embeddings.patch_embedding.weight
+    rest = weight[21:].clone()
+    _init_vision(runtime, TrainConfig(vision_init="periodic"))
+    assert torch.allclose(weight[:21] / weight[:21].flatten(1).norm(dim=1)[:, None, None, None], bank)
+    assert torch.equal(weight[21:], rest)
+
+
 def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
     from features.model import load_runtime
 
