@@ -351,7 +351,7 @@ class EvalRow:
 
 def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequence[int] = EVAL_CROPS,
                      top_ks: Sequence[int] = EVAL_TOP_K, blocks: Sequence[int] = EVAL_BLOCKS,
-                     max_new_tokens: int = 4, num_samples: int | None = None, threads: int = 1,
+                     max_new_tokens: int = 6, num_samples: int | None = None, threads: int = 1,
                      progress: Callable[[int], None] | None = None) -> list[EvalRow]:
     """VQA score of ``runtime.generate`` per configuration and family on a dataset (greedy, KV cache)."""
     from features.model import load_runtime
