@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -96,6 +97,10 @@ class TrainConfig:
     #: embedded model's weights
     vision_init: str = "random"
     periodic_filters: int = 21
+    #: steps of a first phase that trains only the vision path (ViT + projector) with a
+    #: temporary linear head from the mean image token to the answer (a stand-in for the
+    #: pretrained vision tower a real VLM starts from); 0 = none
+    vision_pretrain_steps: int = 0
     #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
     #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
     threads: int = 1
@@ -216,13 +221,55 @@ def _lr_at(step: int, config: TrainConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
+                    progress: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train the vision path alone: mean image token -> linear head -> the answer (one class per
+    distinct answer), cross-entropy, AdamW at the vision learning rate, max_crops drawn per step.
+    The head is discarded afterwards; returns the per-step losses."""
+    samples = list(dataset.samples)
+    answers = sorted({s.answers[0] for s in samples})
+    head = torch.nn.Linear(runtime.image_feature_dim, len(answers))
+    module = runtime.vision_backbone
+    module.requires_grad_(True)
+    module.train()
+    lr = config.lr if config.vision_lr is None else config.vision_lr
+    optimizer = torch.optim.AdamW([*module.parameters(), *head.parameters()], lr=lr, betas=(0.9, 0.98),
+                                  weight_decay=config.weight_decay)
+    rng = random.Random(config.seed + 1)
+    losses: list[float] = []
+    try:
+        for step in range(config.vision_pretrain_steps):
+            max_crops = rng.choice(config.crops_choices)
+            feats, labels = [], []
+            for s in rng.sample(samples, min(config.batch_size, len(samples))):
+                with Image.open(dataset.image_path(s)) as img:
+                    inputs = runtime.preprocess(img.convert("RGB"), s.question, max_crops)
+                feats.append(module(inputs.images).mean(dim=(0, 1)))
+                labels.append(answers.index(s.answers[0]))
+            loss = torch.nn.functional.cross_entropy(head(torch.stack(feats)), torch.tensor(labels))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(module.parameters()), config.grad_clip)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(step + 1, losses[-1])
+    finally:
+        module.requires_grad_(False)
+        module.eval()
+    return losses
+
+
 def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig,
                 progress: Callable[[int, float], None] | None = None) -> list[float]:
-    """Train the runtime's modules in place on the dataset; returns the per-step losses."""
+    """Train the runtime's modules in place on the dataset; returns the per-step losses
+    (after :func:`pretrain_vision` when ``config.vision_pretrain_steps``)."""
     dataset = read_dataset(dataset_dir)
     samples = list(dataset.samples)
     if not samples:
         raise ValueError(f"{dataset_dir}: no samples to train on")
+    if config.vision_pretrain_steps:
+        pretrain_vision(runtime, dataset, config)
     modules = (runtime.vision_backbone, runtime.decoder)  # the backbone holds the ViT and the projector
     params = [p for m in modules for p in m.parameters()]
     for m in modules:

@@ -224,6 +224,24 @@ def test_periodic_patch_filters_see_fine_patterns_and_not_plain_colour(tmp_path)
     assert torch.equal(weight[21:], rest)
 
 
+def test_vision_pretraining_trains_the_vision_path_only(tmp_path):
+    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from testbed.train import pretrain_vision
+
+    base = tmp_path / "base"
+    base.mkdir()
+    write_embedded_model(base, seed=0)
+    runtime = EmbeddedRuntime(base)
+    vision_before = [p.clone() for p in runtime.vision_backbone.parameters()]
+    decoder_before = [p.clone() for p in runtime.decoder.parameters()]
+    dataset = read_dataset(generate_dataset(tmp_path / "data", 4, seed=0))
+    losses = pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, batch_size=2, crops_choices=(1,)))
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    assert any(not torch.equal(a, b) for a, b in zip(runtime.vision_backbone.parameters(), vision_before))
+    assert all(torch.equal(a, b) for a, b in zip(runtime.decoder.parameters(), decoder_before))
+    assert not any(p.requires_grad for p in runtime.vision_backbone.parameters())  # back to inference state
+
+
 def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
     from features.model import load_runtime
 
