@@ -9,21 +9,21 @@ family        question                              what it needs
 ``color``     What color is the background?         coarse: the global image suffices
 ``presence``  Is there a big shape?                 coarse: one big shape (or none), visible
                                                     at one crop
-``dot``       What color is the small dot?          detail: one dot of 2-4 px radius, about a
-                                                    pixel in the 112-px global view: crops
-``speck``     Is there a small dot?                 detail: the same dot, present or not
+``texture``   What pattern is the background?       detail: ``plain``, ``lines`` or ``grid``,
+                                                    the background colour +- a delta in 1-2 px
+                                                    stripes or checks (mean-preserving): the
+                                                    112-px global view averages it away, only
+                                                    crops show it
 ``relation``  What color is the shape on the left?  two attributes combined (position ->
                                                     colour) between two shapes: more decoder
                                                     depth / experts
 ============  ====================================  ==========================================
 
-More families can be drawn (``TaskSpec(families=...)``): ``count`` (How many small dots are
-there? 1-4), ``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled x2-x3) and
-``texture`` (What pattern is the background? ``plain``, ``lines`` or ``grid``: the background
-colour +- a delta in 1-2 px stripes or checks, mean-preserving, so that the 112-px global view
-shows a plain background and only crops show the pattern). The default training recipe
-(minutes on 2 CPU cores) did not get beyond their answer priors, so they are not in the
-default mix.
+More families can be drawn (``TaskSpec(families=...)``): ``dot`` (What color is the small
+dot? one dot of 2-4 px radius), ``speck`` (Is there a small dot?), ``count`` (How many small
+dots are there? 1-4) and ``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled
+x2-x3). Training runs of minutes on 2 CPU cores did not get beyond their answer priors, so
+they are not in the default mix.
 
 Answers are single short words or digits (colours, ``yes``/``no``, digits), stored ten times
 as the ``answers`` list (like the ten human answers of VQA v2, so the VQA score of a correct
@@ -60,10 +60,10 @@ SHAPES = ("circle", "square", "triangle")
 #: digits the ``digit`` family prints (visually distinct in the 3x5 font)
 DIGITS = "1478"
 #: the default families (a generated set cycles through them)
-FAMILIES = ("color", "presence", "dot", "speck", "relation")
+FAMILIES = ("color", "presence", "texture", "relation")
 #: further families the generator can draw (``TaskSpec(families=...)``); the default training
 #: recipe does not learn them (see the module docstring)
-EXTRA_FAMILIES = ("count", "digit", "texture")
+EXTRA_FAMILIES = ("dot", "speck", "count", "digit")
 #: the ``texture`` family's patterns (the answers: "plain" 2 tokens, the others 4 with the embedded tokenizer)
 TEXTURES = ("plain", "lines", "grid")
 #: per-channel +- of a pattern around the background colour (less where the colour is near 0 or 255)
