@@ -517,6 +517,8 @@ def testbed_train(
     lr: Annotated[float, typer.Option("--lr", help="AdamW peak learning rate.")] = 3e-3,
     vision_lr: Annotated[float | None, typer.Option("--vision-lr", min=0.0, help="Peak learning rate of the ViT and projector (default: the recipe's).",
                                                     show_default=False)] = None,
+    vision_pretrain_steps: Annotated[int | None, typer.Option("--vision-pretrain-steps", min=0, help="Steps training the vision path alone first (default: the recipe's; 0 = none).",
+                                                               show_default=False)] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the training set, data order and knob draws.")] = 0,
     threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads (part of the recipe: results depend on it).")] = 1,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or ~/.cache/ctrl).",
@@ -539,13 +541,19 @@ def testbed_train(
     )
 
     config = TrainConfig(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
-                         threads=threads, **({} if vision_lr is None else {"vision_lr": vision_lr}))
+                         threads=threads, **({} if vision_lr is None else {"vision_lr": vision_lr}),
+                         **({} if vision_pretrain_steps is None else {"vision_pretrain_steps": vision_pretrain_steps}))
     try:
         def progress(step: int, loss: float) -> None:
             if step % 50 == 0 or step == steps:
                 err.print(f"step {step}/{steps} loss {loss:.3f}", highlight=False, markup=False)
 
-        report = train_testbed(config, cache_dir, force=force, progress=progress)
+        def pretrain_progress(step: int, loss: float) -> None:
+            if step % 250 == 0 or step == config.vision_pretrain_steps:
+                err.print(f"vision pretraining step {step}/{config.vision_pretrain_steps} loss {loss:.3f}",
+                          highlight=False, markup=False)
+
+        report = train_testbed(config, cache_dir, force=force, progress=progress, pretrain_progress=pretrain_progress)
         if report.trained:
             out.print(f"trained in {report.train_seconds:.0f}s -> {report.model_dir}", highlight=False, markup=False)
         else:

@@ -261,7 +261,8 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
 
 
 def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig,
-                progress: Callable[[int, float], None] | None = None) -> list[float]:
+                progress: Callable[[int, float], None] | None = None,
+                pretrain_progress: Callable[[int, float], None] | None = None) -> list[float]:
     """Train the runtime's modules in place on the dataset; returns the per-step losses
     (after :func:`pretrain_vision` when ``config.vision_pretrain_steps``)."""
     dataset = read_dataset(dataset_dir)
@@ -270,7 +271,7 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
         raise ValueError(f"{dataset_dir}: no samples to train on")
     torch.manual_seed(config.seed)  # the pretraining head's init, then the main phase
     if config.vision_pretrain_steps:
-        pretrain_vision(runtime, dataset, config)
+        pretrain_vision(runtime, dataset, config, pretrain_progress)
     modules = (runtime.vision_backbone, runtime.decoder)  # the backbone holds the ViT and the projector
     params = [p for m in modules for p in m.parameters()]
     for m in modules:
@@ -350,7 +351,8 @@ def model_dir_for(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
 
 
 def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None, force: bool = False,
-                  progress: Callable[[int, float], None] | None = None) -> TrainReport:
+                  progress: Callable[[int, float], None] | None = None,
+                  pretrain_progress: Callable[[int, float], None] | None = None) -> TrainReport:
     """Train (or reuse) the testbed model of this recipe; see :func:`build_testbed_model`."""
     target = model_dir_for(config, cache_dir)
     if is_embedded_dir(target) and not force:
@@ -366,7 +368,7 @@ def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
             runtime = EmbeddedRuntime(base)
             _init_vision(runtime, config)
             start = time.perf_counter()
-            losses = train_model(runtime, data_dir, config, progress)
+            losses = train_model(runtime, data_dir, config, progress, pretrain_progress)
             seconds = time.perf_counter() - start
             recipe = {"format": "ctrl-testbed", "testbed_version": TESTBED_VERSION, "recipe_hash": config.recipe_hash(),
                       "config": asdict(config), "final_loss": sum(losses[-20:]) / len(losses[-20:])}

@@ -268,3 +268,16 @@ def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
     assert next(r for r in rows if r.family == "all").num_samples == 5
     table = format_eval_table(rows)
     assert len(table) == 3 and table[2].startswith("| 1 | 4 | 12 |")
+
+
+def test_cli_train_reports_both_phases(tmp_path):
+    from cli import app
+
+    args = ["testbed", "train", "--steps", "2", "--num-train-samples", "4", "--batch-size", "2",
+            "--vision-pretrain-steps", "2", "--eval-samples", "0", "--cache-dir", str(tmp_path / "cache")]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "vision pretraining step 2/2" in result.output and "step 2/2 loss" in result.output
+    assert "trained in" in result.output
+    again = CliRunner().invoke(app, args, catch_exceptions=False)  # the same recipe: reused from the cache
+    assert again.exit_code == 0 and "vision pretraining" not in again.output
