@@ -1,7 +1,9 @@
 """Train the embedded model on the testbed task (CPU, minutes, deterministic) and evaluate its knob trade-off.
 
 Recipe (``TrainConfig``): start from ``write_embedded_model(seed=base_seed)`` (same architecture,
-tokenizer and directory format as the embedded default), then AdamW on the teacher-forced
+tokenizer and directory format as the embedded default), set fixed periodic filters in the ViT's
+patch embedding (``vision_init``), train the vision path alone with a temporary answer head
+(``vision_pretrain_steps``, :func:`pretrain_vision`), then AdamW (vision path at ``vision_lr``) on the teacher-forced
 next-token loss of the answer tokens (answer + EOS) after ``runtime.format_prompt(question)``,
 the image going through ``runtime.preprocess``. Every optimizer step draws one knob setting
 for its whole batch, so that the model degrades gracefully under the knobs:
@@ -104,6 +106,10 @@ class TrainConfig:
     #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
     #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
     threads: int = 1
+
+    @property
+    def vision_peak_lr(self) -> float:
+        return self.lr if self.vision_lr is None else self.vision_lr
 
     def recipe_hash(self) -> str:
         payload = json.dumps({"testbed_version": TESTBED_VERSION, "embedded_version": EMBEDDED_VERSION,
@@ -227,13 +233,12 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
     distinct answer), cross-entropy, AdamW at the vision learning rate, max_crops drawn per step.
     The head is discarded afterwards; returns the per-step losses."""
     samples = list(dataset.samples)
-    answers = sorted({s.answers[0] for s in samples})
-    head = torch.nn.Linear(runtime.image_feature_dim, len(answers))
+    label_of = {answer: i for i, answer in enumerate(sorted({s.answers[0] for s in samples}))}
+    head = torch.nn.Linear(runtime.image_feature_dim, len(label_of))
     module = runtime.vision_backbone
     module.requires_grad_(True)
     module.train()
-    lr = config.lr if config.vision_lr is None else config.vision_lr
-    optimizer = torch.optim.AdamW([*module.parameters(), *head.parameters()], lr=lr, betas=(0.9, 0.98),
+    optimizer = torch.optim.AdamW([*module.parameters(), *head.parameters()], lr=config.vision_peak_lr, betas=(0.9, 0.98),
                                   weight_decay=config.weight_decay)
     rng = random.Random(config.seed + 1)
     losses: list[float] = []
@@ -245,7 +250,7 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
                 with Image.open(dataset.image_path(s)) as img:
                     inputs = runtime.preprocess(img.convert("RGB"), s.question, max_crops)
                 feats.append(module(inputs.images).mean(dim=(0, 1)))
-                labels.append(answers.index(s.answers[0]))
+                labels.append(label_of[s.answers[0]])
             loss = torch.nn.functional.cross_entropy(head(torch.stack(feats)), torch.tensor(labels))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -269,7 +274,7 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
     samples = list(dataset.samples)
     if not samples:
         raise ValueError(f"{dataset_dir}: no samples to train on")
-    torch.manual_seed(config.seed)  # the pretraining head's init, then the main phase
+    torch.manual_seed(config.seed)  # the pretraining head's init (reseeded below for the main phase)
     if config.vision_pretrain_steps:
         pretrain_vision(runtime, dataset, config, pretrain_progress)
     modules = (runtime.vision_backbone, runtime.decoder)  # the backbone holds the ViT and the projector
@@ -278,8 +283,7 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
         m.requires_grad_(True)
         m.train()
     groups = []
-    for module, lr in ((runtime.vision_backbone, config.lr if config.vision_lr is None else config.vision_lr),
-                       (runtime.decoder, config.lr)):
+    for module, lr in ((runtime.vision_backbone, config.vision_peak_lr), (runtime.decoder, config.lr)):
         own = list(module.parameters())
         groups += [{"params": [p for p in own if p.ndim >= 2], "weight_decay": config.weight_decay, "base_lr": lr},
                    {"params": [p for p in own if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
