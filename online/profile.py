@@ -349,20 +349,157 @@ def exp6_name(c: int, k: int, b: int, rank: int | None = None) -> str:
 
 
 def load_profile_runtime(model: str, device: str = "cpu"):
-    """``embedded`` / a directory via ``load_runtime``; ``testbed`` via ``testbed.train.build_testbed_model``."""
-    from features.model import ModelRuntime, load_runtime
+    """The runtime ``--model`` names (``features.model.load_runtime``: embedded, testbed or a directory)."""
+    from features.model import load_runtime
 
-    if model == "testbed":
-        try:
-            from testbed.train import build_testbed_model
-        except ImportError as exc:
-            raise CtrlError(f"--model testbed: the trained testbed is not available ({exc}); "
-                            "use --model embedded or a model directory") from None
-        built = build_testbed_model()
-        if isinstance(built, ModelRuntime):
-            return built
-        return load_runtime(str(built), device=device)
     return load_runtime(model, device=device)
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+def dataset_dirs(out_dir: Path, dataset_name: str) -> tuple[Path, Path]:
+    """The exp5 and exp6 directories of one dataset (the origin's naming: ``_`` -> ``-``)."""
+    slug = dataset_name.replace("_", "-")
+    return out_dir / f"exp5_accuracy_{slug}", out_dir / f"exp6_latency_{slug}"
+
+
+def _complete(doc: dict | None, identity: dict, extra: dict) -> bool | None:
+    """True: complete and same run; False: another run's file; None: absent/unreadable (redo)."""
+    if doc is None:
+        return None
+    config = doc.get("config")
+    block = config.get("ctrl_profile") if isinstance(config, dict) else None
+    if not isinstance(block, dict) or config.get("ctrl_profile_version") != PROFILE_VERSION:
+        return False
+    keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device")
+    same = all(block.get(k) == identity[k] for k in keys) and all(block.get(k) == v for k, v in extra.items())
+    return same and block.get("complete") is True
+
+
+@dataclass(frozen=True)
+class TreeWriter:
+    """One dataset's merged per-configuration files and final aggregates, computed from its rank
+    files on disk. The profiler and ``online.profile_archive.unpack_profile`` share it, so an
+    unpacked tree is the one profile wrote."""
+
+    out_dir: Path
+    dataset_name: str
+    split: str
+    world_size: int
+    max_new_tokens: int
+    num_layers: int
+    strategy: str
+    combinations: tuple[Config, ...]
+
+    @property
+    def dirs(self) -> tuple[Path, Path]:
+        return dataset_dirs(self.out_dir, self.dataset_name)
+
+    def base_config(self, knob: Config, active: list[int]) -> dict:
+        c, k, b = knob
+        return {"dataset_name": self.dataset_name, "split": self.split, "max_new_tokens": self.max_new_tokens,
+                "max_crops": c, "top_k": k, "num_active_blocks": b, "num_total_blocks": self.num_layers,
+                "active_block_indices": active}
+
+    def write_rank(self, files: Sequence[Path], knob: Config, rank: int, active: list[int], config_index: int,
+                   block: dict, latencies: list[dict], predictions: list[dict], duration: float,
+                   start_time: str, end_time: str) -> None:
+        """One rank's exp5 and exp6 files (``files`` = their paths) of one configuration."""
+        c, k, b = knob
+        scores = [p["score"] for p in predictions]
+        acc, std = _mean_std(scores)
+        base = self.base_config(knob, active)
+        exp5_file, exp6_file = files
+        # exp6 first: a crash between the two leaves exp5 missing, and the rank is redone
+        _write_json(exp6_file, {
+            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "num_total_blocks": self.num_layers,
+                         "active_block_indices": active, "num_samples": len(latencies), "accuracy": acc,
+                         **latency_stats(latencies)}],
+            "per_sample_latencies": latencies, "per_sample_predictions": predictions,
+            "config": {**base, "batch_size": 1, "world_size": self.world_size, "rank": rank,
+                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
+        _write_json(exp5_file, {
+            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "accuracy": acc, "num_samples": len(scores),
+                         "std": std, "duration_seconds": duration, "duration_minutes": duration / 60.0,
+                         "duration_hours": duration / 3600.0, "start_time": start_time, "end_time": end_time}],
+            "all_samples": predictions,
+            "config": {**base, "batch_size": 1, "batch_size_used": 1, "world_size": self.world_size, "rank": rank,
+                       "config_index": config_index, "sampling_strategy": self.strategy,
+                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
+
+    def merge(self, identity: dict, knob: Config, active: list[int]) -> None:
+        """Merged per-config files from the rank files on disk (never from memory): records by dataset index."""
+        c, k, b = knob
+        W = self.world_size
+        exp5_dir, exp6_dir = self.dirs
+        lats, preds, samples = [], [], []
+        for rank in range(W):
+            d5 = _read_json(exp5_dir / exp5_name(c, k, b, rank))
+            d6 = _read_json(exp6_dir / exp6_name(c, k, b, rank))
+            for path, doc in ((exp5_dir / exp5_name(c, k, b, rank), d5), (exp6_dir / exp6_name(c, k, b, rank), d6)):
+                if not _complete(doc, identity, {"world_size": W, "rank": rank}):
+                    raise CtrlError(f"{path}: rank file missing or incomplete at merge time")
+            samples += d5["all_samples"]
+            lats += d6["per_sample_latencies"]
+            preds += d6["per_sample_predictions"]
+        order = sorted(range(len(lats)), key=lambda i: lats[i]["dataset_index"])
+        lats, preds = [lats[i] for i in order], [preds[i] for i in order]
+        samples.sort(key=lambda r: r["dataset_index"])
+        expected = list(range(identity["num_samples"]))
+        for name, records in (("exp5", samples), ("exp6", lats)):
+            got = [r["dataset_index"] for r in records]
+            if got != expected:
+                raise CtrlError(f"{self.dataset_name} crops{c}_topk{k}_blocks{b}: the {name} rank files cover dataset "
+                                f"indices {got[:8]}..., expected 0..{identity['num_samples'] - 1} exactly once")
+        block = {**identity, "world_size": W, "complete": True}
+        base = self.base_config(knob, active)
+        acc, _ = _mean_std([p["score"] for p in preds])
+        _write_json(exp6_dir / exp6_name(c, k, b), {
+            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "num_samples": len(lats), "accuracy": acc,
+                         **latency_stats(lats)}],
+            "per_sample_latencies": lats, "per_sample_predictions": preds,
+            "config": {**base, "batch_size": 1, "world_size": W, "note": MERGE_NOTE,
+                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
+        acc5, std5 = _mean_std([s["score"] for s in samples])
+        _write_json(exp5_dir / exp5_name(c, k, b), {
+            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "accuracy": acc5, "num_samples": len(samples),
+                         "std": std5}],
+            "all_samples": samples,
+            "config": {**base, "batch_size": 1, "world_size": W, "note": MERGE_NOTE,
+                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
+
+    def final(self, identity: dict) -> dict[Config, dict]:
+        """Final aggregates over the sweep's configurations, from the merged files (in sweep order);
+        returns each configuration's exp6 summary."""
+        exp5_dir, exp6_dir = self.dirs
+        s5, a5, s6, a6 = [], [], [], []
+        summaries = {}
+        for c, k, b in self.combinations:
+            d5, d6 = _read_json(exp5_dir / exp5_name(c, k, b)), _read_json(exp6_dir / exp6_name(c, k, b))
+            s5.append(d5["summary"][0])
+            a5 += d5["all_samples"]
+            s6.append(d6["summary"][0])
+            a6 += d6["per_sample_latencies"]
+            summaries[(c, k, b)] = d6["summary"][0]
+        lists = {"max_crops_list": sorted({c for c, _, _ in self.combinations}),
+                 "top_k_list": sorted({k for _, k, _ in self.combinations}),
+                 "num_active_blocks_list": sorted({b for _, _, b in self.combinations})}
+        common = {"dataset_name": self.dataset_name, "split": self.split, "batch_size": 1,
+                  "max_new_tokens": self.max_new_tokens, **lists, "sampling_strategy": self.strategy,
+                  "num_combinations": len(self.combinations), "world_size": self.world_size,
+                  "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": {**identity, "complete": True}}
+        _write_json(exp5_dir / "exp5_accuracy_results.json", {"summary": s5, "all_samples": a5, "config": common})
+        _write_json(exp6_dir / "exp6_latency_results.json", {"summary": s6, "all_samples": a6, "config": common})
+        return summaries
+
+
+def latency_stats(latencies: list[dict]) -> dict:
+    vision = [r["T_vision_ms"] for r in latencies if r["T_vision_ms"] is not None]
+    return {"latency_total_ms": _stats([r["T_total_ms"] for r in latencies]),
+            "latency_prefill_ms": _stats([r["T_prefill_ms"] for r in latencies]),
+            "latency_decode_ms": _stats([r["T_decode_ms"] for r in latencies]),
+            "latency_vision_ms": _stats(vision)}
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -385,19 +522,6 @@ class _Profiler:
             "max_new_tokens": self.config.max_new_tokens, "device": self.runtime.device.type,
         }
 
-    @staticmethod
-    def _matches(doc: dict | None, identity: dict, extra: dict) -> bool | None:
-        """True: complete and same run; False: another run's file; None: absent/unreadable (redo)."""
-        if doc is None:
-            return None
-        config = doc.get("config")
-        block = config.get("ctrl_profile") if isinstance(config, dict) else None
-        if not isinstance(block, dict) or config.get("ctrl_profile_version") != PROFILE_VERSION:
-            return False
-        keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device")
-        same = all(block.get(k) == identity[k] for k in keys) and all(block.get(k) == v for k, v in extra.items())
-        return same and block.get("complete") is True
-
     def _foreign(self, path: Path, identity: dict) -> CtrlError:
         return CtrlError(f"{path}: written by a different profiling run (other model, samples, max_new_tokens, "
                          f"device or world size than model {identity['model_fingerprint'][:12]}, "
@@ -419,7 +543,7 @@ class _Profiler:
         for ci, (c, k, b) in enumerate(cfg.combinations):
             label = f"{dataset.name} crops{c}_topk{k}_blocks{b}"
             merged = [exp5_dir / exp5_name(c, k, b), exp6_dir / exp6_name(c, k, b)]
-            states = [self._matches(_read_json(p), identity, {}) for p in merged]
+            states = [_complete(_read_json(p), identity, {}) for p in merged]
             for p, s in zip(merged, states):
                 if s is False and p.exists():
                     raise self._foreign(p, identity)
@@ -431,7 +555,7 @@ class _Profiler:
             for rank in ranks:
                 files = [exp5_dir / exp5_name(c, k, b, rank), exp6_dir / exp6_name(c, k, b, rank)]
                 extra = {"world_size": W, "rank": rank}
-                rstates = [self._matches(_read_json(p), identity, extra) for p in files]
+                rstates = [_complete(_read_json(p), identity, extra) for p in files]
                 for p, s in zip(files, rstates):
                     if s is False and p.exists():
                         raise self._foreign(p, identity)
@@ -444,9 +568,12 @@ class _Profiler:
             report.measured_configs.append((c, k, b))
         barrier()
         if merge:
+            writer = self._writer(dataset)
             for knob, active in to_merge:
-                self._merge(dataset, identity, knob, active)
-            self._final(dataset, report, identity)
+                writer.merge(identity, knob, active)
+            for knob, summary in writer.final(identity).items():
+                report.accuracy[knob] = summary["accuracy"]
+                report.latency_total_ms_p50[knob] = summary["latency_total_ms"]["P50"]
         barrier()
 
     def _sample_inputs(self, dataset: Any, index: int, max_crops: int):
@@ -509,110 +636,13 @@ class _Profiler:
         block = {**identity, "world_size": cfg.world_size, "rank": rank, "warmup": cfg.warmup,
                  "threads": torch.get_num_threads() if runtime.device.type == "cpu" else None,
                  "dataset_indices": indices, "torch": torch.__version__, "complete": True}
-        scores = [p["score"] for p in predictions]
-        acc, std = _mean_std(scores)
-        base = self._base_config(dataset, knob, active)
-        exp5_file, exp6_file = files
-        # exp6 first: a crash between the two leaves exp5 missing, and the rank is redone
-        _write_json(exp6_file, {
-            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "num_total_blocks": runtime.num_layers,
-                         "active_block_indices": active, "num_samples": len(latencies), "accuracy": acc,
-                         **self._latency_stats(latencies)}],
-            "per_sample_latencies": latencies, "per_sample_predictions": predictions,
-            "config": {**base, "batch_size": 1, "world_size": cfg.world_size, "rank": rank,
-                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
-        _write_json(exp5_file, {
-            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "accuracy": acc, "num_samples": len(scores),
-                         "std": std, "duration_seconds": duration, "duration_minutes": duration / 60.0,
-                         "duration_hours": duration / 3600.0, "start_time": start_time.strftime(fmt),
-                         "end_time": datetime.now().strftime(fmt)}],
-            "all_samples": predictions,
-            "config": {**base, "batch_size": 1, "batch_size_used": 1, "world_size": cfg.world_size, "rank": rank,
-                       "config_index": config_index, "sampling_strategy": cfg.strategy,
-                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
+        self._writer(dataset).write_rank(files, knob, rank, active, config_index, block, latencies, predictions,
+                                         duration, start_time.strftime(fmt), datetime.now().strftime(fmt))
 
-    def _base_config(self, dataset: Any, knob: Config, active: list[int]) -> dict:
-        c, k, b = knob
-        return {"dataset_name": dataset.name, "split": dataset.split, "max_new_tokens": self.config.max_new_tokens,
-                "max_crops": c, "top_k": k, "num_active_blocks": b, "num_total_blocks": self.runtime.num_layers,
-                "active_block_indices": active}
-
-    @staticmethod
-    def _latency_stats(latencies: list[dict]) -> dict:
-        vision = [r["T_vision_ms"] for r in latencies if r["T_vision_ms"] is not None]
-        return {"latency_total_ms": _stats([r["T_total_ms"] for r in latencies]),
-                "latency_prefill_ms": _stats([r["T_prefill_ms"] for r in latencies]),
-                "latency_decode_ms": _stats([r["T_decode_ms"] for r in latencies]),
-                "latency_vision_ms": _stats(vision)}
-
-    def _merge(self, dataset: Any, identity: dict, knob: Config, active: list[int]) -> None:
-        """Merged per-config files from the rank files on disk (never from memory): records by dataset index."""
+    def _writer(self, dataset: Any) -> TreeWriter:
         cfg = self.config
-        c, k, b = knob
-        W = cfg.world_size
-        exp5_dir, exp6_dir = self._dirs(dataset)
-        lats, preds, samples = [], [], []
-        for rank in range(W):
-            d5 = _read_json(exp5_dir / exp5_name(c, k, b, rank))
-            d6 = _read_json(exp6_dir / exp6_name(c, k, b, rank))
-            for path, doc in ((exp5_dir / exp5_name(c, k, b, rank), d5), (exp6_dir / exp6_name(c, k, b, rank), d6)):
-                if not self._matches(doc, identity, {"world_size": W, "rank": rank}):
-                    raise CtrlError(f"{path}: rank file missing or incomplete at merge time")
-            samples += d5["all_samples"]
-            lats += d6["per_sample_latencies"]
-            preds += d6["per_sample_predictions"]
-        order = sorted(range(len(lats)), key=lambda i: lats[i]["dataset_index"])
-        lats, preds = [lats[i] for i in order], [preds[i] for i in order]
-        samples.sort(key=lambda r: r["dataset_index"])
-        expected = list(range(identity["num_samples"]))
-        for name, records in (("exp5", samples), ("exp6", lats)):
-            got = [r["dataset_index"] for r in records]
-            if got != expected:
-                raise CtrlError(f"{dataset.name} crops{c}_topk{k}_blocks{b}: the {name} rank files cover dataset "
-                                f"indices {got[:8]}..., expected 0..{identity['num_samples'] - 1} exactly once")
-        block = {**identity, "world_size": W, "complete": True}
-        base = self._base_config(dataset, knob, active)
-        acc, _ = _mean_std([p["score"] for p in preds])
-        _write_json(exp6_dir / exp6_name(c, k, b), {
-            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "num_samples": len(lats), "accuracy": acc,
-                         **self._latency_stats(lats)}],
-            "per_sample_latencies": lats, "per_sample_predictions": preds,
-            "config": {**base, "batch_size": 1, "world_size": W, "note": MERGE_NOTE,
-                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
-        acc5, std5 = _mean_std([s["score"] for s in samples])
-        _write_json(exp5_dir / exp5_name(c, k, b), {
-            "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "accuracy": acc5, "num_samples": len(samples),
-                         "std": std5}],
-            "all_samples": samples,
-            "config": {**base, "batch_size": 1, "world_size": W, "note": MERGE_NOTE,
-                       "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
-
-    def _dirs(self, dataset: Any) -> tuple[Path, Path]:
-        slug = dataset.name.replace("_", "-")
-        return self.config.out_dir / f"exp5_accuracy_{slug}", self.config.out_dir / f"exp6_latency_{slug}"
-
-    def _final(self, dataset: Any, report: DatasetReport, identity: dict) -> None:
-        """Final aggregates over this sweep's configurations, from the merged files (in sweep order)."""
-        cfg = self.config
-        exp5_dir, exp6_dir = self._dirs(dataset)
-        s5, a5, s6, a6 = [], [], [], []
-        for c, k, b in cfg.combinations:
-            d5, d6 = _read_json(exp5_dir / exp5_name(c, k, b)), _read_json(exp6_dir / exp6_name(c, k, b))
-            s5.append(d5["summary"][0])
-            a5 += d5["all_samples"]
-            s6.append(d6["summary"][0])
-            a6 += d6["per_sample_latencies"]
-            report.accuracy[(c, k, b)] = d6["summary"][0]["accuracy"]
-            report.latency_total_ms_p50[(c, k, b)] = d6["summary"][0]["latency_total_ms"]["P50"]
-        lists = {"max_crops_list": sorted({c for c, _, _ in cfg.combinations}),
-                 "top_k_list": sorted({k for _, k, _ in cfg.combinations}),
-                 "num_active_blocks_list": sorted({b for _, _, b in cfg.combinations})}
-        common = {"dataset_name": dataset.name, "split": dataset.split, "batch_size": 1,
-                  "max_new_tokens": cfg.max_new_tokens, **lists, "sampling_strategy": cfg.strategy,
-                  "num_combinations": len(cfg.combinations), "world_size": cfg.world_size,
-                  "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": {**identity, "complete": True}}
-        _write_json(exp5_dir / "exp5_accuracy_results.json", {"summary": s5, "all_samples": a5, "config": common})
-        _write_json(exp6_dir / "exp6_latency_results.json", {"summary": s6, "all_samples": a6, "config": common})
+        return TreeWriter(cfg.out_dir, dataset.name, dataset.split, cfg.world_size, cfg.max_new_tokens,
+                          self.runtime.num_layers, cfg.strategy, tuple(cfg.combinations))
 
     def close(self) -> None:
         self.timer.close()
@@ -676,7 +706,7 @@ def profile_model(config: ProfileConfig, runtime: Any = None, progress: Callable
     try:
         with cpu_threads(config.threads, runtime.device):
             for d, n in zip(datasets, sizes):
-                exp5_dir, exp6_dir = profiler._dirs(d)
+                exp5_dir, exp6_dir = dataset_dirs(config.out_dir, d.name)
                 exp5_dir.mkdir(parents=True, exist_ok=True)
                 exp6_dir.mkdir(parents=True, exist_ok=True)
                 report = DatasetReport(d.name, n, exp5_dir, exp6_dir)

@@ -212,15 +212,14 @@ def test_cli(profiled, embedded_runtime, tmp_path, monkeypatch):
     assert "top_k must be in 1..64" in fails("--configs", "2/65/12")
 
 
-def test_testbed_model_without_the_module(monkeypatch):
-    import sys
-
+def test_testbed_model_must_be_trained_first(monkeypatch, tmp_path):
     from online.profile import load_profile_runtime
     from pipeline.errors import CtrlError
 
-    monkeypatch.setitem(sys.modules, "testbed.train", None)  # import fails as if the module were absent
-    with pytest.raises(CtrlError, match="--model testbed"):
+    monkeypatch.setenv("CTRL_CACHE_DIR", str(tmp_path))  # an empty cache: nothing is trained implicitly
+    with pytest.raises(CtrlError, match="--model testbed: the trained testbed is not in the cache; run `ctrl testbed train`"):
         load_profile_runtime("testbed")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_parser_honours_the_profile_marker(tmp_path):
@@ -292,3 +291,57 @@ def test_torchrun_processes_measure_their_ranks_and_rank0_merges(profiled, embed
     assert records(merged) == records(simulated)
     assert merged["config"]["world_size"] == 2 and merged["config"]["ctrl_profile"]["complete"] is True
     assert (tmp_path / "out" / "exp6_latency_tiny-vqa" / "exp6_latency_results.json").is_file()
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_archive_round_trip_is_byte_identical(profiled, tmp_path):
+    from online.profile_archive import pack_profile, unpack_profile
+
+    root, _, _, _ = profiled
+    for world in ("w1", "w2"):
+        archive = tmp_path / f"{world}.parquet"
+        rows = pack_profile(root / world, archive)
+        assert rows == NUM_SAMPLES * len(CONFIGS)
+        report = unpack_profile(archive, tmp_path / f"{world}-unpacked")
+        original, unpacked = _tree_bytes(root / world), _tree_bytes(tmp_path / f"{world}-unpacked")
+        assert report.files == len(original) and report.datasets == ["tiny_vqa"]
+        assert unpacked.keys() == original.keys()
+        assert [name for name in original if unpacked[name] != original[name]] == []
+
+
+def test_archive_refuses_foreign_trees(profiled, tmp_path):
+    from online.profile_archive import pack_profile, unpack_profile
+    from pipeline.errors import CtrlError
+
+    root, _, _, _ = profiled
+    with pytest.raises(CtrlError, match="not a ctrl profile output directory"):
+        pack_profile(tmp_path, tmp_path / "a.parquet")
+    tree = tmp_path / "edited"
+    import shutil
+
+    shutil.copytree(root / "w1", tree)
+    rank = tree / "exp6_latency_tiny-vqa" / "exp6_latency_crops2_topk4_blocks12_rank0.json"
+    doc = load(rank)
+    del doc["config"]["ctrl_profile_version"]
+    rank.write_text(json.dumps(doc))
+    with pytest.raises(CtrlError, match="exp6_latency_crops2_topk4_blocks12_rank0.json: .*not a complete ctrl profile"):
+        pack_profile(tree, tmp_path / "b.parquet")
+    del doc["config"]["ctrl_profile"]
+    doc["config"]["ctrl_profile_version"] = 1
+    rank.write_text(json.dumps(json.loads((root / "w1" / rank.relative_to(tree)).read_text()), indent=2) + "\n")
+    summary = tree / "exp5_accuracy_tiny-vqa" / "exp5_accuracy_results_crops2_topk4_blocks12_rank0.json"
+    doc = load(summary)
+    doc["summary"][0]["accuracy"] = 0.123  # edited by hand: the archive would not give it back
+    summary.write_text(json.dumps(doc, indent=2) + "\n")
+    with pytest.raises(CtrlError, match="exp5_accuracy_results_crops2_topk4_blocks12_rank0.json: not reproducible"):
+        pack_profile(tree, tmp_path / "c.parquet")
+    plain = tmp_path / "plain.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": [1]}), plain)
+    with pytest.raises(CtrlError, match="plain.parquet: not a ctrl profile archive"):
+        unpack_profile(plain, tmp_path / "out")

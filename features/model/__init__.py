@@ -1,6 +1,7 @@
 """The model runtime: one interface (``base``) over the embedded model and a MolmoE-1B checkpoint.
 
 ``load_runtime("embedded")`` builds (once, into the cache) and loads the seeded embedded model;
+``load_runtime("testbed")`` loads the trained testbed from the cache (``ctrl testbed train``);
 ``load_runtime(path)`` loads a directory: our embedded format if it carries the embedded
 marker, otherwise a MolmoE checkpoint.
 """
@@ -31,12 +32,22 @@ __all__ = [
 
 
 def _resolve(model: str) -> tuple[str, Path]:
-    """("embedded" | "molmoe", directory) for a --model value, building the embedded model when needed."""
+    """("embedded" | "molmoe", directory) for a --model value, building the embedded model when
+    needed; "testbed" is the trained testbed of the current recipe, which must be in the cache
+    (training takes minutes, so it is an explicit step: ``ctrl testbed train``)."""
     if model == "embedded":
         return "embedded", build_embedded_model()
+    if model == "testbed":
+        from testbed.train import cached_testbed_dir
+
+        path = cached_testbed_dir()
+        if path is None:
+            raise ModelLoadError("--model testbed: the trained testbed is not in the cache; "
+                                 "run `ctrl testbed train` first (about 20 minutes on one core)")
+        return "embedded", path
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"{model}: no such model directory (use 'embedded' or a local directory)")
+        raise ModelLoadError(f"{model}: no such model directory (use 'embedded', 'testbed' or a local directory)")
     return ("embedded" if is_embedded_dir(path) else "molmoe"), path
 
 
