@@ -234,8 +234,12 @@ def test_vision_pretraining_trains_the_vision_path_only(tmp_path):
     runtime = EmbeddedRuntime(base)
     vision_before = [p.clone() for p in runtime.vision_backbone.parameters()]
     decoder_before = [p.clone() for p in runtime.decoder.parameters()]
-    dataset = read_dataset(generate_dataset(tmp_path / "data", 4, seed=0))
-    losses = pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, batch_size=2, crops_choices=(1,)))
+    dataset = read_dataset(generate_dataset(tmp_path / "data", 16, seed=0))  # >1 answer per family
+    with pytest.raises(ValueError, match="no training samples of the vision pretraining families"):
+        pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, vision_pretrain_families=("dot",)))
+    # all families (the default draws texture only)
+    losses = pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, batch_size=2, crops_choices=(1,),
+                                                           vision_pretrain_families=()))
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert any(not torch.equal(a, b) for a, b in zip(runtime.vision_backbone.parameters(), vision_before))
     assert all(torch.equal(a, b) for a, b in zip(runtime.decoder.parameters(), decoder_before))
