@@ -180,6 +180,8 @@ def test_tiling_crops_are_the_cached_tilings_of_the_action_space(built, data):
             assert (math.isnan(got) and want is None) or got == want, (data.sample_key[i], c)
     assert (~torch.isnan(data.tiling_crops)).any(-1).sum() == data.image_present.sum()
     torch.testing.assert_close(data.select([1, 0]).tiling_crops[0], data.tiling_crops[1], equal_nan=True)
+    empty = data.select([])  # e.g. an empty split of a tiny workspace
+    assert len(empty) == 0 and empty.score.shape == (0, data.score.shape[1])
 
 
 def test_several_fingerprints_are_refused_until_one_is_chosen(built, tmp_path):

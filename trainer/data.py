@@ -186,6 +186,8 @@ class OfflineData:
         index = torch.as_tensor(rows)
         if index.dtype == torch.bool:
             index = index.nonzero().flatten()
+        elif index.numel() == 0:
+            index = index.long()  # torch.as_tensor([]) is float, which cannot index
         idx = index.tolist()
         return OfflineData(
             action_space=self.action_space, model_fingerprint=self.model_fingerprint,
