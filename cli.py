@@ -242,7 +242,7 @@ def _train_online(config: Any) -> None:
     except KeyboardInterrupt:
         err.print("interrupted: continue with --online --resume RUN (from its last checkpoint)")
         raise typer.Exit(code=130) from None
-    from online.train import current_dist
+    from online.distributed import current_dist
 
     if current_dist().rank != 0:  # under torchrun, rank 0 reports
         return
@@ -465,7 +465,7 @@ def profile(
     except KeyboardInterrupt:
         err.print("interrupted: finished configurations and rank files are kept; the same command resumes")
         raise typer.Exit(code=130) from None
-    from online.train import current_dist
+    from online.distributed import current_dist
 
     if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports
         return

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from online.timing import cpu_threads
-from online.train import init_distributed_from_env
+from online.distributed import init_distributed_from_env
 from pipeline.errors import CtrlError, KnobError
 from pipeline.workspace import write_bytes_atomic
 
