@@ -66,12 +66,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 import torch
 
-from online.timing import cpu_threads
+from online.timing import HookTimer, cpu_threads
 from online.distributed import init_distributed_from_env
 from pipeline.errors import CtrlError, KnobError
 from pipeline.workspace import write_bytes_atomic
@@ -225,7 +225,7 @@ class GenerateTiming:
     num_passes: int
 
 
-class GenerateTimer:
+class GenerateTimer(HookTimer):
     """Hooks on a runtime's vision module and decoder blocks that time the phases of one generate.
 
     Forward pass i starts at block 0's pre-hook (block 0 always runs, validated by the
@@ -234,15 +234,13 @@ class GenerateTimer:
     """
 
     def __init__(self, runtime: Any) -> None:
-        from online.timing import Clock
-
-        self.clock = Clock(runtime.device)
+        super().__init__(runtime.device)
         self._marks: _Marks | None = None
         layers = list(runtime.decoder_layers)
-        vision = runtime.vision_module
-        self._handles = [vision.register_forward_pre_hook(self._vision_pre), vision.register_forward_hook(self._vision_post),
-                         layers[0].register_forward_pre_hook(self._pass_pre)]
-        self._handles += [layer.register_forward_hook(self._block_post) for layer in layers]
+        self._hook(runtime.vision_module, self._vision_pre, self._vision_post)
+        self._hook(layers[0], pre=self._pass_pre)
+        for layer in layers:
+            self._hook(layer, post=self._block_post)
 
     def _vision_pre(self, module, args) -> None:
         if self._marks is not None and self._marks.vision_start is None:
@@ -289,17 +287,6 @@ class GenerateTimer:
             total_ms=ms(marks.start, marks.end), embed_ms=ms(marks.start, starts[0]), vision_ms=vision,
             prefill_ms=ms(starts[0], marks.pass_ends[0]), prefill_head_ms=ms(marks.pass_ends[0], bounds[0]),
             decode_ms=ms(starts[1], marks.end) if len(starts) > 1 else 0.0, decode_steps_ms=steps, num_passes=len(starts))
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ----------------------------------------------------------------------------- helpers

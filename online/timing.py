@@ -19,9 +19,10 @@ block's entry to the last block's exit.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import torch
 
@@ -77,7 +78,33 @@ class RequestTiming:
         return [s for s in self.segments if s.name.startswith(prefix)]
 
 
-class StageTimer:
+class HookTimer:
+    """Base of the hook-based timers: a clock and forward hooks that ``close()`` (or leaving the
+    ``with`` block) removes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = Clock(device)
+        self._handles: list[Any] = []
+
+    def _hook(self, module: torch.nn.Module, pre: Callable | None = None, post: Callable | None = None) -> None:
+        if pre is not None:
+            self._handles.append(module.register_forward_pre_hook(pre))
+        if post is not None:
+            self._handles.append(module.register_forward_hook(post))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StageTimer(HookTimer):
     """Hooks on the vision module and every decoder block of a runtime; records into the open segment.
 
     Outside a segment the hooks do nothing (warm-up runs and gradient recomputes are not timed).
@@ -85,13 +112,11 @@ class StageTimer:
 
     def __init__(self, vision_module: torch.nn.Module, decoder_layers: list[torch.nn.Module],
                  device: torch.device) -> None:
-        self.clock = Clock(device)
+        super().__init__(device)
         self._current: Segment | None = None
-        self._handles = [vision_module.register_forward_pre_hook(self._vision_pre),
-                         vision_module.register_forward_hook(self._vision_post)]
+        self._hook(vision_module, self._vision_pre, self._vision_post)
         for layer in decoder_layers:
-            self._handles.append(layer.register_forward_pre_hook(self._block_pre))
-            self._handles.append(layer.register_forward_hook(self._block_post))
+            self._hook(layer, self._block_pre, self._block_post)
 
     # hooks: cheap (an attribute check and a mark)
     def _vision_pre(self, module, args) -> None:
@@ -144,17 +169,6 @@ class StageTimer:
             if seg.blocks_start is not None and seg.blocks_end is not None:
                 seg.blocks_ms = self.clock.ms(seg.blocks_start, seg.blocks_end)
         return timing
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> StageTimer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @contextmanager
