@@ -1,8 +1,8 @@
 """Feature extraction throughput of the embedded model on CPU.
 
-    python benchmarks/bench_features.py            # the sample data (800 samples, 426 images)
+    python benchmarks/bench_features.py            # the synthetic tree (800 samples, 426 images)
 
-Generates the sample data if needed, ingests it into a scratch workspace, then times
+Generates the synthetic tree (``data/generate.py --synthetic``, into benchmarks/.cache) if needed, ingests it into a scratch workspace, then times
 ``extract_features`` with --force at batch size 1 (the baseline) and 16, and the cached
 re-run that must do no forward pass. The model is loaded once, outside the timings.
 Medians over ``--repeats`` runs.
@@ -36,17 +36,19 @@ def main() -> None:
     from pipeline import IngestConfig, ingest
 
     torch.set_num_threads(args.threads)
-    subprocess.run([sys.executable, str(ROOT / "data" / "generate.py")], check=True, capture_output=True)
+    data = CACHE / "synthetic-data"
+    subprocess.run([sys.executable, str(ROOT / "data" / "generate.py"), "--synthetic", "--out", str(data)],
+                   check=True, capture_output=True)
     ws = CACHE / "features-ws"
     shutil.rmtree(ws, ignore_errors=True)
-    ingest(IngestConfig(paths=[ROOT / "data" / "exp5", ROOT / "data" / "exp6"], workspace=ws))
+    ingest(IngestConfig(paths=[data / "exp5", data / "exp6"], workspace=ws))
     runtime = load_runtime("embedded")
     rows = []
     for label, batch_size, force in (("batch size 1 (baseline)", 1, True), ("batch size 16", 16, True),
                                      ("cached re-run", 16, False)):
         times, report = [], None
         for _ in range(args.repeats):
-            config = FeatureConfig(workspace=ws, images_dir=ROOT / "data" / "images", batch_size=batch_size, force=force)
+            config = FeatureConfig(workspace=ws, images_dir=data / "images", batch_size=batch_size, force=force)
             started = time.perf_counter()
             report = extract_features(config, runtime=runtime)
             times.append(time.perf_counter() - started)

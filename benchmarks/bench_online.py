@@ -2,7 +2,7 @@
 
     python benchmarks/bench_online.py                   # 12 steps, 2 groups x G=5, 16 new tokens
 
-Builds (once, cached in benchmarks/.cache) a workspace from the shipped sample data (ingest +
+Builds (once, cached in benchmarks/.cache) a workspace from the synthetic tree (ingest +
 extract-features with the embedded model), then runs ``train_online`` from a fresh controller
 with a fixed budget range and reports per-step medians (the first step, which includes
 warm-up runs of new configurations, is excluded) of:
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ CACHE = ROOT / "benchmarks" / ".cache"
 
 
 def sample_workspace() -> Path:
-    """The shipped sample data ingested, with embedded-model features (cached)."""
+    """The synthetic tree (``data/generate.py --synthetic``) ingested, with embedded-model features (cached)."""
     from features import FeatureConfig, extract_features
     from pipeline.ingestion import IngestConfig, ingest
 
@@ -38,9 +39,9 @@ def sample_workspace() -> Path:
     if (root / ".ready").exists():
         return root
     shutil.rmtree(root, ignore_errors=True)
-    data = ROOT / "data"
-    if not (data / ".generated").exists():
-        raise SystemExit("run `python data/generate.py` first")
+    data = CACHE / "synthetic-data"
+    subprocess.run([sys.executable, str(ROOT / "data" / "generate.py"), "--synthetic", "--out", str(data)],
+                   check=True, capture_output=True)
     ingest(IngestConfig(paths=[data / "exp5", data / "exp6"], workspace=root))
     extract_features(FeatureConfig(workspace=root, images_dir=data / "images"))
     (root / ".ready").write_text("ok\n")

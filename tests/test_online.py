@@ -120,24 +120,31 @@ def test_split_prefill_generates_what_generate_does(embedded_runtime, executor, 
     assert tokens == reference
 
 
-def test_budget_token_is_one_extra_prefill_position_and_decode_stays_consistent(embedded_runtime, executor):
-    """D14: with the budget token appended at prefill only, cached decoding equals recomputing
-    the whole sequence (prompt + budget token + generated tokens) without a cache."""
+def test_budget_token_is_read_by_stage_2_and_leaves_the_answer_alone(embedded_runtime, executor):
+    """The budget token is one extra prefill position up to block p-1 (its hidden state is the
+    latency token); the rest of the prefill and the decoding run on the prompt alone, so the
+    tokens are those of generate with the same knobs, and cached decoding equals recomputing
+    prompt + generated tokens without a cache."""
     rt = embedded_runtime
     inputs = executor._model_inputs(_image_sample(executor.samples), 2)
     token = torch.randn(rt.hidden_size) * rt.embedding_rms()
     prefix = rt.prefill_prefix(inputs, 2, token)
-    assert prefix.seq_len == inputs.input_ids.shape[1] + 1
+    assert prefix.seq_len == inputs.input_ids.shape[1] + 1 and prefix.extra_tokens == 1
     assert torch.equal(prefix.embeds[0, -1], token)
+    plain = rt.prefill_prefix(inputs, 2)
+    assert not torch.equal(prefix.latency_token, plain.latency_token)  # stage 2 reads the budget
+    torch.testing.assert_close(prefix.hidden[:, :-1], plain.hidden)  # the prompt never reads it (causal)
     state = rt.prefill_suffix(prefix, list(range(16)))
     generated = [int(state.logits.argmax())]
     for _ in range(3):
         rt.decode_step(state, generated[-1])
         generated.append(int(state.logits.argmax()))
-    assert state.attention_mask.shape[1] == prefix.seq_len + 3  # decode adds only the generated tokens
+    assert state.attention_mask.shape[1] == inputs.input_ids.shape[1] + 3  # prompt + generated tokens
+    reference = rt.generate(inputs, max_new_tokens=4).token_ids  # stops at EOS; the loop above does not
+    assert reference and generated[:len(reference)] == reference
     with torch.no_grad():
         ids = torch.tensor([generated[:-1]])
-        full = torch.cat([prefix.embeds, rt.text_embeddings(ids)], dim=1)
+        full = torch.cat([plain.embeds, rt.text_embeddings(ids)], dim=1)
         logits = rt.decoder(inputs_embeds=full, attention_mask=torch.ones(full.shape[:2], dtype=torch.long)).logits[0]
     assert int(logits[-1].argmax()) == generated[-1]
     assert torch.allclose(logits[-1].float(), state.logits, atol=1e-4)

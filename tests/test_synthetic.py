@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 from collections import Counter
@@ -343,20 +342,3 @@ def test_record_count_and_generated_tree(tree_w3) -> None:
     tab = tree_w3.outcome_table("coco_2014_vqa")
     assert tree_w3.best_config("coco_2014_vqa", 0, 1e9) == tree_w3.configs[int(tab["accuracy"][0].argmax())]
     assert tree_w3.best_config("coco_2014_vqa", 0, 1.0) is None
-
-
-def test_generate_script_is_stamped_and_idempotent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    script = Path(__file__).resolve().parents[1] / "data" / "generate.py"
-    spec = importlib.util.spec_from_file_location("data_generate", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--out", str(tmp_path)]) == 0
-    assert "wrote" in capsys.readouterr().out
-    stamp = (tmp_path / ".generated").read_text().strip()
-    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "exp5").rglob("*.json")}
-    assert mod.main(["--out", str(tmp_path)]) == 0
-    assert "up to date" in capsys.readouterr().out
-    assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "exp5").rglob("*.json")}
-    (tmp_path / ".generated").write_text("stale\n")
-    assert mod.main(["--out", str(tmp_path)]) == 0
-    assert "wrote" in capsys.readouterr().out and (tmp_path / ".generated").read_text().strip() == stamp

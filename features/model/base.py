@@ -123,6 +123,10 @@ class PrefixState:
         gradient-carrying recompute (:meth:`ModelRuntime.latency_token`).
     hidden: (1, seq, d) residual stream after block p-1 (no final norm).
     cache: backend KV cache holding blocks 0..p-1 (read-only for the members).
+    extra_tokens: 1 when the budget token was appended. It is read by stage 2 (the latency
+        token) and then dropped: :meth:`ModelRuntime.prefill_suffix` continues with the prompt
+        alone, so the answer is the model's own for the chosen knobs. A model never trained
+        with such a token answers from it badly (the trained testbed emitted EOS at once).
     """
 
     inputs: ModelInputs
@@ -130,6 +134,7 @@ class PrefixState:
     embeds: torch.Tensor
     hidden: torch.Tensor
     cache: object
+    extra_tokens: int = 0
 
     @property
     def latency_token(self) -> torch.Tensor:
@@ -290,8 +295,9 @@ class ModelRuntime(ABC):
         raise self._no_two_stage()
 
     def prefill_suffix(self, prefix: PrefixState, active_blocks: Sequence[int]) -> DecodeState:
-        """Finish the prefill from ``prefix`` with the active blocks >= p (current top-K), then
-        the final norm and LM head. ``prefix`` is not modified: many members share it."""
+        """Finish the prefill from ``prefix`` without its extra (budget) token, with the active
+        blocks >= p (current top-K), then the final norm and LM head: the first token comes
+        from the last prompt position. ``prefix`` is not modified: many members share it."""
         raise self._no_two_stage()
 
     def decode_step(self, state: DecodeState, token: int) -> None:

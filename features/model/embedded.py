@@ -605,7 +605,8 @@ class EmbeddedRuntime(ModelRuntime):
             cache = DynamicCache(config=self.decoder.config)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return PrefixState(inputs, p, embeds, out.last_hidden_state, cache)
+        return PrefixState(inputs, p, embeds, out.last_hidden_state, cache,
+                           extra_tokens=0 if extra_embedding is None else 1)
 
     def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
         p = self._check_insertion(insertion_position)
@@ -622,7 +623,10 @@ class EmbeddedRuntime(ModelRuntime):
         if active[:p] != tuple(range(p)):
             raise KnobError(f"active blocks {list(active)} must include blocks 0..{p - 1}: they ran before stage 2")
         suffix = [b for b in active if b >= p]
-        seq = prefix.seq_len
+        # the budget token is last and nothing before it attended to it (causal): dropping its
+        # position leaves exactly the prompt's states
+        seq = prefix.seq_len - prefix.extra_tokens
+        hidden = prefix.hidden[:, :seq]
         mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
         # a fresh cache: the members of a group must not write into the shared prefix's cache
         cache = DynamicCache(config=self.decoder.config)
@@ -630,15 +634,15 @@ class EmbeddedRuntime(ModelRuntime):
             if suffix:
                 with self._layers(suffix):
                     positions = torch.arange(seq, device=self.device)[None]
-                    out = self.decoder.model(inputs_embeds=prefix.hidden, attention_mask=mask, position_ids=positions,
+                    out = self.decoder.model(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
                                              past_key_values=cache, use_cache=True)
                 hidden = out.last_hidden_state
             else:
-                hidden = self.decoder.model.norm(prefix.hidden)
+                hidden = self.decoder.model.norm(hidden)
             logits = self.decoder.lm_head(hidden[:, -1]).float()[0]
             for i in range(p):  # the prefix's K/V (update() copies: the shared cache stays intact)
                 layer = prefix.cache.layers[i]
-                cache.update(layer.keys, layer.values, i)
+                cache.update(layer.keys[:, :, :seq], layer.values[:, :, :seq], i)
         return DecodeState(cache, active, mask, logits)
 
     def decode_step(self, state: DecodeState, token: int) -> None:
