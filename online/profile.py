@@ -88,6 +88,9 @@ EXP6_MAX_CROPS: tuple[int, ...] = (2, 4, 6, 8, 10)
 EXP6_TOP_K: tuple[int, ...] = (4, 8, 12)
 EXP6_NUM_ACTIVE_BLOCKS: tuple[int, ...] = (12, 13, 14, 15, 16)
 MERGE_NOTE = "Merged results from all ranks"
+#: a run's identity (the start of every file's ``ctrl_profile`` block; the rest is per rank)
+IDENTITY_KEYS = ("model", "model_kind", "model_fingerprint", "dataset_dir", "num_samples", "samples_sha256",
+                 "max_new_tokens", "device")
 
 Config = tuple[int, int, int]
 _CONFIG_ITEM = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*/\s*(\d+)\s*$")
@@ -501,13 +504,15 @@ class _Profiler:
 
     # -- identity of a run: what makes an existing file reusable
     def identity(self, dataset: Any, n: int) -> dict:
+        """What makes an existing file reusable (keys: ``IDENTITY_KEYS``, in that order)."""
         ids = [s.example_id for s in dataset.samples[:n]]
-        return {
+        identity = {
             "model": self.config.model, "model_kind": self.runtime.kind, "model_fingerprint": self.runtime.fingerprint,
             "dataset_dir": str(dataset.root), "num_samples": n,
             "samples_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
             "max_new_tokens": self.config.max_new_tokens, "device": self.runtime.device.type,
         }
+        return {key: identity[key] for key in IDENTITY_KEYS}
 
     def _foreign(self, path: Path, identity: dict) -> CtrlError:
         return CtrlError(f"{path}: written by a different profiling run (other model, samples, max_new_tokens, "

@@ -33,7 +33,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from online.profile import PROFILE_VERSION, TreeWriter, _read_json, exp5_name, exp6_name
+from online.profile import IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, _read_json, exp5_name, exp6_name
 from pipeline.errors import CtrlError
 from pipeline.workspace import write_bytes_atomic
 
@@ -41,9 +41,6 @@ __all__ = ["ARCHIVE_VERSION", "UnpackReport", "pack_profile", "unpack_profile"]
 
 ARCHIVE_VERSION = 1
 METADATA_KEY = b"ctrl_profile_archive"
-#: identity keys of a run (online.profile._Profiler.identity), the rest of a rank block is per rank
-IDENTITY_KEYS = ("model", "model_kind", "model_fingerprint", "dataset_dir", "num_samples", "samples_sha256",
-                 "max_new_tokens", "device")
 _WRITER_KEYS = ("split", "world_size", "max_new_tokens", "num_total_blocks", "sampling_strategy")
 _RANK6 = re.compile(r"^exp6_latency_crops(\d+)_topk(\d+)_blocks(\d+)_rank(\d+)\.json$")
 
