@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from testbed.task import (
 from testbed.train import (
     RECIPE_FILE,
     TrainConfig,
+    cached_testbed_dir,
     evaluate_testbed,
     format_eval_table,
     model_dir_for,
@@ -256,6 +258,9 @@ def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     again = train_testbed(TINY, cache_dir=cache)
     assert not again.trained and again.model_dir == report.model_dir
+    # what --model testbed loads: the cached directory of the recipe, never a training
+    assert cached_testbed_dir(TINY, cache) == report.model_dir
+    assert cached_testbed_dir(dataclasses.replace(TINY, seed=TINY.seed + 1), cache) is None
 
     rt = load_runtime(str(report.model_dir))
     assert rt.kind == "embedded" and rt.current_top_k() == [rt.default_top_k] * rt.num_layers
