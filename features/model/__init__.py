@@ -43,7 +43,7 @@ def _resolve(model: str) -> tuple[str, Path]:
         path = cached_testbed_dir()
         if path is None:
             raise ModelLoadError("--model testbed: the trained testbed is not in the cache; "
-                                 "run `ctrl testbed train` first (about 20 minutes on one core)")
+                                 "run `ctrl testbed train` first (about 30 minutes on one core)")
         return "embedded", path
     path = Path(model).expanduser()
     if not path.is_dir():
