@@ -71,8 +71,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from online.timing import HookTimer, cpu_threads
 from online.distributed import init_distributed_from_env
+from online.timing import HookTimer, cpu_threads
 from pipeline.errors import CtrlError, KnobError
 from pipeline.workspace import write_bytes_atomic
 

@@ -23,8 +23,8 @@ generator for the data order and knobs, ``torch.manual_seed``, a fixed thread co
 
 The trained model is cached as ``<cache root>/testbed-v<version>-<recipe hash>`` (``$CTRL_CACHE_DIR``
 or ``~/.cache/ctrl``): written to a temporary sibling, marker last, renamed into place, reused
-when present (:func:`build_testbed_model`). ``testbed.json`` in it records the recipe and the
-training log.
+when present (:func:`train_testbed`; ``--model testbed`` loads :func:`cached_testbed_dir` and never
+trains). ``testbed.json`` in it records the recipe and the training log.
 """
 
 from __future__ import annotations
@@ -374,10 +374,11 @@ def model_dir_for(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
 def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None, force: bool = False,
                   progress: Callable[[int, float], None] | None = None,
                   pretrain_progress: Callable[[int, float], None] | None = None) -> TrainReport:
-    """Train (or reuse) the testbed model of this recipe; see :func:`build_testbed_model`."""
+    """Train the testbed model of this recipe into the cache, or reuse it when it is there."""
+    cached = cached_testbed_dir(config, cache_dir)
+    if cached is not None and not force:
+        return TrainReport(cached, trained=False)
     target = model_dir_for(config, cache_dir)
-    if is_embedded_dir(target) and not force:
-        return TrainReport(target, trained=False)
     tmp = cache_tmp_dir(target)
     try:
         base, model_dir, data_dir = tmp / "base", tmp / "model", tmp / "data"
@@ -404,13 +405,6 @@ def cached_testbed_dir(config: TrainConfig = TrainConfig(), cache_dir: str | Pat
     """The trained testbed's directory when it is in the cache, else None (nothing is trained)."""
     target = model_dir_for(config, cache_dir)
     return target if is_embedded_dir(target) else None
-
-
-def build_testbed_model(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None,
-                        progress: Callable[[int, float], None] | None = None) -> Path:
-    """The trained testbed's directory (loadable by ``load_runtime(path)``): reused from the cache
-    when present, trained (minutes on 2 cores) when absent."""
-    return train_testbed(config, cache_dir, progress=progress).model_dir
 
 
 # -- evaluation ---------------------------------------------------------------------------------

@@ -33,6 +33,11 @@ def test_sample_data_is_stamped_and_ingests(generate, tmp_path, capsys):
     assert "up to date" in capsys.readouterr().out
     assert before == {p: p.stat().st_mtime_ns for p in (out / "exp6").rglob("*.json")}
     assert not list(out.glob(".unpack*"))
+    stamp = (out / ".generated").read_text()
+    (out / ".generated").write_text("stale\n")  # another archive or generator: written again
+    assert generate.main(["--out", str(out)]) == 0
+    assert "testbed samples and their profile" in capsys.readouterr().out
+    assert (out / ".generated").read_text() == stamp
 
     archive = pq.read_table(generate.ARCHIVE)
     dataset = json.loads((out / "testbed" / "dataset.json").read_text())
