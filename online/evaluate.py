@@ -9,7 +9,9 @@ what happens, for two deciders:
   new online terms at zero and the insertion position fixed at 1 (every block count allowed),
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
 
-Per (decider, budget): accuracy (the dataset metric on the generated answers), mean and p95
+The deciders are measured *paired*: each (sample, budget) runs every decider back to back
+(the order rotating from sample to sample) on one executor, so machine drift between minutes
+shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the generated answers), mean and p95
 of the measured total latency, violation rate (latency > budget), mean reward (the run's
 reward) and the chosen-configuration histogram ("C/K/B@p"). Written like the offline
 evaluation: ``evaluation.parquet`` (view ``evaluations``; ``expected_reward`` is null: there is
@@ -85,33 +87,44 @@ def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budg
     if not test:
         raise CtrlError(f"workspace {ws.root}: no samples in the test split")
     test = test[:max_samples] if max_samples else test
-    rows = []
     total = len(deciders) * len(budgets) * len(test)
     done = 0
-    for name, ctrl, insertion in deciders:
-        ctrl.eval()
-        executor = RolloutExecutor(runtime, ctrl, samples, config.max_new_tokens, config.warmup)
-        try:
-            for budget in budgets:
-                gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
-                out = executor.run_groups([(s, budget) for s in test], 1, gen, gen, greedy=True,
-                                          insertion_index=insertion).rollouts
-                done += len(test)
+    # Paired measurement: every (sample, budget) runs each decider back to back, in an order that
+    # rotates from sample to sample, so a machine that drifts between minutes (this 2-core VM:
+    # up to ~30 %) shifts every decider's latencies alike instead of whichever ran later.
+    outcomes: dict[tuple[str, float], list] = {(name, budget): [] for name, _, _ in deciders for budget in budgets}
+    gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
+    executor = RolloutExecutor(runtime, deciders[0][1], samples, config.max_new_tokens, config.warmup)
+    try:
+        for ctrl in {id(c): c for _, c, _ in deciders}.values():
+            ctrl.eval()
+        for budget in budgets:
+            for i, sample in enumerate(test):
+                shift = i % len(deciders)
+                for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
+                    out = executor.run_groups([(sample, budget)], 1, gen, gen, greedy=True,
+                                              insertion_index=insertion, controller=ctrl).rollouts
+                    outcomes[(name, budget)].extend(out)
+                    done += 1
                 if progress:
                     progress(done, total)
-                latency = torch.tensor([r.latency_total_ms for r in out], dtype=torch.float64)
-                score = torch.tensor([r.score for r in out], dtype=torch.float64)
-                knobs = torch.tensor([[r.max_crops, r.top_k, r.num_active_blocks] for r in out], dtype=torch.float32)
-                r_parts = compute_reward(score.float(), latency.float(), budget, knobs, reward)
-                hist = Counter(f"{r.max_crops}/{r.top_k}/{r.num_active_blocks}@{r.insertion_position}" for r in out)
-                rows.append({"decider": name, "budget_ms": budget, "num_samples": len(out),
-                             "accuracy": float(score.mean()), "latency_ms_mean": float(latency.mean()),
-                             "latency_ms_p95": float(torch.quantile(latency, 0.95)),
-                             "violation_rate": float((latency > budget).double().mean()),
-                             "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
-                             "config_histogram": json.dumps(dict(sorted(hist.items())))})
-        finally:
-            executor.close()
+    finally:
+        executor.close()
+    rows = []
+    for name, _, _ in deciders:
+        for budget in budgets:
+            out = outcomes[(name, budget)]
+            latency = torch.tensor([r.latency_total_ms for r in out], dtype=torch.float64)
+            score = torch.tensor([r.score for r in out], dtype=torch.float64)
+            knobs = torch.tensor([[r.max_crops, r.top_k, r.num_active_blocks] for r in out], dtype=torch.float32)
+            r_parts = compute_reward(score.float(), latency.float(), budget, knobs, reward)
+            hist = Counter(f"{r.max_crops}/{r.top_k}/{r.num_active_blocks}@{r.insertion_position}" for r in out)
+            rows.append({"decider": name, "budget_ms": budget, "num_samples": len(out),
+                         "accuracy": float(score.mean()), "latency_ms_mean": float(latency.mean()),
+                         "latency_ms_p95": float(torch.quantile(latency, 0.95)),
+                         "violation_rate": float((latency > budget).double().mean()),
+                         "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
+                         "config_histogram": json.dumps(dict(sorted(hist.items())))})
     schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
               "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
               "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}

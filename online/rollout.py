@@ -173,18 +173,22 @@ class RolloutExecutor:
     def run_groups(self, groups: Sequence[tuple[int, float]], group_size: int, stage1_generator: torch.Generator,
                    stage2_generator: torch.Generator, rank: int = 0, world_size: int = 1,
                    first_group: int = 0, force: tuple[int, int, int, int] | None = None,
-                   greedy: bool = False, insertion_index: int | None = None) -> StepRollouts:
+                   greedy: bool = False, insertion_index: int | None = None,
+                   controller: TwoStageController | None = None) -> StepRollouts:
         """Run this rank's share of the members of ``groups`` ((sample, budget_ms) pairs).
 
         Stage-1 choices are drawn from ``stage1_generator``, which every rank advances the same
         way (each rank knows every member's stage-1 choice); members go to ranks round-robin
         by their global index. Stage-2 choices use the rank's own ``stage2_generator``.
         ``greedy``: the most probable choice at each stage instead of a sample (evaluation);
-        ``insertion_index``: a fixed insertion position (index into the positions).
+        ``insertion_index``: a fixed insertion position (index into the positions);
+        ``controller``: decide with this controller instead of the executor's own (same knob
+        values), e.g. to interleave two controllers request by request on one timer and warm-up set.
         """
         import time
 
-        ctrl, runtime, timer = self.controller, self.runtime, self.timer
+        ctrl = controller if controller is not None else self.controller
+        runtime, timer = self.runtime, self.timer
         device = runtime.device
         ctrl.eval()
         out = StepRollouts()

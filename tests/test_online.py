@@ -350,14 +350,29 @@ def test_a_tiling_aware_offline_policy_continues_online(online_ws, embedded_runt
     assert torch.all(tiling[with_image] <= torch.tensor(crops, dtype=torch.float32))
 
 
-def test_online_run_is_evaluated_with_the_model_against_its_offline_start(online_ws, embedded_runtime):
+def test_online_run_is_evaluated_with_the_model_against_its_offline_start(online_ws, embedded_runtime, monkeypatch):
     from online.evaluate import evaluate_online_run
     from online.train import train_online
     from pipeline.catalog import run_query
 
     _, ws = online_ws
     train_online(_config(ws, run_id="online-eval", steps=1), runtime=embedded_runtime)
+    from online.rollout import RolloutExecutor
+
+    calls = []
+    original = RolloutExecutor.run_groups
+
+    def recording(self, groups, *args, **kwargs):
+        calls.append((groups[0], id(kwargs["controller"])))
+        return original(self, groups, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutExecutor, "run_groups", recording)
     frame = evaluate_online_run(ws, "online-eval", [40.0, 250.0], max_samples=2, runtime=embedded_runtime)
+    # paired: each (sample, budget) runs both deciders back to back, the first one alternating
+    assert len(calls) == 8
+    pairs = [calls[i:i + 2] for i in range(0, 8, 2)]
+    assert all(a[0] == b[0] and a[1] != b[1] for a, b in pairs)
+    assert pairs[0][0][1] != pairs[1][0][1] and pairs[0][0][0] != pairs[1][0][0]
     assert frame["decider"].to_list() == ["controller"] * 2 + ["offline_start"] * 2
     assert frame["num_samples"].to_list() == [2] * 4
     for row in frame.iter_rows(named=True):
