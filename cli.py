@@ -285,7 +285,8 @@ def train(
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.", rich_help_panel="Reward and loss")] = "batch",
     clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).", rich_help_panel="Reward and loss")] = None,
     kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.", rich_help_panel="Reward and loss")] = 0.1,
-    violation_target: Annotated[float | None, typer.Option("--violation-target", help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (default off).", rich_help_panel="Reward and loss")] = None,
+    violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (0 = off).", rich_help_panel="Reward and loss")] = 0.01,
+    table_fallback: Annotated[bool, typer.Option("--table-fallback/--no-table-fallback", help="Answer with the lut_p95 table at the budgets where the controller does not beat it on the validation split.", rich_help_panel="Reward and loss")] = True,
     use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last checkpoint.")] = None,
@@ -343,7 +344,8 @@ def train(
                 workspace=workspace, model_fingerprint=model_fingerprint, num_epochs=num_epochs, group_size=group_size,
                 batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
                 reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
-                clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target, use_tilings=use_tilings,
+                clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target or None,
+                disable_table_fallback=not table_fallback, use_tilings=use_tilings,
                 score_target=score_target, warm_start_steps=warm_start_steps, run_id=run_id)
         with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as bar:

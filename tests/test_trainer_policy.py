@@ -362,7 +362,12 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     steps = metrics.filter(pl.col("kind") == "step")
     assert (steps["groups"] > 0).all() and steps["zero_variance_groups"].min() >= 0
     evaluation = pl.read_parquet(result.run_dir / "evaluation.parquet")
-    assert {"controller", "oracle", "lut_p95", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+    assert {"controller", "policy", "oracle", "lut_p95", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+    from trainer.fallback import read_fallback
+    from trainer.offline import budget_grid
+
+    fallback = read_fallback(result.best_checkpoint)  # fitted on the val grid after training
+    assert fallback.grid_ms == budget_grid(config["budget_min_ms"], config["budget_max_ms"], config["num_val_budgets"])
     controller = evaluation.filter(pl.col("decider") == "controller")
     assert controller.height == 2 and controller["expected_reward"].is_not_null().all()
     assert (result.run_dir / "evaluation.png").stat().st_size > 0
@@ -422,6 +427,17 @@ def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
     frame = predict(trained_ws.root, result.run_id, [170.0, 300.0], tmp_path / "out.csv")
     assert tuple(frame.columns) == PREDICTION_COLUMNS
     assert frame.height == 2 * 80 and ((frame["probability"] > 0) & (frame["probability"] <= 1)).all()
+    from trainer.fallback import read_fallback
+
+    fallback = read_fallback(result.best_checkpoint)
+    for budget in (170.0, 300.0):
+        rows = frame.filter(pl.col("budget_ms") == budget)
+        if bool(fallback.controller_at(torch.tensor(budget))):
+            assert set(rows["source"]) == {"controller"}
+        else:  # the table answers: its configuration for every sample, deterministically
+            assert set(rows["source"]) == {"table"} and (rows["probability"] == 1.0).all()
+            assert set(zip(rows["max_crops"], rows["top_k"], rows["num_active_blocks"])) == {
+                fallback.lookup_table().lookup(budget)}
     assert pl.read_csv(tmp_path / "out.csv").height == frame.height
     by_dir = predict(trained_ws.root, result.run_dir, [170.0, 300.0], tmp_path / "out.parquet")
     assert by_dir.equals(pl.read_parquet(tmp_path / "out.parquet")) and by_dir.equals(frame)
@@ -470,3 +486,56 @@ def test_warm_start_makes_the_greedy_decision_the_lookup_table():
     probs = PolicyDecider(policy).action_probs(data, 250.0)
     # 30 % of the target is spread over the other configurations: sampling still explores
     assert float(probs.max(-1).values.mean()) < 0.9
+
+
+# -- the table fallback (safe deployment) -----------------------------------------------------------
+
+def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_path):
+    from trainer.baselines import LookupTableDecider
+    from trainer.fallback import attach_fallback, fit_table_fallback, read_fallback
+
+    from trainer.offline import warm_start
+
+    train, val = make_data(n=60, seed=0, full_mask=True), make_data(n=40, seed=1)
+    policy = make_policy(train, seed=2).train()  # near the table (warm start): wins some budgets, loses others
+    warm_start(policy, train, OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0, warm_start_steps=40, batch_size=8))
+    policy.eval()
+    reward = RewardConfig(mode="hard")
+    grid = [330.0, 180.0, 230.0, 280.0]  # unsorted on purpose
+    fallback = fit_table_fallback(policy, train, val, grid, reward)
+    assert fallback.grid_ms == sorted(grid)
+    table, network = LookupTableDecider(train), PolicyDecider(policy)
+    rows, knobs = torch.arange(len(val)), val.action_space.knob_values().float()
+    for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
+        r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None], reward)["reward"]
+        by_hand = float(r[rows, network.decide(val, budget)].mean()) >= float(r[rows, table.decide(val, budget)].mean())
+        assert keep == by_hand
+    assert True in fallback.use_controller and False in fallback.use_controller  # this seed exercises both
+
+    deployed = PolicyDecider(policy, fallback)
+    for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
+        for probe in (budget - 10.0, budget, budget + 10.0):  # within 25 ms: the nearest grid point decides
+            expected = network.decide(val, probe) if keep else table.decide(val, probe)
+            assert torch.equal(deployed.decide(val, probe), expected)
+    probs = deployed.action_probs(val, fallback.fallback_budgets_ms[0])
+    assert torch.equal(probs.max(-1).values, torch.ones(len(val)))  # one-hot where the table answers
+
+    checkpoint = policy.save(tmp_path / "best.pt", extra={"epoch": 3})
+    assert read_fallback(checkpoint) is None
+    attach_fallback(checkpoint, fallback)
+    loaded = read_fallback(checkpoint)
+    assert loaded == fallback and torch.load(checkpoint, weights_only=True)["epoch"] == 3
+    rebuilt = loaded.lookup_table()
+    for budget in (150.0, 250.0, 400.0):
+        assert torch.equal(rebuilt.decide(val, budget), table.decide(val, budget))
+    assert rebuilt.name == "lut_p95"
+
+
+def test_table_fallback_refuses_inconsistent_fields():
+    from trainer.fallback import TableFallback
+
+    with pytest.raises(ValueError, match="same non-zero length"):
+        TableFallback(grid_ms=[1.0, 2.0], use_controller=[True], controller_reward=[0.0], table_reward=[0.0], table={})
+    with pytest.raises(ValueError, match="ascending"):
+        TableFallback(grid_ms=[2.0, 1.0], use_controller=[True, True], controller_reward=[0.0, 0.0],
+                      table_reward=[0.0, 0.0], table={})

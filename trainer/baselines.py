@@ -137,11 +137,31 @@ class LookupTableDecider(_Deterministic):
             stat = torch.nanquantile(latency, quantile, dim=0)
         self.latency_stat_ms = torch.where(seen, stat, nan)  # (A,), NaN: never recorded in train
 
+    def state(self) -> dict:
+        """The table as plain values (checkpoints): :meth:`from_state` rebuilds it without the data."""
+        return {"action_space": self.action_space.to_json(), "statistic": self.statistic, "quantile": self.quantile,
+                "tolerance": self.tolerance, "name": self.name, "num_samples": self.num_samples.tolist(),
+                "mean_score": self.mean_score.tolist(), "latency_stat_ms": self.latency_stat_ms.tolist()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> LookupTableDecider:
+        from trainer.data import ActionSpace
+
+        table = cls.__new__(cls)
+        table.action_space = ActionSpace.from_json(state["action_space"])
+        table.statistic, table.quantile, table.tolerance = state["statistic"], state["quantile"], state["tolerance"]
+        table.name = state["name"]
+        table.num_samples = torch.tensor(state["num_samples"], dtype=torch.long)
+        table.mean_score = torch.tensor(state["mean_score"], dtype=torch.float64)
+        table.latency_stat_ms = torch.tensor(state["latency_stat_ms"], dtype=torch.float64)
+        return table
+
     def lookup(self, budget_ms: float) -> Action:
         """The table's configuration for one budget (before the per-sample mask)."""
-        return self.action_space.actions[int(self._choose(torch.tensor([float(budget_ms)]), None)[0])]
+        return self.action_space.actions[int(self.choose(torch.tensor([float(budget_ms)]), None)[0])]
 
-    def _choose(self, budget: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def choose(self, budget: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) action indices for (N,) budgets in ms; ``mask`` (N, A) restricts each row (None: any action)."""
         num_actions = len(self.action_space)
         seen = ~torch.isnan(self.latency_stat_ms)
         allowed = seen.expand(len(budget), num_actions) if mask is None else mask & seen
@@ -158,7 +178,7 @@ class LookupTableDecider(_Deterministic):
         if data.action_space != self.action_space:
             raise ValueError("the data's action space differs from the lookup table's (built on other data)")
         _require_allowed(data)
-        return self._choose(budget_vector(budget_ms, len(data)), data.mask)
+        return self.choose(budget_vector(budget_ms, len(data)), data.mask)
 
 
 class LargestDecider(_Deterministic):

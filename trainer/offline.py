@@ -113,7 +113,11 @@ class OfflineTrainConfig:
 
     > Parameters that control the violation constraint (per budget: E[latency > budget] <= target)
     violation_target: the share of decisions over budget allowed at each budget (float in
-        (0, 1); None = off: reward shaping only). A Lagrange multiplier lambda(b) >= 0 per point
+        (0, 1), default 0.01; None = off: reward shaping only). The default sits well below
+        the 5 % goal because the multiplier sees the train split, where the policy can learn
+        per-sample latencies: new samples violate more (on the shipped data, seeds 0-9 and 42,
+        the test violation at the lowest budget was 4.3-5.8 % with 0.01, against up to 7.2 %
+        without the constraint; changed from off). A Lagrange multiplier lambda(b) >= 0 per point
         of the validation budget grid (linear in between) is subtracted from the reward of
         every violating configuration; after each step it moves by ``violation_lr`` times
         (the sampling policy's exact violation probability on the step's groups near b -
@@ -133,6 +137,13 @@ class OfflineTrainConfig:
         runs dominates), so the main job keeps the smaller input set.
     budget_margin: the encoder's normalisation range is the budget range widened by this
         fraction on each side (float, default 0.1).
+
+    > Deployment
+    disable_table_fallback: deploy the network alone (bool, default False). By default, after
+        training, the controller is compared with the ``lut_p95`` table at every budget of the
+        validation grid on the validation split, and the table answers wherever the
+        controller's mean reward there is below the table's (``trainer.fallback``; safe policy
+        improvement). The raw network is evaluated too, as decider ``policy``.
 
     > Evaluation and runs
     num_val_budgets: budgets (evenly spaced over the budget range, ends included) at which the
@@ -163,7 +174,7 @@ class OfflineTrainConfig:
     scale_rewards: Literal["group", "batch", "none"] = "batch"
     clip_epsilon: float | None = None
     kl_beta: float = 0.1
-    violation_target: float | None = None
+    violation_target: float | None = 0.01
     violation_lr: float = 1.0
     violation_max_multiplier: float = 10.0
     score_target: Literal["mean", "recorded"] = "mean"
@@ -175,6 +186,7 @@ class OfflineTrainConfig:
     budget_margin: float = 0.1
     num_val_budgets: int = 8
     eval_budgets: list[float] | None = None
+    disable_table_fallback: bool = False
     disable_evaluation: bool = False
     run_id: str | None = None
     resume: str | None = None
@@ -638,6 +650,13 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
                           "reward": rows[-1]["reward/mean"], "val_expected_reward": v["expected_reward"],
                           "best_val_expected_reward": best})
         write_frame_atomic(_metrics_frame(rows), run_dir / "metrics.parquet")
+        if not resolved.disable_table_fallback:
+            from trainer.fallback import attach_fallback, fit_table_fallback
+            from trainer.policy import ControllerPolicy
+
+            best_policy = ControllerPolicy.load(ckpt_dir / BEST)
+            attach_fallback(ckpt_dir / BEST, fit_table_fallback(best_policy, _split(data, "train"), val, val_budgets,
+                                                                resolved.reward))
         evaluation = None
         if not resolved.disable_evaluation:
             if progress:
@@ -737,6 +756,7 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     )
     from trainer.data import load_offline_data
     from trainer.evaluate import evaluate_deciders, write_evaluation
+    from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy, PolicyDecider
 
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
@@ -744,11 +764,14 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     config = OfflineTrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
     if data is None:
         data = load_offline_data(ws, config.model_fingerprint)
-    policy = ControllerPolicy.load(resolve_checkpoint(ws, run_dir), model_fingerprint=data.model_fingerprint)
+    checkpoint = resolve_checkpoint(ws, run_dir)
+    policy = ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint)
+    fallback = read_fallback(checkpoint)
     train, test = _split(data, "train"), _split(data, "test")
     budgets = [float(b) for b in (budgets_ms or config.eval_budgets)]
     # PolicyDecider exposes action_probs, so its rows get the exact expected reward
-    deciders = [PolicyDecider(policy), OracleDecider(), LookupTableDecider(train),
+    controllers = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
+    deciders = [*controllers, OracleDecider(), LookupTableDecider(train),
                 LookupTableDecider(train, statistic="mean", tolerance=0.05), LargestDecider(),
                 RandomDecider(seed=config.seed)]
     frame = evaluate_deciders(test, deciders, budgets, config.reward)

@@ -43,6 +43,7 @@ from pipeline.workspace import atomic_path
 
 if TYPE_CHECKING:
     from trainer.data import ActionSpace, OfflineData
+    from trainer.fallback import TableFallback
     from trainer.reward import RewardConfig
 
 #: bump when the checkpoint layout changes (2: tiling inputs)
@@ -481,24 +482,40 @@ def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tenso
 
 
 class PolicyDecider:
-    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi."""
+    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi.
 
-    name = "controller"
+    With a ``fallback`` (:class:`trainer.fallback.TableFallback`), the lookup table's
+    configuration at the budgets where the controller did not beat the table on held-out
+    data: the deployed controller. Without one, the network alone (``name="policy"`` in
+    evaluations that show both).
+    """
 
-    def __init__(self, policy: ControllerPolicy) -> None:
-        self.policy = policy
+    def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None = None, name: str = "controller") -> None:
+        self.policy, self.fallback, self.name = policy, fallback, name
+        self._table = fallback.lookup_table() if fallback is not None else None
 
     @torch.inference_mode()
     def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
-        """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's expected reward)."""
+        """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's
+        expected reward); one-hot on the table's choice where the fallback answers."""
         if self.policy.model_fingerprint is not None:
             check_fingerprint(self.policy, data.model_fingerprint, "controller")
         was_training = self.policy.training
         self.policy.eval()
         try:
-            return data_log_probs(self.policy, data, budget_ms).exp()
+            probs = data_log_probs(self.policy, data, budget_ms).exp()
         finally:
             self.policy.train(was_training)
+        if self.fallback is None:
+            return probs
+        from trainer.baselines import budget_vector
+
+        budget = budget_vector(budget_ms, len(data))
+        use = self.fallback.controller_at(budget)
+        if bool(use.all()):
+            return probs
+        table_choice = F.one_hot(self._table.decide(data, budget), probs.shape[1]).to(probs.dtype)
+        return torch.where(use[:, None], probs, table_choice)
 
     def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
         """(N,) indices into ``data.action_space``, always inside ``data.mask``: the most probable action."""

@@ -19,7 +19,7 @@ from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
 
 PREDICTION_COLUMNS = ("sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k", "num_active_blocks",
-                      "probability")
+                      "probability", "source")
 
 _LANG_SQL = """
 SELECT s.dataset, s.sample_key, s.example_id, l.feature AS lang, {image} AS image
@@ -81,14 +81,17 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
 
     ``run_or_checkpoint``: a run id of ``workspace``, a run directory (its best checkpoint) or a
     checkpoint file. Returns (and writes to ``out``, .parquet or .csv, unless None) a frame with
-    ``PREDICTION_COLUMNS``, sorted by dataset, sample_key, budget_ms; ``probability`` is
-    pi(decision | sample, budget), in (0, 1].
+    ``PREDICTION_COLUMNS``, sorted by dataset, sample_key, budget_ms; ``source`` is
+    ``"controller"`` (the network decided; ``probability`` = pi(decision | sample, budget), in
+    (0, 1]) or ``"table"`` (the checkpoint's table fallback answers at this budget,
+    ``trainer.fallback``; ``probability`` = 1: the decision is deterministic).
 
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
     """
     import polars as pl
 
+    from trainer.fallback import read_fallback
     from trainer.offline import resolve_checkpoint, write_frame_atomic
     from trainer.policy import ControllerPolicy
 
@@ -99,20 +102,29 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint)
+    fallback = read_fallback(checkpoint)
     feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim)
     n = len(feats["dataset"])
     actions = torch.tensor(policy.action_space.actions, dtype=torch.long)  # (A, 3)
     parts = []
     for budget in budgets:
-        probs = policy.log_probs(feats["image"], feats["image_present"], feats["lang"], budget, None).exp()
-        chosen = probs.argmax(-1)
+        if fallback is not None and not bool(fallback.controller_at(torch.tensor(budget))):
+            # the table's choice over the policy's whole action space (the deployed decision)
+            table = fallback.lookup_table()
+            chosen = table.choose(torch.full((n,), budget), None)
+            probability, source = torch.ones(n, dtype=torch.float64), "table"
+        else:
+            probs = policy.log_probs(feats["image"], feats["image_present"], feats["lang"], budget, None).exp()
+            chosen = probs.argmax(-1)
+            probability, source = probs.gather(1, chosen[:, None])[:, 0].double(), "controller"
         knobs = actions[chosen]
         parts.append(pl.DataFrame({
             "sample_key": feats["sample_key"], "dataset": feats["dataset"], "example_id": feats["example_id"],
             "budget_ms": [budget] * n, "max_crops": knobs[:, 0].tolist(), "top_k": knobs[:, 1].tolist(),
-            "num_active_blocks": knobs[:, 2].tolist(), "probability": probs.gather(1, chosen[:, None])[:, 0].double().tolist(),
+            "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(), "source": [source] * n,
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
-                   "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64}))
+                   "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
+                   "source": pl.String}))
     frame = pl.concat(parts).sort("dataset", "sample_key", "budget_ms", maintain_order=True)
     if out is not None:
         write_frame_atomic(frame, Path(out))
