@@ -17,10 +17,11 @@ A run lives in ``workspace/runs/<run_id>/``::
     checkpoints/last.pt               controller + optimizer + step (``--resume``)
 
 Budget range: the latencies of this machine, not the offline data's. Unless given, it is
-calibrated at the start: the fastest and the slowest configuration run on a few training
-samples, and the range is [p95 of the fastest, p95 of the slowest] (the offline default's
-rule on this machine's numbers). The controller's budget encoder is re-normalised over it, so
-an offline policy's "tight" and "loose" budgets keep their meaning.
+calibrated at the start (``calibrate_budget_range``): the fastest and the slowest configuration
+run on a few training samples; continuing an offline run, the range is that run's range times
+the median ratio of measured to recorded latency on those (sample, configuration) pairs, else
+[p95 of the fastest, p95 of the slowest]. The controller's budget encoder is re-normalised
+over it, so an offline policy's "tight" and "loose" budgets keep their meaning.
 
 Distributed (``torchrun``; gloo on CPU, nccl on CUDA): every rank samples the same stage-1
 choices, runs the members m with m % world_size == rank, the rollouts are all-gathered so
@@ -69,7 +70,7 @@ class OnlineTrainConfig:
     group_size: rollouts per group, G (int >= 2, default 5, origin).
     max_new_tokens: generation cap per rollout (int, default 16, exp5's cap).
     budget_min_ms, budget_max_ms: budget range on this machine (None = calibrated, see module doc).
-    calibration_samples: training samples the calibration runs on (default 4).
+    calibration_samples: training samples the calibration runs on (default 8).
     warmup: run each configuration once unmeasured before its first measured run (default True).
     threads: torch intra-op threads on CPU (default 1; 0 = torch's setting): with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
@@ -103,7 +104,7 @@ class OnlineTrainConfig:
     max_new_tokens: int = 16
     budget_min_ms: float | None = None
     budget_max_ms: float | None = None
-    calibration_samples: int = 4
+    calibration_samples: int = 8
     warmup: bool = True
     threads: int = 1
     lr: float = 3e-4
@@ -271,10 +272,8 @@ def _build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: 
     return controller, reward or RewardConfig(mode="hard"), parent
 
 
-def calibrate_budget_range(executor: Any, controller: Any, rows: list[int]) -> tuple[float, float]:
-    """[p95 of the fastest configuration's latency, p95 of the slowest's] over ``rows``, measured here."""
-    import numpy as np
-
+def calibration_configs(controller: Any) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """Knob indices (crops, insertion, top-K, blocks) of the fastest and the slowest configuration."""
     c_lo, c_hi = 0, len(controller.max_crops_values) - 1
     positions = controller.insertion_positions
     valid = controller.blocks_valid
@@ -283,15 +282,78 @@ def calibrate_budget_range(executor: Any, controller: Any, rows: list[int]) -> t
     fastest = (c_lo, fastest_p, 0, b_lo)
     slowest_p = next(i for i in range(len(positions)) if bool(valid[i, -1]))
     slowest = (c_hi, slowest_p, len(controller.top_k_values) - 1, valid.shape[1] - 1)
-    lat = {}
-    for name, force in (("fastest", fastest), ("slowest", slowest)):
-        # two measured runs per sample, the smaller kept: a one-off stall must not set the range
+    return fastest, slowest
+
+
+def calibrate_budget_range(executor: Any, controller: Any, rows: list[int],
+                           reference: BudgetReference | None = None) -> tuple[float, float]:
+    """The budget range on this machine, measured with the fastest and the slowest configuration on ``rows``.
+
+    Each configuration runs twice per sample (the smaller latency kept: a one-off stall must not
+    set the range). With a ``reference`` (the parent offline run's range and the recorded
+    latencies of these samples), the range is that offline range times this machine's speed
+    ratio: the median over the runs of measured / recorded latency of the same sample and
+    configuration. The pairing cancels what makes samples differ (answer length above all), so
+    a few samples give a stable ratio, and budgets keep the meaning the offline policy learned.
+    Without one (fresh runs, no recorded latencies): [p95 of the fastest, p95 of the slowest].
+    """
+    import numpy as np
+
+    lat, ratios = {}, []
+    for name, force in zip(("fastest", "slowest"), calibration_configs(controller)):
         runs = [executor.run_fixed(rows, force) for _ in range(2)]
         lat[name] = np.minimum(*(np.array([r.latency_total_ms for r in out]) for out in runs))
+        if reference is not None:
+            knobs = (runs[0][0].max_crops, runs[0][0].top_k, runs[0][0].num_active_blocks)
+            recorded = np.array([reference.recorded_ms(row, knobs) for row in rows])
+            ok = np.isfinite(recorded) & (recorded > 0)
+            ratios.extend((lat[name][ok] / recorded[ok]).tolist())
+    if ratios:
+        ratio = float(np.median(ratios))
+        return round(reference.range_ms[0] * ratio, 1), round(reference.range_ms[1] * ratio, 1)
     lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
     if not hi > lo * 1.05:  # the knobs barely move latency here: still give the budget some range
         hi = lo * 1.5
     return round(lo, 1), round(hi, 1)
+
+
+@dataclass
+class BudgetReference:
+    """What the calibration compares with: an offline run's budget range and the recorded latencies.
+
+    range_ms: the offline run's training budget range (its config.json). ``recorded_ms(row,
+    (max_crops, top_k, num_active_blocks))``: the ``groups`` view's latency of online sample
+    ``row`` under that configuration (NaN where not recorded).
+    """
+
+    range_ms: tuple[float, float]
+    latency_ms: dict[tuple[str, str, int, int, int], float]
+    keys: list[tuple[str, str]]
+
+    def recorded_ms(self, row: int, knobs: tuple[int, int, int]) -> float:
+        return self.latency_ms.get((*self.keys[row], *knobs), float("nan"))
+
+
+def budget_reference(workspace: Workspace, runtime: Any, samples: Any, parent_config: dict) -> BudgetReference | None:
+    """The reference for an offline parent run (None when the workspace recorded no latencies)."""
+    from trainer.data import load_offline_data
+
+    try:
+        data = load_offline_data(workspace, runtime.fingerprint)
+    except CtrlError:
+        return None
+    actions = data.action_space.actions
+    latency: dict[tuple[str, str, int, int, int], float] = {}
+    wanted = set(zip(samples.dataset, samples.sample_key))
+    for i, key in enumerate(zip(data.dataset, data.sample_key)):
+        if key in wanted:
+            row = data.latency_ms[i].tolist()
+            for a, knobs in enumerate(actions):
+                latency[(*key, *knobs)] = row[a]
+    if not latency:
+        return None
+    return BudgetReference(range_ms=(float(parent_config["budget_min_ms"]), float(parent_config["budget_max_ms"])),
+                           latency_ms=latency, keys=list(zip(samples.dataset, samples.sample_key)))
 
 
 def train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | None = None, *,
@@ -362,13 +424,19 @@ def _train_online(config: OnlineTrainConfig, progress: Callable[[dict], None] | 
         controller = None
         if budget_range[0] is None:
             # a provisional controller, only to run forced configurations for the calibration
-            provisional, _, _ = _build_controller(config, workspace, runtime, samples, (1.0, 2.0))
+            provisional, _, parent_id = _build_controller(config, workspace, runtime, samples, (1.0, 2.0))
+            reference = None
+            if parent_id is not None:
+                parent_cfg = json.loads((resolve_run_dir(workspace, parent_id) / "config.json").read_text())
+                if parent_cfg.get("phase", "offline") == "offline":
+                    reference = budget_reference(workspace, runtime, samples, parent_cfg)
             executor = RolloutExecutor(runtime, provisional, samples, config.max_new_tokens, config.warmup)
             try:
                 if progress:
                     progress({"phase": "calibrate", "samples": min(config.calibration_samples, len(train_rows))})
                 budget_range = dist.broadcast(calibrate_budget_range(executor, provisional,
-                                                                     train_rows[: config.calibration_samples]))
+                                                                     train_rows[: config.calibration_samples],
+                                                                     reference))
             finally:
                 executor.close()
         controller, reward, parent = _build_controller(config, workspace, runtime, samples, budget_range)

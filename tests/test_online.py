@@ -254,6 +254,38 @@ def _config(ws, **kw):
     return OnlineTrainConfig(**{**base, **kw})
 
 
+def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online_ws, embedded_runtime, executor):
+    import math
+
+    from online.train import BudgetReference, budget_reference, calibrate_budget_range, calibration_configs
+    from trainer.data import load_offline_data
+
+    _, ws = online_ws
+    samples = executor.samples
+    parent = json.loads((ws.runs_dir / "offline-run" / "config.json").read_text())
+    reference = budget_reference(ws, embedded_runtime, samples, parent)
+    assert reference.range_ms == (parent["budget_min_ms"], parent["budget_max_ms"])
+    data = load_offline_data(ws, embedded_runtime.fingerprint)  # the recorded latencies, looked up by key
+    row = data.sample_key.index(samples.sample_key[0])
+    for a, knobs_ in enumerate(data.action_space.actions):
+        recorded = float(data.latency_ms[row, a])
+        assert reference.recorded_ms(0, knobs_) == recorded or (math.isnan(recorded)
+                                                                 and math.isnan(reference.recorded_ms(0, knobs_)))
+
+    rows = [0, 1, 2]
+    fastest, slowest = calibration_configs(executor.controller)
+    assert fastest[0] == 0 and slowest[0] == len(executor.controller.max_crops_values) - 1
+    # every recorded latency 1000 ms: the range is the offline range times median(measured / 1000)
+    flat = BudgetReference(range_ms=(100.0, 250.0), latency_ms={k: 1000.0 for k in reference.latency_ms},
+                           keys=reference.keys)
+    lo, hi = calibrate_budget_range(executor, executor.controller, rows, flat)
+    assert lo > 0 and hi / lo == pytest.approx(2.5, rel=0.01)  # the offline range's shape is kept
+    # nothing recorded: this machine's own quantiles
+    empty = BudgetReference(range_ms=(100.0, 250.0), latency_ms={}, keys=reference.keys)
+    lo, hi = calibrate_budget_range(executor, executor.controller, rows, empty)
+    assert 0 < lo < hi
+
+
 def test_online_run_writes_rollouts_steps_and_checkpoint(online_ws, embedded_runtime):
     from online.train import train_online
     from pipeline.catalog import run_query
