@@ -18,9 +18,9 @@ A run lives in ``workspace/runs/<run_id>/``::
 
 Budget range: the latencies of this machine, not the offline data's. Unless given, it is
 calibrated at the start (``calibrate_budget_range``): the fastest and the slowest configuration
-run on a few training samples; continuing an offline run, the range is that run's range times
-the median ratio of measured to recorded latency on those (sample, configuration) pairs, else
-[p95 of the fastest, p95 of the slowest]. The controller's budget encoder is re-normalised
+run on a few training samples; continuing an offline run, each end of that run's range is
+scaled by the median ratio of measured to recorded latency of its configuration on those
+samples, else the range is [p95 of the fastest, p95 of the slowest]. The controller's budget encoder is re-normalised
 over it, so an offline policy's "tight" and "loose" budgets keep their meaning.
 
 Distributed (``torchrun``; gloo on CPU, nccl on CUDA): every rank samples the same stage-1
@@ -291,15 +291,19 @@ def calibrate_budget_range(executor: Any, controller: Any, rows: list[int],
 
     Each configuration runs twice per sample (the smaller latency kept: a one-off stall must not
     set the range). With a ``reference`` (the parent offline run's range and the recorded
-    latencies of these samples), the range is that offline range times this machine's speed
-    ratio: the median over the runs of measured / recorded latency of the same sample and
-    configuration. The pairing cancels what makes samples differ (answer length above all), so
-    a few samples give a stable ratio, and budgets keep the meaning the offline policy learned.
-    Without one (fresh runs, no recorded latencies): [p95 of the fastest, p95 of the slowest].
+    latencies of these samples), each end of that offline range is scaled by its own
+    configuration's speed ratio here: the median over ``rows`` of measured / recorded latency of
+    the same sample and configuration (the low end by the fastest configuration's, the high end
+    by the slowest's: the offline ends are statistics of those two). The pairing cancels what
+    makes samples differ (answer length above all), so a few samples suffice; a ratio per end,
+    not one for both, because the two-stage request adds a roughly constant cost (controller,
+    split prefill) that weighs more on fast configurations (~25 % at the fastest, ~5 % at the
+    slowest on the testbed). Without a reference (fresh runs, nothing recorded): [p95 of the
+    fastest, p95 of the slowest].
     """
     import numpy as np
 
-    lat, ratios = {}, []
+    lat, ratio = {}, {}
     for name, force in zip(("fastest", "slowest"), calibration_configs(controller)):
         runs = [executor.run_fixed(rows, force) for _ in range(2)]
         lat[name] = np.minimum(*(np.array([r.latency_total_ms for r in out]) for out in runs))
@@ -307,11 +311,12 @@ def calibrate_budget_range(executor: Any, controller: Any, rows: list[int],
             knobs = (runs[0][0].max_crops, runs[0][0].top_k, runs[0][0].num_active_blocks)
             recorded = np.array([reference.recorded_ms(row, knobs) for row in rows])
             ok = np.isfinite(recorded) & (recorded > 0)
-            ratios.extend((lat[name][ok] / recorded[ok]).tolist())
-    if ratios:
-        ratio = float(np.median(ratios))
-        return round(reference.range_ms[0] * ratio, 1), round(reference.range_ms[1] * ratio, 1)
-    lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
+            if ok.any():
+                ratio[name] = float(np.median(lat[name][ok] / recorded[ok]))
+    if len(ratio) == 2:
+        lo, hi = reference.range_ms[0] * ratio["fastest"], reference.range_ms[1] * ratio["slowest"]
+    else:
+        lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
     if not hi > lo * 1.05:  # the knobs barely move latency here: still give the budget some range
         hi = lo * 1.5
     return round(lo, 1), round(hi, 1)

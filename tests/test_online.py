@@ -275,11 +275,24 @@ def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online
     rows = [0, 1, 2]
     fastest, slowest = calibration_configs(executor.controller)
     assert fastest[0] == 0 and slowest[0] == len(executor.controller.max_crops_values) - 1
-    # every recorded latency 1000 ms: the range is the offline range times median(measured / 1000)
     flat = BudgetReference(range_ms=(100.0, 250.0), latency_ms={k: 1000.0 for k in reference.latency_ms},
                            keys=reference.keys)
-    lo, hi = calibrate_budget_range(executor, executor.controller, rows, flat)
-    assert lo > 0 and hi / lo == pytest.approx(2.5, rel=0.01)  # the offline range's shape is kept
+    lo, hi = calibrate_budget_range(executor, executor.controller, rows, flat)  # the real model, measured
+    assert 0 < lo < hi
+
+    class Timed:  # the rule's arithmetic with known latencies: fastest runs 10 % / 30 % / 50 % over, slowest 0 %
+        def run_fixed(self, rows_, force):
+            from types import SimpleNamespace
+
+            c, _, k, b = force
+            ctrl = executor.controller
+            over = {0: 0.1, 1: 0.3, 2: 0.5} if force == fastest else {0: 0.0, 1: 0.0, 2: 0.0}
+            return [SimpleNamespace(latency_total_ms=1000.0 * (1 + over[i]), max_crops=ctrl.max_crops_values[c],
+                                    top_k=ctrl.top_k_values[k], num_active_blocks=ctrl.num_active_blocks_values[b])
+                    for i, _ in enumerate(rows_)]
+
+    # each end scaled by its own configuration's median ratio: 100 x 1.3, 250 x 1.0
+    assert calibrate_budget_range(Timed(), executor.controller, rows, flat) == (130.0, 250.0)
     # nothing recorded: this machine's own quantiles
     empty = BudgetReference(range_ms=(100.0, 250.0), latency_ms={}, keys=reference.keys)
     lo, hi = calibrate_budget_range(executor, executor.controller, rows, empty)
