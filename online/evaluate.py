@@ -12,7 +12,8 @@ what happens, for two deciders:
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
 (the order rotating from sample to sample) on one executor, so machine drift between minutes
 shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the generated answers), mean and p95
-of the measured total latency, violation rate (latency > budget), mean reward (the run's
+of the measured total latency, violation rate (latency > budget), accuracy within budget
+(answers over budget count as 0), mean reward (the run's
 reward) and the chosen-configuration histogram ("C/K/B@p"). Written like the offline
 evaluation: ``evaluation.parquet`` (view ``evaluations``; ``expected_reward`` is null: there is
 no exact expectation when outcomes are measured) and ``evaluation.png``.
@@ -123,9 +124,11 @@ def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budg
                          "accuracy": float(score.mean()), "latency_ms_mean": float(latency.mean()),
                          "latency_ms_p95": float(torch.quantile(latency, 0.95)),
                          "violation_rate": float((latency > budget).double().mean()),
+                         "accuracy_within_budget": float(torch.where(latency > budget, 0.0, score).mean()),
                          "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
                          "config_histogram": json.dumps(dict(sorted(hist.items())))})
     schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
               "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
-              "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
+              "accuracy_within_budget": pl.Float64, "reward_mean": pl.Float64, "expected_reward": pl.Float64,
+              "config_histogram": pl.String}
     return pl.DataFrame(rows, schema=schema)

@@ -416,6 +416,9 @@ def test_evaluation_frame_and_files(data, tmp_path):
     chosen = LargestDecider().decide(test, budgets[0])
     lat = test.latency_ms[torch.arange(len(test)), chosen]
     assert largest["violation_rate"] == pytest.approx(float((lat > budgets[0]).double().mean()))
+    score = test.score[torch.arange(len(test)), chosen]
+    assert largest["accuracy_within_budget"] == pytest.approx(float(torch.where(lat > budgets[0], 0.0, score).mean()))
+    assert (frame["accuracy_within_budget"] <= frame["accuracy"] + 1e-12).all()
 
     parquet, png = write_evaluation(tmp_path / "20260101-000000-abc123", frame)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

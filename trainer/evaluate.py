@@ -6,6 +6,8 @@ configurations (the test split). Columns (see ``EVALUATION_COLUMNS``):
 * ``accuracy``: mean recorded score of the chosen configurations;
 * ``latency_ms_mean`` / ``latency_ms_p95``: their recorded latency (linear-interpolation p95);
 * ``violation_rate``: share with latency > budget_ms (no tolerance, origin §7.8 training metric);
+* ``accuracy_within_budget``: mean score with every answer over budget counted as 0: the
+  accuracy a service with this deadline delivers (late answers are lost);
 * ``reward_mean``: mean reward (``trainer.reward``) of the decisions;
 * ``expected_reward``: sum_a pi(a|x) r(x, a) averaged over samples, for deciders that expose
   ``action_probs``; equal to reward_mean for the deterministic baselines, NaN otherwise;
@@ -33,7 +35,7 @@ __all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "default_budget_grid", "eva
            "format_evaluation_table", "write_evaluation"]
 
 EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
-                      "violation_rate", "reward_mean", "expected_reward", "config_histogram")
+                      "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram")
 #: the goal's violation ceiling, drawn as the reference line of the plot
 VIOLATION_TARGET = 0.05
 
@@ -103,6 +105,7 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
                 "latency_ms_mean": float(latency.mean()),
                 "latency_ms_p95": float(torch.quantile(latency, 0.95)),
                 "violation_rate": float((latency > float(budget_ms)).double().mean()),
+                "accuracy_within_budget": float(torch.where(latency > float(budget_ms), 0.0, score).mean()),
                 "reward_mean": float(all_rewards[rows_idx, chosen].double().mean()),
                 "expected_reward": _expected_reward(decider, test, budget, all_rewards),
                 "config_histogram": json.dumps({labels[i]: c for i, c in enumerate(counts) if c}),
@@ -111,7 +114,7 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
     schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
               "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
-              "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
+              "accuracy_within_budget": pl.Float64, "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -165,7 +168,7 @@ def format_evaluation_table(frame: Any) -> Any:  # -> rich.table.Table
 
     table = Table(title="evaluation (test split)")
     for header in ("decider", "budget ms", "accuracy", "latency ms mean", "latency ms p95", "violation",
-                   "reward", "expected reward", "top configuration"):
+                   "acc. within budget", "reward", "expected reward", "top configuration"):
         table.add_column(header, justify="left" if header in ("decider", "top configuration") else "right")
     for row in frame.iter_rows(named=True):
         hist = json.loads(row["config_histogram"]) if row["config_histogram"] else {}
@@ -176,6 +179,7 @@ def format_evaluation_table(frame: Any) -> Any:  # -> rich.table.Table
             violation = f"[red]{violation}[/red]"
         expected = row["expected_reward"]
         table.add_row(row["decider"], f"{row['budget_ms']:.1f}", f"{row['accuracy']:.3f}", f"{row['latency_ms_mean']:.1f}",
-                      f"{row['latency_ms_p95']:.1f}", violation, f"{row['reward_mean']:.3f}",
+                      f"{row['latency_ms_p95']:.1f}", violation, f"{row['accuracy_within_budget']:.3f}",
+                      f"{row['reward_mean']:.3f}",
                       "" if expected is None or math.isnan(expected) else f"{expected:.3f}", top_text)
     return table
