@@ -305,8 +305,8 @@ def train(
                                                   rich_help_panel="Online")] = 5,
     online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at the end.",
                                                   rich_help_panel="Online")] = True,
-    eval_max_samples: Annotated[int, typer.Option("--eval-max-samples", min=1, help="Online: test samples of the final evaluation.",
-                                                  rich_help_panel="Online")] = 32,
+    eval_max_samples: Annotated[int | None, typer.Option("--eval-max-samples", min=1, help="Online: test samples of the final evaluation (default: all).",
+                                                         rich_help_panel="Online")] = None,
     threads: Annotated[int, typer.Option("--threads", min=0, help="Online: CPU threads per request (0 = torch's default).",
                                          rich_help_panel="Online")] = 1,
 ) -> None:

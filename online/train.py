@@ -84,7 +84,7 @@ class OnlineTrainConfig:
     > Runs
     evaluate: after the last step, evaluate the run with the model on the test split against its
         offline start (``online.evaluate``; default True).
-    eval_max_samples: test samples the final evaluation runs (default 32; None = all).
+    eval_max_samples: test samples the final evaluation runs (default None: all of the test split).
     checkpoint_every: steps between checkpoints (default 5; the last step always saves).
     run_id: run directory name (None = timestamp + random suffix).
     resume: an online run to continue from its last checkpoint (``steps`` may grow; the device
@@ -114,7 +114,7 @@ class OnlineTrainConfig:
     reward: RewardConfig | dict | None = None
     seed: int = 42
     evaluate: bool = True
-    eval_max_samples: int | None = 32
+    eval_max_samples: int | None = None
     checkpoint_every: int = 5
     run_id: str | None = None
     resume: str | None = None
