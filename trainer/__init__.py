@@ -14,6 +14,7 @@ from trainer.evaluate import (
     format_evaluation_table,
     write_evaluation,
 )
+from trainer.fallback import TableFallback, fit_table_fallback, read_fallback
 from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
 from trainer.offline import OfflineTrainConfig, RunResult, evaluate_run, resolve_checkpoint, resolve_run_dir, train_offline
 from trainer.policy import ControllerPolicy, PolicyConfig, PolicyDecider, budget_normalization_range, expected_reward
@@ -53,6 +54,10 @@ __all__ = [
     "default_budget_range",
     "compute_reward",
     "REWARD_PARTS",
+    # deployment: the lookup table where the controller does not beat it on held-out data
+    "TableFallback",
+    "fit_table_fallback",
+    "read_fallback",
     # evaluation
     "Decider",
     "OracleDecider",
