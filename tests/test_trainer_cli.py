@@ -55,7 +55,7 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert predicted.exit_code == 0, predicted.output
     frame = pl.read_csv(out)
     assert frame.columns == ["sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k",
-                             "num_active_blocks", "probability"]
+                             "num_active_blocks", "probability", "source"]
     assert frame.height == 2 * 60 and frame["probability"].is_between(0, 1, closed="right").all()
 
 
