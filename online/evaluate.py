@@ -11,9 +11,9 @@ what happens, for two deciders:
 
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
 (the order rotating from sample to sample) on one executor, so machine drift between minutes
-shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the generated answers), mean and p95
-of the measured total latency, violation rate (latency > budget), accuracy within budget
-(answers over budget count as 0), mean reward (the run's
+shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the
+generated answers), mean and p95 of the measured total latency, violation rate (latency >
+budget), accuracy within budget (answers over budget count as 0), mean reward (the run's
 reward) and the chosen-configuration histogram ("C/K/B@p"). Written like the offline
 evaluation: ``evaluation.parquet`` (view ``evaluations``; ``expected_reward`` is null: there is
 no exact expectation when outcomes are measured) and ``evaluation.png``.

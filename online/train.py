@@ -20,8 +20,9 @@ Budget range: the latencies of this machine, not the offline data's. Unless give
 calibrated at the start (``calibrate_budget_range``): the fastest and the slowest configuration
 run on a few training samples; continuing an offline run, each end of that run's range is
 scaled by the median ratio of measured to recorded latency of its configuration on those
-samples, else the range is [p95 of the fastest, p95 of the slowest]. The controller's budget encoder is re-normalised
-over it, so an offline policy's "tight" and "loose" budgets keep their meaning.
+samples, else the range is [p95 of the fastest, p95 of the slowest]. The controller's budget
+encoder is re-normalised over it, so an offline policy's "tight" and "loose" budgets keep
+their meaning.
 
 Distributed (``torchrun``; gloo on CPU, nccl on CUDA): every rank samples the same stage-1
 choices, runs the members m with m % world_size == rank, the rollouts are all-gathered so

@@ -116,8 +116,8 @@ class OfflineTrainConfig:
         (0, 1), default 0.01; None = off: reward shaping only). The default sits well below
         the 5 % goal because the multiplier sees the train split, where the policy can learn
         per-sample latencies: new samples violate more (on the shipped data, seeds 0-9 and 42,
-        the test violation at the lowest budget was 4.3-5.8 % with 0.01, against up to 7.2 %
-        without the constraint; changed from off). A Lagrange multiplier lambda(b) >= 0 per point
+        without the table fallback: the test violation at the lowest budget was 4.3-5.8 % with
+        0.01, up to 7.2 % without the constraint; changed from off). A Lagrange multiplier lambda(b) >= 0 per point
         of the validation budget grid (linear in between) is subtracted from the reward of
         every violating configuration; after each step it moves by ``violation_lr`` times
         (the sampling policy's exact violation probability on the step's groups near b -
