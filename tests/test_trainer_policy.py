@@ -506,10 +506,20 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
     assert fallback.grid_ms == sorted(grid)
     table, network = LookupTableDecider(train), PolicyDecider(policy)
     rows, knobs = torch.arange(len(val)), val.action_space.knob_values().float()
-    for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
+    for i, budget in enumerate(fallback.grid_ms):
         r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None], reward)["reward"]
-        by_hand = float(r[rows, network.decide(val, budget)].mean()) >= float(r[rows, table.decide(val, budget)].mean())
-        assert keep == by_hand
+        ours, theirs = network.decide(val, budget), table.decide(val, budget)
+        r_ctrl, r_table = float(r[rows, ours].mean()), float(r[rows, theirs].mean())
+        v_ctrl = float((val.latency_ms[rows, ours] > budget).double().mean())
+        v_table = float((val.latency_ms[rows, theirs] > budget).double().mean())
+        assert (fallback.controller_reward[i], fallback.table_reward[i]) == pytest.approx((r_ctrl, r_table))
+        assert (fallback.controller_violation_rate[i], fallback.table_violation_rate[i]) == pytest.approx((v_ctrl, v_table))
+        if v_ctrl <= 0.05 and v_table <= 0.05:  # both within the goal: the controller must be strictly better
+            assert fallback.use_controller[i] == (r_ctrl > r_table)
+        elif v_ctrl <= 0.05 or v_table <= 0.05:  # only one within: that one
+            assert fallback.use_controller[i] == (v_ctrl <= 0.05)
+        else:
+            assert fallback.use_controller[i] == (v_ctrl <= v_table)
     assert True in fallback.use_controller and False in fallback.use_controller  # this seed exercises both
 
     deployed = PolicyDecider(policy, fallback)
@@ -534,8 +544,13 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
 def test_table_fallback_refuses_inconsistent_fields():
     from trainer.fallback import TableFallback
 
+    def make(grid, n):
+        return TableFallback(grid_ms=grid, use_controller=[True] * n, controller_reward=[0.0] * n,
+                             table_reward=[0.0] * n, controller_violation_rate=[0.0] * n,
+                             table_violation_rate=[0.0] * n, max_violation_rate=0.05, table={})
+
     with pytest.raises(ValueError, match="same non-zero length"):
-        TableFallback(grid_ms=[1.0, 2.0], use_controller=[True], controller_reward=[0.0], table_reward=[0.0], table={})
+        make([1.0, 2.0], 1)
     with pytest.raises(ValueError, match="ascending"):
-        TableFallback(grid_ms=[2.0, 1.0], use_controller=[True, True], controller_reward=[0.0, 0.0],
-                      table_reward=[0.0, 0.0], table={})
+        make([2.0, 1.0], 2)
+    assert make([1.0, 2.0], 2).fallback_budgets_ms == []

@@ -4,10 +4,16 @@ A learned policy should replace a simple baseline only where held-out data suppo
 policy improvement: Thomas et al. 2015, "High-confidence off-policy evaluation"; Laroche et al.
 2019, SPIBB). After training, :func:`fit_table_fallback` compares, at every budget of the
 validation grid, the controller's greedy decisions with the ``lut_p95`` table's on the
-validation split — exactly, since every configuration's outcome is recorded — and keeps the
-controller only where its mean reward is at least the table's. At the other budgets the
-deployed controller answers with the table's configuration. A budget between grid points
-follows the nearest grid point.
+validation split — exactly, since every configuration's outcome is recorded — and picks per
+budget, as a constrained choice (violations first, then reward):
+
+* both keep the violation rate within ``max_violation_rate`` (the 5 % goal): the controller
+  only if its mean reward is strictly higher (a tie is no evidence of improvement);
+* only one does: that one;
+* neither does: the one with the lower violation rate (the controller on a tie).
+
+At the other budgets the deployed controller answers with the table's configuration. A
+budget between grid points follows the nearest grid point.
 
 Where the cached features say little about a sample's outcome (the synthetic worlds), the
 policy's per-sample deviations from the table mostly fit training noise and lose to the
@@ -22,6 +28,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from trainer.evaluate import VIOLATION_TARGET
 
 if TYPE_CHECKING:
     from trainer.baselines import LookupTableDecider
@@ -39,8 +47,10 @@ class TableFallback:
     grid_ms: the validation grid, ascending (ms).
     use_controller: per grid point, True where the controller's mean validation reward is at
         least the table's.
-    controller_reward, table_reward: those mean validation rewards (the evidence, kept for
-        inspection).
+    controller_reward, table_reward: those mean validation rewards;
+    controller_violation_rate, table_violation_rate: the validation share of decisions over
+        budget (the evidence, kept for inspection).
+    max_violation_rate: the violation rate a decider must keep to be preferred on reward.
     table: ``LookupTableDecider.state()`` of the ``lut_p95`` table of the train split.
     """
 
@@ -48,14 +58,18 @@ class TableFallback:
     use_controller: list[bool]
     controller_reward: list[float]
     table_reward: list[float]
+    controller_violation_rate: list[float]
+    table_violation_rate: list[float]
+    max_violation_rate: float
     table: dict[str, Any]
 
     def __post_init__(self) -> None:
         n = len(self.grid_ms)
-        if n == 0 or any(len(x) != n for x in (self.use_controller, self.controller_reward, self.table_reward)):
-            raise ValueError(f"`grid_ms`, `use_controller`, `controller_reward` and `table_reward` must have the same "
-                             f"non-zero length, got {n}, {len(self.use_controller)}, {len(self.controller_reward)}, "
-                             f"{len(self.table_reward)}")
+        per_budget = (self.use_controller, self.controller_reward, self.table_reward, self.controller_violation_rate,
+                      self.table_violation_rate)
+        if n == 0 or any(len(x) != n for x in per_budget):
+            raise ValueError(f"`grid_ms` and the per-budget lists (use_controller, rewards, violation rates) must have "
+                             f"the same non-zero length, got {n} and {[len(x) for x in per_budget]}")
         if list(self.grid_ms) != sorted(self.grid_ms):
             raise ValueError(f"`grid_ms` must be ascending, got {self.grid_ms!r}")
 
@@ -86,12 +100,12 @@ class TableFallback:
 
 @torch.no_grad()
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
-                       reward: RewardConfig) -> TableFallback:
-    """Compare the controller's and the ``lut_p95`` table's greedy decisions on ``val`` at each budget.
+                       reward: RewardConfig, max_violation_rate: float = VIOLATION_TARGET) -> TableFallback:
+    """Choose, per budget of ``grid_ms``, between the controller and the ``lut_p95`` table on ``val``.
 
     ``train`` builds the table (as in the evaluation); ``val`` carries the scores the rewards
     are computed from (the training targets, so the comparison sees the same, less noisy,
-    scores as the model selection).
+    scores as the model selection). The rule is in the module docstring.
     """
     from trainer.baselines import LookupTableDecider
     from trainer.policy import PolicyDecider
@@ -99,21 +113,33 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
 
     if len(val) == 0:
         raise ValueError("`val` has no samples: the fallback needs held-out data")
+    if not 0.0 <= max_violation_rate <= 1.0:
+        raise ValueError(f"`max_violation_rate` must be in [0, 1], got {max_violation_rate!r}")
     table = LookupTableDecider(train)
     network = PolicyDecider(policy)
     rows = torch.arange(len(val))
     knobs = val.action_space.knob_values().float()
     grid = sorted(float(b) for b in grid_ms)
-    keep, ours, theirs = [], [], []
+    out: dict[str, list] = {k: [] for k in ("keep", "r_ctrl", "r_table", "v_ctrl", "v_table")}
     for budget in grid:
         rewards = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None],
                                  reward)["reward"].double()
-        r_ctrl = float(rewards[rows, network.decide(val, budget)].mean())
-        r_table = float(rewards[rows, table.decide(val, budget)].mean())
-        keep.append(r_ctrl >= r_table)
-        ours.append(r_ctrl)
-        theirs.append(r_table)
-    return TableFallback(grid_ms=grid, use_controller=keep, controller_reward=ours, table_reward=theirs,
+        ours, theirs = network.decide(val, budget), table.decide(val, budget)
+        r_ctrl, r_table = float(rewards[rows, ours].mean()), float(rewards[rows, theirs].mean())
+        v_ctrl = float((val.latency_ms[rows, ours] > budget).double().mean())
+        v_table = float((val.latency_ms[rows, theirs] > budget).double().mean())
+        ok_ctrl, ok_table = v_ctrl <= max_violation_rate, v_table <= max_violation_rate
+        if ok_ctrl and ok_table:
+            keep = r_ctrl > r_table
+        elif ok_ctrl or ok_table:
+            keep = ok_ctrl
+        else:
+            keep = v_ctrl <= v_table
+        for key, value in zip(out, (keep, r_ctrl, r_table, v_ctrl, v_table)):
+            out[key].append(value)
+    return TableFallback(grid_ms=grid, use_controller=out["keep"], controller_reward=out["r_ctrl"],
+                         table_reward=out["r_table"], controller_violation_rate=out["v_ctrl"],
+                         table_violation_rate=out["v_table"], max_violation_rate=float(max_violation_rate),
                          table=table.state())
 
 

@@ -141,9 +141,9 @@ class OfflineTrainConfig:
     > Deployment
     disable_table_fallback: deploy the network alone (bool, default False). By default, after
         training, the controller is compared with the ``lut_p95`` table at every budget of the
-        validation grid on the validation split, and the table answers wherever the
-        controller's mean reward there is below the table's (``trainer.fallback``; safe policy
-        improvement). The raw network is evaluated too, as decider ``policy``.
+        validation grid on the validation split, violations before reward, and the table
+        answers wherever the controller does not win (the rule: ``trainer.fallback``; safe
+        policy improvement). The raw network is evaluated too, as decider ``policy``.
 
     > Evaluation and runs
     num_val_budgets: budgets (evenly spaced over the budget range, ends included) at which the
