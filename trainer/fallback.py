@@ -45,8 +45,8 @@ class TableFallback:
     """Which budgets the controller keeps, and the table that answers at the others.
 
     grid_ms: the validation grid, ascending (ms).
-    use_controller: per grid point, True where the controller's mean validation reward is at
-        least the table's.
+    use_controller: per grid point, True where the controller decides (the rule in the
+        module docstring), False where the table answers.
     controller_reward, table_reward: those mean validation rewards;
     controller_violation_rate, table_violation_rate: the validation share of decisions over
         budget (the evidence, kept for inspection).

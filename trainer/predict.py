@@ -106,11 +106,11 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim)
     n = len(feats["dataset"])
     actions = torch.tensor(policy.action_space.actions, dtype=torch.long)  # (A, 3)
+    table = fallback.lookup_table() if fallback is not None else None
     parts = []
     for budget in budgets:
         if fallback is not None and not bool(fallback.controller_at(torch.tensor(budget))):
             # the table's choice over the policy's whole action space (the deployed decision)
-            table = fallback.lookup_table()
             chosen = table.choose(torch.full((n,), budget), None)
             probability, source = torch.ones(n, dtype=torch.float64), "table"
         else:
