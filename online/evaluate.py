@@ -77,10 +77,9 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
 
 def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budgets: list[float], reward: Any,
                   max_samples: int | None, progress: Any) -> Any:
-    import polars as pl
-
     from online.data import load_online_samples
     from online.rollout import RolloutExecutor
+    from trainer.evaluate import evaluation_frame, outcome_metrics
     from trainer.reward import compute_reward
 
     samples = load_online_samples(ws, runtime.fingerprint, config.images_dir)
@@ -121,14 +120,7 @@ def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budg
             r_parts = compute_reward(score.float(), latency.float(), budget, knobs, reward)
             hist = Counter(f"{r.max_crops}/{r.top_k}/{r.num_active_blocks}@{r.insertion_position}" for r in out)
             rows.append({"decider": name, "budget_ms": budget, "num_samples": len(out),
-                         "accuracy": float(score.mean()), "latency_ms_mean": float(latency.mean()),
-                         "latency_ms_p95": float(torch.quantile(latency, 0.95)),
-                         "violation_rate": float((latency > budget).double().mean()),
-                         "accuracy_within_budget": float(torch.where(latency > budget, 0.0, score).mean()),
+                         **outcome_metrics(score, latency, budget),
                          "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
                          "config_histogram": json.dumps(dict(sorted(hist.items())))})
-    schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
-              "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
-              "accuracy_within_budget": pl.Float64, "reward_mean": pl.Float64, "expected_reward": pl.Float64,
-              "config_histogram": pl.String}
-    return pl.DataFrame(rows, schema=schema)
+    return evaluation_frame(rows)

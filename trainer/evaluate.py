@@ -50,6 +50,24 @@ def default_budget_grid(data: OfflineData, num: int = 8) -> list[float]:
     return [round(float(b), 1) for b in np.linspace(lo, hi, num)]
 
 
+def outcome_metrics(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: float) -> dict[str, float]:
+    """The evaluation's outcome columns for one (decider, budget) from the decisions' scores and
+    latencies (both (N,)): accuracy, latency mean/p95, violation rate, accuracy within budget."""
+    score, latency = score.double(), latency_ms.double()
+    over = latency > float(budget_ms)
+    return {"accuracy": float(score.mean()), "latency_ms_mean": float(latency.mean()),
+            "latency_ms_p95": float(torch.quantile(latency, 0.95)), "violation_rate": float(over.double().mean()),
+            "accuracy_within_budget": float(torch.where(over, 0.0, score).mean())}
+
+
+def evaluation_frame(rows: list[dict[str, Any]]) -> Any:  # -> polars.DataFrame
+    """Evaluation rows as a frame with ``EVALUATION_COLUMNS`` and their dtypes (offline and online)."""
+    import polars as pl
+
+    dtypes = {"decider": pl.String, "num_samples": pl.Int64, "config_histogram": pl.String}
+    return pl.DataFrame(rows, schema={c: dtypes.get(c, pl.Float64) for c in EVALUATION_COLUMNS})
+
+
 def _expected_reward(decider: Any, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
     """Exact sum_a pi(a|x) r(x, a) averaged over samples; NaN if the decider has no distribution."""
     probs_fn = getattr(decider, "action_probs", None)
@@ -71,8 +89,6 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     Raises ValueError when a decider chooses an action outside ``test.mask`` (its outcome
     was never recorded, so no metric could be computed honestly).
     """
-    import polars as pl
-
     if len(test) == 0:
         raise ValueError("`test` has no samples")
     names = [d.name for d in deciders]
@@ -94,28 +110,19 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
             outside = int((~test.mask[rows_idx, chosen]).sum())
             if outside:
                 raise ValueError(f"{decider.name}: {outside} of {n} decisions at budget {budget_ms} ms are outside the mask")
-            score = test.score[rows_idx, chosen].double()
-            latency = test.latency_ms[rows_idx, chosen].double()
             counts = torch.bincount(chosen, minlength=len(labels)).tolist()
             rows.append({
                 "decider": decider.name,
                 "budget_ms": float(budget_ms),
                 "num_samples": n,
-                "accuracy": float(score.mean()),
-                "latency_ms_mean": float(latency.mean()),
-                "latency_ms_p95": float(torch.quantile(latency, 0.95)),
-                "violation_rate": float((latency > float(budget_ms)).double().mean()),
-                "accuracy_within_budget": float(torch.where(latency > float(budget_ms), 0.0, score).mean()),
+                **outcome_metrics(test.score[rows_idx, chosen], test.latency_ms[rows_idx, chosen], float(budget_ms)),
                 "reward_mean": float(all_rewards[rows_idx, chosen].double().mean()),
                 "expected_reward": _expected_reward(decider, test, budget, all_rewards),
                 "config_histogram": json.dumps({labels[i]: c for i, c in enumerate(counts) if c}),
             })
     order = {name: i for i, name in enumerate(names)}
     rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
-    schema = {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64, "accuracy": pl.Float64,
-              "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64, "violation_rate": pl.Float64,
-              "accuracy_within_budget": pl.Float64, "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String}
-    return pl.DataFrame(rows, schema=schema)
+    return evaluation_frame(rows)
 
 
 def write_evaluation(run_dir: str | os.PathLike, frame: Any, run_id: str | None = None) -> tuple[Path, Path]:
