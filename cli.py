@@ -287,6 +287,7 @@ def train(
     kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.", rich_help_panel="Reward and loss")] = 0.1,
     violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (0 = off).", rich_help_panel="Reward and loss")] = 0.01,
     table_fallback: Annotated[bool, typer.Option("--table-fallback/--no-table-fallback", help="Answer with the lut_p95 table at the budgets where the controller does not beat it on the validation split.", rich_help_panel="Reward and loss")] = True,
+    fallback_confidence: Annotated[float, typer.Option("--fallback-confidence", min=0.5, max=0.999, help="Confidence of that comparison: the table's violation bound and the controller's reward test (0.5 = point estimates).", rich_help_panel="Reward and loss")] = 0.95,
     use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last checkpoint.")] = None,
@@ -345,7 +346,7 @@ def train(
                 batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
                 reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
                 clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target or None,
-                disable_table_fallback=not table_fallback, use_tilings=use_tilings,
+                disable_table_fallback=not table_fallback, fallback_confidence=fallback_confidence, use_tilings=use_tilings,
                 score_target=score_target, warm_start_steps=warm_start_steps, run_id=run_id)
         with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=err, transient=True, disable=not err.is_terminal) as bar:

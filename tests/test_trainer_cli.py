@@ -25,10 +25,14 @@ def ws(tmp_path_factory, embedded_runtime) -> Workspace:
 def test_train_evaluate_predict(ws, tmp_path):
     w = str(ws.root)
     trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--run-id", "cli-run",
-                                  "--reward-mode", "hard"], catch_exceptions=False)
+                                  "--reward-mode", "hard", "--fallback-confidence", "0.8"], catch_exceptions=False)
     assert trained.exit_code == 0, trained.output
     assert "run cli-run" in trained.stdout and "lut_p95" in trained.stdout
     assert (ws.runs_dir / "cli-run" / "evaluation.png").exists()
+    from trainer.fallback import read_fallback
+
+    assert json.loads((ws.runs_dir / "cli-run" / "config.json").read_text())["fallback_confidence"] == 0.8
+    assert read_fallback(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt").confidence == 0.8
 
     evaluated = runner.invoke(app, ["evaluate", "latest", "-w", w, "--budget-ms", "250", "--budget-ms", "400"])
     assert evaluated.exit_code == 0, evaluated.output

@@ -492,7 +492,7 @@ def test_warm_start_makes_the_greedy_decision_the_lookup_table():
 
 def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_path):
     from trainer.baselines import LookupTableDecider
-    from trainer.fallback import attach_fallback, fit_table_fallback, read_fallback
+    from trainer.fallback import attach_fallback, fit_table_fallback, read_fallback, wilson_upper_bound
 
     from trainer.offline import warm_start
 
@@ -502,25 +502,40 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
     policy.eval()
     reward = RewardConfig(mode="hard")
     grid = [330.0, 180.0, 230.0, 280.0]  # unsorted on purpose
-    fallback = fit_table_fallback(policy, train, val, grid, reward)
-    assert fallback.grid_ms == sorted(grid)
     table, network = LookupTableDecider(train), PolicyDecider(policy)
     rows, knobs = torch.arange(len(val)), val.action_space.knob_values().float()
-    for i, budget in enumerate(fallback.grid_ms):
-        r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None], reward)["reward"]
-        ours, theirs = network.decide(val, budget), table.decide(val, budget)
-        r_ctrl, r_table = float(r[rows, ours].mean()), float(r[rows, theirs].mean())
-        v_ctrl = float((val.latency_ms[rows, ours] > budget).double().mean())
-        v_table = float((val.latency_ms[rows, theirs] > budget).double().mean())
-        assert (fallback.controller_reward[i], fallback.table_reward[i]) == pytest.approx((r_ctrl, r_table))
-        assert (fallback.controller_violation_rate[i], fallback.table_violation_rate[i]) == pytest.approx((v_ctrl, v_table))
-        if v_ctrl <= 0.05 and v_table <= 0.05:  # both within the goal: the controller must be strictly better
-            assert fallback.use_controller[i] == (r_ctrl > r_table)
-        elif v_ctrl <= 0.05 or v_table <= 0.05:  # only one within: that one
-            assert fallback.use_controller[i] == (v_ctrl <= 0.05)
-        else:
-            assert fallback.use_controller[i] == (v_ctrl <= v_table)
-    assert True in fallback.use_controller and False in fallback.use_controller  # this seed exercises both
+    cases = set()
+    for confidence, z in ((0.5, 0.0), (0.8, 0.8416), (0.95, 1.6449)):
+        fallback = fit_table_fallback(policy, train, val, grid, reward, confidence=confidence)
+        assert fallback.grid_ms == sorted(grid) and fallback.confidence == confidence
+        for i, budget in enumerate(fallback.grid_ms):
+            r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None], reward)["reward"]
+            ours, theirs = network.decide(val, budget), table.decide(val, budget)
+            difference = (r[rows, ours] - r[rows, theirs]).double()
+            se = float(difference.std()) / len(val) ** 0.5
+            v_ctrl = float((val.latency_ms[rows, ours] > budget).double().mean())
+            # the table's violations: train and val pooled, judged by their upper bound
+            table_over = int((val.latency_ms[rows, theirs] > budget).sum()) + int(
+                (train.latency_ms[torch.arange(len(train)), table.decide(train, budget)] > budget).sum())
+            v_table, v_upper = table_over / (len(train) + len(val)), wilson_upper_bound(table_over, len(train) + len(val), confidence)
+            assert fallback.reward_difference_se[i] == pytest.approx(se)
+            assert float(difference.mean()) == pytest.approx(fallback.controller_reward[i] - fallback.table_reward[i], abs=1e-6)
+            assert (fallback.controller_violation_rate[i], fallback.table_violation_rate[i]) == pytest.approx((v_ctrl, v_table))
+            assert fallback.table_violation_upper[i] == pytest.approx(v_upper) and v_upper >= v_table
+            if v_ctrl <= 0.05 and v_upper <= 0.05:  # both within the goal: the controller must win the paired test
+                expected, case = float(difference.mean()) > z * se, "reward"
+            elif v_ctrl <= 0.05 or v_upper <= 0.05:  # only one within: that one
+                expected, case = v_ctrl <= 0.05, "violation"
+            else:
+                expected, case = v_ctrl <= v_table, "neither"
+            assert fallback.use_controller[i] == expected, (confidence, budget)
+            cases.add((case, expected, float(difference.mean()) > 0))
+        if confidence < 0.95:
+            assert True in fallback.use_controller and False in fallback.use_controller  # this seed exercises both
+    assert len(cases) >= 4, cases
+    assert ("reward", False, True) in cases  # a better mean that is not significant keeps the table
+    fallback = fit_table_fallback(policy, train, val, grid, reward)  # the default level: 0.95
+    assert fallback.confidence == 0.95
 
     deployed = PolicyDecider(policy, fallback)
     for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
@@ -546,11 +561,34 @@ def test_table_fallback_refuses_inconsistent_fields():
 
     def make(grid, n):
         return TableFallback(grid_ms=grid, use_controller=[True] * n, controller_reward=[0.0] * n,
-                             table_reward=[0.0] * n, controller_violation_rate=[0.0] * n,
-                             table_violation_rate=[0.0] * n, max_violation_rate=0.05, table={})
+                             table_reward=[0.0] * n, reward_difference_se=[0.0] * n,
+                             controller_violation_rate=[0.0] * n, table_violation_rate=[0.0] * n,
+                             table_violation_upper=[0.0] * n, max_violation_rate=0.05, confidence=0.95, table={})
 
     with pytest.raises(ValueError, match="same non-zero length"):
         make([1.0, 2.0], 1)
     with pytest.raises(ValueError, match="ascending"):
         make([2.0, 1.0], 2)
     assert make([1.0, 2.0], 2).fallback_budgets_ms == []
+    # a fallback stored before the confidence rule (no bound, no SE) still loads; its choices stand
+    stored = make([1.0, 2.0], 2).to_json()
+    for key in ("reward_difference_se", "table_violation_upper", "confidence"):
+        del stored[key]
+    old = TableFallback.from_json(stored)
+    assert old.use_controller == [True, True] and all(math.isnan(x) for x in old.table_violation_upper)
+
+
+def test_wilson_upper_bound_solves_the_score_equation():
+    from statistics import NormalDist
+
+    from trainer.fallback import wilson_upper_bound
+
+    z = NormalDist().inv_cdf(0.95)
+    for k, n in ((0, 100), (5, 100), (24, 532), (1, 57)):
+        u = wilson_upper_bound(k, n, 0.95)
+        # the Wilson bound is the root above k/n of (u - k/n)^2 = z^2 u (1 - u) / n
+        assert u > k / n and (u - k / n) ** 2 == pytest.approx(z * z * u * (1 - u) / n)
+    assert wilson_upper_bound(0, 100, 0.95) == pytest.approx(z * z / (100 + z * z))
+    assert wilson_upper_bound(5, 100, 0.5) == pytest.approx(0.05)  # z = 0: the point estimate
+    assert wilson_upper_bound(24, 532, 0.95) > 0.05 > wilson_upper_bound(15, 532, 0.95)  # 4.5 % is not safe, 2.8 % is
+    assert wilson_upper_bound(0, 0, 0.95) == 1.0 and wilson_upper_bound(10, 10, 0.95) == 1.0
