@@ -371,6 +371,11 @@ def train(
     out.print(f"run {result.run_id}: best epoch {result.best_epoch}, validation expected reward "
               f"{result.initial_val_expected_reward:.4f} -> {result.best_val_expected_reward:.4f}; {result.run_dir}",
               highlight=False, markup=False)
+    from trainer.fallback import read_fallback
+
+    fallback = read_fallback(result.best_checkpoint)
+    if fallback is not None:
+        out.print(fallback.describe(), highlight=False, markup=False)
     if result.evaluation is not None:
         out.print(format_evaluation_table(result.evaluation))
         out.print(f"plot: {result.run_dir / 'evaluation.png'}", highlight=False, markup=False)

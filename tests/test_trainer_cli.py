@@ -32,7 +32,9 @@ def test_train_evaluate_predict(ws, tmp_path):
     from trainer.fallback import read_fallback
 
     assert json.loads((ws.runs_dir / "cli-run" / "config.json").read_text())["fallback_confidence"] == 0.8
-    assert read_fallback(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt").confidence == 0.8
+    fallback = read_fallback(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt")
+    assert fallback.confidence == 0.8
+    assert fallback.describe() in trained.stdout and "(80% confidence)" in trained.stdout
 
     evaluated = runner.invoke(app, ["evaluate", "latest", "-w", w, "--budget-ms", "250", "--budget-ms", "400"])
     assert evaluated.exit_code == 0, evaluated.output

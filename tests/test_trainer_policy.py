@@ -570,6 +570,9 @@ def test_table_fallback_refuses_inconsistent_fields():
     with pytest.raises(ValueError, match="ascending"):
         make([2.0, 1.0], 2)
     assert make([1.0, 2.0], 2).fallback_budgets_ms == []
+    mixed = make([100.0, 150.5], 2)
+    mixed.use_controller = [False, True]
+    assert mixed.describe() == "table fallback (95% confidence): controller at 150.5 ms; lut_p95 table at 100.0 ms"
     # a fallback stored before the confidence rule (no bound, no SE) still loads; its choices stand
     stored = make([1.0, 2.0], 2).to_json()
     for key in ("reward_difference_se", "table_violation_upper", "confidence"):

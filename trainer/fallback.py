@@ -105,6 +105,15 @@ class TableFallback:
         """The grid budgets where the table answers."""
         return [b for b, keep in zip(self.grid_ms, self.use_controller) if not keep]
 
+    def describe(self) -> str:
+        """One line for the terminal: which grid budgets the controller keeps, which the table answers."""
+        def budgets(values: list[float]) -> str:
+            return ", ".join(f"{b:.1f}" for b in values) + " ms" if values else "none"
+
+        level = "" if math.isnan(self.confidence) else f" ({self.confidence:.0%} confidence)"
+        kept = [b for b, keep in zip(self.grid_ms, self.use_controller) if keep]
+        return f"table fallback{level}: controller at {budgets(kept)}; lut_p95 table at {budgets(self.fallback_budgets_ms)}"
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
