@@ -308,6 +308,8 @@ def test_sampled_groups_stay_inside_the_mask():
     ({"scale_rewards": "always"}, "`scale_rewards` must be"),
     ({"loss_type": "ppo"}, "`loss_type` must be"),
     ({"reward": {"mode": "soft", "gamma": -1.0}}, "`gamma` must be"),
+    ({"fallback_confidence": 1.0}, r"`fallback_confidence` must be in \[0.5, 1\)"),
+    ({"fallback_confidence": 0.3}, r"`fallback_confidence` must be in \[0.5, 1\)"),
 ])
 def test_invalid_configs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
