@@ -171,17 +171,19 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     keys = ("keep", "r_ctrl", "r_table", "se", "v_ctrl", "v_table", "v_table_upper")
     out: dict[str, list] = {k: [] for k in keys}
     rows = torch.arange(len(val))
+    pooled = len(train) + len(val)  # the table's violations are counted on both splits
     for budget in grid:
         rewards = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None],
                                  reward)["reward"].double()
         ours, theirs = network.decide(val, budget), table.decide(val, budget)
-        difference = rewards[rows, ours] - rewards[rows, theirs]
-        r_ctrl, r_table = float(rewards[rows, ours].mean()), float(rewards[rows, theirs].mean())
+        r_ours, r_theirs = rewards[rows, ours], rewards[rows, theirs]
+        difference = r_ours - r_theirs
+        r_ctrl, r_table = float(r_ours.mean()), float(r_theirs.mean())
         se = float(difference.std() / math.sqrt(len(val))) if len(val) > 1 else math.inf
         v_ctrl = float(over_budget(val, ours, budget).double().mean())
         table_over = int(over_budget(val, theirs, budget).sum()) + int(over_budget(train, table.decide(train, budget), budget).sum())
-        v_table = table_over / (len(train) + len(val))
-        v_table_upper = wilson_upper_bound(table_over, len(train) + len(val), confidence)
+        v_table = table_over / pooled
+        v_table_upper = wilson_upper_bound(table_over, pooled, confidence)
         ok_ctrl, ok_table = v_ctrl <= max_violation_rate, v_table_upper <= max_violation_rate
         if ok_ctrl and ok_table:
             keep = r_ctrl - r_table > z * se
