@@ -1,20 +1,27 @@
 """The ``ctrl`` command. Thin: parse options, build a config, call one library function, print.
 
-Heavy imports (pyarrow, duckdb, polars, later torch) happen inside the commands so that
-``ctrl --help`` stays instant.
+The stages are imported inside the commands: pipeline pulls in pyarrow, the trainer and the
+runtime torch and transformers (seconds), and ``ctrl --help`` or ``ctrl query`` must not pay
+for what they do not run.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 app = typer.Typer(
     name="ctrl",
@@ -32,6 +39,10 @@ WorkspaceOption = Annotated[
     typer.Option("--workspace", "-w", envvar="CTRL_WORKSPACE", help="Workspace directory [default: ./workspace].",
                  show_default=False, file_okay=False),
 ]
+ModelOption = Annotated[str, typer.Option(
+    "--model", help="'embedded' (built offline from a seed), 'testbed' (the trained testbed, see `ctrl testbed train`) "
+                    "or a local model directory.")]
+REWARD, ONLINE = "Reward and loss", "Online"
 
 
 class OutputFormat(str, Enum):
@@ -40,7 +51,13 @@ class OutputFormat(str, Enum):
     json = "json"
 
 
+def _print(text: str) -> None:
+    """A result line on stdout, printed as is."""
+    out.print(text, highlight=False, markup=False)
+
+
 def _fail(error: Exception) -> typer.Exit:
+    """One red line on stderr (the Hint on the next), exit code 1."""
     lines = str(error).splitlines() or [type(error).__name__]
     err.print(f"[bold red]error:[/] {lines[0]}", markup=True, highlight=False, soft_wrap=True)
     for line in lines[1:]:
@@ -48,39 +65,82 @@ def _fail(error: Exception) -> typer.Exit:
     return typer.Exit(code=1)
 
 
+class Bar:
+    """The progress bar of a command, on stderr; invisible when stderr is not a terminal."""
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self.progress, self.task = progress, task
+
+    def total(self, n: int) -> None:
+        self.progress.update(self.task, total=n)
+
+    def advance(self, n: int = 1, info: str | None = None) -> None:
+        self.progress.update(self.task, advance=n, **({} if info is None else {"info": info}))
+
+    def update(self, *, completed: int | None = None, total: int | None = None, info: str | None = None) -> None:
+        changes = {k: v for k, v in (("completed", completed), ("total", total), ("info", info)) if v is not None}
+        self.progress.update(self.task, **changes)
+
+    @property
+    def completed(self) -> float:
+        return self.progress.tasks[0].completed
+
+
+@contextmanager
+def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """The frame of every command: a ctrl error (and the exceptions in ``also``) becomes one red
+    line and exit 1; Ctrl-C prints ``interrupted: <interrupted>`` and exits 130 (without
+    ``interrupted`` it propagates)."""
+    from pipeline.errors import CtrlError
+
+    try:
+        yield
+    except (CtrlError, *also) as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        err.print(f"interrupted: {interrupted}")
+        raise typer.Exit(code=130) from None
+
+
+@contextmanager
+def running(label: str, *, interrupted: str | None = None, also: tuple[type[Exception], ...] = (),
+            counts: bool = True, show: bool = True) -> Iterator[Bar]:
+    """:func:`handled` with a progress bar (``counts``: n/total; ``show``: False hides it)."""
+    columns = [TextColumn(label), BarColumn(), *([MofNCompleteColumn()] if counts else []),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    with handled(interrupted=interrupted, also=also), \
+            Progress(*columns, console=err, transient=True, disable=not show or not err.is_terminal) as progress:
+        yield Bar(progress, progress.add_task(label, total=None, info=""))
+
+
+# -- the dataset -------------------------------------------------------------------------------
+
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="Result files or directories (searched recursively for *.json).", exists=True)],
+    paths: Annotated[list[Path], typer.Argument(help="Result files or directories (searched recursively for *.json).",
+                                                exists=True)],
     workspace: WorkspaceOption = None,
     strict: Annotated[bool, typer.Option("--strict", help="Stop at the first bad file and change nothing.")] = False,
     num_workers: Annotated[int, typer.Option("--num-workers", help="Parser processes; 0 = one per core (max 4).", min=0,
                                              rich_help_panel="Performance")] = 0,
 ) -> None:
     """Parse exp5/exp6/core_exp result trees into the workspace's Parquet tables."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from pipeline import CtrlError, IngestConfig
+    from pipeline import IngestConfig
     from pipeline import ingest as run_ingest
 
-    try:
+    with running("ingest", interrupted="the workspace is unchanged; parsed files are cached and the next run resumes") \
+            as bar:
         config = IngestConfig(paths=paths, workspace=workspace, strict=strict, num_workers=num_workers)
-        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[name]}"),
-                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("ingest", total=None, name="")
-            report = run_ingest(config, progress=lambda name: bar.update(task, advance=1, name=name),
-                                on_total=lambda n: bar.update(task, total=n))
-    except CtrlError as e:
-        raise _fail(e) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: the workspace is unchanged; parsed files are cached and the next run resumes")
-        raise typer.Exit(code=130) from None
+        report = run_ingest(config, progress=lambda name: bar.advance(info=name), on_total=bar.total)
     for f in report.errors:
         err.print(f"[red]bad file:[/] {f.error}", highlight=False, soft_wrap=True)
     parts = [f"{report.count(s)} {s}" for s in ("ok", "unchanged", "skipped", "error") if report.count(s)]
     summary = f"{len(report.files)} files ({', '.join(parts) or 'none'}) in {report.elapsed_s:.1f}s"
     if report.changed:
         rows = ", ".join(f"{n} {t}" for t, n in report.table_rows.items())
-        out.print(f"ingested {summary} -> {report.workspace} ({report.generation}): {rows}", highlight=False, markup=False)
+        _print(f"ingested {summary} -> {report.workspace} ({report.generation}): {rows}")
     else:
         out.print(f"nothing changed: {summary}; workspace {report.workspace}", highlight=False)
     if report.errors:
@@ -90,18 +150,17 @@ def ingest(
 
 @app.command()
 def query(
-    sql: Annotated[str, typer.Argument(help="SQL over the workspace views (samples, measurements, configs, files, groups; features and runs once written).")],
+    sql: Annotated[str, typer.Argument(help="SQL over the workspace views (samples, measurements, configs, files, "
+                                            "groups; features and runs once written).")],
     workspace: WorkspaceOption = None,
     output_format: Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")] = OutputFormat.table,
     max_rows: Annotated[int, typer.Option("--max-rows", help="Rows shown by --format table (0 = all).", min=0)] = 50,
 ) -> None:
     """Run SQL over the workspace with DuckDB."""
-    from pipeline import CtrlError, Workspace, run_query
+    from pipeline import Workspace, run_query
 
-    try:
+    with handled():
         result = run_query(Workspace(workspace), sql)
-    except CtrlError as e:
-        raise _fail(e) from None
     if output_format is OutputFormat.csv:
         import pyarrow.csv as pacsv
 
@@ -112,7 +171,7 @@ def query(
         _print_arrow(result, max_rows)
 
 
-def _print_arrow(result: Any, max_rows: int) -> None:
+def _print_arrow(result: pa.Table, max_rows: int) -> None:
     table = Table(show_header=True, header_style="bold")
     for name in result.column_names:
         table.add_column(name, overflow="fold")
@@ -130,17 +189,16 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Summarize a workspace: datasets, configurations per experiment, flags, bad files."""
-    from pipeline import CtrlError, Workspace, workspace_status
+    from pipeline import Workspace, workspace_status
 
-    try:
+    with handled():
         summary = workspace_status(Workspace(workspace))
-    except CtrlError as e:
-        raise _fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps(summary, default=str, indent=1) + "\n")
         return
-    out.print(f"workspace {summary['workspace']} ({summary['generation']})  catalog: {summary['catalog']}", highlight=False, markup=False)
-    sections = [("datasets", summary["datasets"]), ("configurations", summary["experiments"]), ("files", summary["files"])]
+    _print(f"workspace {summary['workspace']} ({summary['generation']})  catalog: {summary['catalog']}")
+    sections = [("datasets", summary["datasets"]), ("configurations", summary["experiments"]),
+                ("files", summary["files"])]
     if summary["features"]:
         sections.append(("features (ctrl extract-features)", summary["features"]))
     for title, rows in sections:
@@ -155,333 +213,8 @@ def status(
     for bad in summary["bad_files"]:
         out.print(f"[red]{bad['status']}:[/] {bad['error']}", highlight=False, soft_wrap=True)
     if summary["missing_files"]:
-        out.print(f"{len(summary['missing_files'])} ingested file(s) no longer on disk (their rows are kept), "
-                  f"e.g. {summary['missing_files'][0]}", highlight=False, markup=False)
-
-
-@app.command("extract-features")
-def extract_features(
-    workspace: WorkspaceOption = None,
-    images: Annotated[Path | None, typer.Option("--images", help="Directory searched (recursively) for images by image_id.",
-                                                exists=True, file_okay=False)] = None,
-    image_pattern: Annotated[str | None, typer.Option("--image-pattern", help="Extra file name pattern, e.g. '{dataset}/{image_id}.jpg'.")] = None,
-    model: Annotated[str, typer.Option("--model", help="'embedded' (built offline from a seed), 'testbed' (the trained testbed, see `ctrl testbed train`) or a local checkpoint directory.")] = "embedded",
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 16,
-    force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
-) -> None:
-    """Compute image and language features per sample once and cache them in the workspace."""
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from features import FeatureConfig
-    from features import extract_features as run_extract
-    from pipeline import CtrlError
-
-    try:
-        config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
-                               device=device, batch_size=batch_size, force=force)
-        with Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("features", total=None, rate="")
-            started = [0.0]
-
-            def advance(n: int) -> None:
-                started[0] = started[0] or time.perf_counter()
-                bar.update(task, advance=n)
-                done = bar.tasks[0].completed
-                elapsed = time.perf_counter() - started[0]
-                bar.update(task, rate=f"{done / elapsed:.1f} samples/s" if elapsed > 0 else "")
-
-            report = run_extract(config, progress=advance, on_total=lambda n: bar.update(task, total=n))
-    except CtrlError as e:
-        raise _fail(e) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: finished chunks are kept; the next run resumes")
-        raise typer.Exit(code=130) from None
-    out.print(f"features for {report.num_samples} samples (model {report.fingerprint[:16]}): {report.computed} computed, "
-              f"{report.cached} already cached; {report.computed / max(report.elapsed_s, 1e-9):.1f} samples/s",
-              highlight=False, markup=False)
-    for label, ids in (("missing", report.missing_images), ("unreadable", report.unreadable_images)):
-        unique = list(dict.fromkeys(ids))
-        if unique:
-            err.print(f"{len(unique)} {label} image(s), e.g. {', '.join(unique[:5])}: their image features are null",
-                      highlight=False, markup=False)
-
-
-def _train_online(config: Any) -> None:
-    """Run ``online.train.train_online`` with a progress bar and a one-line summary."""
-    import os
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from online.train import train_online
-    from pipeline import CtrlError
-
-    try:
-        with Progress(TextColumn("online"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=err, transient=True,
-                      disable=not err.is_terminal or os.environ.get("RANK", "0") != "0") as bar:
-            task = bar.add_task("online", total=config.steps, info="starting")
-
-            def show(event: dict) -> None:
-                if event.get("phase") == "calibrate":
-                    bar.update(task, info=f"calibrating the budget range on {event.get('samples')} samples")
-                elif event.get("phase") == "evaluate":
-                    bar.update(task, info="evaluating on the test split with the model")
-                elif event.get("phase") == "step":
-                    bar.update(task, completed=event["step"], total=event["steps"],
-                               info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
-                                    f"latency {event['latency_ms_mean']:.0f} ms viol {event['violation_rate']:.0%}")
-
-            result = train_online(config, progress=show)
-    except (CtrlError, ValueError) as e:
-        raise _fail(e) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: continue with --online --resume RUN (from its last checkpoint)")
-        raise typer.Exit(code=130) from None
-    from online.distributed import current_dist
-
-    if current_dist().rank != 0:  # under torchrun, rank 0 reports
-        return
-    if result.evaluation is not None:
-        from trainer import format_evaluation_table
-
-        out.print(format_evaluation_table(result.evaluation))
-    frame = result.steps
-    lo, hi = result.budget_range_ms
-    if len(frame):
-        first, last = frame.head(max(1, len(frame) // 4)), frame.tail(max(1, len(frame) // 4))
-        out.print(f"online run {result.run_id}: {len(frame)} steps, budget range {lo:.1f}-{hi:.1f} ms; "
-                  f"first/last quarter: reward {first['reward/mean'].mean():.3f} -> {last['reward/mean'].mean():.3f}, "
-                  f"accuracy {first['accuracy'].mean():.3f} -> {last['accuracy'].mean():.3f}, "
-                  f"violations {first['violation_rate'].mean():.0%} -> {last['violation_rate'].mean():.0%}, "
-                  f"latency {first['latency_ms_mean'].mean():.0f} -> {last['latency_ms_mean'].mean():.0f} ms; "
-                  f"{result.run_dir}", highlight=False, markup=False)
-
-
-@app.command()
-def train(
-    ctx: typer.Context,
-    offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations, or online GRPO running the model.")] = True,
-    workspace: WorkspaceOption = None,
-    model_fingerprint: Annotated[str | None, typer.Option("--model-fingerprint", help="Feature model to use (prefix ok; default: the only one).")] = None,
-    num_epochs: Annotated[int, typer.Option("--num-epochs", min=1, help="Passes over the train split.")] = 30,
-    group_size: Annotated[int, typer.Option("--group-size", min=2, help="Configurations sampled per (sample, budget) group, G.")] = 5,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step.")] = 32,
-    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
-    seed: Annotated[int, typer.Option("--seed", help="Seed: the same options give the same run.")] = 42,
-    budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: from the data).")] = None,
-    budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
-    reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 beyond) or soft (origin §7.5 formula).",
-                                             rich_help_panel="Reward and loss")] = "hard",
-    score_target: Annotated[str, typer.Option("--score-target", help="mean (of exp5 and exp6 where both recorded; default) or recorded: the training score.",
-                                              rich_help_panel="Reward and loss")] = "mean",
-    warm_start_steps: Annotated[int, typer.Option("--warm-start-steps", min=0, help="Steps fitting the initial policy to the lut_p95 table (0 = off).",
-                                                  rich_help_panel="Reward and loss")] = 200,
-    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).", rich_help_panel="Reward and loss")] = "grpo",
-    scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.", rich_help_panel="Reward and loss")] = "batch",
-    clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).", rich_help_panel="Reward and loss")] = None,
-    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.", rich_help_panel="Reward and loss")] = 0.1,
-    violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier prices violations (0 = off).", rich_help_panel="Reward and loss")] = 0.01,
-    table_fallback: Annotated[bool, typer.Option("--table-fallback/--no-table-fallback", help="Answer with the lut_p95 table at the budgets where the controller does not beat it on the validation split.", rich_help_panel="Reward and loss")] = True,
-    fallback_confidence: Annotated[float, typer.Option("--fallback-confidence", min=0.5, max=0.999, help="Confidence of that comparison: the table's violation bound and the controller's reward test (0.5 = point estimates).", rich_help_panel="Reward and loss")] = 0.95,
-    use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops choice) to both stages.")] = False,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + hex).")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last checkpoint.")] = None,
-    from_run: Annotated[str, typer.Option("--from", help="Offline (or online) run to continue from; 'latest' = the newest offline run.",
-                                          rich_help_panel="Online")] = "latest",
-    fresh: Annotated[bool, typer.Option("--fresh", help="Start from an untrained controller instead of a run.", rich_help_panel="Online")] = False,
-    model: Annotated[str, typer.Option("--model", help="'embedded', 'testbed' (the trained testbed) or a local model directory.", rich_help_panel="Online")] = "embedded",
-    images: Annotated[Path | None, typer.Option("--images", help="Image directory (default: paths recorded by extract-features).",
-                                                rich_help_panel="Online")] = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Online optimizer steps.", rich_help_panel="Online")] = 20,
-    samples_per_step: Annotated[int, typer.Option("--samples-per-step", min=1, help="(sample, budget) groups per online step.",
-                                                  rich_help_panel="Online")] = 2,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per rollout.", rich_help_panel="Online")] = 16,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel="Online")] = "cpu",
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online checkpoints.",
-                                                  rich_help_panel="Online")] = 5,
-    online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at the end.",
-                                                  rich_help_panel="Online")] = True,
-    eval_max_samples: Annotated[int | None, typer.Option("--eval-max-samples", min=1, help="Online: test samples of the final evaluation (default: all).",
-                                                         rich_help_panel="Online")] = None,
-    threads: Annotated[int, typer.Option("--threads", min=0, help="Online: CPU threads per request (0 = torch's default).",
-                                         rich_help_panel="Online")] = 1,
-) -> None:
-    """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
-    evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
-    from pipeline import CtrlError
-
-    if not offline:
-        from online.train import OnlineTrainConfig
-        from trainer.reward import RewardConfig
-
-        # online keeps the parent run's reward unless --reward-mode is given explicitly
-        given = str(ctx.get_parameter_source("reward_mode")).endswith("COMMANDLINE")
-        try:
-            online_config = OnlineTrainConfig(
-                workspace=workspace, model=model, device=device, images_dir=images, from_run=from_run, fresh=fresh,
-                steps=steps, samples_per_step=samples_per_step, group_size=group_size, max_new_tokens=max_new_tokens,
-                budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms, lr=lr, seed=seed,
-                reward=RewardConfig(mode=reward_mode) if given else None,
-                scale_rewards=scale_rewards, checkpoint_every=checkpoint_every, run_id=run_id, resume=resume,
-                evaluate=online_evaluate, eval_max_samples=eval_max_samples, threads=threads)
-        except ValueError as e:
-            raise _fail(e) from None
-        _train_online(online_config)
-        return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from trainer import OfflineTrainConfig, RewardConfig, format_evaluation_table, train_offline
-
-    try:
-        if resume:
-            config = OfflineTrainConfig.from_run(resume, workspace, num_epochs=num_epochs)
-        else:
-            config = OfflineTrainConfig(
-                workspace=workspace, model_fingerprint=model_fingerprint, num_epochs=num_epochs, group_size=group_size,
-                batch_size=batch_size, lr=lr, seed=seed, budget_min_ms=budget_min_ms, budget_max_ms=budget_max_ms,
-                reward=RewardConfig(mode=reward_mode), loss_type=loss_type, scale_rewards=scale_rewards,
-                clip_epsilon=clip_epsilon, kl_beta=kl_beta, violation_target=violation_target or None,
-                disable_table_fallback=not table_fallback, fallback_confidence=fallback_confidence, use_tilings=use_tilings,
-                score_target=score_target, warm_start_steps=warm_start_steps, run_id=run_id)
-        with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("train", total=None, info="")
-
-            def show(event: dict) -> None:
-                if event.get("phase") == "train":
-                    val = event.get("val_expected_reward")
-                    bar.update(task, completed=event.get("step", 0), total=event.get("total_steps"),
-                               info=f"epoch {event.get('epoch')} loss {event.get('loss', float('nan')):.4f} "
-                                    f"reward {event.get('reward', float('nan')):.3f} val E[r] "
-                                    + (f"{val:.3f}" if val is not None else "-"))
-                elif event.get("phase") == "evaluate":
-                    bar.update(task, info="evaluating on the test split")
-
-            result = train_offline(config, progress=show)
-    except (CtrlError, ValueError) as e:
-        raise _fail(e) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: resume with --resume RUN (the last finished epoch is checkpointed)")
-        raise typer.Exit(code=130) from None
-    out.print(f"run {result.run_id}: best epoch {result.best_epoch}, validation expected reward "
-              f"{result.initial_val_expected_reward:.4f} -> {result.best_val_expected_reward:.4f}; {result.run_dir}",
-              highlight=False, markup=False)
-    from trainer.fallback import read_fallback
-
-    fallback = read_fallback(result.best_checkpoint)
-    if fallback is not None:
-        out.print(fallback.describe(), highlight=False, markup=False)
-    if result.evaluation is not None:
-        out.print(format_evaluation_table(result.evaluation))
-        out.print(f"plot: {result.run_dir / 'evaluation.png'}", highlight=False, markup=False)
-
-
-@app.command()
-def evaluate(
-    run: Annotated[str, typer.Argument(help="Run id of the workspace, 'latest', or a run directory.")],
-    workspace: WorkspaceOption = None,
-    budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; default: the run's grid).")] = None,
-    max_samples: Annotated[int | None, typer.Option("--max-samples", min=1, help="Online runs: test samples to run (default: all).")] = None,
-) -> None:
-    """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
-    the baselines on the recorded outcomes, an online run against its offline start with the model."""
-    import json
-
-    from pipeline import CtrlError, Workspace
-    from trainer import evaluate_run, format_evaluation_table, resolve_run_dir
-
-    try:
-        run_dir = resolve_run_dir(Workspace(workspace), run)
-        if json.loads((run_dir / "config.json").read_text()).get("phase") == "online":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            from online.evaluate import evaluate_online_run
-
-            with Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err, transient=True, disable=not err.is_terminal) as bar:
-                task = bar.add_task("evaluate", total=None)
-                frame = evaluate_online_run(workspace, run_dir, budget_ms or None, max_samples=max_samples,
-                                            progress=lambda done, total: bar.update(task, completed=done, total=total))
-        else:
-            frame = evaluate_run(workspace, run_dir, budget_ms or None)
-    except (CtrlError, ValueError) as e:
-        raise _fail(e) from None
-    out.print(format_evaluation_table(frame))
-    out.print(f"written: {run_dir / 'evaluation.parquet'}, {run_dir / 'evaluation.png'}", highlight=False, markup=False)
-
-
-@app.command()
-def predict(
-    budget_ms: Annotated[list[float], typer.Option("--budget-ms", help="Latency budget in ms (repeatable).")],
-    out_path: Annotated[Path, typer.Option("--out", help="Output file, .parquet or .csv.", dir_okay=False)],
-    run: Annotated[str | None, typer.Option("--run", help="Run id of the workspace, or a run directory.")] = None,
-    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A checkpoint file.", exists=True, dir_okay=False)] = None,
-    workspace: WorkspaceOption = None,
-) -> None:
-    """One knob decision per (sample, budget) for the workspace's samples."""
-    from pipeline import CtrlError
-    from trainer import predict as run_predict
-
-    if (run is None) == (checkpoint is None):
-        raise _fail(CtrlError("give exactly one of --run RUN and --checkpoint PATH"))
-    try:
-        frame = run_predict(workspace, run if run is not None else checkpoint, list(budget_ms), out_path)
-    except (CtrlError, ValueError) as e:
-        raise _fail(e) from None
-    out.print(f"{frame.height} decisions for {frame['sample_key'].n_unique()} samples x {len(budget_ms)} budgets -> {out_path}",
-              highlight=False, markup=False)
-
-
-@app.command()
-def profile(
-    dataset: Annotated[list[Path], typer.Option("--dataset", help="Dataset directory (dataset.json + images/); repeatable.",
-                                                show_default=False)],
-    model: Annotated[str, typer.Option("--model", help="'embedded', 'testbed' (the trained testbed, see `ctrl testbed train`) or a local model directory.")] = "embedded",
-    configs: Annotated[str, typer.Option("--configs", help="'balanced' (27), 'full' (75) or a list C/K/B,C/K/B (max_crops/top_k/num_active_blocks).")] = "balanced",
-    num_samples: Annotated[int | None, typer.Option("--num-samples", min=1, help="The first N samples of each dataset (default: all).",
-                                                    show_default=False)] = None,
-    world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks simulated in this process, one after the other (each writes its own rank file, then a deterministic merge); under torchrun every process is one rank.")] = 1,
-    out_dir: Annotated[Path, typer.Option("--out", help="Results directory (exp5_accuracy_<dataset>/, exp6_latency_<dataset>/).",
-                                          file_okay=False)] = Path("results/profile"),
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.")] = "cpu",
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured generations before each configuration (per rank).")] = 1,
-    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 keeps latencies stable on a shared CPU.")] = 1,
-) -> None:
-    """Measure the knob sweep of a model on VQA datasets and write exp5/exp6 result trees (read them with `ctrl ingest`)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from online.profile import ProfileConfig, format_report, profile_model
-    from pipeline import CtrlError
-
-    try:
-        config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
-                               world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
-                               warmup=warmup, threads=threads)
-        with Progress(TextColumn("profile"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("profile", total=None, info="loading the model")
-            report = profile_model(config, progress=lambda n, label: bar.update(task, advance=n, info=label),
-                                   on_total=lambda n: bar.update(task, total=n))
-    except CtrlError as e:
-        raise _fail(e) from None
-    except KeyboardInterrupt:
-        err.print("interrupted: finished configurations and rank files are kept; the same command resumes")
-        raise typer.Exit(code=130) from None
-    from online.distributed import current_dist
-
-    if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports
-        return
-    for line in format_report(report):
-        out.print(line, highlight=False, markup=False)
-    out.print(f"{report.measured} generations measured in {report.measure_s:.1f}s "
-              f"({report.per_minute:.1f} configuration x samples per minute), model {report.model_fingerprint[:16]}; "
-              f"next: ctrl ingest {report.out_dir}", highlight=False, markup=False)
+        _print(f"{len(summary['missing_files'])} ingested file(s) no longer on disk (their rows are kept), "
+               f"e.g. {summary['missing_files'][0]}")
 
 
 @app.command()
@@ -491,7 +224,312 @@ def schema() -> None:
 
     sys.stdout.write(schemas_markdown() + "\n")
 
-# -- ctrl testbed: the procedural VQA task and the trained embedded testbed (issue 6) ------------
+
+# -- features ----------------------------------------------------------------------------------
+
+@app.command("extract-features")
+def extract_features(
+    workspace: WorkspaceOption = None,
+    images: Annotated[Path | None, typer.Option("--images", help="Directory searched (recursively) for images by "
+                                                "image_id.", exists=True, file_okay=False)] = None,
+    image_pattern: Annotated[str | None, typer.Option("--image-pattern", help="Extra file name pattern, e.g. "
+                                                      "'{dataset}/{image_id}.jpg'.")] = None,
+    model: ModelOption = "embedded",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 16,
+    force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
+) -> None:
+    """Compute image and language features per sample once and cache them in the workspace."""
+    import time
+
+    from features import FeatureConfig
+    from features import extract_features as run_extract
+
+    with running("features", interrupted="finished chunks are kept; the next run resumes") as bar:
+        config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
+                               device=device, batch_size=batch_size, force=force)
+        started: list[float] = []
+
+        def advance(n: int) -> None:
+            started[:] = started or [time.perf_counter()]
+            elapsed = time.perf_counter() - started[0]
+            bar.advance(n, info=f"{(bar.completed + n) / elapsed:.1f} samples/s" if elapsed > 0 else "")
+
+        report = run_extract(config, progress=advance, on_total=bar.total)
+    _print(f"features for {report.num_samples} samples (model {report.fingerprint[:16]}): {report.computed} computed, "
+           f"{report.cached} already cached; {report.computed / max(report.elapsed_s, 1e-9):.1f} samples/s")
+    for label, ids in (("missing", report.missing_images), ("unreadable", report.unreadable_images)):
+        unique = list(dict.fromkeys(ids))
+        if unique:
+            err.print(f"{len(unique)} {label} image(s), e.g. {', '.join(unique[:5])}: their image features are null",
+                      highlight=False, markup=False)
+
+
+# -- training ----------------------------------------------------------------------------------
+
+@app.command()
+def train(
+    ctx: typer.Context,
+    offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations, "
+                                          "or online GRPO running the model.")] = True,
+    workspace: WorkspaceOption = None,
+    model_fingerprint: Annotated[str | None, typer.Option("--model-fingerprint", help="Feature model to use (prefix "
+                                                          "ok; default: the only one).")] = None,
+    num_epochs: Annotated[int, typer.Option("--num-epochs", min=1, help="Passes over the train split.")] = 30,
+    group_size: Annotated[int, typer.Option("--group-size", min=2, help="Configurations sampled per (sample, budget) "
+                                            "group, G.")] = 5,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step.")] = 32,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option("--seed", help="Seed: the same options give the same run.")] = 42,
+    budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: "
+                                                        "from the data).")] = None,
+    budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
+    reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 "
+                                             "beyond) or soft (origin §7.5 formula).",
+                                             rich_help_panel=REWARD)] = "hard",
+    score_target: Annotated[str, typer.Option("--score-target", help="mean (of exp5 and exp6 where both recorded; "
+                                              "default) or recorded: the training score.",
+                                              rich_help_panel=REWARD)] = "mean",
+    warm_start_steps: Annotated[int, typer.Option("--warm-start-steps", min=0, help="Steps fitting the initial policy "
+                                                  "to the lut_p95 table (0 = off).", rich_help_panel=REWARD)] = 200,
+    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).",
+                                           rich_help_panel=REWARD)] = "grpo",
+    scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.",
+                                               rich_help_panel=REWARD)] = "batch",
+    clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).",
+                                                       rich_help_panel=REWARD)] = None,
+    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.",
+                                           rich_help_panel=REWARD)] = 0.1,
+    violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of "
+                                                    "decisions over budget at each budget: a per-budget Lagrange "
+                                                    "multiplier prices violations (0 = off).",
+                                                    rich_help_panel=REWARD)] = 0.01,
+    table_fallback: Annotated[bool, typer.Option("--table-fallback/--no-table-fallback", help="Answer with the lut_p95 "
+                                                 "table at the budgets where the controller does not beat it on the "
+                                                 "validation split.", rich_help_panel=REWARD)] = True,
+    fallback_confidence: Annotated[float, typer.Option("--fallback-confidence", min=0.5, max=0.999, help="Confidence "
+                                                       "of that comparison: the table's violation bound and the "
+                                                       "controller's reward test (0.5 = point estimates).",
+                                                       rich_help_panel=REWARD)] = 0.95,
+    use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops "
+                                              "choice) to both stages.")] = False,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
+                                               "hex).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last "
+                                               "checkpoint.")] = None,
+    from_run: Annotated[str, typer.Option("--from", help="Offline (or online) run to continue from; 'latest' = the "
+                                          "newest offline run.", rich_help_panel=ONLINE)] = "latest",
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start from an untrained controller instead of a run.",
+                                        rich_help_panel=ONLINE)] = False,
+    model: Annotated[str, typer.Option("--model", help="'embedded', 'testbed' (the trained testbed) or a local model "
+                                       "directory.", rich_help_panel=ONLINE)] = "embedded",
+    images: Annotated[Path | None, typer.Option("--images", help="Image directory (default: paths recorded by "
+                                                "extract-features).", rich_help_panel=ONLINE)] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Online optimizer steps.", rich_help_panel=ONLINE)] = 20,
+    samples_per_step: Annotated[int, typer.Option("--samples-per-step", min=1, help="(sample, budget) groups per "
+                                                  "online step.", rich_help_panel=ONLINE)] = 2,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per rollout.",
+                                                rich_help_panel=ONLINE)] = 16,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel=ONLINE)] = "cpu",
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online "
+                                                  "checkpoints.", rich_help_panel=ONLINE)] = 5,
+    online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at "
+                                                  "the end.", rich_help_panel=ONLINE)] = True,
+    eval_max_samples: Annotated[int | None, typer.Option("--eval-max-samples", min=1, help="Online: test samples of "
+                                                         "the final evaluation (default: all).",
+                                                         rich_help_panel=ONLINE)] = None,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="Online: CPU threads per request (0 = torch's "
+                                         "default).", rich_help_panel=ONLINE)] = 1,
+) -> None:
+    """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
+    evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
+    options = dict(ctx.params)
+    if offline:
+        _train_offline(options)
+    else:
+        # online keeps the parent run's reward unless --reward-mode is given explicitly
+        reward_given = str(ctx.get_parameter_source("reward_mode")).endswith("COMMANDLINE")
+        _train_online(options, reward_given)
+
+
+def _train_offline(o: dict[str, Any]) -> None:
+    from trainer import OfflineTrainConfig, RewardConfig, format_evaluation_table, read_fallback, train_offline
+
+    with running("train", interrupted="resume with --resume RUN (the last finished epoch is checkpointed)",
+                 also=(ValueError,), counts=False) as bar:
+        if o["resume"]:
+            config = OfflineTrainConfig.from_run(o["resume"], o["workspace"], num_epochs=o["num_epochs"])
+        else:
+            fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
+                      "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",
+                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "run_id")
+            config = OfflineTrainConfig(**{k: o[k] for k in fields}, reward=RewardConfig(mode=o["reward_mode"]),
+                                        violation_target=o["violation_target"] or None,
+                                        disable_table_fallback=not o["table_fallback"])
+
+        def show(event: dict) -> None:
+            if event.get("phase") == "train":
+                val = event.get("val_expected_reward")
+                bar.update(completed=event.get("step", 0), total=event.get("total_steps"),
+                           info=f"epoch {event.get('epoch')} loss {event.get('loss', float('nan')):.4f} "
+                                f"reward {event.get('reward', float('nan')):.3f} val E[r] "
+                                + (f"{val:.3f}" if val is not None else "-"))
+            elif event.get("phase") == "evaluate":
+                bar.update(info="evaluating on the test split")
+
+        result = train_offline(config, progress=show)
+    _print(f"run {result.run_id}: best epoch {result.best_epoch}, validation expected reward "
+           f"{result.initial_val_expected_reward:.4f} -> {result.best_val_expected_reward:.4f}; {result.run_dir}")
+    fallback = read_fallback(result.best_checkpoint)
+    if fallback is not None:
+        _print(fallback.describe())
+    if result.evaluation is not None:
+        out.print(format_evaluation_table(result.evaluation))
+        _print(f"plot: {result.run_dir / 'evaluation.png'}")
+
+
+def _train_online(o: dict[str, Any], reward_given: bool) -> None:
+    import os
+
+    from online import OnlineTrainConfig, train_online
+    from runtime.distributed import current_dist
+    from trainer import RewardConfig, format_evaluation_table
+
+    fields = ("workspace", "model", "device", "fresh", "steps", "samples_per_step", "group_size", "max_new_tokens",
+              "budget_min_ms", "budget_max_ms", "lr", "seed", "scale_rewards", "checkpoint_every", "run_id", "resume",
+              "eval_max_samples", "threads")
+    # under torchrun, rank 0 shows the progress and reports
+    with running("online", interrupted="continue with --online --resume RUN (from its last checkpoint)",
+                 also=(ValueError,), show=os.environ.get("RANK", "0") == "0") as bar:
+        config = OnlineTrainConfig(**{k: o[k] for k in fields}, images_dir=o["images"], from_run=o["from_run"],
+                                   reward=RewardConfig(mode=o["reward_mode"]) if reward_given else None,
+                                   evaluate=o["online_evaluate"])
+        bar.update(total=config.steps, info="starting")
+
+        def show(event: dict) -> None:
+            if event.get("phase") == "calibrate":
+                bar.update(info=f"calibrating the budget range on {event.get('samples')} samples")
+            elif event.get("phase") == "evaluate":
+                bar.update(info="evaluating on the test split with the model")
+            elif event.get("phase") == "step":
+                bar.update(completed=event["step"], total=event["steps"],
+                           info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
+                                f"latency {event['latency_ms_mean']:.0f} ms viol {event['violation_rate']:.0%}")
+
+        result = train_online(config, progress=show)
+    if current_dist().rank != 0:
+        return
+    if result.evaluation is not None:
+        out.print(format_evaluation_table(result.evaluation))
+    frame = result.steps
+    lo, hi = result.budget_range_ms
+    if len(frame):
+        first, last = frame.head(max(1, len(frame) // 4)), frame.tail(max(1, len(frame) // 4))
+
+        def change(column: str, fmt: str) -> str:
+            return f"{first[column].mean():{fmt}} -> {last[column].mean():{fmt}}"
+
+        _print(f"online run {result.run_id}: {len(frame)} steps, budget range {lo:.1f}-{hi:.1f} ms; "
+               f"first/last quarter: reward {change('reward/mean', '.3f')}, accuracy {change('accuracy', '.3f')}, "
+               f"violations {change('violation_rate', '.0%')}, latency {change('latency_ms_mean', '.0f')} ms; "
+               f"{result.run_dir}")
+
+
+@app.command()
+def evaluate(
+    run: Annotated[str, typer.Argument(help="Run id of the workspace, 'latest', or a run directory.")],
+    workspace: WorkspaceOption = None,
+    budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; "
+                                                          "default: the run's grid).")] = None,
+    max_samples: Annotated[int | None, typer.Option("--max-samples", min=1, help="Online runs: test samples to run "
+                                                    "(default: all).")] = None,
+) -> None:
+    """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
+    the baselines on the recorded outcomes, an online run against its offline start with the model."""
+    from pipeline import Workspace
+    from trainer import RunDir, evaluate_run, format_evaluation_table
+
+    with handled(also=(ValueError,)):
+        run_dir = RunDir.resolve(Workspace(workspace), run)
+    if run_dir.phase == "online":
+        from online import evaluate_online_run
+
+        with running("evaluate", also=(ValueError,)) as bar:
+            frame = evaluate_online_run(workspace, run_dir.path, budget_ms or None, max_samples=max_samples,
+                                        progress=lambda done, total: bar.update(completed=done, total=total))
+    else:
+        with handled(also=(ValueError,)):
+            frame = evaluate_run(workspace, run_dir.path, budget_ms or None)
+    out.print(format_evaluation_table(frame))
+    _print(f"written: {run_dir.path / 'evaluation.parquet'}, {run_dir.path / 'evaluation.png'}")
+
+
+@app.command()
+def predict(
+    budget_ms: Annotated[list[float], typer.Option("--budget-ms", help="Latency budget in ms (repeatable).")],
+    out_path: Annotated[Path, typer.Option("--out", help="Output file, .parquet or .csv.", dir_okay=False)],
+    run: Annotated[str | None, typer.Option("--run", help="Run id of the workspace, or a run directory.")] = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A checkpoint file.", exists=True,
+                                                    dir_okay=False)] = None,
+    workspace: WorkspaceOption = None,
+) -> None:
+    """One knob decision per (sample, budget) for the workspace's samples."""
+    from pipeline import CtrlError
+    from trainer import predict as run_predict
+
+    if (run is None) == (checkpoint is None):
+        raise _fail(CtrlError("give exactly one of --run RUN and --checkpoint PATH"))
+    with handled(also=(ValueError,)):
+        frame = run_predict(workspace, run if run is not None else checkpoint, list(budget_ms), out_path)
+    _print(f"{frame.height} decisions for {frame['sample_key'].n_unique()} samples x {len(budget_ms)} budgets "
+           f"-> {out_path}")
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+@app.command()
+def profile(
+    dataset: Annotated[list[Path], typer.Option("--dataset", help="Dataset directory (dataset.json + images/); "
+                                                "repeatable.", show_default=False)],
+    model: ModelOption = "embedded",
+    configs: Annotated[str, typer.Option("--configs", help="'balanced' (27), 'full' (75) or a list C/K/B,C/K/B "
+                                         "(max_crops/top_k/num_active_blocks).")] = "balanced",
+    num_samples: Annotated[int | None, typer.Option("--num-samples", min=1, help="The first N samples of each dataset "
+                                                    "(default: all).", show_default=False)] = None,
+    world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks simulated in this process, one after "
+                                            "the other (each writes its own rank file, then a deterministic merge); "
+                                            "under torchrun every process is one rank.")] = 1,
+    out_dir: Annotated[Path, typer.Option("--out", help="Results directory (exp5_accuracy_<dataset>/, "
+                                          "exp6_latency_<dataset>/).", file_okay=False)] = Path("results/profile"),
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.")] = "cpu",
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured generations before each configuration "
+                                        "(per rank).")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 "
+                                         "keeps latencies stable on a shared CPU.")] = 1,
+) -> None:
+    """Measure the knob sweep of a model on VQA datasets and write exp5/exp6 result trees (read them with
+    `ctrl ingest`)."""
+    from profiler import ProfileConfig, format_report, profile_model
+    from runtime.distributed import current_dist
+
+    with running("profile", interrupted="finished configurations and rank files are kept; the same command resumes") \
+            as bar:
+        config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
+                               world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
+                               warmup=warmup, threads=threads)
+        bar.update(info="loading the model")
+        report = profile_model(config, progress=lambda n, label: bar.advance(n, info=label), on_total=bar.total)
+    if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports
+        return
+    for line in format_report(report):
+        _print(line)
+    _print(f"{report.measured} generations measured in {report.measure_s:.1f}s "
+           f"({report.per_minute:.1f} configuration x samples per minute), model {report.model_fingerprint[:16]}; "
+           f"next: ctrl ingest {report.out_dir}")
+
+
+# -- ctrl testbed: the procedural VQA task and the trained embedded testbed ------------------------
 
 testbed_app = typer.Typer(help="The testbed: a procedural VQA task and the embedded model trained on it.",
                           no_args_is_help=True)
@@ -500,81 +538,82 @@ app.add_typer(testbed_app, name="testbed")
 
 @testbed_app.command("generate")
 def testbed_generate(
-    out_dir: Annotated[Path, typer.Argument(help="Dataset directory to write (dataset.json + images/).", file_okay=False)],
-    num_samples: Annotated[int, typer.Option("--num-samples", min=1, help="Samples (one question per image, families in turn).")] = 500,
+    out_dir: Annotated[Path, typer.Argument(help="Dataset directory to write (dataset.json + images/).",
+                                            file_okay=False)],
+    num_samples: Annotated[int, typer.Option("--num-samples", min=1, help="Samples (one question per image, families "
+                                             "in turn).")] = 500,
     seed: Annotated[int, typer.Option("--seed", help="Seed: the same seed gives byte-identical files.")] = 0,
-    split: Annotated[str, typer.Option("--split", help="Split name recorded in dataset.json (and in the sample ids).")] = "val",
+    split: Annotated[str, typer.Option("--split", help="Split name recorded in dataset.json (and in the sample "
+                                       "ids).")] = "val",
     name: Annotated[str, typer.Option("--name", help="Dataset name (results and ingest use it).")] = "testbed",
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Regenerate even when the same dataset is there.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Regenerate even when the same dataset is "
+                                            "there.")] = False,
 ) -> None:
     """Write a seeded testbed VQA set (reused when the same set is already there)."""
     from testbed.task import generate_dataset
 
-    try:
+    with handled(also=(ValueError,)):
         root = generate_dataset(out_dir, num_samples, seed=seed, split=split, name=name, overwrite=overwrite)
-    except ValueError as e:
-        raise _fail(e) from None
-    out.print(f"{num_samples} samples -> {root}", highlight=False, markup=False)
+    _print(f"{num_samples} samples -> {root}")
 
 
 @testbed_app.command("train")
 def testbed_train(
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 800,
-    num_train_samples: Annotated[int, typer.Option("--num-train-samples", min=1, help="Size of the generated training set.")] = 4000,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step (one knob setting per step).")] = 8,
+    num_train_samples: Annotated[int, typer.Option("--num-train-samples", min=1, help="Size of the generated training "
+                                                   "set.")] = 4000,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step (one knob setting per "
+                                            "step).")] = 8,
     lr: Annotated[float, typer.Option("--lr", help="AdamW peak learning rate.")] = 3e-3,
-    vision_lr: Annotated[float | None, typer.Option("--vision-lr", min=0.0, help="Peak learning rate of the ViT and projector (default: the recipe's).",
-                                                    show_default=False)] = None,
-    vision_pretrain_steps: Annotated[int | None, typer.Option("--vision-pretrain-steps", min=0, help="Steps training the vision path alone first (default: the recipe's; 0 = none).",
-                                                               show_default=False)] = None,
+    vision_lr: Annotated[float | None, typer.Option("--vision-lr", min=0.0, help="Peak learning rate of the ViT and "
+                                                    "projector (default: the recipe's).", show_default=False)] = None,
+    vision_pretrain_steps: Annotated[int | None, typer.Option("--vision-pretrain-steps", min=0, help="Steps training "
+                                                              "the vision path alone first (default: the recipe's; "
+                                                              "0 = none).", show_default=False)] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the training set, data order and knob draws.")] = 0,
-    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads (part of the recipe: results depend on it).")] = 1,
-    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or ~/.cache/ctrl).",
-                                                   show_default=False, file_okay=False)] = None,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Torch threads (part of the recipe: results depend "
+                                         "on it).")] = 1,
+    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or "
+                                                   "~/.cache/ctrl).", show_default=False, file_okay=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Train even when this recipe is cached.")] = False,
-    eval_samples: Annotated[int, typer.Option("--eval-samples", min=0, help="Held-out samples for the knob table (0 = no evaluation).")] = 250,
-    eval_dir: Annotated[Path | None, typer.Option("--eval-dir", help="Held-out set directory (default: <cache>/testbed-eval-seed<seed+1000>-n<N>).",
-                                                  show_default=False, file_okay=False)] = None,
+    eval_samples: Annotated[int, typer.Option("--eval-samples", min=0, help="Held-out samples for the knob table (0 = "
+                                              "no evaluation).")] = 250,
+    eval_dir: Annotated[Path | None, typer.Option("--eval-dir", help="Held-out set directory (default: "
+                                                  "<cache>/testbed-eval-seed<seed+1000>-n<N>).", show_default=False,
+                                                  file_okay=False)] = None,
 ) -> None:
     """Train the embedded model on the testbed task (cached per recipe) and print its knob trade-off table."""
-    from features.model.embedded import default_cache_root
-    from pipeline import CtrlError
+    from runtime import TestbedRecipe
+    from runtime.cache import default_cache_root
     from testbed.task import generate_dataset
-    from testbed.train import (
-        TrainConfig,
-        evaluate_testbed,
-        format_eval_table,
-        marginal_table,
-        train_testbed,
-    )
+    from testbed.train import evaluate_testbed, format_eval_table, marginal_table, train_testbed
 
-    config = TrainConfig(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
-                         threads=threads, **({} if vision_lr is None else {"vision_lr": vision_lr}),
-                         **({} if vision_pretrain_steps is None else {"vision_pretrain_steps": vision_pretrain_steps}))
-    try:
-        def progress(step: int, loss: float) -> None:
-            if step % 50 == 0 or step == steps:
-                err.print(f"step {step}/{steps} loss {loss:.3f}", highlight=False, markup=False)
+    optional = {"vision_lr": vision_lr, "vision_pretrain_steps": vision_pretrain_steps}
+    recipe = TestbedRecipe(seed=seed, num_train_samples=num_train_samples, steps=steps, batch_size=batch_size, lr=lr,
+                           threads=threads, **{k: v for k, v in optional.items() if v is not None})
 
-        def pretrain_progress(step: int, loss: float) -> None:
-            if step % 250 == 0 or step == config.vision_pretrain_steps:
-                err.print(f"vision pretraining step {step}/{config.vision_pretrain_steps} loss {loss:.3f}",
-                          highlight=False, markup=False)
+    def progress(step: int, loss: float) -> None:
+        if step % 50 == 0 or step == steps:
+            err.print(f"step {step}/{steps} loss {loss:.3f}", highlight=False, markup=False)
 
-        report = train_testbed(config, cache_dir, force=force, progress=progress, pretrain_progress=pretrain_progress)
+    def pretrain_progress(step: int, loss: float) -> None:
+        if step % 250 == 0 or step == recipe.vision_pretrain_steps:
+            err.print(f"vision pretraining step {step}/{recipe.vision_pretrain_steps} loss {loss:.3f}",
+                      highlight=False, markup=False)
+
+    with handled(also=(ValueError,)):
+        report = train_testbed(recipe, cache_dir, force=force, progress=progress, pretrain_progress=pretrain_progress)
         if report.trained:
-            out.print(f"trained in {report.train_seconds:.0f}s -> {report.model_dir}", highlight=False, markup=False)
+            _print(f"trained in {report.train_seconds:.0f}s -> {report.model_dir}")
         else:
-            out.print(f"cached: {report.model_dir}", highlight=False, markup=False)
+            _print(f"cached: {report.model_dir}")
         if eval_samples:
             root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
             eval_root = eval_dir or root / f"testbed-eval-seed{seed + 1000}-n{eval_samples}"
             generate_dataset(eval_root, eval_samples, seed=seed + 1000, split="val")
             rows = evaluate_testbed(report.model_dir, eval_root)
             for line in format_eval_table(rows) + [""] + marginal_table(rows):
-                out.print(line, highlight=False, markup=False)
-    except (CtrlError, ValueError) as e:
-        raise _fail(e) from None
+                _print(line)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
     python benchmarks/bench_features.py            # the synthetic tree (800 samples, 426 images)
 
-Generates the synthetic tree (``data/generate.py --synthetic``, into benchmarks/.cache) if needed, ingests it into a scratch workspace, then times
-``extract_features`` with --force at batch size 1 (the baseline) and 16, and the cached
-re-run that must do no forward pass. The model is loaded once, outside the timings.
-Medians over ``--repeats`` runs.
+Generates the synthetic tree (``data/generate.py --synthetic``, into benchmarks/.cache) if needed,
+ingests it into a scratch workspace, then times ``extract_features`` with --force at batch size 1
+(the baseline) and 16, and the cached re-run that must do no forward pass. The model is loaded
+once, outside the timings. Medians over ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def main() -> None:
     import torch
 
     from features import FeatureConfig, extract_features
-    from features.model import load_runtime
     from pipeline import IngestConfig, ingest
+    from runtime import load_runtime
 
     torch.set_num_threads(args.threads)
     data = CACHE / "synthetic-data"

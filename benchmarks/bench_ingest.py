@@ -33,7 +33,7 @@ CACHE = ROOT / "benchmarks" / ".cache"
 
 
 def build_tree(scale: float) -> tuple[Path, int]:
-    from pipeline.synthetic import SyntheticSpec, generate_tree
+    from synthetic import SyntheticSpec, generate_tree
 
     spec = SyntheticSpec(
         datasets=("coco_2014_vqa", "text_vqa", "okvqa"),
@@ -97,7 +97,8 @@ def _tree_rss_mib(root_pid: int) -> float:
 
 def measure(mode: str, tree: Path, workspace: Path, workers: int = 1) -> dict:
     """Run one measurement in a child process, sampling the whole process tree's RSS."""
-    cmd = [sys.executable, __file__, "--child", mode, "--tree", str(tree), "--workspace", str(workspace), "--workers", str(workers)]
+    cmd = [sys.executable, __file__, "--child", mode, "--tree", str(tree), "--workspace", str(workspace),
+           "--workers", str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0.0
     while proc.poll() is None:
@@ -105,7 +106,8 @@ def measure(mode: str, tree: Path, workspace: Path, workers: int = 1) -> dict:
         time.sleep(0.02)
     stdout, stderr = proc.communicate()
     if proc.returncode:
-        raise RuntimeError(f"{mode} failed:\n{stderr}")
+        msg = f"{mode} failed:\n{stderr}"
+        raise RuntimeError(msg)
     return {**json.loads(stdout.strip().splitlines()[-1]), "tree_rss_mib": peak}
 
 
@@ -126,8 +128,8 @@ def main() -> None:
     tree, records = build_tree(args.scale)
     files = sorted(tree.rglob("*.json"))
     size_mb = sum(f.stat().st_size for f in files) / 1e6
-    print(f"tree: {len(files)} files, {records:,} per-sample records, {size_mb:.0f} MB ({time.perf_counter() - t0:.0f}s to build or load)",
-          file=sys.stderr)
+    print(f"tree: {len(files)} files, {records:,} per-sample records, {size_mb:.0f} MB "
+          f"({time.perf_counter() - t0:.0f}s to build or load)", file=sys.stderr)
     ws_root = CACHE / "workspaces"
     rows = []
     cases = [("parse floor (orjson.loads, 1 process)", "floor", 1, False),
@@ -150,8 +152,10 @@ def main() -> None:
         floor_s = floor_s or seconds
         rows.append((label, seconds, records / seconds, size_mb / seconds, seconds / floor_s, main_rss, worker_rss))
         print(f"  {label}: {seconds:.2f}s", file=sys.stderr)
-    print(f"\n{records:,} records in {len(files)} files ({size_mb:.0f} MB), median of {args.repeats}, {os.cpu_count()} cores\n")
-    print("| run | median s | records/s | MB/s | x floor | peak RSS MiB (main process) | peak RSS MiB (all processes, sampled) |")
+    print(f"\n{records:,} records in {len(files)} files ({size_mb:.0f} MB), median of {args.repeats}, "
+          f"{os.cpu_count()} cores\n")
+    print("| run | median s | records/s | MB/s | x floor | peak RSS MiB (main process) "
+          "| peak RSS MiB (all processes, sampled) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, s, rps, mbs, ratio, main_rss, worker_rss in rows:
         worker = f"{worker_rss:.0f}"

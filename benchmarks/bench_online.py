@@ -13,7 +13,7 @@ warm-up runs of new configurations, is excluded) of:
   autograd), backward and the optimizer step;
 * bookkeeping: rewards, advantages, metrics rows, Parquet files and checkpoints.
 
-The target (issue 5): controller + bookkeeping < 5% of the step time.
+The target: controller + bookkeeping < 5% of the step time.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
 
     import torch
 
-    from online.train import OnlineTrainConfig, train_online
+    from online import OnlineTrainConfig, train_online
 
     ws = sample_workspace()
     shutil.rmtree(ws / "runs", ignore_errors=True)
@@ -84,7 +84,8 @@ def main() -> None:
     overhead = [(row["time_controller_s"] + row["time_bookkeeping_s"]) / t
                 for row, t in zip(frame.iter_rows(named=True), totals)]
     print(f"controller + bookkeeping: median share {statistics.median(overhead):.2%} (target < 5%)")
-    print(f"rollout latency (controller included) median {statistics.median(frame['latency_ms_mean'].to_list()):.1f} ms, "
+    print("rollout latency (controller included) median "
+          f"{statistics.median(frame['latency_ms_mean'].to_list()):.1f} ms, "
           f"controller {statistics.median(frame['controller_ms_mean'].to_list()):.2f} ms per rollout; "
           f"prefixes per step median {statistics.median(frame['prefixes'].to_list())} for "
           f"{args.samples_per_step * args.group_size} rollouts")

@@ -35,7 +35,7 @@ CONFIGS = [(2, 4, 12), (2, 12, 16), (6, 8, 14), (10, 4, 12), (10, 8, 16), (10, 1
 
 
 def _config(dataset: Path, out: Path, num_samples: int, max_new_tokens: int, threads: int):
-    from online.profile import ProfileConfig
+    from profiler.sweep import ProfileConfig
 
     return ProfileConfig(datasets=[dataset], model="embedded", configs=CONFIGS, num_samples=num_samples,
                          out_dir=out, max_new_tokens=max_new_tokens, threads=threads)
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, port: int, dataset: str, out: str, num_sample
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
 
-    from online.profile import profile_model
+    from profiler.sweep import profile_model
 
     profile_model(_config(Path(dataset), Path(out), num_samples, max_new_tokens, threads=1))
     torch.distributed.destroy_process_group()
@@ -70,8 +70,8 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from features.model import load_runtime
-    from online.profile import profile_model
+    from profiler.sweep import profile_model
+    from runtime import load_runtime
     from testbed.task import generate_dataset
 
     dataset = generate_dataset(CACHE / "profile-testbed", args.num_samples, seed=7, split="validation")

@@ -59,7 +59,8 @@ def synthetic_data(num_samples: int, lang_dim: int, image_dim: int, seed: int = 
     keys = [f"ex:{i}" for i in range(n)]
     return OfflineData(action_space=space, model_fingerprint="bench" * 8, dataset=["synthetic"] * n, sample_key=keys,
                        example_id=[str(i) for i in range(n)], split=[split_of("synthetic", k) for k in keys],
-                       image_features=torch.randn(n, image_dim, generator=g), image_present=torch.ones(n, dtype=torch.bool),
+                       image_features=torch.randn(n, image_dim, generator=g),
+                       image_present=torch.ones(n, dtype=torch.bool),
                        lang_features=torch.randn(n, lang_dim, generator=g) + size, score=score,
                        latency_ms=latency.float(), latency_is_sample=torch.ones(n, len(space), dtype=torch.bool),
                        mask=torch.ones(n, len(space), dtype=torch.bool))
@@ -84,7 +85,8 @@ def decision_latency(lang_dim: int, image_dim: int, repeats: int) -> tuple[float
             if i >= 50:
                 times.append(time.perf_counter() - started)
     times.sort()
-    return statistics.median(times) * 1e6, times[int(0.95 * len(times))] * 1e6, sum(p.numel() for p in policy.parameters())
+    return (statistics.median(times) * 1e6, times[int(0.95 * len(times))] * 1e6,
+            sum(p.numel() for p in policy.parameters()))
 
 
 def main() -> None:
@@ -103,7 +105,8 @@ def main() -> None:
         print(f"\nCPU, {args.threads} torch threads\n")
         print("| decision (batch 1) | parameters | median µs | p95 µs |")
         print("|---|---:|---:|---:|")
-        for label, lang_dim, image_dim in (("embedded features (64 + 64)", 64, 64), ("MolmoE-1B widths (2048 + 2048)", 2048, 2048)):
+        for label, lang_dim, image_dim in (("embedded features (64 + 64)", 64, 64),
+                                           ("MolmoE-1B widths (2048 + 2048)", 2048, 2048)):
             median, p95, params = decision_latency(lang_dim, image_dim, args.repeats)
             print(f"| {label} | {params:,} | {median:.0f} | {p95:.0f} |")
 

@@ -11,7 +11,7 @@ The sample data is
 * ``testbed/``: the profiled VQA samples (``dataset.json`` + ``images/``), regenerated from the
   seed by ``testbed.task.generate_dataset`` (the same generator the testbed trains on, another seed);
 * ``exp5/``, ``exp6/``: the exp5 / exp6 trees ``ctrl profile`` wrote for them, unpacked from the
-  committed archive ``testbed_profile.parquet`` (``online.profile_archive``; byte-identical to
+  committed archive ``testbed_profile.parquet`` (``profiler.archive``; byte-identical to
   the measured tree).
 
 A stamp file ``.generated`` holds the archive's and generator's fingerprint, so re-running with
@@ -33,9 +33,10 @@ REPO_ROOT = HERE.parent
 if str(REPO_ROOT) not in sys.path:  # run from elsewhere: make the repo importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from online.profile_archive import pack_profile, unpack_profile
-from pipeline.synthetic import SyntheticSpec, generate_tree, spec_fingerprint
-from testbed.task import generate_dataset
+# imported after the sys.path insert above: the script must run from anywhere, before the package is installed
+from profiler.archive import pack_profile, unpack_profile  # noqa: E402
+from synthetic import SyntheticSpec, generate_tree, spec_fingerprint  # noqa: E402
+from testbed.task import generate_dataset  # noqa: E402
 
 STAMP = ".generated"
 ARCHIVE = HERE / "testbed_profile.parquet"
@@ -62,7 +63,8 @@ def _fingerprint() -> str:
 
 def write_sample_data(out: Path, force: bool = False) -> str:
     if not ARCHIVE.is_file():
-        raise SystemExit(f"{ARCHIVE}: missing (it is committed with the repository; see data/README.md)")
+        msg = f"{ARCHIVE}: missing (it is committed with the repository; see data/README.md)"
+        raise SystemExit(msg)
     stamp = out / STAMP
     fingerprint = _fingerprint()
     complete = all((out / sub).is_dir() for sub in SUBDIRS)

@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
-from features.images import ImageIndex, open_image
+from pipeline.catalog import build_catalog
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
 from pipeline.workspace import Workspace
+from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
+from runtime.images import ImageIndex, open_image
 
 #: max_crops values whose tiling is stored per sample (covers every tier of §2.1)
 TILING_MAX_CROPS = tuple(range(1, 16))
@@ -58,17 +61,24 @@ class FeatureConfig:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise CtrlError(f"batch_size must be >= 1, got {self.batch_size!r}")
+            msg = f"batch_size must be >= 1, got {self.batch_size!r}"
+            raise CtrlError(msg)
         if self.chunk_size < self.batch_size:
-            raise CtrlError(f"chunk_size ({self.chunk_size}) must be >= batch_size ({self.batch_size})")
+            msg = f"chunk_size ({self.chunk_size}) must be >= batch_size ({self.batch_size})"
+            raise CtrlError(msg)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise CtrlError(f"device must be cpu or cuda, got {self.device!r}")
+            msg = f"device must be cpu or cuda, got {self.device!r}"
+            raise CtrlError(msg)
         if self.images_dir is not None and not Path(self.images_dir).is_dir():
-            raise CtrlError(f"--images {self.images_dir} is not a directory")
+            msg = f"--images {self.images_dir} is not a directory"
+            raise CtrlError(msg)
 
 
 @dataclass
 class FeatureReport:
+    """What :func:`extract_features` did: samples computed and found cached, forward batches,
+    the samples whose image was missing or unreadable, and the time it took."""
+
     fingerprint: str
     num_samples: int = 0
     computed: int = 0
@@ -77,10 +87,6 @@ class FeatureReport:
     missing_images: list[str] = field(default_factory=list)
     unreadable_images: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.computed / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 def cached_keys(features_dir: Path) -> set[tuple[str, str]]:
@@ -92,19 +98,18 @@ def cached_keys(features_dir: Path) -> set[tuple[str, str]]:
     return keys
 
 
-def extract_features(config: FeatureConfig, runtime=None, progress: Callable[[int], None] | None = None,
+def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
+                     progress: Callable[[int], None] | None = None,
                      on_total: Callable[[int], None] | None = None) -> FeatureReport:
     """Compute and cache features for every sample of the workspace.
 
-    ``runtime`` (a ``features.model.ModelRuntime``) is loaded from ``config.model`` when None.
+    ``runtime`` (a ``runtime.ModelRuntime``) is loaded from ``config.model`` when None.
     ``progress(n)`` is called after each batch with the number of samples it finished.
     """
     started = time.perf_counter()
     workspace = Workspace(config.workspace)
     samples = workspace.read_table("samples")  # raises a clear error on an empty workspace
     with workspace.lock("ctrl extract-features"):
-        from features.model import load_runtime, model_fingerprint
-
         fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model)
         out_dir = workspace.features_dir / fingerprint[:16]
         if config.force and out_dir.exists():
@@ -115,7 +120,7 @@ def extract_features(config: FeatureConfig, runtime=None, progress: Callable[[in
         for stale in out_dir.glob(".tmp-chunk-*"):  # a chunk an interrupted run did not finish
             shutil.rmtree(stale, ignore_errors=True)
         done = cached_keys(out_dir)
-        rows = [r for r in samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True)]
+        rows = list(samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True))
         todo = [r for r in rows if (r["dataset"], r["sample_key"]) not in done]
         report = FeatureReport(fingerprint, num_samples=len(rows), cached=len(rows) - len(todo))
         if on_total:
@@ -123,7 +128,8 @@ def extract_features(config: FeatureConfig, runtime=None, progress: Callable[[in
         if todo and runtime is None:  # load the model only when something is left to compute
             runtime = load_runtime(config.model, device=config.device)
             if runtime.fingerprint != fingerprint:
-                msg = f"model {config.model!r} loaded with fingerprint {runtime.fingerprint[:16]}, expected {fingerprint[:16]}"
+                msg = (f"model {config.model!r} loaded with fingerprint {runtime.fingerprint[:16]}, "
+                       f"expected {fingerprint[:16]}")
                 raise CacheMismatchError(msg)
         images = ImageIndex(config.images_dir, config.image_pattern)
         next_chunk = len(list(out_dir.glob("chunk-*")))
@@ -133,19 +139,13 @@ def extract_features(config: FeatureConfig, runtime=None, progress: Callable[[in
             _write_chunk(out_dir, next_chunk, tables)
             next_chunk += 1
             report.computed += len(chunk)
-    from pipeline.catalog import build_catalog
-
     build_catalog(workspace)
     report.elapsed_s = time.perf_counter() - started
     return report
 
 
-def _compute_chunk(runtime, chunk: list[dict], images: ImageIndex, batch_size: int, report: FeatureReport,
+def _compute_chunk(runtime: ModelRuntime, chunk: list[dict], images: ImageIndex, batch_size: int, report: FeatureReport,
                    progress: Callable[[int], None] | None) -> dict[str, pa.Table]:
-    import torch
-
-    from features.model import REFERENCE_MAX_CROPS
-
     fp = runtime.fingerprint
     image_rows: list[dict] = []
     tiling_rows: list[dict] = []

@@ -7,11 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
-from features.images import ImageIndex
+from pipeline.catalog import connect, view_names
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
+from runtime.base import ModelRuntime
+from runtime.images import ImageIndex
+from trainer.data import split_of
 
 _HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model first."
 
@@ -40,7 +44,7 @@ class OnlineSamples:
     def __len__(self) -> int:
         return len(self.sample_key)
 
-    def tiling_crops(self, runtime, max_crops_values: tuple[int, ...]) -> torch.Tensor:
+    def tiling_crops(self, runtime: ModelRuntime, max_crops_values: tuple[int, ...]) -> torch.Tensor:
         """(N, C) float: crops of each sample's image at each max_crops value (NaN without an image).
 
         From the image size alone (the runtime's tiling rule), as at feature extraction."""
@@ -54,8 +58,6 @@ class OnlineSamples:
 
     def rows(self, split: str) -> list[int]:
         """Indices of the samples in a controller split (``trainer.data.split_of``: by sample key)."""
-        from trainer.data import split_of
-
         return [i for i in range(len(self)) if split_of(self.dataset[i], self.sample_key[i]) == split]
 
 
@@ -66,38 +68,12 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
     else the path recorded at feature extraction. Samples without reference answers or without
     a question cannot be scored and are skipped (counted in ``skipped``).
     """
-    from pipeline.catalog import connect
-
-    con = connect(workspace)
-    try:
-        views = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-        if "samples" not in views:
-            raise CtrlError(f"workspace {workspace.root} has no samples\nHint: run `ctrl ingest` first.")
-        if "lang_features" not in views:
-            raise CtrlError(f"workspace {workspace.root} has no cached features\n{_HINT_FEATURES}")
-        cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features").fetchall()]
-        if model_fingerprint not in cached:
-            listing = ", ".join(fp[:16] for fp in cached) or "none"
-            raise CacheMismatchError(f"no features of model {model_fingerprint[:16]} in {workspace.root} "
-                                     f"(cached: {listing})\n{_HINT_FEATURES}")
-        image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
-                      "AND i.model_fingerprint = $fp") if "image_features" in views else ""
-        image_cols = "i.image_path, i.image_width, i.image_height, i.feature AS image_feature" if image_join else \
-            "NULL::VARCHAR AS image_path, NULL::INT AS image_width, NULL::INT AS image_height, NULL::FLOAT[] AS image_feature"
-        table = con.sql(f"""
-            SELECT s.dataset, s.sample_key, s.split, s.question, s.answers, s.image_id, l.feature AS lang_feature,
-                   {image_cols}
-            FROM samples s
-            JOIN lang_features l ON l.dataset = s.dataset AND l.sample_key = s.sample_key AND l.model_fingerprint = $fp
-            {image_join}
-            ORDER BY s.dataset, s.sample_key""", params={"fp": model_fingerprint}).to_arrow_table()
-    finally:
-        con.close()
-
-    rows = table.to_pylist()
+    if images_dir is not None and not images_dir.is_dir():
+        msg = f"--images {images_dir}: not a directory"
+        raise CtrlError(msg)
     skipped = {"no_answers": 0, "no_question": 0}
     kept = []
-    for r in rows:
+    for r in _read_samples(workspace, model_fingerprint).to_pylist():
         if not r["question"]:
             skipped["no_question"] += 1
         elif not r["answers"]:
@@ -105,18 +81,10 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
         else:
             kept.append(r)
     if not kept:
-        raise CtrlError(f"workspace {workspace.root}: no sample with a question, reference answers and features "
-                        f"of model {model_fingerprint[:16]}")
-    index = ImageIndex(images_dir) if images_dir is not None else None
-    if images_dir is not None and not images_dir.is_dir():
-        raise CtrlError(f"--images {images_dir}: not a directory")
-    paths: list[str | None] = []
-    for r in kept:
-        if index is not None and r["image_id"] is not None:
-            found = index.find(str(r["image_id"]), r["dataset"], r["split"])
-            paths.append(str(found) if found is not None else None)
-        else:
-            paths.append(r["image_path"] if r["image_feature"] is not None else None)
+        msg = (f"workspace {workspace.root}: no sample with a question, reference answers and features "
+               f"of model {model_fingerprint[:16]}")
+        raise CtrlError(msg)
+    paths = _image_paths(kept, images_dir)
     lang = np.asarray([r["lang_feature"] for r in kept], dtype=np.float32)
     image_dim = next((len(r["image_feature"]) for r in kept if r["image_feature"] is not None), 0)
     image = np.zeros((len(kept), image_dim), dtype=np.float32)
@@ -134,3 +102,52 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
         image_size=[(int(r["image_width"]), int(r["image_height"])) if present[i] and r["image_width"] else None
                     for i, r in enumerate(kept)])
 
+
+def _read_samples(workspace: Workspace, model_fingerprint: str) -> pa.Table:
+    """Every sample with its question, answers, language feature and (where extracted) image feature and path."""
+    con = connect(workspace)
+    try:
+        views = view_names(con)
+        if "samples" not in views:
+            msg = f"workspace {workspace.root} has no samples\nHint: run `ctrl ingest` first."
+            raise CtrlError(msg)
+        if "lang_features" not in views:
+            msg = f"workspace {workspace.root} has no cached features\n{_HINT_FEATURES}"
+            raise CtrlError(msg)
+        cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features").fetchall()]
+        if model_fingerprint not in cached:
+            listing = ", ".join(fp[:16] for fp in cached) or "none"
+            msg = (f"no features of model {model_fingerprint[:16]} in {workspace.root} "
+                   f"(cached: {listing})\n{_HINT_FEATURES}")
+            raise CacheMismatchError(msg)
+        if "image_features" in views:
+            image_cols = "i.image_path, i.image_width, i.image_height, i.feature AS image_feature"
+            image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
+                          "AND i.model_fingerprint = $fp")
+        else:
+            image_cols = ("NULL::VARCHAR AS image_path, NULL::INT AS image_width, NULL::INT AS image_height, "
+                          "NULL::FLOAT[] AS image_feature")
+            image_join = ""
+        return con.sql(f"""
+            SELECT s.dataset, s.sample_key, s.split, s.question, s.answers, s.image_id, l.feature AS lang_feature,
+                   {image_cols}
+            FROM samples s
+            JOIN lang_features l ON l.dataset = s.dataset AND l.sample_key = s.sample_key AND l.model_fingerprint = $fp
+            {image_join}
+            ORDER BY s.dataset, s.sample_key""", params={"fp": model_fingerprint}).to_arrow_table()
+    finally:
+        con.close()
+
+
+def _image_paths(rows: list[dict], images_dir: Path | None) -> list[str | None]:
+    """Each sample's image file: looked up in ``images_dir`` by image_id, else the path recorded at
+    feature extraction (only where that extraction read the image)."""
+    index = ImageIndex(images_dir) if images_dir is not None else None
+    paths: list[str | None] = []
+    for r in rows:
+        if index is not None and r["image_id"] is not None:
+            found = index.find(str(r["image_id"]), r["dataset"], r["split"])
+            paths.append(str(found) if found is not None else None)
+        else:
+            paths.append(r["image_path"] if r["image_feature"] is not None else None)
+    return paths

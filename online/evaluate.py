@@ -23,104 +23,113 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import torch
 
+from online.config import OnlineTrainConfig
+from online.data import load_online_samples
+from online.rollout import Decisions, Rollout, RolloutExecutor
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
+from runtime import ModelRuntime, load_runtime
+from runtime.timing import cpu_threads
+from trainer.data import budget_grid
+from trainer.evaluate import evaluation_frame, outcome_metrics, write_evaluation
+from trainer.policy import ControllerPolicy
+from trainer.reward import RewardConfig, compute_reward
+from trainer.runs import RunDir, resolve_checkpoint
+from trainer.two_stage import TwoStageController, set_budget_range
+
+#: (name, controller, fixed insertion index or None) of a decider measured with the model
+Decider = tuple[str, TwoStageController, int | None]
 
 
-def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
-                        *, num_budgets: int = 5, max_samples: int | None = None, runtime: Any = None,
-                        progress: Any = None) -> Any:  # -> polars.DataFrame
+def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Path,
+                        budgets_ms: list[float] | None = None, *, num_budgets: int = 5, max_samples: int | None = None,
+                        runtime: ModelRuntime | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> pl.DataFrame:
     """Evaluate an online run on the test split with the model (see module doc); writes the files."""
-
-    from features.model import load_runtime
-    from online.train import OnlineTrainConfig
-    from trainer.evaluate import write_evaluation
-    from trainer.offline import budget_grid, resolve_checkpoint, resolve_run_dir
-    from trainer.policy import ControllerPolicy
-    from trainer.reward import RewardConfig
-    from trainer.two_stage import TwoStageController, set_budget_range
-
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
-    run_dir = resolve_run_dir(ws, run)
-    config = OnlineTrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
-    checkpoint = run_dir / "checkpoints" / "last.pt"
-    if not checkpoint.exists():
-        raise CtrlError(f"{checkpoint} does not exist: the run saved no checkpoint yet")
+    run = RunDir.resolve(ws, run)
+    config = OnlineTrainConfig.from_json(run.read_config())
+    if not run.last_checkpoint.exists():
+        msg = f"{run.last_checkpoint} does not exist: the run saved no checkpoint yet"
+        raise CtrlError(msg)
     runtime = runtime if runtime is not None else load_runtime(config.model, config.device, config.importance_scores)
-    controller = TwoStageController.load(checkpoint, runtime.fingerprint)
-    reward = config.reward if isinstance(config.reward, RewardConfig) else RewardConfig.from_json(config.reward)
+    controller = TwoStageController.load(run.last_checkpoint, runtime.fingerprint)
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [float(b) for b in budgets_ms] if budgets_ms else [round(b, 1) for b in budget_grid(lo, hi, num_budgets)]
-
-    deciders: list[tuple[str, TwoStageController, int | None]] = [("controller", controller, None)]
-    if config.parent_run_id is not None:
-        parent_dir = resolve_run_dir(ws, config.parent_run_id)
-        parent_cfg = json.loads((parent_dir / "config.json").read_text())
-        if parent_cfg.get("phase", "offline") == "offline":
-            policy = ControllerPolicy.load(resolve_checkpoint(ws, parent_dir), runtime.fingerprint)
-            start = TwoStageController(policy, controller.two_stage)
-            set_budget_range(start.policy, controller.policy.config.budget_min_ms, controller.policy.config.budget_max_ms)
-            deciders.append(("offline_start", start, start.insertion_positions.index(1)))
-
-    from online.timing import cpu_threads
-
+    deciders: list[Decider] = [("controller", controller, None)]
+    start = _offline_start(ws, config, runtime, controller)
+    if start is not None:
+        deciders.append(("offline_start", start, start.insertion_positions.index(1)))
     with cpu_threads(config.threads, runtime.device):
-        frame = _run_deciders(ws, config, runtime, deciders, budgets, reward, max_samples, progress)
-    write_evaluation(run_dir, frame, run_dir.name)
+        outcomes = _run_paired(ws, config, runtime, deciders, budgets, max_samples, progress)
+    frame = evaluation_frame([_metrics_row(name, budget, out, config.reward)
+                              for (name, budget), out in outcomes.items()])
+    write_evaluation(run.path, frame, run.run_id)
     return frame
 
 
-def _run_deciders(ws: Workspace, config: Any, runtime: Any, deciders: list, budgets: list[float], reward: Any,
-                  max_samples: int | None, progress: Any) -> Any:
-    from online.data import load_online_samples
-    from online.rollout import RolloutExecutor
-    from trainer.evaluate import evaluation_frame, outcome_metrics
-    from trainer.reward import compute_reward
+def _offline_start(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime,
+                   controller: TwoStageController) -> TwoStageController | None:
+    """The parent offline policy deployed as is (new terms at zero), on the run's budget range; None
+    for runs started fresh or from an online run."""
+    if config.parent_run_id is None:
+        return None
+    parent = RunDir.resolve(ws, config.parent_run_id)
+    if parent.phase != "offline":
+        return None
+    policy = ControllerPolicy.load(resolve_checkpoint(ws, parent.path), runtime.fingerprint)
+    start = TwoStageController(policy, controller.two_stage)
+    set_budget_range(start.policy, controller.policy.config.budget_min_ms, controller.policy.config.budget_max_ms)
+    return start
 
+
+def _run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, deciders: list[Decider],
+                budgets: list[float], max_samples: int | None,
+                progress: Callable[[int, int], None] | None) -> dict[tuple[str, float], list[Rollout]]:
+    """Every decider's rollouts per budget, measured paired (see the module docstring)."""
     samples = load_online_samples(ws, runtime.fingerprint, config.images_dir)
     test = samples.rows("test") or samples.rows("val")
     if not test:
-        raise CtrlError(f"workspace {ws.root}: no samples in the test split")
+        msg = f"workspace {ws.root}: no samples in the test split"
+        raise CtrlError(msg)
     test = test[:max_samples] if max_samples else test
-    total = len(deciders) * len(budgets) * len(test)
-    done = 0
-    # Paired measurement: every (sample, budget) runs each decider back to back, in an order that
-    # rotates from sample to sample, so a machine that drifts between minutes (this 2-core VM:
-    # up to ~30 %) shifts every decider's latencies alike instead of whichever ran later.
-    outcomes: dict[tuple[str, float], list] = {(name, budget): [] for name, _, _ in deciders for budget in budgets}
+    total, done = len(deciders) * len(budgets) * len(test), 0
+    # (decider, budget) in decider order: the frame's row order
+    outcomes: dict[tuple[str, float], list[Rollout]] = {(name, b): [] for name, _, _ in deciders for b in budgets}
     gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
     executor = RolloutExecutor(runtime, deciders[0][1], samples, config.max_new_tokens, config.warmup)
     try:
-        for ctrl in {id(c): c for _, c, _ in deciders}.values():
+        for _, ctrl, _ in deciders:
             ctrl.eval()
         for budget in budgets:
             for i, sample in enumerate(test):
-                shift = i % len(deciders)
+                shift = i % len(deciders)  # the order rotates from sample to sample
                 for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
-                    out = executor.run_groups([(sample, budget)], 1, gen, gen, greedy=True,
-                                              insertion_index=insertion, controller=ctrl).rollouts
-                    outcomes[(name, budget)].extend(out)
+                    decisions = Decisions(greedy=True, insertion_index=insertion)
+                    outcomes[(name, budget)] += executor.run_groups([(sample, budget)], 1, gen, gen, controller=ctrl,
+                                                                    decisions=decisions).rollouts
                     done += 1
                 if progress:
                     progress(done, total)
     finally:
         executor.close()
-    rows = []
-    for name, _, _ in deciders:
-        for budget in budgets:
-            out = outcomes[(name, budget)]
-            latency = torch.tensor([r.latency_total_ms for r in out], dtype=torch.float64)
-            score = torch.tensor([r.score for r in out], dtype=torch.float64)
-            knobs = torch.tensor([[r.max_crops, r.top_k, r.num_active_blocks] for r in out], dtype=torch.float32)
-            r_parts = compute_reward(score.float(), latency.float(), budget, knobs, reward)
-            hist = Counter(f"{r.max_crops}/{r.top_k}/{r.num_active_blocks}@{r.insertion_position}" for r in out)
-            rows.append({"decider": name, "budget_ms": budget, "num_samples": len(out),
-                         **outcome_metrics(score, latency, budget),
-                         "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
-                         "config_histogram": json.dumps(dict(sorted(hist.items())))})
-    return evaluation_frame(rows)
+    return outcomes
+
+
+def _metrics_row(name: str, budget: float, out: list[Rollout], reward: RewardConfig) -> dict[str, Any]:
+    """The evaluation row of one (decider, budget) from its measured rollouts."""
+    latency = torch.tensor([r.latency_total_ms for r in out], dtype=torch.float64)
+    score = torch.tensor([r.score for r in out], dtype=torch.float64)
+    knobs = torch.tensor([[r.max_crops, r.top_k, r.num_active_blocks] for r in out], dtype=torch.float32)
+    r_parts = compute_reward(score.float(), latency.float(), budget, knobs, reward)
+    hist = Counter(f"{r.max_crops}/{r.top_k}/{r.num_active_blocks}@{r.insertion_position}" for r in out)
+    return {"decider": name, "budget_ms": budget, "num_samples": len(out), **outcome_metrics(score, latency, budget),
+            "reward_mean": float(r_parts["reward"].double().mean()), "expected_reward": None,
+            "config_histogram": json.dumps(dict(sorted(hist.items())))}

@@ -1,7 +1,7 @@
 """Executing sampled knob settings on the real model: one request per group member.
 
 A group is one (sample, budget). The request timeline of a member, every part measured
-(``online.timing``)::
+(``runtime.timing``)::
 
     stage 1 (controller: crops, insertion position, budget token)     -> stage1_ms
     embed + vision tower + budget token + blocks 0..p-1 of the prefill -> prefix wall (vision_ms, prefill part 1)
@@ -23,18 +23,19 @@ its measured time is part of each such member's latency.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 
-from features.images import open_image
-from features.model.base import ModelInputs, ModelRuntime
 from online.data import OnlineSamples
-from online.metrics import score_answer
-from online.timing import RequestTiming, StageTimer
-from trainer.two_stage import RolloutBatch, TwoStageController
+from runtime.base import DecodeState, ModelInputs, ModelRuntime, PrefixState, greedy_decode
+from runtime.images import open_image
+from runtime.scoring import score_answer
+from runtime.timing import RequestTiming, StageTimer
+from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
 
 
 @dataclass
@@ -89,7 +90,8 @@ class StepRollouts:
     controller_s: float = 0.0
     model_s: float = 0.0
 
-    def batch(self, samples: OnlineSamples, device: torch.device, tiling_crops: torch.Tensor | None = None) -> RolloutBatch:
+    def batch(self, samples: OnlineSamples, device: torch.device,
+              tiling_crops: torch.Tensor | None = None) -> RolloutBatch:
         """The loss inputs for :meth:`TwoStageController.forward` (``tiling_crops``: (N, C) of all samples)."""
         rows = torch.tensor([r.sample for r in self.rollouts], dtype=torch.long)
 
@@ -105,6 +107,38 @@ class StepRollouts:
             prefix_embeds=self.prefix_embeds, prefix_of_member=ints("prefix"),
             prefix_first_member=torch.tensor(self.prefix_first_member, dtype=torch.long, device=device),
             tiling_crops=None if tiling_crops is None else tiling_crops[rows].to(device))
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """How :meth:`RolloutExecutor.run_groups` turns the controller's distributions into choices.
+
+    Sampled by default; ``greedy``: the most probable choice at each stage (evaluation);
+    ``insertion_index``: a fixed insertion position (an index into the positions); ``force``:
+    fixed knob indices (crops, insertion, top-K, blocks), e.g. for the budget calibration.
+    """
+
+    greedy: bool = False
+    insertion_index: int | None = None
+    force: tuple[int, int, int, int] | None = None
+
+
+SAMPLED = Decisions()
+
+
+@dataclass
+class _Prefix:
+    """A prefill run up to the insertion point, shared by the members with that stage-1 choice."""
+
+    state: PrefixState
+    sample: int
+    crops_index: int
+    insertion_index: int
+    max_crops: int
+    top_k_log_probs: torch.Tensor  # stage 2's distributions on this prefix: (K,), (B,)
+    blocks_log_probs: torch.Tensor
+    timing: RequestTiming  # the segments so far (stage 1, prefix, stage 2)
+    index: int  # into StepRollouts.prefix_embeds
 
 
 class RolloutExecutor:
@@ -147,126 +181,136 @@ class RolloutExecutor:
         return self._inputs[key]
 
     # -- execution
-    def _generate(self, state, timing: RequestTiming | None) -> list[int]:
-        """Greedy tokens from a prefilled state: the first from the prefill logits, then N-1 decode steps."""
-        runtime, eos = self.runtime, self.runtime.eos_id
-        token = int(state.logits.argmax())
-        tokens = [token]
-        while token != eos and len(tokens) < self.max_new_tokens:
-            if timing is None:
-                runtime.decode_step(state, token)
-                token = int(state.logits.argmax())
-            else:
-                with self.timer.segment("decode", timing):
-                    runtime.decode_step(state, token)
-                    token = int(state.logits.argmax())
-            tokens.append(token)
-        return tokens
+    def _generate(self, state: DecodeState, timing: RequestTiming) -> list[int]:
+        """Greedy tokens from a prefilled state: the first from the prefill logits, then N-1 timed decode steps."""
+        def next_token(token: int) -> int:
+            with self.timer.segment("decode", timing):
+                self.runtime.decode_step(state, token)
+                return int(state.logits.argmax())
 
-    def run_fixed(self, samples: Sequence[int], force: tuple[int, int, int, int], budget_ms: float = 1e9) -> list[Rollout]:
+        return greedy_decode(int(state.logits.argmax()), next_token, self.runtime.eos_id, self.max_new_tokens)
+
+    def run_fixed(self, samples: Sequence[int], force: tuple[int, int, int, int],
+                  budget_ms: float = 1e9) -> list[Rollout]:
         """One measured rollout per sample with the given knob indices (crops, insertion, top-K,
         blocks) instead of sampled ones; the controller still runs (its time is part of latency)."""
         gen = torch.Generator().manual_seed(0)
-        return self.run_groups([(s, budget_ms) for s in samples], 1, gen, gen, force=force).rollouts
+        groups = [(s, budget_ms) for s in samples]
+        return self.run_groups(groups, 1, gen, gen, decisions=Decisions(force=force)).rollouts
 
     @torch.no_grad()
     def run_groups(self, groups: Sequence[tuple[int, float]], group_size: int, stage1_generator: torch.Generator,
-                   stage2_generator: torch.Generator, rank: int = 0, world_size: int = 1,
-                   first_group: int = 0, force: tuple[int, int, int, int] | None = None,
-                   greedy: bool = False, insertion_index: int | None = None,
-                   controller: TwoStageController | None = None) -> StepRollouts:
+                   stage2_generator: torch.Generator, rank: int = 0, world_size: int = 1, first_group: int = 0, *,
+                   controller: TwoStageController | None = None, decisions: Decisions = SAMPLED) -> StepRollouts:
         """Run this rank's share of the members of ``groups`` ((sample, budget_ms) pairs).
 
         Stage-1 choices are drawn from ``stage1_generator``, which every rank advances the same
         way (each rank knows every member's stage-1 choice); members go to ranks round-robin
         by their global index. Stage-2 choices use the rank's own ``stage2_generator``.
-        ``greedy``: the most probable choice at each stage instead of a sample (evaluation);
-        ``insertion_index``: a fixed insertion position (index into the positions);
         ``controller``: decide with this controller instead of the executor's own (same knob
         values), e.g. to interleave two controllers request by request on one timer and warm-up set.
         """
-        import time
-
         ctrl = controller if controller is not None else self.controller
-        runtime, timer = self.runtime, self.timer
-        device = runtime.device
         ctrl.eval()
         out = StepRollouts()
-        num_layers = runtime.num_layers
         for g, (sample, budget) in enumerate(groups):
             tick = time.perf_counter()
             head = RequestTiming()
-            lang = self.samples.lang[sample][None].to(device)
-            with timer.segment("stage1", head):
-                s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device),
-                                 self.tiling_crops[sample][None].to(device))
-                crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
-            crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=stage1_generator)
-            insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True,
-                                               generator=stage1_generator)
-            if greedy:
-                crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
-                insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
-            if insertion_index is not None:
-                insertion_pick = torch.full((group_size,), int(insertion_index))
-            if force is not None:
-                crops_pick = torch.full((group_size,), force[0])
-                insertion_pick = torch.full((group_size,), force[1])
-            mine = [m for m in range(group_size) if (g * group_size + m) % world_size == rank]
+            s1, crops_pick, insertion_pick = self._stage1(ctrl, sample, budget, group_size, stage1_generator,
+                                                          decisions, head)
             by_prefix: dict[tuple[int, int], list[int]] = {}
-            for m in mine:
-                by_prefix.setdefault((int(crops_pick[m]), int(insertion_pick[m])), []).append(m)
+            for m in range(group_size):
+                if (g * group_size + m) % world_size == rank:
+                    by_prefix.setdefault((int(crops_pick[m]), int(insertion_pick[m])), []).append(m)
             out.controller_s += time.perf_counter() - tick
             for (c, pi), members in by_prefix.items():
-                max_crops, p = ctrl.max_crops_values[c], ctrl.insertion_positions[pi]
-                inputs = self._model_inputs(sample, max_crops)
-                tick = time.perf_counter()
-                if self.warmup and ("prefix", max_crops, p) not in self._warm:
-                    runtime.prefill_prefix(inputs, p, s1.budget_token[0])
-                    self._warm.add(("prefix", max_crops, p))
-                shared = RequestTiming(segments=list(head.segments))
-                with timer.segment("prefix", shared):
-                    prefix = runtime.prefill_prefix(inputs, p, s1.budget_token[0])
-                out.model_s += time.perf_counter() - tick
-                tick = time.perf_counter()
-                with timer.segment("stage2", shared):
-                    top_k_lp, blocks_lp = ctrl.stage2(
-                        s1, self.samples.image[sample][None].to(device), self.samples.image_present[sample][None].to(device),
-                        torch.tensor([c], device=device), torch.tensor([pi], device=device), prefix.latency_token[None])
-                out.controller_s += time.perf_counter() - tick
-                prefix_id = len(out.prefix_embeds)
-                out.prefix_embeds.append(prefix.embeds[:, :-1].detach().clone())  # without the budget token
-                out.prefix_first_member.append(len(out.rollouts))
+                pre = self._prefix(ctrl, s1, sample, c, pi, head, out)
                 for m in members:
-                    tick = time.perf_counter()
-                    if force is not None:
-                        k, b = force[2], force[3]
-                    elif greedy:
-                        k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
-                    else:
-                        k = int(torch.multinomial(top_k_lp[0].exp().cpu(), 1, generator=stage2_generator))
-                        b = int(torch.multinomial(blocks_lp[0].exp().cpu(), 1, generator=stage2_generator))
-                    top_k, blocks = ctrl.top_k_values[k], ctrl.num_active_blocks_values[b]
-                    active = runtime.blocks_for(blocks, first_kept=p)
-                    out.controller_s += time.perf_counter() - tick
-                    tick = time.perf_counter()
-                    timing = RequestTiming(segments=list(shared.segments))
-                    with runtime.knobs(top_k={i: top_k for i in range(p, num_layers)}):
-                        if self.warmup and (max_crops, p, top_k, blocks) not in self._warm:
-                            state = runtime.prefill_suffix(prefix, active)
-                            runtime.decode_step(state, int(state.logits.argmax()))
-                            self._warm.add((max_crops, p, top_k, blocks))
-                        with timer.segment("suffix", timing):
-                            state = runtime.prefill_suffix(prefix, active)
-                        tokens = self._generate(state, timing)
-                    out.model_s += time.perf_counter() - tick
-                    timer.resolve(timing)
-                    out.rollouts.append(self._rollout(
-                        timing, tokens, inputs, group=first_group + g, member=m, sample=sample, budget=budget,
-                        indices=(c, pi, k, b), knob_values=(max_crops, p, top_k, blocks), active=active,
-                        log_prob=float(s1.crops_log_probs[0, c] + s1.insertion_log_probs[0, pi] + top_k_lp[0, k]
-                                       + blocks_lp[0, b]), prefix=prefix_id, rank=rank))
+                    out.rollouts.append(self._member(ctrl, s1, pre, out, decisions, stage2_generator,
+                                                     group=first_group + g, member=m, budget=budget, rank=rank))
         return out
+
+    def _stage1(self, ctrl: TwoStageController, sample: int, budget: float, group_size: int,
+                generator: torch.Generator, decisions: Decisions,
+                head: RequestTiming) -> tuple[Stage1Output, torch.Tensor, torch.Tensor]:
+        """Stage 1 (timed into ``head``) and every member's crops and insertion choices (indices)."""
+        device = self.runtime.device
+        lang = self.samples.lang[sample][None].to(device)
+        with self.timer.segment("stage1", head):
+            s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device),
+                             self.tiling_crops[sample][None].to(device))
+            crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
+        # drawn even when overridden below: the generator advances the same way on every rank and in every mode
+        crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=generator)
+        insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)
+        if decisions.greedy:
+            crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
+            insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
+        if decisions.insertion_index is not None:
+            insertion_pick = torch.full((group_size,), int(decisions.insertion_index))
+        if decisions.force is not None:
+            crops_pick = torch.full((group_size,), decisions.force[0])
+            insertion_pick = torch.full((group_size,), decisions.force[1])
+        return s1, crops_pick, insertion_pick
+
+    def _prefix(self, ctrl: TwoStageController, s1: Stage1Output, sample: int, c: int, pi: int, head: RequestTiming,
+                out: StepRollouts) -> _Prefix:
+        """The shared prefix of one (crops, insertion position) choice and stage 2's distributions on it."""
+        runtime, device = self.runtime, self.runtime.device
+        max_crops, p = ctrl.max_crops_values[c], ctrl.insertion_positions[pi]
+        inputs = self._model_inputs(sample, max_crops)
+        tick = time.perf_counter()
+        if self.warmup and ("prefix", max_crops, p) not in self._warm:
+            runtime.prefill_prefix(inputs, p, s1.budget_token[0])
+            self._warm.add(("prefix", max_crops, p))
+        shared = RequestTiming(segments=list(head.segments))
+        with self.timer.segment("prefix", shared):
+            state = runtime.prefill_prefix(inputs, p, s1.budget_token[0])
+        out.model_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        with self.timer.segment("stage2", shared):
+            top_k_lp, blocks_lp = ctrl.stage2(
+                s1, self.samples.image[sample][None].to(device), self.samples.image_present[sample][None].to(device),
+                torch.tensor([c], device=device), torch.tensor([pi], device=device), state.latency_token[None])
+        out.controller_s += time.perf_counter() - tick
+        out.prefix_embeds.append(state.embeds[:, :-1].detach().clone())  # without the budget token
+        out.prefix_first_member.append(len(out.rollouts))
+        return _Prefix(state, sample, c, pi, max_crops, top_k_lp[0], blocks_lp[0], shared, len(out.prefix_embeds) - 1)
+
+    def _member(self, ctrl: TwoStageController, s1: Stage1Output, pre: _Prefix, out: StepRollouts,
+                decisions: Decisions, generator: torch.Generator, *, group: int, member: int, budget: float,
+                rank: int) -> Rollout:
+        """One member from a shared prefix: its stage-2 choice, the rest of the prefill and decoding."""
+        runtime, p = self.runtime, pre.state.insertion_position
+        tick = time.perf_counter()
+        if decisions.force is not None:
+            k, b = decisions.force[2], decisions.force[3]
+        elif decisions.greedy:
+            k, b = int(pre.top_k_log_probs.argmax()), int(pre.blocks_log_probs.argmax())
+        else:
+            k = int(torch.multinomial(pre.top_k_log_probs.exp().cpu(), 1, generator=generator))
+            b = int(torch.multinomial(pre.blocks_log_probs.exp().cpu(), 1, generator=generator))
+        top_k, blocks = ctrl.top_k_values[k], ctrl.num_active_blocks_values[b]
+        active = runtime.blocks_for(blocks, first_kept=p)
+        out.controller_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        timing = RequestTiming(segments=list(pre.timing.segments))
+        with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
+            if self.warmup and (pre.max_crops, p, top_k, blocks) not in self._warm:
+                state = runtime.prefill_suffix(pre.state, active)
+                runtime.decode_step(state, int(state.logits.argmax()))
+                self._warm.add((pre.max_crops, p, top_k, blocks))
+            with self.timer.segment("suffix", timing):
+                state = runtime.prefill_suffix(pre.state, active)
+            tokens = self._generate(state, timing)
+        out.model_s += time.perf_counter() - tick
+        self.timer.resolve(timing)
+        log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
+                    + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
+        return self._rollout(timing, tokens, pre.state.inputs, group=group, member=member, sample=pre.sample,
+                             budget=budget, indices=(pre.crops_index, pre.insertion_index, k, b),
+                             knob_values=(pre.max_crops, p, top_k, blocks), active=active, log_prob=float(log_prob),
+                             prefix=pre.index, rank=rank)
 
     def _rollout(self, timing: RequestTiming, tokens: list[int], inputs: ModelInputs, *, group: int, member: int,
                  sample: int, budget: float, indices: tuple[int, int, int, int], knob_values: tuple[int, int, int, int],

@@ -3,7 +3,7 @@
 The lowest layer of ctrl: it imports no torch. Other stages use only the names below.
 """
 
-from pipeline.catalog import build_catalog, connect, run_query, view_ddl
+from pipeline.catalog import build_catalog, connect, run_query, view_ddl, view_names
 from pipeline.errors import (
     CacheMismatchError,
     CtrlError,
@@ -33,6 +33,7 @@ __all__ = [
     "run_query",
     "build_catalog",
     "view_ddl",
+    "view_names",
     # schemas
     "TABLES",
     "TableSchema",

@@ -88,22 +88,26 @@ class Ctx:
     def obj(self, parent: dict, key: str, where: str) -> dict:
         value = parent.get(key)
         if not isinstance(value, dict):
-            raise self.fail(join(where, key), f"expected an object, got {type_name(value)}" if key in parent else "missing")
+            raise self.fail(join(where, key),
+                            f"expected an object, got {type_name(value)}" if key in parent else "missing")
         return value
 
     def lst(self, parent: dict, key: str, where: str) -> list:
         value = parent.get(key)
         if not isinstance(value, list):
-            raise self.fail(join(where, key), f"expected a list, got {type_name(value)}" if key in parent else "missing")
+            raise self.fail(join(where, key),
+                            f"expected a list, got {type_name(value)}" if key in parent else "missing")
         return value
 
-    def integer(self, parent: dict, key: str, where: str, *, required: bool = True, lo: int | None = None, hi: int | None = None) -> int | None:
+    def integer(self, parent: dict, key: str, where: str, *, required: bool = True, lo: int | None = None,
+                hi: int | None = None) -> int | None:
         value = parent.get(key)
         if value is None:
             if required:
                 raise self.fail(join(where, key), "missing" if key not in parent else "expected an integer, got null")
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not value.is_integer())):
             raise self.fail(join(where, key), f"expected an integer, got {value!r}")
         value = int(value)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -122,7 +126,8 @@ class Ctx:
     def string(self, parent: dict, key: str, where: str) -> str:
         value = parent.get(key)
         if not isinstance(value, str) or not value:
-            raise self.fail(join(where, key), "missing" if key not in parent else f"expected a non-empty string, got {value!r}")
+            raise self.fail(join(where, key),
+                            "missing" if key not in parent else f"expected a non-empty string, got {value!r}")
         return value
 
 
@@ -155,21 +160,22 @@ def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType
         field = f"{list_name}[{i}].{key}"
         if v is None or (isinstance(v, float) and math.isnan(v)):
             if required:
-                raise ctx.fail(field, "missing" if key not in record else f"expected {expect}, got {'null' if v is None else 'NaN'}")
+                raise ctx.fail(field, "missing" if key not in record
+                               else f"expected {expect}, got {'null' if v is None else 'NaN'}")
             continue
         ok = isinstance(v, str) if expect == "a string" else (isinstance(v, (int, float)) and not isinstance(v, bool))
         if pa.types.is_integer(dtype) and ok and isinstance(v, float) and not v.is_integer():
             ok = False
         if not ok:
             raise ctx.fail(field, f"expected {expect}, got {v!r}")
-    raise ctx.fail(f"{list_name}[*].{key}", f"cannot convert to {dtype}")  # pragma: no cover - defensive
+    raise ctx.fail(field=f"{list_name}[*].{key}", reason=f"cannot convert to {dtype}")  # pragma: no cover - defensive
 
 
 def records_list(ctx: Ctx, doc: dict, key: str) -> list[dict]:
     records = ctx.lst(doc, key, "")
     for i, r in enumerate(records):
         if not isinstance(r, dict):
-            raise ctx.fail(f"{key}[{i}]", f"expected an object, got {type_name(r)}")
+            raise ctx.fail(field=f"{key}[{i}]", reason=f"expected an object, got {type_name(r)}")
     return records
 
 
@@ -204,11 +210,9 @@ def check_name_knobs(ctx: Ctx, pattern: re.Pattern, values: tuple[int, int, int]
         return
     named = tuple(int(m.group(offset + i)) for i in range(3))
     if named != values:
-        raise ctx.fail(
-            "config",
-            f"file name says crops{named[0]}_topk{named[1]}_blocks{named[2]} but config has "
-            f"max_crops={values[0]}, top_k={values[1]}, num_active_blocks={values[2]}",
-        )
+        raise ctx.fail(field="config",
+                       reason=f"file name says crops{named[0]}_topk{named[1]}_blocks{named[2]} but config has "
+                              f"max_crops={values[0]}, top_k={values[1]}, num_active_blocks={values[2]}")
 
 
 def block_indices(ctx: Ctx, obj: dict, where: str, info: RunInfo, num_active: int) -> list[int]:
@@ -220,7 +224,8 @@ def block_indices(ctx: Ctx, obj: dict, where: str, info: RunInfo, num_active: in
     if not isinstance(value, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in value):
         raise ctx.fail(join(where, "active_block_indices"), f"expected a list of integers, got {value!r}")
     if len(value) != num_active:
-        raise ctx.fail(join(where, "active_block_indices"), f"has {len(value)} blocks but num_active_blocks is {num_active}")
+        raise ctx.fail(join(where, "active_block_indices"),
+                       f"has {len(value)} blocks but num_active_blocks is {num_active}")
     return sorted(value)
 
 
@@ -271,7 +276,8 @@ class SampleCollector:
             if meta is None:
                 meta = {}
             elif type(meta) is not dict:
-                raise self.ctx.fail(f"{list_name}[{i}].metadata", f"expected an object, got {type_name(meta)}")
+                raise self.ctx.fail(field=f"{list_name}[{i}].metadata",
+                                    reason=f"expected an object, got {type_name(meta)}")
             example_id = meta.get("example_id")
             if type(example_id) is int:  # the common case, without the general rule's overhead
                 key, source = f"ex:{example_id}", "example_id"
@@ -279,7 +285,7 @@ class SampleCollector:
                 try:
                     key, source = build_sample_key(dataset, meta)
                 except ValueError as err:
-                    raise self.ctx.fail(f"{list_name}[{i}].metadata", str(err)) from None
+                    raise self.ctx.fail(field=f"{list_name}[{i}].metadata", reason=str(err)) from None
             keys.append(key)
             if key in seen:
                 continue
@@ -296,7 +302,8 @@ class SampleCollector:
                 canonical_id(example_id), canonical_id(meta.get("question_id")), canonical_id(meta.get("image_id")),
                 question if question is None or type(question) is str else orjson.dumps(question).decode(),
                 answers_of(record, meta),
-                orjson.dumps({k: v for k, v in meta.items() if k not in _NOT_IN_METADATA_JSON}, option=_JSON_OPTS).decode(),
+                orjson.dumps({k: v for k, v in meta.items() if k not in _NOT_IN_METADATA_JSON},
+                             option=_JSON_OPTS).decode(),
             )
             rows.append(row)
             if type(meta.get("answers")) is list:  # only then is the row a function of meta alone
@@ -307,7 +314,8 @@ class SampleCollector:
 
     def table(self) -> pa.Table:
         n = len(self.rows)
-        names = ("sample_key", "key_source", "example_id", "question_id", "image_id", "question", "answers", "metadata_json")
+        names = ("sample_key", "key_source", "example_id", "question_id", "image_id", "question", "answers",
+                 "metadata_json")
         columns = dict(zip(names, map(list, zip(*self.rows)))) if n else {name: [] for name in names}
         columns.update(dataset=[self.dataset] * n, split=[self.split] * n, row_index=list(range(n)))
         return pa.Table.from_pydict(columns, schema=FRAGMENT_SAMPLES.arrow_schema())
@@ -323,7 +331,8 @@ class MeasurementBuilder:
         self.blocks: list[pa.Table] = []
 
     def add(self, info: RunInfo, kind: str, cfg: tuple[int, int, int], keys: list[str], *, blocks: list[int],
-            score: pa.Array, pred: pa.Array | None = None, tier: str | None = None, columns: dict[str, Any] | None = None) -> None:
+            score: pa.Array, pred: pa.Array | None = None, tier: str | None = None,
+            columns: dict[str, Any] | None = None) -> None:
         n = len(keys)
         if n == 0:
             return
@@ -370,7 +379,8 @@ class SummaryBuilder:
         self.rows: dict[str, list] = {c.name: [] for c in FRAGMENT_SUMMARIES.columns}
 
     def add(self, info: RunInfo, cfg: tuple[int, int, int], blocks: list[int], *, accuracy: float | None,
-            std: float | None, num_samples: int | None, tier: str | None = None, nan: bool = False, **latency: float | None) -> None:
+            std: float | None, num_samples: int | None, tier: str | None = None, nan: bool = False,
+            **latency: float | None) -> None:
         row = {
             "experiment": info.experiment, "dataset": info.dataset, "split": info.split,
             "max_crops": cfg[0], "top_k": cfg[1], "num_active_blocks": cfg[2], "tier": tier,

@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeline.errors import QueryError
 from pipeline.schema import FEATURE_TABLES, TABLES, quote_ident
 from pipeline.workspace import Workspace
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
 
 #: per (dataset, sample_key): every recorded exp5/exp6 configuration, what offline training reads
 GROUPS_SQL = """
@@ -74,7 +78,8 @@ def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
     """CREATE VIEW statements for the given tables (a path/glob or a list of them each) plus
     derived views, in a stable order."""
     statements = [
-        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_paths_sql(path)}, union_by_name = true)"
+        f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_paths_sql(path)}, "
+        "union_by_name = true)"
         for name, path in sorted(table_paths.items())
     ]
     if {"measurements", "configs"} <= table_paths.keys():
@@ -98,9 +103,9 @@ def workspace_table_paths(workspace: Workspace) -> dict[str, Path | list[Path]]:
     return paths
 
 
-def connect(workspace: Workspace) -> Any:
+def connect(workspace: Workspace) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the workspace's views."""
-    import duckdb
+    import duckdb  # deferred: parser worker processes import pipeline and never query
 
     con = duckdb.connect()
     for stmt in view_ddl(workspace_table_paths(workspace)):
@@ -108,9 +113,14 @@ def connect(workspace: Workspace) -> Any:
     return con
 
 
+def view_names(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The views of a connection from :func:`connect` (which ones exist depends on what the workspace holds)."""
+    return {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+
+
 def build_catalog(workspace: Workspace) -> Path:
     """(Re)write ``ctrl.duckdb`` with views over the live generation; atomic replace."""
-    import duckdb
+    import duckdb  # deferred, as in connect()
 
     tmp = workspace.root / f".{workspace.catalog_path.name}.{uuid.uuid4().hex}.tmp"
     con = duckdb.connect(str(tmp))
@@ -124,9 +134,9 @@ def build_catalog(workspace: Workspace) -> Path:
     return workspace.catalog_path
 
 
-def run_query(workspace: Workspace, sql: str) -> Any:
+def run_query(workspace: Workspace, sql: str) -> pa.Table:
     """Run SQL over the workspace views; returns a pyarrow Table. DuckDB errors become QueryError."""
-    import duckdb
+    import duckdb  # deferred, as in connect()
 
     con = connect(workspace)
     try:
@@ -138,7 +148,8 @@ def run_query(workspace: Workspace, sql: str) -> Any:
         return relation.to_arrow_table()
     except duckdb.Error as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        msg = f"query failed: {first}\nHint: views are {', '.join(sorted(workspace_table_paths(workspace)) + ['groups'])}; `ctrl query \"DESCRIBE measurements\"` lists columns."
+        views = ", ".join(sorted(workspace_table_paths(workspace)) + ["groups"])
+        msg = f"query failed: {first}\nHint: views are {views}; `ctrl query \"DESCRIBE measurements\"` lists columns."
         raise QueryError(msg) from None
     finally:
         con.close()

@@ -62,14 +62,15 @@ def _stream(pairs: list[tuple[str, str]], unique_by: tuple[str, ...] | None = No
     return pa.RecordBatchReader.from_batches(schema, batches())
 
 
-def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, list[tuple[str, str]]], temp_dir: Path) -> dict[str, int]:
+def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, list[tuple[str, str]]],
+                 temp_dir: Path) -> dict[str, int]:
     """Write samples, measurements, configs and files into ``out_dir``; return row counts.
 
     ``fragment_files`` maps a fragment table name (measurements | samples | summaries) to
     ``(fragment parquet path, source path)`` pairs; a fragment shared by two identical files
     appears once per source path.
     """
-    import duckdb
+    import duckdb  # deferred: parser worker processes import pipeline and never query
 
     con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY_LIMIT, "temp_directory": str(temp_dir), "threads": 2})
     try:
@@ -88,14 +89,17 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
                 SELECT *,
                   row_number() OVER (PARTITION BY {key} ORDER BY prio, source_file, row_index) AS rn,
                   count(*) OVER k AS num_copies,
-                  (min(score) OVER k <> max(score) OVER k) OR coalesce(min(pred) OVER k <> max(pred) OVER k, false) AS flag_copies_disagree,
-                  (source_kind IN ({", ".join(f"'{k}'" for k in _PARTIAL_KINDS)}) AND world_size > 1) AS flag_partial_config
+                  (min(score) OVER k <> max(score) OVER k)
+                    OR coalesce(min(pred) OVER k <> max(pred) OVER k, false) AS flag_copies_disagree,
+                  (source_kind IN ({", ".join(f"'{k}'" for k in _PARTIAL_KINDS)})
+                    AND world_size > 1) AS flag_partial_config
                 FROM m WINDOW k AS (PARTITION BY {key})
               )
               SELECT {meas_cols} FROM ranked WHERE rn = 1"""
         else:
             src = f"SELECT {meas_cols} FROM (SELECT {_null_row(MEASUREMENTS)}) WHERE false"
-        _copy(con, f"SELECT {MEASUREMENTS.duckdb_select_list()} FROM ({src}) ORDER BY {_order_by(MEASUREMENTS)}", MEASUREMENTS, out_dir / "measurements.parquet")
+        _copy(con, f"SELECT {MEASUREMENTS.duckdb_select_list()} FROM ({src}) ORDER BY {_order_by(MEASUREMENTS)}",
+              MEASUREMENTS, out_dir / "measurements.parquet")
 
         samp_pairs = fragment_files.get("samples", [])
         samp_cols = ", ".join(quote_ident(c.name) for c in SAMPLES.columns)
@@ -105,9 +109,11 @@ def build_tables(out_dir: Path, manifest: pa.Table, fragment_files: dict[str, li
               QUALIFY row_number() OVER (PARTITION BY dataset, sample_key ORDER BY source_file, row_index) = 1"""
         else:
             src = f"SELECT {samp_cols} FROM (SELECT {_null_row(SAMPLES)}) WHERE false"
-        _copy(con, f"SELECT {SAMPLES.duckdb_select_list()} FROM ({src}) ORDER BY {_order_by(SAMPLES)}", SAMPLES, out_dir / "samples.parquet")
+        _copy(con, f"SELECT {SAMPLES.duckdb_select_list()} FROM ({src}) ORDER BY {_order_by(SAMPLES)}",
+              SAMPLES, out_dir / "samples.parquet")
 
-        _copy(con, f"SELECT {CONFIGS.duckdb_select_list()} FROM ({_configs_sql(fragment_files.get('summaries', []), out_dir)}) ORDER BY {_order_by(CONFIGS)}",
+        src = _configs_sql(fragment_files.get("summaries", []), out_dir)
+        _copy(con, f"SELECT {CONFIGS.duckdb_select_list()} FROM ({src}) ORDER BY {_order_by(CONFIGS)}",
               CONFIGS, out_dir / "configs.parquet")
 
         for table in (MEASUREMENTS, SAMPLES, CONFIGS):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
@@ -61,12 +62,15 @@ class IngestConfig:
     def __post_init__(self) -> None:
         self.paths = [Path(p) for p in self.paths]
         if not self.paths:
-            raise CtrlError("no input paths given\nHint: ctrl ingest exp5_dir exp6_dir")
+            msg = "no input paths given\nHint: ctrl ingest exp5_dir exp6_dir"
+            raise CtrlError(msg)
         missing = [str(p) for p in self.paths if not p.exists()]
         if missing:
-            raise CtrlError(f"input path does not exist: {missing[0]}")
+            msg = f"input path does not exist: {missing[0]}"
+            raise CtrlError(msg)
         if self.num_workers < 0:
-            raise CtrlError(f"num_workers must be >= 0, got {self.num_workers!r}")
+            msg = f"num_workers must be >= 0, got {self.num_workers!r}"
+            raise CtrlError(msg)
 
     @property
     def resolved_workers(self) -> int:
@@ -221,15 +225,14 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                 "ingested_at": old["ingested_at"] if unchanged else now,
             }
             result_status = "unchanged" if unchanged and status == "ok" else status
-            report.files.append(FileResult(str(path), result_status, meta.get("kind"), meta.get("rows", 0), meta.get("error")))
+            report.files.append(FileResult(str(path), result_status, meta.get("kind"), meta.get("rows", 0),
+                                           meta.get("error")))
             if progress:
                 progress(path.name)
 
         report.files.sort(key=lambda f: f.path)
         if parser_changed or _content_changed(manifest, new_manifest):
             gen = workspace.commit(lambda out: _build(workspace, out, new_manifest, report))
-            from pipeline.catalog import build_catalog
-
             build_catalog(workspace)
             _collect_fragments(workspace, new_manifest)
             report.changed, report.generation = True, gen.name
@@ -242,7 +245,8 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
 
 def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
     fields = ("sha256", "status", "fragment_sha256", "error", "kind")
-    return old.keys() != new.keys() or any(tuple(old[p][f] for f in fields) != tuple(new[p][f] for f in fields) for p in new)
+    return old.keys() != new.keys() or any(tuple(old[p][f] for f in fields) != tuple(new[p][f] for f in fields)
+                                           for p in new)
 
 
 def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
@@ -285,7 +289,8 @@ def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: I
         meta = json.loads(meta_file.read_text())
         for name, filename in meta.get("tables", {}).items():
             pairs[name].append((str(meta_file.parent / filename), path))
-    manifest_table = pa.Table.from_pylist(list(manifest.values()), schema=FILES.arrow_schema()) if manifest else FILES.arrow_schema().empty_table()
+    manifest_table = (pa.Table.from_pylist(list(manifest.values()), schema=FILES.arrow_schema()) if manifest
+                      else FILES.arrow_schema().empty_table())
     temp = workspace.root / f".duckdb-tmp-{uuid.uuid4().hex}"
     try:
         report.table_rows = build_tables(out, manifest_table, pairs, temp)

@@ -1,6 +1,6 @@
 """The file kinds ingest recognises and which copy of a measurement wins.
 
-Precedence, documented in the README ("Which copy wins"):
+Precedence, documented in docs/ingest.md ("Which copy wins"):
 
 * measurements: merged per-config file > rank-0 / incremental per-config file > final
   aggregate; ties between files of the same kind go to the lexicographically smaller path,
@@ -11,7 +11,6 @@ Precedence, documented in the README ("Which copy wins"):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 
@@ -29,29 +28,22 @@ class FileKind:
 KINDS: dict[str, FileKind] = {
     k.name: k
     for k in (
-        FileKind("exp5_merged", "exp5", 0, 0, "exp5 per-config file merged from all ranks (`..._blocks{B}.json` with config.note)"),
-        FileKind("exp5_incremental", "exp5", 1, 2, "exp5 per-config file written after each config (`..._rank0.json`, or un-suffixed on one GPU)"),
-        FileKind("exp5_final", "exp5", 2, 1, "exp5 final aggregate `exp5_accuracy_results.json` (samples used only where the config mapping is provable)"),
-        FileKind("exp6_merged", "exp6", 0, 0, "exp6 per-config file merged from all ranks (`exp6_latency_crops..._blocks{B}.json`)"),
+        FileKind("exp5_merged", "exp5", 0, 0, "exp5 per-config file merged from all ranks "
+                                              "(`..._blocks{B}.json` with config.note)"),
+        FileKind("exp5_incremental", "exp5", 1, 2, "exp5 per-config file written after each config "
+                                                   "(`..._rank0.json`, or un-suffixed on one GPU)"),
+        FileKind("exp5_final", "exp5", 2, 1, "exp5 final aggregate `exp5_accuracy_results.json` "
+                                             "(samples used only where the config mapping is provable)"),
+        FileKind("exp6_merged", "exp6", 0, 0, "exp6 per-config file merged from all ranks "
+                                              "(`exp6_latency_crops..._blocks{B}.json`)"),
         FileKind("exp6_rank", "exp6", 1, 2, "exp6 per-config rank-0 file (`..._rank0.json`, also on one GPU)"),
-        FileKind("exp6_final", "exp6", None, 1, "exp6 final aggregate `exp6_latency_results.json` (summaries only: its samples carry no metadata)"),
-        FileKind("core_exp_merged", "core_exp", 0, 0, "core_exp per-config file (`<task>_imgsizetier-<tier>_crops<N>_topk<K>_blocks<B>.json`)"),
+        FileKind("exp6_final", "exp6", None, 1, "exp6 final aggregate `exp6_latency_results.json` "
+                                                "(summaries only: its samples carry no metadata)"),
+        FileKind("core_exp_merged", "core_exp", 0, 0, "core_exp per-config file "
+                                                      "(`<task>_imgsizetier-<tier>_crops<N>_topk<K>_blocks<B>.json`)"),
         FileKind("core_exp_rank", "core_exp", 1, 2, "core_exp per-rank temporary file (`..._rank<r>.json`)"),
     )
 }
-
-EXP5_CONFIG_RE = re.compile(r"^exp5_accuracy_results_crops(\d+)_topk(\d+)_blocks(\d+)(?:_rank(\d+))?\.json$")
-EXP5_FINAL_RE = re.compile(r"^exp5_accuracy_results\.json$")
-EXP6_CONFIG_RE = re.compile(r"^exp6_latency_crops(\d+)_topk(\d+)_blocks(\d+)(?:_rank(\d+))?\.json$")
-EXP6_FINAL_RE = re.compile(r"^exp6_latency_results\.json$")
-CORE_EXP_RE = re.compile(r"^(.+)_imgsizetier-(low|medium|high)_crops(\d+)_topk(\d+)_blocks(\d+)(?:_rank(\d+))?\.json$")
-
-RESULT_NAME_PATTERNS = (EXP5_CONFIG_RE, EXP5_FINAL_RE, EXP6_CONFIG_RE, EXP6_FINAL_RE, CORE_EXP_RE)
-
-
-def looks_like_results_name(name: str) -> bool:
-    """True when a file name follows one of the origin scripts' naming schemes."""
-    return any(p.match(name) for p in RESULT_NAME_PATTERNS)
 
 
 def priority_sql(column: str, which: str) -> str:

@@ -13,8 +13,11 @@ Nothing here imports torch: ``pipeline`` is the lowest layer.
 
 from __future__ import annotations
 
+import itertools
+import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -26,10 +29,28 @@ DEFAULT_TOP_K = 8
 TOKENS_PER_CROP = 144  # 24x24 patches pooled 2x2
 
 # -- the recorded sweeps
-#: exp5/exp6 "balanced" sweep as run by the multi-dataset scripts (§4.5, §4.6).
+#: exp6 ``run()`` defaults (§4.3): the value lists the sparse strategies pick from
+EXP6_MAX_CROPS: tuple[int, ...] = (2, 4, 6, 8, 10)
+EXP6_TOP_K: tuple[int, ...] = (4, 8, 12)
+EXP6_NUM_ACTIVE_BLOCKS: tuple[int, ...] = (12, 13, 14, 15, 16)
+#: the "balanced" sweep of those lists, as run by the multi-dataset scripts (§4.5, §4.6)
 BALANCED_MAX_CROPS: tuple[int, ...] = (2, 6, 10)
 BALANCED_TOP_K: tuple[int, ...] = (4, 8, 12)
 BALANCED_NUM_ACTIVE_BLOCKS: tuple[int, ...] = (12, 14, 16)
+
+Config = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
+
+
+def balanced_combinations(max_crops: tuple[int, ...], top_k: tuple[int, ...], blocks: tuple[int, ...]) -> list[Config]:
+    """The "balanced" sparse strategy (§4.5): first / middle / last of lists with >= 3 values.
+
+    A single value per list is that one configuration (the origin skips the strategy then).
+    """
+    def pick(xs: tuple[int, ...]) -> list[int]:
+        return [xs[0], xs[len(xs) // 2], xs[-1]] if len(xs) >= 3 else list(xs)
+    if len(max_crops) == len(top_k) == len(blocks) == 1:
+        return [(max_crops[0], top_k[0], blocks[0])]
+    return list(itertools.product(pick(max_crops), pick(top_k), pick(blocks)))
 
 Tier = Literal["low", "medium", "high"]
 
@@ -53,10 +74,6 @@ TIERS: dict[str, TierSpec] = {
 }
 
 
-def vision_tokens_for_crops(num_crops: int) -> int:
-    """Theoretical vision-token count for ``num_crops`` crops plus the global image."""
-    return (num_crops + 1) * TOKENS_PER_CROP
-
 
 @lru_cache(maxsize=None)
 def exp_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOTAL_BLOCKS) -> tuple[int, ...]:
@@ -74,14 +91,6 @@ def exp_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOTAL_
     chosen = rng.choice(np.arange(4, num_total_blocks), num_active_blocks - 4, replace=False)
     return tuple(range(4)) + tuple(sorted(int(b) for b in chosen))
 
-
-def tier_of_max_crops(max_crops: int) -> str:
-    """The core_exp tier whose crop range contains ``max_crops``."""
-    for spec in TIERS.values():
-        if spec.min_crops <= max_crops <= spec.max_crops:
-            return spec.name
-    msg = f"max_crops {max_crops!r} is outside every tier (1..15)"
-    raise ValueError(msg)
 
 
 # -- Knob1: crops. The Molmo tiling rule (origin_formats.md §2.1)
@@ -128,9 +137,6 @@ def select_tiling(height, width, max_crops: int, *, window_px: int = MOLMO_CROP_
 def load_importance_scores(path) -> dict[int, float]:
     """Read a §6 importance file: a flat {block: score} object, or one wrapped in
     ``merged_scores`` / ``train_scores`` / ``importance_scores``. Non-integer keys are dropped."""
-    import json
-    from pathlib import Path
-
     data = json.loads(Path(path).read_text())
     for wrapper in ("merged_scores", "train_scores", "importance_scores"):
         if isinstance(data.get(wrapper), dict):

@@ -8,7 +8,6 @@ of each sample's metadata, and the recorded configuration summaries. Formats:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,16 @@ from pipeline._parse_common import (
     type_name,
 )
 from pipeline.errors import IngestError
-from pipeline.kinds import CORE_EXP_RE, EXP5_CONFIG_RE, EXP6_CONFIG_RE, EXP6_FINAL_RE, looks_like_results_name
+from pipeline.origin_format import (
+    CORE_EXP_RE,
+    EXP5_CONFIG_RE,
+    EXP5_FINAL_NAME,
+    EXP6_CONFIG_RE,
+    EXP6_FINAL_NAME,
+    EXP6_FINAL_RE,
+    RANK_SUFFIX_RE,
+    looks_like_results_name,
+)
 
 __all__ = [
     "FRAGMENT_MEASUREMENTS",
@@ -56,7 +64,6 @@ __all__ = [
 #: bump whenever parsing output changes: fragments cached by an older parser are re-parsed
 PARSER_VERSION = "2"
 
-_RANK_SUFFIX = re.compile(r"_rank\d+\.json$")
 _F64, _I32, _STR = pa.float64(), pa.int32(), pa.string()
 
 
@@ -96,15 +103,16 @@ def detect_kind(path: Path, doc: Any) -> str:
     if not isinstance(doc, dict):
         if named:
             raise IngestError(path, f"expected a JSON object at the top level, got {type_name(doc)}")
-        raise NotResultsFile(f"top level is {type_name(doc)}, not a results object")
+        msg = f"top level is {type_name(doc)}, not a results object"
+        raise NotResultsFile(msg)
     config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
-    rank_suffix = bool(_RANK_SUFFIX.search(name))
+    rank_suffix = bool(RANK_SUFFIX_RE.search(name))
     if "per_sample_results" in doc:
         return "core_exp_rank" if rank_suffix else "core_exp_merged"
     if "per_sample_latencies" in doc:
         return "exp6_rank" if rank_suffix and "note" not in config else "exp6_merged"
     if "all_samples" in doc:
-        final_names = ("exp5_accuracy_results.json", "exp6_latency_results.json")
+        final_names = (EXP5_FINAL_NAME, EXP6_FINAL_NAME)
         if name in final_names or any(k.endswith("_list") for k in config):
             samples, summary = doc.get("all_samples"), doc.get("summary")
             first = samples[0] if isinstance(samples, list) and samples and isinstance(samples[0], dict) else {}
@@ -115,7 +123,8 @@ def detect_kind(path: Path, doc: Any) -> str:
         return "exp5_merged" if "note" in config else "exp5_incremental"
     if named:
         raise IngestError(path, "wrong shape: none of all_samples, per_sample_latencies, per_sample_results found")
-    raise NotResultsFile("not an exp5/exp6/core_exp results file (no all_samples, per_sample_latencies or per_sample_results)")
+    msg = "not an exp5/exp6/core_exp results file (no all_samples, per_sample_latencies or per_sample_results)"
+    raise NotResultsFile(msg)
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -129,7 +138,7 @@ def _single_summary(ctx: Ctx, doc: dict) -> tuple[dict, str]:
     if isinstance(summary, dict):
         return summary, "summary"
     if not isinstance(summary, list) or not isinstance(summary[0], dict):
-        raise ctx.fail("summary", f"expected a list of objects, got {type_name(summary)}")
+        raise ctx.fail(field="summary", reason=f"expected a list of objects, got {type_name(summary)}")
     return summary[0], "summary[0]"
 
 
@@ -138,7 +147,7 @@ def _stat(ctx: Ctx, entry: dict, where: str, key: str, stat: str) -> float | Non
     if stats is None:
         return None
     if not isinstance(stats, dict):
-        raise ctx.fail(f"{where}.{key}", f"expected an object of statistics, got {type_name(stats)}")
+        raise ctx.fail(field=f"{where}.{key}", reason=f"expected an object of statistics, got {type_name(stats)}")
     return ctx.number(stats, stat, f"{where}.{key}")
 
 
@@ -201,7 +210,8 @@ def _parse_exp5_final(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         cfg = knob_values(ctx, entry, where, info.num_total_blocks)
         blocks = list(knobs.exp_active_blocks(cfg[2], info.num_total_blocks))
         _add_exp_summary(ctx, sb, info, cfg, blocks, entry, where)
-        entries.append((cfg, blocks, ctx.number(entry, "accuracy", where), ctx.integer(entry, "num_samples", where, required=False, lo=0)))
+        entries.append((cfg, blocks, ctx.number(entry, "accuracy", where),
+                        ctx.integer(entry, "num_samples", where, required=False, lo=0)))
     samples = SampleCollector(ctx, info.dataset, info.split)
     keys = samples.keys(records, "all_samples")
     scores = column(ctx, records, "all_samples", "score", _F64, required=True)
@@ -235,7 +245,8 @@ def _final_mapping_problem(entries: list[tuple], scores: pa.Array) -> str | None
         if count == 0:
             continue
         if accuracy is None or abs(float(np.mean(chunk)) - accuracy) > 1e-6:
-            return f"chunk {j} (crops{cfg[0]}_topk{cfg[1]}_blocks{cfg[2]}) has mean score {float(np.mean(chunk)):.6f}, summary says {accuracy}"
+            return (f"chunk {j} (crops{cfg[0]}_topk{cfg[1]}_blocks{cfg[2]}) has mean score "
+                    f"{float(np.mean(chunk)):.6f}, summary says {accuracy}")
     return None
 
 
@@ -252,8 +263,9 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     lats = records_list(ctx, doc, "per_sample_latencies")
     preds = records_list(ctx, doc, "per_sample_predictions")
     if len(lats) != len(preds):
-        raise ctx.fail("per_sample_predictions", f"has {len(preds)} entries but per_sample_latencies has {len(lats)}: "
-                       "metadata can only be attached by position")
+        raise ctx.fail(field="per_sample_predictions",
+                       reason=f"has {len(preds)} entries but per_sample_latencies has {len(lats)}: "
+                              "metadata can only be attached by position")
     samples = SampleCollector(ctx, info.dataset, info.split)
     keys = samples.keys(preds, "per_sample_predictions")
     total = column(ctx, lats, "per_sample_latencies", "T_total_ms", _F64, required=True)
@@ -266,7 +278,8 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
                         column(ctx, lats, "per_sample_latencies", "accuracy", _F64, required=False))
     if score.null_count:
         i = score.is_null().to_pylist().index(True)
-        raise ctx.fail(f"per_sample_predictions[{i}].score", "missing, and per_sample_latencies has no accuracy either")
+        raise ctx.fail(field=f"per_sample_predictions[{i}].score",
+                       reason="missing, and per_sample_latencies has no accuracy either")
     # D1: a 0 decode time with more than one output token is a missing value, not a time
     decode_missing = pc.fill_null(pc.and_(pc.equal(decode, 0.0), pc.fill_null(pc.greater(n_output, 1), True)), False)
     columns = {
@@ -278,7 +291,7 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         "flag_decode_missing": decode_missing,
     }
     if _ctrl_profile_version(ctx, config) is not None:
-        # written by `ctrl profile` (online/profile.py): a real prefill time, vision timed, text-only counts
+        # written by `ctrl profile` (profiler/): a real prefill time, vision timed, text-only counts
         columns.update({
             "latency_prefill_ms": prefill_raw,
             "latency_vision_ms": column(ctx, lats, "per_sample_latencies", "T_vision_ms", _F64, required=False),
@@ -331,11 +344,12 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     file name's task prefix with '-' turned back into '_'."""
     m = CORE_EXP_RE.match(ctx.path.name)
     if m is None:
-        raise ctx.fail("", "core_exp file name must be <task>_imgsizetier-<tier>_crops<N>_topk<K>_blocks<B>[_rank<r>].json")
+        raise ctx.fail(field="", reason="core_exp file name must be "
+                            "<task>_imgsizetier-<tier>_crops<N>_topk<K>_blocks<B>[_rank<r>].json")
     dataset = m.group(1).replace("-", "_")
     tier = doc.get("tier", m.group(2))
     if tier not in knobs.TIERS:
-        raise ctx.fail("tier", f"expected one of low, medium, high, got {tier!r}")
+        raise ctx.fail(field="tier", reason=f"expected one of low, medium, high, got {tier!r}")
     total_blocks = ctx.integer(doc, "num_total_blocks", "", required=False, lo=1, hi=1024) or knobs.NUM_TOTAL_BLOCKS
     info = RunInfo("core_exp", dataset, None, 1, total_blocks)
     max_crops = ctx.integer(doc, "max_crops", "", required=False, lo=1, hi=64) or knobs.TIERS[tier].max_crops
@@ -343,7 +357,8 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
            ctx.integer(doc, "top_k", "", lo=1, hi=knobs.NUM_EXPERTS),
            ctx.integer(doc, "num_active_blocks", "", lo=1, hi=total_blocks))
     if (int(m.group(4)), int(m.group(5))) != cfg[1:]:
-        raise ctx.fail("", f"file name says topk{m.group(4)}_blocks{m.group(5)} but the file has top_k={cfg[1]}, num_active_blocks={cfg[2]}")
+        raise ctx.fail(field="", reason=f"file name says topk{m.group(4)}_blocks{m.group(5)} "
+                            f"but the file has top_k={cfg[1]}, num_active_blocks={cfg[2]}")
     blocks = block_indices(ctx, doc, "", info, cfg[2])
     records = records_list(ctx, doc, "per_sample_results")
     samples = SampleCollector(ctx, dataset, None)
@@ -371,7 +386,8 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     sb = SummaryBuilder(kind)
     accuracy = ctx.number(doc, "accuracy", "")
     sb.add(info, cfg, blocks, tier=tier, accuracy=accuracy, std=ctx.number(doc, "accuracy_std", ""),
-           num_samples=ctx.integer(doc, "num_samples", "", required=False, lo=0), nan=accuracy is None and "accuracy" in doc,
+           num_samples=ctx.integer(doc, "num_samples", "", required=False, lo=0),
+           nan=accuracy is None and "accuracy" in doc,
            latency_total_ms_mean=ctx.number(stats, "T_total_mean", "latency_stats"),
            latency_total_ms_p50=ctx.number(stats, "T_total_p50", "latency_stats"),
            latency_total_ms_p95=ctx.number(stats, "T_total_p95", "latency_stats"),

@@ -1,7 +1,7 @@
 """Table contracts of the workspace: one entry per table, the only place columns are defined.
 
 Writers cast to these schemas and check primary keys, readers check ``schema_version``,
-the DuckDB views and the README's schema section are generated from here.
+the DuckDB views and docs/schema.md are generated from here.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ _S, _I, _F, _B = pa.string(), pa.int32(), pa.float64(), pa.bool_()
 _KEY = dict(nullable=False)
 
 EXPERIMENTS = ("exp5", "exp6", "core_exp", "online")
+#: the terms of a reward, logged as ``reward/<term>`` next to ``reward/mean``
+#: (``trainer.reward``: reward = acc_term - lat_pen - viol_pen - complexity + bonus)
+REWARD_TERMS = ("acc_term", "lat_pen", "viol_pen", "complexity", "bonus")
 
 SAMPLES = TableSchema(
     name="samples",
@@ -87,13 +90,15 @@ SAMPLES = TableSchema(
     columns=(
         Column("dataset", _S, "dataset name from the file's config.dataset_name", **_KEY),
         Column("sample_key", _S, "stable sample id built from metadata (see 'Sample keys')", **_KEY),
-        Column("key_source", _S, "rule that built the key: example_id | question_id | image_caption | image | image_question | question_hash", **_KEY),
+        Column("key_source", _S, "rule that built the key: example_id | question_id | image_caption | image | "
+                                 "image_question | question_hash", **_KEY),
         Column("split", _S, "dataset split, e.g. validation"),
         Column("example_id", _S, "metadata example_id (the dataset's question id for VQA-style sets), as text"),
         Column("question_id", _S, "metadata question_id, as text"),
         Column("image_id", _S, "metadata image_id, as text"),
         Column("question", _S, "question text"),
-        Column("answers", pa.list_(_S), "reference answers (VQA answers, the correct option for multiple choice, captions)"),
+        Column("answers", pa.list_(_S), "reference answers "
+                                        "(VQA answers, the correct option for multiple choice, captions)"),
         Column("metadata_json", _S, "the remaining metadata fields as a JSON object"),
         Column("source_file", _S, "file whose copy of the metadata was kept"),
     ),
@@ -108,7 +113,8 @@ MEASUREMENTS = TableSchema(
         Column("dataset", _S, "dataset name", **_KEY),
         Column("split", _S, "dataset split"),
         Column("sample_key", _S, "see samples.sample_key", **_KEY),
-        Column("max_crops", _I, "crop limit passed to the preprocessor (core_exp: the tier's upper bound)", "crops", **_KEY),
+        Column("max_crops", _I, "crop limit passed to the preprocessor "
+                                "(core_exp: the tier's upper bound)", "crops", **_KEY),
         Column("top_k", _I, "MoE experts per token", "experts", **_KEY),
         Column("num_active_blocks", _I, "decoder blocks that ran", "blocks", **_KEY),
         Column("tier", _S, "core_exp vision tier (low | medium | high); null for exp5/exp6"),
@@ -129,11 +135,15 @@ MEASUREMENTS = TableSchema(
         Column("source_file", _S, "file of the kept copy", **_KEY),
         Column("source_kind", _S, "kind of that file (see 'File kinds')", **_KEY),
         Column("num_copies", _I, "copies seen across files and sampler padding (1 = unique)", **_KEY),
-        Column("flag_prefill_invalid", _B, "exp6 T_prefill_ms is the last decode step (D1): latency_prefill_ms is null", **_KEY),
+        Column("flag_prefill_invalid", _B, "exp6 T_prefill_ms is the last decode step (D1): "
+                                           "latency_prefill_ms is null", **_KEY),
         Column("flag_prefill_partial", _B, "core_exp T_LLM_prefill covers blocks 1..15 only (D2)", **_KEY),
-        Column("flag_text_tokens_derived", _B, "exp6 num_language_tokens counted image placeholders (D10): num_text_tokens = language - vision", **_KEY),
-        Column("flag_decode_missing", _B, "decode time recorded as 0 with more than one output token: latency_decode_ms is null", **_KEY),
-        Column("flag_partial_config", _B, "kept copy is from a rank-0 file of a multi-GPU run whose merge was lost (~1/world_size of the samples)", **_KEY),
+        Column("flag_text_tokens_derived", _B, "exp6 num_language_tokens counted image placeholders (D10): "
+                                               "num_text_tokens = language - vision", **_KEY),
+        Column("flag_decode_missing", _B, "decode time recorded as 0 with more than one output token: "
+                                          "latency_decode_ms is null", **_KEY),
+        Column("flag_partial_config", _B, "kept copy is from a rank-0 file of a multi-GPU run whose merge was lost "
+                                          "(~1/world_size of the samples)", **_KEY),
         Column("flag_copies_disagree", _B, "copies of this measurement have different score or pred", **_KEY),
     ),
 )
@@ -143,7 +153,8 @@ _LAT_STATS = ("latency_total_ms_mean", "latency_total_ms_p50", "latency_total_ms
 
 CONFIGS = TableSchema(
     name="configs",
-    description="One row per (experiment, dataset, max_crops, top_k, num_active_blocks): the recorded summary next to the same figures recomputed from measurements.",
+    description="One row per (experiment, dataset, max_crops, top_k, num_active_blocks): "
+                "the recorded summary next to the same figures recomputed from measurements.",
     primary_key=("experiment", "dataset", "max_crops", "top_k", "num_active_blocks"),
     columns=(
         Column("experiment", _S, "exp5 | exp6 | core_exp | online", **_KEY),
@@ -160,12 +171,14 @@ CONFIGS = TableSchema(
         Column("recorded_accuracy", _F, "summary accuracy as recorded (NaN summaries become null)"),
         Column("recorded_accuracy_std", _F, "summary std as recorded"),
         Column("recorded_num_samples", _I, "summary num_samples as recorded (includes sampler padding)"),
-        *(Column("recorded_" + n, _F, "summary latency statistic as recorded (origin exp6 prefill: see D1; ctrl profile files are exempt)", "ms") for n in _LAT_STATS),
+        *(Column("recorded_" + n, _F, "summary latency statistic as recorded (origin exp6 prefill: see D1; "
+                                      "ctrl profile files are exempt)", "ms") for n in _LAT_STATS),
         Column("accuracy", _F, "mean score over measurements"),
         Column("accuracy_std", _F, "population std of score over measurements"),
         Column("num_samples", _I, "distinct samples in measurements", "samples", **_KEY),
         *(Column(n, _F, "recomputed from measurements (quantiles: linear interpolation)", "ms") for n in _LAT_STATS),
-        Column("flag_summary_nan", _B, "recorded summary is NaN or empty (a configuration that processed no samples)", **_KEY),
+        Column("flag_summary_nan", _B, "recorded summary is NaN or empty "
+                                       "(a configuration that processed no samples)", **_KEY),
         Column("flag_partial_config", _B, "measurements come from a rank-0 file only (lost merge)", **_KEY),
     ),
 )
@@ -187,7 +200,8 @@ FILES = TableSchema(
         Column("note", _S, "non-fatal remarks, e.g. why a final aggregate's samples were not used"),
         Column("rows", _I, "measurement rows parsed from the file, before dedupe", **_KEY),
         Column("duplicate_rows", _I, "rows repeating an earlier row of the same file (sampler padding)", **_KEY),
-        Column("fragment_sha256", _S, "content whose rows are in the tables (an older version when the file turned bad)"),
+        Column("fragment_sha256", _S, "content whose rows are in the tables "
+                                      "(an older version when the file turned bad)"),
         Column("ingested_at", pa.timestamp("us", tz="UTC"), "when this version was ingested", **_KEY),
     ),
 )
@@ -204,7 +218,8 @@ _VECTOR = pa.list_(pa.float32())
 
 IMAGE_FEATURES = TableSchema(
     name="image_features",
-    description="One row per (dataset, sample_key, model_fingerprint): the pooled vision-backbone output at the reference crop setting.",
+    description="One row per (dataset, sample_key, model_fingerprint): "
+                "the pooled vision-backbone output at the reference crop setting.",
     primary_key=("dataset", "sample_key", "model_fingerprint"),
     columns=_FEATURE_KEY + (
         Column("image_id", _S, "samples.image_id"),
@@ -220,7 +235,8 @@ IMAGE_FEATURES = TableSchema(
 
 LANG_FEATURES = TableSchema(
     name="lang_features",
-    description="One row per (dataset, sample_key, model_fingerprint): mean input embedding (wte) of the prompt's text tokens.",
+    description="One row per (dataset, sample_key, model_fingerprint): "
+                "mean input embedding (wte) of the prompt's text tokens.",
     primary_key=("dataset", "sample_key", "model_fingerprint"),
     columns=_FEATURE_KEY + (
         Column("num_prompt_tokens", _I, "text tokens of the formatted prompt", "tokens", **_KEY),
@@ -230,7 +246,8 @@ LANG_FEATURES = TableSchema(
 
 IMAGE_TILINGS = TableSchema(
     name="image_tilings",
-    description="One row per (dataset, sample_key, model_fingerprint, max_crops): the tiling the model's preprocessor picks.",
+    description="One row per (dataset, sample_key, model_fingerprint, max_crops): "
+                "the tiling the model's preprocessor picks.",
     primary_key=("dataset", "sample_key", "model_fingerprint", "max_crops"),
     columns=_FEATURE_KEY + (
         Column("max_crops", _I, "crop limit", "crops", **_KEY),
@@ -248,7 +265,8 @@ _RUN_ID = Column("run_id", _S, "the run directory's name", **_KEY)
 
 RUNS = TableSchema(
     name="runs",
-    description="One row per training run (runs/<run_id>/run.parquet); epoch and validation columns are null for online runs.",
+    description="One row per training run (runs/<run_id>/run.parquet); "
+                "epoch and validation columns are null for online runs.",
     primary_key=("run_id",),
     columns=(
         _RUN_ID,
@@ -288,13 +306,14 @@ METRICS = TableSchema(
         Column("epoch", _L, "epoch, from 1 (0 = the initial policy)"),
         Column("loss", _F, "policy loss"),
         *(Column(f"reward/{part}", _F, f"mean {part} over the sampled configurations") for part in
-          ("mean", "acc_term", "lat_pen", "viol_pen", "complexity", "bonus")),
+          ("mean", *REWARD_TERMS)),
         Column("groups", _L, "(sample, budget) groups used"),
         Column("zero_variance_groups", _L, "groups dropped: all rewards equal, no signal"),
         Column("kl", _F, "exact KL to the initial policy (0 when off)"),
         Column("clip_ratio", _F, "share of clipped ratio terms"),
         Column("grad_norm", _F, "gradient norm before clipping"),
-        Column("val/expected_reward", _F, "epoch rows: exact sum_a pi(a|x) r(x,a) on the val split over the budget grid"),
+        Column("val/expected_reward", _F, "epoch rows: exact sum_a pi(a|x) r(x,a) "
+                                          "on the val split over the budget grid"),
         Column("val/expected_accuracy", _F, "epoch rows: expected score on the val split"),
         Column("val/expected_violation_rate", _F, "epoch rows: expected share of latency > budget"),
         Column("wall_time_s", _F, "since the run started", "s"),
@@ -307,16 +326,19 @@ EVALUATIONS = TableSchema(
     primary_key=("run_id", "decider", "budget_ms"),
     columns=(
         _RUN_ID,
-        Column("decider", _S, "controller | policy | oracle | lut_p95 | lut_mean5 | largest | random (offline); controller | offline_start (online)"),
+        Column("decider", _S, "controller | policy | oracle | lut_p95 | lut_mean5 | largest | random (offline); "
+                              "controller | offline_start (online)"),
         Column("budget_ms", _F, "latency budget", "ms"),
         Column("num_samples", _L, "test samples"),
         Column("accuracy", _F, "mean recorded score of the chosen configurations"),
         Column("latency_ms_mean", _F, "mean latency of the chosen configurations", "ms"),
         Column("latency_ms_p95", _F, "p95 latency of the chosen configurations", "ms"),
         Column("violation_rate", _F, "share of samples with latency > budget"),
-        Column("accuracy_within_budget", _F, "mean score counting answers over budget as 0 (what a service with this deadline delivers)"),
+        Column("accuracy_within_budget", _F, "mean score counting answers over budget as 0 "
+                                             "(what a service with this deadline delivers)"),
         Column("reward_mean", _F, "mean reward of the decisions"),
-        Column("expected_reward", _F, "exact expected reward of the decider's distribution (= reward_mean when deterministic)"),
+        Column("expected_reward", _F, "exact expected reward of the decider's distribution "
+                                      "(= reward_mean when deterministic)"),
         Column("config_histogram", _S, "JSON {\"C/K/B\": count} of the chosen configurations"),
     ),
 )
@@ -358,7 +380,7 @@ ONLINE_STEPS = TableSchema(
         Column("step", _L, "optimizer step, from 1", **_KEY),
         Column("loss", _F, "policy loss"),
         *(Column(f"reward/{part}", _F, f"mean {part} over the step's rollouts") for part in
-          ("mean", "acc_term", "lat_pen", "viol_pen", "complexity", "bonus")),
+          ("mean", *REWARD_TERMS)),
         Column("accuracy", _F, "mean score of the rollouts"),
         Column("latency_ms_mean", _F, "mean latency_total_ms", "ms"),
         Column("violation_rate", _F, "share of rollouts over budget"),
@@ -366,12 +388,14 @@ ONLINE_STEPS = TableSchema(
         Column("groups", _L, "(sample, budget) groups of the step"),
         Column("zero_variance_groups", _L, "groups dropped: all rewards equal"),
         Column("rollouts", _L, "rollouts of the step (all ranks)"),
-        Column("prefixes", _L, "shared prefixes run (all ranks): fewer than rollouts when members share a stage-1 choice"),
+        Column("prefixes", _L, "shared prefixes run (all ranks): "
+                               "fewer than rollouts when members share a stage-1 choice"),
         Column("grad_norm", _F, "gradient norm before clipping"),
         Column("time_model_s", _F, "rollout execution: vision, prefill, decode (rank 0)", "s"),
         Column("time_controller_s", _F, "controller decisions and sampling during rollouts (rank 0)", "s"),
         Column("time_update_s", _F, "loss with the latency-token recompute, backward, optimizer (rank 0)", "s"),
-        Column("time_bookkeeping_s", _F, "rewards, gathering across ranks, metrics, Parquet, checkpoints (rank 0)", "s"),
+        Column("time_bookkeeping_s", _F, "rewards, gathering across ranks, metrics, Parquet, "
+                                         "checkpoints (rank 0)", "s"),
         Column("wall_time_s", _F, "since the run started", "s"),
     ),
 )
@@ -380,7 +404,7 @@ RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUAT
 
 
 def schema_markdown(table: TableSchema) -> str:
-    """The README section of one table, generated so docs and code cannot drift."""
+    """The docs/schema.md section of one table, generated so docs and code cannot drift."""
     lines = [
         f"#### `{table.name}`",
         "",
@@ -390,11 +414,11 @@ def schema_markdown(table: TableSchema) -> str:
         "|---|---|---|---|",
     ]
     for c in table.columns:
-        lines.append(f"| `{c.name}` | {duckdb_type(c.dtype)} | {c.unit or ''} | {c.description} |")
+        description = c.description.replace("|", "\\|")  # a bare | would split the table cell
+        lines.append(f"| `{c.name}` | {duckdb_type(c.dtype)} | {c.unit or ''} | {description} |")
     return "\n".join(lines)
 
 
-
 def schemas_markdown() -> str:
-    """All tables' README sections (``ctrl schema`` prints this)."""
+    """All tables' docs/schema.md sections (``ctrl schema`` prints this)."""
     return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values(), *RUN_TABLES.values()))

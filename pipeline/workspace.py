@@ -23,12 +23,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import SchemaError, WorkspaceError, WorkspaceLockedError
 from pipeline.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES, TableSchema
+
+if TYPE_CHECKING:
+    import polars as pl
 
 ENV_VAR = "CTRL_WORKSPACE"
 DEFAULT_WORKSPACE = "workspace"
@@ -98,14 +102,16 @@ class Workspace:
             return None
         gen = self.tables_dir / name
         if not gen.is_dir():
-            msg = f"{self.root / 'CURRENT'} names {name!r}, which does not exist\nHint: re-run `ctrl ingest` to rebuild the workspace."
+            msg = (f"{self.root / 'CURRENT'} names {name!r}, which does not exist\n"
+                   "Hint: re-run `ctrl ingest` to rebuild the workspace.")
             raise WorkspaceError(msg)
         return gen
 
     def require_generation(self) -> Path:
         gen = self.current_generation()
         if gen is None:
-            msg = f"workspace {self.root} has no tables yet\nHint: run `ctrl ingest PATH...` first (or pass --workspace)."
+            msg = (f"workspace {self.root} has no tables yet\n"
+                   "Hint: run `ctrl ingest PATH...` first (or pass --workspace).")
             raise WorkspaceError(msg)
         return gen
 
@@ -130,17 +136,11 @@ class Workspace:
         check_table_schema(table.schema, schema, path)
         return table
 
-    def read_table(self, name: str):  # -> polars.DataFrame
-        import polars as pl
+    def read_table(self, name: str) -> pl.DataFrame:
+        """:meth:`read_arrow` as a polars frame."""
+        import polars as pl  # deferred: ingest and ctrl query never need polars
 
-        return pl.from_arrow(self.read_arrow(name))
-
-    def scan_table(self, name: str):  # -> polars.LazyFrame
-        import polars as pl
-
-        path = self.table_path(name)
-        check_table_schema(pq.read_schema(path), TABLES[name], path)
-        return pl.scan_parquet(path)
+        return pl.from_arrow(self.read_arrow(name))  # type: ignore[return-value]
 
     # -- writers
     @contextmanager
@@ -179,7 +179,8 @@ class Workspace:
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-            existing = [int(p.name.split("-")[1]) for p in self.tables_dir.glob("gen-*") if p.name.split("-")[1].isdigit()]
+            existing = [int(p.name.split("-")[1]) for p in self.tables_dir.glob("gen-*")
+                        if p.name.split("-")[1].isdigit()]
             gen = self.tables_dir / f"gen-{max(existing, default=0) + 1:06d}"
             os.rename(tmp, gen)
         except BaseException:

@@ -62,7 +62,8 @@ def write_dataset(root: Path, name: str, split: str, samples: list[VqaSample]) -
     """Write ``dataset.json`` (atomic; images are written by the caller into ``root/images``)."""
     ids = [s.example_id for s in samples]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"dataset {name!r}: example_id values must be unique")
+        msg = f"dataset {name!r}: example_id values must be unique"
+        raise ValueError(msg)
     payload = {"format": DATASET_FORMAT, "version": DATASET_VERSION, "name": name, "split": split,
                "samples": [{**asdict(s), "answers": list(s.answers)} for s in samples]}
     root.mkdir(parents=True, exist_ok=True)
@@ -77,19 +78,24 @@ def read_dataset(root: str | Path) -> VqaDataset:
     try:
         payload = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CtrlError(f"{path}: no such file (a dataset directory holds {DATASET_FILE} and images/)") from None
+        msg = f"{path}: no such file (a dataset directory holds {DATASET_FILE} and images/)"
+        raise CtrlError(msg) from None
     except ValueError as err:
-        raise CtrlError(f"{path}: not JSON ({err})") from None
+        msg = f"{path}: not JSON ({err})"
+        raise CtrlError(msg) from None
     if not isinstance(payload, dict) or payload.get("format") != DATASET_FORMAT:
-        raise CtrlError(f"{path}: format {payload.get('format') if isinstance(payload, dict) else None!r}, "
-                        f"expected {DATASET_FORMAT!r}")
+        msg = (f"{path}: format {payload.get('format') if isinstance(payload, dict) else None!r}, "
+               f"expected {DATASET_FORMAT!r}")
+        raise CtrlError(msg)
     if payload.get("version") != DATASET_VERSION:
-        raise CtrlError(f"{path}: version {payload.get('version')!r}, this ctrl reads version {DATASET_VERSION}")
+        msg = f"{path}: version {payload.get('version')!r}, this ctrl reads version {DATASET_VERSION}"
+        raise CtrlError(msg)
     samples = []
     for i, s in enumerate(payload.get("samples", [])):
         try:
             samples.append(VqaSample(str(s["example_id"]), str(s["image_id"]), str(s["question"]),
                                      tuple(str(a) for a in s["answers"]), str(s.get("family", ""))))
         except (KeyError, TypeError) as err:
-            raise CtrlError(f"{path}: samples[{i}]: missing or invalid field {err}") from None
+            msg = f"{path}: samples[{i}]: missing or invalid field {err}"
+            raise CtrlError(msg) from None
     return VqaDataset(str(payload["name"]), str(payload["split"]), tuple(samples), root)

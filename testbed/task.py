@@ -93,9 +93,11 @@ class TaskSpec:
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES + EXTRA_FAMILIES]
         if unknown or not self.families:
-            raise ValueError(f"unknown or no families {unknown}; known: {', '.join(FAMILIES + EXTRA_FAMILIES)}")
+            msg = f"unknown or no families {unknown}; known: {', '.join(FAMILIES + EXTRA_FAMILIES)}"
+            raise ValueError(msg)
         if not 16 <= self.min_side <= self.max_side:
-            raise ValueError(f"need 16 <= min_side <= max_side, got {self.min_side}, {self.max_side}")
+            msg = f"need 16 <= min_side <= max_side, got {self.min_side}, {self.max_side}"
+            raise ValueError(msg)
 
 
 # -- drawing ----------------------------------------------------------------------------------
@@ -230,7 +232,10 @@ def _texture(rng, image, w, h, bg):
         step = _texture_step(w if pattern == "lines" else max(w, h))
         cols = (np.arange(w) // step) % 2
         rows = (np.arange(h) // step) % 2
-        on = np.broadcast_to(cols[None, :] == 0, (h, w)) if pattern == "lines" else (rows[:, None] + cols[None, :]) % 2 == 0
+        if pattern == "lines":
+            on = np.broadcast_to(cols[None, :] == 0, (h, w))
+        else:
+            on = (rows[:, None] + cols[None, :]) % 2 == 0
         image.paste(Image.fromarray(np.where(on[..., None], np.array(hi, np.uint8), np.array(lo, np.uint8))))
     return "What pattern is the background?", pattern
 
@@ -290,7 +295,8 @@ def generate_dataset(root: str | Path, num_samples: int, seed: int = 0, split: s
     interrupted run leaves no readable half dataset.
     """
     if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        msg = f"num_samples must be >= 1, got {num_samples}"
+        raise ValueError(msg)
     root = Path(root)
     ids = [f"tb{seed}-{split}-{i:06d}" for i in range(num_samples)]
     if not overwrite and (root / "dataset.json").exists():

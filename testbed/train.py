@@ -1,6 +1,6 @@
 """Train the embedded model on the testbed task (CPU, minutes, deterministic) and evaluate its knob trade-off.
 
-Recipe (``TrainConfig``): start from ``write_embedded_model(seed=base_seed)`` (same architecture,
+Recipe (``TestbedRecipe``): start from ``write_embedded_model(seed=base_seed)`` (same architecture,
 tokenizer and directory format as the embedded default), set fixed periodic filters in the ViT's
 patch embedding (``vision_init``), train the vision path alone with a temporary answer head
 (``vision_pretrain_steps``, :func:`pretrain_vision`), then AdamW (vision path at ``vision_lr``) on the teacher-forced
@@ -29,7 +29,6 @@ trains). ``testbed.json`` in it records the recipe and the training log.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -39,88 +38,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from PIL import Image
 
-from features.model.embedded import (
-    EMBEDDED_VERSION,
-    MARKER_FILE,
-    EmbeddedRuntime,
-    cache_tmp_dir,
-    default_cache_root,
-    is_embedded_dir,
-    publish_model_dir,
-    quiet_transformers,
-    write_embedded_model,
-)
-from testbed.dataset import read_dataset
+from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALANCED_TOP_K
+from runtime import load_runtime
+from runtime.cache import cache_tmp_dir
+from runtime.embedded import EmbeddedRuntime
+from runtime.embedded_model import publish_model_dir, save_embedded_model, write_embedded_model
+from runtime.registry import RECIPE_FILE, TESTBED_VERSION, TestbedRecipe, cached_testbed_dir, testbed_model_dir
+from runtime.scoring import score_answer
+from testbed.dataset import VqaDataset, read_dataset
 from testbed.task import FAMILIES, generate_dataset
-
-#: bump when the training code changes in a way the recipe fields do not capture
-TESTBED_VERSION = 3
-RECIPE_FILE = "testbed.json"
-
-#: the profiled sweep (balanced configurations)
-EVAL_CROPS = (2, 6, 10)
-EVAL_TOP_K = (4, 8, 12)
-EVAL_BLOCKS = (12, 14, 16)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that determines the trained weights (its hash names the cache directory)."""
-
-    seed: int = 0
-    #: the embedded model's seed the training starts from
-    base_seed: int = 0
-    num_train_samples: int = 4000
-    steps: int = 800
-    batch_size: int = 8
-    lr: float = 3e-3
-    #: learning rate of the vision path (ViT + projector); None = ``lr``. The vision tower
-    #: learns fine patterns only at a lower rate than the decoder tolerates
-    vision_lr: float | None = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    crops_choices: tuple[int, ...] = EVAL_CROPS
-    #: top-K 4 is left out on purpose: like a real MoE trained at a fixed top-K, the profiled
-    #: top-K 4 then measures what running below the trained range costs
-    top_k_choices: tuple[int, ...] = (6, 8, 12)
-    min_blocks: int = 12
-    #: share of steps that run the full model (largest top-K, all blocks)
-    full_prob: float = 0.25
-    #: the first ``full_warmup`` share of the steps all run the full model (a curriculum: learn
-    #: the task first, then robustness to the knobs)
-    full_warmup: float = 0.3
-    #: "periodic" sets the first ``periodic_filters`` output channels of the ViT's patch
-    #: embedding to fixed stripe/check filters before training (:func:`periodic_patch_filters`),
-    #: a stand-in for the pretrained vision tower a real VLM starts from; "random" keeps the
-    #: embedded model's weights
-    vision_init: str = "periodic"
-    periodic_filters: int = 21
-    #: steps of a first phase that trains only the vision path (ViT + projector) with a
-    #: temporary linear head from the mean image token to the answer (a stand-in for the
-    #: pretrained vision tower a real VLM starts from); 0 = none
-    vision_pretrain_steps: int = 1500
-    #: the question families the vision pretraining draws from (empty = all). Fine detail only by
-    #: default: with colour and presence in the mix the tower never learned the 1-2 px textures,
-    #: and the coarse families are learned from the global image in the main phase anyway
-    vision_pretrain_families: tuple[str, ...] = ("texture",)
-    #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
-    #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
-    threads: int = 1
-
-    @property
-    def vision_peak_lr(self) -> float:
-        return self.lr if self.vision_lr is None else self.vision_lr
-
-    def recipe_hash(self) -> str:
-        payload = json.dumps({"testbed_version": TESTBED_VERSION, "embedded_version": EMBEDDED_VERSION,
-                              **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -207,18 +137,20 @@ def periodic_patch_filters(patch_px: int, count: int) -> torch.Tensor:
             filters += [wave[None, :].expand(patch_px, patch_px), wave[:, None].expand(patch_px, patch_px),
                         wave[:, None] * wave[None, :]]
     if not 0 <= count <= len(filters):
-        raise ValueError(f"periodic_filters must be in 0..{len(filters)}, got {count}")
+        msg = f"periodic_filters must be in 0..{len(filters)}, got {count}"
+        raise ValueError(msg)
     bank = torch.stack(filters[:count])
     bank = bank - bank.mean(dim=(1, 2), keepdim=True)  # zero response to any plain patch
     bank = bank / bank.flatten(1).norm(dim=1)[:, None, None]
     return (bank[:, None].expand(count, 3, patch_px, patch_px) / math.sqrt(3)).float()
 
 
-def _init_vision(runtime: EmbeddedRuntime, config: TrainConfig) -> None:
+def _init_vision(runtime: EmbeddedRuntime, config: TestbedRecipe) -> None:
     if config.vision_init == "random":
         return
     if config.vision_init != "periodic":
-        raise ValueError(f"vision_init must be 'random' or 'periodic', got {config.vision_init!r}")
+        msg = f"vision_init must be 'random' or 'periodic', got {config.vision_init!r}"
+        raise ValueError(msg)
     conv = runtime.vision.embeddings.patch_embedding
     n = config.periodic_filters
     with torch.no_grad():
@@ -226,14 +158,14 @@ def _init_vision(runtime: EmbeddedRuntime, config: TrainConfig) -> None:
         conv.weight[:n] = periodic_patch_filters(conv.weight.shape[-1], n) * scale
 
 
-def _lr_at(step: int, config: TrainConfig) -> float:
+def _lr_at(step: int, config: TestbedRecipe) -> float:
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
+def pretrain_vision(runtime: EmbeddedRuntime, dataset: VqaDataset, config: TestbedRecipe,
                     progress: Callable[[int, float], None] | None = None) -> list[float]:
     """Train the vision path alone: mean image token -> linear head -> the answer, cross-entropy
     over the answers of the sample's question family only (the head does not see the question,
@@ -243,7 +175,8 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
     samples = [s for s in dataset.samples
                if not config.vision_pretrain_families or s.family in config.vision_pretrain_families]
     if not samples:
-        raise ValueError(f"no training samples of the vision pretraining families {config.vision_pretrain_families}")
+        msg = f"no training samples of the vision pretraining families {config.vision_pretrain_families}"
+        raise ValueError(msg)
     classes = sorted({(s.family, s.answers[0]) for s in samples})
     label_of = {key: i for i, key in enumerate(classes)}
     # additive mask per family: 0 on its own answers, -inf elsewhere
@@ -253,7 +186,8 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
     module = runtime.vision_backbone
     module.requires_grad_(True)
     module.train()
-    optimizer = torch.optim.AdamW([*module.parameters(), *head.parameters()], lr=config.vision_peak_lr, betas=(0.9, 0.98),
+    optimizer = torch.optim.AdamW([*module.parameters(), *head.parameters()], lr=config.vision_peak_lr,
+                                  betas=(0.9, 0.98),
                                   weight_decay=config.weight_decay)
     rng = random.Random(config.seed + 1)
     losses: list[float] = []
@@ -282,7 +216,7 @@ def pretrain_vision(runtime: EmbeddedRuntime, dataset: Any, config: TrainConfig,
     return losses
 
 
-def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig,
+def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TestbedRecipe,
                 progress: Callable[[int, float], None] | None = None,
                 pretrain_progress: Callable[[int, float], None] | None = None) -> list[float]:
     """Train the runtime's modules in place on the dataset; returns the per-step losses
@@ -290,7 +224,8 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
     dataset = read_dataset(dataset_dir)
     samples = list(dataset.samples)
     if not samples:
-        raise ValueError(f"{dataset_dir}: no samples to train on")
+        msg = f"{dataset_dir}: no samples to train on"
+        raise ValueError(msg)
     torch.manual_seed(config.seed)  # the pretraining head's init (reseeded below for the main phase)
     if config.vision_pretrain_steps:
         pretrain_vision(runtime, dataset, config, pretrain_progress)
@@ -348,37 +283,20 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TrainConfig
 
 
 def save_trained(runtime: EmbeddedRuntime, directory: Path, recipe: dict) -> None:
-    """Save the runtime's modules in the embedded directory format (marker last) plus the recipe file."""
-    from safetensors.torch import save_file
-
+    """Save the runtime's modules in the embedded directory format plus the recipe file."""
     _set_top_k(runtime, runtime.default_top_k)
-    with quiet_transformers():
-        runtime.vision.save_pretrained(directory / "vision")
-        runtime.decoder.save_pretrained(directory / "decoder")
-        runtime.tokenizer.save_pretrained(directory / "tokenizer")
-    (directory / "projector").mkdir(exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in runtime.projector.state_dict().items()},
-              str(directory / "projector" / "projector.safetensors"), metadata={"format": "pt"})
-    proj_cfg = {"in_dim": runtime.projector.w1.in_features, "hidden_dim": runtime.projector.w1.out_features,
-                "out_dim": runtime.projector.w2.out_features}
-    (directory / "projector" / "projector.json").write_text(json.dumps(proj_cfg, indent=2, sort_keys=True) + "\n")
-    (directory / RECIPE_FILE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
-    (directory / MARKER_FILE).write_text(json.dumps(asdict(runtime.spec), indent=2, sort_keys=True) + "\n")
+    save_embedded_model(directory, runtime.spec, runtime.vision, runtime.decoder, runtime.tokenizer, runtime.projector,
+                        extra_files={RECIPE_FILE: json.dumps(recipe, indent=2, sort_keys=True) + "\n"})
 
 
-def model_dir_for(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None) -> Path:
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    return root / f"testbed-v{TESTBED_VERSION}-{config.recipe_hash()}"
-
-
-def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None, force: bool = False,
+def train_testbed(config: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path | None = None, force: bool = False,
                   progress: Callable[[int, float], None] | None = None,
                   pretrain_progress: Callable[[int, float], None] | None = None) -> TrainReport:
     """Train the testbed model of this recipe into the cache, or reuse it when it is there."""
     cached = cached_testbed_dir(config, cache_dir)
     if cached is not None and not force:
         return TrainReport(cached, trained=False)
-    target = model_dir_for(config, cache_dir)
+    target = testbed_model_dir(config, cache_dir)
     tmp = cache_tmp_dir(target)
     try:
         base, model_dir, data_dir = tmp / "base", tmp / "model", tmp / "data"
@@ -401,12 +319,6 @@ def train_testbed(config: TrainConfig = TrainConfig(), cache_dir: str | Path | N
     return TrainReport(target, trained=True, train_seconds=seconds, losses=losses)
 
 
-def cached_testbed_dir(config: TrainConfig = TrainConfig(), cache_dir: str | Path | None = None) -> Path | None:
-    """The trained testbed's directory when it is in the cache, else None (nothing is trained)."""
-    target = model_dir_for(config, cache_dir)
-    return target if is_embedded_dir(target) else None
-
-
 # -- evaluation ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -420,14 +332,11 @@ class EvalRow:
     mean_latency_ms: float
 
 
-def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequence[int] = EVAL_CROPS,
-                     top_ks: Sequence[int] = EVAL_TOP_K, blocks: Sequence[int] = EVAL_BLOCKS,
+def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequence[int] = BALANCED_MAX_CROPS,
+                     top_ks: Sequence[int] = BALANCED_TOP_K, blocks: Sequence[int] = BALANCED_NUM_ACTIVE_BLOCKS,
                      max_new_tokens: int = 6, num_samples: int | None = None, threads: int = 1,
                      progress: Callable[[int], None] | None = None) -> list[EvalRow]:
     """VQA score of ``runtime.generate`` per configuration and family on a dataset (greedy, KV cache)."""
-    from features.model import load_runtime
-    from online.metrics import score_answer
-
     dataset = read_dataset(dataset_dir)
     samples = list(dataset.samples)[:num_samples]
     saved_threads = torch.get_num_threads()

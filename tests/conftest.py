@@ -53,7 +53,8 @@ def workspace(tmp_path: Path) -> Workspace:
 
 
 def run_ingest(paths: list[Path], workspace: Workspace, **kwargs) -> IngestReport:
-    return ingest(IngestConfig(paths=paths, workspace=workspace.root, num_workers=kwargs.pop("num_workers", 1), **kwargs))
+    return ingest(IngestConfig(paths=paths, workspace=workspace.root,
+                               num_workers=kwargs.pop("num_workers", 1), **kwargs))
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +62,7 @@ def embedded_runtime(tmp_path_factory):
     """The real embedded model, built once per test session into a temporary cache."""
     patch = pytest.MonkeyPatch()
     patch.setenv("CTRL_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
-    from features.model import load_runtime
+    from runtime import load_runtime
 
     yield load_runtime("embedded")
     patch.undo()
@@ -73,7 +74,7 @@ def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 25
     Returns (tree, workspace): what every trainer test starts from.
     """
     from features import FeatureConfig, extract_features
-    from pipeline.synthetic import SyntheticSpec, generate_tree
+    from synthetic import SyntheticSpec, generate_tree
 
     tree = generate_tree(spec or SyntheticSpec(num_samples=40), root / "data")
     workspace = Workspace(root / "ws")

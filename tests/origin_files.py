@@ -1,6 +1,6 @@
 """Small, hand-written origin-format files for tests that need exact control over content.
 
-Realistic trees come from ``pipeline.synthetic``; these builders make the edge cases
+Realistic trees come from ``synthetic``; these builders make the edge cases
 (one file of each kind, duplicates, NaN summaries) explicit in the test that uses them.
 """
 
@@ -54,7 +54,8 @@ def exp5_final_doc(configs: list[tuple[int, int, int]], indices: list[int], worl
         summary.append(_summary(c, k, b, [r["score"] for r in records]))
         samples.extend(records)
     return {"summary": summary, "all_samples": samples,
-            "config": {"dataset_name": DATASET, "split": "validation", "max_crops_list": sorted({c for c, _, _ in configs}),
+            "config": {"dataset_name": DATASET, "split": "validation",
+                       "max_crops_list": sorted({c for c, _, _ in configs}),
                        "top_k_list": [4], "num_active_blocks_list": [12], "world_size": world_size}}
 
 
@@ -86,10 +87,12 @@ def core_exp_doc(tier: str, k: int, b: int, indices: list[int]) -> dict:
                         "target_vision_tokens": 1008, "actual_vision_tokens": 1000, "actual_text_tokens": 60,
                         "total_sequence_length": 1060, "accuracy": float(i % 2), "pred": f"answer {i}",
                         "metadata": vqa_record(i)["metadata"], "T_vision_total": 30.0, "T_LLM_prefill": 120.0,
-                        "T_LLM_decode": 20.0, "T_total": 175.0, "T_decode_per_token": 10.0, "T_decode_per_step": [[10.0]]})
-    return {"tier": tier, "tier_range": {"min_crops": 4, "max_crops": 8}, "max_crops": 8, "top_k": k, "num_active_blocks": b,
-            "num_total_blocks": 16, "active_block_indices": list(range(b)), "num_samples": len(records), "accuracy": 0.5,
-            "accuracy_std": 0.5, "latency_stats": {"T_total_mean": 175.0, "T_total_p50": 175.0, "T_total_p95": 175.0},
+                        "T_LLM_decode": 20.0, "T_total": 175.0, "T_decode_per_token": 10.0,
+                        "T_decode_per_step": [[10.0]]})
+    return {"tier": tier, "tier_range": {"min_crops": 4, "max_crops": 8}, "max_crops": 8, "top_k": k,
+            "num_active_blocks": b, "num_total_blocks": 16, "active_block_indices": list(range(b)),
+            "num_samples": len(records), "accuracy": 0.5, "accuracy_std": 0.5,
+            "latency_stats": {"T_total_mean": 175.0, "T_total_p50": 175.0, "T_total_p95": 175.0},
             "per_sample_results": records}
 
 

@@ -13,14 +13,16 @@ from conftest import CONFIGS, NUM_SAMPLES, run_ingest
 from pipeline import QueryError, SchemaError, run_query, view_ddl
 from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, schema_markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "schema.md"
 
 
 def test_view_ddl_is_sorted_and_quotes_paths():
-    ddl = view_ddl({"samples": Path("/w/it's/samples.parquet"), "configs": Path("/c.parquet"), "measurements": Path("/m.parquet")})
+    ddl = view_ddl({"samples": Path("/w/it's/samples.parquet"), "configs": Path("/c.parquet"),
+                    "measurements": Path("/m.parquet")})
     assert [s.split()[4] for s in ddl] == ['"configs"', '"measurements"', '"samples"', "groups"]
     assert "read_parquet('/w/it''s/samples.parquet', union_by_name = true)" in ddl[2]
-    assert view_ddl({"samples": Path("/s.parquet")})[-1].startswith('CREATE OR REPLACE VIEW "samples"')  # no groups without its inputs
+    # no groups without its inputs
+    assert view_ddl({"samples": Path("/s.parquet")})[-1].startswith('CREATE OR REPLACE VIEW "samples"')
 
 
 def test_catalog_file_works_from_plain_duckdb(small_tree, workspace):
@@ -38,7 +40,8 @@ def test_groups_view_joins_exp5_scores_with_exp6_latency(small_tree, workspace):
     assert len(groups) == NUM_SAMPLES * len(CONFIGS)
     assert all(g["num_configs"] == len(CONFIGS) and g["latency_source"] == "sample" for g in groups)
     first = groups[0]
-    assert (first["sample_key"], first["score_exp5"], first["score_exp6"], first["latency_total_ms"]) == ("ex:500000", 0.0, 0.0, 200.0)
+    assert ((first["sample_key"], first["score_exp5"], first["score_exp6"], first["latency_total_ms"])
+            == ("ex:500000", 0.0, 0.0, 200.0))
 
 
 def test_groups_view_falls_back_to_config_median_latency(tmp_path, workspace):
@@ -47,7 +50,8 @@ def test_groups_view_falls_back_to_config_median_latency(tmp_path, workspace):
     write(tmp_path / "r" / exp5_name(2, 4, 12), exp5_config_doc(2, 4, 12, [0, 1, 2, 3], merged=True))
     write(tmp_path / "r" / exp6_name(2, 4, 12), exp6_config_doc(2, 4, 12, [0, 1], merged=True))
     run_ingest([tmp_path / "r"], workspace)
-    rows = run_query(workspace, "SELECT sample_key, latency_total_ms, latency_source, score_source FROM groups ORDER BY sample_key").to_pylist()
+    rows = run_query(workspace, "SELECT sample_key, latency_total_ms, latency_source, score_source "
+                                "FROM groups ORDER BY sample_key").to_pylist()
     assert [r["latency_source"] for r in rows] == ["sample", "sample", "config_p50", "config_p50"]
     assert rows[2]["latency_total_ms"] == pytest.approx(200.5) and rows[2]["score_source"] == "exp5"
 
@@ -67,6 +71,7 @@ def test_reader_rejects_a_table_of_another_schema(small_tree, workspace):
 
 
 @pytest.mark.parametrize("name", sorted(TABLES) + sorted(FEATURE_TABLES) + sorted(RUN_TABLES))
-def test_readme_documents_every_table_exactly(name):
+def test_schema_doc_documents_every_table_exactly(name):
     table = TABLES.get(name) or FEATURE_TABLES.get(name) or RUN_TABLES[name]
-    assert schema_markdown(table) in README.read_text(), f"README schema of {name!r} is stale: paste the output of `ctrl schema`"
+    assert schema_markdown(table) in SCHEMA_DOC.read_text(), (f"docs/schema.md of {name!r} is stale: "
+                                                              "paste the output of `ctrl schema`")

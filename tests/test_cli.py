@@ -26,7 +26,8 @@ def test_ingest_query_status(small_tree, tmp_path):
     again = invoke("ingest", str(small_tree), "--workspace", ws)
     assert again.exit_code == 0 and "nothing changed" in again.stdout
 
-    q = invoke("query", "SELECT experiment, count(*) AS n FROM measurements GROUP BY 1 ORDER BY 1", "-w", ws, "--format", "csv")
+    q = invoke("query", "SELECT experiment, count(*) AS n FROM measurements GROUP BY 1 ORDER BY 1", "-w", ws,
+               "--format", "csv")
     assert q.exit_code == 0
     assert list(csv.DictReader(io.StringIO(q.stdout))) == [{"experiment": "exp5", "n": str(NUM_SAMPLES * len(CONFIGS))},
                                                           {"experiment": "exp6", "n": str(NUM_SAMPLES * len(CONFIGS))}]
@@ -37,7 +38,8 @@ def test_ingest_query_status(small_tree, tmp_path):
 
     s = invoke("status", "-w", ws, "--json")
     summary = json.loads(s.stdout)
-    assert summary["datasets"] == [{"dataset": "coco_2014_vqa", "samples": NUM_SAMPLES, "measurements": 2 * NUM_SAMPLES * len(CONFIGS)}]
+    assert summary["datasets"] == [{"dataset": "coco_2014_vqa", "samples": NUM_SAMPLES,
+                                    "measurements": 2 * NUM_SAMPLES * len(CONFIGS)}]
     assert summary["flags"]["flag_prefill_invalid"] == NUM_SAMPLES * len(CONFIGS)
     assert "coco_2014_vqa" in invoke("status", "-w", ws).stdout
     assert summary["missing_files"] == []

@@ -36,11 +36,14 @@ def test_kept_copy_and_copy_count(tree):
         root = Path(tmp) / "r"
         files = {}
         if merged is not None:
-            files["exp5_merged"] = [write(root / "b" / exp5_name(*CONFIG), exp5_config_doc(*CONFIG, merged, merged=True))]
+            files["exp5_merged"] = [write(root / "b" / exp5_name(*CONFIG),
+                                          exp5_config_doc(*CONFIG, merged, merged=True))]
             if mirror:
-                files["exp5_merged"].append(write(root / "a" / exp5_name(*CONFIG), exp5_config_doc(*CONFIG, merged, merged=True)))
+                files["exp5_merged"].append(write(root / "a" / exp5_name(*CONFIG),
+                                                  exp5_config_doc(*CONFIG, merged, merged=True)))
         if rank0 is not None:
-            files["exp5_incremental"] = [write(root / "b" / exp5_name(*CONFIG, rank=0), exp5_config_doc(*CONFIG, rank0, merged=False))]
+            files["exp5_incremental"] = [write(root / "b" / exp5_name(*CONFIG, rank=0),
+                                               exp5_config_doc(*CONFIG, rank0, merged=False))]
         if final is not None:
             files["exp5_final"] = [write(root / "b" / "exp5_accuracy_results.json", exp5_final_doc([CONFIG], final))]
         if not files:

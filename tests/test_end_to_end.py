@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_ingest
 from pipeline import Workspace, build_sample_key, run_query
-from pipeline.synthetic import SyntheticSpec, generate_tree
+from synthetic import SyntheticSpec, generate_tree
 
 ALL_DATASETS = ("coco_2014_vqa", "text_vqa", "okvqa", "science_qa_img", "tally_qa", "coco_caption", "doc_qa", "st_qa")
 SMALL = dict(max_crops=(2, 10), top_k=(4, 12), num_active_blocks=(12, 16))

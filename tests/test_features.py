@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import run_ingest
 from pipeline import Workspace, run_query
-from pipeline.synthetic import SyntheticSpec, generate_tree
+from synthetic import SyntheticSpec, generate_tree
 
 SMALL = dict(max_crops=(2, 10), top_k=(4, 12), num_active_blocks=(12, 16))
 
@@ -23,7 +23,8 @@ def runtime(embedded_runtime):
 
 @pytest.fixture
 def feature_ws(tmp_path) -> tuple[Workspace, Path]:
-    tree = generate_tree(SyntheticSpec(datasets=("coco_2014_vqa", "text_vqa"), num_samples=10, **SMALL), tmp_path / "data")
+    tree = generate_tree(SyntheticSpec(datasets=("coco_2014_vqa", "text_vqa"), num_samples=10, **SMALL),
+                         tmp_path / "data")
     ws = Workspace(tmp_path / "ws")
     assert run_ingest([tree.exp5_dir, tree.exp6_dir], ws).exit_code == 0
     return ws, tree.images_dir
@@ -42,7 +43,8 @@ def test_features_for_every_sample_and_views(runtime, feature_ws):
     from features import FeatureConfig, extract_features
 
     ws, images = feature_ws
-    report = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8), runtime=runtime)
+    report = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8),
+                              runtime=runtime)
     assert report.num_samples == 20 and report.computed == 20 and report.cached == 0
     assert report.missing_images == [] and report.unreadable_images == []
     img = pl.from_arrow(run_query(ws, "SELECT * FROM image_features ORDER BY dataset, sample_key"))
@@ -55,7 +57,8 @@ def test_features_for_every_sample_and_views(runtime, feature_ws):
     assert tilings.height == 20 * 15
     row = img.row(0, named=True)
     sample_tilings = tilings.filter((pl.col("sample_key") == row["sample_key"]) & (pl.col("dataset") == row["dataset"]))
-    assert sample_tilings.filter(pl.col("max_crops") == row["reference_max_crops"])["num_crops"].item() == row["num_crops"]
+    assert (sample_tilings.filter(pl.col("max_crops") == row["reference_max_crops"])["num_crops"].item()
+            == row["num_crops"])
     assert (sample_tilings["num_crops"] <= sample_tilings["max_crops"]).all()
 
 
@@ -71,7 +74,8 @@ def test_second_run_does_no_forward_pass(runtime, feature_ws, vision_calls):
     second = extract_features(config, runtime=runtime)
     assert first.computed == 20 and second.computed == 0 and second.cached == 20
     assert second.forward_batches == 0 and calls[0] == 0
-    forced = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8, force=True), runtime=runtime)
+    forced = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8,
+                                            force=True), runtime=runtime)
     assert forced.computed == 20 and calls[0] > 0
     after = run_query(ws, "SELECT sample_key, feature FROM image_features ORDER BY dataset, sample_key").to_pylist()
     assert after == before  # recomputation is deterministic
@@ -93,7 +97,8 @@ def test_interrupted_run_resumes(runtime, feature_ws):
         extract_features(config, runtime=runtime, progress=interrupt)
     resumed = extract_features(config, runtime=runtime)
     assert resumed.cached == 8 and resumed.computed == 12
-    keys = run_query(ws, "SELECT count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k FROM lang_features").to_pylist()[0]
+    keys = run_query(ws, "SELECT count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k "
+                         "FROM lang_features").to_pylist()[0]
     assert keys == {"n": 20, "k": 20}
 
 
@@ -107,21 +112,25 @@ def test_missing_and_unreadable_images_are_reported(runtime, feature_ws):
     report = extract_features(FeatureConfig(workspace=ws.root, images_dir=images), runtime=runtime)
     assert report.computed == 20 and report.missing_images and report.unreadable_images
     rows = run_query(ws, "SELECT image_status, feature IS NULL AS null_feature FROM image_features").to_pylist()
-    assert {(r["image_status"], r["null_feature"]) for r in rows} == {("ok", False), ("missing", True), ("unreadable", True)}
+    assert ({(r["image_status"], r["null_feature"]) for r in rows}
+            == {("ok", False), ("missing", True), ("unreadable", True)})
 
 
 def test_cli_extract_features(runtime, feature_ws, monkeypatch):
     from cli import app
 
     ws, images = feature_ws
-    monkeypatch.setattr("features.model.load_runtime", lambda *a, **k: runtime)
-    result = CliRunner().invoke(app, ["extract-features", "-w", str(ws.root), "--images", str(images), "--batch-size", "8"])
+    monkeypatch.setattr("features.extract.load_runtime", lambda *a, **k: runtime)
+    result = CliRunner().invoke(app, ["extract-features", "-w", str(ws.root), "--images", str(images),
+                                      "--batch-size", "8"])
     assert result.exit_code == 0, result.output
     assert "features for 20 samples" in result.stdout and "20 computed" in result.stdout
-    status = CliRunner().invoke(app, ["query", "-w", str(ws.root), "SELECT count(*) AS n FROM lang_features", "--format", "json"])
+    status = CliRunner().invoke(app, ["query", "-w", str(ws.root), "SELECT count(*) AS n FROM lang_features",
+                                      "--format", "json"])
     assert json.loads(status.stdout) == [{"n": 20}]
     summary = json.loads(CliRunner().invoke(app, ["status", "-w", str(ws.root), "--json"]).stdout)
-    assert summary["features"] == [{"model": runtime.fingerprint[:16], "samples": 20, "images_ok": 20, "images_missing": 0}]
+    assert summary["features"] == [{"model": runtime.fingerprint[:16], "samples": 20, "images_ok": 20,
+                                    "images_missing": 0}]
 
 
 def test_fully_cached_run_never_loads_the_model(runtime, feature_ws, monkeypatch):
@@ -132,8 +141,9 @@ def test_fully_cached_run_never_loads_the_model(runtime, feature_ws, monkeypatch
     extract_features(config, runtime=runtime)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded although every feature is cached")
+        msg = "the model was loaded although every feature is cached"
+        raise AssertionError(msg)
 
-    monkeypatch.setattr("features.model.load_runtime", refuse)
+    monkeypatch.setattr("features.extract.load_runtime", refuse)
     report = extract_features(config)  # fingerprint from the model directory alone
     assert report.cached == 20 and report.computed == 0 and report.fingerprint == runtime.fingerprint

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from pipeline.keys import build_sample_key, canonical_id
 
-ids = st.one_of(st.integers(min_value=0, max_value=10**12), st.text(alphabet="0123456789abcdef", min_size=1, max_size=16))
+ids = st.one_of(st.integers(min_value=0, max_value=10**12),
+                st.text(alphabet="0123456789abcdef", min_size=1, max_size=16))
 noise = st.dictionaries(st.sampled_from(["pred", "score", "sample_id", "answers", "question_type", "style"]),
                         st.one_of(st.integers(), st.text(max_size=5), st.none()), max_size=4)
 
@@ -35,7 +36,8 @@ def test_integral_float_and_int_ids_agree(n):
 @given(question=st.text(min_size=1).filter(lambda q: q.strip()), options=st.lists(st.text(max_size=8), max_size=5))
 def test_question_hash_is_whitespace_insensitive_and_option_sensitive(question, options):
     base = build_sample_key("science_qa_img", {"question": question, "options": options})
-    spaced = build_sample_key("science_qa_img", {"question": "  " + question.replace(" ", "   ") + "\n", "options": options})
+    spaced = build_sample_key("science_qa_img", {"question": "  " + question.replace(" ", "   ") + "\n",
+                                                 "options": options})
     assert base == spaced and base[1] == "question_hash"
     other = build_sample_key("science_qa_img", {"question": question, "options": options + ["extra option"]})
     assert other[0] != base[0]

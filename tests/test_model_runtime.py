@@ -22,15 +22,16 @@ from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
-from features.model import (
+from pipeline import knobs
+from pipeline.errors import KnobError
+from runtime import (
     ModelInputs,
     ModelLoadError,
     build_embedded_model,
     load_runtime,
 )
-from features.model.embedded import EmbeddedRuntime, is_embedded_dir
-from pipeline import knobs
-from pipeline.errors import KnobError
+from runtime.embedded import EmbeddedRuntime
+from runtime.embedded_model import is_embedded_dir
 
 MOLMOE_PATH = os.environ.get("CTRL_MOLMOE_PATH")
 needs_molmoe = pytest.mark.skipif(
@@ -69,7 +70,7 @@ def embedded(embedded_dir: Path) -> EmbeddedRuntime:
 
 @pytest.fixture(scope="session")
 def molmoe():
-    from features.model.molmoe import MolmoERuntime
+    from runtime.molmoe import MolmoERuntime
 
     return MolmoERuntime(MOLMOE_PATH, device="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -258,7 +259,8 @@ def test_knobs_restored_even_when_the_body_raises(rt, image_inputs):
     before_k, before_blocks = rt.current_top_k(), rt.current_active_blocks()
     with pytest.raises(RuntimeError, match="boom"), rt.knobs(top_k={0: 8, 3: 2}, num_active_blocks=10):
         assert rt.current_top_k()[3] == 2 and len(rt.current_active_blocks()) == 10
-        raise RuntimeError("boom")
+        msg = "boom"
+        raise RuntimeError(msg)
     assert rt.current_top_k() == before_k and rt.current_active_blocks() == before_blocks
     # a failure inside a forward with blocks skipped also leaves the full block list in place
     handle = rt.decoder_layers[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("hook")))

@@ -13,7 +13,7 @@ import torch
 
 from conftest import build_feature_workspace
 from pipeline import knobs
-from pipeline.synthetic import SyntheticSpec
+from synthetic import SyntheticSpec
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,15 @@ def online_ws(tmp_path_factory, embedded_runtime):
 
 @pytest.fixture(scope="module")
 def executor(online_ws, embedded_runtime):
+    from online.config import OnlineTrainConfig
     from online.data import load_online_samples
     from online.rollout import RolloutExecutor
-    from online.train import OnlineTrainConfig, _build_controller
+    from online.train import build_controller
 
     _, ws = online_ws
     samples = load_online_samples(ws, embedded_runtime.fingerprint)
-    controller, _, _ = _build_controller(OnlineTrainConfig(workspace=ws.root), ws, embedded_runtime, samples, (50.0, 150.0))
+    controller, _, _ = build_controller(OnlineTrainConfig(workspace=ws.root), ws, embedded_runtime, samples,
+                                        (50.0, 150.0))
     ex = RolloutExecutor(embedded_runtime, controller, samples, max_new_tokens=4)
     yield ex
     ex.close()
@@ -90,8 +92,8 @@ def test_new_stage2_terms_start_at_zero_so_the_offline_policy_is_kept(executor):
     top_b, _ = ctrl.stage2(s1, executor.samples.image[:2], executor.samples.image_present[:2], crops,
                            torch.tensor([0, 0]), torch.randn(2, ctrl.two_stage.hidden_size) * 5)
     offline_top, _ = ctrl.policy.stage2_heads(
-        ctrl.policy.stage2_hidden(executor.samples.image[:2], executor.samples.image_present[:2], s1.lang_h, s1.budget_h)[
-            torch.arange(2), crops])
+        ctrl.policy.stage2_hidden(executor.samples.image[:2], executor.samples.image_present[:2], s1.lang_h,
+                                  s1.budget_h)[torch.arange(2), crops])
     assert torch.allclose(top_a, top_b) and torch.allclose(top_a, offline_top)
     # and stage 1 prefers insertion position 1 (top-K on every block after block 0, like the
     # offline data), so the greedy controller at step 0 is the offline policy deployed as is
@@ -230,7 +232,7 @@ def test_stage_times_are_measured_segments_of_the_request(embedded_runtime, exec
 
 
 def test_timer_hooks_record_nothing_outside_a_segment(embedded_runtime):
-    from online.timing import RequestTiming, StageTimer
+    from runtime.timing import RequestTiming, StageTimer
 
     rt = embedded_runtime
     inputs = rt.preprocess(None, "What is it?", 2)
@@ -247,7 +249,7 @@ def test_timer_hooks_record_nothing_outside_a_segment(embedded_runtime):
 # -- training ---------------------------------------------------------------------------------
 
 def _config(ws, **kw):
-    from online.train import OnlineTrainConfig
+    from online.config import OnlineTrainConfig
 
     base = dict(workspace=ws.root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
                 budget_min_ms=30.0, budget_max_ms=300.0, checkpoint_every=1, run_id=None, evaluate=False)
@@ -257,7 +259,7 @@ def _config(ws, **kw):
 def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online_ws, embedded_runtime, executor):
     import math
 
-    from online.train import BudgetReference, budget_reference, calibrate_budget_range, calibration_configs
+    from online.calibrate import BudgetReference, budget_reference, calibrate_budget_range, calibration_configs
     from trainer.data import load_offline_data
 
     _, ws = online_ws
@@ -312,7 +314,8 @@ def test_online_run_writes_rollouts_steps_and_checkpoint(online_ws, embedded_run
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["phase"] == "online" and cfg["parent_run_id"] == "offline-run" and cfg["reward"]["mode"] == "hard"
     assert len(result.steps) == 2 and result.steps["rollouts"].to_list() == [6, 6]
-    for path, schema in ((run / "online_steps.parquet", ONLINE_STEPS), (run / "rollouts" / "step-000001.parquet", ROLLOUTS)):
+    for path, schema in ((run / "online_steps.parquet", ONLINE_STEPS),
+                         (run / "rollouts" / "step-000001.parquet", ROLLOUTS)):
         check_table_schema(pq.read_schema(path), schema, path)
     rows = run_query(ws, """SELECT experiment, count(*) AS n, min(latency_total_ms) > 0 AS positive,
                                    bool_and(latency_controller_ms < latency_total_ms) AS ctrl_inside,
@@ -478,7 +481,8 @@ def _dist_worker(rank: int, world: int, port: int, ws_root: str, cache: str, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       CTRL_CACHE_DIR=cache)
     torch.set_num_threads(1)
-    from online.train import OnlineTrainConfig, train_online
+    from online.config import OnlineTrainConfig
+    from online.train import train_online
 
     config = OnlineTrainConfig(workspace=ws_root, steps=2, samples_per_step=2, group_size=3, max_new_tokens=3,
                                budget_min_ms=30.0, budget_max_ms=300.0, run_id="online-ddp", lr=1e-2, evaluate=False)

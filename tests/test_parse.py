@@ -72,7 +72,8 @@ def test_exp6_rank_file_flags_known_defects(tmp_path):
     got = parse(write(tmp_path / exp6_name(2, 4, 12, rank=0), doc))
     assert got.kind == "exp6_rank"
     rows = got.measurements.to_pylist()
-    assert all(r["flag_prefill_invalid"] and r["latency_prefill_ms"] is None and r["latency_prefill_raw_ms"] == 6.5 for r in rows)
+    assert all(r["flag_prefill_invalid"] and r["latency_prefill_ms"] is None and r["latency_prefill_raw_ms"] == 6.5
+               for r in rows)
     assert all(r["flag_text_tokens_derived"] and r["num_text_tokens"] == 40 for r in rows)
     assert [r["flag_decode_missing"] for r in rows] == [False, True, False]
     assert rows[1]["latency_decode_ms"] is None and rows[0]["latency_decode_ms"] == 40.0
@@ -81,7 +82,8 @@ def test_exp6_rank_file_flags_known_defects(tmp_path):
 
 
 def test_exp6_merged_and_final(tmp_path):
-    assert parse(write(tmp_path / exp6_name(2, 4, 12), exp6_config_doc(2, 4, 12, [0, 1], merged=True))).kind == "exp6_merged"
+    assert (parse(write(tmp_path / exp6_name(2, 4, 12), exp6_config_doc(2, 4, 12, [0, 1], merged=True))).kind
+            == "exp6_merged")
     per_config = exp6_config_doc(2, 4, 12, [0, 1], merged=True)
     final = {"summary": per_config["summary"], "all_samples": per_config["per_sample_latencies"],
              "config": {"dataset_name": "coco_2014_vqa", "split": "validation", "max_crops_list": [2], "world_size": 2}}
@@ -95,7 +97,8 @@ def test_core_exp_file(tmp_path):
     got = parse(write(tmp_path / name, core_exp_doc("medium", 7, 15, [0, 1, 2])))
     assert (got.kind, got.dataset, got.rows) == ("core_exp_merged", "text_vqa", 3)
     row = got.measurements.to_pylist()[0]
-    assert (row["tier"], row["max_crops"], row["num_crops"], row["latency_vision_ms"], row["flag_prefill_partial"]) == ("medium", 8, 6, 30.0, True)
+    assert ((row["tier"], row["max_crops"], row["num_crops"], row["latency_vision_ms"], row["flag_prefill_partial"])
+            == ("medium", 8, 6, 30.0, True))
     rank = parse(write(tmp_path / name.replace(".json", "_rank1.json"), core_exp_doc("medium", 7, 15, [0])))
     assert rank.kind == "core_exp_rank"
 
@@ -157,27 +160,42 @@ def _delete(path: list):
 
 # (case id, file builder, message regex): every promised message has a row
 BAD_INPUT = [
-    ("truncated", lambda t: _raw(json.dumps(_exp6(t)[1])[:200])(t), r"^exp6_latency_crops2_topk4_blocks12_rank0\.json: invalid JSON"),
+    ("truncated", lambda t: _raw(json.dumps(_exp6(t)[1])[:200])(t),
+     r"^exp6_latency_crops2_topk4_blocks12_rank0\.json: invalid JSON"),
     ("empty file", _raw(""), r"invalid JSON"),
     ("not utf-8", _raw(b"\xff\xfe{"), r"invalid JSON"),
     ("top-level list", _raw("[1, 2]"), r"expected a JSON object at the top level, got a list"),
-    ("wrong shape", _raw('{"summary": []}'), r"wrong shape: none of all_samples, per_sample_latencies, per_sample_results"),
-    ("total is null", _mutate(_set(["per_sample_latencies", 1, "T_total_ms"], None)), r"per_sample_latencies\[1\]\.T_total_ms: expected a number, got null"),
-    ("total is a string", _mutate(_set(["per_sample_latencies", 2, "T_total_ms"], "fast")), r"per_sample_latencies\[2\]\.T_total_ms: expected a number, got 'fast'"),
-    ("total missing", _mutate(_delete(["per_sample_latencies", 0, "T_total_ms"])), r"per_sample_latencies\[0\]\.T_total_ms: missing"),
-    ("tokens not integer", _mutate(_set(["per_sample_latencies", 0, "num_vision_tokens"], 1.5)), r"per_sample_latencies\[0\]\.num_vision_tokens: expected a number, got 1\.5"),
-    ("bool as number", _mutate(_set(["per_sample_latencies", 0, "T_decode_ms"], True)), r"per_sample_latencies\[0\]\.T_decode_ms: expected a number, got True"),
-    ("pred not a string", _mutate(_set(["per_sample_predictions", 1, "pred"], 7)), r"per_sample_predictions\[1\]\.pred: expected a string, got 7"),
+    ("wrong shape", _raw('{"summary": []}'),
+     r"wrong shape: none of all_samples, per_sample_latencies, per_sample_results"),
+    ("total is null", _mutate(_set(["per_sample_latencies", 1, "T_total_ms"], None)),
+     r"per_sample_latencies\[1\]\.T_total_ms: expected a number, got null"),
+    ("total is a string", _mutate(_set(["per_sample_latencies", 2, "T_total_ms"], "fast")),
+     r"per_sample_latencies\[2\]\.T_total_ms: expected a number, got 'fast'"),
+    ("total missing", _mutate(_delete(["per_sample_latencies", 0, "T_total_ms"])),
+     r"per_sample_latencies\[0\]\.T_total_ms: missing"),
+    ("tokens not integer", _mutate(_set(["per_sample_latencies", 0, "num_vision_tokens"], 1.5)),
+     r"per_sample_latencies\[0\]\.num_vision_tokens: expected a number, got 1\.5"),
+    ("bool as number", _mutate(_set(["per_sample_latencies", 0, "T_decode_ms"], True)),
+     r"per_sample_latencies\[0\]\.T_decode_ms: expected a number, got True"),
+    ("pred not a string", _mutate(_set(["per_sample_predictions", 1, "pred"], 7)),
+     r"per_sample_predictions\[1\]\.pred: expected a string, got 7"),
     ("no dataset name", _mutate(_delete(["config", "dataset_name"])), r"config\.dataset_name: missing"),
     ("config not an object", _mutate(_set(["config"], [])), r"config: expected an object, got a list"),
     ("top_k out of range", _mutate(_set(["config", "top_k"], 0)), r"config\.top_k: 0 is outside 1\.\.64"),
-    ("name disagrees with config", _mutate(_set(["config", "max_crops"], 6)), r"file name says crops2_topk4_blocks12 but config has max_crops=6"),
-    ("lists of different length", _mutate(lambda d: d["per_sample_predictions"].pop()), r"per_sample_predictions: has 2 entries but per_sample_latencies has 3"),
-    ("metadata without ids", _mutate(_set(["per_sample_predictions", 2, "metadata"], {"style": "vqa"})), r"per_sample_predictions\[2\]\.metadata: metadata has none of"),
-    ("metadata not an object", _mutate(_set(["per_sample_predictions", 0, "metadata"], "x")), r"per_sample_predictions\[0\]\.metadata: expected an object, got a string"),
-    ("record not an object", _mutate(_set(["per_sample_latencies", 1], 5)), r"per_sample_latencies\[1\]: expected an object, got a number"),
-    ("block list length", _mutate(_set(["config", "active_block_indices"], [0, 1])), r"config\.active_block_indices: has 2 blocks but num_active_blocks is 12"),
-    ("summary stats not an object", _mutate(_set(["summary", 0, "latency_total_ms"], 3.0)), r"summary\[0\]\.latency_total_ms: expected an object of statistics"),
+    ("name disagrees with config", _mutate(_set(["config", "max_crops"], 6)),
+     r"file name says crops2_topk4_blocks12 but config has max_crops=6"),
+    ("lists of different length", _mutate(lambda d: d["per_sample_predictions"].pop()),
+     r"per_sample_predictions: has 2 entries but per_sample_latencies has 3"),
+    ("metadata without ids", _mutate(_set(["per_sample_predictions", 2, "metadata"], {"style": "vqa"})),
+     r"per_sample_predictions\[2\]\.metadata: metadata has none of"),
+    ("metadata not an object", _mutate(_set(["per_sample_predictions", 0, "metadata"], "x")),
+     r"per_sample_predictions\[0\]\.metadata: expected an object, got a string"),
+    ("record not an object", _mutate(_set(["per_sample_latencies", 1], 5)),
+     r"per_sample_latencies\[1\]: expected an object, got a number"),
+    ("block list length", _mutate(_set(["config", "active_block_indices"], [0, 1])),
+     r"config\.active_block_indices: has 2 blocks but num_active_blocks is 12"),
+    ("summary stats not an object", _mutate(_set(["summary", 0, "latency_total_ms"], 3.0)),
+     r"summary\[0\]\.latency_total_ms: expected an object of statistics"),
 ]
 
 

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_ingest
 from PIL import Image, ImageDraw
 from typer.testing import CliRunner
 
+from conftest import run_ingest
 from pipeline import Workspace, run_query
 
 CONFIGS = [(2, 4, 12), (6, 8, 16)]
@@ -38,7 +38,7 @@ def make_dataset(root: Path, n: int = 4, name: str = "tiny_vqa") -> Path:
 
 
 def run(dataset: Path, out: Path, runtime, **kwargs):
-    from online.profile import ProfileConfig, profile_model
+    from profiler.sweep import ProfileConfig, profile_model
 
     config = ProfileConfig(datasets=[dataset], configs=kwargs.pop("configs", CONFIGS), out_dir=out,
                            num_samples=kwargs.pop("num_samples", NUM_SAMPLES), max_new_tokens=MAX_NEW_TOKENS, **kwargs)
@@ -101,7 +101,8 @@ def test_ingest_reads_the_profile(profiled, tmp_path):
     assert report.exit_code == 0 and not report.errors
     rows = run_query(ws, "SELECT * FROM measurements ORDER BY experiment, sample_key, max_crops").to_pylist()
     assert len(rows) == 2 * NUM_SAMPLES * len(CONFIGS)
-    keys = {e: {(r["sample_key"], r["max_crops"], r["top_k"], r["num_active_blocks"]) for r in rows if r["experiment"] == e}
+    keys = {e: {(r["sample_key"], r["max_crops"], r["top_k"], r["num_active_blocks"])
+                for r in rows if r["experiment"] == e}
             for e in ("exp5", "exp6")}
     assert keys["exp5"] == keys["exp6"] and len(keys["exp6"]) == NUM_SAMPLES * len(CONFIGS)
     assert {k[0] for k in keys["exp6"]} == {f"ex:tiny_vqa-q{i}" for i in range(NUM_SAMPLES)}
@@ -132,8 +133,8 @@ def test_world_size_two_matches_world_size_one(profiled, tmp_path):
     for world in ("w1", "w2"):
         ws = Workspace(tmp_path / world)
         assert run_ingest([root / world], ws).exit_code == 0
-        tables[world] = run_query(ws, "SELECT experiment, sample_key, max_crops, top_k, num_active_blocks, score, pred, "
-                                      "num_output_tokens, num_vision_tokens, num_text_tokens, num_crops, "
+        tables[world] = run_query(ws, "SELECT experiment, sample_key, max_crops, top_k, num_active_blocks, score, "
+                                      "pred, num_output_tokens, num_vision_tokens, num_text_tokens, num_crops, "
                                       "active_block_indices, source_kind FROM measurements ORDER BY ALL").to_pylist()
     assert tables["w1"] == tables["w2"]
     for world in ("w1", "w2"):  # merged files are identical apart from latencies and the world size
@@ -169,8 +170,8 @@ def test_resume_skips_complete_configurations(profiled, embedded_runtime, tmp_pa
 
 
 def test_parse_configs():
-    from online.profile import parse_configs
     from pipeline.errors import CtrlError
+    from profiler.sweep import parse_configs
 
     balanced, name = parse_configs("balanced")
     assert name == "balanced" and len(balanced) == 27
@@ -186,7 +187,7 @@ def test_cli(profiled, embedded_runtime, tmp_path, monkeypatch):
     from cli import app
 
     _, dataset, _, _ = profiled
-    monkeypatch.setattr("online.profile.load_profile_runtime", lambda *a, **k: embedded_runtime)
+    monkeypatch.setattr("profiler.sweep.load_runtime", lambda *a, **k: embedded_runtime)
     runner = CliRunner()
     out = tmp_path / "cli"
     args = ["profile", "--dataset", str(dataset), "--configs", "2/4/12", "--num-samples", "1", "--max-new-tokens", "2",
@@ -213,12 +214,13 @@ def test_cli(profiled, embedded_runtime, tmp_path, monkeypatch):
 
 
 def test_testbed_model_must_be_trained_first(monkeypatch, tmp_path):
-    from online.profile import load_profile_runtime
     from pipeline.errors import CtrlError
+    from runtime import load_runtime
 
     monkeypatch.setenv("CTRL_CACHE_DIR", str(tmp_path))  # an empty cache: nothing is trained implicitly
-    with pytest.raises(CtrlError, match="--model testbed: the trained testbed is not in the cache; run `ctrl testbed train`"):
-        load_profile_runtime("testbed")
+    with pytest.raises(CtrlError, match="--model testbed: the trained testbed is not in the cache; "
+                                        "run `ctrl testbed train`"):
+        load_runtime("testbed")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -226,7 +228,6 @@ def test_parser_honours_the_profile_marker(tmp_path):
     """The same exp6 file: without the marker the origin's defects are flagged (D1, D10); with
     ``config.ctrl_profile_version`` the recorded prefill, vision time and text-only counts are kept."""
     from origin_files import exp6_config_doc, exp6_name, write
-
     from pipeline.errors import IngestError
     from pipeline.parse import parse_file
 
@@ -257,7 +258,7 @@ def _torchrun_worker(rank: int, world: int, port: int, dataset: str, out: str, m
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from online.profile import ProfileConfig, profile_model
+    from profiler.sweep import ProfileConfig, profile_model
 
     config = ProfileConfig(datasets=[Path(dataset)], model=model_dir, configs=CONFIGS, out_dir=Path(out),
                            num_samples=NUM_SAMPLES, max_new_tokens=MAX_NEW_TOKENS)
@@ -298,7 +299,7 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def test_archive_round_trip_is_byte_identical(profiled, tmp_path):
-    from online.profile_archive import pack_profile, unpack_profile
+    from profiler.archive import pack_profile, unpack_profile
 
     root, _, _, _ = profiled
     for world in ("w1", "w2"):
@@ -313,8 +314,8 @@ def test_archive_round_trip_is_byte_identical(profiled, tmp_path):
 
 
 def test_archive_refuses_foreign_trees(profiled, tmp_path):
-    from online.profile_archive import pack_profile, unpack_profile
     from pipeline.errors import CtrlError
+    from profiler.archive import pack_profile, unpack_profile
 
     root, _, _, _ = profiled
     with pytest.raises(CtrlError, match="not a ctrl profile output directory"):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_ingest
 
+from conftest import run_ingest
 from pipeline import Workspace, run_query
 
 SCRIPT = Path(__file__).resolve().parents[1] / "data" / "generate.py"

@@ -1,4 +1,4 @@
-"""Tests of the synthetic exp5/exp6 tree generator (pipeline.synthetic)."""
+"""Tests of the synthetic exp5/exp6 tree generator (synthetic)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline._synthetic_model import build_dataset, select_tiling
 from pipeline.knobs import TOKENS_PER_CROP, exp_active_blocks
-from pipeline.synthetic import (
+from synthetic import (
     SyntheticSpec,
     balanced_combinations,
     exp5_batch_size,
@@ -21,6 +20,7 @@ from pipeline.synthetic import (
     image_filename,
     rank_shards,
 )
+from synthetic.truth import build_dataset, select_tiling
 
 # 2-value lists -> 8 configurations: small and fast, still varied
 SMALL = dict(max_crops=(2, 10), top_k=(4, 12), num_active_blocks=(12, 16))
@@ -62,7 +62,8 @@ def test_same_spec_gives_byte_identical_files(tmp_path: Path) -> None:
     assert rel_a == [p.relative_to(tmp_path / "b") for p in b.files]
     assert all((tmp_path / "a" / r).read_bytes() == (tmp_path / "b" / r).read_bytes() for r in rel_a)
     other = generate_tree(dataclasses.replace(spec, seed=1), tmp_path / "c")
-    assert any((tmp_path / "a" / r).read_bytes() != (other.out_dir / r).read_bytes() for r in rel_a if r.suffix == ".json")
+    assert any((tmp_path / "a" / r).read_bytes() != (other.out_dir / r).read_bytes() for r in rel_a
+               if r.suffix == ".json")
 
 
 @pytest.mark.parametrize("indent", [2, None])
@@ -110,12 +111,15 @@ def test_file_names_and_kinds_per_world_size(tmp_path: Path, world_size: int) ->
         merged = load(ds_dir(tmp_path, "exp5", "coco_2014_vqa") / sorted(e5)[0])
         assert merged["config"]["note"] == "Merged results from all ranks"
         assert set(merged["config"]) & {"rank", "batch_size_used", "config_index", "sampling_strategy"} == set()
-        assert set(merged["summary"][0]) == {"max_crops", "top_k", "num_active_blocks", "accuracy", "num_samples", "std"}
+        assert set(merged["summary"][0]) == {"max_crops", "top_k", "num_active_blocks", "accuracy",
+                                             "num_samples", "std"}
         final5 = load(ds_dir(tmp_path, "exp5", "coco_2014_vqa") / "exp5_accuracy_results.json")
         assert all("start_time" not in s for s in final5["summary"])  # lost by the merge
-    rank = load(ds_dir(tmp_path, "exp5", "coco_2014_vqa") / (sorted(e5)[0] if world_size == 1 else sorted(e5)[0].replace(".json", "_rank0.json")))
+    rank_name = sorted(e5)[0] if world_size == 1 else sorted(e5)[0].replace(".json", "_rank0.json")
+    rank = load(ds_dir(tmp_path, "exp5", "coco_2014_vqa") / rank_name)
     assert list(rank["summary"][0]) == ["max_crops", "top_k", "num_active_blocks", "accuracy", "num_samples", "std",
-                                       "duration_seconds", "duration_minutes", "duration_hours", "start_time", "end_time"]
+                                       "duration_seconds", "duration_minutes", "duration_hours", "start_time",
+                                       "end_time"]
     assert {"batch_size_used", "world_size", "rank", "config_index", "sampling_strategy"} <= set(rank["config"])
 
 
@@ -132,12 +136,14 @@ def test_rank0_files_hold_exactly_rank0_shard(tree_w3) -> None:
     for c, k, b in tree_w3.configs:
         if (c, k, b) == (10, 4, 16):
             continue  # empty config
-        r5 = load(ds_dir(tree_w3.out_dir, "exp5", "coco_2014_vqa") / f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}_rank0.json")
+        r5 = load(ds_dir(tree_w3.out_dir, "exp5", "coco_2014_vqa")
+                  / f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}_rank0.json")
         assert [s["metadata"]["example_id"] for s in r5["all_samples"]] == want
         bs = r5["config"]["batch_size_used"]
         assert bs == exp5_batch_size(4, c, k, b)
         assert [s["sample_id"] for s in r5["all_samples"]] == [j % bs for j in range(len(shard0))]  # batch position
-        r6 = load(ds_dir(tree_w3.out_dir, "exp6", "coco_2014_vqa") / f"exp6_latency_crops{c}_topk{k}_blocks{b}_rank0.json")
+        r6 = load(ds_dir(tree_w3.out_dir, "exp6", "coco_2014_vqa")
+                  / f"exp6_latency_crops{c}_topk{k}_blocks{b}_rank0.json")
         assert [p["metadata"]["example_id"] for p in r6["per_sample_predictions"]] == want
         assert [s["sample_id"] for s in r6["per_sample_latencies"]] == list(range(len(shard0)))
 
@@ -158,7 +164,8 @@ def test_merged_files_contain_padding_duplicates(tree_w3) -> None:
 
 def test_empty_and_lost_merge_configs(tree_w3) -> None:
     d5, d6 = ds_dir(tree_w3.out_dir, "exp5", "coco_2014_vqa"), ds_dir(tree_w3.out_dir, "exp6", "coco_2014_vqa")
-    for path in (d5 / "exp5_accuracy_results_crops10_topk4_blocks16_rank0.json", d5 / "exp5_accuracy_results_crops10_topk4_blocks16.json"):
+    for path in (d5 / "exp5_accuracy_results_crops10_topk4_blocks16_rank0.json",
+                 d5 / "exp5_accuracy_results_crops10_topk4_blocks16.json"):
         doc = load(path)
         assert math.isnan(doc["summary"][0]["accuracy"]) and doc["summary"][0]["num_samples"] == 0
         assert doc["all_samples"] == []
@@ -188,8 +195,9 @@ def test_final_exp5_chunks_match_summary(tree_w3) -> None:
         if chunk:
             assert np.mean([x["score"] for x in chunk]) == pytest.approx(s["accuracy"])
             assert np.std([x["score"] for x in chunk]) == pytest.approx(s["std"])
-    assert set(final["config"]) == {"dataset_name", "split", "batch_size", "max_new_tokens", "max_crops_list", "top_k_list",
-                                    "num_active_blocks_list", "sampling_strategy", "num_combinations", "world_size"}
+    assert set(final["config"]) == {"dataset_name", "split", "batch_size", "max_new_tokens", "max_crops_list",
+                                    "top_k_list", "num_active_blocks_list", "sampling_strategy", "num_combinations",
+                                    "world_size"}
 
 
 def test_exp6_records(tree_w3) -> None:
@@ -243,7 +251,8 @@ def test_per_metric_dict_layouts(tree_all) -> None:
         return load(ds_dir(tree_all.out_dir, "exp5", ds) / "exp5_accuracy_results.json")["all_samples"][0]
     for ds in ("coco_2014_vqa", "text_vqa", "okvqa", "doc_qa", "st_qa", "tally_qa"):
         assert list(first(ds)) == ["sample_id", "score", "pred", "answers", "metadata"]
-    assert list(first("science_qa_img")) == ["sample_id", "score", "pred", "answer_idx", "predicted_idx", "options", "metadata"]
+    assert list(first("science_qa_img")) == ["sample_id", "score", "pred", "answer_idx", "predicted_idx", "options",
+                                             "metadata"]
     assert list(first("coco_caption")) == ["sample_id", "pred", "captions", "metadata", "score", "coco_metrics"]
     assert list(first("coco_2014_vqa")["metadata"]) == ["image_id", "example_id", "answers", "question"]
     meta = first("text_vqa")["metadata"]
@@ -252,7 +261,8 @@ def test_per_metric_dict_layouts(tree_all) -> None:
     assert set(first("science_qa_img")["metadata"]) == {"question", "options", "answer_idx"}
     assert list(first("tally_qa")["metadata"]) == ["image_id", "answers"]
     assert list(first("coco_caption")["metadata"]) == ["image_id", "caption_id", "captions"]
-    assert load(ds_dir(tree_all.out_dir, "exp5", "tally_qa") / "exp5_accuracy_results.json")["config"]["split"] == "test"
+    assert (load(ds_dir(tree_all.out_dir, "exp5", "tally_qa") / "exp5_accuracy_results.json")["config"]["split"]
+            == "test")
     coco = tree_all.truth["coco_2014_vqa"].metadata
     assert all(m["example_id"] // 1000 == m["image_id"] for m in coco)
     assert len({m["image_id"] for m in coco}) < len(coco)  # some images carry several questions
@@ -285,7 +295,8 @@ def test_images_one_per_distinct_image(tree_all) -> None:
     assert max(sizes) < 12_000
     with Image.open(tree_all.images_dir / image_filename("coco_2014_vqa", coco.image_ids[0])) as img:
         w, h = img.size
-    assert max(w, h) == tree_all.spec.image_max_side and w / h == pytest.approx(coco.image_size[0, 0] / coco.image_size[0, 1], rel=0.05)
+    assert (max(w, h) == tree_all.spec.image_max_side
+            and w / h == pytest.approx(coco.image_size[0, 0] / coco.image_size[0, 1], rel=0.05))
     assert len({s.image_file for s in tree_all.samples}) == len(files)
 
 

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
+from runtime.registry import RECIPE_FILE, TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from testbed.dataset import read_dataset
 from testbed.task import (
     COLORS,
@@ -23,15 +24,7 @@ from testbed.task import (
     generate_dataset,
     make_sample,
 )
-from testbed.train import (
-    RECIPE_FILE,
-    TrainConfig,
-    cached_testbed_dir,
-    evaluate_testbed,
-    format_eval_table,
-    model_dir_for,
-    train_testbed,
-)
+from testbed.train import evaluate_testbed, format_eval_table, train_testbed
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
@@ -139,7 +132,8 @@ def test_cli_generate(tmp_path):
 
 # -- training -----------------------------------------------------------------------------------
 
-TINY = TrainConfig(num_train_samples=6, steps=2, batch_size=2, crops_choices=(1, 2), warmup_steps=1, vision_pretrain_steps=2)
+TINY = TestbedRecipe(num_train_samples=6, steps=2, batch_size=2, crops_choices=(1, 2), warmup_steps=1,
+                     vision_pretrain_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +158,7 @@ def test_training_is_deterministic(tiny_models):
 def test_training_changes_the_weights(tiny_models, tmp_path):
     from safetensors.torch import load_file
 
-    from features.model.embedded import write_embedded_model
+    from runtime.embedded_model import write_embedded_model
 
     base = tmp_path / "base"
     base.mkdir()
@@ -180,7 +174,8 @@ def test_training_changes_the_weights(tiny_models, tmp_path):
 
 def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
     """vision_lr=0 freezes the ViT and the projector; the decoder still trains at lr."""
-    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from runtime.embedded import EmbeddedRuntime
+    from runtime.embedded_model import write_embedded_model
     from testbed.train import train_model
 
     base = tmp_path / "base"
@@ -190,18 +185,19 @@ def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
     before = {n: p.clone() for n, p in [*runtime.vision_backbone.named_parameters(),
                                          *runtime.decoder.named_parameters(prefix="decoder")]}
     data = generate_dataset(tmp_path / "data", 4, seed=0)
-    config = TrainConfig(num_train_samples=4, steps=2, batch_size=2, crops_choices=(1,), warmup_steps=1,
+    config = TestbedRecipe(num_train_samples=4, steps=2, batch_size=2, crops_choices=(1,), warmup_steps=1,
                          vision_lr=0.0)
     train_model(runtime, data, config)
     vision = dict(runtime.vision_backbone.named_parameters())
     decoder = dict(runtime.decoder.named_parameters(prefix="decoder"))
     assert all(torch.equal(vision[n], before[n]) for n in vision)
     assert any(not torch.equal(decoder[n], before[n]) for n in decoder)
-    assert TrainConfig(vision_lr=1e-4).recipe_hash() != TrainConfig().recipe_hash()
+    assert TestbedRecipe(vision_lr=1e-4).recipe_hash() != TestbedRecipe().recipe_hash()
 
 
 def test_periodic_patch_filters_see_fine_patterns_and_not_plain_colour(tmp_path):
-    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from runtime.embedded import EmbeddedRuntime
+    from runtime.embedded_model import write_embedded_model
     from testbed.train import _init_vision, periodic_patch_filters
 
     bank = periodic_patch_filters(14, 21)
@@ -221,13 +217,14 @@ def test_periodic_patch_filters_see_fine_patterns_and_not_plain_colour(tmp_path)
     runtime = EmbeddedRuntime(base)
     weight = runtime.vision.embeddings.patch_embedding.weight
     rest = weight[21:].clone()
-    _init_vision(runtime, TrainConfig(vision_init="periodic"))
+    _init_vision(runtime, TestbedRecipe(vision_init="periodic"))
     assert torch.allclose(weight[:21] / weight[:21].flatten(1).norm(dim=1)[:, None, None, None], bank)
     assert torch.equal(weight[21:], rest)
 
 
 def test_vision_pretraining_trains_the_vision_path_only(tmp_path):
-    from features.model.embedded import EmbeddedRuntime, write_embedded_model
+    from runtime.embedded import EmbeddedRuntime
+    from runtime.embedded_model import write_embedded_model
     from testbed.train import pretrain_vision
 
     base = tmp_path / "base"
@@ -238,9 +235,9 @@ def test_vision_pretraining_trains_the_vision_path_only(tmp_path):
     decoder_before = [p.clone() for p in runtime.decoder.parameters()]
     dataset = read_dataset(generate_dataset(tmp_path / "data", 16, seed=0))  # >1 answer per family
     with pytest.raises(ValueError, match="no training samples of the vision pretraining families"):
-        pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, vision_pretrain_families=("dot",)))
+        pretrain_vision(runtime, dataset, TestbedRecipe(vision_pretrain_steps=3, vision_pretrain_families=("dot",)))
     # all families (the default draws texture only)
-    losses = pretrain_vision(runtime, dataset, TrainConfig(vision_pretrain_steps=3, batch_size=2, crops_choices=(1,),
+    losses = pretrain_vision(runtime, dataset, TestbedRecipe(vision_pretrain_steps=3, batch_size=2, crops_choices=(1,),
                                                            vision_pretrain_families=()))
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert any(not torch.equal(a, b) for a, b in zip(runtime.vision_backbone.parameters(), vision_before))
@@ -249,11 +246,11 @@ def test_vision_pretraining_trains_the_vision_path_only(tmp_path):
 
 
 def test_trained_directory_loads_generates_and_is_reused(tiny_models, tmp_path):
-    from features.model import load_runtime
+    from runtime import load_runtime
 
     report = tiny_models[0]
     cache = report.model_dir.parent
-    assert report.model_dir == model_dir_for(TINY, cache)
+    assert report.model_dir == testbed_model_dir(TINY, cache)
     assert (report.model_dir / RECIPE_FILE).is_file()
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary leftovers
     again = train_testbed(TINY, cache_dir=cache)

@@ -17,9 +17,10 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory, embedded_runtime) -> Workspace:
-    from pipeline.synthetic import SyntheticSpec
+    from synthetic import SyntheticSpec
 
-    return build_feature_workspace(tmp_path_factory.mktemp("cli-trainer"), embedded_runtime, SyntheticSpec(num_samples=30))[1]
+    return build_feature_workspace(tmp_path_factory.mktemp("cli-trainer"), embedded_runtime,
+                                   SyntheticSpec(num_samples=30))[1]
 
 
 def test_train_evaluate_predict(ws, tmp_path):
@@ -51,7 +52,8 @@ def test_train_evaluate_predict(ws, tmp_path):
     from pipeline.schema import RUN_TABLES
     from pipeline.workspace import check_table_schema
 
-    for name, filename in (("runs", "run.parquet"), ("metrics", "metrics.parquet"), ("evaluations", "evaluation.parquet")):
+    for name, filename in (("runs", "run.parquet"), ("metrics", "metrics.parquet"),
+                           ("evaluations", "evaluation.parquet")):
         path = ws.runs_dir / "cli-run" / filename
         check_table_schema(pq.read_schema(path), RUN_TABLES[name], path)
 

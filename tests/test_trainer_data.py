@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import build_feature_workspace, run_ingest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import build_feature_workspace, run_ingest
 from pipeline import (
     CacheMismatchError,
     CtrlError,
@@ -25,7 +25,7 @@ from pipeline import (
     build_sample_key,
     run_query,
 )
-from pipeline.synthetic import SyntheticSpec
+from synthetic import SyntheticSpec
 from trainer.baselines import (
     LargestDecider,
     LookupTableDecider,
@@ -211,7 +211,8 @@ def test_missing_features_are_refused_with_a_hint(built, tmp_path):
         load_offline_data(bare)
     partial = copy_workspace(ws, tmp_path / "partial")
     shutil.rmtree(max(next(partial.features_dir.iterdir()).glob("chunk-*")))
-    with pytest.raises(CtrlError, match=r"16 of 80 samples have no language features.*\nHint: run `ctrl extract-features"):
+    with pytest.raises(CtrlError, match=r"16 of 80 samples have no language features.*\n"
+                                        r"Hint: run `ctrl extract-features"):
         load_offline_data(partial)
 
 
@@ -235,8 +236,8 @@ def test_default_budget_range_rule(data):
 # -- reward -------------------------------------------------------------------------------
 
 def reward_of(score, latency, budget, knobs=(6, 8, 16), **cfg):
-    out = compute_reward(torch.tensor(score), torch.tensor(latency), torch.tensor(budget), torch.tensor(knobs, dtype=torch.float32),
-                         RewardConfig(**cfg))
+    out = compute_reward(torch.tensor(score), torch.tensor(latency), torch.tensor(budget),
+                         torch.tensor(knobs, dtype=torch.float32), RewardConfig(**cfg))
     return {k: float(v) for k, v in out.items()}
 
 
@@ -284,7 +285,8 @@ def test_reward_does_not_increase_with_latency_past_the_budget(score, budget, ov
     a = budget * (1 + over)
     b = a + budget * more
     r = compute_reward(torch.tensor([score, score], dtype=torch.float64), torch.tensor([a, b], dtype=torch.float64),
-                       torch.tensor(budget, dtype=torch.float64), torch.tensor([10.0, 12.0, 16.0]), RewardConfig(mode=mode))["reward"]
+                       torch.tensor(budget, dtype=torch.float64), torch.tensor([10.0, 12.0, 16.0]),
+                       RewardConfig(mode=mode))["reward"]
     assert r[1] <= r[0] + 1e-6
 
 
@@ -341,7 +343,8 @@ def test_oracle_matches_the_ground_truth_best_configs(built, data, truth_rows):
         lat[i, cols] = torch.tensor(tab["latency_ms"][t], dtype=torch.float32)
     truth = data.clone()
     truth.score, truth.latency_ms, truth.mask = acc, lat, ~acc.isnan()
-    recorded = torch.tensor([i < EXP6_SAMPLES for i in truth_rows]) & data.mask.all(1)  # per-sample latency, every config
+    # per-sample latency, every config
+    recorded = torch.tensor([i < EXP6_SAMPLES for i in truth_rows]) & data.mask.all(1)
     rec = data.select(recorded)
     lo, hi = default_budget_range(data)
     for b in np.linspace(lo, hi, 4):

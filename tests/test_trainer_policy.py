@@ -1,4 +1,4 @@
-"""Controller policy, GRPO loss, offline training runs and prediction (issue 4)."""
+"""Controller policy, GRPO loss, offline training runs and prediction."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from conftest import build_feature_workspace
 from pipeline import CacheMismatchError, CtrlError, Workspace
+from trainer.constraint import ViolationConstraint
 from trainer.data import ActionSpace, OfflineData
+from trainer.fallback import PolicyDecider
 from trainer.grpo import (
     GroupSamples,
     exact_kl,
@@ -25,8 +27,8 @@ from trainer.grpo import (
     policy_loss,
     sample_groups,
 )
-from trainer.offline import OfflineTrainConfig, ViolationConstraint, train_offline
-from trainer.policy import CHECKPOINT_FORMAT, ControllerPolicy, PolicyConfig, PolicyDecider, expected_reward
+from trainer.offline import OfflineTrainConfig, train_offline
+from trainer.policy import CHECKPOINT_FORMAT, ControllerPolicy, PolicyConfig, expected_reward
 from trainer.reward import RewardConfig, compute_reward
 
 ACTIONS = tuple(itertools.product((2, 6, 10), (4, 8, 12), (12, 14, 16)))  # the full 27-configuration product
@@ -38,7 +40,8 @@ def make_data(n: int = 12, seed: int = 0, full_mask: bool = False) -> OfflineDat
     g = torch.Generator().manual_seed(seed)
     space = ActionSpace(ACTIONS)
     knobs = space.knob_values()
-    latency = (100 + 10 * knobs[:, 0] + 5 * knobs[:, 1] + 3 * knobs[:, 2])[None, :] * (0.8 + 0.4 * torch.rand(n, 1, generator=g))
+    latency = ((100 + 10 * knobs[:, 0] + 5 * knobs[:, 1] + 3 * knobs[:, 2])[None, :]
+               * (0.8 + 0.4 * torch.rand(n, 1, generator=g)))
     score = (torch.rand(n, len(space), generator=g) < 0.3 + knobs[:, 0] / 20).float()
     mask = torch.ones(n, len(space), dtype=torch.bool) if full_mask else torch.rand(n, len(space), generator=g) > 0.3
     mask[:, 0] = True  # every sample keeps at least one configuration
@@ -53,8 +56,8 @@ def make_data(n: int = 12, seed: int = 0, full_mask: bool = False) -> OfflineDat
 
 def make_policy(data: OfflineData, seed: int = 0, use_tilings: bool = False) -> ControllerPolicy:
     torch.manual_seed(seed)
-    config = PolicyConfig(lang_feature_dim=DIM, image_feature_dim=DIM, budget_min_ms=150.0, budget_max_ms=350.0, hidden_dim=32,
-                          use_tilings=use_tilings)
+    config = PolicyConfig(lang_feature_dim=DIM, image_feature_dim=DIM, budget_min_ms=150.0, budget_max_ms=350.0,
+                          hidden_dim=32, use_tilings=use_tilings)
     policy = ControllerPolicy(config, data.action_space, data.model_fingerprint)
     with torch.no_grad():  # a non-uniform policy, so that the checks below are not trivially true
         for p in policy.parameters():
@@ -188,7 +191,8 @@ def test_checkpoint_round_trip_and_fingerprint_refusal(tmp_path):
     policy = make_policy(data)
     path = policy.save(tmp_path / "p.pt")
     loaded = ControllerPolicy.load(path, model_fingerprint=data.model_fingerprint)
-    torch.testing.assert_close(loaded.log_probs(*inputs(data), 220.0, data.mask), policy.log_probs(*inputs(data), 220.0, data.mask))
+    torch.testing.assert_close(loaded.log_probs(*inputs(data), 220.0, data.mask),
+                               policy.log_probs(*inputs(data), 220.0, data.mask))
     assert loaded.action_space == data.action_space and loaded.config == policy.config
     with pytest.raises(CacheMismatchError, match="trained on features of model ffffffffffffffff"):
         ControllerPolicy.load(path, model_fingerprint="0" * 64)
@@ -209,7 +213,8 @@ def test_expected_reward_is_the_exact_sum():
     for b in budgets:
         probs = policy.log_probs(*inputs(data), b, data.mask).exp().detach()
         r = compute_reward(data.score, data.latency_ms, b, data.action_space.knob_values()[None], reward)["reward"]
-        want += float(sum(probs[i, a] * r[i, a] for i in range(len(data)) for a in range(len(ACTIONS)) if data.mask[i, a]))
+        want += float(sum(probs[i, a] * r[i, a] for i in range(len(data)) for a in range(len(ACTIONS))
+                          if data.mask[i, a]))
     assert got == pytest.approx(want / (len(budgets) * len(data)), rel=1e-5)
 
 
@@ -221,7 +226,8 @@ def test_group_advantages_sum_to_zero(rows, scale):
     rewards = torch.tensor(rows, dtype=torch.float32)
     advantages, valid = group_advantages(rewards, scale)
     assert advantages.shape == rewards.shape
-    assert torch.allclose(advantages.sum(1), torch.zeros(len(rows)), atol=1e-3 * max(1.0, float(advantages.abs().max())))
+    assert torch.allclose(advantages.sum(1), torch.zeros(len(rows)),
+                          atol=1e-3 * max(1.0, float(advantages.abs().max())))
     assert (advantages[~valid] == 0).all()
 
 
@@ -365,8 +371,8 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     assert (steps["groups"] > 0).all() and steps["zero_variance_groups"].min() >= 0
     evaluation = pl.read_parquet(result.run_dir / "evaluation.parquet")
     assert {"controller", "policy", "oracle", "lut_p95", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+    from trainer.data import budget_grid
     from trainer.fallback import read_fallback
-    from trainer.offline import budget_grid
 
     fallback = read_fallback(result.best_checkpoint)  # fitted on the val grid after training
     assert fallback.grid_ms == budget_grid(config["budget_min_ms"], config["budget_max_ms"], config["num_val_budgets"])
@@ -379,10 +385,10 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
 def _initial_state(ws: Workspace, result) -> dict:
     """The policy as train_offline initialised it (same seed, same data)."""
     from trainer.data import load_offline_data
-    from trainer.offline import _build_policy
+    from trainer.offline import build_policy
 
     config = OfflineTrainConfig.from_json(json.loads((result.run_dir / "config.json").read_text()))
-    return _build_policy(config, load_offline_data(ws).subset("train")).state_dict()
+    return build_policy(config, load_offline_data(ws).subset("train")).state_dict()
 
 
 def test_same_seed_gives_identical_metrics(trained_ws):
@@ -417,7 +423,8 @@ def test_resume_equals_uninterrupted(trained_ws):
     assert comparable(full.metrics).equals(comparable(resumed.metrics))
     assert pl.read_parquet(run_dir / "run.parquet")["status"][0] == "completed"
     multipliers = torch.load(full.last_checkpoint, weights_only=True)["violation_multipliers"]
-    torch.testing.assert_close(multipliers, torch.load(resumed.last_checkpoint, weights_only=True)["violation_multipliers"])
+    torch.testing.assert_close(multipliers,
+                               torch.load(resumed.last_checkpoint, weights_only=True)["violation_multipliers"])
     assert float(multipliers.max()) > 0  # the initial, near-uniform policy violates more than 1 % at low budgets
     assert ControllerPolicy.load(resumed.best_checkpoint).config.use_tilings
 
@@ -495,12 +502,12 @@ def test_warm_start_makes_the_greedy_decision_the_lookup_table():
 def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_path):
     from trainer.baselines import LookupTableDecider
     from trainer.fallback import attach_fallback, fit_table_fallback, read_fallback, wilson_upper_bound
-
     from trainer.offline import warm_start
 
     train, val = make_data(n=60, seed=0, full_mask=True), make_data(n=40, seed=1)
     policy = make_policy(train, seed=2).train()  # near the table (warm start): wins some budgets, loses others
-    warm_start(policy, train, OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0, warm_start_steps=40, batch_size=8))
+    warm_start(policy, train, OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0, warm_start_steps=40,
+                                                 batch_size=8))
     policy.eval()
     reward = RewardConfig(mode="hard")
     grid = [330.0, 180.0, 230.0, 280.0]  # unsorted on purpose
@@ -511,7 +518,8 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
         fallback = fit_table_fallback(policy, train, val, grid, reward, confidence=confidence)
         assert fallback.grid_ms == sorted(grid) and fallback.confidence == confidence
         for i, budget in enumerate(fallback.grid_ms):
-            r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None], reward)["reward"]
+            r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None],
+                               reward)["reward"]
             ours, theirs = network.decide(val, budget), table.decide(val, budget)
             difference = (r[rows, ours] - r[rows, theirs]).double()
             se = float(difference.std()) / len(val) ** 0.5
@@ -519,10 +527,13 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
             # the table's violations: train and val pooled, judged by their upper bound
             table_over = int((val.latency_ms[rows, theirs] > budget).sum()) + int(
                 (train.latency_ms[torch.arange(len(train)), table.decide(train, budget)] > budget).sum())
-            v_table, v_upper = table_over / (len(train) + len(val)), wilson_upper_bound(table_over, len(train) + len(val), confidence)
+            v_table = table_over / (len(train) + len(val))
+            v_upper = wilson_upper_bound(table_over, len(train) + len(val), confidence)
             assert fallback.reward_difference_se[i] == pytest.approx(se)
-            assert float(difference.mean()) == pytest.approx(fallback.controller_reward[i] - fallback.table_reward[i], abs=1e-6)
-            assert (fallback.controller_violation_rate[i], fallback.table_violation_rate[i]) == pytest.approx((v_ctrl, v_table))
+            assert float(difference.mean()) == pytest.approx(fallback.controller_reward[i] - fallback.table_reward[i],
+                                                             abs=1e-6)
+            assert ((fallback.controller_violation_rate[i], fallback.table_violation_rate[i])
+                    == pytest.approx((v_ctrl, v_table)))
             assert fallback.table_violation_upper[i] == pytest.approx(v_upper) and v_upper >= v_table
             if v_ctrl <= 0.05 and v_upper <= 0.05:  # both within the goal: the controller must win the paired test
                 expected, case = float(difference.mean()) > z * se, "reward"

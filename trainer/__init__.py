@@ -1,12 +1,21 @@
 """trainer: the controller policy, its reward, offline GRPO, evaluation against baselines, prediction.
 
 Reads the workspace through ``pipeline``'s public readers (views ``groups``, ``lang_features``,
-``image_features``) and writes runs to ``workspace/runs/<run_id>/``. Imports torch: ``cli.py``
-imports this package inside the command bodies that need it.
+``image_features``) and writes runs to ``workspace/runs/<run_id>/`` (``trainer.runs``). Imports
+torch: ``cli.py`` imports this package inside the command bodies that need it.
 """
 
 from trainer.baselines import Decider, LargestDecider, LookupTableDecider, OracleDecider, RandomDecider
-from trainer.data import Action, ActionSpace, OfflineData, default_budget_range, load_offline_data, split_of
+from trainer.config import TrainingConfig
+from trainer.data import (
+    Action,
+    ActionSpace,
+    OfflineData,
+    budget_grid,
+    default_budget_range,
+    load_offline_data,
+    split_of,
+)
 from trainer.evaluate import (
     EVALUATION_COLUMNS,
     default_budget_grid,
@@ -14,25 +23,30 @@ from trainer.evaluate import (
     format_evaluation_table,
     write_evaluation,
 )
-from trainer.fallback import TableFallback, fit_table_fallback, read_fallback
+from trainer.fallback import PolicyDecider, TableFallback, fit_table_fallback, read_fallback
 from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
-from trainer.offline import OfflineTrainConfig, RunResult, evaluate_run, resolve_checkpoint, resolve_run_dir, train_offline
-from trainer.policy import ControllerPolicy, PolicyConfig, PolicyDecider, budget_normalization_range, expected_reward
+from trainer.offline import OfflineTrainConfig, OfflineTrainer, RunResult, evaluate_run, train_offline
+from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.predict import PREDICTION_COLUMNS, predict
 from trainer.reward import REWARD_PARTS, RewardConfig, compute_reward
+from trainer.runs import RunDir, latest_run, resolve_checkpoint
 
 __all__ = [
     # configs
+    "TrainingConfig",
     "OfflineTrainConfig",
     "PolicyConfig",
     "RewardConfig",
     # runners
     "train_offline",
+    "OfflineTrainer",
     "RunResult",
     "evaluate_run",
     "predict",
     "PREDICTION_COLUMNS",
-    "resolve_run_dir",
+    # runs on disk
+    "RunDir",
+    "latest_run",
     "resolve_checkpoint",
     # policy and loss
     "ControllerPolicy",
@@ -52,6 +66,7 @@ __all__ = [
     "load_offline_data",
     "split_of",
     "default_budget_range",
+    "budget_grid",
     "compute_reward",
     "REWARD_PARTS",
     # deployment: the lookup table where the controller does not beat it on held-out data

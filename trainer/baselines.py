@@ -13,7 +13,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from trainer.data import Action, OfflineData
+from trainer.data import Action, ActionSpace, OfflineData
 
 __all__ = ["Decider", "LargestDecider", "LookupTableDecider", "OracleDecider", "RandomDecider", "budget_vector"]
 
@@ -39,14 +39,16 @@ def budget_vector(budget_ms: torch.Tensor | float, n: int) -> torch.Tensor:
     if b.numel() == 1:
         return b.expand(n).clone()
     if b.numel() != n:
-        raise ValueError(f"`budget_ms` must be a scalar or have one value per sample ({n}), got {b.numel()} values")
+        msg = f"`budget_ms` must be a scalar or have one value per sample ({n}), got {b.numel()} values"
+        raise ValueError(msg)
     return b
 
 
 def _require_allowed(data: OfflineData) -> None:
     empty = int((~data.mask.any(dim=1)).sum())
     if empty:
-        raise ValueError(f"{empty} samples have no allowed action in `mask`; nothing can be decided for them")
+        msg = f"{empty} samples have no allowed action in `mask`; nothing can be decided for them"
+        raise ValueError(msg)
 
 
 def _pick(cand: torch.Tensor, primary: torch.Tensor, secondary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +112,17 @@ class LookupTableDecider(_Deterministic):
     def __init__(self, train: OfflineData, quantile: float = 0.95, tolerance: float = 0.0,
                  statistic: Literal["quantile", "mean"] = "quantile", name: str | None = None) -> None:
         if statistic not in ("quantile", "mean"):
-            raise ValueError(f"`statistic` must be 'quantile' or 'mean', got {statistic!r}")
+            msg = f"`statistic` must be 'quantile' or 'mean', got {statistic!r}"
+            raise ValueError(msg)
         if not 0.0 <= quantile <= 1.0:
-            raise ValueError(f"`quantile` must be in [0, 1], got {quantile!r}")
+            msg = f"`quantile` must be in [0, 1], got {quantile!r}"
+            raise ValueError(msg)
         if tolerance < 0:
-            raise ValueError(f"`tolerance` must be >= 0, got {tolerance!r}")
+            msg = f"`tolerance` must be >= 0, got {tolerance!r}"
+            raise ValueError(msg)
         if len(train) == 0:
-            raise ValueError("`train` has no samples: a lookup table needs training data")
+            msg = "`train` has no samples: a lookup table needs training data"
+            raise ValueError(msg)
         self.action_space = train.action_space
         self.statistic, self.quantile, self.tolerance = statistic, quantile, tolerance
         if name is None:
@@ -130,7 +136,8 @@ class LookupTableDecider(_Deterministic):
         latency = torch.where(train.mask, train.latency_ms, nan).double()
         self.num_samples = train.mask.sum(dim=0)  # (A,)
         seen = self.num_samples > 0
-        self.mean_score = torch.where(seen, torch.nan_to_num(score, nan=0.0).sum(0) / self.num_samples.clamp(min=1), nan)
+        score_sum = torch.nan_to_num(score, nan=0.0).sum(0)
+        self.mean_score = torch.where(seen, score_sum / self.num_samples.clamp(min=1), nan)
         if statistic == "mean":
             stat = torch.nan_to_num(latency, nan=0.0).sum(0) / self.num_samples.clamp(min=1)
         else:
@@ -145,8 +152,6 @@ class LookupTableDecider(_Deterministic):
 
     @classmethod
     def from_state(cls, state: dict) -> LookupTableDecider:
-        from trainer.data import ActionSpace
-
         table = cls.__new__(cls)
         table.action_space = ActionSpace.from_json(state["action_space"])
         table.statistic, table.quantile, table.tolerance = state["statistic"], state["quantile"], state["tolerance"]
@@ -176,7 +181,8 @@ class LookupTableDecider(_Deterministic):
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
         if data.action_space != self.action_space:
-            raise ValueError("the data's action space differs from the lookup table's (built on other data)")
+            msg = "the data's action space differs from the lookup table's (built on other data)"
+            raise ValueError(msg)
         _require_allowed(data)
         return self.choose(budget_vector(budget_ms, len(data)), data.mask)
 

@@ -17,13 +17,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
+from pipeline.catalog import connect, view_names
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
+
+if TYPE_CHECKING:
+    import duckdb
 
 Action = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
 
@@ -31,7 +37,8 @@ SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
 
-__all__ = ["SPLITS", "Action", "ActionSpace", "OfflineData", "default_budget_range", "load_offline_data", "split_of"]
+__all__ = ["SPLITS", "Action", "ActionSpace", "OfflineData", "budget_grid", "default_budget_range", "load_offline_data",
+           "split_of"]
 
 
 # -- the action space ---------------------------------------------------------------------
@@ -50,11 +57,14 @@ class ActionSpace:
     def __post_init__(self) -> None:
         actions = tuple(tuple(int(v) for v in a) for a in self.actions)
         if not actions:
-            raise ValueError("`actions` must not be empty")
+            msg = "`actions` must not be empty"
+            raise ValueError(msg)
         if any(len(a) != 3 for a in actions):
-            raise ValueError(f"`actions` must be (max_crops, top_k, num_active_blocks) triples, got {self.actions!r}")
+            msg = f"`actions` must be (max_crops, top_k, num_active_blocks) triples, got {self.actions!r}"
+            raise ValueError(msg)
         if list(actions) != sorted(set(actions)):
-            raise ValueError(f"`actions` must be sorted and unique, got {self.actions!r}")
+            msg = f"`actions` must be sorted and unique, got {self.actions!r}"
+            raise ValueError(msg)
         object.__setattr__(self, "actions", actions)  # normalised (from_json gives lists)
 
     def __len__(self) -> int:
@@ -85,7 +95,8 @@ class ActionSpace:
         try:
             return self._index[key]
         except KeyError:
-            raise KeyError(f"configuration {key!r} is not in the action space ({len(self)} recorded configurations)") from None
+            msg = f"configuration {key!r} is not in the action space ({len(self)} recorded configurations)"
+            raise KeyError(msg) from None
 
     def knob_indices(self) -> torch.Tensor:
         """LongTensor (A, 3): per action, the index of each knob value in ``*_values``."""
@@ -107,7 +118,8 @@ class ActionSpace:
     def from_json(cls, d: dict[str, Any]) -> ActionSpace:
         knobs = d.get("knobs", list(KNOB_NAMES))
         if list(knobs) != list(KNOB_NAMES):
-            raise ValueError(f"action space knobs must be {list(KNOB_NAMES)}, got {knobs!r}")
+            msg = f"action space knobs must be {list(KNOB_NAMES)}, got {knobs!r}"
+            raise ValueError(msg)
         return cls(tuple(tuple(a) for a in d["actions"]))
 
 
@@ -153,10 +165,12 @@ class OfflineData:
         n, a = len(self.dataset), len(self.action_space)
         for name in ("sample_key", "example_id", "split"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"`{name}` has {len(getattr(self, name))} entries, `dataset` has {n}")
+                msg = f"`{name}` has {len(getattr(self, name))} entries, `dataset` has {n}"
+                raise ValueError(msg)
         bad_split = set(self.split) - set(SPLITS)
         if bad_split:
-            raise ValueError(f"`split` values must be in {SPLITS}, got {sorted(bad_split)!r}")
+            msg = f"`split` values must be in {SPLITS}, got {sorted(bad_split)!r}"
+            raise ValueError(msg)
         _check("image_features", self.image_features, torch.float32, (n, None))
         _check("image_present", self.image_present, torch.bool, (n,))
         _check("lang_features", self.lang_features, torch.float32, (n, None))
@@ -176,7 +190,8 @@ class OfflineData:
             return self.score
         if kind == "mean":
             return self.score if self.mean_score is None else self.mean_score
-        raise ValueError(f"score kind must be 'recorded' or 'mean', got {kind!r}")
+        msg = f"score kind must be 'recorded' or 'mean', got {kind!r}"
+        raise ValueError(msg)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -203,7 +218,8 @@ class OfflineData:
     def subset(self, split: str) -> OfflineData:
         """The samples of one split (``"train"``, ``"val"`` or ``"test"``)."""
         if split not in SPLITS:
-            raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
+            msg = f"`split` must be one of {SPLITS}, got {split!r}"
+            raise ValueError(msg)
         return self.select([i for i, s in enumerate(self.split) if s == split])
 
     def clone(self) -> OfflineData:
@@ -214,10 +230,13 @@ class OfflineData:
 def _check(name: str, tensor: Any, dtype: torch.dtype, shape: tuple[int | None, ...]) -> None:
     """The one shape/dtype check of the public containers (None = any size)."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype or tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape)):
+        msg = f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}"
+        raise TypeError(msg)
+    wrong_size = any(s is not None and s != t for s, t in zip(shape, tensor.shape))
+    if tensor.dtype != dtype or tensor.dim() != len(shape) or wrong_size:
         want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise ValueError(f"`{name}` must be {dtype} of shape {want}, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        msg = f"`{name}` must be {dtype} of shape {want}, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+        raise ValueError(msg)
 
 
 # -- the split ----------------------------------------------------------------------------
@@ -231,7 +250,8 @@ def split_of(dataset: str, sample_key: str, fractions: tuple[float, float, float
     a sample land in the same split.
     """
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
-        raise ValueError(f"`fractions` must be three non-negative numbers summing to 1, got {fractions!r}")
+        msg = f"`fractions` must be three non-negative numbers summing to 1, got {fractions!r}"
+        raise ValueError(msg)
     digest = hashlib.sha1(f"{dataset}/{sample_key}".encode()).digest()
     u = int.from_bytes(digest[:8], "big") / 2**64
     if u < fractions[0]:
@@ -266,31 +286,33 @@ def _as_workspace(workspace: Workspace | str | Path) -> Workspace:
     return workspace if isinstance(workspace, Workspace) else Workspace(workspace)
 
 
-def _resolve_fingerprint(con: Any, requested: str | None) -> str:
+def _resolve_fingerprint(con: duckdb.DuckDBPyConnection, requested: str | None) -> str:
     """The one model fingerprint to read: the requested one (full or unique prefix) or the only one."""
     counts = con.sql("SELECT model_fingerprint, count(*) FROM lang_features GROUP BY 1 ORDER BY 1").fetchall()
     available = [fp for fp, _ in counts]
     listing = ", ".join(f"{fp} ({n} samples)" for fp, n in counts)
     if not available:
-        raise CtrlError(f"no language features in the workspace\n{_HINT_EXTRACT}")
+        msg = f"no language features in the workspace\n{_HINT_EXTRACT}"
+        raise CtrlError(msg)
     if requested is not None:
         matches = [fp for fp in available if fp == requested] or [fp for fp in available if fp.startswith(requested)]
         if len(matches) != 1:
             what = "matches several" if matches else "matches none"
-            raise CacheMismatchError(f"model fingerprint {requested!r} {what} of the cached feature models: {listing}\n"
-                                     f"Hint: pass one of these fingerprints, or run `ctrl extract-features` with that model.")
+            msg = (f"model fingerprint {requested!r} {what} of the cached feature models: {listing}\n"
+                   "Hint: pass one of these fingerprints, or run `ctrl extract-features` "
+                   "with that model.")
+            raise CacheMismatchError(msg)
         return matches[0]
     if len(available) > 1:
-        raise CtrlError(f"features of {len(available)} models are cached: {listing}\n"
-                        "Hint: choose one with model_fingerprint (e.g. `--model-fingerprint "
-                        f"{available[0][:16]}`).")
+        msg = (f"features of {len(available)} models are cached: {listing}\n"
+               "Hint: choose one with model_fingerprint (e.g. `--model-fingerprint "
+               f"{available[0][:16]}`).")
+        raise CtrlError(msg)
     return available[0]
 
 
-def _feature_matrix(table: Any, column: str = "feature") -> tuple[np.ndarray, np.ndarray]:
+def _feature_matrix(table: pa.Table, column: str = "feature") -> tuple[np.ndarray, np.ndarray]:
     """(rows, matrix) from an Arrow table with ``row`` and a FLOAT[] column, without a per-row loop."""
-    import pyarrow.compute as pc
-
     rows = table.column("row").to_numpy()
     feats = table.column(column).combine_chunks()
     if len(rows) == 0:
@@ -298,10 +320,24 @@ def _feature_matrix(table: Any, column: str = "feature") -> tuple[np.ndarray, np
     lengths = pc.list_value_length(feats)
     lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
     if lo != hi:
-        raise CtrlError(f"cached {column} vectors have different lengths ({lo} .. {hi})\n"
-                        "Hint: re-run `ctrl extract-features --force` for this model.")
+        msg = (f"cached {column} vectors have different lengths ({lo} .. {hi})\n"
+               "Hint: re-run `ctrl extract-features --force` for this model.")
+        raise CtrlError(msg)
     flat = feats.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
     return rows, flat.reshape(len(rows), lo)
+
+
+@dataclass
+class _GroupTables:
+    """What :func:`load_offline_data` reads from the workspace, before it becomes tensors."""
+
+    fingerprint: str
+    action_space: ActionSpace
+    keys: pa.Table  # dataset, sample_key, example_id: one row per sample, in row order
+    cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample
+    lang: pa.Table  # row, feature
+    image: pa.Table | None  # row, feature (readable images only)
+    tilings: dict[str, np.ndarray] | None  # row, max_crops, num_crops
 
 
 def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str | None = None) -> OfflineData:
@@ -318,25 +354,58 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     Raises CtrlError (with a hint to run ``ctrl extract-features``) when no features are
     cached or samples lack language features, CacheMismatchError for an unknown fingerprint.
     """
-    from pipeline.catalog import connect
+    tables = _read_group_tables(_as_workspace(workspace), model_fingerprint)
+    keys, action_space = tables.keys, tables.action_space
+    n, num_actions = keys.num_rows, len(action_space)
+    dataset = keys.column("dataset").to_pylist()
+    sample_key = keys.column("sample_key").to_pylist()
+    lang_features = _lang_matrix(tables, dataset, sample_key)
+    image_present = np.zeros(n, dtype=bool)
+    image_features = np.zeros((n, 0), dtype=np.float32)
+    if tables.image is not None:
+        img_rows, img_mat = _feature_matrix(tables.image)
+        image_features = np.zeros((n, img_mat.shape[1]), dtype=np.float32)
+        image_features[img_rows] = img_mat  # missing images stay zero, image_present says so
+        image_present[img_rows] = True
+    cells = {name: np.full((n, num_actions), np.nan, dtype=np.float32)
+             for name in ("score", "mean_score", "latency_ms")}
+    r, c = tables.cells.column("row").to_numpy(), tables.cells.column("col").to_numpy()
+    for name, grid in cells.items():
+        grid[r, c] = tables.cells.column(name).to_numpy(zero_copy_only=False)  # nulls arrive as NaN
+    is_sample = np.zeros((n, num_actions), dtype=bool)
+    is_sample[r, c] = tables.cells.column("latency_is_sample").to_numpy(zero_copy_only=False)
+    mask = ~np.isnan(cells["score"]) & ~np.isnan(cells["latency_ms"])
+    is_sample &= ~np.isnan(cells["latency_ms"])
+    return OfflineData(
+        action_space=action_space, model_fingerprint=tables.fingerprint, dataset=dataset, sample_key=sample_key,
+        example_id=keys.column("example_id").to_pylist(),
+        split=[split_of(d, k) for d, k in zip(dataset, sample_key)],
+        image_features=torch.from_numpy(image_features), image_present=torch.from_numpy(image_present),
+        lang_features=torch.from_numpy(lang_features), score=torch.from_numpy(cells["score"]),
+        latency_ms=torch.from_numpy(cells["latency_ms"]), latency_is_sample=torch.from_numpy(is_sample),
+        mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(_tiling_matrix(tables, n)),
+        mean_score=torch.from_numpy(cells["mean_score"]),
+    )
 
-    ws = _as_workspace(workspace)
+
+def _read_group_tables(ws: Workspace, model_fingerprint: str | None) -> _GroupTables:
     con = connect(ws)
     try:
-        views = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        views = view_names(con)
         if "groups" not in views:
-            raise CtrlError(f"workspace {ws.root} has no recorded groups (measurements and configs)\n"
-                            "Hint: run `ctrl ingest` on exp5/exp6 results first.")
+            msg = (f"workspace {ws.root} has no recorded groups (measurements and configs)\n"
+                   "Hint: run `ctrl ingest` on exp5/exp6 results first.")
+            raise CtrlError(msg)
         if "lang_features" not in views:
-            raise CtrlError(f"workspace {ws.root} has no cached features\n{_HINT_EXTRACT}")
+            msg = f"workspace {ws.root} has no cached features\n{_HINT_EXTRACT}"
+            raise CtrlError(msg)
         fingerprint = _resolve_fingerprint(con, model_fingerprint)
-
         con.execute(_GROUPS_SQL)
         acts = con.sql("SELECT max_crops, top_k, num_active_blocks FROM _acts ORDER BY col").fetchall()
         if not acts:
-            raise CtrlError(f"workspace {ws.root} has no configuration recorded with both a score and a latency\n"
-                            "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
-        action_space = ActionSpace(tuple(acts))
+            msg = (f"workspace {ws.root} has no configuration recorded with both a score and a latency\n"
+                   "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
+            raise CtrlError(msg)
         keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id FROM _keys k "
                        "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
         cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
@@ -344,76 +413,64 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
                         "JOIN _acts a USING (max_crops, top_k, num_active_blocks)").to_arrow_table()
         feature_sql = ("SELECT k.row, f.feature FROM {table} f JOIN _keys k USING (dataset, sample_key) "
                        "WHERE f.model_fingerprint = $fp {extra} QUALIFY row_number() OVER (PARTITION BY k.row) = 1")
-        lang = con.sql(feature_sql.format(table="lang_features", extra=""), params={"fp": fingerprint}).to_arrow_table()
+        params = {"fp": fingerprint}
+        lang = con.sql(feature_sql.format(table="lang_features", extra=""), params=params).to_arrow_table()
         tilings = None
         if "image_tilings" in views:
             tilings = con.sql("SELECT k.row, t.max_crops, any_value(t.num_crops) AS num_crops FROM image_tilings t "
                               "JOIN _keys k USING (dataset, sample_key) WHERE t.model_fingerprint = $fp GROUP BY ALL",
-                              params={"fp": fingerprint}).fetchnumpy()
+                              params=params).fetchnumpy()
         image = None
         if "image_features" in views:
             image = con.sql(feature_sql.format(table="image_features", extra="AND f.feature IS NOT NULL"),
-                            params={"fp": fingerprint}).to_arrow_table()
+                            params=params).to_arrow_table()
     finally:
         con.close()
+    return _GroupTables(fingerprint, ActionSpace(tuple(acts)), keys, cells, lang, image, tilings)
 
-    n, num_actions = keys.num_rows, len(action_space)
-    dataset = keys.column("dataset").to_pylist()
-    sample_key = keys.column("sample_key").to_pylist()
 
-    lang_rows, lang_mat = _feature_matrix(lang)
+def _lang_matrix(tables: _GroupTables, dataset: list[str], sample_key: list[str]) -> np.ndarray:
+    """(N, Dl) language features; every sample must have them."""
+    n = len(dataset)
+    lang_rows, lang_mat = _feature_matrix(tables.lang)
     if len(lang_rows) < n:
         missing = np.setdiff1d(np.arange(n), lang_rows)
         first = ", ".join(f"{dataset[i]}/{sample_key[i]}" for i in missing[:3])
-        raise CtrlError(f"{len(missing)} of {n} samples have no language features for model {fingerprint[:16]} "
-                        f"(first: {first})\n{_HINT_EXTRACT}")
-    lang_features = np.zeros((n, lang_mat.shape[1]), dtype=np.float32)
-    lang_features[lang_rows] = lang_mat
+        msg = (f"{len(missing)} of {n} samples have no language features for model {tables.fingerprint[:16]} "
+               f"(first: {first})\n{_HINT_EXTRACT}")
+        raise CtrlError(msg)
+    out = np.zeros((n, lang_mat.shape[1]), dtype=np.float32)
+    out[lang_rows] = lang_mat
+    return out
 
-    image_present = np.zeros(n, dtype=bool)
-    image_features = np.zeros((n, 0), dtype=np.float32)
-    if image is not None:
-        img_rows, img_mat = _feature_matrix(image)
-        image_features = np.zeros((n, img_mat.shape[1]), dtype=np.float32)
-        image_features[img_rows] = img_mat  # missing images stay zero, image_present says so
-        image_present[img_rows] = True
 
-    r = cells.column("row").to_numpy()
-    c = cells.column("col").to_numpy()
-    score = np.full((n, num_actions), np.nan, dtype=np.float32)
-    latency = np.full((n, num_actions), np.nan, dtype=np.float32)
-    is_sample = np.zeros((n, num_actions), dtype=bool)
-    score[r, c] = cells.column("score").to_numpy(zero_copy_only=False)  # nulls arrive as NaN
-    mean_score = np.full((n, num_actions), np.nan, dtype=np.float32)
-    mean_score[r, c] = cells.column("mean_score").to_numpy(zero_copy_only=False)
-    latency[r, c] = cells.column("latency_ms").to_numpy(zero_copy_only=False)
-    is_sample[r, c] = cells.column("latency_is_sample").to_numpy(zero_copy_only=False)
-    mask = ~np.isnan(score) & ~np.isnan(latency)
-    is_sample &= ~np.isnan(latency)
-
-    crops_values = action_space.max_crops_values
-    tiling_crops = np.full((n, len(crops_values)), np.nan, dtype=np.float32)
-    if tilings is not None:
-        max_crops = np.asarray(tilings["max_crops"], dtype=np.int64)
+def _tiling_matrix(tables: _GroupTables, n: int) -> np.ndarray:
+    """(N, C) crops per sample and max_crops value of the action space; NaN where unknown."""
+    crops_values = tables.action_space.max_crops_values
+    out = np.full((n, len(crops_values)), np.nan, dtype=np.float32)
+    if tables.tilings is not None:
+        max_crops = np.asarray(tables.tilings["max_crops"], dtype=np.int64)
         col = np.searchsorted(np.asarray(crops_values), max_crops)
         keep = np.isin(max_crops, crops_values)  # the table covers max_crops 1..15; keep the action space's
-        tiling_crops[np.asarray(tilings["row"])[keep], col[keep]] = np.asarray(tilings["num_crops"], dtype=np.float32)[keep]
-
-    return OfflineData(
-        action_space=action_space, model_fingerprint=fingerprint, dataset=dataset, sample_key=sample_key,
-        example_id=keys.column("example_id").to_pylist(),
-        split=[split_of(d, k) for d, k in zip(dataset, sample_key)],
-        image_features=torch.from_numpy(image_features), image_present=torch.from_numpy(image_present),
-        lang_features=torch.from_numpy(lang_features), score=torch.from_numpy(score),
-        latency_ms=torch.from_numpy(latency), latency_is_sample=torch.from_numpy(is_sample),
-        mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(tiling_crops),
-        mean_score=torch.from_numpy(mean_score),
-    )
+        rows = np.asarray(tables.tilings["row"])[keep]
+        out[rows, col[keep]] = np.asarray(tables.tilings["num_crops"], dtype=np.float32)[keep]
+    return out
 
 
-# -- the budget range ---------------------------------------------------------------------
+# -- budgets ------------------------------------------------------------------------------
 
-def default_budget_range(data: OfflineData, low_quantile: float = 0.98, high_quantile: float = 0.95) -> tuple[float, float]:
+def budget_grid(lo: float, hi: float, num: int) -> list[float]:
+    """``num`` evenly spaced budgets over [lo, hi] (both ends; the midpoint when num = 1)."""
+    if num < 1:
+        msg = f"`num` must be >= 1, got {num!r}"
+        raise ValueError(msg)
+    if num == 1:
+        return [(lo + hi) / 2]
+    return [lo + (hi - lo) * i / (num - 1) for i in range(num)]
+
+
+def default_budget_range(data: OfflineData, low_quantile: float = 0.98,
+                         high_quantile: float = 0.95) -> tuple[float, float]:
     """The default latency-budget range (ms), from the TRAIN split's allowed latencies.
 
     * ``lo``: the lowest budget that one *static* configuration meets on ``low_quantile``
@@ -421,9 +478,8 @@ def default_budget_range(data: OfflineData, low_quantile: float = 0.98, high_qua
       the smallest of these, rounded UP to a whole ms. At the lowest budget, always choosing
       that configuration (a decider that needs no per-sample knowledge) violates at most 2 %
       of the train samples, so a violation rate <= 5 % is achievable on unseen samples too,
-      with room for their sampling noise. (The earlier rule, the 0.95 quantile of each
-      sample's fastest latency, is met on train only by hindsight: on a 34-sample test split
-      of another world even the fastest configuration violated 5.9 % there.)
+      with room for their sampling noise (a per-sample rule, such as each sample's fastest
+      latency, is met on train only by hindsight).
     * ``hi`` = ``high_quantile`` (0.95) of each train sample's slowest allowed latency, rounded
       to a whole ms: above it the budget hardly binds (95 % of samples can run every configuration).
 
@@ -431,10 +487,12 @@ def default_budget_range(data: OfflineData, low_quantile: float = 0.98, high_qua
     """
     for name, q in (("low_quantile", low_quantile), ("high_quantile", high_quantile)):
         if not 0.0 <= q <= 1.0:
-            raise ValueError(f"`{name}` must be in [0, 1], got {q!r}")
+            msg = f"`{name}` must be in [0, 1], got {q!r}"
+            raise ValueError(msg)
     train = data.subset("train") if "train" in data.split else data
     if len(train) == 0:
-        raise ValueError("default_budget_range needs at least one sample")
+        msg = "default_budget_range needs at least one sample"
+        raise ValueError(msg)
     inf = torch.tensor(float("inf"))
     latency = train.latency_ms.double()
     allowed = torch.where(train.mask, latency, torch.tensor(float("nan"), dtype=torch.float64))

@@ -21,15 +21,19 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import polars as pl
 import torch
+from rich.table import Table
 
 from pipeline.workspace import atomic_path
 from trainer.baselines import Decider, budget_vector
-from trainer.data import OfflineData, default_budget_range
+from trainer.data import OfflineData, budget_grid, default_budget_range
 from trainer.reward import RewardConfig, compute_reward
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "default_budget_grid", "evaluate_deciders",
            "format_evaluation_table", "write_evaluation"]
@@ -41,13 +45,8 @@ VIOLATION_TARGET = 0.05
 
 
 def default_budget_grid(data: OfflineData, num: int = 8) -> list[float]:
-    """``num`` budgets (ms, rounded to 0.1) evenly spaced over ``default_budget_range(data)``."""
-    if num < 1:
-        raise ValueError(f"`num` must be >= 1, got {num!r}")
-    lo, hi = default_budget_range(data)
-    if num == 1:
-        return [lo]
-    return [round(float(b), 1) for b in np.linspace(lo, hi, num)]
+    """``num`` budgets (ms, rounded to 0.1) evenly spaced over ``default_budget_range(data)`` (``budget_grid``)."""
+    return [round(b, 1) for b in budget_grid(*default_budget_range(data), num)]
 
 
 def outcome_metrics(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: float) -> dict[str, float]:
@@ -60,40 +59,42 @@ def outcome_metrics(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: fl
             "accuracy_within_budget": float(torch.where(over, 0.0, score).mean())}
 
 
-def evaluation_frame(rows: list[dict[str, Any]]) -> Any:  # -> polars.DataFrame
+def evaluation_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     """Evaluation rows as a frame with ``EVALUATION_COLUMNS`` and their dtypes (offline and online)."""
-    import polars as pl
-
     dtypes = {"decider": pl.String, "num_samples": pl.Int64, "config_histogram": pl.String}
     return pl.DataFrame(rows, schema={c: dtypes.get(c, pl.Float64) for c in EVALUATION_COLUMNS})
 
 
-def _expected_reward(decider: Any, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
+def _expected_reward(decider: Decider, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
     """Exact sum_a pi(a|x) r(x, a) averaged over samples; NaN if the decider has no distribution."""
     probs_fn = getattr(decider, "action_probs", None)
     if probs_fn is None:
         return float("nan")
     probs = torch.as_tensor(probs_fn(data, budget), dtype=torch.float64)
     if probs.shape != rewards.shape:
-        raise ValueError(f"{decider.name}: action_probs has shape {tuple(probs.shape)}, expected {tuple(rewards.shape)}")
+        msg = f"{decider.name}: action_probs has shape {tuple(probs.shape)}, expected {tuple(rewards.shape)}"
+        raise ValueError(msg)
     if bool((probs[~data.mask] > 0).any()):
-        raise ValueError(f"{decider.name}: action_probs puts mass on actions outside the mask")
+        msg = f"{decider.name}: action_probs puts mass on actions outside the mask"
+        raise ValueError(msg)
     per_sample = (probs * torch.nan_to_num(rewards.double(), nan=0.0)).sum(dim=1)
     return float(per_sample.mean())
 
 
 def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
-                      reward: RewardConfig) -> Any:  # -> polars.DataFrame
+                      reward: RewardConfig) -> pl.DataFrame:
     """Metrics of every decider at every budget on ``test`` (one row per (decider, budget_ms)).
 
     Raises ValueError when a decider chooses an action outside ``test.mask`` (its outcome
     was never recorded, so no metric could be computed honestly).
     """
     if len(test) == 0:
-        raise ValueError("`test` has no samples")
+        msg = "`test` has no samples"
+        raise ValueError(msg)
     names = [d.name for d in deciders]
     if len(set(names)) != len(names):
-        raise ValueError(f"decider names must be unique, got {names!r}")
+        msg = f"decider names must be unique, got {names!r}"
+        raise ValueError(msg)
     n = len(test)
     rows_idx = torch.arange(n)
     knob_values = test.action_space.knob_values()  # (A, 3)
@@ -102,14 +103,17 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     for budget_ms in budgets_ms:
         budget = budget_vector(float(budget_ms), n)
         # rewards of every action at this budget: the decisions' rewards and the expected reward
-        all_rewards = compute_reward(test.score, test.latency_ms, budget[:, None], knob_values[None, :, :], reward)["reward"]
+        all_rewards = compute_reward(test.score, test.latency_ms, budget[:, None], knob_values[None, :, :],
+                                     reward)["reward"]
         for decider in deciders:
             chosen = torch.as_tensor(decider.decide(test, budget)).long()
             if chosen.shape != (n,):
-                raise ValueError(f"{decider.name}: decide returned shape {tuple(chosen.shape)}, expected ({n},)")
+                msg = f"{decider.name}: decide returned shape {tuple(chosen.shape)}, expected ({n},)"
+                raise ValueError(msg)
             outside = int((~test.mask[rows_idx, chosen]).sum())
             if outside:
-                raise ValueError(f"{decider.name}: {outside} of {n} decisions at budget {budget_ms} ms are outside the mask")
+                msg = f"{decider.name}: {outside} of {n} decisions at budget {budget_ms} ms are outside the mask"
+                raise ValueError(msg)
             counts = torch.bincount(chosen, minlength=len(labels)).tolist()
             rows.append({
                 "decider": decider.name,
@@ -125,17 +129,16 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     return evaluation_frame(rows)
 
 
-def write_evaluation(run_dir: str | os.PathLike, frame: Any, run_id: str | None = None) -> tuple[Path, Path]:
+def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: str | None = None) -> tuple[Path, Path]:
     """Write ``run_dir/evaluation.parquet`` (with a leading ``run_id`` column, default the
     directory name) and ``run_dir/evaluation.png``; both appear atomically. Returns the paths."""
-    import polars as pl
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id if run_id is not None else run_dir.name
     missing = [c for c in EVALUATION_COLUMNS if c not in frame.columns]
     if missing:
-        raise ValueError(f"evaluation frame lacks columns {missing!r}")
+        msg = f"evaluation frame lacks columns {missing!r}"
+        raise ValueError(msg)
     out = frame.drop("run_id", strict=False).select(pl.lit(run_id, dtype=pl.String).alias("run_id"), pl.all())
     parquet_path, png_path = run_dir / "evaluation.parquet", run_dir / "evaluation.png"
     with atomic_path(parquet_path) as tmp:
@@ -145,8 +148,9 @@ def write_evaluation(run_dir: str | os.PathLike, frame: Any, run_id: str | None 
     return parquet_path, png_path
 
 
-def _plot(frame: Any, title: str) -> Any:
+def _plot(frame: pl.DataFrame, title: str) -> Figure:
     """Accuracy and violation rate against budget, one line per decider (Agg canvas, no pyplot state)."""
+    # matplotlib takes about half a second to import; only runs that write a plot pay for it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -160,7 +164,8 @@ def _plot(frame: Any, title: str) -> Any:
         ax_vio.plot(part["budget_ms"].to_list(), part["violation_rate"].to_list(), marker="o", label=name, **style)
     ax_vio.axhline(VIOLATION_TARGET, color="black", linestyle="--", linewidth=1, label=f"{VIOLATION_TARGET:.0%} target")
     ax_acc.set(xlabel="latency budget (ms)", ylabel="accuracy (mean recorded score)", title="accuracy")
-    ax_vio.set(xlabel="latency budget (ms)", ylabel="share of samples with latency > budget", title="budget violation rate",
+    ax_vio.set(xlabel="latency budget (ms)", ylabel="share of samples with latency > budget",
+               title="budget violation rate",
                ylim=(-0.02, 1.02))
     for ax in (ax_acc, ax_vio):
         ax.grid(alpha=0.3)
@@ -169,10 +174,8 @@ def _plot(frame: Any, title: str) -> Any:
     return fig
 
 
-def format_evaluation_table(frame: Any) -> Any:  # -> rich.table.Table
+def format_evaluation_table(frame: pl.DataFrame) -> Table:
     """A terminal table: one row per (decider, budget), the most frequent configuration last."""
-    from rich.table import Table
-
     table = Table(title="evaluation (test split)")
     for header in ("decider", "budget ms", "accuracy", "latency ms mean", "latency ms p95", "violation",
                    "acc. within budget", "reward", "expected reward", "top configuration"):
@@ -185,7 +188,8 @@ def format_evaluation_table(frame: Any) -> Any:  # -> rich.table.Table
         if row["violation_rate"] > VIOLATION_TARGET:
             violation = f"[red]{violation}[/red]"
         expected = row["expected_reward"]
-        table.add_row(row["decider"], f"{row['budget_ms']:.1f}", f"{row['accuracy']:.3f}", f"{row['latency_ms_mean']:.1f}",
+        table.add_row(row["decider"], f"{row['budget_ms']:.1f}", f"{row['accuracy']:.3f}",
+                      f"{row['latency_ms_mean']:.1f}",
                       f"{row['latency_ms_p95']:.1f}", violation, f"{row['accuracy_within_budget']:.3f}",
                       f"{row['reward_mean']:.3f}",
                       "" if expected is None or math.isnan(expected) else f"{expected:.3f}", top_text)

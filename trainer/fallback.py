@@ -11,7 +11,7 @@ violations first, then reward:
   of its violation rate on train + validation is within ``max_violation_rate`` (the 5 %
   goal). A bound, not the rate: the table's configuration is the most accurate one whose
   train p95 fits the budget, so its train rate sits just under 5 % by construction and new
-  samples often push it over (second testbed world: 4.6 % on train, 7.4 % on test);
+  samples often push it over;
 * the controller keeps it if its violation rate on the validation split is within the target
   (it is trained towards a 1 % target; no bound from ~50 validation samples could certify 5 %);
 * both keep it: the controller only if its mean validation reward beats the table's by more
@@ -33,20 +33,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
+from trainer.baselines import LookupTableDecider, budget_vector
+from trainer.data import OfflineData
 from trainer.evaluate import VIOLATION_TARGET
+from trainer.policy import ControllerPolicy, check_fingerprint, data_log_probs, read_checkpoint
+from trainer.reward import RewardConfig, compute_reward
+from trainer.runs import atomic_torch_save
 
-if TYPE_CHECKING:
-    from trainer.baselines import LookupTableDecider
-    from trainer.data import OfflineData
-    from trainer.policy import ControllerPolicy
-    from trainer.reward import RewardConfig
-
-__all__ = ["TableFallback", "attach_fallback", "fit_table_fallback", "read_fallback", "wilson_upper_bound"]
+__all__ = ["PolicyDecider", "TableFallback", "attach_fallback", "fit_table_fallback", "read_fallback",
+           "wilson_upper_bound"]
 
 
 @dataclass
@@ -83,10 +86,12 @@ class TableFallback:
         per_budget = (self.use_controller, self.controller_reward, self.table_reward, self.reward_difference_se,
                       self.controller_violation_rate, self.table_violation_rate, self.table_violation_upper)
         if n == 0 or any(len(x) != n for x in per_budget):
-            raise ValueError(f"`grid_ms` and the per-budget lists (use_controller, rewards, violation rates) must have "
-                             f"the same non-zero length, got {n} and {[len(x) for x in per_budget]}")
+            msg = (f"`grid_ms` and the per-budget lists (use_controller, rewards, violation rates) must have "
+                   f"the same non-zero length, got {n} and {[len(x) for x in per_budget]}")
+            raise ValueError(msg)
         if list(self.grid_ms) != sorted(self.grid_ms):
-            raise ValueError(f"`grid_ms` must be ascending, got {self.grid_ms!r}")
+            msg = f"`grid_ms` must be ascending, got {self.grid_ms!r}"
+            raise ValueError(msg)
 
     def controller_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
         """bool, shape of ``budget_ms``: True where the controller decides (nearest grid point)."""
@@ -96,8 +101,6 @@ class TableFallback:
         return torch.tensor(self.use_controller, dtype=torch.bool)[nearest]
 
     def lookup_table(self) -> LookupTableDecider:
-        from trainer.baselines import LookupTableDecider
-
         return LookupTableDecider.from_state(self.table)
 
     @property
@@ -112,7 +115,8 @@ class TableFallback:
 
         level = "" if math.isnan(self.confidence) else f" ({self.confidence:.0%} confidence)"
         kept = [b for b, keep in zip(self.grid_ms, self.use_controller) if keep]
-        return f"table fallback{level}: controller at {budgets(kept)}; lut_p95 table at {budgets(self.fallback_budgets_ms)}"
+        table = budgets(self.fallback_budgets_ms)
+        return f"table fallback{level}: controller at {budgets(kept)}; lut_p95 table at {table}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,10 +125,50 @@ class TableFallback:
     def from_json(cls, d: dict[str, Any]) -> TableFallback:
         d = dict(d)
         n = len(d.get("grid_ms", []))
-        for key in ("reward_difference_se", "table_violation_upper"):  # not recorded before 2026-11-23
+        for key in ("reward_difference_se", "table_violation_upper"):  # absent from checkpoints of older versions
             d.setdefault(key, [math.nan] * n)
         d.setdefault("confidence", math.nan)
         return cls(**d)
+
+
+class PolicyDecider:
+    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi.
+
+    With a ``fallback`` (:class:`trainer.fallback.TableFallback`), the lookup table's
+    configuration at the budgets where the controller did not beat the table on held-out
+    data: the deployed controller. Without one, the network alone (``name="policy"`` in
+    evaluations that show both).
+    """
+
+    def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None = None,
+                 name: str = "controller") -> None:
+        self.policy, self.fallback, self.name = policy, fallback, name
+        self._table = fallback.lookup_table() if fallback is not None else None
+
+    @torch.inference_mode()
+    def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's
+        expected reward); one-hot on the table's choice where the fallback answers."""
+        if self.policy.model_fingerprint is not None:
+            check_fingerprint(self.policy, data.model_fingerprint, "controller")
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            probs = data_log_probs(self.policy, data, budget_ms).exp()
+        finally:
+            self.policy.train(was_training)
+        if self.fallback is None:
+            return probs
+        budget = budget_vector(budget_ms, len(data))
+        use = self.fallback.controller_at(budget)
+        if bool(use.all()):
+            return probs
+        table_choice = F.one_hot(self._table.decide(data, budget), probs.shape[1]).to(probs.dtype)
+        return torch.where(use[:, None], probs, table_choice)
+
+    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        """(N,) indices into ``data.action_space``, always inside ``data.mask``: the most probable action."""
+        return self.action_probs(data, budget_ms).argmax(-1)
 
 
 def wilson_upper_bound(successes: int, trials: int, confidence: float) -> float:
@@ -149,16 +193,15 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     targets, so the comparison sees the same, less noisy, scores as the model selection)
     and the controller's violations. The rule is in the module docstring.
     """
-    from trainer.baselines import LookupTableDecider
-    from trainer.policy import PolicyDecider
-    from trainer.reward import compute_reward
-
     if len(val) == 0:
-        raise ValueError("`val` has no samples: the fallback needs held-out data")
+        msg = "`val` has no samples: the fallback needs held-out data"
+        raise ValueError(msg)
     if not 0.0 <= max_violation_rate <= 1.0:
-        raise ValueError(f"`max_violation_rate` must be in [0, 1], got {max_violation_rate!r}")
+        msg = f"`max_violation_rate` must be in [0, 1], got {max_violation_rate!r}"
+        raise ValueError(msg)
     if not 0.5 <= confidence < 1.0:
-        raise ValueError(f"`confidence` must be in [0.5, 1), got {confidence!r}")
+        msg = f"`confidence` must be in [0.5, 1), got {confidence!r}"
+        raise ValueError(msg)
     z = NormalDist().inv_cdf(confidence)
     table = LookupTableDecider(train)
     network = PolicyDecider(policy)
@@ -181,7 +224,8 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
         r_ctrl, r_table = float(r_ours.mean()), float(r_theirs.mean())
         se = float(difference.std() / math.sqrt(len(val))) if len(val) > 1 else math.inf
         v_ctrl = float(over_budget(val, ours, budget).double().mean())
-        table_over = int(over_budget(val, theirs, budget).sum()) + int(over_budget(train, table.decide(train, budget), budget).sum())
+        table_over = (int(over_budget(val, theirs, budget).sum())
+                      + int(over_budget(train, table.decide(train, budget), budget).sum()))
         v_table = table_over / pooled
         v_table_upper = wilson_upper_bound(table_over, pooled, confidence)
         ok_ctrl, ok_table = v_ctrl <= max_violation_rate, v_table_upper <= max_violation_rate
@@ -200,20 +244,14 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
                          confidence=float(confidence), table=table.state())
 
 
-def read_fallback(checkpoint: Any) -> TableFallback | None:
+def read_fallback(checkpoint: str | Path) -> TableFallback | None:
     """The fallback stored in a controller checkpoint (None: trained without one)."""
-    from trainer.policy import read_checkpoint
-
     stored = read_checkpoint(checkpoint).get("fallback")
     return None if stored is None else TableFallback.from_json(stored)
 
 
-def attach_fallback(checkpoint: Any, fallback: TableFallback) -> None:
+def attach_fallback(checkpoint: str | Path, fallback: TableFallback) -> None:
     """Store ``fallback`` in an existing checkpoint (atomically rewritten, everything else kept)."""
-    from pathlib import Path
-
-    from trainer.policy import atomic_torch_save, read_checkpoint
-
     payload = read_checkpoint(checkpoint)
     payload["fallback"] = fallback.to_json()
     atomic_torch_save(payload, Path(checkpoint))

@@ -26,19 +26,18 @@ because the full distribution is cheap here (no k3 estimator needed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from trainer.data import OfflineData
-    from trainer.policy import ControllerPolicy
-    from trainer.reward import RewardConfig
+from trainer.config import ScaleRewards, normalize_scale_rewards
+from trainer.data import OfflineData
+from trainer.policy import ControllerPolicy, data_log_probs
+from trainer.reward import RewardConfig, compute_reward
 
 LossType = Literal["grpo", "pairwise"]
-ScaleRewards = Literal["group", "batch", "none"]
 #: a group whose reward std is below this is "zero variance"
 ZERO_VARIANCE_STD = 1e-8
 
@@ -81,8 +80,6 @@ class LossOutput:
 
 def rows_log_probs(policy: ControllerPolicy, data: OfflineData, sample_index: Tensor, budget_ms: Tensor) -> Tensor:
     """log pi over ``data.action_space`` for the given rows and budgets: (M, A)."""
-    from trainer.policy import data_log_probs
-
     return data_log_probs(policy, _rows(data, sample_index), budget_ms)
 
 
@@ -109,8 +106,6 @@ def _rows(data: OfflineData, index: Tensor) -> OfflineData:
 def lookup_rewards(data: OfflineData, sample_index: Tensor, actions: Tensor, budget_ms: Tensor,
                    reward: RewardConfig) -> dict[str, Tensor]:
     """Recorded outcomes of ``actions`` (M, G) for rows ``sample_index`` (M,) -> reward parts (M, G)."""
-    from trainer.reward import compute_reward
-
     rows = sample_index[:, None]
     score = data.score[rows, actions]
     latency_ms = data.latency_ms[rows, actions]
@@ -141,15 +136,6 @@ def sample_groups(policy: ControllerPolicy, data: OfflineData, sample_index: Ten
     return GroupSamples(sample_index=sample_index, budget_ms=budget_ms, actions=actions,
                         old_log_probs=log_probs.gather(1, actions), rewards=parts["reward"], parts=parts,
                         violated=over.gather(1, actions), expected_violation=(probs * over).sum(-1))
-
-
-def normalize_scale_rewards(scale_rewards: bool | str) -> ScaleRewards:
-    """``True`` -> ``"group"``, ``False`` -> ``"none"`` (TRL's aliases); other values pass if valid."""
-    value = {True: "group", False: "none"}.get(scale_rewards, scale_rewards) if isinstance(scale_rewards, bool) else scale_rewards
-    if value not in ("group", "batch", "none"):
-        msg = f"`scale_rewards` must be 'group', 'batch', 'none' (or True/False), got {scale_rewards!r}"
-        raise ValueError(msg)
-    return value  # type: ignore[return-value]
 
 
 def group_advantages(rewards: Tensor, scale_rewards: bool | ScaleRewards = "batch") -> tuple[Tensor, Tensor]:

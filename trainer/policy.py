@@ -29,22 +29,17 @@ The budget enters through a sinusoidal encoding followed by an MLP (``origin_for
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import CacheMismatchError, CtrlError
-from pipeline.workspace import atomic_path
-
-if TYPE_CHECKING:
-    from trainer.data import ActionSpace, OfflineData
-    from trainer.fallback import TableFallback
-    from trainer.reward import RewardConfig
+from trainer.data import ActionSpace, OfflineData
+from trainer.reward import RewardConfig, compute_reward
+from trainer.runs import atomic_torch_save
 
 #: bump when the checkpoint layout changes (2: tiling inputs)
 CHECKPOINT_FORMAT = 2
@@ -151,10 +146,10 @@ class BudgetEncoder(nn.Module):
         return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
     def forward(self, budget_ms: Tensor) -> Tensor:
-        return _apply(self.mlp, self.encode(budget_ms), self.training)
+        return apply_sequential(self.mlp, self.encode(budget_ms), self.training)
 
 
-def _apply(seq: nn.Sequential, x: Tensor, training: bool) -> Tensor:
+def apply_sequential(seq: nn.Sequential, x: Tensor, training: bool) -> Tensor:
     """Run a Sequential of Linear/LayerNorm/ReLU/GELU/Dropout through the functional ops.
 
     Same result as ``seq(x)``, but without ``nn.Module.__call__``, which costs ~8 µs per module
@@ -176,11 +171,11 @@ def _apply(seq: nn.Sequential, x: Tensor, training: bool) -> Tensor:
     return x
 
 
-def _projection(in_dim: int, out_dim: int, dropout: float) -> nn.Sequential:
+def projection(in_dim: int, out_dim: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(nn.Linear(in_dim, out_dim), nn.LayerNorm(out_dim), nn.ReLU(), nn.Dropout(dropout))
 
 
-def _head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
+def mlp_head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
     head = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
     with torch.no_grad():  # start close to uniform, so early samples explore every configuration
         head[-1].weight.mul_(0.01)
@@ -215,7 +210,8 @@ class ControllerPolicy(nn.Module):
         self.register_buffer("crops_index", ci.clone(), persistent=False)
         self.register_buffer("top_k_index", ci * num_top_k + ki, persistent=False)
         self.register_buffer("blocks_index", ci * num_blocks + bi, persistent=False)
-        for name, dim in (("lang", config.lang_feature_dim), ("image", config.image_feature_dim), ("tiling", num_crops)):
+        dims = (("lang", config.lang_feature_dim), ("image", config.image_feature_dim), ("tiling", num_crops))
+        for name, dim in dims:
             self.register_buffer(f"{name}_mean", torch.zeros(dim))
             self.register_buffer(f"{name}_std", torch.ones(dim))
         self.budget_encoder = BudgetEncoder(config)
@@ -223,11 +219,11 @@ class ControllerPolicy(nn.Module):
         # tiling inputs of stage 1: standardised log(1 + crops) per choice + a "known" flag
         self.tiling_dim = num_crops + 1 if config.use_tilings else 0
         # stage 1: crops, before the vision tower (language + budget + image tiling)
-        self.lang_proj = _projection(config.lang_feature_dim, h, d)
-        self.stage1_fusion = _projection(h + hb + self.tiling_dim, h, d)
-        self.crops_head = _head(h, h, num_crops)
+        self.lang_proj = projection(config.lang_feature_dim, h, d)
+        self.stage1_fusion = projection(h + hb + self.tiling_dim, h, d)
+        self.crops_head = mlp_head(h, h, num_crops)
         # stage 2: top_k and blocks, after vision (language + image + budget + stage-1 choice)
-        self.image_proj = _projection(config.image_feature_dim + 1, h, d)
+        self.image_proj = projection(config.image_feature_dim + 1, h, d)
         self.crops_embedding = nn.Embedding(num_crops, config.crops_embedding_dim)
         # the fusion's first layer is split (context part + choice part) so the context is
         # projected once and each crops choice only adds a (C, H) term
@@ -236,8 +232,8 @@ class ControllerPolicy(nn.Module):
         # the choice's own tiling (standardised log(1 + crops)) shifts its hidden state
         self.stage2_tiling = nn.Linear(1, h, bias=False) if config.use_tilings else None
         self.stage2_norm = nn.Sequential(nn.LayerNorm(h), nn.ReLU(), nn.Dropout(d))
-        self.top_k_head = _head(h, h, num_top_k)
-        self.blocks_head = _head(h, h, num_blocks)
+        self.top_k_head = mlp_head(h, h, num_top_k)
+        self.blocks_head = mlp_head(h, h, num_blocks)
 
     # -- inputs
     def set_feature_normalization(self, image: Tensor, image_present: Tensor, lang: Tensor,
@@ -295,16 +291,17 @@ class ControllerPolicy(nn.Module):
                    "Hint: use features extracted with the model the policy was trained on.")
             raise CacheMismatchError(msg)
 
-    def _stage1(self, lang: Tensor, budget: Tensor, tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _stage1(self, lang: Tensor, budget: Tensor,
+                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         t = self.training
-        lang_h = _apply(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
+        lang_h = apply_sequential(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
         budget_h = self.budget_encoder.forward(budget)
         parts = [lang_h, budget_h]
         if self.tiling_dim:
             known = torch.zeros(lang.shape[0], 1) if tiling_crops is None else \
                 (~torch.isnan(torch.as_tensor(tiling_crops, dtype=torch.float32)).any(-1, keepdim=True)).float()
             parts += [self._tiling(tiling_crops, lang.shape[0]), known]
-        logits = _apply(self.crops_head, _apply(self.stage1_fusion, torch.cat(parts, dim=-1), t), t)
+        logits = apply_sequential(self.crops_head, apply_sequential(self.stage1_fusion, torch.cat(parts, dim=-1), t), t)
         return logits.log_softmax(-1), lang_h, budget_h
 
     def _stage2(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor,
@@ -316,7 +313,8 @@ class ControllerPolicy(nn.Module):
     def stage2_heads(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Stage-2 hidden states (..., H) -> log p(top_k) (..., K), log p(blocks) (..., B)."""
         t = self.training
-        return _apply(self.top_k_head, hidden, t).log_softmax(-1), _apply(self.blocks_head, hidden, t).log_softmax(-1)
+        top_k = apply_sequential(self.top_k_head, hidden, t).log_softmax(-1)
+        return top_k, apply_sequential(self.blocks_head, hidden, t).log_softmax(-1)
 
     def stage2_hidden(self, image: Tensor, image_present: Tensor, lang_h: Tensor, budget_h: Tensor, *,
                       tiling_crops: Tensor | None = None) -> Tensor:
@@ -329,14 +327,14 @@ class ControllerPolicy(nn.Module):
         present = image_present.float()[:, None]
         image_n = (image.float() - self.image_mean) / self.image_std * present  # a missing image is all zeros
         t = self.training
-        image_h = _apply(self.image_proj, torch.cat([image_n, present], dim=-1), t)
+        image_h = apply_sequential(self.image_proj, torch.cat([image_n, present], dim=-1), t)
         context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.stage2_context.weight,
                            self.stage2_context.bias)  # (N, H)
         choice = F.linear(self.crops_embedding.weight, self.stage2_choice.weight)[None, :, :]  # (1, C, H)
         if self.stage2_tiling is not None:
             tiling = self._tiling(tiling_crops, lang_h.shape[0])  # (N, C)
             choice = choice + tiling[:, :, None] * self.stage2_tiling.weight[:, 0]  # Linear(1, H) without the call
-        return _apply(self.stage2_norm, context[:, None, :] + choice, t)  # (N, C, H)
+        return apply_sequential(self.stage2_norm, context[:, None, :] + choice, t)  # (N, C, H)
 
     @staticmethod
     def _budget(budget_ms: Tensor | float, n: int) -> Tensor:
@@ -346,13 +344,6 @@ class ControllerPolicy(nn.Module):
     def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float, *, tiling_crops: Tensor | None = None) -> Tensor:
         """Stage 1 alone: log p1(crops | lang, budget, tiling), (N, C) over ``action_space.max_crops_values``."""
         return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)[0]
-
-    def stage2_log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float, *,
-                         tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Stage 2 alone, for every crops choice: log p(top_k | x, c) (N, C, K), log p(blocks | x, c) (N, C, B)."""
-        self._check_inputs(image, lang)
-        _, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)
-        return self._stage2(image, image_present, lang_h, budget_h, tiling_crops)
 
     def log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float,
                   mask: Tensor | None = None, *, tiling_crops: Tensor | None = None) -> Tensor:
@@ -392,8 +383,6 @@ class ControllerPolicy(nn.Module):
     def load(cls, path: str | Path, model_fingerprint: str | None = None) -> ControllerPolicy:
         """Read a checkpoint; with ``model_fingerprint``, refuse features of another model."""
         payload = read_checkpoint(path)
-        from trainer.data import ActionSpace
-
         policy = cls(PolicyConfig(**payload["config"]), ActionSpace.from_json(payload["action_space"]),
                      payload["model_fingerprint"])
         policy.load_state_dict(payload["state_dict"], strict=True)  # never strict=False (§9 D25)
@@ -403,21 +392,12 @@ class ControllerPolicy(nn.Module):
         return policy
 
 
-def atomic_torch_save(obj: object, path: Path) -> Path:
-    """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves half a checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return path
-
-
 def read_checkpoint(path: str | Path) -> dict:
     """The raw checkpoint dict; a missing or foreign file is a user error."""
     path = Path(path)
     if not path.is_file():
-        msg = f"checkpoint {str(path)!r} does not exist\nHint: pass a run id, a run directory or a .pt file written by `ctrl train --offline`."
+        msg = (f"checkpoint {str(path)!r} does not exist\n"
+               "Hint: pass a run id, a run directory or a .pt file written by `ctrl train --offline`.")
         raise CtrlError(msg)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -481,47 +461,6 @@ def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tenso
     return out
 
 
-class PolicyDecider:
-    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi.
-
-    With a ``fallback`` (:class:`trainer.fallback.TableFallback`), the lookup table's
-    configuration at the budgets where the controller did not beat the table on held-out
-    data: the deployed controller. Without one, the network alone (``name="policy"`` in
-    evaluations that show both).
-    """
-
-    def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None = None, name: str = "controller") -> None:
-        self.policy, self.fallback, self.name = policy, fallback, name
-        self._table = fallback.lookup_table() if fallback is not None else None
-
-    @torch.inference_mode()
-    def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
-        """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's
-        expected reward); one-hot on the table's choice where the fallback answers."""
-        if self.policy.model_fingerprint is not None:
-            check_fingerprint(self.policy, data.model_fingerprint, "controller")
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            probs = data_log_probs(self.policy, data, budget_ms).exp()
-        finally:
-            self.policy.train(was_training)
-        if self.fallback is None:
-            return probs
-        from trainer.baselines import budget_vector
-
-        budget = budget_vector(budget_ms, len(data))
-        use = self.fallback.controller_at(budget)
-        if bool(use.all()):
-            return probs
-        table_choice = F.one_hot(self._table.decide(data, budget), probs.shape[1]).to(probs.dtype)
-        return torch.where(use[:, None], probs, table_choice)
-
-    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
-        """(N,) indices into ``data.action_space``, always inside ``data.mask``: the most probable action."""
-        return self.action_probs(data, budget_ms).argmax(-1)
-
-
 @torch.no_grad()
 def expected_reward(policy: ControllerPolicy, data: OfflineData, budgets_ms: list[float],
                     reward: RewardConfig, details: bool = False) -> float | dict[str, float]:
@@ -530,8 +469,6 @@ def expected_reward(policy: ControllerPolicy, data: OfflineData, budgets_ms: lis
     Every allowed configuration is recorded, so no estimator is needed. With ``details``,
     also the expected accuracy and violation rate (latency > budget) under the same policy.
     """
-    from trainer.reward import compute_reward
-
     was_training = policy.training
     policy.eval()
     totals = {"expected_reward": 0.0, "expected_accuracy": 0.0, "expected_violation_rate": 0.0}

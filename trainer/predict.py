@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import torch
 
+from pipeline.catalog import connect, view_names
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
+from trainer.fallback import read_fallback
+from trainer.policy import ControllerPolicy
+from trainer.runs import resolve_checkpoint, write_frame_atomic
 
 PREDICTION_COLUMNS = ("sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k", "num_active_blocks",
                       "probability", "source")
@@ -35,13 +40,12 @@ _IMAGE_JOIN = """LEFT JOIN (FROM image_features WHERE model_fingerprint = $fp AN
 
 def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> dict[str, Any]:
     """Every sample of the workspace with its features of model ``fingerprint``."""
-    from pipeline.catalog import connect
-
     con = connect(workspace)
     try:
-        views = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        views = view_names(con)
         if "lang_features" not in views:
-            msg = f"workspace {workspace.root} has no cached features\nHint: run `ctrl extract-features --images DIR` first."
+            msg = (f"workspace {workspace.root} has no cached features\n"
+                   "Hint: run `ctrl extract-features --images DIR` first.")
             raise CtrlError(msg)
         cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features ORDER BY 1").fetchall()]
         if fingerprint not in cached:
@@ -52,13 +56,14 @@ def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> di
                    "or use a checkpoint trained on this model's features.")
             raise CacheMismatchError(msg)
         has_images = "image_features" in views
-        sql = _LANG_SQL.format(image="i.feature" if has_images else "NULL::FLOAT[]", join=_IMAGE_JOIN if has_images else "")
+        sql = _LANG_SQL.format(image="i.feature" if has_images else "NULL::FLOAT[]",
+                               join=_IMAGE_JOIN if has_images else "")
         table = con.sql(sql, params={"fp": fingerprint}).to_arrow_table()
     finally:
         con.close()
     lang = table.column("lang").to_pylist()
-    missing = [f"{d}/{k}" for d, k, f in zip(table.column("dataset").to_pylist(), table.column("sample_key").to_pylist(), lang)
-               if f is None]
+    keys = zip(table.column("dataset").to_pylist(), table.column("sample_key").to_pylist(), lang)
+    missing = [f"{d}/{k}" for d, k, f in keys if f is None]
     if missing:
         msg = (f"{len(missing)} of {len(lang)} samples have no language features for model {fingerprint[:16]} "
                f"(first: {', '.join(missing[:3])})\nHint: run `ctrl extract-features` on this workspace.")
@@ -76,7 +81,7 @@ def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> di
 
 @torch.inference_mode()
 def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path, budgets_ms: list[float],
-            out: str | Path | None) -> Any:  # -> polars.DataFrame
+            out: str | Path | None) -> pl.DataFrame:
     """One greedy decision per (sample, budget) for every sample of ``workspace``.
 
     ``run_or_checkpoint``: a run id of ``workspace``, a run directory (its best checkpoint) or a
@@ -89,12 +94,6 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
     """
-    import polars as pl
-
-    from trainer.fallback import read_fallback
-    from trainer.offline import resolve_checkpoint, write_frame_atomic
-    from trainer.policy import ControllerPolicy
-
     budgets = [float(b) for b in budgets_ms]
     if not budgets or min(budgets) <= 0 or not all(np.isfinite(budgets)):
         msg = f"budgets must be a non-empty list of positive numbers (ms), got {budgets_ms!r}\nHint: --budget-ms 250"

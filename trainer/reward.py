@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from pipeline.knobs import NUM_TOTAL_BLOCKS
+from pipeline.schema import REWARD_TERMS
 
 __all__ = ["REWARD_PARTS", "RewardConfig", "compute_reward"]
 
@@ -24,7 +25,7 @@ COMPLEXITY_TOP_K = 32.0
 COMPLEXITY_NUM_ACTIVE_BLOCKS = float(NUM_TOTAL_BLOCKS)
 
 #: keys of :func:`compute_reward`'s result; ``reward = acc_term - lat_pen - viol_pen - complexity + bonus``
-REWARD_PARTS = ("reward", "acc_term", "lat_pen", "viol_pen", "complexity", "bonus")
+REWARD_PARTS = ("reward", *REWARD_TERMS)
 
 _EPS = 1e-6  # §7.5 guards the division by the budget with 1e-6
 
@@ -67,15 +68,18 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("soft", "hard"):
-            raise ValueError(f"`mode` must be 'soft' or 'hard', got {self.mode!r}")
+            msg = f"`mode` must be 'soft' or 'hard', got {self.mode!r}"
+            raise ValueError(msg)
         for name in ("alpha", "beta", "gamma", "delta", "epsilon"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
+                msg = f"`{name}` must be a finite number >= 0, got {value!r}"
+                raise ValueError(msg)
             setattr(self, name, float(value))
         value = self.hard_violation_reward
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 0:
-            raise ValueError(f"`hard_violation_reward` must be a finite number <= 0 (a violation must not pay), got {value!r}")
+            msg = f"`hard_violation_reward` must be a finite number <= 0 (a violation must not pay), got {value!r}"
+            raise ValueError(msg)
         self.hard_violation_reward = float(value)
 
     def to_json(self) -> dict[str, Any]:
@@ -101,7 +105,8 @@ def compute_reward(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: tor
     budget = torch.as_tensor(budget_ms, dtype=torch.float32)
     knobs = torch.as_tensor(knob_values, dtype=torch.float32)
     if knobs.shape[-1:] != (3,):
-        raise ValueError(f"`knob_values` must have shape (..., 3), got {tuple(knobs.shape)}")
+        msg = f"`knob_values` must have shape (..., 3), got {tuple(knobs.shape)}"
+        raise ValueError(msg)
     score, latency, budget = torch.broadcast_tensors(score, latency, budget)
     acc_term = config.alpha * score
     zeros = torch.zeros_like(acc_term)

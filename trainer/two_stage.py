@@ -32,13 +32,7 @@ from torch import Tensor, nn
 
 from pipeline import knobs
 from pipeline.errors import CtrlError
-from trainer.policy import (
-    ControllerPolicy,
-    PolicyConfig,
-    _apply,
-    _head,
-    read_checkpoint,
-)
+from trainer.policy import ControllerPolicy, PolicyConfig, apply_sequential, mlp_head, read_checkpoint
 
 TWO_STAGE_FORMAT = 1
 #: initial logit of insertion position 1 (the others start at ~0): softmax gives it ~0.65 of 5
@@ -89,11 +83,12 @@ class TwoStageController(nn.Module):
                               for p in positions], dtype=torch.bool)
         if not valid.any():
             msg = (f"no block count of the action space {list(blocks_values)} is allowed after any insertion "
-                   f"position {list(positions)} (options: {[knobs.insertion_block_options(p, config.num_layers) for p in positions]})")
+                   f"position {list(positions)} (options: "
+                   f"{[knobs.insertion_block_options(p, config.num_layers) for p in positions]})")
             raise CtrlError(msg)
         self.register_buffer("blocks_valid", valid, persistent=False)  # (P, B)
         self.register_buffer("insertion_valid", valid.any(-1), persistent=False)  # (P,)
-        self.insertion_head = _head(h + hb, h, len(positions))
+        self.insertion_head = mlp_head(h + hb, h, len(positions))
         self.budget_token_proj = nn.Linear(hb, d)
         self.latency_norm = nn.LayerNorm(d)
         self.latency_proj = nn.Linear(d, h)
@@ -129,7 +124,7 @@ class TwoStageController(nn.Module):
         """``tiling_crops`` (N, C): the crops the image tiles into at each max_crops value (NaN:
         no image); read only by policies trained with ``use_tilings``."""
         crops_lp, lang_h, budget_h = self.policy.stage1(lang, budget_ms, tiling_crops=tiling_crops)
-        logits = _apply(self.insertion_head, torch.cat([lang_h, budget_h], dim=-1), self.training)
+        logits = apply_sequential(self.insertion_head, torch.cat([lang_h, budget_h], dim=-1), self.training)
         insertion_lp = logits.masked_fill(~self.insertion_valid, float("-inf")).log_softmax(-1)
         token = F.layer_norm(self.budget_token_proj(budget_h), (self.two_stage.hidden_size,))
         return Stage1Output(crops_lp, insertion_lp, token * self.two_stage.token_scale, lang_h, budget_h, tiling_crops)
@@ -184,7 +179,8 @@ class TwoStageController(nn.Module):
             raise CtrlError(msg)
         policy = ControllerPolicy.load(path, model_fingerprint)
         part = payload["two_stage"]
-        config = TwoStageConfig(**{**part["config"], "insertion_positions": tuple(part["config"]["insertion_positions"])})
+        saved = part["config"]
+        config = TwoStageConfig(**{**saved, "insertion_positions": tuple(saved["insertion_positions"])})
         controller = cls(policy, config)
         controller.load_state_dict({**{f"policy.{k}": v for k, v in policy.state_dict().items()},
                                                           **part["state_dict"]}, strict=True)
@@ -226,5 +222,6 @@ def set_budget_range(policy: ControllerPolicy, min_ms: float, max_ms: float) -> 
     if not max_ms > min_ms:
         msg = f"budget range must have max > min, got {min_ms!r}..{max_ms!r}"
         raise CtrlError(msg)
-    policy.config = PolicyConfig(**{**asdict(policy.config), "budget_min_ms": float(min_ms), "budget_max_ms": float(max_ms)})
+    range_ms = {"budget_min_ms": float(min_ms), "budget_max_ms": float(max_ms)}
+    policy.config = PolicyConfig(**{**asdict(policy.config), **range_ms})
     policy.budget_encoder.min_ms, policy.budget_encoder.max_ms = float(min_ms), float(max_ms)

@@ -101,7 +101,8 @@ _NUMBER_WORDS = {
 }
 _ARTICLES = frozenset({"a", "an", "the"})
 # Periods and apostrophes are not here: a period is handled by _PERIOD, an apostrophe is kept ("don't").
-_PUNCTUATION = (";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!")
+_PUNCTUATION = (";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?",
+                "!")
 _COMMA_BETWEEN_DIGITS = re.compile(r"\d,\d")
 # vqaEval.py writes "(?!<=\d)(\.)(?!\d)"; its first group is a (mistyped) lookahead that always succeeds, so the
 # effective rule is "drop a period not followed by a digit": "dogs." -> "dogs", "2.5" stays, "5." -> "5".
@@ -228,10 +229,8 @@ def score_answer(dataset: str, generated_text: str, answers: Sequence[str]) -> t
     """
     if isinstance(answers, str) or len(answers) == 0:
         got = "a bare string" if isinstance(answers, str) else "an empty list"
-        msg = (
-            f"cannot score a {dataset!r} sample: expected a non-empty list of reference answers, got {got}\n"
-            "Hint: take `answers` from the workspace's `samples` table and skip samples without references."
-        )
+        msg = (f"cannot score a {dataset!r} sample: expected a non-empty list of reference answers, got {got}\n"
+               "Hint: take `answers` from the workspace's `samples` table and skip samples without references.")
         raise ValueError(msg)
     pred = clean_prediction(generated_text)
     return _METRICS[metric_for_dataset(dataset)](pred, answers), pred

@@ -55,17 +55,19 @@ import torch
 from PIL import Image
 from torch import nn
 
-from features.model.base import (
+from pipeline import knobs
+from pipeline.errors import KnobError
+from runtime.base import (
     GenerationResult,
     ModelInputs,
     ModelLoadError,
     ModelRuntime,
+    greedy_decode,
     resolve_device,
     resolve_importance_scores,
     validate_top_k,
 )
-from pipeline import knobs
-from pipeline.errors import KnobError
+from runtime.cache import default_cache_root
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 _PROMPT_TEMPLATE = " User: {question} Assistant:"  # message_format "role", always_start_with_space
@@ -87,7 +89,8 @@ class MolmoEInputs(ModelInputs):
 def check_checkpoint_dir(path: Path) -> None:
     """Raise ModelLoadError naming what is missing from a MolmoE checkpoint directory."""
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a directory (expected a MolmoE-1B checkpoint directory)")
+        msg = f"{path}: not a directory (expected a MolmoE-1B checkpoint directory)"
+        raise ModelLoadError(msg)
     missing = []
     config = path / "config.json"
     if not config.is_file():
@@ -96,7 +99,8 @@ def check_checkpoint_dir(path: Path) -> None:
         try:
             cfg = json.loads(config.read_text())
         except ValueError as exc:
-            raise ModelLoadError(f"{config}: invalid JSON: {exc}") from exc
+            msg = f"{config}: invalid JSON: {exc}"
+            raise ModelLoadError(msg) from exc
         if "auto_map" not in cfg:
             missing.append("config.json 'auto_map' (the checkpoint's remote-code entry points)")
     if not any(any(path.glob(p)) for p in _WEIGHT_PATTERNS):
@@ -115,8 +119,6 @@ def checkpoint_fingerprint(path: Path) -> str:
     Digests of multi-GB weight files are cached under ``<cache root>/fingerprints`` keyed by
     absolute path, size and mtime, so only the first load of a checkpoint pays for hashing.
     """
-    from features.model.embedded import default_cache_root
-
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
     cache_file = default_cache_root() / "fingerprints" / f"{key}.json"
     try:
@@ -176,49 +178,13 @@ class MolmoERuntime(ModelRuntime):
         self.path = Path(path)
         check_checkpoint_dir(self.path)
         self.device = resolve_device(device)
-        try:
-            from transformers import AutoModelForCausalLM, AutoProcessor
-
-            model, info = AutoModelForCausalLM.from_pretrained(
-                self.path, trust_remote_code=True, local_files_only=True, output_loading_info=True)
-            self.processor = AutoProcessor.from_pretrained(self.path, trust_remote_code=True, local_files_only=True)
-        except Exception as exc:  # remote code can raise anything; the user needs one clear line
-            msg = f"{self.path}: cannot load the MolmoE checkpoint: {type(exc).__name__}: {exc}"
-            raise ModelLoadError(msg) from exc
-        # a missing tensor would silently stay random (origin D25): refuse
-        missing = list(info.get("missing_keys") or [])
-        if missing:
-            raise ModelLoadError(f"{self.path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-        self.model = model.to(self.device).eval()
-        self.model.requires_grad_(False)
-        self.tokenizer = getattr(self.processor, "tokenizer", None)
-        if self.tokenizer is None:
-            raise ModelLoadError(f"{self.path}: the processor has no tokenizer")
-
-        inner = getattr(self.model, "model", None)
-        transformer = getattr(inner, "transformer", None)
-        if transformer is None or not isinstance(transformer, nn.ModuleDict) or "blocks" not in transformer:
-            raise ModelLoadError(f"{self.path}: expected model.model.transformer.blocks (origin_formats §1.2); "
-                                 "block groups or another layout are not supported")
-        if "wte" not in transformer or getattr(inner, "vision_backbone", None) is None:
-            raise ModelLoadError(f"{self.path}: expected model.model.transformer.wte and model.model.vision_backbone")
-        self._inner, self._transformer = inner, transformer
-        self._blocks: nn.ModuleList = transformer["blocks"]  # the full list, restored after every forward
-        for i, block in enumerate(self._blocks):
-            mlp = getattr(block, "mlp", None)
-            if not isinstance(getattr(mlp, "top_k", None), int) or not hasattr(mlp, "num_experts"):
-                raise ModelLoadError(f"{self.path}: block {i} has no MoE mlp with an integer top_k "
-                                     "(expected blocks[i].mlp.top_k, blocks[i].mlp.num_experts)")
-        if not hasattr(inner.config, "n_layers"):
-            raise ModelLoadError(f"{self.path}: config has no n_layers; "
-                                 "block skipping cannot keep the cache consistent")
-
+        self._load()
+        self._check_layout()
         self.num_layers = len(self._blocks)
         self.num_experts = int(self._blocks[0].mlp.num_experts)
         self.default_top_k = int(self._blocks[0].mlp.top_k)
         self._active: tuple[int, ...] | None = None
         self._scores = resolve_importance_scores(importance_scores)
-
         # crop geometry from the processor (Molmo defaults: 336-px crops, 4-patch margins, 14-px patches)
         ip = getattr(self.processor, "image_processor", None)
         self._patch = int(getattr(ip, "image_patch_size", 14))
@@ -231,13 +197,60 @@ class MolmoERuntime(ModelRuntime):
             self._dim = int(self.text_embeddings(torch.zeros(1, dtype=torch.long)).shape[-1])
         self.fingerprint = checkpoint_fingerprint(self.path)
 
+    def _load(self) -> None:
+        """The model, processor and tokenizer with the checkpoint's own code; every weight present."""
+        try:
+            from transformers import AutoModelForCausalLM, AutoProcessor  # deferred: seconds to import
+
+            model, info = AutoModelForCausalLM.from_pretrained(
+                self.path, trust_remote_code=True, local_files_only=True, output_loading_info=True)
+            self.processor = AutoProcessor.from_pretrained(self.path, trust_remote_code=True, local_files_only=True)
+        except Exception as exc:  # remote code can raise anything; the user needs one clear line
+            msg = f"{self.path}: cannot load the MolmoE checkpoint: {type(exc).__name__}: {exc}"
+            raise ModelLoadError(msg) from exc
+        # a missing tensor would silently stay random (origin D25): refuse
+        missing = list(info.get("missing_keys") or [])
+        if missing:
+            msg = f"{self.path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}"
+            raise ModelLoadError(msg)
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = getattr(self.processor, "tokenizer", None)
+        if self.tokenizer is None:
+            msg = f"{self.path}: the processor has no tokenizer"
+            raise ModelLoadError(msg)
+
+    def _check_layout(self) -> None:
+        """The module paths the knobs act on (origin_formats §1.2), or a clear error naming what is missing."""
+        inner = getattr(self.model, "model", None)
+        transformer = getattr(inner, "transformer", None)
+        if transformer is None or not isinstance(transformer, nn.ModuleDict) or "blocks" not in transformer:
+            msg = (f"{self.path}: expected model.model.transformer.blocks (origin_formats §1.2); "
+                   "block groups or another layout are not supported")
+            raise ModelLoadError(msg)
+        if "wte" not in transformer or getattr(inner, "vision_backbone", None) is None:
+            msg = f"{self.path}: expected model.model.transformer.wte and model.model.vision_backbone"
+            raise ModelLoadError(msg)
+        self._inner, self._transformer = inner, transformer
+        self._blocks: nn.ModuleList = transformer["blocks"]  # the full list, restored after every forward
+        for i, block in enumerate(self._blocks):
+            mlp = getattr(block, "mlp", None)
+            if not isinstance(getattr(mlp, "top_k", None), int) or not hasattr(mlp, "num_experts"):
+                msg = (f"{self.path}: block {i} has no MoE mlp with an integer top_k "
+                       "(expected blocks[i].mlp.top_k, blocks[i].mlp.num_experts)")
+                raise ModelLoadError(msg)
+        if not hasattr(inner.config, "n_layers"):
+            msg = f"{self.path}: config has no n_layers; block skipping cannot keep the cache consistent"
+            raise ModelLoadError(msg)
+
     # -- preprocessing
     def format_prompt(self, question: str) -> str:
         return _PROMPT_TEMPLATE.format(question=question.strip())
 
     def tiling(self, width: int, height: int, max_crops: int) -> tuple[int, int]:
         if isinstance(max_crops, bool) or not isinstance(max_crops, (int, np.integer)) or max_crops < 1:
-            raise KnobError(f"max_crops must be an integer >= 1, got {max_crops!r}")
+            msg = f"max_crops must be an integer >= 1, got {max_crops!r}"
+            raise KnobError(msg)
         rows, cols = knobs.select_tiling(int(height), int(width), int(max_crops), window_px=self._window,
                                          total_margin_px=self._total_margin)
         return int(rows), int(cols)
@@ -254,8 +267,9 @@ class MolmoERuntime(ModelRuntime):
         patches, idx = out["images"].float(), out["image_input_idx"].long()
         if patches.shape[0] != tiling[0] * tiling[1] + 1:
             # our tiling() would then misreport the crops the model sees: refuse rather than drift (D11)
-            raise ModelLoadError(f"{self.path}: processor produced {patches.shape[0]} image arrays for tiling "
-                                 f"{tiling} (expected crops + 1 = {tiling[0] * tiling[1] + 1})")
+            msg = (f"{self.path}: processor produced {patches.shape[0]} image arrays for tiling "
+                   f"{tiling} (expected crops + 1 = {tiling[0] * tiling[1] + 1})")
+            raise ModelLoadError(msg)
         return MolmoEInputs(ids, torch.ones_like(ids), _unpatchify(patches, self._patch), idx[idx >= 0].flatten(),
                             tiling, prompt, image_masks=out.get("image_masks"), image_input_idx=idx)
 
@@ -341,19 +355,21 @@ class MolmoERuntime(ModelRuntime):
         ids = inputs.input_ids.to(self.device)
         mask = torch.ones_like(ids)
         kw = self._vision_kwargs(inputs) if inputs.images is not None else {}
-        tokens: list[int] = []
         with torch.inference_mode(), self._autocast(), self._run_active_blocks():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=torch.cumsum(mask, -1) - 1,
                              use_cache=True, last_logits_only=True, **kw)
-            for step in range(max_new_tokens):
-                token = int(out.logits[0, -1].argmax())
-                tokens.append(token)
-                if token == self.eos_id or step == max_new_tokens - 1:
-                    break
+            cache = out.past_key_values
+
+            def next_token(token: int) -> int:
+                nonlocal mask, cache
                 mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
-                out = self.model(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
-                                 position_ids=torch.tensor([[mask.shape[1] - 1]], device=self.device),
-                                 past_key_values=out.past_key_values, use_cache=True, last_logits_only=True)
+                step = self.model(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
+                                  position_ids=torch.tensor([[mask.shape[1] - 1]], device=self.device),
+                                  past_key_values=cache, use_cache=True, last_logits_only=True)
+                cache = step.past_key_values
+                return int(step.logits[0, -1].argmax())
+
+            tokens = greedy_decode(int(out.logits[0, -1].argmax()), next_token, self.eos_id, max_new_tokens)
         return GenerationResult(tokens, self.decode_text(tokens))
 
     # -- module handles

@@ -1,7 +1,7 @@
-"""Hidden synthetic model behind :mod:`pipeline.synthetic` (datasets, accuracy, latency).
+"""Hidden synthetic model behind :mod:`synthetic` (datasets, accuracy, latency).
 
 Everything here is deterministic given ``(seed, dataset)`` and uses numpy only. The
-writer in :mod:`pipeline.synthetic` turns these tables into exp5/exp6 JSON trees; the
+writer in :mod:`synthetic` turns these tables into exp5/exp6 JSON trees; the
 model itself is documented in that module's docstring and in ``data/README.md``.
 """
 
@@ -213,7 +213,8 @@ class DatasetTruth:
         q = (1 - p) * self.partial_prob
         return np.stack([p, q, 1 - p - q], axis=1)
 
-    def expected_score(self, max_crops: int, top_k: int, num_active_blocks: int, experiment: str = "exp5") -> np.ndarray:
+    def expected_score(self, max_crops: int, top_k: int, num_active_blocks: int,
+                       experiment: str = "exp5") -> np.ndarray:
         """E[recorded per-sample score]. Captions: E[per-sample CIDEr] in exp5, 0 in exp6 (D19)."""
         probs = self.outcome_probs(max_crops, top_k, num_active_blocks)
         if self.profile.metric == "cider_score":
@@ -229,7 +230,8 @@ class DatasetTruth:
         return (u[:, None] >= cum[:, :2]).sum(axis=1).astype(np.int64)
 
     # -- latency ------------------------------------------------------------------
-    def latency_parts(self, max_crops: int, top_k: int, num_active_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def latency_parts(self, max_crops: int, top_k: int,
+                      num_active_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Noise-free (vision, LLM prefill, one decode step incl. head) in ms per sample."""
         n = self.num_crops(max_crops)
         vision = LAT_VISION_BASE + LAT_VISION_PER_IMAGE * (n + 1)
@@ -272,8 +274,11 @@ def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[s
             (f"What brand is the {thing}?", BRANDS, 0.75, 0.2),
             (f"What is written on the {thing}?", WORDS, 0.85, 0.15),
             (f"What number is on the {thing}?", [str(x) for x in rng.integers(2, 9999, 6)], 0.9, 0.15),
-            ("What time is shown on the clock?", [f"{h}:{m:02d}" for h, m in zip(rng.integers(1, 13, 6), rng.integers(0, 12, 6) * 5)], 0.7, 0.55),
-            ("What is the title of the book?", [f"the {w} {p}" for w, p in zip(rng.choice(WORDS, 6), rng.choice(["story", "guide", "diaries", "club"], 6))], 0.85, 0.2),
+            ("What time is shown on the clock?",
+             [f"{h}:{m:02d}" for h, m in zip(rng.integers(1, 13, 6), rng.integers(0, 12, 6) * 5)], 0.7, 0.55),
+            ("What is the title of the book?",
+             [f"the {w} {p}" for w, p in zip(rng.choice(WORDS, 6),
+                                             rng.choice(["story", "guide", "diaries", "club"], 6))], 0.85, 0.2),
         ][kind]
     elif name == "okvqa":
         kind = int(rng.integers(4))
@@ -285,10 +290,11 @@ def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[s
         ][kind]
     elif name == "doc_qa":
         fld = _pick(rng, DOC_FIELDS)
-        pool = {"date": [f"march {d}, 19{y}" for d, y in zip(rng.integers(1, 29, 6), rng.integers(50, 99, 6))],
-                "total amount": [f"${int(x):,}.00" for x in rng.integers(10, 9999, 6)],
-                "page number": [str(x) for x in rng.integers(1, 40, 6)],
-                "invoice number": [str(x) for x in rng.integers(10000, 99999, 6)]}.get(fld, [f"{b} inc." for b in BRANDS])
+        by_field = {"date": [f"march {d}, 19{y}" for d, y in zip(rng.integers(1, 29, 6), rng.integers(50, 99, 6))],
+                    "total amount": [f"${int(x):,}.00" for x in rng.integers(10, 9999, 6)],
+                    "page number": [str(x) for x in rng.integers(1, 40, 6)],
+                    "invoice number": [str(x) for x in rng.integers(10000, 99999, 6)]}
+        pool = by_field.get(fld, [f"{b} inc." for b in BRANDS])
         q, det, rea = f"What is the {fld} mentioned in the document?", 0.85, 0.45
     else:
         store = _pick(rng, STORES)
@@ -310,10 +316,12 @@ def _science_question(rng: np.random.Generator, seen: set) -> tuple[str, list[st
         kind = int(rng.integers(4))
         if kind == 0:
             d = _pick(rng, ["north", "south", "east", "west"])
-            q, opts, det, rea = f"Which of these states is farthest {d}?", list(rng.choice(STATES, 4, replace=False)), 0.55, 0.55
+            q, opts, det, rea = (f"Which of these states is farthest {d}?",
+                                 list(rng.choice(STATES, 4, replace=False)), 0.55, 0.55)
         elif kind == 1:
             env = _pick(rng, ["cold places", "deserts", "water", "snow"])
-            q, opts, det, rea = f"Which animal is also adapted to survive in {env}?", list(rng.choice(ANIMALS, 2, replace=False)), 0.35, 0.7
+            q, opts, det, rea = (f"Which animal is also adapted to survive in {env}?",
+                                 list(rng.choice(ANIMALS, 2, replace=False)), 0.35, 0.7)
         elif kind == 2:
             trait = _pick(rng, ["brown fur", "curly hair", "red eyes", "long wings"])
             q, opts, det, rea = (f"What is the expected ratio of offspring with {trait} to offspring without it?",
@@ -362,7 +370,8 @@ def build_dataset(name: str, num_samples: int, seed: int) -> DatasetTruth:
             last_id = image_id
         long_side = int(rng.integers(prof.long_side[0], prof.long_side[1] + 1))
         aspect = float(rng.choice(ASPECTS, p=ASPECT_P))  # width / height
-        w, h = (long_side, max(int(round(long_side / aspect)), 150)) if aspect >= 1 else (max(int(round(long_side * aspect)), 150), long_side)
+        w, h = ((long_side, max(int(round(long_side / aspect)), 150)) if aspect >= 1
+                else (max(int(round(long_side * aspect)), 150), long_side))
         image_ids.append(image_id)
         image_files.append(f"COCO_val2014_{image_id:012d}.jpg" if prof.coco_images else f"{image_id}.{prof.image_ext}")
         sizes.append((w, h))
@@ -374,10 +383,12 @@ def build_dataset(name: str, num_samples: int, seed: int) -> DatasetTruth:
     n = len(rows)
     img_ix = np.array([r["image"] for r in rows], dtype=np.int64)
     clutter_arr = np.array(clutter)
-    detail = np.clip(np.array([r["det"] for r in rows]) + 0.5 * (clutter_arr[img_ix] - 0.5) + rng.normal(0, 0.12, n), 0, 1)
+    detail = np.clip(np.array([r["det"] for r in rows]) + 0.5 * (clutter_arr[img_ix] - 0.5) + rng.normal(0, 0.12, n),
+                     0, 1)
     reasoning = np.clip(np.array([r["rea"] for r in rows]) + rng.normal(0, 0.15, n), 0, 1)
     image_detail = np.bincount(img_ix, weights=detail) / np.bincount(img_ix)
-    out_tokens = np.array([[min(count_tokens(p) + 1, MAX_NEW_TOKENS) for p in r["preds"]] for r in rows], dtype=np.int64)
+    out_tokens = np.array([[min(count_tokens(p) + 1, MAX_NEW_TOKENS) for p in r["preds"]] for r in rows],
+                          dtype=np.int64)
     return DatasetTruth(
         profile=prof, image_ids=image_ids, image_files=image_files, image_size=np.array(sizes, dtype=np.int64),
         image_detail=image_detail, image_index=img_ix, detail=detail, reasoning=reasoning,

@@ -1,10 +1,10 @@
-"""online.metrics: prediction cleaning (§4.1), VQA normalization, vqa_score / exact match / ANLS, dispatch (§8)."""
+"""runtime.scoring: prediction cleaning (§4.1), VQA normalization, vqa_score / exact match / ANLS, dispatch (§8)."""
 
 from __future__ import annotations
 
 import pytest
 
-from online.metrics import (
+from runtime.scoring import (
     DATASET_METRICS,
     anls,
     clean_prediction,

@@ -1,15 +1,15 @@
 """The one model interface: what features/ (this milestone) and online/ (later) call.
 
-Two backends implement it: the embedded MolmoE-shaped model (``features.model.embedded``,
+Two backends implement it: the embedded MolmoE-shaped model (``runtime.embedded``,
 built offline from a seed) and a real MolmoE-1B checkpoint directory
-(``features.model.molmoe``, loaded with its own code). Knob changes are always scoped:
+(``runtime.molmoe``, loaded with its own code). Knob changes are always scoped:
 ``with runtime.knobs(top_k=4, num_active_blocks=12): ...`` restores the model on exit.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from PIL import Image
 from pipeline import knobs
 from pipeline.errors import CtrlError, KnobError
 
-#: the crop setting at which image features are extracted (documented in the README)
+#: the crop setting at which image features are extracted (documented in docs/features.md)
 REFERENCE_MAX_CROPS = 6
 
 
@@ -33,7 +33,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """``torch.device`` for a name; a CUDA device that is not available is a user error."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        msg = f"device {device!r} requested but CUDA is not available"
+        raise ModelLoadError(msg)
     return dev
 
 
@@ -43,9 +44,11 @@ def validate_top_k(top_k: int | Mapping[int, int], num_layers: int, num_experts:
     out: dict[int, int] = {}
     for layer, k in items.items():
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < num_layers:
-            raise KnobError(f"top_k layer index must be in 0..{num_layers - 1}, got {layer!r}")
+            msg = f"top_k layer index must be in 0..{num_layers - 1}, got {layer!r}"
+            raise KnobError(msg)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= num_experts:
-            raise KnobError(f"top_k must be an integer in 1..{num_experts}, got {k!r}")
+            msg = f"top_k must be an integer in 1..{num_experts}, got {k!r}"
+            raise KnobError(msg)
         out[int(layer)] = int(k)
     return out
 
@@ -55,12 +58,15 @@ def validate_active_blocks(blocks: Sequence[int] | None, num_layers: int) -> tup
     if blocks is None:
         return None
     if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) for b in blocks):
-        raise KnobError(f"active blocks must be integers, got {list(blocks)!r}")
+        msg = f"active blocks must be integers, got {list(blocks)!r}"
+        raise KnobError(msg)
     chosen = sorted({int(b) for b in blocks})
     if not chosen or chosen[0] != 0:
-        raise KnobError(f"active blocks must include block 0, got {list(blocks)!r}")
+        msg = f"active blocks must include block 0, got {list(blocks)!r}"
+        raise KnobError(msg)
     if chosen[-1] >= num_layers:
-        raise KnobError(f"active blocks must be in 0..{num_layers - 1}, got {list(blocks)!r}")
+        msg = f"active blocks must be in 0..{num_layers - 1}, got {list(blocks)!r}"
+        raise KnobError(msg)
     return None if len(chosen) == num_layers else tuple(chosen)
 
 
@@ -70,9 +76,7 @@ def resolve_importance_scores(scores: str | Path | Mapping[int, float] | None) -
         return None
     if isinstance(scores, Mapping):
         return {int(k): float(v) for k, v in scores.items()}
-    from pipeline.knobs import load_importance_scores
-
-    return load_importance_scores(scores)
+    return knobs.load_importance_scores(scores)
 
 
 @dataclass
@@ -100,6 +104,21 @@ class ModelInputs:
     @property
     def num_crops(self) -> int:
         return 0 if self.tiling is None else self.tiling[0] * self.tiling[1]
+
+
+def greedy_decode(first_token: int, next_token: Callable[[int], int], eos_id: int, max_new_tokens: int) -> list[int]:
+    """The greedy token loop every generation path shares.
+
+    ``first_token`` comes from the prefill's last logits; ``next_token(previous)`` runs one decode
+    step with ``previous`` as input and returns its argmax. Stops after EOS (kept) or after
+    ``max_new_tokens`` tokens.
+    """
+    if max_new_tokens < 1:
+        return []
+    tokens = [int(first_token)]
+    while tokens[-1] != eos_id and len(tokens) < max_new_tokens:
+        tokens.append(int(next_token(tokens[-1])))
+    return tokens
 
 
 @dataclass
@@ -238,7 +257,8 @@ class ModelRuntime(ABC):
             if top_k is not None:
                 self.set_top_k(top_k)
             if active_blocks is not None and num_active_blocks is not None:
-                raise ValueError("pass num_active_blocks or active_blocks, not both")
+                msg = "pass num_active_blocks or active_blocks, not both"
+                raise ValueError(msg)
             if num_active_blocks is not None:
                 active_blocks = self.blocks_for(num_active_blocks)
             if active_blocks is not None:

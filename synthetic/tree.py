@@ -38,29 +38,44 @@ samples prefer experts and blocks, so the best configuration differs per sample.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import shutil
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
-from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline import _synthetic_model as model
-from pipeline._synthetic_model import SUPPORTED_DATASETS, DatasetTruth, build_dataset, stream
-from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALANCED_TOP_K, NUM_TOTAL_BLOCKS, exp_active_blocks
+from pipeline.knobs import (
+    BALANCED_MAX_CROPS,
+    BALANCED_NUM_ACTIVE_BLOCKS,
+    BALANCED_TOP_K,
+    NUM_TOTAL_BLOCKS,
+    Config,
+    balanced_combinations,
+    exp_active_blocks,
+)
+from pipeline.origin_format import (
+    EXP5_FINAL_NAME,
+    EXP6_FINAL_NAME,
+    MERGE_NOTE,
+    accuracy_mean_std,
+    dataset_dir_names,
+    exp5_name,
+    exp6_name,
+    latency_statistics,
+)
+from synthetic import truth as model
+from synthetic.json_text import HOLE, JsonText, Raw, fill
+from synthetic.truth import SUPPORTED_DATASETS, DatasetTruth, build_dataset, stream
 
-__all__ = ["GENERATOR_VERSION", "SUPPORTED_DATASETS", "GeneratedTree", "SampleTruth", "SyntheticSpec",
-           "balanced_combinations", "build_truth", "exp5_batch_size", "generate_tree", "image_filename",
-           "rank_shards", "samples_of", "spec_fingerprint"]
+__all__ = ["GENERATOR_VERSION", "GeneratedTree", "SampleTruth", "SyntheticSpec", "build_truth", "exp5_batch_size",
+           "generate_tree", "image_filename", "rank_shards", "samples_of", "spec_fingerprint"]
 
 #: bump when the output for an unchanged spec changes (invalidates data/.generated)
 GENERATOR_VERSION = 1
-Config = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -103,15 +118,6 @@ def spec_fingerprint(spec: SyntheticSpec) -> str:
     """Stable hash of a spec and the generator version (for the data/ stamp file)."""
     payload = json.dumps({"version": GENERATOR_VERSION, **asdict(spec)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def balanced_combinations(max_crops: tuple[int, ...], top_k: tuple[int, ...], blocks: tuple[int, ...]) -> list[Config]:
-    """The "balanced" sparse strategy (§4.5): first/middle/last of lists with >= 3 values."""
-    def pick(xs: tuple[int, ...]) -> list[int]:
-        return [xs[0], xs[len(xs) // 2], xs[-1]] if len(xs) >= 3 else list(xs)
-    if len(max_crops) == len(top_k) == len(blocks) == 1:
-        return [(max_crops[0], top_k[0], blocks[0])]
-    return list(itertools.product(pick(max_crops), pick(top_k), pick(blocks)))
 
 
 def image_filename(dataset: str, image_id: int | str) -> str:
@@ -175,88 +181,6 @@ def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
     return {ds: build_dataset(ds, spec.num_samples, spec.seed) for ds in spec.datasets}
 
 
-# -- JSON text, byte-identical to json.dump(obj, f, indent=spec.indent) ----------------
-
-class _Raw(str):
-    """Already-encoded JSON text (placed verbatim by :class:`_Json`)."""
-
-
-class _Json:
-    """Minimal json.dumps clone that accepts pre-encoded fragments.
-
-    Per-sample records repeat across the rank, merged and final files at the same depth
-    (top dict -> list -> record), so each record is encoded once and reused; the stdlib
-    pure-Python indent encoder would dominate generation time for large trees.
-    """
-
-    def __init__(self, indent: int | None) -> None:
-        self.indent = indent
-        self.sep = "," if indent is not None else ", "
-
-    def nl(self, level: int) -> str:
-        return "" if self.indent is None else "\n" + " " * (self.indent * level)
-
-    def value(self, v: object, level: int = 0) -> str:
-        if isinstance(v, _Raw):
-            return v
-        if isinstance(v, str):
-            return encode_basestring_ascii(v)
-        if v is None or isinstance(v, bool):
-            return {None: "null", True: "true", False: "false"}[v]
-        if isinstance(v, int):
-            return int.__repr__(v)
-        if isinstance(v, float):
-            if v != v:
-                return "NaN"
-            return float.__repr__(v) if math.isfinite(v) else ("Infinity" if v > 0 else "-Infinity")
-        if isinstance(v, dict):
-            if not v:
-                return "{}"
-            inner = self.nl(level + 1)
-            body = (self.sep + inner).join(f"{encode_basestring_ascii(k)}: {self.value(x, level + 1)}" for k, x in v.items())
-            return "{" + inner + body + self.nl(level) + "}"
-        if isinstance(v, (list, tuple)):
-            return self.array([self.value(x, level + 1) for x in v], level)
-        raise TypeError(f"cannot encode {type(v).__name__}")
-
-    def array(self, items: list[str], level: int) -> _Raw:
-        if not items:
-            return _Raw("[]")
-        inner = self.nl(level + 1)
-        return _Raw("[" + inner + (self.sep + inner).join(items) + self.nl(level) + "]")
-
-    def template(self, obj: dict, level: int = 2) -> list[str]:
-        """Encode ``obj`` with ``_Raw("\\x00")`` holes and split there (for fast filling)."""
-        return self.value(obj, level).split("\x00")
-
-
-HOLE = _Raw("\x00")
-
-
-def _fill(parts: list[str], values: list[str]) -> str:
-    out = [parts[0]]
-    for v, p in zip(values, parts[1:]):
-        out.append(v)
-        out.append(p)
-    return "".join(out)
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    """compute_statistics (§3.1): numpy linear percentiles, population std."""
-    a = np.asarray(values, dtype=np.float64)
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"P50": float(p50), "P95": float(p95), "P99": float(p99), "mean": float(a.mean()),
-            "std": float(a.std()), "min": float(a.min()), "max": float(a.max())}
-
-
-def _mean_std(scores: list[float]) -> tuple[float, float]:
-    # empty configs: the brief asks for NaN (json.dump writes NaN); see data/README.md
-    if not scores:
-        return math.nan, math.nan
-    a = np.asarray(scores, dtype=np.float64)
-    return float(a.mean()), float(a.std())
-
-
 # -- distributed emulation ------------------------------------------------------------
 
 def rank_shards(n: int, world_size: int) -> list[list[int]]:
@@ -272,7 +196,8 @@ def rank_shards(n: int, world_size: int) -> list[list[int]]:
 
 def exp5_batch_size(base: int, max_crops: int, top_k: int, blocks: int) -> int:
     """_find_optimal_batch_size (§4.2) against a synthetic memory limit, then x0.85."""
-    crops_f = next((f for c, f in ((2, 1.0), (4, 0.8), (6, 0.6), (8, 0.5), (10, 0.4), (12, 0.3)) if max_crops <= c), 0.25)
+    crops_f = next((f for c, f in ((2, 1.0), (4, 0.8), (6, 0.6), (8, 0.5), (10, 0.4), (12, 0.3)) if max_crops <= c),
+                   0.25)
     topk_f = next((f for k, f in ((4, 1.0), (8, 0.9), (16, 0.8), (32, 0.7)) if top_k <= k), 0.6)
     ratio = blocks / NUM_TOTAL_BLOCKS
     blk_f = 1.0 if ratio <= 0.25 else 0.9 if ratio <= 0.5 else 0.8 if ratio <= 0.75 else 0.7
@@ -320,7 +245,7 @@ class _RunClock:
 class _Writer:
     def __init__(self, spec: SyntheticSpec, out_dir: Path) -> None:
         self.spec, self.out = spec, out_dir
-        self.js = _Json(spec.indent)
+        self.js = JsonText(spec.indent)
         self.files: list[Path] = []
         self.records = {"exp5": 0, "exp6": 0}
         self.configs = balanced_combinations(spec.max_crops, spec.top_k, spec.num_active_blocks)
@@ -339,14 +264,15 @@ class _Writer:
         metric = t.profile.metric
         out = []
         for i in range(t.n):
-            meta, extra = _Raw(self.js.value(t.metadata[i], 3)), t.extra[i]
+            meta, extra = Raw(self.js.value(t.metadata[i], 3)), t.extra[i]
             rows = []
             for o in range(3):
                 sid = HOLE if sample_id_hole else 0
                 pred = t.preds[i][o]
                 if metric == "mc":
-                    d = {"sample_id": sid, "score": float(t.scores[i, o]), "pred": pred, "answer_idx": extra["answer_idx"],
-                         "predicted_idx": int(t.pred_idx[i, o]), "options": extra["options"], "metadata": meta}
+                    d = {"sample_id": sid, "score": float(t.scores[i, o]), "pred": pred,
+                         "answer_idx": extra["answer_idx"], "predicted_idx": int(t.pred_idx[i, o]),
+                         "options": extra["options"], "metadata": meta}
                 elif metric == "cider_score":
                     d = {"sample_id": sid, "pred": pred, "captions": extra["captions"], "metadata": meta,
                          "score": HOLE, "coco_metrics": HOLE}
@@ -366,32 +292,14 @@ class _Writer:
     # exp5 ---------------------------------------------------------------------------
     def exp5(self, ds: str, t: DatasetTruth, clock: _RunClock) -> None:
         spec, W = self.spec, self.spec.world_size
-        d = self.out / "exp5" / f"exp5_accuracy_{ds.replace('_', '-')}"
+        d = self.out / "exp5" / dataset_dir_names(ds)[0]
         tmpl = self.pred_templates(t, sample_id_hole=True)
         shards = rank_shards(t.n, W)
-        is_cider = t.profile.metric == "cider_score"
         summary, all_samples = [], []
         for ci, (C, K, B) in enumerate(self.configs):
             bs = exp5_batch_size(spec.exp5_batch_size, C, K, B)
-            empty = (C, K, B) in spec.empty_configs
-            codes = t.outcomes(C, K, B, stream(spec.seed, ds, 2, C, K, B))
-            quality = self._cider_quality(t, codes, stream(spec.seed, ds, 5, C, K, B)) if is_cider else None
-            per_rank_texts, per_rank_scores = [], []
-            for shard in shards:
-                texts, scores = [], []
-                for b0 in range(0, 0 if empty else len(shard), bs):
-                    batch = shard[b0:b0 + bs]
-                    if is_cider:  # batch-level CIDEr copied to every sample of the batch (§4.1)
-                        cider = float(np.mean([quality[s] for s in batch]))
-                        metrics = self.coco_metrics(cider)
-                        texts += [_fill(tmpl[s][codes[s]], [str(j), float.__repr__(cider), metrics]) for j, s in enumerate(batch)]
-                        scores += [cider] * len(batch)
-                    else:
-                        texts += [_fill(tmpl[s][codes[s]], [str(j)]) for j, s in enumerate(batch)]
-                        scores += [float(t.scores[s, codes[s]]) for s in batch]
-                per_rank_texts.append(texts)
-                per_rank_scores.append(scores)
-            acc0, std0 = _mean_std(per_rank_scores[0])
+            per_rank_texts, per_rank_scores = self._exp5_ranks(ds, t, shards, (C, K, B), bs, tmpl)
+            acc0, std0 = accuracy_mean_std(per_rank_scores[0], empty=math.nan)
             lat = t.expected_latency(C, K, B)
             n_batches = -(-len(per_rank_texts[0]) // bs)
             batch_s = float(np.mean(lat)) * (0.5 + 0.5 * bs) / 1000.0 if t.n else 0.0
@@ -409,27 +317,53 @@ class _Writer:
                 "config": {**base_cfg, "batch_size_used": bs, "world_size": W, "rank": 0, "config_index": ci,
                            "sampling_strategy": "balanced"},
             }
-            suffix = "_rank0" if W > 1 else ""
-            self.write(d / f"exp5_accuracy_results_crops{C}_topk{K}_blocks{B}{suffix}.json", incremental)
+            self.write(d / exp5_name(C, K, B, rank=0 if W > 1 else None), incremental)
             self.records["exp5"] += len(per_rank_texts[0])
             if (C, K, B) in spec.lost_merge_configs:
                 continue  # the gather never happened: rank 0's file is all there is
             merged_texts = [x for texts in per_rank_texts for x in texts]
-            acc, std = _mean_std([x for scores in per_rank_scores for x in scores])
+            acc, std = accuracy_mean_std([x for scores in per_rank_scores for x in scores], empty=math.nan)
             entry = {**head, "accuracy": acc, "num_samples": len(merged_texts), "std": std}
             if W > 1:
-                self.write(d / f"exp5_accuracy_results_crops{C}_topk{K}_blocks{B}.json", {
+                self.write(d / exp5_name(C, K, B), {
                     "summary": [entry], "all_samples": self.js.array(merged_texts, 1),
-                    "config": {**base_cfg, "world_size": W, "note": "Merged results from all ranks"}})
+                    "config": {**base_cfg, "world_size": W, "note": MERGE_NOTE}})
                 self.records["exp5"] += len(merged_texts)
             else:  # single GPU: the final summary keeps durations and times
                 entry.update(timing)
             summary.append(entry)
             all_samples += merged_texts
-        self.write(d / "exp5_accuracy_results.json", {
+        self.write(d / EXP5_FINAL_NAME, {
             "summary": summary, "all_samples": self.js.array(all_samples, 1),
             "config": self._final_config(ds, t, spec.exp5_batch_size)})
         self.records["exp5"] += len(all_samples)
+
+    def _exp5_ranks(self, ds: str, t: DatasetTruth, shards: list[list[int]], knob: Config, batch_size: int,
+                    tmpl: list[list[list[str]]]) -> tuple[list[list[str]], list[list[float]]]:
+        """Each rank's exp5 record texts and scores of one configuration, batch by batch (the
+        ``sample_id`` is the position in the batch)."""
+        spec, (C, K, B) = self.spec, knob
+        is_cider = t.profile.metric == "cider_score"
+        empty = (C, K, B) in spec.empty_configs
+        codes = t.outcomes(C, K, B, stream(spec.seed, ds, 2, C, K, B))
+        quality = self._cider_quality(t, codes, stream(spec.seed, ds, 5, C, K, B)) if is_cider else None
+        per_rank_texts, per_rank_scores = [], []
+        for shard in shards:
+            texts, scores = [], []
+            for b0 in range(0, 0 if empty else len(shard), batch_size):
+                batch = shard[b0:b0 + batch_size]
+                if is_cider:  # batch-level CIDEr copied to every sample of the batch (§4.1)
+                    cider = float(np.mean([quality[s] for s in batch]))
+                    metrics = self.coco_metrics(cider)
+                    texts += [fill(tmpl[s][codes[s]], [str(j), float.__repr__(cider), metrics])
+                              for j, s in enumerate(batch)]
+                    scores += [cider] * len(batch)
+                else:
+                    texts += [fill(tmpl[s][codes[s]], [str(j)]) for j, s in enumerate(batch)]
+                    scores += [float(t.scores[s, codes[s]]) for s in batch]
+            per_rank_texts.append(texts)
+            per_rank_scores.append(scores)
+        return per_rank_texts, per_rank_scores
 
     def _final_config(self, ds: str, t: DatasetTruth, batch_size: int) -> dict:
         return {"dataset_name": ds, "split": t.profile.split, "batch_size": batch_size,
@@ -448,7 +382,7 @@ class _Writer:
     # exp6 ---------------------------------------------------------------------------
     def exp6(self, ds: str, t: DatasetTruth, clock: _RunClock) -> None:
         spec, W = self.spec, self.spec.world_size
-        d = self.out / "exp6" / f"exp6_latency_{ds.replace('_', '-')}"
+        d = self.out / "exp6" / dataset_dir_names(ds)[1]
         pred_tmpl = self.pred_templates(t, sample_id_hole=False)  # predictions' sample_id is always 0
         lat_tmpl = self.js.template({k: HOLE for k in (
             "sample_id", "max_crops", "top_k", "num_active_blocks", "T_total_ms", "T_prefill_ms", "T_decode_ms",
@@ -457,47 +391,16 @@ class _Writer:
         if spec.exp6_num_samples is not None:  # per rank num_samples // W, first part of each shard
             per_rank = spec.exp6_num_samples // W if W > 1 else spec.exp6_num_samples
             shards = [s[:per_rank] for s in shards]
-        is_cider = t.profile.metric == "cider_score"
-        zero_metrics = self.coco_metrics(0.0)
         summary, all_samples = [], []
         for C, K, B in self.configs:
-            empty = (C, K, B) in spec.empty_configs
-            codes = t.outcomes(C, K, B, stream(spec.seed, ds, 3, C, K, B))
-            vision, prefill, step = t.latency_parts(C, K, B)
-            nv, seq = t.vision_tokens(C), t.sequence_length(C)
-            noise_rng = stream(spec.seed, ds, 4, C, K, B, W)
-            per_rank = []
-            for shard in shards:
-                idx = np.array([] if empty else shard, dtype=np.int64)
-                m = len(idx)
-                noise = np.exp(noise_rng.normal(-model.LAT_NOISE_SIGMA ** 2 / 2, model.LAT_NOISE_SIGMA, (m, 4)))
-                slow = np.where(noise_rng.random(m) < 0.005, 1.3 + 0.7 * noise_rng.random(m), 1.0)
-                code = codes[idx]
-                n_out = t.out_tokens[idx, code]
-                step_s = step[idx] * noise[:, 2]
-                decode = np.where(n_out > 1, (n_out - 1) * step_s, 0.0)
-                llm_pre = prefill[idx] * noise[:, 1]
-                total = (model.LAT_OVERHEAD * noise[:, 3] + vision[idx] * noise[:, 0] + llm_pre + decode) * slow
-                # D1: the hooks keep overwriting, so "prefill" is blocks 1..15 of the last forward
-                blocks_1_15 = np.where(n_out > 1, step_s - model.LAT_DECODE_HEAD, llm_pre) * (B - 1) / B
-                score = t.scores[idx, code] if not is_cider else np.zeros(m)
-                lat_texts, pred_texts = [], []
-                for j, (s, c, tt, tp, td, no, sc) in enumerate(zip(idx.tolist(), code.tolist(), total.tolist(),
-                                                                   blocks_1_15.tolist(), decode.tolist(),
-                                                                   n_out.tolist(), score.tolist())):
-                    nvi, nli = int(nv[s]), int(seq[s])
-                    lat_texts.append(_fill(lat_tmpl, [str(j), str(C), str(K), str(B), repr(tt), repr(tp), repr(td),
-                                                      str(nvi), str(nli), str(no), str(nvi + nli), repr(sc)]))
-                    parts = pred_tmpl[s][c]
-                    pred_texts.append(_fill(parts, ["0.0", zero_metrics]) if is_cider else parts[0])
-                per_rank.append((lat_texts, pred_texts, total.tolist(), blocks_1_15.tolist(), decode.tolist(), score.tolist()))
+            per_rank = self._exp6_ranks(ds, t, shards, (C, K, B), lat_tmpl, pred_tmpl)
             block_ix = list(exp_active_blocks(B))
             rank0 = per_rank[0]
             start, end, dur = clock.span(3.0 + (4 * sum(rank0[2][:1]) + sum(rank0[2]) + 12.0 * len(rank0[2])) / 1000.0)
-            cfg = {"dataset_name": ds, "split": t.profile.split, "batch_size": 1, "max_new_tokens": model.MAX_NEW_TOKENS,
-                   "max_crops": C, "top_k": K, "num_active_blocks": B, "num_total_blocks": NUM_TOTAL_BLOCKS,
-                   "active_block_indices": block_ix, "world_size": W}
-            self.write(d / f"exp6_latency_crops{C}_topk{K}_blocks{B}_rank0.json", {
+            cfg = {"dataset_name": ds, "split": t.profile.split, "batch_size": 1,
+                   "max_new_tokens": model.MAX_NEW_TOKENS, "max_crops": C, "top_k": K, "num_active_blocks": B,
+                   "num_total_blocks": NUM_TOTAL_BLOCKS, "active_block_indices": block_ix, "world_size": W}
+            self.write(d / exp6_name(C, K, B, rank=0), {
                 "summary": [self._exp6_summary(C, K, B, [rank0], block_ix)],
                 "per_sample_latencies": self.js.array(rank0[0], 1),
                 "per_sample_predictions": self.js.array(rank0[1], 1), "config": cfg})
@@ -507,19 +410,59 @@ class _Writer:
             entry = self._exp6_summary(C, K, B, per_rank, None)
             lat_all = [x for r in per_rank for x in r[0]]
             if W > 1:
-                self.write(d / f"exp6_latency_crops{C}_topk{K}_blocks{B}.json", {
+                self.write(d / exp6_name(C, K, B), {
                     "summary": [entry], "per_sample_latencies": self.js.array(lat_all, 1),
                     "per_sample_predictions": self.js.array([x for r in per_rank for x in r[1]], 1),
-                    "config": {**cfg, "note": "Merged results from all ranks"}})
+                    "config": {**cfg, "note": MERGE_NOTE}})
                 self.records["exp6"] += 2 * len(lat_all)
             else:
                 entry.update({"duration_seconds": dur, "duration_minutes": dur / 60.0, "duration_hours": dur / 3600.0,
                               "start_time": start, "end_time": end})
             summary.append(entry)
             all_samples += lat_all
-        self.write(d / "exp6_latency_results.json", {
+        self.write(d / EXP6_FINAL_NAME, {
             "summary": summary, "all_samples": self.js.array(all_samples, 1), "config": self._final_config(ds, t, 1)})
         self.records["exp6"] += len(all_samples)
+
+    def _exp6_ranks(self, ds: str, t: DatasetTruth, shards: list[list[int]], knob: Config, lat_tmpl: list[str],
+                    pred_tmpl: list[list[list[str]]]) -> list[tuple]:
+        """Each rank's exp6 records of one configuration: (latency texts, prediction texts, total,
+        prefill figure, decode, score), the numbers as lists."""
+        spec, (C, K, B), W = self.spec, knob, self.spec.world_size
+        is_cider = t.profile.metric == "cider_score"
+        zero_metrics = self.coco_metrics(0.0)
+        empty = (C, K, B) in spec.empty_configs
+        codes = t.outcomes(C, K, B, stream(spec.seed, ds, 3, C, K, B))
+        vision, prefill, step = t.latency_parts(C, K, B)
+        nv, seq = t.vision_tokens(C), t.sequence_length(C)
+        noise_rng = stream(spec.seed, ds, 4, C, K, B, W)
+        per_rank = []
+        for shard in shards:
+            idx = np.array([] if empty else shard, dtype=np.int64)
+            m = len(idx)
+            noise = np.exp(noise_rng.normal(-model.LAT_NOISE_SIGMA ** 2 / 2, model.LAT_NOISE_SIGMA, (m, 4)))
+            slow = np.where(noise_rng.random(m) < 0.005, 1.3 + 0.7 * noise_rng.random(m), 1.0)
+            code = codes[idx]
+            n_out = t.out_tokens[idx, code]
+            step_s = step[idx] * noise[:, 2]
+            decode = np.where(n_out > 1, (n_out - 1) * step_s, 0.0)
+            llm_pre = prefill[idx] * noise[:, 1]
+            total = (model.LAT_OVERHEAD * noise[:, 3] + vision[idx] * noise[:, 0] + llm_pre + decode) * slow
+            # D1: the hooks keep overwriting, so "prefill" is blocks 1..15 of the last forward
+            blocks_1_15 = np.where(n_out > 1, step_s - model.LAT_DECODE_HEAD, llm_pre) * (B - 1) / B
+            score = t.scores[idx, code] if not is_cider else np.zeros(m)
+            lat_texts, pred_texts = [], []
+            for j, (s, c, tt, tp, td, no, sc) in enumerate(zip(idx.tolist(), code.tolist(), total.tolist(),
+                                                               blocks_1_15.tolist(), decode.tolist(),
+                                                               n_out.tolist(), score.tolist())):
+                nvi, nli = int(nv[s]), int(seq[s])
+                lat_texts.append(fill(lat_tmpl, [str(j), str(C), str(K), str(B), repr(tt), repr(tp), repr(td),
+                                                  str(nvi), str(nli), str(no), str(nvi + nli), repr(sc)]))
+                parts = pred_tmpl[s][c]
+                pred_texts.append(fill(parts, ["0.0", zero_metrics]) if is_cider else parts[0])
+            per_rank.append((lat_texts, pred_texts, total.tolist(), blocks_1_15.tolist(), decode.tolist(),
+                             score.tolist()))
+        return per_rank
 
     @staticmethod
     def _exp6_summary(C: int, K: int, B: int, ranks: list, block_ix: list[int] | None) -> dict:
@@ -527,9 +470,9 @@ class _Writer:
         entry: dict = {"max_crops": C, "top_k": K, "num_active_blocks": B}
         if block_ix is not None:  # the rank file's summary also carries the block info
             entry.update(num_total_blocks=NUM_TOTAL_BLOCKS, active_block_indices=block_ix)
-        entry.update(num_samples=len(total), accuracy=_mean_std(scores)[0],
-                     latency_total_ms=_stats(total) if total else {}, latency_prefill_ms=_stats(pre) if pre else {},
-                     latency_decode_ms=_stats(dec) if dec else {})
+        entry.update(num_samples=len(total), accuracy=accuracy_mean_std(scores, empty=math.nan)[0],
+                     latency_total_ms=latency_statistics(total), latency_prefill_ms=latency_statistics(pre),
+                     latency_decode_ms=latency_statistics(dec))
         return entry
 
 
@@ -556,7 +499,8 @@ def _write_images(spec: SyntheticSpec, truth: dict[str, DatasetTruth], images_di
                 (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
             for _ in range(int(3 + 25 * t.image_detail[k])):  # text-like strokes / small objects
                 x0, y0 = int(rng.integers(0, w - 3)), int(rng.integers(0, h - 2))
-                draw.rectangle([x0, y0, x0 + int(rng.integers(1, 5)), y0 + 1], fill=(0, 0, 0) if sum(bg) > 380 else (255, 255, 255))
+                draw.rectangle([x0, y0, x0 + int(rng.integers(1, 5)), y0 + 1],
+                               fill=(0, 0, 0) if sum(bg) > 380 else (255, 255, 255))
             path = images_dir / name
             if path.suffix == ".png":
                 img.save(path, format="PNG", optimize=False)
@@ -571,11 +515,14 @@ def _write_images(spec: SyntheticSpec, truth: dict[str, DatasetTruth], images_di
 def _validate(spec: SyntheticSpec) -> None:
     bad = [d for d in spec.datasets if d not in model.PROFILES]
     if bad:
-        raise ValueError(f"unsupported datasets {bad}; choose from {', '.join(SUPPORTED_DATASETS)}")
+        msg = f"unsupported datasets {bad}; choose from {', '.join(SUPPORTED_DATASETS)}"
+        raise ValueError(msg)
     if spec.world_size < 1 or spec.num_samples < 0 or spec.exp5_batch_size < 1:
-        raise ValueError("world_size and exp5_batch_size must be >= 1, num_samples >= 0")
+        msg = "world_size and exp5_batch_size must be >= 1, num_samples >= 0"
+        raise ValueError(msg)
     if set(spec.experiments) - {"exp5", "exp6"}:
-        raise ValueError(f"experiments must be a subset of ('exp5', 'exp6'), got {spec.experiments}")
+        msg = f"experiments must be a subset of ('exp5', 'exp6'), got {spec.experiments}"
+        raise ValueError(msg)
     for b in spec.num_active_blocks:
         exp_active_blocks(b)  # raises on values outside 1..16
 
@@ -592,7 +539,8 @@ def generate_tree(spec: SyntheticSpec, out_dir: Path, *, overwrite: bool = False
     for sub in subdirs:
         if sub.exists() and any(sub.iterdir()):
             if not overwrite:
-                raise FileExistsError(f"{sub} is not empty (pass overwrite=True to replace it)")
+                msg = f"{sub} is not empty (pass overwrite=True to replace it)"
+                raise FileExistsError(msg)
             shutil.rmtree(sub)
     truth = build_truth(spec)
     writer = _Writer(spec, out_dir)

@@ -13,7 +13,7 @@ what was measured once:
   and start / end time), the records' field order, and each dataset's sample metadata by index.
 
 :func:`unpack_profile` renders the rank files from that with profile's own
-:class:`online.profile.TreeWriter`, then merges and aggregates with it, so the unpacked tree is
+:class:`profiler.tree.TreeWriter`, then merges and aggregates with it, so the unpacked tree is
 byte-identical to the packed one; :func:`pack_profile` renders every rank file once and refuses a
 tree it would not reproduce. ``data/generate.py`` ships the sample data this way: a real profile of
 the trained testbed in a few hundred kB.
@@ -23,26 +23,25 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import tempfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from online.profile import IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, _read_json, exp5_name, exp6_name
 from pipeline.errors import CtrlError
+from pipeline.origin_format import EXP5_DIR_PREFIX, EXP6_CONFIG_RE, EXP6_DIR_PREFIX, exp5_name, exp6_name
 from pipeline.workspace import write_bytes_atomic
+from profiler.tree import IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, read_json
 
 __all__ = ["ARCHIVE_VERSION", "UnpackReport", "pack_profile", "unpack_profile"]
 
 ARCHIVE_VERSION = 1
 METADATA_KEY = b"ctrl_profile_archive"
 _WRITER_KEYS = ("split", "world_size", "max_new_tokens", "num_total_blocks", "sampling_strategy")
-_RANK6 = re.compile(r"^exp6_latency_crops(\d+)_topk(\d+)_blocks(\d+)_rank(\d+)\.json$")
 
 
 @dataclass
@@ -59,66 +58,85 @@ def _writer(out: Path, name: str, config: dict, combinations: tuple = ()) -> Tre
                       config["num_total_blocks"], config["sampling_strategy"], combinations)
 
 
+@dataclass
+class _Packer:
+    """What :func:`pack_profile` collects, rank file by rank file."""
+
+    rows: list[dict] = field(default_factory=list)  # one per (rank file, sample)
+    rank_files: list[dict] = field(default_factory=list)  # what is not per sample
+    samples: dict[str, dict[int, dict]] = field(default_factory=dict)  # dataset -> index -> metadata
+    fields: dict[str, list[str]] = field(default_factory=dict)  # the records' field order
+
+    def add(self, path5: Path, path6: Path, knob: tuple[int, int, int], rank: int, scratch: Path) -> None:
+        """One rank's exp5 and exp6 files (checked to come back byte for byte from what is kept)."""
+        d6, d5 = read_json(path6), read_json(path5)
+        for path, doc in ((path6, d6), (path5, d5)):
+            config = doc.get("config") if doc else None
+            if not isinstance(config, dict) or config.get("ctrl_profile_version") != PROFILE_VERSION \
+                    or not (config.get("ctrl_profile") or {}).get("complete"):
+                msg = (f"{path}: missing, unreadable or not a complete ctrl profile rank file "
+                       f"(version {PROFILE_VERSION})")
+                raise CtrlError(msg)
+        config5, summary5 = d5["config"], d5["summary"][0]
+        name = config5["dataset_name"]
+        lats, preds = d6["per_sample_latencies"], d6["per_sample_predictions"]
+        self._add_records(path6, name, lats, preds)
+        entry = {"dataset": name, "knob": list(knob), "rank": rank, "config_index": config5["config_index"],
+                 "active": config5["active_block_indices"], "block": config5["ctrl_profile"],
+                 "duration": summary5["duration_seconds"], "start_time": summary5["start_time"],
+                 "end_time": summary5["end_time"], "writer": {key: config5[key] for key in _WRITER_KEYS}}
+        # the archive keeps fields, not files: check that they give these very files back
+        for original, rendered in zip((path5, path6), _render_rank(scratch, entry, lats, preds)):
+            if original.read_bytes() != rendered.read_bytes():
+                msg = (f"{original}: not reproducible from its fields (another ctrl profile "
+                       "version, or edited); the archive would change it")
+                raise CtrlError(msg)
+        self.rank_files.append(entry)
+
+    def _add_records(self, path6: Path, name: str, lats: list[dict], preds: list[dict]) -> None:
+        known = self.samples.setdefault(name, {})
+        for lat, pred in zip(lats, preds, strict=True):
+            index = lat["dataset_index"]
+            if known.setdefault(index, lat["metadata"]) != lat["metadata"]:
+                msg = f"{path6}: dataset index {index} has other metadata than in another file"
+                raise CtrlError(msg)
+            self.fields.setdefault("lat", list(lat))
+            self.fields.setdefault("pred", list(pred))
+            if list(lat) != self.fields["lat"] or list(pred) != self.fields["pred"]:
+                msg = f"{path6}: per-sample records with other fields than the first file's"
+                raise CtrlError(msg)
+            row = {"dataset": name, "file": len(self.rank_files)}
+            row.update({f"lat:{f}": v for f, v in lat.items() if f != "metadata"})
+            row.update({f"pred:{f}": v for f, v in pred.items() if f not in ("metadata", "answers")})
+            self.rows.append(row)
+
+
 def pack_profile(profile_dir: str | Path, dest: str | Path) -> int:
     """Write the archive of the ``ctrl profile`` tree under ``profile_dir`` to ``dest`` (atomic);
     returns the number of per-sample rows. Refuses trees not written by ``ctrl profile`` and
     rank files the archive could not reproduce byte for byte."""
     root = Path(profile_dir)
-    exp6_dirs = sorted(p for p in root.glob("exp6_latency_*") if p.is_dir())
+    exp6_dirs = sorted(p for p in root.glob(EXP6_DIR_PREFIX + "*") if p.is_dir())
     if not exp6_dirs:
-        raise CtrlError(f"{root}: no exp6_latency_* directories (not a ctrl profile output directory)")
-    rows: list[dict] = []
-    rank_files: list[dict] = []
-    samples: dict[str, dict[int, dict]] = {}
-    fields: dict[str, list[str]] = {}
+        msg = f"{root}: no exp6_latency_* directories (not a ctrl profile output directory)"
+        raise CtrlError(msg)
+    packer = _Packer()
     with tempfile.TemporaryDirectory() as scratch:
         for exp6_dir in exp6_dirs:
-            exp5_dir = root / exp6_dir.name.replace("exp6_latency_", "exp5_accuracy_", 1)
+            exp5_dir = root / exp6_dir.name.replace(EXP6_DIR_PREFIX, EXP5_DIR_PREFIX, 1)
             for path6 in sorted(exp6_dir.iterdir(), key=lambda p: p.name):
-                m = _RANK6.match(path6.name)
-                if m is None:
+                m = EXP6_CONFIG_RE.match(path6.name)
+                if m is None or m.group(4) is None:  # rank files only: the rest is rendered from them
                     continue
                 c, k, b, rank = (int(g) for g in m.groups())
-                path5 = exp5_dir / exp5_name(c, k, b, rank)
-                d6, d5 = _read_json(path6), _read_json(path5)
-                for path, doc in ((path6, d6), (path5, d5)):
-                    config = doc.get("config") if doc else None
-                    if not isinstance(config, dict) or config.get("ctrl_profile_version") != PROFILE_VERSION \
-                            or not (config.get("ctrl_profile") or {}).get("complete"):
-                        raise CtrlError(f"{path}: missing, unreadable or not a complete ctrl profile rank file "
-                                        f"(version {PROFILE_VERSION})")
-                config5, summary5 = d5["config"], d5["summary"][0]
-                name = config5["dataset_name"]
-                lats, preds = d6["per_sample_latencies"], d6["per_sample_predictions"]
-                known = samples.setdefault(name, {})
-                for lat, pred in zip(lats, preds, strict=True):
-                    index = lat["dataset_index"]
-                    if known.setdefault(index, lat["metadata"]) != lat["metadata"]:
-                        raise CtrlError(f"{path6}: dataset index {index} has other metadata than in another file")
-                    fields.setdefault("lat", list(lat))
-                    fields.setdefault("pred", list(pred))
-                    if list(lat) != fields["lat"] or list(pred) != fields["pred"]:
-                        raise CtrlError(f"{path6}: per-sample records with other fields than the first file's")
-                    row = {"dataset": name, "file": len(rank_files)}
-                    row.update({f"lat:{f}": v for f, v in lat.items() if f != "metadata"})
-                    row.update({f"pred:{f}": v for f, v in pred.items() if f not in ("metadata", "answers")})
-                    rows.append(row)
-                entry = {"dataset": name, "knob": [c, k, b], "rank": rank, "config_index": config5["config_index"],
-                         "active": config5["active_block_indices"], "block": config5["ctrl_profile"],
-                         "duration": summary5["duration_seconds"], "start_time": summary5["start_time"],
-                         "end_time": summary5["end_time"], "writer": {key: config5[key] for key in _WRITER_KEYS}}
-                # the archive keeps fields, not files: check that they give these very files back
-                again = _render_rank(Path(scratch), entry, lats, preds)
-                for original, rendered in zip((path5, path6), again):
-                    if original.read_bytes() != rendered.read_bytes():
-                        raise CtrlError(f"{original}: not reproducible from its fields (another ctrl profile "
-                                        "version, or edited); the archive would change it")
-                rank_files.append(entry)
-    if not rank_files:
-        raise CtrlError(f"{root}: no rank files (exp6_latency_crops*_rank*.json) found")
-    meta = {"version": ARCHIVE_VERSION, "fields": fields, "rank_files": rank_files,
-            "samples": {name: [[i, md] for i, md in sorted(by_index.items())] for name, by_index in samples.items()}}
-    table = pa.Table.from_pylist(rows)
+                packer.add(exp5_dir / exp5_name(c, k, b, rank), path6, (c, k, b), rank, Path(scratch))
+    if not packer.rank_files:
+        msg = f"{root}: no rank files (exp6_latency_crops*_rank*.json) found"
+        raise CtrlError(msg)
+    meta = {"version": ARCHIVE_VERSION, "fields": packer.fields, "rank_files": packer.rank_files,
+            "samples": {name: [[i, md] for i, md in sorted(by_index.items())]
+                        for name, by_index in packer.samples.items()}}
+    table = pa.Table.from_pylist(packer.rows)
     # Parquet does not compress its footer, where key-value metadata lives: deflate it ourselves
     packed = base64.b64encode(zlib.compress(json.dumps(meta, allow_nan=False).encode(), 9))
     sink = pa.BufferOutputStream()
@@ -129,7 +147,7 @@ def pack_profile(profile_dir: str | Path, dest: str | Path) -> int:
         writer.write_table(table)
         writer.add_key_value_metadata({METADATA_KEY: packed})
     write_bytes_atomic(Path(dest), sink.getvalue().to_pybytes())
-    return len(rows)
+    return len(packer.rows)
 
 
 def _render_rank(out: Path, entry: dict, lats: list[dict], preds: list[dict]) -> tuple[Path, Path]:
@@ -150,15 +168,19 @@ def _read_archive(path: Path) -> tuple[pa.Table, dict]:
         table = pq.read_table(path)
         raw = (pq.read_metadata(path).metadata or {}).get(METADATA_KEY)
     except (OSError, pa.ArrowInvalid) as exc:
-        raise CtrlError(f"{path}: not a readable Parquet file ({exc})") from None
+        msg = f"{path}: not a readable Parquet file ({exc})"
+        raise CtrlError(msg) from None
     if raw is None:
-        raise CtrlError(f"{path}: not a ctrl profile archive (no {METADATA_KEY.decode()} metadata)")
+        msg = f"{path}: not a ctrl profile archive (no {METADATA_KEY.decode()} metadata)"
+        raise CtrlError(msg)
     try:
         meta = json.loads(zlib.decompress(base64.b64decode(raw)))
     except (ValueError, zlib.error) as exc:
-        raise CtrlError(f"{path}: damaged profile archive metadata ({exc})") from None
+        msg = f"{path}: damaged profile archive metadata ({exc})"
+        raise CtrlError(msg) from None
     if meta.get("version") != ARCHIVE_VERSION:
-        raise CtrlError(f"{path}: profile archive version {meta.get('version')!r}, this ctrl reads {ARCHIVE_VERSION}")
+        msg = f"{path}: profile archive version {meta.get('version')!r}, this ctrl reads {ARCHIVE_VERSION}"
+        raise CtrlError(msg)
     return table, meta
 
 

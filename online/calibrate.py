@@ -1,0 +1,114 @@
+"""The budget range of an online run on this machine, measured.
+
+Recorded budgets mean nothing for a model on another machine, and the online request itself
+costs more than a profiled ``generate`` (two controller stages, the split prefill, the budget
+token). :func:`calibrate_budget_range` runs the fastest and the slowest configuration on a few
+training samples; continuing an offline run, each end of that run's range is scaled by its own
+configuration's measured / recorded latency ratio, else the range is [p95 of the fastest, p95
+of the slowest].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from online.data import OnlineSamples
+from online.rollout import RolloutExecutor
+from pipeline.errors import CtrlError
+from pipeline.workspace import Workspace
+from runtime import ModelRuntime
+from trainer.data import load_offline_data
+from trainer.two_stage import TwoStageController
+
+
+def calibration_configs(controller: TwoStageController) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """Knob indices (crops, insertion, top-K, blocks) of the fastest and the slowest configuration."""
+    c_lo, c_hi = 0, len(controller.max_crops_values) - 1
+    positions = controller.insertion_positions
+    valid = controller.blocks_valid
+    fastest_p = next(i for i in range(len(positions)) if bool(valid[i, 0])) if bool(valid[:, 0].any()) else 0
+    b_lo = int(valid[fastest_p].float().argmax())
+    fastest = (c_lo, fastest_p, 0, b_lo)
+    slowest_p = next(i for i in range(len(positions)) if bool(valid[i, -1]))
+    slowest = (c_hi, slowest_p, len(controller.top_k_values) - 1, valid.shape[1] - 1)
+    return fastest, slowest
+
+
+def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageController, rows: list[int],
+                           reference: BudgetReference | None = None) -> tuple[float, float]:
+    """The budget range on this machine, measured with the fastest and the slowest configuration on ``rows``.
+
+    Each configuration runs twice per sample, the two configurations alternating so that they see
+    the same machine. With a ``reference`` (the parent offline run's range and the recorded
+    latencies of these samples), each end of that offline range is scaled by its own
+    configuration's speed ratio here: the median over ``rows`` of measured / recorded latency of
+    the same sample and configuration (the low end by the fastest configuration's, the high end
+    by the slowest's: the offline ends are statistics of those two). The pairing cancels what
+    makes samples differ (answer length above all), so a few samples suffice; a ratio per end,
+    not one for both, because the two-stage request adds a roughly constant cost (controller,
+    split prefill) that weighs more on fast configurations than on slow ones. Without a reference
+    (fresh runs, nothing recorded): [p95 of the fastest, p95 of the slowest].
+    """
+    configs = dict(zip(("fastest", "slowest"), calibration_configs(controller)))
+    # medians of all runs, not minima: the range must hold for typical requests, and the speed of a
+    # shared machine drifts within seconds
+    runs: dict[str, list] = {name: [] for name in configs}
+    for _ in range(2):
+        for name, force in configs.items():
+            runs[name].extend(executor.run_fixed(rows, force))
+    lat, ratio = {}, {}
+    for name, out in runs.items():
+        lat[name] = np.array([r.latency_total_ms for r in out])
+        if reference is not None:
+            knobs = (out[0].max_crops, out[0].top_k, out[0].num_active_blocks)
+            recorded = np.array([reference.recorded_ms(row, knobs) for row in rows] * 2)
+            ok = np.isfinite(recorded) & (recorded > 0)
+            if ok.any():
+                ratio[name] = float(np.median(lat[name][ok] / recorded[ok]))
+    if len(ratio) == 2:
+        lo, hi = reference.range_ms[0] * ratio["fastest"], reference.range_ms[1] * ratio["slowest"]
+    else:
+        lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
+    if not hi > lo * 1.05:  # the knobs barely move latency here: still give the budget some range
+        hi = lo * 1.5
+    return round(lo, 1), round(hi, 1)
+
+
+@dataclass
+class BudgetReference:
+    """What the calibration compares with: an offline run's budget range and the recorded latencies.
+
+    range_ms: the offline run's training budget range (its config.json). ``recorded_ms(row,
+    (max_crops, top_k, num_active_blocks))``: the ``groups`` view's latency of online sample
+    ``row`` under that configuration (NaN where not recorded).
+    """
+
+    range_ms: tuple[float, float]
+    latency_ms: dict[tuple[str, str, int, int, int], float]
+    keys: list[tuple[str, str]]
+
+    def recorded_ms(self, row: int, knobs: tuple[int, int, int]) -> float:
+        return self.latency_ms.get((*self.keys[row], *knobs), float("nan"))
+
+
+def budget_reference(workspace: Workspace, runtime: ModelRuntime, samples: OnlineSamples,
+                     parent_config: dict) -> BudgetReference | None:
+    """The reference for an offline parent run (None when the workspace recorded no latencies)."""
+    try:
+        data = load_offline_data(workspace, runtime.fingerprint)
+    except CtrlError:
+        return None
+    actions = data.action_space.actions
+    latency: dict[tuple[str, str, int, int, int], float] = {}
+    wanted = set(zip(samples.dataset, samples.sample_key))
+    for i, key in enumerate(zip(data.dataset, data.sample_key)):
+        if key in wanted:
+            row = data.latency_ms[i].tolist()
+            for a, knobs in enumerate(actions):
+                latency[(*key, *knobs)] = row[a]
+    if not latency:
+        return None
+    return BudgetReference(range_ms=(float(parent_config["budget_min_ms"]), float(parent_config["budget_max_ms"])),
+                           latency_ms=latency, keys=list(zip(samples.dataset, samples.sample_key)))

@@ -1,0 +1,136 @@
+"""Named models and how ``--model`` resolves: what every command that runs a model loads.
+
+* ``embedded``: the seeded embedded model (``runtime.embedded_model``), built into the model
+  cache on first use;
+* ``testbed``: the embedded model trained on the testbed task (``ctrl testbed train``,
+  ``testbed.train``) with the current :class:`TestbedRecipe`, found in the model cache by the
+  recipe's hash; never trained implicitly (it takes minutes);
+* anything else: a local directory, loaded as the embedded format when it carries the embedded
+  marker and as a MolmoE-1B checkpoint otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline import knobs
+from runtime.base import ModelLoadError, ModelRuntime
+from runtime.cache import default_cache_root
+from runtime.embedded import EmbeddedRuntime
+from runtime.embedded_model import EMBEDDED_VERSION, build_embedded_model, directory_fingerprint, is_embedded_dir
+from runtime.molmoe import MolmoERuntime, checkpoint_fingerprint
+
+#: bump when the testbed training code changes in a way the recipe fields do not capture
+TESTBED_VERSION = 3
+#: the file in a trained testbed directory that records its recipe and training log
+RECIPE_FILE = "testbed.json"
+
+
+@dataclass(frozen=True)
+class TestbedRecipe:
+    """Everything that determines the trained testbed's weights; its hash names the cache directory.
+
+    The fields are the options of ``ctrl testbed train`` (the training itself: ``testbed.train``).
+    """
+
+    seed: int = 0
+    #: the embedded model's seed the training starts from
+    base_seed: int = 0
+    num_train_samples: int = 4000
+    steps: int = 800
+    batch_size: int = 8
+    lr: float = 3e-3
+    #: learning rate of the vision path (ViT + projector); None = ``lr``. The vision tower
+    #: learns fine patterns only at a lower rate than the decoder tolerates
+    vision_lr: float | None = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    crops_choices: tuple[int, ...] = knobs.BALANCED_MAX_CROPS
+    #: top-K 4 is left out on purpose: like a real MoE trained at a fixed top-K, the profiled
+    #: top-K 4 then measures what running below the trained range costs
+    top_k_choices: tuple[int, ...] = (6, 8, 12)
+    min_blocks: int = 12
+    #: share of steps that run the full model (largest top-K, all blocks)
+    full_prob: float = 0.25
+    #: the first ``full_warmup`` share of the steps all run the full model (a curriculum: learn
+    #: the task first, then robustness to the knobs)
+    full_warmup: float = 0.3
+    #: "periodic" sets the first ``periodic_filters`` output channels of the ViT's patch
+    #: embedding to fixed stripe/check filters before training (:func:`periodic_patch_filters`),
+    #: a stand-in for the pretrained vision tower a real VLM starts from; "random" keeps the
+    #: embedded model's weights
+    vision_init: str = "periodic"
+    periodic_filters: int = 21
+    #: steps of a first phase that trains only the vision path (ViT + projector) with a
+    #: temporary linear head from the mean image token to the answer (a stand-in for the
+    #: pretrained vision tower a real VLM starts from); 0 = none
+    vision_pretrain_steps: int = 1500
+    #: the question families the vision pretraining draws from (empty = all). Fine detail only by
+    #: default: the coarse families are learned from the global image in the main phase, and mixed
+    #: in here they kept the tower from learning the 1-2 px textures (docs/decisions.md)
+    vision_pretrain_families: tuple[str, ...] = ("texture",)
+    #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
+    #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
+    threads: int = 1
+
+    @property
+    def vision_peak_lr(self) -> float:
+        return self.lr if self.vision_lr is None else self.vision_lr
+
+    def recipe_hash(self) -> str:
+        payload = json.dumps({"testbed_version": TESTBED_VERSION, "embedded_version": EMBEDDED_VERSION,
+                              **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def testbed_model_dir(recipe: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path | None = None) -> Path:
+    """Where the testbed of ``recipe`` lives in the model cache (whether it is there or not)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    return root / f"testbed-v{TESTBED_VERSION}-{recipe.recipe_hash()}"
+
+
+def cached_testbed_dir(recipe: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path | None = None) -> Path | None:
+    """The trained testbed's directory when it is in the cache, else None (nothing is trained)."""
+    target = testbed_model_dir(recipe, cache_dir)
+    return target if is_embedded_dir(target) else None
+
+
+def resolve_model(model: str) -> tuple[str, Path]:
+    """("embedded" | "molmoe", directory) for a ``--model`` value; builds the embedded model when needed."""
+    if model == "embedded":
+        return "embedded", build_embedded_model()
+    if model == "testbed":
+        path = cached_testbed_dir()
+        if path is None:
+            msg = ("--model testbed: the trained testbed is not in the cache; "
+                   "run `ctrl testbed train` first (about 30 minutes on one core)")
+            raise ModelLoadError(msg)
+        return "embedded", path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        msg = f"{model}: no such model directory (use 'embedded', 'testbed' or a local directory)"
+        raise ModelLoadError(msg)
+    return ("embedded" if is_embedded_dir(path) else "molmoe"), path
+
+
+def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None) -> ModelRuntime:
+    """A ready runtime for a ``--model`` value (see the module docstring).
+
+    ``importance_scores``: a §6 importance file used by ``blocks_for`` / ``knobs(num_active_blocks=...)``;
+    without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
+    """
+    kind, path = resolve_model(model)
+    if kind == "embedded":
+        return EmbeddedRuntime(path, device=device, importance_scores=importance_scores)
+    return MolmoERuntime(path, device=device, importance_scores=importance_scores)
+
+
+def model_fingerprint(model: str = "embedded") -> str:
+    """The fingerprint ``load_runtime(model)`` would report, without loading the weights:
+    lets a fully cached feature run skip the model altogether."""
+    kind, path = resolve_model(model)
+    return directory_fingerprint(path) if kind == "embedded" else checkpoint_fingerprint(path)
