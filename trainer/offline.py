@@ -354,14 +354,16 @@ class OfflineTrainer:
         self.notify = progress or (lambda event: None)
         resume = RunDir.resolve(self.workspace, config.resume) if config.resume else None
         self.data = data if data is not None else load_offline_data(self.workspace, config.model_fingerprint)
+        train, val = _split(self.data, "train"), _split(self.data, "val")
         config = _resolve(config, self.data)
         self.config = _check_resume(resume, config) if resume is not None else config
         self.run = resume if resume is not None else RunDir(self.workspace.runs_dir / (config.run_id or new_run_id()))
         self.config.run_id = self.run.run_id
         self.run.write_config(self.config.to_json())
+        self.train_recorded = train  # the recorded scores: the lookup table of the fallback is built on them
         # model selection on the same, less noisy, targets as training
-        self.train_split = training_targets(_split(self.data, "train"), self.config.score_target)
-        self.val_split = training_targets(_split(self.data, "val"), self.config.score_target)
+        self.train_split = training_targets(train, self.config.score_target)
+        self.val_split = training_targets(val, self.config.score_target)
         self.val_budgets = budget_grid(self.config.budget_min_ms, self.config.budget_max_ms,
                                        self.config.num_val_budgets)
         self.policy = build_policy(self.config, self.train_split)
@@ -520,7 +522,7 @@ class OfflineTrainer:
 
     def _attach_fallback(self) -> None:
         best = ControllerPolicy.load(self.run.best_checkpoint)
-        fallback = fit_table_fallback(best, _split(self.data, "train"), self.val_split, self.val_budgets,
+        fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
                                       self.config.reward, confidence=self.config.fallback_confidence)
         attach_fallback(self.run.best_checkpoint, fallback)
 
