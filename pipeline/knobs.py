@@ -109,8 +109,9 @@ def tiling_candidates(max_crops: int) -> np.ndarray:
     return np.array(tilings, dtype=np.int32)
 
 
-def select_tiling(height, width, max_crops: int, *, window_px: int = MOLMO_CROP_WINDOW_PX,
-                  total_margin_px: int = MOLMO_TOTAL_MARGIN_PX) -> tuple[np.ndarray, np.ndarray]:
+def select_tiling(height: int | np.ndarray, width: int | np.ndarray, max_crops: int, *,
+                  window_px: int = MOLMO_CROP_WINDOW_PX,
+                  total_margin_px: int = MOLMO_TOTAL_MARGIN_PX) -> tuple[np.ndarray, np.ndarray] | tuple[int, int]:
     """Molmo's tiling rule for image sizes (scalars or arrays); returns (rows, cols).
 
     If every candidate tiling needs downscaling, take the one with the largest scale;
@@ -134,7 +135,7 @@ def select_tiling(height, width, max_crops: int, *, window_px: int = MOLMO_CROP_
 # -- Knob3: which blocks run. Importance-based selection (origin_formats.md §2.3, §6)
 
 
-def load_importance_scores(path) -> dict[int, float]:
+def load_importance_scores(path: str | Path) -> dict[int, float]:
     """Read a §6 importance file: a flat {block: score} object, or one wrapped in
     ``merged_scores`` / ``train_scores`` / ``importance_scores``. Non-integer keys are dropped."""
     data = json.loads(Path(path).read_text())

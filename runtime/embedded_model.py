@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ from torch import nn
 from pipeline import knobs
 from runtime.base import ModelLoadError
 from runtime.cache import cache_tmp_dir, default_cache_root
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 EMBEDDED_FORMAT = "ctrl-embedded-vlm"
 #: bump when the build recipe changes: it names the cache directory and enters the fingerprint
@@ -324,7 +328,7 @@ def publish_model_dir(src: Path, target: Path, replace: bool = False) -> None:
             raise
 
 
-def load_strict(cls, directory: Path):
+def load_strict(cls: type[PreTrainedModel], directory: Path) -> PreTrainedModel:
     """``cls.from_pretrained`` from a local directory; any missing/unexpected/mismatched weight is an error."""
     model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True)
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
