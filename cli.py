@@ -83,7 +83,7 @@ class Bar:
 
     @property
     def completed(self) -> float:
-        return self.progress.tasks[0].completed
+        return next(t.completed for t in self.progress.tasks if t.id == self.task)
 
 
 @contextmanager

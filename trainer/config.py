@@ -113,14 +113,8 @@ class TrainingConfig:
 
     # -- config.json
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Path):
-                out[f.name] = str(value)
-            elif isinstance(value, RewardConfig):
-                out[f.name] = value.to_json()
-        return out
+        """The fields as JSON values (``asdict`` already turns the reward into a dict; paths become text)."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_json(cls: type[T], d: dict[str, Any]) -> T:

@@ -37,7 +37,6 @@ from pipeline.workspace import Workspace, atomic_path, write_bytes_atomic
 
 Phase = Literal["offline", "online"]
 CONFIG_FILE = "config.json"
-PHASES: tuple[Phase, ...] = ("offline", "online")
 
 
 def new_run_id() -> str:
@@ -226,5 +225,5 @@ def resolve_checkpoint(workspace: Workspace, run_or_checkpoint: str | Path) -> P
     return run.best_checkpoint
 
 
-__all__ = ["PHASES", "Phase", "RunDir", "atomic_torch_save", "latest_run", "new_run_id", "resolve_checkpoint",
+__all__ = ["Phase", "RunDir", "atomic_torch_save", "latest_run", "new_run_id", "resolve_checkpoint",
            "rows_frame", "rows_table", "write_frame_atomic", "write_table_atomic"]
