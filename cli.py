@@ -239,13 +239,19 @@ def extract_features(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 16,
     force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
 ) -> None:
-    """Compute image and language features per sample once and cache them in the workspace."""
+    """Compute image and language features per sample once and cache them in the workspace.
+
+    Several GPUs: torchrun --nproc-per-node N -m cli extract-features ... (the same cache as one process)."""
+    import os
     import time
 
     from features import FeatureConfig
     from features import extract_features as run_extract
+    from runtime.distributed import current_dist
 
-    with running("features", interrupted="finished chunks are kept; the next run resumes") as bar:
+    # under torchrun, rank 0 shows the progress and reports
+    with running("features", interrupted="finished chunks are kept; the next run resumes",
+                 show=os.environ.get("RANK", "0") == "0") as bar:
         config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
                                device=device, batch_size=batch_size, force=force)
         started: list[float] = []
@@ -256,6 +262,8 @@ def extract_features(
             bar.advance(n, info=f"{(bar.completed + n) / elapsed:.1f} samples/s" if elapsed > 0 else "")
 
         report = run_extract(config, progress=advance, on_total=bar.total)
+    if current_dist().rank != 0:
+        return
     _print(f"features for {report.num_samples} samples (model {report.fingerprint[:16]}): {report.computed} computed, "
            f"{report.cached} already cached; {report.computed / max(report.elapsed_s, 1e-9):.1f} samples/s")
     for label, ids in (("missing", report.missing_images), ("unreadable", report.unreadable_images)):

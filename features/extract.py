@@ -4,6 +4,12 @@ Features live in ``workspace/features/<fingerprint>/chunk-NNNNN/`` (one director
 of samples, renamed into place when complete). A sample is computed at most once per model
 fingerprint: later runs skip every sample already in a chunk, so an interrupted run resumes
 where it stopped and a finished one does zero forward passes.
+
+Under ``torchrun`` (one process per GPU) the pending samples are cut into the same chunks and
+batches as in one process; each round of ``world_size`` chunks deals its batches out in turn
+(batch i of the round to rank i % world_size), and rank 0 gathers them and writes the chunks in
+order. So the cache is the one a single process writes, every sample's rows come from the same
+forward batch, and rank 0 alone holds the workspace lock and writes.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +32,7 @@ from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
 from pipeline.workspace import Workspace
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
+from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
 
 #: max_crops values whose tiling is stored per sample (covers every tier of §2.1)
@@ -42,7 +50,7 @@ class FeatureConfig:
 
     > Model
     model: ``"embedded"`` (built offline from a seed) or a local checkpoint directory.
-    device: ``"cpu"`` or ``"cuda"``.
+    device: ``"cpu"`` or ``"cuda"`` (under torchrun: each rank's own GPU, ``cuda:LOCAL_RANK``).
 
     > Work
     batch_size: requests per forward pass (default 16).
@@ -77,7 +85,10 @@ class FeatureConfig:
 @dataclass
 class FeatureReport:
     """What :func:`extract_features` did: samples computed and found cached, forward batches,
-    the samples whose image was missing or unreadable, and the time it took."""
+    the samples whose image was missing or unreadable, and the time it took.
+
+    Under torchrun rank 0's report covers the whole job; another rank's counts its own batches.
+    """
 
     fingerprint: str
     num_samples: int = 0
@@ -105,99 +116,171 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
 
     ``runtime`` (a ``runtime.ModelRuntime``) is loaded from ``config.model`` when None.
     ``progress(n)`` is called after each batch with the number of samples it finished.
+    Under torchrun every rank calls this (see the module docstring); only rank 0 calls
+    ``progress`` and ``on_total``, and an error on any rank raises on all of them.
     """
     started = time.perf_counter()
-    workspace = Workspace(config.workspace)
-    samples = workspace.read_table("samples")  # raises a clear error on an empty workspace
-    with workspace.lock("ctrl extract-features"):
-        fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model)
-        out_dir = workspace.features_dir / fingerprint[:16]
-        if config.force and out_dir.exists():
-            trash = out_dir.with_name(f".trash-{uuid.uuid4().hex}")
-            os.rename(out_dir, trash)  # atomic: the cache is either all there or gone
-            shutil.rmtree(trash, ignore_errors=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob(".tmp-chunk-*"):  # a chunk an interrupted run did not finish
-            shutil.rmtree(stale, ignore_errors=True)
-        done = cached_keys(out_dir)
-        rows = list(samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True))
-        todo = [r for r in rows if (r["dataset"], r["sample_key"]) not in done]
-        report = FeatureReport(fingerprint, num_samples=len(rows), cached=len(rows) - len(todo))
-        if on_total:
-            on_total(len(todo))
-        if todo and runtime is None:  # load the model only when something is left to compute
-            runtime = load_runtime(config.model, device=config.device)
-            if runtime.fingerprint != fingerprint:
-                msg = (f"model {config.model!r} loaded with fingerprint {runtime.fingerprint[:16]}, "
-                       f"expected {fingerprint[:16]}")
-                raise CacheMismatchError(msg)
-        images = ImageIndex(config.images_dir, config.image_pattern)
-        next_chunk = len(list(out_dir.glob("chunk-*")))
-        for start in range(0, len(todo), config.chunk_size):
-            chunk = todo[start:start + config.chunk_size]
-            tables = _compute_chunk(runtime, chunk, images, config.batch_size, report, progress)
-            _write_chunk(out_dir, next_chunk, tables)
-            next_chunk += 1
-            report.computed += len(chunk)
-    build_catalog(workspace)
+    dist = init_distributed_from_env(config.device)
+    lead = dist.rank == 0
+    with ExitStack() as held:
+        with dist.fail_together():
+            plan = _plan(config, runtime, held) if lead else None
+        plan = dist.broadcast(plan)
+        report = FeatureReport(plan.fingerprint, num_samples=plan.num_samples,
+                               cached=plan.num_samples - len(plan.todo))
+        if on_total and lead:
+            on_total(len(plan.todo))
+        with dist.fail_together():
+            if plan.todo and runtime is None:  # load the model only when something is left to compute
+                runtime = load_runtime(config.model, device=local_device(config.device))
+                if runtime.fingerprint != plan.fingerprint:
+                    msg = (f"model {config.model!r} loaded with fingerprint {runtime.fingerprint[:16]}, "
+                           f"expected {plan.fingerprint[:16]}")
+                    raise CacheMismatchError(msg)
+            images = ImageIndex(config.images_dir, config.image_pattern)
+        chunks = [plan.todo[s:s + config.chunk_size] for s in range(0, len(plan.todo), config.chunk_size)]
+        for first in range(0, len(chunks), dist.world_size):  # a round: as many chunks as ranks
+            batches = [(c, chunk[s:s + config.batch_size])
+                       for c, chunk in enumerate(chunks[first:first + dist.world_size], first)
+                       for s in range(0, len(chunk), config.batch_size)]
+            mine: list[_Batch] = []
+            with dist.fail_together():
+                loaded: dict[tuple[str, str], tuple] = {}  # several questions share an image: decode it once
+                for i in range(dist.rank, len(batches), dist.world_size):
+                    mine.append(_compute_batch(runtime, i, *batches[i], images, loaded))
+                    if progress and lead:
+                        progress(mine[-1].num_samples)
+            gathered = dist.gather(mine)
+            with dist.fail_together():
+                if lead:
+                    done = sorted((b for rank_batches in gathered for b in rank_batches), key=lambda b: b.index)
+                    if progress and dist.active:
+                        progress(sum(b.num_samples for b in done) - sum(b.num_samples for b in mine))
+                    for c in range(first, min(first + dist.world_size, len(chunks))):
+                        _write_chunk(plan.out_dir, plan.next_chunk + c,
+                                     _concat([b.tables for b in done if b.chunk == c]))
+                    _tally(report, done)
+            if not lead:
+                _tally(report, mine)
+    with dist.fail_together():
+        if lead:
+            build_catalog(Workspace(config.workspace))
     report.elapsed_s = time.perf_counter() - started
     return report
 
 
-def _compute_chunk(runtime: ModelRuntime, chunk: list[dict], images: ImageIndex, batch_size: int, report: FeatureReport,
-                   progress: Callable[[int], None] | None) -> dict[str, pa.Table]:
+@dataclass
+class _Plan:
+    """What rank 0 found before computing: the cache directory and the samples not yet in it."""
+
+    fingerprint: str
+    out_dir: Path
+    num_samples: int
+    todo: list[dict]
+    next_chunk: int
+
+
+@dataclass
+class _Batch:
+    """One forward batch's rows: what a rank computes and rank 0 gathers."""
+
+    index: int
+    chunk: int
+    num_samples: int
+    tables: dict[str, pa.Table]
+    forward_batches: int = 0
+    missing_images: list[str] = field(default_factory=list)
+    unreadable_images: list[str] = field(default_factory=list)
+
+
+def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) -> _Plan:
+    """Take the workspace lock (held until ``held`` closes), apply --force, drop unfinished chunks
+    and list the samples without cached features."""
+    workspace = Workspace(config.workspace)
+    samples = workspace.read_table("samples")  # raises a clear error on an empty workspace
+    held.enter_context(workspace.lock("ctrl extract-features"))
+    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model)
+    out_dir = workspace.features_dir / fingerprint[:16]
+    if config.force and out_dir.exists():
+        trash = out_dir.with_name(f".trash-{uuid.uuid4().hex}")
+        os.rename(out_dir, trash)  # atomic: the cache is either all there or gone
+        shutil.rmtree(trash, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".tmp-chunk-*"):  # a chunk an interrupted run did not finish
+        shutil.rmtree(stale, ignore_errors=True)
+    done = cached_keys(out_dir)
+    rows = list(samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True))
+    todo = [r for r in rows if (r["dataset"], r["sample_key"]) not in done]
+    return _Plan(fingerprint, out_dir, len(rows), todo, next_chunk=len(list(out_dir.glob("chunk-*"))))
+
+
+def _tally(report: FeatureReport, batches: list[_Batch]) -> None:
+    for b in batches:
+        report.computed += b.num_samples
+        report.forward_batches += b.forward_batches
+        report.missing_images.extend(b.missing_images)
+        report.unreadable_images.extend(b.unreadable_images)
+
+
+def _concat(batches: list[dict[str, pa.Table]]) -> dict[str, pa.Table]:
+    # one contiguous table per file, as if the chunk's rows had been built at once
+    return {name: pa.concat_tables([b[name] for b in batches]).combine_chunks() for name in batches[0]}
+
+
+def _compute_batch(runtime: ModelRuntime, index: int, chunk: int, batch: list[dict], images: ImageIndex,
+                   loaded: dict[tuple[str, str], tuple]) -> _Batch:
     fp = runtime.fingerprint
+    out = _Batch(index, chunk, len(batch), {})
     image_rows: list[dict] = []
     tiling_rows: list[dict] = []
     lang_rows: list[dict] = []
-    loaded: dict[tuple[str, str], tuple] = {}  # several questions share an image: decode it once
-    for start in range(0, len(chunk), batch_size):
-        batch = chunk[start:start + batch_size]
+    with torch.inference_mode():
+        lang = runtime.lang_features([r["question"] or "" for r in batch]).float().cpu()
+    out.forward_batches += 1
+    pending: dict[tuple[str, str], tuple[list[int], object]] = {}  # one forward per distinct image
+    for i, r in enumerate(batch):
+        prompt_tokens = runtime.preprocess(None, r["question"] or "", 1).num_text_tokens
+        lang_rows.append({"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
+                          "num_prompt_tokens": prompt_tokens, "feature": lang[i].tolist()})
+        row = {"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
+               "image_id": r["image_id"], "image_path": None, "image_width": None, "image_height": None,
+               "reference_max_crops": REFERENCE_MAX_CROPS, "num_crops": None, "feature": None}
+        image, status = _load(images, loaded, r)
+        row["image_status"] = status
+        if status in ("missing", "unreadable"):
+            lost = out.missing_images if status == "missing" else out.unreadable_images
+            lost.append(f"{r['dataset']}:{r['image_id']}")
+        if image is not None:
+            path, img = image
+            row.update(image_path=str(path), image_width=img.width, image_height=img.height)
+            for max_crops in TILING_MAX_CROPS:
+                rows_, cols = runtime.tiling(img.width, img.height, max_crops)
+                tiling_rows.append({"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
+                                    "max_crops": max_crops, "rows": rows_, "cols": cols, "num_crops": rows_ * cols})
+            key = (r["dataset"], r["image_id"])
+            if key not in pending:
+                # the image feature does not depend on the question: preprocess with an empty one
+                pending[key] = ([], runtime.preprocess(img, "", REFERENCE_MAX_CROPS))
+            pending[key][0].append(len(image_rows))
+            row["num_crops"] = pending[key][1].num_crops
+        image_rows.append(row)
+    if pending:
         with torch.inference_mode():
-            lang = runtime.lang_features([r["question"] or "" for r in batch]).float().cpu()
-        report.forward_batches += 1
-        pending: dict[tuple[str, str], tuple[list[int], object]] = {}  # one forward per distinct image
-        for i, r in enumerate(batch):
-            prompt_tokens = int(runtime.preprocess(None, r["question"] or "", 1).attention_mask.sum())
-            lang_rows.append({"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
-                              "num_prompt_tokens": prompt_tokens, "feature": lang[i].tolist()})
-            row = {"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
-                   "image_id": r["image_id"], "image_path": None, "image_width": None, "image_height": None,
-                   "reference_max_crops": REFERENCE_MAX_CROPS, "num_crops": None, "feature": None}
-            image, status = _load(images, loaded, r, report)
-            row["image_status"] = status
-            if image is not None:
-                path, img = image
-                row.update(image_path=str(path), image_width=img.width, image_height=img.height)
-                for max_crops in TILING_MAX_CROPS:
-                    rows_, cols = runtime.tiling(img.width, img.height, max_crops)
-                    tiling_rows.append({"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
-                                        "max_crops": max_crops, "rows": rows_, "cols": cols, "num_crops": rows_ * cols})
-                key = (r["dataset"], r["image_id"])
-                if key not in pending:
-                    # the image feature does not depend on the question: preprocess with an empty one
-                    pending[key] = ([], runtime.preprocess(img, "", REFERENCE_MAX_CROPS))
-                pending[key][0].append(len(image_rows))
-                row["num_crops"] = pending[key][1].num_crops
-            image_rows.append(row)
-        if pending:
-            with torch.inference_mode():
-                feats = runtime.image_features([inputs for _, inputs in pending.values()]).float().cpu()
-            report.forward_batches += 1
-            for (indices, _), feat in zip(pending.values(), feats):
-                vector = feat.tolist()
-                for index in indices:
-                    image_rows[index]["feature"] = vector
-        if progress:
-            progress(len(batch))
-    return {
+            feats = runtime.image_features([inputs for _, inputs in pending.values()]).float().cpu()
+        out.forward_batches += 1
+        for (indices, _), feat in zip(pending.values(), feats):
+            vector = feat.tolist()
+            for index in indices:
+                image_rows[index]["feature"] = vector
+    out.tables = {
         "image_features": _table(IMAGE_FEATURES, image_rows, runtime.image_feature_dim),
         "lang_features": _table(LANG_FEATURES, lang_rows, runtime.lang_feature_dim),
         "image_tilings": _table(IMAGE_TILINGS, tiling_rows, None),
     }
+    return out
 
 
-def _load(images: ImageIndex, loaded: dict, r: dict, report: FeatureReport):
+def _load(images: ImageIndex, loaded: dict, r: dict):
     image_id = r["image_id"]
     if not image_id:
         return None, "no_image_id"
@@ -208,10 +291,8 @@ def _load(images: ImageIndex, loaded: dict, r: dict, report: FeatureReport):
         loaded[key] = (path, img)
     path, img = loaded[key]
     if path is None:
-        report.missing_images.append(f"{r['dataset']}:{image_id}")
         return None, "missing"
     if img is None:
-        report.unreadable_images.append(f"{r['dataset']}:{image_id}")
         return None, "unreadable"
     return (path, img), "ok"
 

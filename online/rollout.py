@@ -327,7 +327,7 @@ class RolloutExecutor:
             group=group, member=member, sample=sample, budget_ms=float(budget), crops_index=c, insertion_index=pi,
             top_k_index=k, blocks_index=b, max_crops=max_crops, insertion_position=p, top_k=top_k,
             num_active_blocks=blocks, active_blocks=tuple(active), num_crops=inputs.num_crops,
-            num_vision_tokens=num_vision, num_text_tokens=int(inputs.input_ids.shape[1]) - num_vision,
+            num_vision_tokens=num_vision, num_text_tokens=inputs.num_text_tokens,
             num_output_tokens=len(tokens), text=text, pred=pred, score=float(score), log_prob=log_prob,
             latency_stage1_ms=seg["stage1"].wall_ms, latency_stage2_ms=seg["stage2"].wall_ms,
             latency_vision_ms=seg["prefix"].vision_ms, latency_prefill_ms=prefill_ms,

@@ -120,10 +120,13 @@ def select_tiling(height: int | np.ndarray, width: int | np.ndarray, max_crops: 
     """
     cand = tiling_candidates(max_crops)
     res = (cand * window_px).astype(np.float32)
-    h = (np.atleast_1d(np.asarray(height)) - total_margin_px).astype(np.float32)
-    w = (np.atleast_1d(np.asarray(width)) - total_margin_px).astype(np.float32)
-    h, w = np.maximum(h, 1.0), np.maximum(w, 1.0)
-    scale = np.minimum(res[None, :, 0] / h[:, None], res[None, :, 1] / w[:, None])
+    # float64 first: unsigned sizes under the margin must go negative, not wrap around
+    h = (np.atleast_1d(np.asarray(height, dtype=np.float64)) - total_margin_px).astype(np.float32)
+    w = (np.atleast_1d(np.asarray(width, dtype=np.float64)) - total_margin_px).astype(np.float32)
+    # Molmo does not clamp: a side equal to the margin gives an infinite scale (the other side decides),
+    # a side under it a negative one (every tiling then counts as downscaling and (1, 1) wins)
+    with np.errstate(divide="ignore"):
+        scale = np.minimum(res[None, :, 0] / h[:, None], res[None, :, 1] / w[:, None])
     all_down = np.all(scale < 1, axis=1)
     ix = np.where(all_down, np.argmax(scale, axis=1), np.argmin(np.where(scale < 1.0, np.float32(1e10), scale), axis=1))
     rows, cols = cand[ix, 0], cand[ix, 1]

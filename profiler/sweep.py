@@ -28,8 +28,9 @@ so ``ctrl ingest <out>`` reads the result like any other run; the measurement is
   question, answers, family), the global dataset index (``sample_id`` = ``dataset_index``),
   the rank and the configuration (D8).
 * **token counts** (D10): ``num_vision_tokens`` = image feature positions,
-  ``num_language_tokens`` = the rest of the prompt (text only), ``num_total_tokens`` = the
-  prompt length (their sum).
+  ``num_language_tokens`` = the prompt's text tokens only, ``num_total_tokens`` = the
+  prompt length (their sum plus the model's own markers: MolmoE's BOS and image
+  start/end/column tokens).
 * **ranks** (D5, D6): rank r of W takes dataset indices r, r+W, ... of the first
   ``num_samples`` (no padding) and writes its own ``..._rank{r}.json`` files. ``world_size``
   W ranks are simulated in this process, one after the other; under ``torchrun`` every
@@ -314,7 +315,7 @@ class _Profiler:
                     "T_prefill_ms": t.prefill_ms, "T_prefill_head_ms": t.prefill_head_ms, "T_decode_ms": t.decode_ms,
                     "T_decode_steps_ms": t.decode_steps_ms,
                     "num_crops": inputs.num_crops, "num_vision_tokens": num_vision,
-                    "num_language_tokens": seq - num_vision,
+                    "num_language_tokens": inputs.num_text_tokens,
                     "num_output_tokens": len(tokens), "num_total_tokens": seq,
                     "ends_with_eos": bool(tokens) and tokens[-1] == runtime.eos_id,
                     "accuracy": float(score), "metadata": meta,

@@ -1,8 +1,8 @@
-"""The one model interface: what features/ (this milestone) and online/ (later) call.
+"""The one model interface: what features/, online/, the profiler and the testbed call.
 
 Two backends implement it: the embedded MolmoE-shaped model (``runtime.embedded``,
 built offline from a seed) and a real MolmoE-1B checkpoint directory
-(``runtime.molmoe``, loaded with its own code). Knob changes are always scoped:
+(``runtime.molmoe``, implemented natively). Knob changes are always scoped:
 ``with runtime.knobs(top_k=4, num_active_blocks=12): ...`` restores the model on exit.
 """
 
@@ -86,12 +86,14 @@ class ModelInputs:
     input_ids: int64, shape (1, seq_len): the prompt as the model sees it, image placeholder
         tokens included.
     attention_mask: int64, shape (1, seq_len).
-    images: float32, shape (num_crops + 1, 3, crop_px, crop_px), the global image first;
-        None for a text-only request.
+    images: float32, the global image first then the crops (first dimension num_crops + 1) in
+        the backend's layout (embedded: (n, 3, crop_px, crop_px); MolmoE: Molmo's patchified
+        (n, patches, patch_px * patch_px * 3)); None for a text-only request.
     image_token_positions: int64, shape (num_image_tokens,): where image features replace
         placeholder embeddings; None without an image.
     tiling: (rows, cols) chosen by the tiling rule; None without an image.
     prompt: the formatted prompt text.
+    num_text_tokens: tokens of the formatted prompt text alone (no BOS, no image tokens).
     """
 
     input_ids: torch.Tensor
@@ -100,6 +102,7 @@ class ModelInputs:
     image_token_positions: torch.Tensor | None
     tiling: tuple[int, int] | None
     prompt: str
+    num_text_tokens: int = 0
 
     @property
     def num_crops(self) -> int:
@@ -293,15 +296,15 @@ class ModelRuntime(ABC):
     @property
     def hidden_size(self) -> int:
         """Width of the decoder's residual stream (the budget token's size)."""
-        raise NotImplementedError
+        raise self._no_two_stage()
 
     def embedding_rms(self) -> float:
         """Root mean square of the input-embedding table: the scale a budget token should have."""
-        raise NotImplementedError
+        raise self._no_two_stage()
 
     def _no_two_stage(self) -> CtrlError:
         return CtrlError(f"the {self.kind} runtime does not implement two-stage online execution "
-                         "(prefill_prefix / prefill_suffix / decode_step); use the embedded model")
+                         "(prefill_prefix / prefill_suffix / decode_step), which ctrl train --online needs")
 
     def prefill_prefix(self, inputs: ModelInputs, insertion_position: int,
                        extra_embedding: torch.Tensor | None = None) -> PrefixState:

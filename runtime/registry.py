@@ -6,7 +6,8 @@
   ``testbed.train``) with the current :class:`TestbedRecipe`, found in the model cache by the
   recipe's hash; never trained implicitly (it takes minutes);
 * anything else: a local directory, loaded as the embedded format when it carries the embedded
-  marker and as a MolmoE-1B checkpoint otherwise.
+  marker and as a MolmoE-1B checkpoint otherwise (``runtime.molmoe``, which refuses a directory
+  that is neither with a clear error).
 """
 
 from __future__ import annotations

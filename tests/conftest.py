@@ -68,6 +68,17 @@ def embedded_runtime(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(scope="session")
+def tiny_molmoe_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight MolmoE checkpoint with the real layout, built once per session by the
+    origin reference's builder (skipped where the reference is absent)."""
+    from molmoe_origin import SKIP_REASON, build_tiny, reference_dir
+
+    if reference_dir() is None:
+        pytest.skip(SKIP_REASON)
+    return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
+
+
 def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 256):
     """Generate a synthetic origin tree under ``root``, ingest it and extract its features.
 

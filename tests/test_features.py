@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -147,3 +151,93 @@ def test_fully_cached_run_never_loads_the_model(runtime, feature_ws, monkeypatch
     monkeypatch.setattr("features.extract.load_runtime", refuse)
     report = extract_features(config)  # fingerprint from the model directory alone
     assert report.cached == 20 and report.computed == 0 and report.fingerprint == runtime.fingerprint
+
+
+# -- torchrun ---------------------------------------------------------------------------------
+
+def _torchrun_worker(rank: int, world: int, port: int, ws_root: str, images: str, model_dir: str, out: str,
+                     fail_after: int) -> None:
+    """One process as torchrun starts it; writes its report or its error (a hang shows as a timeout).
+    With ``fail_after`` > 0, rank 1 raises in its batch number ``fail_after``."""
+    import os
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import features.extract
+    from features import FeatureConfig, extract_features
+
+    if rank == 1 and fail_after:
+        compute, calls = features.extract._compute_batch, [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == fail_after:
+                msg = "CUDA out of memory"
+                raise RuntimeError(msg)
+            return compute(*args, **kwargs)
+
+        features.extract._compute_batch = failing
+    config = FeatureConfig(workspace=Path(ws_root), images_dir=Path(images), model=model_dir, batch_size=4,
+                           chunk_size=6)
+    try:
+        report = extract_features(config)
+        result = {"computed": report.computed, "cached": report.cached, "forward_batches": report.forward_batches}
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+def _run_two_ranks(ws: Workspace, images: Path, model_dir: Path, out: Path, fail_after: int = 0) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out.mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(_torchrun_worker, args=(2, port, str(ws.root), str(images), str(model_dir), str(out),
+                                                         fail_after), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 300
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish: one waits for the other")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _cache(ws: Workspace) -> dict[str, pa.Table]:
+    """Every file of the feature cache (chunk/table -> its rows)."""
+    return {str(p.relative_to(ws.features_dir)): pq.read_table(p) for p in sorted(ws.features_dir.rglob("*.parquet"))}
+
+
+def test_two_ranks_write_the_single_process_cache(runtime, feature_ws, tmp_path):
+    """Two processes (as torchrun starts them, gloo) share the batches and rank 0 writes: a rank
+    that fails stops both with its error, the finished chunks stay, and the resumed run leaves
+    the cache one process writes (the same chunks, rows and values)."""
+    from features import FeatureConfig, extract_features
+
+    ws, images = feature_ws
+    twin = Workspace(tmp_path / "twin")
+    shutil.copytree(ws.root, twin.root)
+    single = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=6),
+                              runtime=runtime)
+    assert single.computed == 20
+    # chunks of 6, 6, 6, 2 in rounds of two chunks; in each round rank 0 computes batches 0, 2, ...
+    # and rank 1 batches 1, 3, ...: rank 1 fails in its third batch, in the second round
+    failed = _run_two_ranks(twin, images, runtime.path, tmp_path / "failed", fail_after=3)
+    assert failed == [{"error": "RankFailedError: rank 1 of 2 failed: RuntimeError: CUDA out of memory"},
+                      {"error": "RuntimeError: CUDA out of memory"}]
+    assert sorted({name.split("/")[1] for name in _cache(twin)}) == ["chunk-00000", "chunk-00001"]
+    resumed = _run_two_ranks(twin, images, runtime.path, tmp_path / "resumed")
+    assert resumed[0]["computed"] == 8 and resumed[0]["cached"] == 12
+    assert resumed[1]["computed"] == 2  # its share: batch 1 of the chunks of 6 and 2
+    mine, theirs = _cache(ws), _cache(twin)
+    assert sorted(theirs) == sorted(mine) and len(mine) == 4 * 3
+    for name, table in mine.items():
+        assert theirs[name].equals(table), name

@@ -1,7 +1,8 @@
 """The model runtime: knobs act on the execution path, caches stay correct, builds are reproducible.
 
 The embedded model is built once per session into a temporary cache. The same knob checks run
-against a real MolmoE-1B checkpoint when ``CTRL_MOLMOE_PATH`` names one (skipped otherwise).
+on the native MolmoE runtime: over a tiny checkpoint with the real layout built from the origin
+reference, or over a real MolmoE-1B checkpoint when ``CTRL_MOLMOE_PATH`` names one.
 Knob effects are observed with forward hooks on the modules that do the work (routers/experts,
 decoder blocks), never by reading the knob attribute back.
 """
@@ -34,9 +35,6 @@ from runtime.embedded import EmbeddedRuntime
 from runtime.embedded_model import is_embedded_dir
 
 MOLMOE_PATH = os.environ.get("CTRL_MOLMOE_PATH")
-needs_molmoe = pytest.mark.skipif(
-    not MOLMOE_PATH,
-    reason="set CTRL_MOLMOE_PATH to a local MolmoE-1B checkpoint directory to run the real-model tests")
 QUESTION = "What is the color of the cat on the table?"
 
 
@@ -69,15 +67,17 @@ def embedded(embedded_dir: Path) -> EmbeddedRuntime:
 
 
 @pytest.fixture(scope="session")
-def molmoe():
+def molmoe(request: pytest.FixtureRequest):
+    """The native MolmoE runtime: a real checkpoint from CTRL_MOLMOE_PATH, else the tiny one."""
     from runtime.molmoe import MolmoERuntime
 
-    return MolmoERuntime(MOLMOE_PATH, device="cuda" if torch.cuda.is_available() else "cpu")
+    path = MOLMOE_PATH or request.getfixturevalue("tiny_molmoe_dir")
+    return MolmoERuntime(path, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(params=["embedded", pytest.param("molmoe", marks=needs_molmoe)])
+@pytest.fixture(params=["embedded", "molmoe"])
 def rt(request: pytest.FixtureRequest):
-    """Every knob test runs on the embedded model, and on MolmoE when a checkpoint is given."""
+    """Every knob test runs on the embedded model and on the native MolmoE runtime."""
     return request.getfixturevalue(request.param)
 
 
@@ -103,34 +103,15 @@ def count_block_calls(rt):
 
 @contextmanager
 def count_experts_per_token(rt):
-    """per_layer[i] = list of the number of distinct experts each token was sent to in block i.
-
-    Embedded: the routing indices the experts module receives. MolmoE: rows each expert MLP
-    processed, divided by the tokens entering the MoE block (every token-expert pair is one row).
-    """
+    """per_layer[i] = list of the number of distinct experts each token was sent to in block i
+    (the routing indices the experts module of block i receives)."""
     per_layer: dict[int, list[int]] = defaultdict(list)
     handles = []
     for i, layer in enumerate(rt.decoder_layers):
-        if rt.kind == "embedded":
-            def hook(_module, args, _out, i=i):
-                top_k_index = args[1]
-                per_layer[i] += [len(set(row.tolist())) for row in top_k_index]
-            handles.append(layer.mlp.experts.register_forward_hook(hook))
-        else:
-            state = {"tokens": 0, "rows": 0}
-
-            def pre(_module, args, state=state):
-                state["tokens"] = args[0].shape[0] * args[0].shape[1]
-                state["rows"] = 0
-
-            def expert_hook(_module, args, _out, state=state):
-                state["rows"] += args[0].shape[0]
-
-            def post(_module, _args, _out, i=i, state=state):
-                per_layer[i].append(state["rows"] / max(state["tokens"], 1))
-            handles.append(layer.mlp.register_forward_pre_hook(pre))
-            handles += [e.register_forward_hook(expert_hook) for e in layer.mlp.experts]
-            handles.append(layer.mlp.register_forward_hook(post))
+        def hook(_module, args, _out, i=i):
+            top_k_index = args[1]
+            per_layer[i] += [len(set(row.tolist())) for row in top_k_index]
+        handles.append(layer.mlp.experts.register_forward_hook(hook))
     try:
         yield per_layer
     finally:
@@ -151,7 +132,9 @@ def test_image_arrays_are_crops_plus_one(rt, size, max_crops):
     assert (rows, cols) == rt.tiling(size[0], size[1], max_crops)
     assert 1 <= rows * cols <= max_crops
     assert inputs.images.shape[0] == rows * cols + 1 == inputs.num_crops + 1
-    assert inputs.images.dtype == torch.float32 and inputs.images.shape[1] == 3
+    assert inputs.images.dtype == torch.float32
+    if rt.kind == "embedded":
+        assert inputs.images.shape[1] == 3
     assert inputs.input_ids.dtype == torch.int64 and inputs.input_ids.shape[0] == 1
     assert inputs.attention_mask.shape == inputs.input_ids.shape
     positions = inputs.image_token_positions
@@ -160,6 +143,10 @@ def test_image_arrays_are_crops_plus_one(rt, size, max_crops):
         # one placeholder per pooled token per image array, nothing else is a placeholder
         assert positions.numel() == inputs.images.shape[0] * rt.spec.tokens_per_image
         assert torch.equal(positions, (inputs.input_ids[0] == rt.image_patch_id).nonzero().flatten())
+    else:
+        # every placed image token lands on an <im_patch> token, and every <im_patch> gets one
+        patch_id = rt.tokenizer.convert_tokens_to_ids("<im_patch>")
+        assert torch.equal(positions.sort().values, (inputs.input_ids[0] == patch_id).nonzero().flatten())
 
 
 def test_some_crop_case_uses_exactly_max_crops(rt):
@@ -398,8 +385,8 @@ def test_vision_module_brackets_the_vision_path(rt, image_inputs):
 def test_non_checkpoint_directories_give_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json"):
         load_runtime(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "molmo"}))
-    with pytest.raises(ModelLoadError, match="auto_map"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ModelLoadError, match="neither an embedded model nor a MolmoE checkpoint"):
         load_runtime(str(tmp_path))
     with pytest.raises(ModelLoadError, match="no such model directory"):
         load_runtime(str(tmp_path / "missing"))
@@ -428,7 +415,6 @@ def test_cuda_matches_cpu(embedded, embedded_dir):
     gpu.generate(inputs, 4)
 
 
-@needs_molmoe
 def test_molmoe_layout(molmoe):
     assert molmoe.kind == "molmoe" and molmoe.num_layers == knobs.NUM_TOTAL_BLOCKS
     assert molmoe.num_experts == knobs.NUM_EXPERTS and molmoe.default_top_k == knobs.DEFAULT_TOP_K

@@ -84,7 +84,9 @@ def test_layout(profiled):
         assert {"example_id", "image_id", "question", "answers"} <= set(record["metadata"])
         assert (record["max_crops"], record["top_k"], record["num_active_blocks"]) == (6, 8, 16)
     lat = merged6["per_sample_latencies"][0]
-    assert lat["num_total_tokens"] == lat["num_vision_tokens"] + lat["num_language_tokens"]
+    # text tokens only: the prompt is the image block (start + 16 tokens + end per image array) then the text
+    assert lat["num_vision_tokens"] == 16 * (lat["num_crops"] + 1)
+    assert lat["num_total_tokens"] == lat["num_vision_tokens"] + 2 * (lat["num_crops"] + 1) + lat["num_language_tokens"]
     assert len(lat["T_decode_steps_ms"]) == lat["num_output_tokens"] - 1
     parts = lat["T_embed_ms"] + lat["T_prefill_ms"] + lat["T_prefill_head_ms"] + lat["T_decode_ms"]
     assert parts == pytest.approx(lat["T_total_ms"], rel=1e-6)

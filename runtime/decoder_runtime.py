@@ -1,0 +1,216 @@
+"""What the embedded model and MolmoE share: an ``OlmoeForCausalLM`` decoder run with knobs.
+
+Both backends hold their decoder as transformers' ``OlmoeForCausalLM`` (the embedded model
+natively, MolmoE-1B with its weights renamed, ``runtime.molmoe_model``), so the knobs, cached
+generation and the two-stage online execution are written once here. A backend supplies
+preprocessing, features and ``_embed`` (text embeddings with the image features placed).
+
+Knobs act on the execution path: ``set_top_k`` writes each layer's router
+(``layers[i].mlp.gate.top_k``, which ``torch.topk`` reads at every forward); with active
+blocks set, every forward temporarily replaces ``decoder.model.layers`` by a ModuleList of the
+active layers only, so skipped layers are never called. Their attention modules keep their
+original ``layer_idx``: the ``DynamicCache`` (built with all slots) holds real K/V for the
+active layers and nothing for the skipped ones, and positions come from layer 0, always active.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pipeline.errors import KnobError
+from runtime.base import (
+    DecodeState,
+    GenerationResult,
+    ModelInputs,
+    ModelRuntime,
+    PrefixState,
+    greedy_decode,
+    validate_active_blocks,
+    validate_top_k,
+)
+
+if TYPE_CHECKING:
+    from transformers import OlmoeForCausalLM
+
+
+class OlmoeDecoderRuntime(ModelRuntime):
+    """``ModelRuntime`` whose decoder is ``self.decoder`` (an ``OlmoeForCausalLM``); see the module docstring."""
+
+    decoder: OlmoeForCausalLM
+    #: the full layer list, restored after every forward that runs a subset
+    _all_layers: nn.ModuleList
+
+    def _init_decoder(self, decoder: OlmoeForCausalLM) -> None:
+        """Adopt ``decoder`` (already on the device, eval, frozen) and read the knob ranges from it."""
+        self.decoder = decoder
+        cfg = decoder.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_experts = int(cfg.num_experts)
+        self.default_top_k = int(cfg.num_experts_per_tok)
+        self._all_layers = decoder.model.layers
+
+    @abstractmethod
+    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
+        """(1, seq, d) decoder inputs: the prompt's (and ``extra_ids``') embeddings with the image features placed."""
+
+    def _autocast(self) -> AbstractContextManager:
+        """The precision context of every forward (bf16 autocast on CUDA where the backend wants it)."""
+        return nullcontext()
+
+    def text_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.get_input_embeddings()(input_ids.to(self.device))
+
+    # -- knobs
+    def set_top_k(self, top_k: int | Mapping[int, int]) -> None:
+        per_layer = validate_top_k(top_k, self.num_layers, self.num_experts)
+        for i, k in per_layer.items():
+            self._all_layers[i].mlp.gate.top_k = k
+
+    def current_top_k(self) -> list[int]:
+        return [int(layer.mlp.gate.top_k) for layer in self._all_layers]
+
+    @contextmanager
+    def _run_active_blocks(self) -> Iterator[None]:
+        """Swap in the active layers for one forward/generation; always restore the full list."""
+        if self._active is None:
+            yield
+            return
+        self.decoder.model.layers = nn.ModuleList([self._all_layers[i] for i in self._active])
+        try:
+            yield
+        finally:
+            self.decoder.model.layers = self._all_layers
+
+    # -- forward / generation
+    def forward_logits(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
+        """float32 logits (seq_len, vocab) of one full forward without cache, under the current knobs;
+        ``extra_ids`` are appended after the prompt (e.g. tokens generated so far)."""
+        with torch.inference_mode(), self._autocast(), self._run_active_blocks():
+            embeds = self._embed(inputs, extra_ids)
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            out = self.decoder(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+            return out.logits[0].float().cpu()
+
+    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
+        from transformers import DynamicCache  # deferred: transformers takes seconds to import
+
+        with torch.inference_mode(), self._autocast(), self._run_active_blocks():
+            # one slot per layer, indexed by each attention's original layer_idx
+            cache = DynamicCache(config=self.decoder.config)
+            mask = inputs.attention_mask.to(self.device)
+            out = self.decoder(inputs_embeds=self._embed(inputs), attention_mask=mask, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1)
+
+            def next_token(token: int) -> int:
+                nonlocal mask
+                mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
+                step = self.decoder(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                return int(step.logits[0, -1].argmax())
+
+            tokens = greedy_decode(int(out.logits[0, -1].argmax()), next_token, self.eos_id, max_new_tokens)
+        return GenerationResult(tokens, self.decode_text(tokens))
+
+    # -- two-stage execution (online phase)
+    @property
+    def hidden_size(self) -> int:
+        return int(self.decoder.config.hidden_size)
+
+    def embedding_rms(self) -> float:
+        weight = self.decoder.get_input_embeddings().weight
+        return float(weight.detach().float().pow(2).mean().sqrt())
+
+    @contextmanager
+    def _layers(self, indices: Sequence[int], final_norm: bool = True) -> Iterator[None]:
+        """Run exactly these decoder layers (and the final norm or not) inside the block.
+
+        ``OlmoeModel.forward`` is reused as is (mask, rotary positions, cache writes): only its
+        layer list and norm are swapped, so nothing of the attention path is re-implemented.
+        """
+        model = self.decoder.model
+        norm = model.norm
+        model.layers = nn.ModuleList([self._all_layers[i] for i in indices])
+        if not final_norm:
+            model.norm = nn.Identity()
+        try:
+            yield
+        finally:
+            model.layers, model.norm = self._all_layers, norm
+
+    def _check_insertion(self, insertion_position: int) -> int:
+        if isinstance(insertion_position, bool) or not 1 <= int(insertion_position) < self.num_layers:
+            msg = f"insertion position must be in 1..{self.num_layers - 1}, got {insertion_position!r}"
+            raise KnobError(msg)
+        return int(insertion_position)
+
+    def prefill_prefix(self, inputs: ModelInputs, insertion_position: int,
+                       extra_embedding: torch.Tensor | None = None) -> PrefixState:
+        from transformers import DynamicCache  # deferred: transformers takes seconds to import
+
+        p = self._check_insertion(insertion_position)
+        with torch.no_grad(), self._autocast(), self._layers(range(p), final_norm=False):
+            embeds = self._embed(inputs)
+            if extra_embedding is not None:
+                token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
+                embeds = torch.cat([embeds, token], dim=1)
+            cache = DynamicCache(config=self.decoder.config)
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return PrefixState(inputs, p, embeds, out.last_hidden_state, cache,
+                           extra_tokens=0 if extra_embedding is None else 1)
+
+    def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
+        p = self._check_insertion(insertion_position)
+        with torch.enable_grad(), self._autocast(), self._layers(range(p), final_norm=False):
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            out = self.decoder.model(inputs_embeds=embeds.to(self.device), attention_mask=mask, use_cache=False)
+        return out.last_hidden_state[0, -1]
+
+    def prefill_suffix(self, prefix: PrefixState, active_blocks: Sequence[int]) -> DecodeState:
+        from transformers import DynamicCache  # deferred: transformers takes seconds to import
+
+        p = prefix.insertion_position
+        active = validate_active_blocks(active_blocks, self.num_layers) or tuple(range(self.num_layers))
+        if active[:p] != tuple(range(p)):
+            msg = f"active blocks {list(active)} must include blocks 0..{p - 1}: they ran before stage 2"
+            raise KnobError(msg)
+        suffix = [b for b in active if b >= p]
+        # the budget token is last and nothing before it attended to it (causal): dropping its
+        # position leaves exactly the prompt's states
+        seq = prefix.seq_len - prefix.extra_tokens
+        hidden = prefix.hidden[:, :seq]
+        mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
+        # a fresh cache: the members of a group must not write into the shared prefix's cache
+        cache = DynamicCache(config=self.decoder.config)
+        with torch.no_grad(), self._autocast():
+            if suffix:
+                with self._layers(suffix):
+                    positions = torch.arange(seq, device=self.device)[None]
+                    out = self.decoder.model(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
+                                             past_key_values=cache, use_cache=True)
+                hidden = out.last_hidden_state
+            else:
+                hidden = self.decoder.model.norm(hidden)
+            logits = self.decoder.lm_head(hidden[:, -1]).float()[0]
+            for i in range(p):  # the prefix's K/V (update() copies: the shared cache stays intact)
+                layer = prefix.cache.layers[i]
+                cache.update(layer.keys[:, :, :seq], layer.values[:, :, :seq], i)
+        return DecodeState(cache, active, mask, logits)
+
+    def decode_step(self, state: DecodeState, token: int) -> None:
+        state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
+        with torch.no_grad(), self._autocast(), self._layers(state.active_blocks):
+            out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),
+                               attention_mask=state.attention_mask, past_key_values=state.cache, use_cache=True,
+                               logits_to_keep=1)
+        state.logits = out.logits[0, -1].float()
+
+    @property
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self._all_layers)

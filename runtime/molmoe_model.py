@@ -1,0 +1,542 @@
+"""MolmoE-1B written natively: the architecture read from a checkpoint's ``config.json`` and its
+weights loaded by name, never executing the checkpoint's own Python files.
+
+The origin model (``modeling_molmoe.py`` of ``allenai/MolmoE-1B-0924``) has two parts:
+
+* the vision backbone (``model.vision_backbone``): a CLIP-style ViT over patchified 336-px
+  crops whose hidden states at two layers (``vit_layers``) are concatenated, a padding
+  embedding added where ``image_masks`` says a patch is padding (``pad_and_partial_pad``),
+  2x2 attention pooling with the mean of each 2x2 window as query, and a SwiGLU projector
+  into the decoder width. :class:`MolmoVisionBackbone` reproduces it with the origin's module
+  and parameter names, so its weights load one to one;
+* the decoder (``model.transformer``): OLMoE blocks (pre-norm RMS, fused QKV, q/k RMS norm
+  over the full width, llama rotary, softmax-then-top-K routing without renormalisation, SwiGLU
+  experts), a final RMS norm and an untied output head. That is exactly transformers'
+  ``OlmoeForCausalLM``; :func:`decoder_state_dict` renames (and splits / stacks) the origin
+  tensors into its layout. Only the input embedding differs: the origin's ``wte`` holds the
+  base vocabulary plus ``additional_vocab_size`` new rows, so the decoder gets an
+  ``nn.Embedding`` over both while its output head keeps the base vocabulary.
+
+Anything in ``config.json`` that selects a variant this module does not implement is refused
+by :meth:`MolmoEArchitecture.from_config` with the field's name, rather than run wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from runtime.base import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import OlmoeForCausalLM
+
+VISION_PREFIX = "model.vision_backbone."
+DECODER_PREFIX = "model.transformer."
+
+#: config.json values this implementation covers: field -> (allowed values, what the value selects)
+_REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "block_type": (("moe",), "the MoE decoder block"),
+    "layer_norm_type": (("rms",), "RMS norms"),
+    "attention_layer_norm": ((True,), "q/k norms"),
+    "norm_after": ((False, None), "pre-norm blocks"),
+    "rope": ((True,), "rotary positions"),
+    "rope_impl": (("llama", None), "llama-style rotary halves"),
+    "use_position_ids": ((True, None), "position ids from the attention mask"),
+    "alibi": ((False, None), "no ALiBi"),
+    "clip_qkv": ((None,), "no QKV clipping"),
+    "include_bias": ((False, None), "bias-free decoder linears"),
+    "qkv_bias": ((False, None), "bias-free QKV"),
+    "weight_tying": ((False, None), "an untied output head"),
+    "moe_shared_expert": ((False, None), "no shared expert"),
+    "normalize_input_embeds": ((False, None), "unscaled input embeddings"),
+    "scale_logits": ((False, None), "unscaled logits"),
+    "final_logit_softcapping": ((None,), "no logit soft-capping"),
+    "use_cls_feature": ((False, None), "no CLS image feature"),
+    "unconditioned": ((False, None), "image-conditioned decoding"),
+    "block_group_size": ((1, None), "ungrouped blocks"),
+    "image_pooling_2d": (("attention-meanq",), "2x2 attention pooling with a mean query"),
+    "image_projector": (("mlp",), "the SwiGLU image projector"),
+    "image_padding_embed": (("pad_and_partial_pad", None, ""), "the padding embeddings"),
+}
+
+
+@dataclass(frozen=True)
+class MolmoEArchitecture:
+    """The sizes ``config.json`` fixes (origin names in comments where they differ)."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    num_experts: int  # moe_num_experts
+    top_k: int  # moe_top_k
+    expert_hidden: int  # mlp_hidden_size or mlp_ratio * d_model, halved (SwiGLU)
+    vocab_size: int  # embedding_size or vocab_size: rows of the output head
+    additional_vocab_size: int
+    layer_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vit_width: int  # image_emb_dim
+    vit_heads: int
+    vit_kv_heads: int
+    vit_head_dim: int
+    vit_mlp_dim: int
+    vit_layers_total: int  # image_num_layers
+    vit_norm_eps: float
+    vit_num_pos: int
+    patch_px: int
+    crop_px: int
+    vit_layers: tuple[int, ...]  # the ViT hidden states concatenated
+    pool_h: int
+    pool_w: int
+    pad_embed: bool
+    float32_attention: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.crop_px // self.patch_px
+
+    @property
+    def tokens_per_crop(self) -> int:
+        side = self.patches_per_side
+        return ((side + self.pool_h - 1) // self.pool_h) * ((side + self.pool_w - 1) // self.pool_w)
+
+    @property
+    def pooled_width(self) -> int:
+        return len(self.vit_layers) * self.vit_width
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> MolmoEArchitecture:
+        """Read and check a MolmoE ``config.json`` mapping; unsupported variants raise ModelLoadError."""
+        for field, (allowed, meaning) in _REQUIRED.items():
+            if field in cfg and cfg[field] not in allowed:
+                msg = (f"{source}: {field}={cfg[field]!r} is not supported (the native MolmoE runtime "
+                       f"implements {meaning}: {allowed[0]!r})")
+                raise ModelLoadError(msg)
+        vb = cfg.get("vision_backbone")
+        if not isinstance(vb, Mapping):
+            msg = f"{source}: vision_backbone must be an object (the ViT settings)"
+            raise ModelLoadError(msg)
+        if vb.get("image_model_type", "openai") != "openai":
+            msg = f"{source}: vision_backbone.image_model_type={vb.get('image_model_type')!r} is not supported"
+            raise ModelLoadError(msg)
+        try:
+            d_model, n_heads = int(cfg["d_model"]), int(cfg["n_heads"])
+            n_kv = int(cfg.get("n_kv_heads") or n_heads)
+            mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4)) * d_model
+            crop = vb.get("image_default_input_size", [336, 336])
+            arch = cls(
+                d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv, n_layers=int(cfg["n_layers"]),
+                num_experts=int(cfg["moe_num_experts"]), top_k=int(cfg["moe_top_k"]), expert_hidden=int(mlp) // 2,
+                vocab_size=int(cfg.get("embedding_size") or cfg["vocab_size"]),
+                additional_vocab_size=int(cfg.get("additional_vocab_size") or 0),
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings") or cfg.get("max_sequence_length")
+                                            or 4096),
+                vit_width=int(vb["image_emb_dim"]), vit_heads=int(vb["image_num_heads"]),
+                vit_kv_heads=int(vb.get("image_num_key_value_heads") or vb["image_num_heads"]),
+                vit_head_dim=int(vb["image_head_dim"]), vit_mlp_dim=int(vb["image_mlp_dim"]),
+                vit_layers_total=int(vb["image_num_layers"]), vit_norm_eps=float(vb.get("image_norm_eps", 1e-5)),
+                vit_num_pos=int(vb.get("image_num_pos", 577)), patch_px=int(vb.get("image_patch_size", 14)),
+                crop_px=int(crop[0]), vit_layers=tuple(int(i) for i in (cfg.get("vit_layers") or [-1])),
+                pool_h=int(cfg.get("image_pooling_h", 2)), pool_w=int(cfg.get("image_pooling_w", 2)),
+                pad_embed=bool(cfg.get("image_padding_embed")), float32_attention=bool(cfg.get("float32_attention",
+                                                                                             True)))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            msg = f"{source}: missing or invalid MolmoE setting: {type(exc).__name__}: {exc}"
+            raise ModelLoadError(msg) from exc
+        arch._check(source)
+        return arch
+
+    def _check(self, source: str) -> None:
+        problems = []
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            problems.append(f"d_model {self.d_model} / n_heads {self.n_heads} / n_kv_heads {self.n_kv_heads}")
+        if not 1 <= self.top_k <= self.num_experts:
+            problems.append(f"moe_top_k {self.top_k} not in 1..moe_num_experts {self.num_experts}")
+        if self.vit_heads * self.vit_head_dim != self.vit_width:
+            problems.append("image_num_heads * image_head_dim != image_emb_dim")
+        if self.crop_px % self.patch_px or (self.patches_per_side ** 2 + 1) != self.vit_num_pos:
+            problems.append(f"image_num_pos {self.vit_num_pos} does not match {self.crop_px}-px crops of "
+                            f"{self.patch_px}-px patches")
+        if any(not -self.vit_layers_total <= i < self.vit_layers_total for i in self.vit_layers):
+            problems.append(f"vit_layers {list(self.vit_layers)} outside the {self.vit_layers_total} ViT layers")
+        if problems:
+            msg = f"{source}: inconsistent MolmoE sizes: " + "; ".join(problems)
+            raise ModelLoadError(msg)
+
+
+def read_architecture(path: Path) -> tuple[MolmoEArchitecture, dict[str, Any]]:
+    """The architecture and the raw mapping of ``path/config.json``."""
+    config = path / "config.json"
+    try:
+        cfg = json.loads(config.read_text())
+    except OSError as exc:
+        msg = f"{config}: cannot read: {exc.strerror or exc}"
+        raise ModelLoadError(msg) from exc
+    except ValueError as exc:
+        msg = f"{config}: invalid JSON: {exc}"
+        raise ModelLoadError(msg) from exc
+    if not isinstance(cfg, dict):
+        msg = f"{config}: expected a JSON object"
+        raise ModelLoadError(msg)
+    return MolmoEArchitecture.from_config(cfg, str(config)), cfg
+
+
+def is_molmoe_config(cfg: Mapping[str, Any]) -> bool:
+    """True for a MolmoE config mapping (Molmo's names: d_model, n_layers, a vision backbone, experts)."""
+    return (cfg.get("model_type") == "molmo" or "d_model" in cfg) and "moe_num_experts" in cfg
+
+
+# -- the vision backbone ----------------------------------------------------------------------
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+               float32: bool) -> torch.Tensor:
+    """Bidirectional multi-head attention of (n, len, heads*head_dim) projections (the origin's
+    MultiHeadDotProductAttention core: sdpa, optionally in float32)."""
+    n, lq, _ = q.shape
+    dtype = q.dtype
+    q = q.reshape(n, lq, heads, head_dim).transpose(1, 2)
+    k = k.reshape(n, k.shape[1], kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(n, v.shape[1], kv_heads, head_dim).transpose(1, 2)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if float32:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(n, lq, heads * head_dim).to(dtype)
+
+
+class MolmoAttention(nn.Module):
+    """Origin ``MultiHeadDotProductAttention``: wq/wk/wv/wo with biases (ViT blocks and pooling)."""
+
+    def __init__(self, arch: MolmoEArchitecture, input_dim: int) -> None:
+        super().__init__()
+        self.arch = arch
+        inner = arch.vit_heads * arch.vit_head_dim
+        kv = arch.vit_kv_heads * arch.vit_head_dim
+        self.wq = nn.Linear(input_dim, inner)
+        self.wk = nn.Linear(input_dim, kv)
+        self.wv = nn.Linear(input_dim, kv)
+        self.wo = nn.Linear(inner, arch.vit_width)
+
+    def forward(self, inputs_q: torch.Tensor, inputs_kv: torch.Tensor | None = None) -> torch.Tensor:
+        kv = inputs_q if inputs_kv is None else inputs_kv
+        a = self.arch
+        out = _attention(self.wq(inputs_q), self.wk(kv), self.wv(kv), a.vit_heads, a.vit_kv_heads, a.vit_head_dim,
+                         a.float32_attention)
+        return self.wo(out)
+
+
+class MolmoViTMLP(nn.Module):
+    def __init__(self, arch: MolmoEArchitecture) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(arch.vit_width, arch.vit_mlp_dim)
+        self.w2 = nn.Linear(arch.vit_mlp_dim, arch.vit_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.w1(x)
+        return self.w2(x * torch.sigmoid(1.702 * x))  # quick GELU
+
+
+class MolmoViTBlock(nn.Module):
+    def __init__(self, arch: MolmoEArchitecture) -> None:
+        super().__init__()
+        self.attention = MolmoAttention(arch, arch.vit_width)
+        self.feed_forward = MolmoViTMLP(arch)
+        self.attention_norm = nn.LayerNorm(arch.vit_width, eps=arch.vit_norm_eps)
+        self.ffn_norm = nn.LayerNorm(arch.vit_width, eps=arch.vit_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class _ViTBlocks(nn.Module):
+    def __init__(self, arch: MolmoEArchitecture) -> None:
+        super().__init__()
+        self.resblocks = nn.ModuleList(MolmoViTBlock(arch) for _ in range(arch.vit_layers_total))
+
+
+class MolmoViT(nn.Module):
+    """Origin ``VisionTransformer``: linear patch embedding, CLS token, learned positions, pre-LN."""
+
+    def __init__(self, arch: MolmoEArchitecture) -> None:
+        super().__init__()
+        self.class_embedding = nn.Parameter(torch.zeros(arch.vit_width))
+        self.positional_embedding = nn.Parameter(torch.zeros(arch.vit_num_pos, arch.vit_width))
+        self.patch_embedding = nn.Linear(arch.patch_px * arch.patch_px * 3, arch.vit_width, bias=False)
+        self.pre_ln = nn.LayerNorm(arch.vit_width, eps=arch.vit_norm_eps)
+        self.transformer = _ViTBlocks(arch)
+
+    def forward(self, patches: torch.Tensor) -> list[torch.Tensor]:
+        """(n, patches, pixels) -> the hidden state after every block, each (n, 1 + patches, width)."""
+        x = self.patch_embedding(patches)
+        cls = self.class_embedding.view(1, 1, -1).expand(x.shape[0], -1, -1).to(x.dtype)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding[None].to(x.dtype)
+        x = self.pre_ln(x)
+        states = []
+        for block in self.transformer.resblocks:
+            x = block(x)
+            states.append(x)
+        return states
+
+
+class MolmoImageProjector(nn.Module):
+    """SwiGLU MLP from pooled features to the decoder width: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(in_dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, out_dim, bias=False)
+        self.w3 = nn.Linear(in_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MolmoVisionBackbone(nn.Module):
+    """Origin ``MolmoPretrainedVisionBackbone``: ViT -> padding embeddings -> 2x2 attention
+    pooling (mean query) -> projector; a forward hook on it brackets the whole vision path."""
+
+    def __init__(self, arch: MolmoEArchitecture) -> None:
+        super().__init__()
+        self.arch = arch
+        self.image_vit = MolmoViT(arch)
+        self.image_pooling_2d = MolmoAttention(arch, arch.pooled_width)
+        self.image_projector = MolmoImageProjector(arch.vit_width, arch.expert_hidden, arch.d_model)
+        self.pad_embed = nn.Parameter(torch.zeros(2, arch.pooled_width)) if arch.pad_embed else None
+
+    def forward(self, images: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
+        """(batch, arrays, patches, pixels) + masks (batch, arrays, patches) -> (batch, arrays, tokens, d_model)."""
+        a = self.arch
+        batch, arrays, num_patches, pixels = images.shape
+        flat = images.reshape(batch * arrays, num_patches, pixels)
+        # arrays that are all -1 are batch padding: their features are zeroed
+        real = torch.all(flat != -1, dim=(1, 2), keepdim=True)
+        states = self.image_vit(flat)
+        feats = torch.cat([states[i] for i in a.vit_layers], dim=-1)[:, 1:] * real
+        feats = feats.reshape(batch, arrays, num_patches, -1)
+        if self.pad_embed is not None:
+            if image_masks is None:
+                msg = "image_masks are required by a model with padding embeddings"
+                raise ValueError(msg)
+            all_pad = (image_masks == 0).to(feats.dtype)
+            partial = ((image_masks < 1) & (image_masks != 0)).to(feats.dtype)
+            feats = feats + self.pad_embed[0] * all_pad[..., None] + self.pad_embed[1] * partial[..., None]
+        side = a.patches_per_side
+        feats = feats.reshape(batch, arrays, side, side, -1)
+        if side % a.pool_h == 1:  # pad so that 2x2 windows tile the grid
+            feats = F.pad(feats, (0, 0, 0, 1, 0, 1))
+        h, w = feats.shape[2] // a.pool_h, feats.shape[3] // a.pool_w
+        windows = feats.reshape(batch, arrays, h, a.pool_h, w, a.pool_w, -1).permute(0, 1, 2, 4, 3, 5, 6)
+        windows = windows.reshape(batch * arrays * h * w, a.pool_h * a.pool_w, -1)
+        pooled = self.image_pooling_2d(windows.mean(-2, keepdim=True), windows)
+        return self.image_projector(pooled.reshape(batch, arrays, h * w, -1))
+
+
+# -- the decoder --------------------------------------------------------------------------------
+
+class MolmoEExperts(nn.Module):
+    """The experts of one MoE block in transformers' layout (``gate_up_proj`` (E, 2*I, d),
+    ``down_proj`` (E, d, I)) computed as the origin does: gate and up as two matmuls, experts in
+    ascending order, results added per token. transformers' one fused gate/up matmul rounds
+    differently, and with 64 experts a 1e-6 difference flips a near-tied routing a few blocks later."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        # (experts, top_k, tokens): which token sent which of its k slots to each expert
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        inter = self.intermediate
+        for expert in mask.sum(dim=(1, 2)).nonzero().flatten().tolist():
+            slot, token = torch.where(mask[expert])
+            x = hidden_states[token]
+            w = self.gate_up_proj[expert]
+            h = F.silu(F.linear(x, w[:inter])) * F.linear(x, w[inter:])
+            h = F.linear(h, self.down_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+def olmoe_config(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_id: int | None):
+    """transformers' ``OlmoeConfig`` equal to the MolmoE decoder (output head: base vocabulary)."""
+    from transformers import OlmoeConfig  # deferred: transformers takes seconds to import
+
+    return OlmoeConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.d_model, intermediate_size=arch.expert_hidden,
+        num_hidden_layers=arch.n_layers, num_attention_heads=arch.n_heads, num_key_value_heads=arch.n_kv_heads,
+        max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.layer_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
+        num_experts=arch.num_experts, num_experts_per_tok=arch.top_k, norm_topk_prob=False,
+        tie_word_embeddings=False, attention_bias=False, clip_qkv=None,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None)
+
+
+def build_decoder(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_id: int | None) -> OlmoeForCausalLM:
+    """An ``OlmoeForCausalLM`` on the meta device (no memory, no init) with the wider input embedding."""
+    from transformers import OlmoeForCausalLM  # deferred, as in olmoe_config()
+
+    config = olmoe_config(arch, eos_token_id, pad_token_id)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        decoder = OlmoeForCausalLM(config)
+        decoder.model.embed_tokens = nn.Embedding(arch.vocab_size + arch.additional_vocab_size, arch.d_model)
+        for layer in decoder.model.layers:
+            layer.mlp.experts = MolmoEExperts(arch.num_experts, arch.d_model, arch.expert_hidden)
+    return decoder
+
+
+def decoder_state_dict(arch: MolmoEArchitecture, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's tensors in ``OlmoeForCausalLM`` names from origin names (``get(name)``)."""
+    t = DECODER_PREFIX
+    embed = get(f"{t}wte.embedding")
+    if arch.additional_vocab_size:
+        embed = torch.cat([embed, get(f"{t}wte.new_embedding")], dim=0)
+    out = {"model.embed_tokens.weight": embed, "model.norm.weight": get(f"{t}ln_f.weight"),
+           "lm_head.weight": get("lm_head.weight")}
+    kv = arch.n_kv_heads * arch.head_dim
+    for i in range(arch.n_layers):
+        src, dst = f"{t}blocks.{i}.", f"model.layers.{i}."
+        q, k, v = get(f"{src}attn.att_proj.weight").split((arch.d_model, kv, kv), dim=0)
+        out.update({
+            f"{dst}self_attn.q_proj.weight": q, f"{dst}self_attn.k_proj.weight": k,
+            f"{dst}self_attn.v_proj.weight": v, f"{dst}self_attn.o_proj.weight": get(f"{src}attn.attn_out.weight"),
+            f"{dst}self_attn.q_norm.weight": get(f"{src}attn.q_norm.weight"),
+            f"{dst}self_attn.k_norm.weight": get(f"{src}attn.k_norm.weight"),
+            f"{dst}input_layernorm.weight": get(f"{src}attn.attn_norm.weight"),
+            f"{dst}post_attention_layernorm.weight": get(f"{src}mlp.ff_norm.weight"),
+            f"{dst}mlp.gate.weight": get(f"{src}mlp.gate.weight"),
+        })
+        experts = range(arch.num_experts)
+        out[f"{dst}mlp.experts.gate_up_proj"] = torch.stack([
+            torch.cat([get(f"{src}mlp.experts.{e}.gate_proj.weight"), get(f"{src}mlp.experts.{e}.up_proj.weight")])
+            for e in experts])
+        out[f"{dst}mlp.experts.down_proj"] = torch.stack(
+            [get(f"{src}mlp.experts.{e}.down_proj.weight") for e in experts])
+    return out
+
+
+# -- weights --------------------------------------------------------------------------------------
+
+class CheckpointWeights:
+    """Tensors of a checkpoint directory by name: ``model.safetensors``, sharded safetensors with
+    their index, or ``pytorch_model*.bin`` (memory-mapped). Use as a context manager: the files
+    stay open while loading, and each tensor is read when asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+        if not self.files:
+            msg = f"{path}: no weights (expected *.safetensors or pytorch_model*.bin)"
+            raise ModelLoadError(msg)
+        self._handles: dict[Path, Any] = {}
+        self._where: dict[str, Path] = {}
+
+    def __enter__(self) -> CheckpointWeights:
+        for file in self.files:
+            try:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open  # deferred with transformers
+
+                    handle = safe_open(str(file), framework="pt")
+                    names = list(handle.keys())
+                else:
+                    handle = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                    names = list(handle)
+            except Exception as exc:  # a damaged weight file fails in many ways: name the file
+                msg = f"{file}: cannot read weights: {type(exc).__name__}: {exc}"
+                raise ModelLoadError(msg) from exc
+            self._handles[file] = handle
+            for name in names:
+                self._where.setdefault(name, file)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handles.clear()
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as float32 (the runtime computes in float32; bf16 autocast on CUDA)."""
+        file = self._where[name]
+        handle = self._handles[file]
+        tensor = handle.get_tensor(name) if file.suffix == ".safetensors" else handle[name]
+        return tensor.float()
+
+
+def expected_names(arch: MolmoEArchitecture) -> list[str]:
+    """Every tensor name a MolmoE checkpoint of this architecture must hold (origin names)."""
+    names = ["lm_head.weight", f"{DECODER_PREFIX}wte.embedding", f"{DECODER_PREFIX}ln_f.weight"]
+    if arch.additional_vocab_size:
+        names.append(f"{DECODER_PREFIX}wte.new_embedding")
+    for i in range(arch.n_layers):
+        b = f"{DECODER_PREFIX}blocks.{i}."
+        names += [f"{b}attn.{n}.weight" for n in ("att_proj", "attn_out", "q_norm", "k_norm", "attn_norm")]
+        names += [f"{b}mlp.ff_norm.weight", f"{b}mlp.gate.weight"]
+        names += [f"{b}mlp.experts.{e}.{n}.weight" for e in range(arch.num_experts)
+                  for n in ("gate_proj", "up_proj", "down_proj")]
+    with torch.device("meta"):  # names only: no memory, no init
+        names += [VISION_PREFIX + n for n in MolmoVisionBackbone(arch).state_dict()]
+    return names
+
+
+def load_weights(path: Path, arch: MolmoEArchitecture, vision: MolmoVisionBackbone, decoder: nn.Module) -> None:
+    """Fill the (meta-device) vision backbone and decoder from ``path``'s weights, strictly: a
+    missing, unexpected or wrongly shaped tensor is a ModelLoadError naming the first ones."""
+    with CheckpointWeights(path) as weights:
+        present = weights.names()
+        expected = expected_names(arch)
+        missing = [n for n in expected if n not in present]
+        if missing:
+            msg = f"{path}: checkpoint lacks {len(missing)} of {len(expected)} MolmoE weights, e.g. {missing[:3]}"
+            raise ModelLoadError(msg)
+        unexpected = sorted(present - set(expected))
+        if unexpected:
+            msg = (f"{path}: checkpoint has {len(unexpected)} weights this MolmoE config does not use, "
+                   f"e.g. {unexpected[:3]} (config.json does not match the weights?)")
+            raise ModelLoadError(msg)
+        _assign(vision, {n[len(VISION_PREFIX):]: weights.get(n) for n in expected if n.startswith(VISION_PREFIX)},
+                path)
+        _assign(decoder, decoder_state_dict(arch, weights.get), path)
+
+
+def _assign(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    own = module.state_dict()
+    for name, tensor in state.items():
+        want = tuple(own[name].shape)
+        if tuple(tensor.shape) != want:
+            msg = f"{path}: weight for {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
+            raise ModelLoadError(msg)
+    module.load_state_dict(state, strict=True, assign=True)
+    # buffers that are not weights (rotary frequencies) were created on meta: rebuild them
+    for sub in module.modules():
+        if isinstance(getattr(sub, "inv_freq", None), torch.Tensor) and sub.inv_freq.is_meta:
+            inv_freq, _ = sub.compute_default_rope_parameters(sub.config)
+            sub.register_buffer("inv_freq", inv_freq, persistent=False)
+            sub.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+        msg = f"{path}: no weights for {left[:3]}"
+        raise ModelLoadError(msg)
+
