@@ -508,3 +508,24 @@ def test_two_process_gloo_run(online_ws, tmp_path):
     assert len(rollouts) == 6 and sorted((r["group_index"], r["member"]) for r in rollouts) == [
         (g, m) for g in range(2) for m in range(3)]
     assert all(r["world_size"] == 2 for r in rollouts)
+
+
+def test_a_runtime_without_two_stage_execution_is_refused_with_one_line(online_ws, embedded_runtime):
+    """A backend that lacks the split prefill (the interface's defaults) stops the online phase
+    with a CtrlError naming the runtime, not a traceback from deep inside a rollout."""
+    from online.train import train_online
+    from pipeline import CtrlError
+    from runtime.base import ModelRuntime
+
+    class NoSplitPrefill(type(embedded_runtime)):
+        kind = "no-split"
+        hidden_size = ModelRuntime.hidden_size
+        embedding_rms = ModelRuntime.embedding_rms
+        prefill_prefix = ModelRuntime.prefill_prefix
+
+    runtime = object.__new__(NoSplitPrefill)
+    runtime.__dict__.update(embedded_runtime.__dict__)
+    _, ws = online_ws
+    with pytest.raises(CtrlError, match=r"^the no-split runtime does not implement two-stage") as info:
+        train_online(_config(ws, fresh=True), runtime=runtime)
+    assert "\n" not in str(info.value)
