@@ -319,6 +319,10 @@ def train(
                                                        "of that comparison: the table's violation bound and the "
                                                        "controller's reward test (0.5 = point estimates).",
                                                        rich_help_panel=REWARD)] = 0.95,
+    cross_fit_folds: Annotated[int, typer.Option("--cross-fit-folds", min=0, help="K-fold cross-fitting: K more "
+                                                 "networks, each without one fold, decide the fallback and the "
+                                                 "evaluation on every sample out of fold (0 = off: one split).",
+                                                 rich_help_panel=REWARD)] = 0,
     use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops "
                                               "choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
@@ -361,7 +365,14 @@ def train(
 
 
 def _train_offline(o: dict[str, Any]) -> None:
-    from trainer import OfflineTrainConfig, RewardConfig, format_evaluation_table, read_fallback, train_offline
+    from trainer import (
+        OfflineTrainConfig,
+        RewardConfig,
+        evaluation_title,
+        format_evaluation_table,
+        read_fallback,
+        train_offline,
+    )
 
     with running("train", interrupted="resume with --resume RUN (the last finished epoch is checkpointed)",
                  also=(ValueError,), counts=False) as bar:
@@ -370,7 +381,8 @@ def _train_offline(o: dict[str, Any]) -> None:
         else:
             fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
                       "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",
-                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "run_id")
+                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "run_id",
+                      "cross_fit_folds")
             config = OfflineTrainConfig(**{k: o[k] for k in fields}, reward=RewardConfig(mode=o["reward_mode"]),
                                         violation_target=o["violation_target"] or None,
                                         disable_table_fallback=not o["table_fallback"])
@@ -382,8 +394,11 @@ def _train_offline(o: dict[str, Any]) -> None:
                            info=f"epoch {event.get('epoch')} loss {event.get('loss', float('nan')):.4f} "
                                 f"reward {event.get('reward', float('nan')):.3f} val E[r] "
                                 + (f"{val:.3f}" if val is not None else "-"))
+            elif event.get("phase") == "fold":
+                bar.update(info=f"cross-fitting: fold {event['fold']} of {event['num_folds']}, "
+                                f"epoch {event.get('epoch', 0)}")
             elif event.get("phase") == "evaluate":
-                bar.update(info="evaluating on the test split")
+                bar.update(info="evaluating")
 
         result = train_offline(config, progress=show)
     _print(f"run {result.run_id}: best epoch {result.best_epoch}, validation expected reward "
@@ -392,7 +407,7 @@ def _train_offline(o: dict[str, Any]) -> None:
     if fallback is not None:
         _print(fallback.describe())
     if result.evaluation is not None:
-        out.print(format_evaluation_table(result.evaluation))
+        out.print(format_evaluation_table(result.evaluation, evaluation_title(result.run_dir)))
         _print(f"plot: {result.run_dir / 'evaluation.png'}")
 
 
@@ -455,7 +470,7 @@ def evaluate(
     """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
     the baselines on the recorded outcomes, an online run against its offline start with the model."""
     from pipeline import Workspace
-    from trainer import RunDir, evaluate_run, format_evaluation_table
+    from trainer import RunDir, evaluate_run, evaluation_title, format_evaluation_table
 
     with handled(also=(ValueError,)):
         run_dir = RunDir.resolve(Workspace(workspace), run)
@@ -468,7 +483,7 @@ def evaluate(
     else:
         with handled(also=(ValueError,)):
             frame = evaluate_run(workspace, run_dir.path, budget_ms or None)
-    out.print(format_evaluation_table(frame))
+    out.print(format_evaluation_table(frame, evaluation_title(run_dir.path)))
     _print(f"written: {run_dir.path / 'evaluation.parquet'}, {run_dir.path / 'evaluation.png'}")
 
 

@@ -322,11 +322,13 @@ METRICS = TableSchema(
 
 EVALUATIONS = TableSchema(
     name="evaluations",
-    description="One row per (run, decider, budget) on the test split (runs/<run_id>/evaluation.parquet).",
+    description="One row per (run, decider, budget): on every sample out of fold for a cross-fitted offline run, "
+                "else on the test split (runs/<run_id>/evaluation.parquet).",
     primary_key=("run_id", "decider", "budget_ms"),
     columns=(
         _RUN_ID,
-        Column("decider", _S, "controller | policy | oracle | lut_p95 | lut_mean5 | largest | random (offline); "
+        Column("decider", _S, "controller | policy | oracle | lut_p95 | lut_by_family | lut_mean5 | largest | random "
+                              "(offline); "
                               "controller | offline_start (online)"),
         Column("budget_ms", _F, "latency budget", "ms"),
         Column("num_samples", _L, "test samples"),
@@ -340,6 +342,10 @@ EVALUATIONS = TableSchema(
         Column("expected_reward", _F, "exact expected reward of the decider's distribution "
                                       "(= reward_mean when deterministic)"),
         Column("config_histogram", _S, "JSON {\"C/K/B\": count} of the chosen configurations"),
+        Column("accuracy_se", _F, "standard error of accuracy over the samples"),
+        Column("accuracy_vs_table", _F, "mean per-sample score difference to lut_p95's choice (paired); "
+                                        "null without a lut_p95 row"),
+        Column("accuracy_vs_table_se", _F, "standard error of accuracy_vs_table"),
     ),
 )
 

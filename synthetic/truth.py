@@ -96,6 +96,18 @@ PROFILES: dict[str, DatasetProfile] = {
     )
 }
 SUPPORTED_DATASETS: tuple[str, ...] = tuple(PROFILES)
+#: per dataset, the question template families in template order (written as ``metadata.family``);
+#: each template has its own detail and reasoning means, so the knob sensitivities differ by family
+QUESTION_FAMILIES: dict[str, tuple[str, ...]] = {
+    "coco_2014_vqa": ("color", "count", "presence", "holding", "place", "sport"),
+    "text_vqa": ("brand", "written_text", "number", "clock_time", "book_title"),
+    "okvqa": ("use", "food_origin", "animal_family", "decade"),
+    "doc_qa": ("document_field",),
+    "st_qa": ("store_name",),
+    "science_qa_img": ("farthest_state", "adaptation", "offspring_ratio", "common_property"),
+    "tally_qa": ("tally_count",),
+    "coco_caption": ("caption",),
+}
 ASPECTS = np.array([0.5, 0.75, 1.0, 4 / 3, 1.5, 16 / 9, 2.0, 3.0])
 ASPECT_P = np.array([0.06, 0.16, 0.12, 0.34, 0.12, 0.1, 0.06, 0.04])
 
@@ -255,8 +267,8 @@ def _pick(rng: np.random.Generator, pool: list[str], exclude: tuple[str, ...] = 
     return choices[int(rng.integers(len(choices)))]
 
 
-def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[str], float, float]:
-    """(question, answer, answer pool, detail mean, reasoning mean) for open-ended VQA."""
+def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[str], float, float, str]:
+    """(question, answer, answer pool, detail mean, reasoning mean, template family) for open-ended VQA."""
     obj, thing = _pick(rng, OBJECTS), _pick(rng, THINGS)
     if name == "coco_2014_vqa":
         kind = int(rng.integers(6))
@@ -296,11 +308,13 @@ def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[s
                     "invoice number": [str(x) for x in rng.integers(10000, 99999, 6)]}
         pool = by_field.get(fld, [f"{b} inc." for b in BRANDS])
         q, det, rea = f"What is the {fld} mentioned in the document?", 0.85, 0.45
+        kind = 0
     else:
         store = _pick(rng, STORES)
         q, pool, det, rea = f"What is the name of the {store}?", [f"{w} {store}" for w in WORDS], 0.8, 0.25
+        kind = 0
     pool = [str(x) for x in pool]
-    return q, _pick(rng, pool), pool, det, rea
+    return q, _pick(rng, pool), pool, det, rea, QUESTION_FAMILIES[name][kind]
 
 
 def _vqa_answers(rng: np.random.Generator, main: str, alt: str, n_alt: int) -> list[str]:
@@ -311,7 +325,8 @@ def _vqa_answers(rng: np.random.Generator, main: str, alt: str, n_alt: int) -> l
     return [answers[i] for i in order]
 
 
-def _science_question(rng: np.random.Generator, seen: set) -> tuple[str, list[str], int, float, float]:
+def _science_question(rng: np.random.Generator, seen: set) -> tuple[str, list[str], int, float, float, str]:
+    """(question, options, answer index, detail mean, reasoning mean, template family), unique per call."""
     while True:
         kind = int(rng.integers(4))
         if kind == 0:
@@ -336,7 +351,7 @@ def _science_question(rng: np.random.Generator, seen: set) -> tuple[str, list[st
         opts = [str(o) for o in opts]
         if (q, tuple(opts)) not in seen:  # ScienceQA has no ids: question + options must identify it
             seen.add((q, tuple(opts)))
-            return q, opts, int(rng.integers(len(opts))), det, rea
+            return q, opts, int(rng.integers(len(opts))), det, rea, QUESTION_FAMILIES["science_qa_img"][kind]
 
 
 def _image_id(profile: DatasetProfile, rng: np.random.Generator, k: int, last: int) -> int | str:
@@ -406,7 +421,7 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
     row: dict = {"image": k, "pred_idx": (-1, -1, -1), "partial": 0.0}
     name = prof.name
     if prof.metric in ("vqa_score", "anls"):
-        question, main, pool, det, rea = _vqa_question(name, rng)
+        question, main, pool, det, rea, family = _vqa_question(name, rng)
         others = [x for x in pool if x != main] or ["unanswerable"]
         wrong = _pick(rng, others)
         if prof.metric == "vqa_score":
@@ -431,7 +446,7 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
         meta.update(answers=answers, question=question)
         row.update(preds=(main, alt, wrong), scores=(1.0, partial_score, 0.0), extra={"answers": answers})
     elif prof.metric == "mc":
-        question, options, answer_idx, det, rea = _science_question(rng, seen_sqa)
+        question, options, answer_idx, det, rea, family = _science_question(rng, seen_sqa)
         wrong_idx = (answer_idx + 1 + int(rng.integers(len(options) - 1))) % len(options)
         as_letter = rng.random() < 0.8  # MolmoE usually answers with the letter, sometimes the text
         pred = [chr(65 + i) if as_letter else options[i] for i in (answer_idx, wrong_idx, wrong_idx)]
@@ -443,7 +458,7 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
         question = f"How many {obj}s are there?"
         answers = [str(int(x)) for x in rng.integers(0, 7, int(rng.integers(2, 5)))]
         wrong = str(max(int(a) for a in answers) + 1 + int(rng.integers(0, 3)))
-        det, rea = 0.7, 0.3
+        det, rea, family = 0.7, 0.3, QUESTION_FAMILIES[name][0]
         meta = {"image_id": image_id, "answers": answers}
         row.update(preds=(answers[0], answers[0], wrong), scores=(1.0, 1.0, 0.0), extra={"answers": answers})
     else:  # coco_caption
@@ -452,8 +467,9 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
                     ("standing", "sitting", "parked", "shown", "seen")]
         good = f"a {obj} in the {place}"
         poor = f"a picture of a {_pick(rng, OBJECTS, exclude=(obj,))}"
-        question, det, rea = "Caption:", 0.3, 0.2
+        question, det, rea, family = "Caption:", 0.3, 0.2, QUESTION_FAMILIES[name][0]
         meta = {"image_id": image_id, "caption_id": 700_000 + 7 * k + int(rng.integers(0, 7)), "captions": captions}
         row.update(preds=(good, poor, poor), scores=(1.0, 0.0, 0.0), extra={"captions": captions})
+    meta["family"] = family  # last key: the origin's keys keep their order
     row.update(metadata=meta, det=det, rea=rea, text_tokens=count_tokens(question) + 6)
     return row

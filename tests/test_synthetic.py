@@ -254,13 +254,14 @@ def test_per_metric_dict_layouts(tree_all) -> None:
     assert list(first("science_qa_img")) == ["sample_id", "score", "pred", "answer_idx", "predicted_idx", "options",
                                              "metadata"]
     assert list(first("coco_caption")) == ["sample_id", "pred", "captions", "metadata", "score", "coco_metrics"]
-    assert list(first("coco_2014_vqa")["metadata"]) == ["image_id", "example_id", "answers", "question"]
+    # the origin's keys, then ``family`` (the question template family; not an origin key)
+    assert list(first("coco_2014_vqa")["metadata"]) == ["image_id", "example_id", "answers", "question", "family"]
     meta = first("text_vqa")["metadata"]
     assert isinstance(meta["image_id"], str) and len(meta["image_id"]) == 16 and isinstance(meta["example_id"], int)
-    assert list(first("okvqa")["metadata"]) == ["example_id", "answers", "question"]
-    assert set(first("science_qa_img")["metadata"]) == {"question", "options", "answer_idx"}
-    assert list(first("tally_qa")["metadata"]) == ["image_id", "answers"]
-    assert list(first("coco_caption")["metadata"]) == ["image_id", "caption_id", "captions"]
+    assert list(first("okvqa")["metadata"]) == ["example_id", "answers", "question", "family"]
+    assert set(first("science_qa_img")["metadata"]) == {"question", "options", "answer_idx", "family"}
+    assert list(first("tally_qa")["metadata"]) == ["image_id", "answers", "family"]
+    assert list(first("coco_caption")["metadata"]) == ["image_id", "caption_id", "captions", "family"]
     assert (load(ds_dir(tree_all.out_dir, "exp5", "tally_qa") / "exp5_accuracy_results.json")["config"]["split"]
             == "test")
     coco = tree_all.truth["coco_2014_vqa"].metadata
@@ -353,3 +354,47 @@ def test_record_count_and_generated_tree(tree_w3) -> None:
     tab = tree_w3.outcome_table("coco_2014_vqa")
     assert tree_w3.best_config("coco_2014_vqa", 0, 1e9) == tree_w3.configs[int(tab["accuracy"][0].argmax())]
     assert tree_w3.best_config("coco_2014_vqa", 0, 1.0) is None
+
+
+#: (text in the question, family) per template; first match wins. TallyQA and caption metadata carry no question.
+TEMPLATE_FAMILIES = {
+    "coco_2014_vqa": [("What color is the", "color"), ("How many", "count"), ("Is there a", "presence"),
+                      ("holding?", "holding"), ("Where was this picture taken?", "place"),
+                      ("What sport is being played?", "sport")],
+    "text_vqa": [("What brand is the", "brand"), ("What is written on the", "written_text"),
+                 ("What number is on the", "number"), ("What time is shown on the clock?", "clock_time"),
+                 ("What is the title of the book?", "book_title")],
+    "okvqa": [("used for?", "use"), ("Which country is famous for this food?", "food_origin"),
+              ("What family does this animal belong to?", "animal_family"), ("In which decade", "decade")],
+    "doc_qa": [("mentioned in the document?", "document_field")],
+    "st_qa": [("What is the name of the", "store_name")],
+    "science_qa_img": [("farthest", "farthest_state"), ("adapted to survive", "adaptation"),
+                       ("expected ratio of offspring", "offspring_ratio"), ("have in common", "common_property")],
+}
+
+
+def test_metadata_records_the_question_template_family() -> None:
+    for ds in ALL_DATASETS:
+        metadata = build_dataset(ds, 300, seed=5).metadata
+        assert [m["family"] for m in build_dataset(ds, 300, seed=5).metadata] == [m["family"] for m in metadata]
+        families = [m["family"] for m in metadata]
+        if ds == "tally_qa":
+            assert set(families) == {"tally_count"}
+            continue
+        if ds == "coco_caption":
+            assert set(families) == {"caption"}
+            continue
+        rules = TEMPLATE_FAMILIES[ds]
+        assert set(families) == {family for _, family in rules}  # every template occurs in 300 samples
+        for m in metadata:
+            if m["question"].startswith("Figure:"):  # ScienceQA's hint-only question (D18) hides the template
+                continue
+            assert m["family"] == next(family for text, family in rules if text in m["question"]), m["question"]
+
+
+def test_written_records_carry_the_family(tree_all) -> None:
+    order = [i for shard in rank_shards(9, 2) for i in shard]  # merged file: rank 0's shard, then rank 1's
+    for ds in ALL_DATASETS:
+        truth = tree_all.truth[ds].metadata
+        doc = load(ds_dir(tree_all.out_dir, "exp5", ds) / "exp5_accuracy_results_crops2_topk4_blocks12.json")
+        assert [s["metadata"]["family"] for s in doc["all_samples"]] == [truth[i]["family"] for i in order]

@@ -184,6 +184,22 @@ def test_tiling_crops_are_the_cached_tilings_of_the_action_space(built, data):
     assert len(empty) == 0 and empty.score.shape == (0, data.score.shape[1])
 
 
+def test_family_is_the_synthetic_question_template(built, data, truth_rows):
+    tree, _ = built
+    questions = {(s.dataset, s.index): s.metadata["question"] for s in tree.samples}
+    # the synthetic templates of coco_2014_vqa and text_vqa, by a phrase of their question
+    templates = [("What color is the", "color"), ("How many", "count"), ("Is there a", "presence"),
+                 ("holding?", "holding"), ("Where was this picture taken?", "place"), ("What sport is", "sport"),
+                 ("What brand is the", "brand"), ("What is written on the", "written_text"),
+                 ("What number is on the", "number"), ("What time is shown", "clock_time"),
+                 ("What is the title of the book?", "book_title")]
+    assert data.family is not None and len(data.family) == len(data)
+    for i, index in enumerate(truth_rows):
+        question = questions[(data.dataset[i], index)]
+        assert data.family[i] == next(family for text, family in templates if text in question), question
+    assert data.subset("test").family == [f for f, s in zip(data.family, data.split) if s == "test"]
+
+
 def test_several_fingerprints_are_refused_until_one_is_chosen(built, tmp_path):
     ws = copy_workspace(built[1], tmp_path / "ws")
     real = next(ws.features_dir.iterdir())

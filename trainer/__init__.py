@@ -5,7 +5,14 @@ Reads the workspace through ``pipeline``'s public readers (views ``groups``, ``l
 torch: ``cli.py`` imports this package inside the command bodies that need it.
 """
 
-from trainer.baselines import Decider, LargestDecider, LookupTableDecider, OracleDecider, RandomDecider
+from trainer.baselines import (
+    Decider,
+    FamilyLookupTableDecider,
+    LargestDecider,
+    LookupTableDecider,
+    OracleDecider,
+    RandomDecider,
+)
 from trainer.config import TrainingConfig
 from trainer.data import (
     Action,
@@ -25,7 +32,14 @@ from trainer.evaluate import (
 )
 from trainer.fallback import PolicyDecider, TableFallback, fit_table_fallback, read_fallback
 from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
-from trainer.offline import OfflineTrainConfig, OfflineTrainer, RunResult, evaluate_run, train_offline
+from trainer.offline import (
+    OfflineTrainConfig,
+    OfflineTrainer,
+    RunResult,
+    evaluate_run,
+    evaluation_title,
+    train_offline,
+)
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.predict import PREDICTION_COLUMNS, predict
 from trainer.reward import REWARD_PARTS, RewardConfig, compute_reward
@@ -42,6 +56,7 @@ __all__ = [
     "OfflineTrainer",
     "RunResult",
     "evaluate_run",
+    "evaluation_title",
     "predict",
     "PREDICTION_COLUMNS",
     # runs on disk
@@ -77,6 +92,7 @@ __all__ = [
     "Decider",
     "OracleDecider",
     "LookupTableDecider",
+    "FamilyLookupTableDecider",
     "LargestDecider",
     "RandomDecider",
     "evaluate_deciders",

@@ -1,4 +1,5 @@
-"""Baseline deciders: per-sample oracle, static lookup tables, always-largest, random.
+"""Baseline deciders: per-sample oracle, static lookup tables (global and per question family),
+always-largest, random.
 
 A decider maps (samples, budget) to one action per sample. Every decider here chooses
 inside ``data.mask`` (the configurations recorded for the sample); when nothing fits the
@@ -9,13 +10,15 @@ data they decide for, only at its mask (which configurations exist for a sample)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from trainer.data import Action, ActionSpace, OfflineData
 
-__all__ = ["Decider", "LargestDecider", "LookupTableDecider", "OracleDecider", "RandomDecider", "budget_vector"]
+__all__ = ["Decider", "FamilyLookupTableDecider", "LargestDecider", "LookupTableDecider", "OracleDecider",
+           "RandomDecider", "budget_vector"]
 
 
 @runtime_checkable
@@ -185,6 +188,87 @@ class LookupTableDecider(_Deterministic):
             raise ValueError(msg)
         _require_allowed(data)
         return self.choose(budget_vector(budget_ms, len(data)), data.mask)
+
+
+class FamilyLookupTableDecider(_Deterministic):
+    """:class:`LookupTableDecider`'s rule fitted per question family (``"lut_by_family"``).
+
+    From ``train`` (pass ``data.subset("train")``): one table per family on that family's
+    training samples (``train.family``), and the global table on all of them (the same table
+    as ``LookupTableDecider(train, ...)``). A sample of a family seen in ``train`` gets its
+    family's table; a sample of a family unseen in training, or without a family, gets the
+    global table's choice. ``quantile``, ``tolerance`` and ``statistic`` mean what they mean
+    for :class:`LookupTableDecider` and apply to every table. Training data without family
+    labels gives the global table for every sample.
+    """
+
+    def __init__(self, train: OfflineData, quantile: float = 0.95, tolerance: float = 0.0,
+                 statistic: Literal["quantile", "mean"] = "quantile", name: str = "lut_by_family") -> None:
+        self.name = name
+        self.global_table = LookupTableDecider(train, quantile, tolerance, statistic)
+        self.action_space = self.global_table.action_space
+        rows = _rows_by_family(train.family)
+        self.tables: dict[str, LookupTableDecider] = {
+            family: LookupTableDecider(train.select(index), quantile, tolerance, statistic, name=f"{name}:{family}")
+            for family, index in sorted(rows.items())}
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The families with their own table (seen in training), sorted."""
+        return tuple(self.tables)
+
+    def state(self) -> dict:
+        """The tables as plain values: :meth:`from_state` rebuilds the decider without the data."""
+        return {"name": self.name, "global": self.global_table.state(),
+                "families": {family: table.state() for family, table in self.tables.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> FamilyLookupTableDecider:
+        decider = cls.__new__(cls)
+        decider.name = state["name"]
+        decider.global_table = LookupTableDecider.from_state(state["global"])
+        decider.action_space = decider.global_table.action_space
+        decider.tables = {family: LookupTableDecider.from_state(table) for family, table in state["families"].items()}
+        return decider
+
+    def table_for(self, family: str | None) -> LookupTableDecider:
+        """The table that decides for a sample of ``family`` (the global one for None or an unseen family)."""
+        return self.global_table if family is None else self.tables.get(family, self.global_table)
+
+    def lookup(self, budget_ms: float, family: str | None = None) -> Action:
+        """The configuration for one budget and family (before the per-sample mask)."""
+        return self.table_for(family).lookup(budget_ms)
+
+    def choose(self, budget: torch.Tensor, family: Sequence[str | None] | None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) action indices for (N,) budgets in ms and N family labels (None: no labels);
+        ``mask`` (N, A) restricts each row (None: any action)."""
+        if family is not None and len(family) != len(budget):
+            msg = f"`family` has {len(family)} labels for {len(budget)} budgets"
+            raise ValueError(msg)
+        out = self.global_table.choose(budget, mask)
+        for label, index in _rows_by_family(family).items():
+            table = self.tables.get(label)
+            if table is not None:
+                rows = torch.tensor(index, dtype=torch.long)
+                out[rows] = table.choose(budget[rows], None if mask is None else mask[rows])
+        return out
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        if data.action_space != self.action_space:
+            msg = "the data's action space differs from the lookup tables' (built on other data)"
+            raise ValueError(msg)
+        _require_allowed(data)
+        return self.choose(budget_vector(budget_ms, len(data)), data.family, data.mask)
+
+
+def _rows_by_family(family: Sequence[str | None] | None) -> dict[str, list[int]]:
+    """Row indices per family label (rows without one left out)."""
+    rows: dict[str, list[int]] = {}
+    for i, label in enumerate(family or ()):
+        if label is not None:
+            rows.setdefault(label, []).append(i)
+    return rows
 
 
 class LargestDecider(_Deterministic):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -36,9 +37,12 @@ Action = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
+#: metadata keys that name a sample's question family, first recorded wins: ``family`` (the
+#: testbed task and the synthetic generator), then VQA v2's ``question_type`` and ``answer_type``
+FAMILY_KEYS = ("family", "question_type", "answer_type")
 
-__all__ = ["SPLITS", "Action", "ActionSpace", "OfflineData", "budget_grid", "default_budget_range", "load_offline_data",
-           "split_of"]
+__all__ = ["FAMILY_KEYS", "SPLITS", "Action", "ActionSpace", "OfflineData", "budget_grid", "default_budget_range",
+           "family_of", "load_offline_data", "split_of"]
 
 
 # -- the action space ---------------------------------------------------------------------
@@ -143,6 +147,8 @@ class OfflineData:
     entry, the crops (rows * cols) the feature model's preprocessor tiles the image into
     (``image_tilings``); NaN where unknown (no readable image). It depends on the image size
     only, so even stage 1 (before the vision tower) may read it: a direct latency predictor.
+    family: per sample, its question family (the first of ``FAMILY_KEYS`` recorded in the sample's
+    metadata, see :func:`family_of`), None where none is; None when no sample has one.
     """
 
     action_space: ActionSpace
@@ -160,6 +166,7 @@ class OfflineData:
     mask: torch.Tensor
     tiling_crops: torch.Tensor | None = None
     mean_score: torch.Tensor | None = None
+    family: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         n, a = len(self.dataset), len(self.action_space)
@@ -182,6 +189,14 @@ class OfflineData:
             _check("tiling_crops", self.tiling_crops, torch.float32, (n, len(self.action_space.max_crops_values)))
         if self.mean_score is not None:
             _check("mean_score", self.mean_score, torch.float32, (n, a))
+        if self.family is not None:
+            if len(self.family) != n:
+                msg = f"`family` has {len(self.family)} entries, `dataset` has {n}"
+                raise ValueError(msg)
+            bad = next((f for f in self.family if f is not None and not isinstance(f, str)), None)
+            if bad is not None:
+                msg = f"`family` entries must be str or None, got {type(bad).__name__}"
+                raise TypeError(msg)
 
     def scores(self, kind: str = "recorded") -> torch.Tensor:
         """The (N, A) scores of one definition: ``"recorded"`` (``score``, the groups view's
@@ -213,6 +228,7 @@ class OfflineData:
             latency_is_sample=self.latency_is_sample[index], mask=self.mask[index],
             tiling_crops=None if self.tiling_crops is None else self.tiling_crops[index],
             mean_score=None if self.mean_score is None else self.mean_score[index],
+            family=None if self.family is None else [self.family[i] for i in idx],
         )
 
     def subset(self, split: str) -> OfflineData:
@@ -237,6 +253,21 @@ def _check(name: str, tensor: Any, dtype: torch.dtype, shape: tuple[int | None, 
         want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
         msg = f"`{name}` must be {dtype} of shape {want}, got {tensor.dtype} of shape {tuple(tensor.shape)}"
         raise ValueError(msg)
+
+
+def family_of(metadata_json: str | None) -> str | None:
+    """The question family in a ``samples.metadata_json`` object: the value of the first of
+    ``FAMILY_KEYS`` that holds a non-blank string (stripped); None when none does."""
+    if not metadata_json:
+        return None
+    meta = orjson.loads(metadata_json)
+    if not isinstance(meta, dict):
+        return None
+    for key in FAMILY_KEYS:
+        value = meta.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
 
 
 # -- the split ----------------------------------------------------------------------------
@@ -333,7 +364,7 @@ class _GroupTables:
 
     fingerprint: str
     action_space: ActionSpace
-    keys: pa.Table  # dataset, sample_key, example_id: one row per sample, in row order
+    keys: pa.Table  # dataset, sample_key, example_id, metadata_json: one row per sample, in row order
     cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample
     lang: pa.Table  # row, feature
     image: pa.Table | None  # row, feature (readable images only)
@@ -348,6 +379,7 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     * Samples: every (dataset, sample_key) of the ``groups`` view with at least one such
       configuration, sorted by (dataset, sample_key); a sample without any cannot be decided
       for and is left out.
+    * ``family``: per sample, :func:`family_of` its ``samples.metadata_json``.
     * ``model_fingerprint``: full or a unique prefix (the feature directory name); required
       when features of several models are cached.
 
@@ -376,6 +408,7 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     is_sample[r, c] = tables.cells.column("latency_is_sample").to_numpy(zero_copy_only=False)
     mask = ~np.isnan(cells["score"]) & ~np.isnan(cells["latency_ms"])
     is_sample &= ~np.isnan(cells["latency_ms"])
+    family = [family_of(m) for m in keys.column("metadata_json").to_pylist()]
     return OfflineData(
         action_space=action_space, model_fingerprint=tables.fingerprint, dataset=dataset, sample_key=sample_key,
         example_id=keys.column("example_id").to_pylist(),
@@ -385,6 +418,7 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
         latency_ms=torch.from_numpy(cells["latency_ms"]), latency_is_sample=torch.from_numpy(is_sample),
         mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(_tiling_matrix(tables, n)),
         mean_score=torch.from_numpy(cells["mean_score"]),
+        family=family if any(f is not None for f in family) else None,
     )
 
 
@@ -406,7 +440,7 @@ def _read_group_tables(ws: Workspace, model_fingerprint: str | None) -> _GroupTa
             msg = (f"workspace {ws.root} has no configuration recorded with both a score and a latency\n"
                    "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
             raise CtrlError(msg)
-        keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id FROM _keys k "
+        keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id, s.metadata_json FROM _keys k "
                        "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
         cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
                         "JOIN _keys k USING (dataset, sample_key) "

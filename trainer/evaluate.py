@@ -11,7 +11,12 @@ configurations (the test split). Columns (see ``EVALUATION_COLUMNS``):
 * ``reward_mean``: mean reward (``trainer.reward``) of the decisions;
 * ``expected_reward``: sum_a pi(a|x) r(x, a) averaged over samples, for deciders that expose
   ``action_probs``; equal to reward_mean for the deterministic baselines, NaN otherwise;
-* ``config_histogram``: JSON ``{"C/K/B": count}`` of the chosen configurations.
+* ``config_histogram``: JSON ``{"C/K/B": count}`` of the chosen configurations;
+* ``accuracy_se``: standard error of ``accuracy`` over the samples;
+* ``accuracy_vs_table`` / ``accuracy_vs_table_se``: mean per-sample score difference against
+  the ``lut_p95`` decider's choice on the same samples and its standard error (paired, so a
+  difference smaller than the accuracies' own intervals can still be told apart); null when
+  no decider is named ``lut_p95``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ __all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "default_budget_grid", "eva
            "format_evaluation_table", "write_evaluation"]
 
 EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
-                      "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram")
+                      "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram",
+                      "accuracy_se", "accuracy_vs_table", "accuracy_vs_table_se")
+#: the decider the paired differences are taken against
+TABLE_DECIDER = "lut_p95"
 #: the goal's violation ceiling, drawn as the reference line of the plot
 VIOLATION_TARGET = 0.05
 
@@ -60,9 +68,16 @@ def outcome_metrics(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: fl
 
 
 def evaluation_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    """Evaluation rows as a frame with ``EVALUATION_COLUMNS`` and their dtypes (offline and online)."""
+    """Evaluation rows as a frame with ``EVALUATION_COLUMNS`` and their dtypes (offline and online);
+    a column a row lacks is null."""
     dtypes = {"decider": pl.String, "num_samples": pl.Int64, "config_histogram": pl.String}
+    rows = [{c: row.get(c) for c in EVALUATION_COLUMNS} for row in rows]
     return pl.DataFrame(rows, schema={c: dtypes.get(c, pl.Float64) for c in EVALUATION_COLUMNS})
+
+
+def _standard_error(values: torch.Tensor) -> float:
+    values = values.double()
+    return float(values.std() / math.sqrt(len(values))) if len(values) > 1 else math.nan
 
 
 def _expected_reward(decider: Decider, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
@@ -105,6 +120,7 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
         # rewards of every action at this budget: the decisions' rewards and the expected reward
         all_rewards = compute_reward(test.score, test.latency_ms, budget[:, None], knob_values[None, :, :],
                                      reward)["reward"]
+        decisions = {}
         for decider in deciders:
             chosen = torch.as_tensor(decider.decide(test, budget)).long()
             if chosen.shape != (n,):
@@ -114,6 +130,12 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
             if outside:
                 msg = f"{decider.name}: {outside} of {n} decisions at budget {budget_ms} ms are outside the mask"
                 raise ValueError(msg)
+            decisions[decider.name] = chosen
+        table = decisions.get(TABLE_DECIDER)
+        for decider in deciders:
+            chosen = decisions[decider.name]
+            score = test.score[rows_idx, chosen]
+            paired = None if table is None else (score - test.score[rows_idx, table]).double()
             counts = torch.bincount(chosen, minlength=len(labels)).tolist()
             rows.append({
                 "decider": decider.name,
@@ -123,6 +145,9 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
                 "reward_mean": float(all_rewards[rows_idx, chosen].double().mean()),
                 "expected_reward": _expected_reward(decider, test, budget, all_rewards),
                 "config_histogram": json.dumps({labels[i]: c for i, c in enumerate(counts) if c}),
+                "accuracy_se": _standard_error(score),
+                "accuracy_vs_table": None if paired is None else float(paired.mean()),
+                "accuracy_vs_table_se": None if paired is None else _standard_error(paired),
             })
     order = {name: i for i, name in enumerate(names)}
     rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
@@ -174,10 +199,12 @@ def _plot(frame: pl.DataFrame, title: str) -> Figure:
     return fig
 
 
-def format_evaluation_table(frame: pl.DataFrame) -> Table:
-    """A terminal table: one row per (decider, budget), the most frequent configuration last."""
-    table = Table(title="evaluation (test split)")
-    for header in ("decider", "budget ms", "accuracy", "latency ms mean", "latency ms p95", "violation",
+def format_evaluation_table(frame: pl.DataFrame, title: str = "evaluation (test split)") -> Table:
+    """A terminal table: one row per (decider, budget), the most frequent configuration last;
+    accuracy with its standard error and, where known, the paired difference to ``lut_p95``."""
+    table = Table(title=title)
+    for header in ("decider", "budget ms", "accuracy ± se", "vs lut_p95 ± se", "latency ms mean", "latency ms p95",
+                   "violation",
                    "acc. within budget", "reward", "expected reward", "top configuration"):
         table.add_column(header, justify="left" if header in ("decider", "top configuration") else "right")
     for row in frame.iter_rows(named=True):
@@ -188,7 +215,11 @@ def format_evaluation_table(frame: pl.DataFrame) -> Table:
         if row["violation_rate"] > VIOLATION_TARGET:
             violation = f"[red]{violation}[/red]"
         expected = row["expected_reward"]
-        table.add_row(row["decider"], f"{row['budget_ms']:.1f}", f"{row['accuracy']:.3f}",
+        se, diff, diff_se = row.get("accuracy_se"), row.get("accuracy_vs_table"), row.get("accuracy_vs_table_se")
+        accuracy = f"{row['accuracy']:.3f}" + ("" if se is None or math.isnan(se) else f" ± {se:.3f}")
+        versus = "" if diff is None else f"{diff:+.3f}" + ("" if diff_se is None or math.isnan(diff_se)
+                                                            else f" ± {diff_se:.3f}")
+        table.add_row(row["decider"], f"{row['budget_ms']:.1f}", accuracy, versus,
                       f"{row['latency_ms_mean']:.1f}",
                       f"{row['latency_ms_p95']:.1f}", violation, f"{row['accuracy_within_budget']:.3f}",
                       f"{row['reward_mean']:.3f}",

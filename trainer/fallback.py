@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.baselines import LookupTableDecider, budget_vector
+from trainer.baselines import Decider, LookupTableDecider, budget_vector
 from trainer.data import OfflineData
 from trainer.evaluate import VIOLATION_TARGET
 from trainer.policy import ControllerPolicy, check_fingerprint, data_log_probs, read_checkpoint
@@ -193,6 +193,18 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     targets, so the comparison sees the same, less noisy, scores as the model selection)
     and the controller's violations. The rule is in the module docstring.
     """
+    table = LookupTableDecider(train)
+    return compare_with_table(PolicyDecider(policy), table, val, grid_ms, reward, table.state(),
+                              also_count_table_on=train, max_violation_rate=max_violation_rate, confidence=confidence)
+
+
+def compare_with_table(network: Decider, table: Decider, val: OfflineData, grid_ms: list[float], reward: RewardConfig,
+                       table_state: dict, *, also_count_table_on: OfflineData | None = None,
+                       max_violation_rate: float = VIOLATION_TARGET, confidence: float = 0.95) -> TableFallback:
+    """The per-budget rule of the module docstring, from the decisions of ``network`` and ``table`` on
+    ``val`` (held-out samples; for a cross-fit, every sample decided out of fold). The table's
+    violations are also counted on ``also_count_table_on`` (the samples it was fitted on: it is
+    the same table there). ``table_state`` is the deployed table the fallback will answer with."""
     if len(val) == 0:
         msg = "`val` has no samples: the fallback needs held-out data"
         raise ValueError(msg)
@@ -203,8 +215,6 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
         msg = f"`confidence` must be in [0.5, 1), got {confidence!r}"
         raise ValueError(msg)
     z = NormalDist().inv_cdf(confidence)
-    table = LookupTableDecider(train)
-    network = PolicyDecider(policy)
     knobs = val.action_space.knob_values().float()
     grid = sorted(float(b) for b in grid_ms)
 
@@ -214,7 +224,7 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     keys = ("keep", "r_ctrl", "r_table", "se", "v_ctrl", "v_table", "v_table_upper")
     out: dict[str, list] = {k: [] for k in keys}
     rows = torch.arange(len(val))
-    pooled = len(train) + len(val)  # the table's violations are counted on both splits
+    pooled = len(val) + (0 if also_count_table_on is None else len(also_count_table_on))
     for budget in grid:
         rewards = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None],
                                  reward)["reward"].double()
@@ -224,8 +234,9 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
         r_ctrl, r_table = float(r_ours.mean()), float(r_theirs.mean())
         se = float(difference.std() / math.sqrt(len(val))) if len(val) > 1 else math.inf
         v_ctrl = float(over_budget(val, ours, budget).double().mean())
-        table_over = (int(over_budget(val, theirs, budget).sum())
-                      + int(over_budget(train, table.decide(train, budget), budget).sum()))
+        table_over = int(over_budget(val, theirs, budget).sum())
+        if also_count_table_on is not None:
+            table_over += int(over_budget(also_count_table_on, table.decide(also_count_table_on, budget), budget).sum())
         v_table = table_over / pooled
         v_table_upper = wilson_upper_bound(table_over, pooled, confidence)
         ok_ctrl, ok_table = v_ctrl <= max_violation_rate, v_table_upper <= max_violation_rate
@@ -241,7 +252,7 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
                          table_reward=out["r_table"], reward_difference_se=out["se"],
                          controller_violation_rate=out["v_ctrl"], table_violation_rate=out["v_table"],
                          table_violation_upper=out["v_table_upper"], max_violation_rate=float(max_violation_rate),
-                         confidence=float(confidence), table=table.state())
+                         confidence=float(confidence), table=table_state)
 
 
 def read_fallback(checkpoint: str | Path) -> TableFallback | None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -38,12 +39,19 @@ import torch
 from pipeline.errors import CtrlError
 from pipeline.schema import METRICS, REWARD_TERMS
 from pipeline.workspace import Workspace
-from trainer.baselines import LargestDecider, LookupTableDecider, OracleDecider, RandomDecider
+from trainer.baselines import (
+    FamilyLookupTableDecider,
+    LargestDecider,
+    LookupTableDecider,
+    OracleDecider,
+    RandomDecider,
+)
 from trainer.config import TrainingConfig, check_int, check_number
 from trainer.constraint import ViolationConstraint
+from trainer.crossfit import deployed_data, fit_cross_fitted_fallback, fold_data, fold_run_dir, load_folds
 from trainer.data import OfflineData, budget_grid, default_budget_range, load_offline_data
 from trainer.evaluate import evaluate_deciders, write_evaluation
-from trainer.fallback import PolicyDecider, attach_fallback, fit_table_fallback, read_fallback
+from trainer.fallback import PolicyDecider, TableFallback, attach_fallback, fit_table_fallback, read_fallback
 from trainer.grpo import policy_loss, rows_log_probs, sample_groups
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.reward import RewardConfig
@@ -114,6 +122,10 @@ class OfflineTrainConfig(TrainingConfig):
         fraction on each side (float, default 0.1).
 
     > Deployment
+    cross_fit_folds: K of the K-fold cross-fitting (int, default 0 = off: one split decides; 5 is usual).
+        With K >= 2 the deployed network trains on every sample outside the val split, K more
+        networks each without one fold (``trainer.crossfit``), and the fallback and the
+        evaluation use every sample once, out of fold. Costs K more trainings.
     disable_table_fallback: deploy the network alone (bool, default False). By default, after
         training, the controller is compared with the ``lut_p95`` table at every budget of the
         validation grid, violations before reward, and the table answers wherever the
@@ -155,6 +167,7 @@ class OfflineTrainConfig(TrainingConfig):
     dropout: float = 0.0
     use_tilings: bool = False
     budget_margin: float = 0.1
+    cross_fit_folds: int = 0
     disable_table_fallback: bool = False
     fallback_confidence: float = 0.95
     num_val_budgets: int = 8
@@ -166,7 +179,8 @@ class OfflineTrainConfig(TrainingConfig):
         if self.eval_budgets is not None:
             self.eval_budgets = [float(b) for b in self.eval_budgets]
         for name, low in (("num_budgets_per_sample", 1), ("num_epochs", 1), ("batch_size", 1), ("num_iterations", 1),
-                          ("hidden_dim", 1), ("num_val_budgets", 1), ("warm_start_steps", 0)):
+                          ("hidden_dim", 1), ("num_val_budgets", 1), ("warm_start_steps", 0),
+                          ("cross_fit_folds", 0)):
             check_int(name, getattr(self, name), low)
         for name in ("kl_beta", "budget_margin"):
             check_number(name, getattr(self, name))
@@ -189,6 +203,9 @@ class OfflineTrainConfig(TrainingConfig):
             if not ok:
                 msg = f"`{name}` must be {allowed}, got {getattr(self, name)!r}"
                 raise ValueError(msg)
+        if self.cross_fit_folds == 1:
+            msg = "`cross_fit_folds` must be 0 (off) or at least 2, got 1"
+            raise ValueError(msg)
         if self.eval_budgets is not None and (not self.eval_budgets or min(self.eval_budgets) <= 0):
             msg = f"`eval_budgets` must be a non-empty list of budgets > 0 ms, got {self.eval_budgets!r}"
             raise ValueError(msg)
@@ -348,16 +365,21 @@ class OfflineTrainer:
     """One offline run: start or resume (the constructor), then :meth:`train`."""
 
     def __init__(self, config: OfflineTrainConfig, progress: Callable[[dict], None] | None = None, *,
-                 data: OfflineData | None = None) -> None:
+                 data: OfflineData | None = None, run_dir: Path | None = None) -> None:
         self.started = time.perf_counter()
         self.workspace = Workspace(config.workspace)
         self.notify = progress or (lambda event: None)
         resume = RunDir.resolve(self.workspace, config.resume) if config.resume else None
         self.data = data if data is not None else load_offline_data(self.workspace, config.model_fingerprint)
-        train, val = _split(self.data, "train"), _split(self.data, "val")
+        _split(self.data, "test")  # cross-fitted or not, the data must have held-out samples
+        # cross-fitted: the deployed network also learns from the test split (the folds judge it)
+        trained_on = deployed_data(self.data) if config.cross_fit_folds else self.data
+        train, val = _split(trained_on, "train"), _split(trained_on, "val")
         config = _resolve(config, self.data)
         self.config = _check_resume(resume, config) if resume is not None else config
-        self.run = resume if resume is not None else RunDir(self.workspace.runs_dir / (config.run_id or new_run_id()))
+        if resume is None:
+            resume_dir = run_dir if run_dir is not None else self.workspace.runs_dir / (config.run_id or new_run_id())
+        self.run = resume if resume is not None else RunDir(resume_dir)
         self.config.run_id = self.run.run_id
         self.run.write_config(self.config.to_json())
         self.train_recorded = train  # the recorded scores: the lookup table of the fallback is built on them
@@ -413,6 +435,8 @@ class OfflineTrainer:
                 self._train_epoch(epoch)
                 self._checkpoint(epoch)
             write_table_atomic(self.progress.rows, METRICS, self.run.metrics_path)
+            if self.config.cross_fit_folds:
+                self._train_folds()
             if not self.config.disable_table_fallback:
                 self._attach_fallback()
             evaluation = None
@@ -520,10 +544,35 @@ class OfflineTrainer:
         last = p.rows[-1]
         self._notify("epoch", epoch, last["loss"], last["reward/mean"], last["val/expected_reward"])
 
+    def _train_folds(self) -> None:
+        """The K fold networks of the cross-fit, each in ``folds/fold-<k>`` (a finished fold is kept)."""
+        k_total = self.config.cross_fit_folds
+        fold_config = OfflineTrainConfig.from_json({**self.config.to_json(), "cross_fit_folds": 0, "run_id": None,
+                                                    "resume": None, "disable_table_fallback": True,
+                                                    "disable_evaluation": True})
+        for k in range(k_total):
+            target = fold_run_dir(self.run.path, k)
+            if (target / "metrics.parquet").exists() and RunDir(target).best_checkpoint.exists():
+                continue
+            shutil.rmtree(target, ignore_errors=True)  # an interrupted fold restarts
+
+            def relay(event: dict, fold: int = k + 1) -> None:
+                self.notify({"phase": "fold", "fold": fold, "num_folds": k_total, "epoch": event.get("epoch", 0)})
+
+            relay({})
+            OfflineTrainer(fold_config, relay, data=fold_data(self.data, k, k_total), run_dir=target).train()
+
     def _attach_fallback(self) -> None:
-        best = ControllerPolicy.load(self.run.best_checkpoint)
-        fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
-                                      self.config.reward, confidence=self.config.fallback_confidence)
+        if self.config.cross_fit_folds:
+            models = load_folds(self.run.path, self.data, self.config.cross_fit_folds)
+            fallback = fit_cross_fitted_fallback(models, training_targets(self.data, self.config.score_target),
+                                                 self.val_budgets, self.config.reward,
+                                                 LookupTableDecider(self.train_recorded),
+                                                 self.config.fallback_confidence)
+        else:
+            best = ControllerPolicy.load(self.run.best_checkpoint)
+            fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
+                                          self.config.reward, confidence=self.config.fallback_confidence)
         attach_fallback(self.run.best_checkpoint, fallback)
 
     def _run_row(self) -> dict[str, Any]:
@@ -565,11 +614,14 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
 
 def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
                  data: OfflineData | None = None) -> pl.DataFrame:
-    """``ctrl evaluate RUN``: the run's best checkpoint vs the baselines on the test split.
+    """``ctrl evaluate RUN``: the run's controller vs the baselines.
 
-    Baselines: oracle, lut_p95, lut_mean5 (origin §7.9: mean latency within budget x 1.05),
-    largest, random. Writes ``evaluation.parquet`` (with ``run_id``) and ``evaluation.png`` into
-    the run directory and returns the frame (without ``run_id``).
+    Baselines: oracle, lut_p95, lut_by_family (the p95 rule per question family, where the
+    samples record one), lut_mean5 (origin §7.9: mean latency within budget x 1.05), largest,
+    random. A cross-fitted run (``cross_fit_folds`` >= 2) is evaluated on every
+    sample, each decided out of fold by the networks and tables of the fold that did not train
+    on it; otherwise the best checkpoint on the test split. Writes ``evaluation.parquet`` (with
+    ``run_id``) and ``evaluation.png`` into the run directory and returns the frame (without ``run_id``).
     """
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     run_dir = RunDir.resolve(ws, run)
@@ -577,15 +629,53 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     if data is None:
         data = load_offline_data(ws, config.model_fingerprint)
     checkpoint = resolve_checkpoint(ws, run_dir.path)
-    policy = ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint)
     fallback = read_fallback(checkpoint)
-    train, test = _split(data, "train"), _split(data, "test")
     budgets = [float(b) for b in (budgets_ms or config.eval_budgets)]
-    # PolicyDecider exposes action_probs, so its rows get the exact expected reward
-    controllers = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
-    deciders = [*controllers, OracleDecider(), LookupTableDecider(train),
-                LookupTableDecider(train, statistic="mean", tolerance=0.05), LargestDecider(),
-                RandomDecider(seed=config.seed)]
-    frame = evaluate_deciders(test, deciders, budgets, config.reward)
+    if config.cross_fit_folds:
+        deciders, evaluated = _cross_fitted_deciders(run_dir.path, data, config, fallback), data
+    else:
+        policy = ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint)
+        train, evaluated = _split(data, "train"), _split(data, "test")
+        # PolicyDecider exposes action_probs, so its rows get the exact expected reward
+        controllers = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
+        family = [FamilyLookupTableDecider(train)] if data.family is not None else []
+        deciders = [*controllers, OracleDecider(), LookupTableDecider(train), *family,
+                    LookupTableDecider(train, statistic="mean", tolerance=0.05), LargestDecider(),
+                    RandomDecider(seed=config.seed)]
+    frame = evaluate_deciders(evaluated, deciders, budgets, config.reward)
     write_evaluation(run_dir.path, frame)
     return frame
+
+
+def evaluation_title(run_dir: Path) -> str:
+    """The heading of a run's evaluation table: which samples it was computed on."""
+    try:
+        folds = int(RunDir(Path(run_dir)).read_config().get("cross_fit_folds") or 0)
+    except (OSError, ValueError, TypeError):
+        folds = 0
+    return (f"evaluation (every sample, out of fold: {folds}-fold cross-fit)" if folds
+            else "evaluation (test split)")
+
+
+def _cross_fitted_deciders(run_path: Path, data: OfflineData, config: OfflineTrainConfig,
+                           fallback: TableFallback | None) -> list:
+    """Every decider of the evaluation, out of fold: fold k's network, tables fitted on fold k's
+    training samples, and the deployed fallback's per-budget choice answered by fold k's table."""
+    models = load_folds(run_path, data, config.cross_fit_folds)
+
+    def controller(k: int) -> PolicyDecider:
+        own = None if fallback is None else replace(fallback, table=LookupTableDecider(models.train[k]).state())
+        return PolicyDecider(models.policies[k], own)
+
+    deciders = [models.out_of_fold("controller", controller)]
+    if fallback is not None:
+        deciders.append(models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k], name="policy")))
+    if data.family is not None:
+        tables = [models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k])),
+                  models.out_of_fold("lut_by_family", lambda k: FamilyLookupTableDecider(models.train[k]))]
+    else:
+        tables = [models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k]))]
+    return [*deciders, OracleDecider(), *tables,
+            models.out_of_fold("lut_mean5", lambda k: LookupTableDecider(models.train[k], statistic="mean",
+                                                                         tolerance=0.05)),
+            LargestDecider(), RandomDecider(seed=config.seed)]
