@@ -299,14 +299,18 @@ def train(
                                               "default) or recorded: the training score.",
                                               rich_help_panel=REWARD)] = "mean",
     warm_start_steps: Annotated[int, typer.Option("--warm-start-steps", min=0, help="Steps fitting the initial policy "
-                                                  "to the lut_p95 table (0 = off).", rich_help_panel=REWARD)] = 200,
+                                                  "to the warm-start decider (0 = off).",
+                                                  rich_help_panel=REWARD)] = 200,
+    warm_start_target: Annotated[str, typer.Option("--warm-start-target", help="outcome (the outcome model's "
+                                                   "per-sample choice; default) or table (lut_p95).",
+                                                   rich_help_panel=REWARD)] = "outcome",
     loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).",
                                            rich_help_panel=REWARD)] = "grpo",
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.",
                                                rich_help_panel=REWARD)] = "batch",
     clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).",
                                                        rich_help_panel=REWARD)] = None,
-    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (table-warm-started) policy.",
+    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (warm-started) policy.",
                                            rich_help_panel=REWARD)] = 0.1,
     violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of "
                                                     "decisions over budget at each budget: a per-budget Lagrange "
@@ -322,7 +326,7 @@ def train(
     cross_fit_folds: Annotated[int, typer.Option("--cross-fit-folds", min=0, help="K-fold cross-fitting: K more "
                                                  "networks, each without one fold, decide the fallback and the "
                                                  "evaluation on every sample out of fold (0 = off: one split).",
-                                                 rich_help_panel=REWARD)] = 0,
+                                                 rich_help_panel=REWARD)] = 5,
     use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops "
                                               "choice) to both stages.")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
@@ -381,8 +385,8 @@ def _train_offline(o: dict[str, Any]) -> None:
         else:
             fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
                       "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",
-                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "run_id",
-                      "cross_fit_folds")
+                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "warm_start_target",
+                      "run_id", "cross_fit_folds")
             config = OfflineTrainConfig(**{k: o[k] for k in fields}, reward=RewardConfig(mode=o["reward_mode"]),
                                         violation_target=o["violation_target"] or None,
                                         disable_table_fallback=not o["table_fallback"])

@@ -113,7 +113,7 @@ def main() -> None:
         data = synthetic_data(args.samples, 64, 64)
         ws = CACHE / "trainer-ws"
         shutil.rmtree(ws, ignore_errors=True)
-        config = OfflineTrainConfig(workspace=ws, num_epochs=args.epochs, disable_evaluation=True)
+        config = OfflineTrainConfig(workspace=ws, num_epochs=args.epochs, disable_evaluation=True, cross_fit_folds=0)
         started = time.perf_counter()
         result = train_offline(config, data=data)
         seconds = time.perf_counter() - started

@@ -59,6 +59,7 @@ def summarize(frame) -> dict[str, float]:
     z = [d / s if s else (0.0 if d == 0 else float("inf") * (1 if d > 0 else -1))
          for d, s in zip(ctrl["accuracy_vs_table"], ctrl["accuracy_vs_table_se"])]
     return {"controller": mean_accuracy("controller"), "policy": mean_accuracy("policy"),
+            "outcome": mean_accuracy("outcome"),
             "lut_p95": mean_accuracy("lut_p95"), "lut_by_family": mean_accuracy("lut_by_family"),
             "oracle": mean_accuracy("oracle"), "worst_z": min(z),
             "max_violation": float(ctrl["violation_rate"].max()),
@@ -82,7 +83,7 @@ def main() -> None:
     if not args.no_synthetic:
         worlds += [(name, synthetic_workspace(name, datasets, seed, args.samples))
                    for name, datasets, seed in SYNTHETIC_WORLDS]
-    header = ("world", "N", "ctrl", "policy", "lut_p95", "lut_by_family", "oracle", "worst ctrl-table (se)",
+    header = ("world", "N", "ctrl", "policy", "outcome", "lut_p95", "lut_by_family", "oracle", "worst ctrl-table (se)",
               "ctrl max viol", "table max viol", "train s")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -97,8 +98,9 @@ def main() -> None:
         def fmt(v: float | None) -> str:
             return "" if v is None else f"{v:.3f}"
 
-        print(f"| {name} | {s['num_samples']} | {fmt(s['controller'])} | {fmt(s['policy'])} | {fmt(s['lut_p95'])} | "
-              f"{fmt(s['lut_by_family'])} | {fmt(s['oracle'])} | {s['worst_z']:+.2f} | {s['max_violation']:.1%} | "
+        print(f"| {name} | {s['num_samples']} | {fmt(s['controller'])} | {fmt(s['policy'])} | {fmt(s['outcome'])} | "
+              f"{fmt(s['lut_p95'])} | {fmt(s['lut_by_family'])} | {fmt(s['oracle'])} | {s['worst_z']:+.2f} | "
+              f"{s['max_violation']:.1%} | "
               f"{s['table_max_violation']:.1%} | {time.perf_counter() - start:.0f} |", flush=True)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,4 +111,12 @@ def init_distributed_from_env(device: str) -> Dist:
     if backend == "nccl":  # nccl's object collectives run on the current GPU: one per rank
         torch.cuda.set_device(torch.device(local_device(device)))
     torch.distributed.init_process_group(backend=backend)
+    # leave the group while the interpreter is whole: a group torn down during interpreter
+    # finalisation can abort the process after its work is done
+    atexit.register(_leave_process_group)
     return current_dist()
+
+
+def _leave_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

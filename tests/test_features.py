@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +15,7 @@ from typer.testing import CliRunner
 from conftest import run_ingest
 from pipeline import Workspace, run_query
 from synthetic import SyntheticSpec, generate_tree
+from torchrun import run_ranks
 
 SMALL = dict(max_crops=(2, 10), top_k=(4, 12), num_active_blocks=(12, 16))
 
@@ -155,17 +155,9 @@ def test_fully_cached_run_never_loads_the_model(runtime, feature_ws, monkeypatch
 
 # -- torchrun ---------------------------------------------------------------------------------
 
-def _torchrun_worker(rank: int, world: int, port: int, ws_root: str, images: str, model_dir: str, out: str,
-                     fail_after: int) -> None:
-    """One process as torchrun starts it; writes its report or its error (a hang shows as a timeout).
+def _torchrun_worker(rank: int, ws_root: str, images: str, model_dir: str, out: str, fail_after: int) -> None:
+    """One rank of ``extract-features``; writes its report or its error (a hang shows as a timeout).
     With ``fail_after`` > 0, rank 1 raises in its batch number ``fail_after``."""
-    import os
-
-    import torch
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     import features.extract
     from features import FeatureConfig, extract_features
 
@@ -188,26 +180,11 @@ def _torchrun_worker(rank: int, world: int, port: int, ws_root: str, images: str
     except Exception as e:
         result = {"error": f"{type(e).__name__}: {e}"}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
 
 
 def _run_two_ranks(ws: Workspace, images: Path, model_dir: Path, out: Path, fail_after: int = 0) -> list[dict]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out.mkdir(parents=True, exist_ok=True)
-    context = mp.start_processes(_torchrun_worker, args=(2, port, str(ws.root), str(images), str(model_dir), str(out),
-                                                         fail_after), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 300
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the ranks did not finish: one waits for the other")
+    run_ranks(_torchrun_worker, (str(ws.root), str(images), str(model_dir), str(out), fail_after))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

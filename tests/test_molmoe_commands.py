@@ -37,7 +37,7 @@ def ran(tiny_molmoe_dir: Path, tmp_path_factory) -> dict[str, Path]:
          "--max-new-tokens", "2", "--out", str(prof))
     ctrl("ingest", str(prof), "-w", str(ws))
     ctrl("extract-features", "--model", model, "--images", str(dataset / "images"), "-w", str(ws))
-    ctrl("train", "--offline", "-w", str(ws), "--num-epochs", "1", "--run-id", "offline")
+    ctrl("train", "--offline", "-w", str(ws), "--num-epochs", "1", "--cross-fit-folds", "0", "--run-id", "offline")
     ctrl("train", "--online", "--model", model, "--images", str(dataset / "images"), "-w", str(ws), "--steps", "1",
          "--samples-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--no-evaluate",
          "--run-id", "online")

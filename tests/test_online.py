@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pyarrow.parquet as pq
 import pytest
@@ -24,7 +23,7 @@ def online_ws(tmp_path_factory, embedded_runtime):
     root = tmp_path_factory.mktemp("online")
     tree, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
     train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
-                                     reward=RewardConfig(mode="hard"), disable_evaluation=True))
+                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
     return tree, ws
 
 
@@ -384,7 +383,8 @@ def test_a_tiling_aware_offline_policy_continues_online(online_ws, embedded_runt
 
     _, ws = online_ws
     train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-tilings",
-                                     use_tilings=True, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+                                     cross_fit_folds=0, use_tilings=True, reward=RewardConfig(mode="hard"),
+                                     disable_evaluation=True))
     result = train_online(_config(ws, run_id="online-tilings", steps=1, from_run="offline-tilings"),
                           runtime=embedded_runtime)
     assert result.controller.policy.config.use_tilings and len(result.steps) == 1
@@ -471,16 +471,7 @@ def test_cli_online_run_and_resume(online_ws, embedded_runtime):
 
 # -- distributed ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dist_worker(rank: int, world: int, port: int, ws_root: str, cache: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      CTRL_CACHE_DIR=cache)
-    torch.set_num_threads(1)
+def _dist_worker(rank: int, ws_root: str, out: str) -> None:
     from online.config import OnlineTrainConfig
     from online.train import train_online
 
@@ -489,16 +480,13 @@ def _dist_worker(rank: int, world: int, port: int, ws_root: str, cache: str, out
     result = train_online(config)
     torch.save({"steps": result.steps["step"].to_list(), "state": result.controller.state_dict()},
                f"{out}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
 
 
 def test_two_process_gloo_run(online_ws, tmp_path):
-    import torch.multiprocessing as mp
+    from torchrun import run_ranks
 
     _, ws = online_ws
-    cache = os.environ.get("CTRL_CACHE_DIR", "")
-    mp.start_processes(_dist_worker, args=(2, _free_port(), str(ws.root), cache, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    run_ranks(_dist_worker, (str(ws.root), str(tmp_path)), env={"CTRL_CACHE_DIR": os.environ.get("CTRL_CACHE_DIR", "")})
     done = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert [d["steps"] for d in done] == [[1, 2], [1, 2]]
     # DDP kept the two ranks' controllers identical

@@ -254,34 +254,22 @@ def test_parser_honours_the_profile_marker(tmp_path):
         parse(doc, "bad")
 
 
-def _torchrun_worker(rank: int, world: int, port: int, dataset: str, out: str, model_dir: str) -> None:
-    import os
-
-    import torch
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _torchrun_worker(rank: int, dataset: str, out: str, model_dir: str) -> None:
     from profiler.sweep import ProfileConfig, profile_model
 
     config = ProfileConfig(datasets=[Path(dataset)], model=model_dir, configs=CONFIGS, out_dir=Path(out),
                            num_samples=NUM_SAMPLES, max_new_tokens=MAX_NEW_TOKENS)
     report = profile_model(config)
     Path(out, f"measured-rank{rank}.json").write_text(json.dumps(report.measured))
-    torch.distributed.destroy_process_group()
 
 
 def test_torchrun_processes_measure_their_ranks_and_rank0_merges(profiled, embedded_runtime, tmp_path):
     """Two processes (as torchrun starts them): each measures its own rank files; rank 0 merges
     them into the same records as the simulated world size 2."""
-    import socket
-
-    import torch.multiprocessing as mp
+    from torchrun import run_ranks
 
     root, dataset, _, _ = profiled
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_torchrun_worker, args=(2, port, str(dataset), str(tmp_path / "out"),
-                                               str(embedded_runtime.path)), nprocs=2, start_method="spawn")
+    run_ranks(_torchrun_worker, (str(dataset), str(tmp_path / "out"), str(embedded_runtime.path)))
     # rank r measured its share only: samples r, r+2, ... of every configuration
     assert [json.loads((tmp_path / "out" / f"measured-rank{r}.json").read_text()) for r in (0, 1)] == [
         2 * len(CONFIGS), 1 * len(CONFIGS)]

@@ -40,6 +40,7 @@ from pipeline.errors import CtrlError
 from pipeline.schema import METRICS, REWARD_TERMS
 from pipeline.workspace import Workspace
 from trainer.baselines import (
+    Decider,
     FamilyLookupTableDecider,
     LargestDecider,
     LookupTableDecider,
@@ -53,6 +54,7 @@ from trainer.data import OfflineData, budget_grid, default_budget_range, load_of
 from trainer.evaluate import evaluate_deciders, write_evaluation
 from trainer.fallback import PolicyDecider, TableFallback, attach_fallback, fit_table_fallback, read_fallback
 from trainer.grpo import policy_loss, rows_log_probs, sample_groups
+from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.reward import RewardConfig
 from trainer.runs import RunDir, new_run_id, resolve_checkpoint, rows_frame, write_table_atomic
@@ -85,12 +87,20 @@ class OfflineTrainConfig(TrainingConfig):
 
     > Anchoring the policy to the static lookup table
     warm_start_steps: Adam steps (int >= 0, default 200; 0 = off) that fit the initial policy to
-        the ``lut_p95`` table of the train split before GRPO (cross-entropy to
-        ``warm_start_weight`` on the table's choice at a uniform budget, the rest uniform over
-        the sample's configurations, so sampling still explores). With ``kl_beta`` > 0 this
-        warm-started policy is the KL reference: the controller starts from the budget-only
-        table and deviates per sample only where the recorded rewards pay for it.
-    warm_start_weight: the table's share of the warm-start target (float in (0, 1], default 0.7).
+        a decider's choices before GRPO (cross-entropy to ``warm_start_weight`` on its choice at
+        a uniform budget, the rest uniform over the sample's configurations, so sampling still
+        explores). With ``kl_beta`` > 0 this warm-started policy is the KL reference: the
+        controller starts from that decider and deviates per sample only where the recorded
+        rewards pay for it.
+    warm_start_target: the decider the policy starts from.
+      - ``"outcome"``: the outcome model's per-sample choice (``trainer.outcome``: predicted
+        score and latency quantile per configuration from the features, fitted on the train
+        split; default).
+      - ``"table"``: the ``lut_p95`` table of the train split (the budget alone decides).
+    warm_start_weight: the decider's share of the warm-start target (float in (0, 1], default 0.7).
+    outcome_quantile: the latency quantile the outcome model predicts and holds within the
+        budget (float in (0, 1), default 0.95). The model is fitted in every run (it is also
+        the evaluation decider ``outcome``) and saved as ``outcome.pt``.
 
     > The loss
     loss_type: ``"grpo"`` or ``"pairwise"``.
@@ -122,7 +132,7 @@ class OfflineTrainConfig(TrainingConfig):
         fraction on each side (float, default 0.1).
 
     > Deployment
-    cross_fit_folds: K of the K-fold cross-fitting (int, default 0 = off: one split decides; 5 is usual).
+    cross_fit_folds: K of the K-fold cross-fitting (int, default 5; 0 = off: one split decides).
         With K >= 2 the deployed network trains on every sample outside the val split, K more
         networks each without one fold (``trainer.crossfit``), and the fallback and the
         evaluation use every sample once, out of fold. Costs K more trainings.
@@ -156,7 +166,9 @@ class OfflineTrainConfig(TrainingConfig):
     num_iterations: int = 1
     score_target: Literal["mean", "recorded"] = "mean"
     warm_start_steps: int = 200
+    warm_start_target: Literal["outcome", "table"] = "outcome"
     warm_start_weight: float = 0.7
+    outcome_quantile: float = 0.95
     loss_type: Literal["grpo", "pairwise"] = "grpo"
     clip_epsilon: float | None = None
     kl_beta: float = 0.1
@@ -167,7 +179,7 @@ class OfflineTrainConfig(TrainingConfig):
     dropout: float = 0.0
     use_tilings: bool = False
     budget_margin: float = 0.1
-    cross_fit_folds: int = 0
+    cross_fit_folds: int = 5
     disable_table_fallback: bool = False
     fallback_confidence: float = 0.95
     num_val_budgets: int = 8
@@ -196,6 +208,8 @@ class OfflineTrainConfig(TrainingConfig):
             ("clip_epsilon", self.clip_epsilon is None or 0.0 < self.clip_epsilon < 1.0, "in (0, 1) or None (off)"),
             ("dropout", 0.0 <= self.dropout < 1.0, "in [0, 1)"),
             ("warm_start_weight", 0.0 < self.warm_start_weight <= 1.0, "in (0, 1]"),
+            ("outcome_quantile", isinstance(self.outcome_quantile, (int, float))
+             and 0.0 < self.outcome_quantile < 1.0, "in (0, 1)"),
             ("fallback_confidence", isinstance(self.fallback_confidence, (int, float))
              and 0.5 <= self.fallback_confidence < 1.0, "in [0.5, 1)"),
         )
@@ -211,6 +225,9 @@ class OfflineTrainConfig(TrainingConfig):
             raise ValueError(msg)
 
     def _check_choices(self) -> None:
+        if self.warm_start_target not in ("outcome", "table"):
+            msg = f"`warm_start_target` must be 'outcome' or 'table', got {self.warm_start_target!r}"
+            raise ValueError(msg)
         if self.score_target not in ("mean", "recorded"):
             msg = f"`score_target` must be 'mean' or 'recorded', got {self.score_target!r}"
             raise ValueError(msg)
@@ -307,17 +324,18 @@ def training_targets(data: OfflineData, score_target: str = "mean") -> OfflineDa
     return out
 
 
-def warm_start(policy: ControllerPolicy, train: OfflineData, config: OfflineTrainConfig) -> None:
-    """Fit the policy to the static lookup table (``lut_p95`` on ``train``) before GRPO.
+def warm_start(policy: ControllerPolicy, train: OfflineData, config: OfflineTrainConfig,
+               start: Decider | None = None) -> None:
+    """Fit the policy to ``start``'s choices (default: the ``lut_p95`` table of ``train``) before GRPO.
 
     ``config.warm_start_steps`` Adam steps of cross-entropy to a target distribution over each
-    sample's allowed configurations: ``warm_start_weight`` on the table's choice at the
+    sample's allowed configurations: ``warm_start_weight`` on the decider's choice at the
     sampled budget, the rest uniform (so GRPO still samples every configuration). Budgets are
     uniform over the training range, seeded by ``config.seed``.
     """
     if config.warm_start_steps == 0:
         return
-    table = LookupTableDecider(train)
+    table = start if start is not None else LookupTableDecider(train)
     generator = torch.Generator().manual_seed(config.seed + 1)
     optimizer = torch.optim.Adam(policy.parameters(), lr=config.lr)
     lo, hi = config.budget_min_ms, config.budget_max_ms
@@ -393,7 +411,11 @@ class OfflineTrainer:
         self.last_val: float | None = None  # the last epoch's validation expected reward
         resumable = resume is not None and self.run.last_checkpoint.exists()  # else it stopped in epoch 1: start over
         if not resumable:
-            warm_start(self.policy, self.train_split, self.config)
+            outcome = fit_outcome_model(self.train_split, self.val_split,
+                                        OutcomeConfig(quantile=self.config.outcome_quantile, seed=self.config.seed))
+            outcome.save(self.run.path / OUTCOME_FILE)
+            start = OutcomeDecider(outcome) if self.config.warm_start_target == "outcome" else None
+            warm_start(self.policy, self.train_split, self.config, start)
         self.ref_policy = self._reference_policy()
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
@@ -616,12 +638,13 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
                  data: OfflineData | None = None) -> pl.DataFrame:
     """``ctrl evaluate RUN``: the run's controller vs the baselines.
 
-    Baselines: oracle, lut_p95, lut_by_family (the p95 rule per question family, where the
-    samples record one), lut_mean5 (origin §7.9: mean latency within budget x 1.05), largest,
-    random. A cross-fitted run (``cross_fit_folds`` >= 2) is evaluated on every
-    sample, each decided out of fold by the networks and tables of the fold that did not train
-    on it; otherwise the best checkpoint on the test split. Writes ``evaluation.parquet`` (with
-    ``run_id``) and ``evaluation.png`` into the run directory and returns the frame (without ``run_id``).
+    Baselines: outcome (the run's outcome model, ``trainer.outcome``), oracle, lut_p95,
+    lut_by_family (the p95 rule per question family, where the samples record one), lut_mean5
+    (origin §7.9: mean latency within budget x 1.05), largest, random. A cross-fitted run
+    (``cross_fit_folds`` >= 2) is evaluated on every sample, each decided out of fold by the
+    networks, outcome models and tables of the fold that did not train on it; otherwise the best
+    checkpoint on the test split. Writes ``evaluation.parquet`` (with ``run_id``) and
+    ``evaluation.png`` into the run directory and returns the frame (without ``run_id``).
     """
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     run_dir = RunDir.resolve(ws, run)
@@ -639,7 +662,9 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
         # PolicyDecider exposes action_probs, so its rows get the exact expected reward
         controllers = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
         family = [FamilyLookupTableDecider(train)] if data.family is not None else []
-        deciders = [*controllers, OracleDecider(), LookupTableDecider(train), *family,
+        outcome_file = run_dir.path / OUTCOME_FILE
+        outcome = [OutcomeDecider(OutcomeModel.load(outcome_file))] if outcome_file.exists() else []
+        deciders = [*controllers, *outcome, OracleDecider(), LookupTableDecider(train), *family,
                     LookupTableDecider(train, statistic="mean", tolerance=0.05), LargestDecider(),
                     RandomDecider(seed=config.seed)]
     frame = evaluate_deciders(evaluated, deciders, budgets, config.reward)
@@ -670,6 +695,9 @@ def _cross_fitted_deciders(run_path: Path, data: OfflineData, config: OfflineTra
     deciders = [models.out_of_fold("controller", controller)]
     if fallback is not None:
         deciders.append(models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k], name="policy")))
+    outcome_files = [fold_run_dir(run_path, k) / OUTCOME_FILE for k in range(config.cross_fit_folds)]
+    if all(f.exists() for f in outcome_files):
+        deciders.append(models.out_of_fold("outcome", lambda k: OutcomeDecider(OutcomeModel.load(outcome_files[k]))))
     if data.family is not None:
         tables = [models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k])),
                   models.out_of_fold("lut_by_family", lambda k: FamilyLookupTableDecider(models.train[k]))]

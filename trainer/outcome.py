@@ -1,0 +1,206 @@
+"""A supervised outcome model: per configuration, the chance of a correct answer and a latency
+quantile, predicted from a sample's cached features.
+
+Every recorded sample is a full-information group (every configuration scored and timed), so
+what a configuration will score and how long it will take on a new sample can be learnt by plain
+supervised regression, pooling what samples with similar features share: questions of one
+family share their sensitivities and their answer lengths. Its decision rule is the
+``lut_p95`` rule made per sample: among the allowed configurations whose predicted latency
+quantile fits the budget, the highest predicted score (ties -> lower predicted latency); when
+none fits, the lowest predicted latency. Two uses:
+
+* the warm start of GRPO (``OfflineTrainConfig.warm_start_target="outcome"``): the policy
+  starts from these per-sample choices instead of the budget-only table, and the KL term keeps
+  it near them where the sampled rewards do not pay for a change;
+* an evaluation decider of its own, ``"outcome"``.
+
+Both heads are small MLPs over the standardised [language features, image features, image
+present]; score: binary cross-entropy to the (mean) recorded score; latency: the pinball loss of
+``quantile`` on the recorded latency divided by its train median. Each head stops on its own
+validation loss (``patience`` epochs without improvement) and keeps its best epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.baselines import _Deterministic, _pick, _require_allowed, budget_vector
+from trainer.data import ActionSpace, OfflineData
+from trainer.runs import atomic_torch_save
+
+__all__ = ["OUTCOME_FILE", "OutcomeConfig", "OutcomeDecider", "OutcomeModel", "fit_outcome_model"]
+
+#: the fitted outcome model, in the run directory
+OUTCOME_FILE = "outcome.pt"
+
+
+@dataclass
+class OutcomeConfig:
+    """How the outcome model is fitted.
+
+    quantile: the latency quantile predicted and compared with the budget (float in (0, 1), default 0.95).
+    hidden_dim: width of each head's hidden layer (int, default 64).
+    lr, weight_decay: AdamW (default 3e-3, 1e-3).
+    batch_size: samples per step (int, default 64).
+    max_epochs, patience: each head stops after ``patience`` epochs without a lower validation
+        loss (default 300, 20) and keeps its best epoch.
+    seed: initialisation and batch order (int, default 0).
+    """
+
+    quantile: float = 0.95
+    hidden_dim: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 1e-3
+    batch_size: int = 64
+    max_epochs: int = 300
+    patience: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quantile < 1.0:
+            msg = f"`quantile` must be in (0, 1), got {self.quantile!r}"
+            raise ValueError(msg)
+        for name in ("hidden_dim", "batch_size", "max_epochs", "patience"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"`{name}` must be an integer >= 1, got {value!r}"
+                raise ValueError(msg)
+
+
+def _inputs(data: OfflineData) -> torch.Tensor:
+    return torch.cat([data.lang_features, data.image_features, data.image_present[:, None].float()], dim=1)
+
+
+class OutcomeModel(nn.Module):
+    """Per sample and configuration: P(correct) and the latency ``quantile`` in ms."""
+
+    def __init__(self, input_dim: int, action_space: ActionSpace, config: OutcomeConfig) -> None:
+        super().__init__()
+        self.action_space, self.config = action_space, config
+        a, h = len(action_space), config.hidden_dim
+        self.register_buffer("input_mean", torch.zeros(input_dim))
+        self.register_buffer("input_std", torch.ones(input_dim))
+        self.register_buffer("latency_scale_ms", torch.ones(()))
+        self.score_head = nn.Sequential(nn.Linear(input_dim, h), nn.GELU(), nn.Linear(h, a))
+        self.latency_head = nn.Sequential(nn.Linear(input_dim, h), nn.GELU(), nn.Linear(h, a))
+
+    def _standardized(self, data: OfflineData) -> torch.Tensor:
+        return (_inputs(data) - self.input_mean) / self.input_std
+
+    @torch.no_grad()
+    def predict(self, data: OfflineData) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P(correct), latency quantile ms), both float32 (N, A)."""
+        if data.action_space != self.action_space:
+            msg = "the data's action space differs from the outcome model's (fitted on other data)"
+            raise ValueError(msg)
+        x = self._standardized(data)
+        return torch.sigmoid(self.score_head(x)), self.latency_head(x) * self.latency_scale_ms
+
+    def save(self, path: Path) -> Path:
+        return atomic_torch_save({"input_dim": int(self.input_mean.numel()),
+                                  "action_space": self.action_space.to_json(), "config": asdict(self.config),
+                                  "state_dict": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> OutcomeModel:
+        state = torch.load(path, weights_only=True)
+        model = cls(state["input_dim"], ActionSpace.from_json(state["action_space"]), OutcomeConfig(**state["config"]))
+        model.load_state_dict(state["state_dict"])
+        return model.eval()
+
+
+def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfig | None = None) -> OutcomeModel:
+    """Fit both heads on ``train`` (its ``score`` and ``latency_ms`` where ``mask``), each stopped
+    on its loss on ``val``. Deterministic for a given ``config.seed``."""
+    config = config or OutcomeConfig()
+    if len(train) == 0 or len(val) == 0:
+        msg = "the outcome model needs train and val samples"
+        raise ValueError(msg)
+    generator = torch.Generator().manual_seed(config.seed)
+    x_train = _inputs(train)
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model = OutcomeModel(x_train.shape[1], train.action_space, config)
+    model.input_mean.copy_(x_train.mean(0))
+    model.input_std.copy_(x_train.std(0).nan_to_num(0.0) + 1e-4)
+    latency = train.latency_ms[train.mask]
+    model.latency_scale_ms.fill_(float(latency.median()) if latency.numel() else 1.0)
+    scale = float(model.latency_scale_ms)
+    q = config.quantile
+
+    def score_loss(pred: torch.Tensor, rows: OfflineData) -> torch.Tensor:
+        weight = rows.mask.float()
+        target = torch.nan_to_num(rows.score, nan=0.0).clamp(0.0, 1.0)
+        loss = nn.functional.binary_cross_entropy_with_logits(pred, target, reduction="none")
+        return (loss * weight).sum() / weight.sum().clamp(min=1.0)
+
+    def latency_loss(pred: torch.Tensor, rows: OfflineData) -> torch.Tensor:
+        weight = rows.mask.float()
+        error = torch.nan_to_num(rows.latency_ms, nan=0.0) / scale - pred
+        return (torch.maximum(q * error, (q - 1.0) * error) * weight).sum() / weight.sum().clamp(min=1.0)
+
+    # both heads start at the training means: the per-configuration table before any feature is read
+    with torch.no_grad():
+        mean_score = (torch.nan_to_num(train.score, nan=0.0) * train.mask).sum(0) / train.mask.sum(0).clamp(min=1)
+        model.score_head[2].bias.copy_(torch.logit(mean_score.clamp(0.02, 0.98)))
+        model.score_head[2].weight.mul_(0.1)
+        quantiles = torch.nanquantile(torch.where(train.mask, train.latency_ms, torch.nan), q, dim=0)
+        model.latency_head[2].bias.copy_(torch.nan_to_num(quantiles, nan=0.0) / scale)
+        model.latency_head[2].weight.mul_(0.1)
+    x_val = model._standardized(val)
+    x_fit = model._standardized(train)
+    for head, loss_fn in ((model.score_head, score_loss), (model.latency_head, latency_loss)):
+        _fit_head(head, loss_fn, x_fit, train, x_val, val, config, generator)
+    return model.eval()
+
+
+def _fit_head(head: nn.Module, loss_fn: Callable[[torch.Tensor, OfflineData], torch.Tensor], x_train: torch.Tensor,
+              train: OfflineData, x_val: torch.Tensor, val: OfflineData, config: OutcomeConfig,
+              generator: torch.Generator) -> None:
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    with torch.no_grad():
+        best, best_state, stale = float(loss_fn(head(x_val), val)), copy.deepcopy(head.state_dict()), 0
+    for _ in range(config.max_epochs):
+        head.train()
+        order = torch.randperm(len(train), generator=generator)
+        for start in range(0, len(train), config.batch_size):
+            index = order[start:start + config.batch_size]
+            loss = loss_fn(head(x_train[index]), train.select(index))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            current = float(loss_fn(head(x_val), val))
+        if current < best - 1e-6:
+            best, best_state, stale = current, copy.deepcopy(head.state_dict()), 0
+        else:
+            stale += 1
+            if stale >= config.patience:
+                break
+    head.load_state_dict(best_state)
+    head.eval()
+
+
+class OutcomeDecider(_Deterministic):
+    """The outcome model's choice (``"outcome"``): per sample, among the allowed configurations
+    whose predicted latency quantile fits the budget, the highest predicted score (ties -> lower
+    predicted latency); when none fits, the lowest predicted latency."""
+
+    def __init__(self, model: OutcomeModel, name: str = "outcome") -> None:
+        self.model, self.name = model, name
+        self.action_space = model.action_space
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        _require_allowed(data)
+        score, latency = self.model.predict(data)
+        budget = budget_vector(budget_ms, len(data))
+        fits = data.mask & (latency <= budget[:, None])
+        best, found = _pick(fits, score, latency)
+        fastest, _ = _pick(data.mask, -latency, torch.zeros_like(latency))
+        return torch.where(found, best, fastest)
