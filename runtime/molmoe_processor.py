@@ -292,16 +292,10 @@ class MolmoProcessor:
         on = 0
         for i in range(rows):
             y0 = i * window
-            crop_y0 = 0 if i == 0 else left_margin // 2
-            crop_h = cfg.crop_patches - (right_margin + left_margin)
-            crop_h += left_margin if i == 0 else 0
-            crop_h += right_margin if i == rows - 1 else 0
+            crop_y0, crop_h = _crop_extent(i, rows, cfg.crop_patches, left_margin, right_margin)
             for j in range(cols):
                 x0 = j * window
-                crop_x0 = 0 if j == 0 else left_margin // 2
-                crop_w = cfg.crop_patches - (right_margin + left_margin)
-                crop_w += left_margin if j == 0 else 0
-                crop_w += right_margin if j == cols - 1 else 0
+                crop_x0, crop_w = _crop_extent(j, cols, cfg.crop_patches, left_margin, right_margin)
                 pooled_w, pooled_h = (crop_w + 1) // 2, (crop_h + 1) // 2
                 order = np.full((cfg.tokens_h, cfg.tokens_w), -1, dtype=np.int32)
                 order[crop_y0:crop_y0 + pooled_h, crop_x0:crop_x0 + pooled_w] = np.arange(
@@ -352,3 +346,14 @@ class MolmoProcessor:
         idx = positions[sorted_ixs_ex * placed]
         idx = idx * placed + _UNPLACED * (1 - placed)
         return idx.reshape(-1, self.config.tokens_per_image)
+
+
+def _crop_extent(index: int, count: int, crop_patches: int, left_margin: int, right_margin: int) -> tuple[int, int]:
+    """Where crop ``index`` of ``count`` along one axis starts in its pooled grid, and how many
+    patches it contributes: inner crops drop both overlap margins, the first keeps its left
+    one, the last its right one."""
+    start = 0 if index == 0 else left_margin // 2
+    size = crop_patches - (right_margin + left_margin)
+    size += left_margin if index == 0 else 0
+    size += right_margin if index == count - 1 else 0
+    return start, size

@@ -134,16 +134,19 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
     scale = float(model.latency_scale_ms)
     q = config.quantile
 
-    def score_loss(pred: torch.Tensor, rows: OfflineData) -> torch.Tensor:
-        weight = rows.mask.float()
-        target = torch.nan_to_num(rows.score, nan=0.0).clamp(0.0, 1.0)
+    def score_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.binary_cross_entropy_with_logits(pred, target, reduction="none")
         return (loss * weight).sum() / weight.sum().clamp(min=1.0)
 
-    def latency_loss(pred: torch.Tensor, rows: OfflineData) -> torch.Tensor:
-        weight = rows.mask.float()
-        error = torch.nan_to_num(rows.latency_ms, nan=0.0) / scale - pred
+    def latency_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        error = target - pred
         return (torch.maximum(q * error, (q - 1.0) * error) * weight).sum() / weight.sum().clamp(min=1.0)
+
+    def targets(rows: OfflineData) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per head: (target, weight) (N, A); only the recorded configurations count."""
+        weight = rows.mask.float()
+        return {"score": (torch.nan_to_num(rows.score, nan=0.0).clamp(0.0, 1.0), weight),
+                "latency": (torch.nan_to_num(rows.latency_ms, nan=0.0) / scale, weight)}
 
     # both heads start at the training means: the per-configuration table before any feature is read
     with torch.no_grad():
@@ -155,28 +158,36 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
         model.latency_head[2].weight.mul_(0.1)
     x_val = model._standardized(val)
     x_fit = model._standardized(train)
-    for head, loss_fn in ((model.score_head, score_loss), (model.latency_head, latency_loss)):
-        _fit_head(head, loss_fn, x_fit, train, x_val, val, config, generator)
+    fit_targets, val_targets = targets(train), targets(val)
+    for head, loss_fn, key in ((model.score_head, score_loss, "score"), (model.latency_head, latency_loss, "latency")):
+        _fit_head(head, loss_fn, (x_fit, *fit_targets[key]), (x_val, *val_targets[key]), config, generator)
     return model.eval()
 
 
-def _fit_head(head: nn.Module, loss_fn: Callable[[torch.Tensor, OfflineData], torch.Tensor], x_train: torch.Tensor,
-              train: OfflineData, x_val: torch.Tensor, val: OfflineData, config: OutcomeConfig,
+Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fit_head(head: nn.Module, loss_fn: Loss, fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              val: tuple[torch.Tensor, torch.Tensor, torch.Tensor], config: OutcomeConfig,
               generator: torch.Generator) -> None:
+    """AdamW on ``fit`` = (inputs, target, weight) until ``config.patience`` epochs pass without a
+    lower loss on ``val``; the head keeps its best epoch."""
+    x_train, y_train, w_train = fit
+    x_val, y_val, w_val = val
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     with torch.no_grad():
-        best, best_state, stale = float(loss_fn(head(x_val), val)), copy.deepcopy(head.state_dict()), 0
+        best, best_state, stale = float(loss_fn(head(x_val), y_val, w_val)), copy.deepcopy(head.state_dict()), 0
     for _ in range(config.max_epochs):
         head.train()
-        order = torch.randperm(len(train), generator=generator)
-        for start in range(0, len(train), config.batch_size):
+        order = torch.randperm(len(x_train), generator=generator)
+        for start in range(0, len(x_train), config.batch_size):
             index = order[start:start + config.batch_size]
-            loss = loss_fn(head(x_train[index]), train.select(index))
+            loss = loss_fn(head(x_train[index]), y_train[index], w_train[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
         with torch.no_grad():
-            current = float(loss_fn(head(x_val), val))
+            current = float(loss_fn(head(x_val), y_val, w_val))
         if current < best - 1e-6:
             best, best_state, stale = current, copy.deepcopy(head.state_dict()), 0
         else:
