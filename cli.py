@@ -327,8 +327,8 @@ def train(
                                                  "networks, each without one fold, decide the fallback and the "
                                                  "evaluation on every sample out of fold (0 = off: one split).",
                                                  rich_help_panel=REWARD)] = 5,
-    use_tilings: Annotated[bool, typer.Option("--use-tilings", help="Feed each image's tiling (crops per max_crops "
-                                              "choice) to both stages.")] = False,
+    use_tilings: Annotated[bool, typer.Option("--use-tilings/--no-tilings", help="Feed each image's tiling (crops "
+                                              "per max_crops choice) to both stages.")] = True,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
                                                "hex).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last "

@@ -111,3 +111,42 @@ def test_bad_settings_are_refused_by_name():
         OfflineTrainConfig(workspace=".", warm_start_target="oracle")
     with pytest.raises(ValueError, match="outcome_quantile"):
         OfflineTrainConfig(workspace=".", outcome_quantile=0.0)
+
+
+def make_sized_data(large: list[bool], split: str, seed: int) -> OfflineData:
+    """"text" samples whose features say nothing; a large image tiles into 6 crops at max_crops 6
+    (2 small) and makes CROPS cost 240 ms instead of 160 ms: only the tiling tells them apart."""
+    data = make_data(["text"] * len(large), split, seed)
+    big = torch.tensor(large)
+    data.latency_ms[:, CROPS] = torch.where(big, 240.0, 160.0) * (data.latency_ms[:, CROPS] / 160.0)
+    data.tiling_crops = torch.stack([torch.full((len(large),), 2.0), torch.where(big, 6.0, 2.0)], 1)
+    return data
+
+
+def test_the_image_tiling_tells_the_crops_cost_apart():
+    train = make_sized_data([True, False] * 100, "train", seed=1)
+    val = make_sized_data([True, False] * 25, "val", seed=2)
+    test = make_sized_data([True, False, True, False], "test", seed=3)
+    with_tilings = OutcomeDecider(fit_outcome_model(train, val, OutcomeConfig(seed=0)))
+    # at 200 ms a small image fits CROPS (0.9); a large one does not: EXPERTS (0.3) beats FAST (0.2)
+    assert with_tilings.decide(test, 200.0).tolist() == [EXPERTS, CROPS, EXPERTS, CROPS]
+    blind = OutcomeDecider(fit_outcome_model(train, val, OutcomeConfig(seed=0, use_tilings=False)))
+    assert len(set(blind.decide(test, 200.0).tolist())) == 1  # the same choice for every image
+    unknown = make_sized_data([True, False], "test", seed=4)
+    unknown.tiling_crops[0] = float("nan")  # no readable image: the training mean, not an error
+    assert with_tilings.decide(unknown, 200.0)[1] == CROPS
+    unknown.tiling_crops = None
+    assert with_tilings.decide(unknown, 50.0).tolist() == [FAST, FAST]
+
+
+def test_a_model_saved_before_tilings_were_read_still_loads(tmp_path):
+    train = make_data(["text", "scene"] * 20, "train", seed=1)
+    val = make_data(["text", "scene"] * 5, "val", seed=2)
+    model = fit_outcome_model(train, val, OutcomeConfig(seed=0, max_epochs=3, use_tilings=False))
+    state = torch.load(model.save(tmp_path / "outcome.pt"), weights_only=True)
+    del state["config"]["use_tilings"]  # the key older runs lack
+    torch.save(state, tmp_path / "old.pt")
+    loaded = OutcomeModel.load(tmp_path / "old.pt")
+    assert loaded.config.use_tilings is False
+    test = make_data(["text", "scene"], "test", seed=3)
+    assert torch.equal(loaded.predict(test)[1], model.predict(test)[1])

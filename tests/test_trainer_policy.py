@@ -85,6 +85,29 @@ def test_masked_probabilities_sum_to_one_and_vanish_outside_the_mask():
     assert data.mask[torch.arange(len(data)), chosen].all()
 
 
+def test_budgets_beyond_the_training_range_read_as_its_ends():
+    from trainer.offline import build_policy
+
+    data = make_data()
+    policy = build_policy(OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0), data)
+    # by default the encoder spans exactly the training range, no margin
+    assert (policy.config.budget_min_ms, policy.config.budget_max_ms) == (150.0, 350.0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    policy.eval()
+
+    def probs(budget: float) -> torch.Tensor:
+        return policy.log_probs(*inputs(data), budget, data.mask).exp()
+
+    torch.testing.assert_close(probs(351.0), probs(350.0))
+    torch.testing.assert_close(probs(5000.0), probs(350.0))
+    torch.testing.assert_close(probs(20.0), probs(150.0))
+    assert not torch.allclose(probs(340.0), probs(350.0))  # inside the range budgets still differ
+    widened = build_policy(OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0, budget_margin=0.1), data)
+    assert (widened.config.budget_min_ms, widened.config.budget_max_ms) == (130.0, 370.0)
+
+
 def test_empty_mask_row_is_refused():
     data = make_data(n=3)
     mask = data.mask.clone()

@@ -68,7 +68,7 @@ class OfflineTrainConfig(TrainingConfig):
     (the score within the budget, -1 beyond it: the budget is a constraint; the origin's soft
     formula lets small violations through and pays for slack). ``budget_min_ms`` /
     ``budget_max_ms`` default to ``trainer.data.default_budget_range`` of the train split; the
-    policy's budget encoder is normalised over that range widened by ``budget_margin``.
+    policy's budget encoder is normalised over that range (widened by ``budget_margin``, default none).
 
     > Groups and epochs
     num_budgets_per_sample: groups per sample in each step, each with its own budget (int,
@@ -101,6 +101,8 @@ class OfflineTrainConfig(TrainingConfig):
     outcome_quantile: the latency quantile the outcome model predicts and holds within the
         budget (float in (0, 1), default 0.95). The model is fitted in every run (it is also
         the evaluation decider ``outcome``) and saved as ``outcome.pt``.
+    outcome_tilings: the outcome model also reads each image's tiling (crops per max_crops
+        choice, ``image_tilings``; bool, default True).
 
     > The loss
     loss_type: ``"grpo"`` or ``"pairwise"``.
@@ -127,9 +129,10 @@ class OfflineTrainConfig(TrainingConfig):
     > The policy (``trainer.policy.PolicyConfig``)
     hidden_dim: width of the network (int, default 128). dropout: default 0.0.
     use_tilings: feed each image's tiling (crops per max_crops choice, ``image_tilings``) to
-        both stages (bool, default False).
+        both stages (bool, default True; unknown tilings read as the training mean).
     budget_margin: the encoder's normalisation range is the budget range widened by this
-        fraction on each side (float, default 0.1).
+        fraction on each side (float, default 0.0: a budget outside the training range reads
+        as its nearest end, ``trainer.policy.budget_normalization_range``).
 
     > Deployment
     cross_fit_folds: K of the K-fold cross-fitting (int, default 5; 0 = off: one split decides).
@@ -169,6 +172,7 @@ class OfflineTrainConfig(TrainingConfig):
     warm_start_target: Literal["outcome", "table"] = "outcome"
     warm_start_weight: float = 0.7
     outcome_quantile: float = 0.95
+    outcome_tilings: bool = True
     loss_type: Literal["grpo", "pairwise"] = "grpo"
     clip_epsilon: float | None = None
     kl_beta: float = 0.1
@@ -177,8 +181,8 @@ class OfflineTrainConfig(TrainingConfig):
     violation_max_multiplier: float = 10.0
     hidden_dim: int = 128
     dropout: float = 0.0
-    use_tilings: bool = False
-    budget_margin: float = 0.1
+    use_tilings: bool = True
+    budget_margin: float = 0.0
     cross_fit_folds: int = 5
     disable_table_fallback: bool = False
     fallback_confidence: float = 0.95
@@ -412,7 +416,8 @@ class OfflineTrainer:
         resumable = resume is not None and self.run.last_checkpoint.exists()  # else it stopped in epoch 1: start over
         if not resumable:
             outcome = fit_outcome_model(self.train_split, self.val_split,
-                                        OutcomeConfig(quantile=self.config.outcome_quantile, seed=self.config.seed))
+                                        OutcomeConfig(quantile=self.config.outcome_quantile, seed=self.config.seed,
+                                                      use_tilings=self.config.outcome_tilings))
             outcome.save(self.run.path / OUTCOME_FILE)
             start = OutcomeDecider(outcome) if self.config.warm_start_target == "outcome" else None
             warm_start(self.policy, self.train_split, self.config, start)

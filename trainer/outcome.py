@@ -15,8 +15,11 @@ none fits, the lowest predicted latency. Two uses:
 * an evaluation decider of its own, ``"outcome"``.
 
 Both heads are small MLPs over the standardised [language features, image features, image
-present]; score: binary cross-entropy to the (mean) recorded score; latency: the pinball loss of
-``quantile`` on the recorded latency divided by its train median. Each head stops on its own
+present, log(1 + crops) of the image's tiling per max_crops choice]; the tiling (``image_tilings``)
+depends on the image size only and predicts the vision and prefill cost of each crops choice
+directly (unknown tilings read as the training mean). Score: binary cross-entropy to the (mean)
+recorded score; latency: the pinball loss of ``quantile`` on the recorded latency divided by its
+train median. Each head stops on its own
 validation loss (``patience`` epochs without improvement) and keeps its best epoch.
 """
 
@@ -51,6 +54,7 @@ class OutcomeConfig:
     max_epochs, patience: each head stops after ``patience`` epochs without a lower validation
         loss (default 300, 20) and keeps its best epoch.
     seed: initialisation and batch order (int, default 0).
+    use_tilings: read the image tilings (bool, default True; the data's ``tiling_crops``).
     """
 
     quantile: float = 0.95
@@ -61,11 +65,15 @@ class OutcomeConfig:
     max_epochs: int = 300
     patience: int = 20
     seed: int = 0
+    use_tilings: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile < 1.0:
             msg = f"`quantile` must be in (0, 1), got {self.quantile!r}"
             raise ValueError(msg)
+        if not isinstance(self.use_tilings, bool):
+            msg = f"`use_tilings` must be a bool, got {self.use_tilings!r}"
+            raise TypeError(msg)
         for name in ("hidden_dim", "batch_size", "max_epochs", "patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -73,8 +81,15 @@ class OutcomeConfig:
                 raise ValueError(msg)
 
 
-def _inputs(data: OfflineData) -> torch.Tensor:
-    return torch.cat([data.lang_features, data.image_features, data.image_present[:, None].float()], dim=1)
+def _inputs(data: OfflineData, use_tilings: bool) -> torch.Tensor:
+    """(N, D) float32 inputs; tiling columns are NaN where the tiling is unknown."""
+    parts = [data.lang_features, data.image_features, data.image_present[:, None].float()]
+    if use_tilings:
+        crops = data.tiling_crops
+        if crops is None:
+            crops = torch.full((len(data), len(data.action_space.max_crops_values)), float("nan"))
+        parts.append(torch.log1p(crops.float()))
+    return torch.cat(parts, dim=1)
 
 
 class OutcomeModel(nn.Module):
@@ -91,7 +106,8 @@ class OutcomeModel(nn.Module):
         self.latency_head = nn.Sequential(nn.Linear(input_dim, h), nn.GELU(), nn.Linear(h, a))
 
     def _standardized(self, data: OfflineData) -> torch.Tensor:
-        return (_inputs(data) - self.input_mean) / self.input_std
+        # an unknown tiling (NaN) reads as the training mean
+        return ((_inputs(data, self.config.use_tilings) - self.input_mean) / self.input_std).nan_to_num(0.0)
 
     @torch.no_grad()
     def predict(self, data: OfflineData) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +126,8 @@ class OutcomeModel(nn.Module):
     @classmethod
     def load(cls, path: Path) -> OutcomeModel:
         state = torch.load(path, weights_only=True)
-        model = cls(state["input_dim"], ActionSpace.from_json(state["action_space"]), OutcomeConfig(**state["config"]))
+        config = OutcomeConfig(**{"use_tilings": False, **state["config"]})  # files written before tilings were read
+        model = cls(state["input_dim"], ActionSpace.from_json(state["action_space"]), config)
         model.load_state_dict(state["state_dict"])
         return model.eval()
 
@@ -123,12 +140,16 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
         msg = "the outcome model needs train and val samples"
         raise ValueError(msg)
     generator = torch.Generator().manual_seed(config.seed)
-    x_train = _inputs(train)
+    x_train = _inputs(train, config.use_tilings)
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
         model = OutcomeModel(x_train.shape[1], train.action_space, config)
-    model.input_mean.copy_(x_train.mean(0))
-    model.input_std.copy_(x_train.std(0).nan_to_num(0.0) + 1e-4)
+    known = ~x_train.isnan()
+    count = known.sum(0).clamp(min=1)
+    mean = torch.where(known, x_train, 0.0).sum(0) / count
+    std = (torch.where(known, x_train - mean, 0.0).square().sum(0) / (count - 1).clamp(min=1)).sqrt()
+    model.input_mean.copy_(mean)
+    model.input_std.copy_(std + 1e-4)
     latency = train.latency_ms[train.mask]
     model.latency_scale_ms.fill_(float(latency.median()) if latency.numel() else 1.0)
     scale = float(model.latency_scale_ms)

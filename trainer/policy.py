@@ -22,8 +22,9 @@ the standardised log(1 + crops) of every choice, stage 2 adds a per-choice term.
 tilings (no readable image, or a caller without them) read as the training mean.
 
 The budget enters through a sinusoidal encoding followed by an MLP (``origin_formats.md``
-§7.2), but normalised over a range derived from the data (never the origin's fixed 50-500 ms,
-§9 D22) with frequencies chosen so that every dimension varies over that range.
+§7.2), but normalised over the training budget range (never the origin's fixed 50-500 ms,
+§9 D22) with frequencies chosen so that every dimension varies over that range; budgets outside
+it are clamped to its ends.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ from trainer.runs import atomic_torch_save
 CHECKPOINT_FORMAT = 2
 
 
-def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.1) -> tuple[float, float]:
-    """The budget encoder's normalisation range: the data's budget range widened by ``margin``.
+def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.0) -> tuple[float, float]:
+    """The budget encoder's normalisation range: the training budget range widened by ``margin``.
 
-    ``margin`` is a fraction of the range width added on each side, so budgets at the edges of
-    the training range are not clamped and mildly outside budgets still encode distinctly.
+    ``margin`` is a fraction of the range width added on each side. The default, none, makes a
+    budget outside the training range read as its nearest end (the encoder clamps): a generous
+    budget gets the decision learnt for the range's top, never an encoding the network was not
+    trained on (with a margin, budgets just above the range got fewer crops where every
+    configuration fits).
     """
     if not max_ms > min_ms:
         msg = f"budget range must have max_ms > min_ms, got min_ms={min_ms!r}, max_ms={max_ms!r}"
