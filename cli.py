@@ -89,8 +89,8 @@ class Bar:
 @contextmanager
 def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     """The frame of every command: a ctrl error (and the exceptions in ``also``) becomes one red
-    line and exit 1; Ctrl-C prints ``interrupted: <interrupted>`` and exits 130 (without
-    ``interrupted`` it propagates)."""
+    line and exit 1; Ctrl-C prints ``interrupted`` (``: <interrupted>``, what happens to the
+    work, when given) and exits 130."""
     from pipeline.errors import CtrlError
 
     try:
@@ -98,9 +98,7 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
     except (CtrlError, *also) as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
-        if interrupted is None:
-            raise
-        err.print(f"interrupted: {interrupted}")
+        err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False)
         raise typer.Exit(code=130) from None
 
 
@@ -159,16 +157,16 @@ def query(
     """Run SQL over the workspace with DuckDB."""
     from pipeline import Workspace, run_query
 
-    with handled():
+    with handled(interrupted="nothing was written"):
         result = run_query(Workspace(workspace), sql)
-    if output_format is OutputFormat.csv:
-        import pyarrow.csv as pacsv
+        if output_format is OutputFormat.csv:
+            import pyarrow.csv as pacsv
 
-        pacsv.write_csv(result, sys.stdout.buffer)
-    elif output_format is OutputFormat.json:
-        sys.stdout.write(json.dumps(result.to_pylist(), default=str, indent=1) + "\n")
-    else:
-        _print_arrow(result, max_rows)
+            pacsv.write_csv(result, sys.stdout.buffer)
+        elif output_format is OutputFormat.json:
+            sys.stdout.write(json.dumps(result.to_pylist(), default=str, indent=1) + "\n")
+        else:
+            _print_arrow(result, max_rows)
 
 
 def _print_arrow(result: pa.Table, max_rows: int) -> None:
@@ -361,14 +359,15 @@ def train(
     evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
     options = dict(ctx.params)
     if offline:
-        _train_offline(options)
+        # a resumed run keeps its own epochs unless --num-epochs is given explicitly (to train it longer)
+        _train_offline(options, epochs_given=str(ctx.get_parameter_source("num_epochs")).endswith("COMMANDLINE"))
     else:
         # online keeps the parent run's reward unless --reward-mode is given explicitly
         reward_given = str(ctx.get_parameter_source("reward_mode")).endswith("COMMANDLINE")
         _train_online(options, reward_given)
 
 
-def _train_offline(o: dict[str, Any]) -> None:
+def _train_offline(o: dict[str, Any], epochs_given: bool) -> None:
     from trainer import (
         OfflineTrainConfig,
         RewardConfig,
@@ -381,7 +380,8 @@ def _train_offline(o: dict[str, Any]) -> None:
     with running("train", interrupted="resume with --resume RUN (the last finished epoch is checkpointed)",
                  also=(ValueError,), counts=False) as bar:
         if o["resume"]:
-            config = OfflineTrainConfig.from_run(o["resume"], o["workspace"], num_epochs=o["num_epochs"])
+            config = OfflineTrainConfig.from_run(o["resume"], o["workspace"],
+                                                 **({"num_epochs": o["num_epochs"]} if epochs_given else {}))
         else:
             fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
                       "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",

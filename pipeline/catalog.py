@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import QueryError
-from pipeline.schema import FEATURE_TABLES, TABLES, quote_ident
+from pipeline.schema import FEATURE_TABLES, TABLES, quote_ident, quote_literal
 from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -64,14 +64,10 @@ RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations":
              "online_steps": "online_steps.parquet", "rollouts": "rollouts/step-*.parquet"}
 
 
-def _sql_string(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def _paths_sql(paths: Path | list[Path]) -> str:
     if isinstance(paths, list):
-        return "[" + ", ".join(_sql_string(str(p)) for p in paths) + "]"
-    return _sql_string(str(paths))
+        return "[" + ", ".join(quote_literal(str(p)) for p in paths) + "]"
+    return quote_literal(str(paths))
 
 
 def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
@@ -134,18 +130,43 @@ def build_catalog(workspace: Workspace) -> Path:
     return workspace.catalog_path
 
 
+#: what ``ctrl query`` runs: statements that only read (DESCRIBE, SHOW and SUMMARIZE parse as SELECT)
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
+def _refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """QueryError unless every statement of ``sql`` only reads: a query must never change the
+    workspace's files (``COPY ... TO`` over a table, ``ATTACH`` of the catalog, ...)."""
+    for statement in con.extract_statements(sql):
+        kind = statement.type.name
+        if kind not in READ_ONLY_STATEMENTS:
+            msg = (f"query refused: {kind} statements are not run by `ctrl query`, which only reads "
+                   f"({', '.join(READ_ONLY_STATEMENTS)}, DESCRIBE, SHOW, SUMMARIZE)\n"
+                   "Hint: export with `ctrl query --format csv \"SELECT ...\" > FILE`, or open the data with your own "
+                   "duckdb session outside the workspace.")
+            raise QueryError(msg)
+
+
 def run_query(workspace: Workspace, sql: str) -> pa.Table:
-    """Run SQL over the workspace views; returns a pyarrow Table. DuckDB errors become QueryError."""
+    """Run read-only SQL over the workspace views; returns a pyarrow Table. DuckDB errors and
+    statements that could write (anything but SELECT / EXPLAIN) become QueryError."""
     import duckdb  # deferred, as in connect()
 
     con = connect(workspace)
     try:
+        _refuse_writes(con, sql)
+        con.execute("SET lock_configuration = true")  # no SET can undo the guard's assumptions
         relation = con.sql(sql)
         if relation is None:  # a statement without a result set
             import pyarrow as pa
 
             return pa.table({})
         return relation.to_arrow_table()
+    except (duckdb.InterruptException, RuntimeError) as err:
+        # Ctrl-C inside DuckDB surfaces as "Query interrupted": hand it to the caller's interrupt handling
+        if isinstance(err, duckdb.InterruptException) or "interrupted" in str(err).lower():
+            raise KeyboardInterrupt from None
+        raise
     except duckdb.Error as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         views = ", ".join(sorted(workspace_table_paths(workspace)) + ["groups"])

@@ -15,7 +15,17 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import SchemaError
 from pipeline.kinds import KINDS, priority_sql
-from pipeline.schema import CONFIGS, FILES, MEASUREMENTS, SAMPLES, SCHEMA_VERSION, TableSchema, duckdb_type, quote_ident
+from pipeline.schema import (
+    CONFIGS,
+    FILES,
+    MEASUREMENTS,
+    SAMPLES,
+    SCHEMA_VERSION,
+    TableSchema,
+    duckdb_type,
+    quote_ident,
+    quote_literal,
+)
 from pipeline.workspace import check_table_schema
 
 #: DuckDB's own buffer; it spills to disk beyond this
@@ -29,7 +39,7 @@ def _kv(table: TableSchema) -> str:
 
 
 def _copy(con, select_sql: str, table: TableSchema, out: Path) -> None:
-    con.execute(f"COPY ({select_sql}) TO '{out}' (FORMAT parquet, COMPRESSION snappy, {_kv(table)})")
+    con.execute(f"COPY ({select_sql}) TO {quote_literal(out)} (FORMAT parquet, COMPRESSION snappy, {_kv(table)})")
 
 
 def _order_by(table: TableSchema) -> str:
@@ -157,7 +167,7 @@ def _configs_sql(summary_pairs: list[tuple[str, str]], out_dir: Path) -> str:
           avg(latency_decode_ms) AS latency_decode_ms_mean,
           avg(latency_vision_ms) AS latency_vision_ms_mean,
           bool_or(flag_partial_config) AS flag_partial_config
-        FROM read_parquet('{meas}') GROUP BY {key_list}
+        FROM read_parquet({quote_literal(meas)}) GROUP BY {key_list}
       )
       SELECT {key_list},
         {", ".join(f"coalesce(rec.{c}, agg.{c}) AS {c}" for c in shared)},
@@ -176,7 +186,7 @@ def _validate(con, path: Path, table: TableSchema) -> int:
     check_table_schema(pq.read_schema(path), table, path)
     key = ", ".join(quote_ident(c) for c in table.primary_key)
     rows, distinct = con.execute(
-        f"SELECT count(*), count(DISTINCT ({key})) FROM read_parquet('{path}')").fetchone()
+        f"SELECT count(*), count(DISTINCT ({key})) FROM read_parquet({quote_literal(path)})").fetchone()
     if rows != distinct:
         msg = f"{path}: primary key ({key}) is not unique ({rows} rows, {distinct} distinct keys)"
         raise SchemaError(msg)

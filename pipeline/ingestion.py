@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISREG, S_ISSOCK
 
 import pyarrow as pa
 
@@ -108,15 +109,37 @@ class IngestReport:
 
 
 def discover(paths: Iterable[Path]) -> list[Path]:
-    """Absolute paths of every ``*.json`` file under ``paths``, sorted and de-duplicated."""
+    """Absolute paths of every ``*.json`` file under ``paths`` (directory symlinks followed, each
+    real directory once), sorted and de-duplicated. A path given explicitly is kept whatever it
+    is: ingest refuses what is not a regular file, with a recorded error."""
     found: set[Path] = set()
     for p in paths:
         p = p.resolve()
-        if p.is_dir():
-            found.update(q for q in p.rglob("*.json") if q.is_file() and not q.name.startswith("."))
-        else:
+        if not p.is_dir():
             found.add(p)
+            continue
+        seen: set[tuple[int, int]] = set()
+        for top, dirs, names in os.walk(p, followlinks=True):
+            st = os.stat(top)
+            if (st.st_dev, st.st_ino) in seen:  # a symlink loop or a second link to a directory
+                dirs[:] = []
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found.update(Path(top) / n for n in names
+                         if n.endswith(".json") and not n.startswith(".") and (Path(top) / n).is_file())
     return sorted(found)
+
+
+def path_key(path: Path) -> str:
+    """The ``files.path`` of a file: its path as text; bytes that are not UTF-8 (a name written
+    in another encoding) are shown as ``\\xNN`` escapes instead of failing the whole ingest."""
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text
 
 
 def _fragment_meta(workspace: Workspace, sha: str) -> Path:
@@ -134,11 +157,15 @@ def _write_arrow(table: pa.Table, path: Path) -> None:
 def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     """Worker: read, hash, parse (unless cached) one file. Returns its fragment meta."""
     path = Path(path_str)
+    name = path_key(Path(path.name))
     try:
-        data = path.read_bytes()
         stat = path.stat()
+        if not S_ISREG(stat.st_mode):  # a FIFO would block forever, /dev/zero never ends
+            return {"status": "error", "error": f"{name}: not a regular file ({_file_type(stat.st_mode)})",
+                    "sha256": None, "size_bytes": 0, "mtime_ns": stat.st_mtime_ns}
+        data = path.read_bytes()
     except OSError as err:
-        return {"status": "error", "error": f"{path.name}: cannot read: {err.strerror or err}", "sha256": None,
+        return {"status": "error", "error": f"{name}: cannot read: {err.strerror or err}", "sha256": None,
                 "size_bytes": 0, "mtime_ns": 0}
     sha = hashlib.sha256(data).hexdigest()
     base = {"sha256": sha, "size_bytes": len(data), "mtime_ns": stat.st_mtime_ns}
@@ -156,7 +183,12 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
         meta = {"status": "error", "error": str(err), "rows": 0, "duplicate_rows": 0, "tables": {}}
         tables = {}
     except NotResultsFile as err:
-        meta = {"status": "skipped", "error": f"{path.name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
+        meta = {"status": "skipped", "error": f"{name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
+        tables = {}
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of one file is that file's error
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        meta = {"status": "error", "error": f"{name}: cannot parse ({type(err).__name__}: {first})", "rows": 0,
+                "duplicate_rows": 0, "tables": {}}
         tables = {}
     # every file lands by rename and the meta last: a killed worker leaves no half fragment
     bucket.mkdir(parents=True, exist_ok=True)
@@ -169,6 +201,14 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     with atomic_path(meta_file) as tmp:
         tmp.write_text(json.dumps(meta))
     return {**meta, **base, "cached": False}
+
+
+def _file_type(mode: int) -> str:
+    for test, label in ((S_ISFIFO, "a FIFO"), (S_ISCHR, "a character device"), (S_ISBLK, "a block device"),
+                        (S_ISSOCK, "a socket"), (S_ISDIR, "a directory")):
+        if test(mode):
+            return label
+    return "not a file"
 
 
 def _read_manifest(workspace: Workspace) -> dict[str, dict]:
@@ -195,11 +235,16 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
         todo: list[Path] = []
         sizes: dict[Path, int] = {}
         for path in files:
-            old = manifest.get(str(path))
-            st = path.stat()
+            old = manifest.get(path_key(path))
+            try:
+                st = path.stat()
+            except OSError:  # vanished or a dangling link: the parser records why
+                todo.append(path)
+                sizes[path] = 0
+                continue
             if (old and not parser_changed and old["size_bytes"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
                     and (old["status"] != "ok" or _fragment_meta(workspace, old["fragment_sha256"]).exists())):
-                report.files.append(FileResult(str(path), "unchanged" if old["status"] == "ok" else old["status"],
+                report.files.append(FileResult(path_key(path), "unchanged" if old["status"] == "ok" else old["status"],
                                                old["kind"], old["rows"], old["error"]))
                 if progress:
                     progress(path.name)
@@ -210,14 +255,15 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
         fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
         todo.sort(key=lambda p: -sizes[p])  # largest first: workers finish together
         for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
-            old = manifest.get(str(path))
+            key = path_key(path)
+            old = manifest.get(key)
             status = meta["status"]
             if status == "error" and config.strict:
                 raise IngestError(path, meta["error"].removeprefix(f"{path.name}: "))
             unchanged = old is not None and old["sha256"] == meta["sha256"] and not parser_changed
             keep_fragment = old["fragment_sha256"] if (old and status == "error") else None
-            new_manifest[str(path)] = {
-                "path": str(path), "sha256": meta["sha256"] or "", "size_bytes": meta["size_bytes"],
+            new_manifest[key] = {
+                "path": key, "sha256": meta["sha256"] or "", "size_bytes": meta["size_bytes"],
                 "mtime_ns": meta["mtime_ns"], "kind": meta.get("kind"), "experiment": meta.get("experiment"),
                 "dataset": meta.get("dataset"), "status": status, "error": meta.get("error"), "note": meta.get("note"),
                 "rows": meta.get("rows", 0), "duplicate_rows": meta.get("duplicate_rows", 0),
@@ -225,7 +271,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                 "ingested_at": old["ingested_at"] if unchanged else now,
             }
             result_status = "unchanged" if unchanged and status == "ok" else status
-            report.files.append(FileResult(str(path), result_status, meta.get("kind"), meta.get("rows", 0),
+            report.files.append(FileResult(key, result_status, meta.get("kind"), meta.get("rows", 0),
                                            meta.get("error")))
             if progress:
                 progress(path.name)

@@ -7,6 +7,7 @@ the DuckDB views and docs/schema.md are generated from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -52,6 +53,12 @@ class TableSchema:
 def quote_ident(name: str) -> str:
     """Quote a SQL identifier for DuckDB; the only place identifiers are quoted."""
     return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str | Path) -> str:
+    """Quote a SQL string literal (a path, usually) for DuckDB: a workspace may live under a
+    directory whose name holds a quote."""
+    return "'" + str(value).replace("'", "''") + "'"
 
 
 def duckdb_type(dtype: pa.DataType) -> str:

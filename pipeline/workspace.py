@@ -94,6 +94,17 @@ class Workspace:
     def catalog_path(self) -> Path:
         return self.root / CATALOG_NAME
 
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is (or would be) one of the workspace's own files: anything inside its
+        tables, fragments, features or runs directories, or an existing file at its root (the
+        catalog, CURRENT, ...). Commands refuse to write their output there."""
+        target = Path(path).expanduser().resolve()
+        root = self.root.resolve()
+        if not target.is_relative_to(root) or target == root:
+            return False
+        managed = (self.tables_dir, self.fragments_dir, self.features_dir, self.runs_dir)
+        return target.exists() or any(target.is_relative_to(d.resolve()) for d in managed)
+
     def current_generation(self) -> Path | None:
         """Directory of the live generation, or None for a workspace never written."""
         try:

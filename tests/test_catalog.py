@@ -62,6 +62,38 @@ def test_bad_sql_is_one_clear_error(small_tree, workspace):
         run_query(workspace, "SELECT * FROM no_such_table")
 
 
+@pytest.mark.parametrize("sql", [
+    "COPY (SELECT * FROM measurements LIMIT 10) TO '{table}'",
+    "ATTACH '{catalog}' AS c; CREATE OR REPLACE VIEW c.measurements AS SELECT 1 AS x",
+    "SELECT 1; CREATE TABLE t AS SELECT 1",
+    "EXPORT DATABASE '{root}/export'",
+    "INSTALL httpfs",
+    "SET lock_configuration = false",
+    "PRAGMA enable_profiling",
+])
+def test_queries_cannot_write_to_the_workspace(small_tree, workspace, sql):
+    run_ingest([small_tree], workspace)
+    table = workspace.require_generation() / "measurements.parquet"
+    before = {p: p.read_bytes() for p in (table, workspace.catalog_path)}
+    files = sorted(p.relative_to(workspace.root) for p in workspace.root.rglob("*"))
+    rows = run_query(workspace, "SELECT count(*) AS n FROM measurements").to_pylist()
+    statement = sql.format(table=table, catalog=workspace.catalog_path, root=workspace.root)
+    with pytest.raises(QueryError, match=r"^query refused: [A-Z]+ statements are not run by `ctrl query`"):
+        run_query(workspace, statement)
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.relative_to(workspace.root) for p in workspace.root.rglob("*")) == files
+    assert run_query(workspace, "SELECT count(*) AS n FROM measurements").to_pylist() == rows
+
+
+def test_read_only_statements_still_run(small_tree, workspace, tmp_path):
+    run_ingest([small_tree], workspace)
+    assert "score" in run_query(workspace, "DESCRIBE measurements").column("column_name").to_pylist()
+    assert run_query(workspace, "EXPLAIN SELECT * FROM measurements").num_rows >= 1
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), other)  # reading files outside the workspace stays allowed
+    assert run_query(workspace, f"SELECT sum(x) AS s FROM read_parquet('{other}')").to_pylist() == [{"s": 6}]
+
+
 def test_reader_rejects_a_table_of_another_schema(small_tree, workspace):
     run_ingest([small_tree], workspace)
     path = workspace.table_path("samples")
@@ -75,3 +107,18 @@ def test_schema_doc_documents_every_table_exactly(name):
     table = TABLES.get(name) or FEATURE_TABLES.get(name) or RUN_TABLES[name]
     assert schema_markdown(table) in SCHEMA_DOC.read_text(), (f"docs/schema.md of {name!r} is stale: "
                                                               "paste the output of `ctrl schema`")
+
+
+def test_a_workspace_under_a_quoted_directory_name_works(small_tree, tmp_path):
+    from pipeline import Workspace
+
+    ws = Workspace(tmp_path / "it's a 'quoted' ws")
+    report = run_ingest([small_tree], ws)
+    assert report.changed and not report.errors
+    assert run_query(ws, "SELECT count(*) AS n FROM samples").to_pylist() == [{"n": NUM_SAMPLES}]
+    # the catalog file too, from plain DuckDB
+    con = duckdb.connect(str(ws.catalog_path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM samples").fetchone() == (NUM_SAMPLES,)
+    finally:
+        con.close()

@@ -73,3 +73,27 @@ def test_errors_are_one_red_line_not_a_traceback(tmp_path):
 def test_missing_input_path(tmp_path):
     result = runner.invoke(app, ["ingest", str(tmp_path / "nope")], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_ctrl_c_during_a_query_exits_130_with_one_line(small_tree, tmp_path, monkeypatch):
+    ws = tmp_path / "ws"
+    assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    import pipeline
+
+    monkeypatch.setattr(pipeline, "run_query", interrupted)
+    result = invoke("query", "SELECT 1", "-w", str(ws))
+    assert result.exit_code == 130
+    assert result.stderr == "interrupted: nothing was written\n" and result.stdout == ""
+
+
+def test_a_query_that_would_write_is_refused_with_exit_1(small_tree, tmp_path):
+    ws = tmp_path / "ws"
+    assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0
+    target = tmp_path / "copy.parquet"
+    result = invoke("query", f"COPY (SELECT * FROM measurements) TO '{target}'", "-w", str(ws))
+    assert result.exit_code == 1 and not target.exists()
+    assert result.stderr.startswith("error: query refused: COPY statements are not run by `ctrl query`")

@@ -70,3 +70,59 @@ def test_train_evaluate_predict(ws, tmp_path):
 def test_predict_needs_exactly_one_source(ws, tmp_path):
     both = runner.invoke(app, ["predict", "-w", str(ws.root), "--budget-ms", "200", "--out", str(tmp_path / "x.csv")])
     assert both.exit_code == 1 and "exactly one of --run" in both.stderr
+
+
+@pytest.mark.parametrize("run_id", ["../../escaped", "/tmp/ctrl-absolute-run", ".hidden", "a/b", "latest", "x" * 129])
+def test_run_ids_that_would_leave_runs_are_refused(ws, tmp_path, run_id):
+    before = sorted(p.name for p in ws.runs_dir.iterdir()) if ws.runs_dir.exists() else []
+    result = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--num-epochs", "1",
+                                 "--cross-fit-folds", "0", "--run-id", run_id])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith(f"error: run id {run_id!r} is not allowed")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (sorted(p.name for p in ws.runs_dir.iterdir()) if ws.runs_dir.exists() else []) == before
+    assert not (ws.root.parent.parent / "escaped").exists() and not (ws.root / "escaped").exists()
+
+
+def test_an_existing_run_is_never_overwritten_and_resume_keeps_its_epochs(ws):
+    w = str(ws.root)
+    first = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--cross-fit-folds", "0",
+                                "--run-id", "kept", "--no-table-fallback"])
+    assert first.exit_code == 0, first.output
+    run = ws.runs_dir / "kept"
+    saved = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
+                                "--run-id", "kept"])
+    assert again.exit_code == 1 and "run kept already exists" in again.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == saved
+    # --resume without --num-epochs keeps the run's 2 epochs (not the option's default of 30)
+    resumed = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "kept"])
+    assert resumed.exit_code == 0, resumed.output
+    row = pl.read_parquet(run / "run.parquet").row(0, named=True)
+    assert (row["num_epochs"], row["epochs_done"], row["status"]) == (2, 2, "completed")
+    longer = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "kept", "--num-epochs", "3"])
+    assert longer.exit_code == 0, longer.output
+    row = pl.read_parquet(run / "run.parquet").row(0, named=True)
+    assert (row["num_epochs"], row["epochs_done"]) == (3, 3)
+
+
+def test_predict_never_writes_over_the_workspaces_files(ws):
+    w = str(ws.root)
+    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
+                                  "--run-id", "for-predict", "--no-table-fallback"])
+    assert trained.exit_code == 0, trained.output
+    table = ws.require_generation() / "measurements.parquet"
+    targets = [table, ws.catalog_path, ws.runs_dir / "for-predict" / "new.parquet", ws.features_dir / "x.csv"]
+    before = {p: p.read_bytes() for p in targets if p.exists()}
+    for target in targets:
+        result = runner.invoke(app, ["predict", "--run", "for-predict", "-w", w, "--budget-ms", "200",
+                                     "--out", str(target)])
+        assert result.exit_code == 1, result.output
+        assert result.stderr.startswith(f"error: {target}: refusing to write the predictions over the workspace")
+    assert {p: p.read_bytes() for p in targets if p.exists()} == before
+    assert not (ws.runs_dir / "for-predict" / "new.parquet").exists() and not (ws.features_dir / "x.csv").exists()
+    # a new file at the workspace root is not one of its files
+    beside = ws.root / "decisions.parquet"
+    ok = runner.invoke(app, ["predict", "--run", "for-predict", "-w", w, "--budget-ms", "200", "--out", str(beside)])
+    assert ok.exit_code == 0, ok.output
+    assert pl.read_parquet(beside).height == 60

@@ -57,7 +57,7 @@ from trainer.grpo import policy_loss, rows_log_probs, sample_groups
 from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.reward import RewardConfig
-from trainer.runs import RunDir, new_run_id, resolve_checkpoint, rows_frame, write_table_atomic
+from trainer.runs import RunDir, resolve_checkpoint, rows_frame, write_table_atomic
 
 
 @dataclass
@@ -399,9 +399,12 @@ class OfflineTrainer:
         train, val = _split(trained_on, "train"), _split(trained_on, "val")
         config = _resolve(config, self.data)
         self.config = _check_resume(resume, config) if resume is not None else config
-        if resume is None:
-            resume_dir = run_dir if run_dir is not None else self.workspace.runs_dir / (config.run_id or new_run_id())
-        self.run = resume if resume is not None else RunDir(resume_dir)
+        if resume is not None:
+            self.run = resume
+        elif run_dir is not None:  # a fold of a cross-fit: its parent run owns the directory
+            self.run = RunDir(run_dir)
+        else:
+            self.run = RunDir.new(self.workspace, config.run_id)
         self.config.run_id = self.run.run_id
         self.run.write_config(self.config.to_json())
         self.train_recorded = train  # the recorded scores: the lookup table of the fallback is built on them

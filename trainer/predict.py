@@ -99,6 +99,11 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
         msg = f"budgets must be a non-empty list of positive numbers (ms), got {budgets_ms!r}\nHint: --budget-ms 250"
         raise CtrlError(msg)
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    if out is not None and ws.owns(out):
+        msg = (f"{out}: refusing to write the predictions over the workspace's own files\n"
+               f"Hint: write them outside the workspace's tables, features, fragments and runs ({ws.root}), "
+               "e.g. ./decisions.parquet")
+        raise CtrlError(msg)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint)
     fallback = read_fallback(checkpoint)

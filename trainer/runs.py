@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -37,6 +38,19 @@ from pipeline.workspace import Workspace, atomic_path, write_bytes_atomic
 
 Phase = Literal["offline", "online"]
 CONFIG_FILE = "config.json"
+
+
+#: a run id names one directory inside ``runs/``: no separators, no leading dot, no ``..``
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it can name a run directory inside ``runs/``, else a CtrlError saying why."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id or run_id == "latest":
+        msg = (f"run id {run_id!r} is not allowed: letters, digits, '.', '_' and '-' (up to 128, starting with a "
+               "letter or digit, no '..', not 'latest'), so that a run stays inside the workspace's runs/")
+        raise CtrlError(msg)
+    return run_id
 
 
 def new_run_id() -> str:
@@ -172,10 +186,12 @@ class RunDir:
     # -- finding runs
     @classmethod
     def new(cls, workspace: Workspace, run_id: str | None = None) -> RunDir:
-        """The directory of a new run; an existing run of that id is refused."""
-        run = cls(workspace.runs_dir / (run_id or new_run_id()))
-        if run.exists:
-            msg = f"run {run.run_id} already exists in {workspace.runs_dir}\nHint: --resume {run.run_id} continues it."
+        """The directory of a new run; an invalid id (:func:`check_run_id`) or an existing run of
+        that id (any file in its directory) is refused: a run is never overwritten."""
+        run = cls(workspace.runs_dir / (check_run_id(run_id) if run_id is not None else new_run_id()))
+        if run.path.exists() and (run.exists or any(run.path.iterdir())):
+            msg = (f"run {run.run_id} already exists in {workspace.runs_dir}\nHint: --resume {run.run_id} continues "
+                   "it; pick another --run-id, or delete that directory to start it again.")
             raise CtrlError(msg)
         return run
 
@@ -225,5 +241,5 @@ def resolve_checkpoint(workspace: Workspace, run_or_checkpoint: str | Path) -> P
     return run.best_checkpoint
 
 
-__all__ = ["Phase", "RunDir", "atomic_torch_save", "latest_run", "new_run_id", "resolve_checkpoint",
+__all__ = ["Phase", "RunDir", "atomic_torch_save", "check_run_id", "latest_run", "new_run_id", "resolve_checkpoint",
            "rows_frame", "rows_table", "write_frame_atomic", "write_table_atomic"]

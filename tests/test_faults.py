@@ -1,0 +1,118 @@
+"""Fault injection: bad files, special files and odd paths end in one recorded error per file
+(or the right result), never a traceback, a hang or a lost table."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ingest, shard
+from origin_files import exp6_config_doc, exp6_name, write
+from pipeline import Workspace, run_query
+
+EXP6 = Path("exp6") / "exp6_latency_coco-2014-vqa"
+
+
+def clean_counts(tree: Path, tmp_path: Path) -> dict:
+    ws = Workspace(tmp_path / "clean")
+    report = run_ingest([tree], ws)
+    assert not report.errors
+    return run_query(ws, "SELECT (SELECT count(*) FROM measurements) AS m, (SELECT count(*) FROM samples) AS s"
+                     ).to_pylist()[0]
+
+
+def bad_copy(tree: Path, name: str, edit) -> Path:
+    """A merged exp6 file for a configuration the tree lacks (4/4/12), edited by ``edit`` (a doc -> doc
+    function, or the raw text to write)."""
+    doc = exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True)
+    path = tree / "bad" / name
+    if callable(edit):
+        write(path, edit(doc))
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(edit)
+    return path
+
+
+def set_world_size(doc: dict) -> dict:
+    doc["config"]["world_size"] = 10**12
+    return doc
+
+
+def set_num_samples(doc: dict) -> dict:
+    doc["summary"][0]["num_samples"] = 10**12
+    return doc
+
+
+def lone_surrogate_pred(doc: dict) -> str:
+    doc["per_sample_predictions"][0]["pred"] = "SURROGATE"
+    return json.dumps(doc).replace("SURROGATE", "\\ud800")
+
+
+@pytest.mark.parametrize(("case", "edit", "reason"), [
+    ("world_size", set_world_size, "cannot parse"),
+    ("num_samples", set_num_samples, "cannot parse"),
+    ("surrogate", lone_surrogate_pred, "cannot parse"),
+    ("deep", "[" * 100_000 + "]" * 100_000, ""),
+])
+def test_one_bad_file_is_recorded_and_the_rest_ingested(small_tree, tmp_path, case, edit, reason):
+    expected = clean_counts(small_tree, tmp_path)
+    if callable(edit) and case == "surrogate":
+        text = edit(exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
+        bad = bad_copy(small_tree, exp6_name(4, 4, 12), text)
+    else:
+        bad = bad_copy(small_tree, exp6_name(4, 4, 12), edit)
+    ws = Workspace(tmp_path / "ws")
+    report = run_ingest([small_tree], ws)
+    assert [Path(f.path).name for f in report.errors] == [bad.name], report.errors
+    assert report.errors[0].error.startswith(f"{bad.name}: ") and reason in report.errors[0].error
+    assert "\n" not in report.errors[0].error
+    assert report.changed
+    counts = run_query(ws, "SELECT (SELECT count(*) FROM measurements) AS m, (SELECT count(*) FROM samples) AS s"
+                       ).to_pylist()[0]
+    assert counts == expected
+    recorded = run_query(ws, f"SELECT status FROM files WHERE path = '{bad}'").to_pylist()
+    assert recorded == [{"status": "error"}]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+def test_special_files_are_refused_not_read(small_tree, tmp_path):
+    fifo = tmp_path / "results.json"
+    os.mkfifo(fifo)  # opening it for reading would block forever
+    report = run_ingest([small_tree, fifo, Path("/dev/zero")], Workspace(tmp_path / "ws"))
+    errors = {Path(f.path).name: f.error for f in report.errors}
+    assert errors == {"results.json": "results.json: not a regular file (a FIFO)",
+                      "zero": "zero: not a regular file (a character device)"}
+    assert report.changed and len([f for f in report.files if f.status == "ok"]) == 9
+
+
+def test_a_file_name_that_is_not_utf8_does_not_stop_the_ingest(small_tree, tmp_path):
+    expected = clean_counts(small_tree, tmp_path)
+    odd = os.fsencode(small_tree / "bad") + b"/results-\xff.json"
+    os.makedirs(os.fsencode(small_tree / "bad"), exist_ok=True)
+    with open(odd, "wb") as fh:
+        fh.write(b"{}")
+    ws = Workspace(tmp_path / "ws")
+    report = run_ingest([small_tree], ws)
+    assert not report.errors
+    skipped = [f for f in report.files if f.status == "skipped"]
+    assert [Path(f.path).name for f in skipped] == ["results-\\xff.json"]
+    assert run_query(ws, "SELECT count(*) AS m FROM measurements").to_pylist()[0]["m"] == expected["m"]
+    # and the next ingest of the same tree finds nothing changed
+    again = run_ingest([small_tree], ws)
+    assert not again.changed and {f.status for f in again.files} == {"unchanged", "skipped"}
+
+
+def test_a_directory_symlink_inside_a_tree_is_followed_once(small_tree, tmp_path):
+    outside = tmp_path / "elsewhere"
+    shutil.move(small_tree / "exp6", outside)
+    (small_tree / "exp6").symlink_to(outside, target_is_directory=True)
+    (outside / "loop").symlink_to(small_tree, target_is_directory=True)  # a cycle back to the root
+    report = run_ingest([small_tree], Workspace(tmp_path / "ws"))
+    names = sorted(Path(f.path).name for f in report.files)
+    assert len(names) == 9 and len(set(names)) == 9  # 4 exp6 files through the link, each once
+    assert sum(1 for n in names if n.startswith("exp6_")) == 4 and not report.errors
