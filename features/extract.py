@@ -14,6 +14,7 @@ forward batch, and rank 0 alone holds the workspace lock and writes.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -158,7 +159,7 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
                         progress(sum(b.num_samples for b in done) - sum(b.num_samples for b in mine))
                     for c in range(first, min(first + dist.world_size, len(chunks))):
                         _write_chunk(plan.out_dir, plan.next_chunk + c,
-                                     _concat([b.tables for b in done if b.chunk == c]))
+                                     _concat([b.tables for b in done if b.chunk == c]), image_lookup(config))
                     _tally(report, done)
             if not lead:
                 _tally(report, mine)
@@ -206,12 +207,44 @@ def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) 
         os.rename(out_dir, trash)  # atomic: the cache is either all there or gone
         shutil.rmtree(trash, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".tmp-chunk-*"):  # a chunk an interrupted run did not finish
+    for stale in [*out_dir.glob(".tmp-chunk-*"), *out_dir.glob(".stale-chunk-*")]:  # left by an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
+    if config.images_dir is not None:
+        _drop_chunks_missing_images(out_dir, image_lookup(config))
     done = cached_keys(out_dir)
     rows = list(samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True))
     todo = [r for r in rows if (r["dataset"], r["sample_key"]) not in done]
-    return _Plan(fingerprint, out_dir, len(rows), todo, next_chunk=len(list(out_dir.glob("chunk-*"))))
+    # after the highest chunk, not after the count: a deleted chunk must not make a name collide
+    indices = [int(c.name.removeprefix("chunk-")) for c in out_dir.glob("chunk-*") if c.name[6:].isdigit()]
+    return _Plan(fingerprint, out_dir, len(rows), todo, next_chunk=max(indices, default=-1) + 1)
+
+
+#: written into every chunk: where its images were looked up
+LOOKUP_FILE = "lookup.json"
+
+
+def image_lookup(config: FeatureConfig) -> dict[str, str | None]:
+    """Where this run looks images up (resolved images directory and extra pattern)."""
+    return {"images_dir": None if config.images_dir is None else str(Path(config.images_dir).resolve()),
+            "image_pattern": config.image_pattern}
+
+
+def _drop_chunks_missing_images(out_dir: Path, lookup: dict[str, str | None]) -> None:
+    """Chunks whose images were looked up elsewhere (or in an unrecorded place) and that hold
+    samples with a missing or unreadable image leave the cache, so that their samples are
+    computed again with the current lookup; a chunk leaves by one rename (atomic)."""
+    for chunk in sorted(out_dir.glob("chunk-*")):
+        try:
+            recorded = json.loads((chunk / LOOKUP_FILE).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded == lookup:
+            continue
+        status = pq.read_table(chunk / "image_features.parquet", columns=["image_status"]).column("image_status")
+        if any(s in ("missing", "unreadable") for s in status.to_pylist()):
+            stale = out_dir / f".stale-chunk-{uuid.uuid4().hex}"
+            os.rename(chunk, stale)
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _tally(report: FeatureReport, batches: list[_Batch]) -> None:
@@ -305,12 +338,13 @@ def _table(schema: TableSchema, rows: list[dict], dim: int | None) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=arrow)
 
 
-def _write_chunk(out_dir: Path, index: int, tables: dict[str, pa.Table]) -> None:
+def _write_chunk(out_dir: Path, index: int, tables: dict[str, pa.Table], lookup: dict[str, str | None]) -> None:
     tmp = out_dir / f".tmp-chunk-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
         for name, table in tables.items():
             pq.write_table(table, tmp / f"{name}.parquet", compression="zstd")
+        (tmp / LOOKUP_FILE).write_text(json.dumps(lookup) + "\n")
         os.rename(tmp, out_dir / f"chunk-{index:05d}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -135,8 +135,36 @@ def join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType, *, required: bool) -> pa.Array:
-    """Gather ``record[key]`` over records into an arrow array; name the first bad record on failure."""
+#: the largest world size and count the tables hold (int32 columns)
+MAX_WORLD_SIZE = 65_536
+MAX_INT32 = 2**31 - 1
+#: a latency no request takes (one hour): larger recorded values are measurement or writing errors
+MAX_LATENCY_MS = 3_600_000.0
+#: value ranges of the recorded columns: a score is in [0, 1], a time or a count is finite and >= 0
+SCORE_RANGE = (0.0, 1.0)
+LATENCY_RANGE = (0.0, MAX_LATENCY_MS)
+COUNT_RANGE = (0, None)
+
+
+def column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType, *, required: bool,
+           valid: tuple[float | None, float | None] | None = None) -> pa.Array:
+    """Gather ``record[key]`` over records into an arrow array; name the first bad record on failure.
+    ``valid`` = (lo, hi): values outside (either end None = open; infinities are always outside a
+    finite end) fail the file, naming the first such record."""
+    arr = _column(ctx, records, list_name, key, dtype, required=required)
+    if valid is not None and len(arr) > arr.null_count:
+        lo, hi = valid
+        bounds = pc.min_max(arr).as_py()
+        if (lo is not None and bounds["min"] < lo) or (hi is not None and bounds["max"] > hi):
+            for i, v in enumerate(arr.to_pylist()):
+                if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+                    field = f"{list_name}[{i}].{key}"
+                    interval = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+                    raise ctx.fail(field, f"{v!r} is outside {interval}")
+    return arr
+
+
+def _column(ctx: Ctx, records: list, list_name: str, key: str, dtype: pa.DataType, *, required: bool) -> pa.Array:
     values = [r.get(key) for r in records]
     try:
         arr = pa.array(values, type=dtype)  # not from_pandas=True: it tries to import pandas on every call
@@ -190,8 +218,10 @@ class RunInfo:
 
 def run_info(ctx: Ctx, config: dict, experiment: str) -> RunInfo:
     dataset = ctx.string(config, "dataset_name", "config")
-    split = config.get("split") if isinstance(config.get("split"), str) else None
-    world_size = ctx.integer(config, "world_size", "config", required=False, lo=1) or 1
+    split = config.get("split")
+    if split is not None and not isinstance(split, str):  # stored as null it would silently merge splits
+        raise ctx.fail(join("config", "split"), f"expected a string, got {split!r}")
+    world_size = ctx.integer(config, "world_size", "config", required=False, lo=1, hi=MAX_WORLD_SIZE) or 1
     total = ctx.integer(config, "num_total_blocks", "config", required=False, lo=1, hi=1024) or knobs.NUM_TOTAL_BLOCKS
     return RunInfo(experiment, dataset, split, world_size, total)
 
@@ -226,6 +256,13 @@ def block_indices(ctx: Ctx, obj: dict, where: str, info: RunInfo, num_active: in
     if len(value) != num_active:
         raise ctx.fail(join(where, "active_block_indices"),
                        f"has {len(value)} blocks but num_active_blocks is {num_active}")
+    outside = [b for b in value if not 0 <= b < info.num_total_blocks]
+    if outside:
+        raise ctx.fail(join(where, "active_block_indices"),
+                       f"block {outside[0]} is outside 0..{info.num_total_blocks - 1} (num_total_blocks)")
+    if len(set(value)) != len(value):
+        repeated = next(b for b in value if value.count(b) > 1)
+        raise ctx.fail(join(where, "active_block_indices"), f"block {repeated} is listed twice")
     return sorted(value)
 
 

@@ -18,9 +18,13 @@ import pyarrow.compute as pc
 
 from pipeline import knobs
 from pipeline._parse_common import (
+    COUNT_RANGE,
     FRAGMENT_MEASUREMENTS,
     FRAGMENT_SAMPLES,
     FRAGMENT_SUMMARIES,
+    LATENCY_RANGE,
+    MAX_INT32,
+    SCORE_RANGE,
     Ctx,
     MeasurementBuilder,
     NotResultsFile,
@@ -158,7 +162,7 @@ def _add_exp_summary(ctx: Ctx, sb: SummaryBuilder, info: RunInfo, cfg: tuple[int
         info, cfg, blocks,
         accuracy=accuracy,
         std=ctx.number(entry, "std", where),
-        num_samples=ctx.integer(entry, "num_samples", where, required=False, lo=0),
+        num_samples=ctx.integer(entry, "num_samples", where, required=False, lo=0, hi=MAX_INT32),
         nan=accuracy is None and "accuracy" in entry,
         latency_total_ms_mean=_stat(ctx, entry, where, "latency_total_ms", "mean"),
         latency_total_ms_p50=_stat(ctx, entry, where, "latency_total_ms", "P50"),
@@ -183,7 +187,7 @@ def _parse_exp5_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     keys = samples.keys(records, "all_samples")
     mb = MeasurementBuilder()
     mb.add(info, kind, cfg, keys, blocks=blocks,
-           score=column(ctx, records, "all_samples", "score", _F64, required=True),
+           score=column(ctx, records, "all_samples", "score", _F64, required=True, valid=SCORE_RANGE),
            pred=column(ctx, records, "all_samples", "pred", _STR, required=False))
     sb = SummaryBuilder(kind)
     entry, where = _single_summary(ctx, doc)
@@ -211,10 +215,10 @@ def _parse_exp5_final(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         blocks = list(knobs.exp_active_blocks(cfg[2], info.num_total_blocks))
         _add_exp_summary(ctx, sb, info, cfg, blocks, entry, where)
         entries.append((cfg, blocks, ctx.number(entry, "accuracy", where),
-                        ctx.integer(entry, "num_samples", where, required=False, lo=0)))
+                        ctx.integer(entry, "num_samples", where, required=False, lo=0, hi=MAX_INT32)))
     samples = SampleCollector(ctx, info.dataset, info.split)
     keys = samples.keys(records, "all_samples")
-    scores = column(ctx, records, "all_samples", "score", _F64, required=True)
+    scores = column(ctx, records, "all_samples", "score", _F64, required=True, valid=SCORE_RANGE)
     preds = column(ctx, records, "all_samples", "pred", _STR, required=False)
     reason = _final_mapping_problem(entries, scores)
     mb = MeasurementBuilder()
@@ -268,14 +272,15 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
                               "metadata can only be attached by position")
     samples = SampleCollector(ctx, info.dataset, info.split)
     keys = samples.keys(preds, "per_sample_predictions")
-    total = column(ctx, lats, "per_sample_latencies", "T_total_ms", _F64, required=True)
-    prefill_raw = column(ctx, lats, "per_sample_latencies", "T_prefill_ms", _F64, required=False)
-    decode = column(ctx, lats, "per_sample_latencies", "T_decode_ms", _F64, required=False)
-    n_vision = column(ctx, lats, "per_sample_latencies", "num_vision_tokens", _I32, required=False)
-    n_language = column(ctx, lats, "per_sample_latencies", "num_language_tokens", _I32, required=False)
-    n_output = column(ctx, lats, "per_sample_latencies", "num_output_tokens", _I32, required=False)
-    score = pc.coalesce(column(ctx, preds, "per_sample_predictions", "score", _F64, required=False),
-                        column(ctx, lats, "per_sample_latencies", "accuracy", _F64, required=False))
+    total = column(ctx, lats, "per_sample_latencies", "T_total_ms", _F64, required=True, valid=LATENCY_RANGE)
+    prefill_raw = column(ctx, lats, "per_sample_latencies", "T_prefill_ms", _F64, required=False, valid=LATENCY_RANGE)
+    decode = column(ctx, lats, "per_sample_latencies", "T_decode_ms", _F64, required=False, valid=LATENCY_RANGE)
+    n_vision = column(ctx, lats, "per_sample_latencies", "num_vision_tokens", _I32, required=False, valid=COUNT_RANGE)
+    n_language = column(ctx, lats, "per_sample_latencies", "num_language_tokens", _I32, required=False,
+                        valid=COUNT_RANGE)
+    n_output = column(ctx, lats, "per_sample_latencies", "num_output_tokens", _I32, required=False, valid=COUNT_RANGE)
+    score = pc.coalesce(column(ctx, preds, "per_sample_predictions", "score", _F64, required=False, valid=SCORE_RANGE),
+                        column(ctx, lats, "per_sample_latencies", "accuracy", _F64, required=False, valid=SCORE_RANGE))
     if score.null_count:
         i = score.is_null().to_pylist().index(True)
         raise ctx.fail(field=f"per_sample_predictions[{i}].score",
@@ -294,8 +299,10 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         # written by `ctrl profile` (profiler/): a real prefill time, vision timed, text-only counts
         columns.update({
             "latency_prefill_ms": prefill_raw,
-            "latency_vision_ms": column(ctx, lats, "per_sample_latencies", "T_vision_ms", _F64, required=False),
-            "num_crops": column(ctx, lats, "per_sample_latencies", "num_crops", _I32, required=False),
+            "latency_vision_ms": column(ctx, lats, "per_sample_latencies", "T_vision_ms", _F64, required=False,
+                                        valid=LATENCY_RANGE),
+            "num_crops": column(ctx, lats, "per_sample_latencies", "num_crops", _I32, required=False,
+                                valid=COUNT_RANGE),
             "num_text_tokens": n_language,
         })
     else:
@@ -365,20 +372,22 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     keys = samples.keys(records, "per_sample_results")
     name = "per_sample_results"
     columns = {
-        "num_crops": column(ctx, records, name, "actual_num_crops", _I32, required=False),
-        "latency_total_ms": column(ctx, records, name, "T_total", _F64, required=True),
-        "latency_prefill_ms": column(ctx, records, name, "T_LLM_prefill", _F64, required=False),
-        "latency_prefill_raw_ms": column(ctx, records, name, "T_LLM_prefill", _F64, required=False),
-        "latency_decode_ms": column(ctx, records, name, "T_LLM_decode", _F64, required=False),
-        "latency_vision_ms": column(ctx, records, name, "T_vision_total", _F64, required=False),
-        "num_vision_tokens": column(ctx, records, name, "actual_vision_tokens", _I32, required=False),
-        "num_text_tokens": column(ctx, records, name, "actual_text_tokens", _I32, required=False),
-        "num_output_tokens": column(ctx, records, name, "output_tokens", _I32, required=False),
+        "num_crops": column(ctx, records, name, "actual_num_crops", _I32, required=False, valid=COUNT_RANGE),
+        "latency_total_ms": column(ctx, records, name, "T_total", _F64, required=True, valid=LATENCY_RANGE),
+        "latency_prefill_ms": column(ctx, records, name, "T_LLM_prefill", _F64, required=False, valid=LATENCY_RANGE),
+        "latency_prefill_raw_ms": column(ctx, records, name, "T_LLM_prefill", _F64, required=False,
+                                         valid=LATENCY_RANGE),
+        "latency_decode_ms": column(ctx, records, name, "T_LLM_decode", _F64, required=False, valid=LATENCY_RANGE),
+        "latency_vision_ms": column(ctx, records, name, "T_vision_total", _F64, required=False, valid=LATENCY_RANGE),
+        "num_vision_tokens": column(ctx, records, name, "actual_vision_tokens", _I32, required=False,
+                                    valid=COUNT_RANGE),
+        "num_text_tokens": column(ctx, records, name, "actual_text_tokens", _I32, required=False, valid=COUNT_RANGE),
+        "num_output_tokens": column(ctx, records, name, "output_tokens", _I32, required=False, valid=COUNT_RANGE),
         "flag_prefill_partial": pa.repeat(pa.scalar(True), len(keys)),  # D2: blocks 1..15 only
     }
     mb = MeasurementBuilder()
     mb.add(info, kind, cfg, keys, blocks=blocks, tier=tier,
-           score=column(ctx, records, name, "accuracy", _F64, required=True),
+           score=column(ctx, records, name, "accuracy", _F64, required=True, valid=SCORE_RANGE),
            pred=column(ctx, records, name, "pred", _STR, required=False), columns=columns)
     # merge_rank_results.py leaves rank 0's stale latency_stats next to the recomputed aggregate_stats
     stats = doc.get("aggregate_stats") if isinstance(doc.get("aggregate_stats"), dict) else doc.get("latency_stats")
@@ -386,7 +395,7 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     sb = SummaryBuilder(kind)
     accuracy = ctx.number(doc, "accuracy", "")
     sb.add(info, cfg, blocks, tier=tier, accuracy=accuracy, std=ctx.number(doc, "accuracy_std", ""),
-           num_samples=ctx.integer(doc, "num_samples", "", required=False, lo=0),
+           num_samples=ctx.integer(doc, "num_samples", "", required=False, lo=0, hi=MAX_INT32),
            nan=accuracy is None and "accuracy" in doc,
            latency_total_ms_mean=ctx.number(stats, "T_total_mean", "latency_stats"),
            latency_total_ms_p50=ctx.number(stats, "T_total_p50", "latency_stats"),

@@ -127,10 +127,13 @@ MEASUREMENTS = TableSchema(
         Column("tier", _S, "core_exp vision tier (low | medium | high); null for exp5/exp6"),
         Column("num_crops", _I, "crops actually used by the tiling (core_exp, ctrl profile and online rows)", "crops"),
         Column("num_total_blocks", _I, "decoder blocks of the model", "blocks"),
-        Column("active_block_indices", pa.list_(_I), "indices of the blocks that ran, sorted"),
-        Column("score", _F, "the sample's score under the dataset metric, 0..1"),
+        Column("active_block_indices", pa.list_(_I), "indices of the blocks that ran, sorted; each in "
+               "0..num_total_blocks-1, none twice (a file recording otherwise is refused)"),
+        Column("score", _F, "the sample's score under the dataset metric, 0..1 (a file recording a score "
+               "outside is refused)"),
         Column("pred", _S, "the cleaned prediction"),
-        Column("latency_total_ms", _F, "whole generate call", "ms"),
+        Column("latency_total_ms", _F, "whole generate call; every recorded time is finite, >= 0 and at most "
+               "one hour (a file recording otherwise is refused)", "ms"),
         Column("latency_prefill_ms", _F, "prefill pass; null where the recorded value is not a prefill time", "ms"),
         Column("latency_decode_ms", _F, "decode steps; null where the recorded 0 cannot be a time", "ms"),
         Column("latency_vision_ms", _F, "vision tower (core_exp, ctrl profile and online rows)", "ms"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -51,9 +52,13 @@ class ImageIndex:
 
 
 def open_image(path: Path) -> Image.Image | None:
-    """The image as RGB, or None when the file cannot be decoded."""
+    """The image as RGB, or None when the file cannot be decoded (or declares more pixels than
+    PIL's decompression-bomb limit: a tiny file can claim 40000 x 40000 and exhaust memory)."""
     try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over the limit / 2 too
+            with Image.open(path) as img:
+                return img.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning):
         return None

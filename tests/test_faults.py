@@ -54,8 +54,8 @@ def lone_surrogate_pred(doc: dict) -> str:
 
 
 @pytest.mark.parametrize(("case", "edit", "reason"), [
-    ("world_size", set_world_size, "cannot parse"),
-    ("num_samples", set_num_samples, "cannot parse"),
+    ("world_size", set_world_size, "config.world_size: 1000000000000 is outside 1..65536"),
+    ("num_samples", set_num_samples, "summary[0].num_samples: 1000000000000 is outside 0..2147483647"),
     ("surrogate", lone_surrogate_pred, "cannot parse"),
     ("deep", "[" * 100_000 + "]" * 100_000, ""),
 ])
@@ -116,3 +116,65 @@ def test_a_directory_symlink_inside_a_tree_is_followed_once(small_tree, tmp_path
     names = sorted(Path(f.path).name for f in report.files)
     assert len(names) == 9 and len(set(names)) == 9  # 4 exp6 files through the link, each once
     assert sum(1 for n in names if n.startswith("exp6_")) == 4 and not report.errors
+
+
+def set_latency(value: float):
+    def edit(doc: dict) -> dict:
+        doc["per_sample_latencies"][2]["T_total_ms"] = value
+        return doc
+    return edit
+
+
+def set_score(value: float):
+    def edit(doc: dict) -> dict:
+        doc["per_sample_predictions"][1]["score"] = value
+        return doc
+    return edit
+
+
+def set_blocks(blocks: list[int]):
+    def edit(doc: dict) -> dict:
+        doc["config"]["active_block_indices"] = blocks
+        return doc
+    return edit
+
+
+def set_split(value):
+    def edit(doc: dict) -> dict:
+        doc["config"]["split"] = value
+        return doc
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "error"), [
+    (set_latency(-50.0), "per_sample_latencies[2].T_total_ms: -50.0 is outside [0.0, 3600000.0]"),
+    (set_latency(1e308), "per_sample_latencies[2].T_total_ms: 1e+308 is outside [0.0, 3600000.0]"),
+    (set_latency(float("inf")), "per_sample_latencies[2].T_total_ms: inf is outside [0.0, 3600000.0]"),
+    (set_score(-3), "per_sample_predictions[1].score: -3.0 is outside [0.0, 1.0]"),
+    (set_score(7), "per_sample_predictions[1].score: 7.0 is outside [0.0, 1.0]"),
+    (set_blocks([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 99]),
+     "config.active_block_indices: block 99 is outside 0..15 (num_total_blocks)"),
+    (set_blocks([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10]), "config.active_block_indices: block 10 is listed twice"),
+    (set_split(7), "config.split: expected a string, got 7"),
+])
+def test_values_that_cannot_be_true_fail_their_file_naming_the_field(small_tree, tmp_path, edit, error):
+    bad = bad_copy(small_tree, exp6_name(4, 4, 12), edit)
+    report = run_ingest([small_tree], Workspace(tmp_path / "ws"))
+    assert [(Path(f.path).name, f.error) for f in report.errors] == [(bad.name, f"{bad.name}: {error}")]
+    assert len([f for f in report.files if f.status == "ok"]) == 9
+
+
+def test_an_image_declaring_a_huge_size_is_unreadable_not_a_crash(tmp_path):
+    import struct
+    import zlib
+
+    from runtime.images import open_image
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", 40000, 40000, 8, 2, 0, 0, 0)  # 1.6 G pixels, RGB
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
+    assert bomb.stat().st_size < 100
+    assert open_image(bomb) is None

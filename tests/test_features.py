@@ -120,6 +120,48 @@ def test_missing_and_unreadable_images_are_reported(runtime, feature_ws):
             == {("ok", False), ("missing", True), ("unreadable", True)})
 
 
+def test_images_looked_up_elsewhere_are_found_on_the_next_run(runtime, feature_ws, tmp_path):
+    from features import FeatureConfig, extract_features
+
+    ws, images = feature_ws
+    empty = tmp_path / "no-images-here"
+    empty.mkdir()
+
+    def run(images_dir: Path):
+        config = FeatureConfig(workspace=ws.root, images_dir=images_dir, batch_size=4, chunk_size=8)
+        return extract_features(config, runtime=runtime)
+
+    first = run(empty)
+    assert first.computed == 20 and len(first.missing_images) > 0
+    statuses = run_query(ws, "SELECT DISTINCT image_status FROM image_features").to_pylist()
+    assert statuses == [{"image_status": "missing"}]
+    # the same lookup again: cached, nothing recomputed
+    again = run(empty)
+    assert again.computed == 0 and again.cached == 20
+    # another images directory: the samples whose image was missing are computed again, and found
+    right = run(images)
+    assert right.computed == 20 and right.missing_images == []
+    rows = run_query(ws, "SELECT image_status, count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k "
+                         "FROM image_features GROUP BY 1").to_pylist()
+    assert rows == [{"image_status": "ok", "n": 20, "k": 20}]
+
+
+def test_a_deleted_chunk_is_computed_again(runtime, feature_ws):
+    from features import FeatureConfig, extract_features
+
+    ws, images = feature_ws
+    config = FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8)
+    assert extract_features(config, runtime=runtime).computed == 20
+    chunks = sorted(p for p in ws.features_dir.glob("*/chunk-*"))
+    assert len(chunks) == 3
+    shutil.rmtree(chunks[0])  # the first of three: a new chunk must not take a name still in use
+    again = extract_features(config, runtime=runtime)
+    assert again.computed == 8 and again.cached == 12
+    keys = run_query(ws, "SELECT count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k "
+                         "FROM lang_features").to_pylist()[0]
+    assert keys == {"n": 20, "k": 20}
+
+
 def test_cli_extract_features(runtime, feature_ws, monkeypatch):
     from cli import app
 

@@ -126,3 +126,22 @@ def test_predict_never_writes_over_the_workspaces_files(ws):
     ok = runner.invoke(app, ["predict", "--run", "for-predict", "-w", w, "--budget-ms", "200", "--out", str(beside)])
     assert ok.exit_code == 0, ok.output
     assert pl.read_parquet(beside).height == 60
+
+
+def test_a_damaged_run_gives_one_line_naming_the_file(ws):
+    w = str(ws.root)
+    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
+                                  "--run-id", "damaged", "--no-table-fallback"])
+    assert trained.exit_code == 0, trained.output
+    run = ws.runs_dir / "damaged"
+    (run / "checkpoints" / "last.pt").write_bytes(b"\x00garbage" * 100)
+    resumed = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "damaged", "--num-epochs", "2"])
+    assert resumed.exit_code == 1
+    lines = resumed.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: {run / 'checkpoints' / 'last.pt'}: cannot read the checkpoint")
+    assert "Traceback" not in resumed.stderr and len(lines) == 2 and lines[1].startswith("Hint:")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "num_epochs": "many"}))
+    bad_config = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "damaged"])
+    assert bad_config.exit_code == 1 and "Traceback" not in bad_config.stderr
+    assert bad_config.stderr.startswith(f"error: {run / 'config.json'}: not a valid offline run config")

@@ -247,7 +247,11 @@ class OfflineTrainConfig(TrainingConfig):
     def from_run(cls, run: str | Path, workspace: str | Path | None = None, **overrides: Any) -> OfflineTrainConfig:
         """The saved config of a run, set up to resume it (``overrides``, e.g. ``num_epochs``)."""
         run_dir = RunDir.resolve(Workspace(workspace), run)
-        return cls.from_json({**run_dir.read_config(), "resume": str(run_dir.path), **overrides})
+        try:
+            return cls.from_json({**run_dir.read_config(), "resume": str(run_dir.path), **overrides})
+        except (TypeError, ValueError) as err:  # a config.json edited or damaged into other fields/values
+            msg = f"{run_dir.config_path}: not a valid offline run config ({err})"
+            raise CtrlError(msg) from None
 
 
 @dataclass

@@ -180,8 +180,22 @@ class RunDir:
         return atomic_torch_save(state, self.last_checkpoint)
 
     def load_last(self) -> dict[str, Any]:
-        """The state :meth:`save_last` wrote (tensors on the CPU)."""
-        return torch.load(self.last_checkpoint, map_location="cpu", weights_only=True)
+        """The state :meth:`save_last` wrote (tensors on the CPU); a missing or damaged file is a
+        CtrlError naming it."""
+        try:
+            state = torch.load(self.last_checkpoint, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            msg = f"{self.last_checkpoint}: missing: the run has no finished epoch to resume from"
+            raise CtrlError(msg) from None
+        except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            msg = (f"{self.last_checkpoint}: cannot read the checkpoint ({type(err).__name__}: {first})\n"
+                   f"Hint: start the run again under a new --run-id (or delete {self.path}).")
+            raise CtrlError(msg) from None
+        if not isinstance(state, dict):
+            msg = f"{self.last_checkpoint}: not a ctrl checkpoint (a {type(state).__name__})"
+            raise CtrlError(msg)
+        return state
 
     # -- finding runs
     @classmethod
