@@ -132,6 +132,8 @@ def ingest(
             as bar:
         config = IngestConfig(paths=paths, workspace=workspace, strict=strict, num_workers=num_workers)
         report = run_ingest(config, progress=lambda name: bar.advance(info=name), on_total=bar.total)
+    for line in report.repaired:
+        err.print(f"[yellow]repaired:[/] {line}", highlight=False, soft_wrap=True)
     for f in report.errors:
         err.print(f"[red]bad file:[/] {f.error}", highlight=False, soft_wrap=True)
     parts = [f"{report.count(s)} {s}" for s in ("ok", "unchanged", "skipped", "error") if report.count(s)]
@@ -213,6 +215,24 @@ def status(
     if summary["missing_files"]:
         _print(f"{len(summary['missing_files'])} ingested file(s) no longer on disk (their rows are kept), "
                f"e.g. {summary['missing_files'][0]}")
+
+
+@app.command()
+def doctor(workspace: WorkspaceOption = None) -> None:
+    """Check every workspace file against what its writer recorded; one line per problem with the
+    command that repairs it (exit 1 if any)."""
+    from pipeline import Workspace
+    from pipeline.health import check_workspace
+
+    with handled():
+        ws = Workspace(workspace)
+        problems = check_workspace(ws)
+    for problem in problems:
+        err.print(f"[red]damaged:[/] {problem.line()}", highlight=False, soft_wrap=True)
+    if problems:
+        err.print(f"[bold red]{len(problems)} problem(s)[/] in {ws.root}")
+        raise typer.Exit(code=1)
+    _print(f"workspace {ws.root}: every table, cached parse, feature chunk and the catalog check out")
 
 
 @app.command()

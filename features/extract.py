@@ -30,6 +30,7 @@ import torch
 
 from pipeline.catalog import build_catalog
 from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.health import feature_chunk_problem
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
 from pipeline.workspace import Workspace
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
@@ -209,6 +210,9 @@ def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*out_dir.glob(".tmp-chunk-*"), *out_dir.glob(".stale-chunk-*")]:  # left by an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
+    for chunk in sorted(out_dir.glob("chunk-*")):  # a damaged chunk leaves the cache: its samples are computed again
+        if feature_chunk_problem(chunk) is not None:
+            _drop_chunk(out_dir, chunk)
     if config.images_dir is not None:
         _drop_chunks_missing_images(out_dir, image_lookup(config))
     done = cached_keys(out_dir)
@@ -242,9 +246,14 @@ def _drop_chunks_missing_images(out_dir: Path, lookup: dict[str, str | None]) ->
             continue
         status = pq.read_table(chunk / "image_features.parquet", columns=["image_status"]).column("image_status")
         if any(s in ("missing", "unreadable") for s in status.to_pylist()):
-            stale = out_dir / f".stale-chunk-{uuid.uuid4().hex}"
-            os.rename(chunk, stale)
-            shutil.rmtree(stale, ignore_errors=True)
+            _drop_chunk(out_dir, chunk)
+
+
+def _drop_chunk(out_dir: Path, chunk: Path) -> None:
+    """Take a chunk out of the cache with one rename (atomic), then delete it."""
+    stale = out_dir / f".stale-chunk-{uuid.uuid4().hex}"
+    os.rename(chunk, stale)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _tally(report: FeatureReport, batches: list[_Batch]) -> None:

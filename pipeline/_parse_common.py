@@ -140,9 +140,16 @@ MAX_WORLD_SIZE = 65_536
 MAX_INT32 = 2**31 - 1
 #: a latency no request takes (one hour): larger recorded values are measurement or writing errors
 MAX_LATENCY_MS = 3_600_000.0
-#: value ranges of the recorded columns: a score is in [0, 1], a time or a count is finite and >= 0
+#: value ranges of the recorded columns: a score is in [0, 1] (CIDEr, the captioning metric, is
+#: unbounded above), a time or a count is finite and >= 0
 SCORE_RANGE = (0.0, 1.0)
+CIDER_RANGE = (0.0, None)
 LATENCY_RANGE = (0.0, MAX_LATENCY_MS)
+
+
+def score_range(dataset: str) -> tuple[float, float | None]:
+    """The valid scores of a dataset: CIDEr (>= 0) for captioning datasets, else [0, 1]."""
+    return CIDER_RANGE if "caption" in dataset.lower() else SCORE_RANGE
 COUNT_RANGE = (0, None)
 
 

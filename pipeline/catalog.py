@@ -123,6 +123,9 @@ def build_catalog(workspace: Workspace) -> Path:
     try:
         for stmt in view_ddl(workspace_table_paths(workspace)):
             con.execute(stmt)
+        # which generation these views read: a catalog left behind by a crash is detected and rebuilt
+        con.execute(f"CREATE VIEW ctrl_generation AS SELECT {quote_literal(workspace.require_generation().name)} "
+                    "AS generation")
         con.execute("CHECKPOINT")
     finally:
         con.close()

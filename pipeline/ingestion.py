@@ -32,6 +32,7 @@ import pyarrow as pa
 from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError
+from pipeline.health import catalog_problem, fragment_meta_path, fragment_problems, generation_problems
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
 from pipeline.schema import FILES
 from pipeline.workspace import Workspace, atomic_path
@@ -95,6 +96,8 @@ class IngestReport:
     generation: str | None = None
     table_rows: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: damage found and repaired (one line each: the file, what was wrong, what was done)
+    repaired: list[str] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         return sum(1 for f in self.files if f.status == status)
@@ -143,9 +146,7 @@ def path_key(path: Path) -> str:
 
 
 def _fragment_meta(workspace: Workspace, sha: str) -> Path:
-    """A fragment is ``<sha>.json`` (written last: its presence marks a complete fragment)
-    plus ``<sha>.<table>.arrow`` files beside it."""
-    return workspace.fragments_dir / f"p{PARSER_VERSION}" / sha[:2] / f"{sha}.json"
+    return fragment_meta_path(workspace, sha)
 
 
 def _write_arrow(table: pa.Table, path: Path) -> None:
@@ -171,7 +172,7 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     base = {"sha256": sha, "size_bytes": len(data), "mtime_ns": stat.st_mtime_ns}
     bucket = Path(fragments_root) / sha[:2]
     meta_file = bucket / f"{sha}.json"
-    if meta_file.exists():
+    if meta_file.exists() and fragment_problems(meta_file) is None:
         return {**json.loads(meta_file.read_text()), **base, "cached": True}
     try:
         parsed = parse_file(path, data)
@@ -198,6 +199,7 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
             with atomic_path(bucket / filename) as tmp:
                 _write_arrow(table, tmp)
             meta["tables"][name] = filename
+            meta.setdefault("sizes", {})[name] = (bucket / filename).stat().st_size
     with atomic_path(meta_file) as tmp:
         tmp.write_text(json.dumps(meta))
     return {**meta, **base, "cached": False}
@@ -218,6 +220,17 @@ def _read_manifest(workspace: Workspace) -> dict[str, dict]:
     return {row["path"]: row for row in workspace.read_arrow("files").to_pylist()}
 
 
+def _manifest_of_damaged(workspace: Workspace, report: IngestReport) -> dict[str, dict]:
+    """The manifest of a damaged generation where ``files.parquet`` still reads (every file it
+    lists keeps its rows), else empty (the given paths rebuild it)."""
+    try:
+        return _read_manifest(workspace)
+    except (CtrlError, OSError, pa.ArrowException) as err:
+        report.repaired.append(f"files manifest unreadable ({type(err).__name__}): rebuilt from the given paths; "
+                               "files only an earlier ingest saw are not in the new tables")
+        return {}
+
+
 def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
            on_total: Callable[[int], None] | None = None) -> IngestReport:
     """Ingest ``config.paths`` into the workspace. ``progress(name)`` is called once per file."""
@@ -228,8 +241,12 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
         files = discover(config.paths)
         if on_total:
             on_total(len(files))
-        manifest = _read_manifest(workspace)
-        parser_changed = workspace.state().get("parser_version") not in (None, PARSER_VERSION)
+        # a damaged generation (a table missing or corrupt, CURRENT or state.json bad) is never
+        # trusted: the tables are built again from the parse cache and the inputs
+        damage = generation_problems(workspace)
+        report.repaired.extend(f"{p.path}: {p.problem}: tables rebuilt" for p in damage)
+        manifest = _manifest_of_damaged(workspace, report) if damage else _read_manifest(workspace)
+        parser_changed = not damage and workspace.state().get("parser_version") not in (None, PARSER_VERSION)
         now = datetime.now(timezone.utc)
         new_manifest = dict(manifest)
         todo: list[Path] = []
@@ -242,8 +259,13 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                 todo.append(path)
                 sizes[path] = 0
                 continue
-            if (old and not parser_changed and old["size_bytes"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
-                    and (old["status"] != "ok" or _fragment_meta(workspace, old["fragment_sha256"]).exists())):
+            same_file = (old and not parser_changed and old["size_bytes"] == st.st_size
+                         and old["mtime_ns"] == st.st_mtime_ns)
+            cache_damage = (fragment_problems(_fragment_meta(workspace, old["fragment_sha256"]))
+                            if same_file and old["status"] == "ok" else None)
+            if cache_damage:
+                report.repaired.append(f"{path_key(path)}: parse cache {cache_damage}: parsed again")
+            if same_file and not cache_damage:
                 report.files.append(FileResult(path_key(path), "unchanged" if old["status"] == "ok" else old["status"],
                                                old["kind"], old["rows"], old["error"]))
                 if progress:
@@ -277,7 +299,16 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                 progress(path.name)
 
         report.files.sort(key=lambda f: f.path)
-        if parser_changed or _content_changed(manifest, new_manifest):
+        # a file whose cached parse is damaged and that is gone from disk cannot be parsed again
+        for key, row in list(new_manifest.items()):
+            if row["fragment_sha256"]:
+                why = fragment_problems(_fragment_meta(workspace, row["fragment_sha256"]))
+                if why:
+                    report.repaired.append(f"{key}: parse cache {why}, and the file is not among the given paths: "
+                                           "its rows are dropped")
+                    new_manifest[key] = {**row, "status": "error", "fragment_sha256": None,
+                                         "error": f"{Path(key).name}: parse cache damaged and the file was not given"}
+        if damage or parser_changed or _content_changed(manifest, new_manifest):
             gen = workspace.commit(lambda out: _build(workspace, out, new_manifest, report))
             build_catalog(workspace)
             _collect_fragments(workspace, new_manifest)
@@ -285,6 +316,12 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
         else:
             current = workspace.current_generation()
             report.generation = current.name if current else None
+        # the catalog is rewritten after the swap: a crash in between (or a deleted or damaged
+        # catalog) is repaired by the next ingest
+        why = catalog_problem(workspace) if report.generation else None
+        if why:
+            build_catalog(workspace)
+            report.repaired.append(f"{workspace.catalog_path}: {why}: rebuilt")
     report.elapsed_s = time.perf_counter() - started
     return report
 

@@ -24,7 +24,6 @@ from pipeline._parse_common import (
     FRAGMENT_SUMMARIES,
     LATENCY_RANGE,
     MAX_INT32,
-    SCORE_RANGE,
     Ctx,
     MeasurementBuilder,
     NotResultsFile,
@@ -39,6 +38,7 @@ from pipeline._parse_common import (
     knob_values,
     records_list,
     run_info,
+    score_range,
     type_name,
 )
 from pipeline.errors import IngestError
@@ -187,7 +187,7 @@ def _parse_exp5_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     keys = samples.keys(records, "all_samples")
     mb = MeasurementBuilder()
     mb.add(info, kind, cfg, keys, blocks=blocks,
-           score=column(ctx, records, "all_samples", "score", _F64, required=True, valid=SCORE_RANGE),
+           score=column(ctx, records, "all_samples", "score", _F64, required=True, valid=score_range(info.dataset)),
            pred=column(ctx, records, "all_samples", "pred", _STR, required=False))
     sb = SummaryBuilder(kind)
     entry, where = _single_summary(ctx, doc)
@@ -218,7 +218,7 @@ def _parse_exp5_final(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
                         ctx.integer(entry, "num_samples", where, required=False, lo=0, hi=MAX_INT32)))
     samples = SampleCollector(ctx, info.dataset, info.split)
     keys = samples.keys(records, "all_samples")
-    scores = column(ctx, records, "all_samples", "score", _F64, required=True, valid=SCORE_RANGE)
+    scores = column(ctx, records, "all_samples", "score", _F64, required=True, valid=score_range(info.dataset))
     preds = column(ctx, records, "all_samples", "pred", _STR, required=False)
     reason = _final_mapping_problem(entries, scores)
     mb = MeasurementBuilder()
@@ -279,8 +279,9 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     n_language = column(ctx, lats, "per_sample_latencies", "num_language_tokens", _I32, required=False,
                         valid=COUNT_RANGE)
     n_output = column(ctx, lats, "per_sample_latencies", "num_output_tokens", _I32, required=False, valid=COUNT_RANGE)
-    score = pc.coalesce(column(ctx, preds, "per_sample_predictions", "score", _F64, required=False, valid=SCORE_RANGE),
-                        column(ctx, lats, "per_sample_latencies", "accuracy", _F64, required=False, valid=SCORE_RANGE))
+    valid_scores = score_range(info.dataset)
+    score = pc.coalesce(column(ctx, preds, "per_sample_predictions", "score", _F64, required=False, valid=valid_scores),
+                        column(ctx, lats, "per_sample_latencies", "accuracy", _F64, required=False, valid=valid_scores))
     if score.null_count:
         i = score.is_null().to_pylist().index(True)
         raise ctx.fail(field=f"per_sample_predictions[{i}].score",
@@ -387,7 +388,7 @@ def _parse_core_exp(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     }
     mb = MeasurementBuilder()
     mb.add(info, kind, cfg, keys, blocks=blocks, tier=tier,
-           score=column(ctx, records, name, "accuracy", _F64, required=True, valid=SCORE_RANGE),
+           score=column(ctx, records, name, "accuracy", _F64, required=True, valid=score_range(info.dataset)),
            pred=column(ctx, records, name, "pred", _STR, required=False), columns=columns)
     # merge_rank_results.py leaves rank 0's stale latency_stats next to the recomputed aggregate_stats
     stats = doc.get("aggregate_stats") if isinstance(doc.get("aggregate_stats"), dict) else doc.get("latency_stats")

@@ -129,8 +129,8 @@ MEASUREMENTS = TableSchema(
         Column("num_total_blocks", _I, "decoder blocks of the model", "blocks"),
         Column("active_block_indices", pa.list_(_I), "indices of the blocks that ran, sorted; each in "
                "0..num_total_blocks-1, none twice (a file recording otherwise is refused)"),
-        Column("score", _F, "the sample's score under the dataset metric, 0..1 (a file recording a score "
-               "outside is refused)"),
+        Column("score", _F, "the sample's score under the dataset metric, 0..1 (CIDEr for captioning "
+               "datasets: >= 0; a file recording a score outside is refused)"),
         Column("pred", _S, "the cleaned prediction"),
         Column("latency_total_ms", _F, "whole generate call; every recorded time is finite, >= 0 and at most "
                "one hour (a file recording otherwise is refused)", "ms"),

@@ -197,7 +197,10 @@ class Workspace:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        previous = self.current_generation()
+        try:
+            previous = self.current_generation()
+        except WorkspaceError:  # CURRENT named a generation that is gone: the new one replaces it
+            previous = None
         write_bytes_atomic(self.root / "CURRENT", (gen.name + "\n").encode())
         self._collect_garbage(keep={gen.name} | ({previous.name} if previous else set()))
         return gen

@@ -30,8 +30,10 @@ def test_catalog_file_works_from_plain_duckdb(small_tree, workspace):
     with duckdb.connect(str(workspace.catalog_path), read_only=True) as con:
         n = con.execute("SELECT count(*) FROM measurements WHERE experiment = $e", {"e": "exp6"}).fetchone()[0]
         views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        generation = con.execute("SELECT generation FROM ctrl_generation").fetchall()
     assert n == len(CONFIGS) * NUM_SAMPLES
-    assert views == {"samples", "measurements", "configs", "files", "groups"}
+    assert views == {"samples", "measurements", "configs", "files", "groups", "ctrl_generation"}
+    assert generation == [((workspace.root / "CURRENT").read_text().strip(),)]
 
 
 def test_groups_view_joins_exp5_scores_with_exp6_latency(small_tree, workspace):

@@ -178,3 +178,111 @@ def test_an_image_declaring_a_huge_size_is_unreadable_not_a_crash(tmp_path):
     bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
     assert bomb.stat().st_size < 100
     assert open_image(bomb) is None
+
+
+# -- damage that the next ingest repairs ---------------------------------------------------------
+
+def _gen(ws: Workspace) -> Path:
+    return ws.tables_dir / (ws.root / "CURRENT").read_text().strip()
+
+
+def scribble_table(ws: Workspace) -> None:
+    path = _gen(ws) / "measurements.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = os.urandom(64)
+    data[-12:] = b"\x00" * 12  # and the footer
+    path.write_bytes(bytes(data))
+
+
+def delete_table(ws: Workspace) -> None:
+    (_gen(ws) / "configs.parquet").unlink()
+
+
+def truncate_manifest(ws: Workspace) -> None:
+    path = _gen(ws) / "files.parquet"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def bad_state(ws: Workspace) -> None:
+    (_gen(ws) / "state.json").write_text("{not json")
+
+
+def current_names_a_missing_generation(ws: Workspace) -> None:
+    (ws.root / "CURRENT").write_text("gen-000099\n")
+
+
+def delete_a_fragment(ws: Workspace) -> None:
+    next(ws.fragments_dir.rglob("*.measurements.arrow")).unlink()
+
+
+def garbage_catalog(ws: Workspace) -> None:
+    ws.catalog_path.write_bytes(b"garbage" * 100)
+
+
+def delete_catalog(ws: Workspace) -> None:
+    ws.catalog_path.unlink()
+
+
+@pytest.mark.parametrize("damage", [scribble_table, delete_table, truncate_manifest, bad_state,
+                                    current_names_a_missing_generation, delete_a_fragment, garbage_catalog,
+                                    delete_catalog])
+def test_damage_is_reported_and_the_next_ingest_repairs_it(small_tree, tmp_path, damage):
+    from pipeline.health import check_workspace
+
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    query = ("SELECT (SELECT count(*) FROM measurements) AS m, (SELECT count(*) FROM samples) AS s, "
+             "(SELECT count(*) FROM configs) AS c, (SELECT count(*) FROM files) AS f")
+    expected = run_query(ws, query).to_pylist()
+    assert check_workspace(ws) == []
+    damage(ws)
+    problems = check_workspace(ws)
+    assert len(problems) >= 1 and all(p.repair.startswith("ctrl ingest") for p in problems), problems
+    report = run_ingest([small_tree], ws)
+    assert report.repaired and not report.errors
+    assert check_workspace(ws) == []
+    assert run_query(ws, query).to_pylist() == expected
+    # the catalog file agrees too
+    import duckdb
+
+    con = duckdb.connect(str(ws.catalog_path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM measurements").fetchone()[0] == expected[0]["m"]
+    finally:
+        con.close()
+    # and new files can still be added
+    write(small_tree / "more" / exp6_name(4, 4, 12), exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
+    more = run_ingest([small_tree], ws)
+    assert more.changed and not more.errors and not more.repaired
+
+
+def test_a_catalog_left_on_the_old_generation_is_rebuilt(small_tree, tmp_path):
+    ws = Workspace(tmp_path / "ws")
+    run_ingest([small_tree], ws)
+    old_catalog = ws.catalog_path.read_bytes()
+    write(small_tree / "more" / exp6_name(4, 4, 12), exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
+    run_ingest([small_tree], ws)
+    ws.catalog_path.write_bytes(old_catalog)  # as if killed between the generation swap and the catalog rewrite
+    from pipeline.health import catalog_problem
+
+    assert catalog_problem(ws).startswith("describes gen-000001, CURRENT is gen-000002")
+    report = run_ingest([small_tree], ws)
+    assert not report.changed and len(report.repaired) == 1 and catalog_problem(ws) is None
+
+
+def test_doctor_names_a_damaged_feature_chunk_and_exits_1(small_tree, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    ws = Workspace(tmp_path / "ws")
+    run_ingest([small_tree], ws)
+    runner = CliRunner()
+    clean = runner.invoke(app, ["doctor", "-w", str(ws.root)])
+    assert clean.exit_code == 0 and "check out" in clean.stdout
+    chunk = ws.features_dir / "0123456789abcdef" / "chunk-00000"
+    chunk.mkdir(parents=True)
+    (chunk / "lang_features.parquet").write_bytes(b"not parquet")
+    result = runner.invoke(app, ["doctor", "-w", str(ws.root)])
+    assert result.exit_code == 1
+    assert f"damaged: {chunk}: image_features.parquet is missing (repair: ctrl extract-features" in result.stderr

@@ -157,6 +157,11 @@ def test_a_deleted_chunk_is_computed_again(runtime, feature_ws):
     shutil.rmtree(chunks[0])  # the first of three: a new chunk must not take a name still in use
     again = extract_features(config, runtime=runtime)
     assert again.computed == 8 and again.cached == 12
+    # a damaged chunk (random bytes over one of its tables) leaves the cache and is computed again
+    damaged = sorted(p for p in ws.features_dir.glob("*/chunk-*"))[0] / "image_features.parquet"
+    damaged.write_bytes(b"\x00garbage" * 50)
+    repaired = extract_features(config, runtime=runtime)
+    assert repaired.computed == 8 and repaired.cached == 12
     keys = run_query(ws, "SELECT count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k "
                          "FROM lang_features").to_pylist()[0]
     assert keys == {"n": 20, "k": 20}
