@@ -97,6 +97,10 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
         yield
     except (CtrlError, *also) as e:
         raise _fail(e) from None
+    except OSError as e:  # a full or read-only disk, a permission: the file and the reason, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        raise _fail(CtrlError(f"{where}{e.strerror or e}\nHint: free space or fix permissions, then run the "
+                              "command again; what was finished is kept.")) from None
     except KeyboardInterrupt:
         err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False)
         raise typer.Exit(code=130) from None

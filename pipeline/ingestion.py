@@ -332,6 +332,13 @@ def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
                                            for p in new)
 
 
+def _die_with_parent() -> None:
+    """Parser worker start-up: end with the forkserver that forked it (which ends with ingest)."""
+    from pipeline._die_with_parent import die_with_parent
+
+    die_with_parent()
+
+
 def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
     """Yield (path, meta) as files finish; a process pool when it pays off."""
     if workers <= 1 or len(todo) <= 1:
@@ -341,8 +348,9 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
     # forkserver, not fork: the parent may already run DuckDB/polars/arrow threads, and a
     # forked child can inherit one of their locks held and hang
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipeline.parse"])
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    # the forkserver ends with this process (a SIGKILLed ingest leaves no orphans), its workers with it
+    ctx.set_forkserver_preload(["pipeline._die_with_parent", "pipeline.parse"])
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with_parent)
     pending: dict[Future, Path] = {}
     queue = iter(todo)
     try:

@@ -97,3 +97,19 @@ def test_a_query_that_would_write_is_refused_with_exit_1(small_tree, tmp_path):
     result = invoke("query", f"COPY (SELECT * FROM measurements) TO '{target}'", "-w", str(ws))
     assert result.exit_code == 1 and not target.exists()
     assert result.stderr.startswith("error: query refused: COPY statements are not run by `ctrl query`")
+
+
+def test_a_full_disk_is_one_line_naming_the_file(small_tree, tmp_path, monkeypatch):
+    import errno
+
+    import pipeline
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ws" / "tables" / ".tmp-1"))
+
+    monkeypatch.setattr(pipeline, "ingest", full)
+    result = invoke("ingest", str(small_tree), "-w", str(tmp_path / "ws"))
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"error: {tmp_path / 'ws' / 'tables' / '.tmp-1'}: No space left on device"
+    assert lines[1].startswith("Hint: free space")

@@ -286,3 +286,47 @@ def test_doctor_names_a_damaged_feature_chunk_and_exits_1(small_tree, tmp_path):
     result = runner.invoke(app, ["doctor", "-w", str(ws.root)])
     assert result.exit_code == 1
     assert f"damaged: {chunk}: image_features.parquet is missing (repair: ctrl extract-features" in result.stderr
+
+
+def _processes_with(tag: str) -> list[int]:
+    """Pids whose environment carries ``tag`` (the processes a test started, and their children)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if tag.encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_a_killed_ingest_leaves_no_parser_processes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from synthetic import SyntheticSpec, generate_tree
+
+    tree = generate_tree(SyntheticSpec(num_samples=600), tmp_path / "tree")
+    tag = f"CTRL_FAULT_TAG={uuid.uuid4().hex}"
+    env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "ingest", str(tree.exp5_dir), str(tree.exp6_dir),
+                             "-w", str(tmp_path / "ws"), "--num-workers", "2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 60
+    # ingest, its resource tracker, the forkserver and two parser workers
+    while len(_processes_with(tag)) < 5 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the workers are parsing
+    assert proc.poll() is None and len(_processes_with(tag)) >= 5, "ingest finished before the workers started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(tag) == []
