@@ -101,6 +101,13 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
         where = f"{e.filename}: " if e.filename else ""
         raise _fail(CtrlError(f"{where}{e.strerror or e}\nHint: free space or fix permissions, then run the "
                               "command again; what was finished is kept.")) from None
+    except Exception as e:
+        # a damaged file under a reader (Parquet, Arrow IPC, DuckDB): one line, and where to look
+        if type(e).__module__.split(".")[0] not in ("pyarrow", "duckdb", "_duckdb", "polars"):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise _fail(CtrlError(f"{type(e).__name__}: {first}\nHint: `ctrl doctor` checks the workspace's files "
+                              "and names the command that repairs them.")) from None
     except KeyboardInterrupt:
         err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False)
         raise typer.Exit(code=130) from None

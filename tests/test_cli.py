@@ -113,3 +113,18 @@ def test_a_full_disk_is_one_line_naming_the_file(small_tree, tmp_path, monkeypat
     lines = result.stderr.strip().splitlines()
     assert lines[0] == f"error: {tmp_path / 'ws' / 'tables' / '.tmp-1'}: No space left on device"
     assert lines[1].startswith("Hint: free space")
+
+
+def test_commands_over_a_damaged_table_give_one_line_and_point_to_doctor(small_tree, tmp_path):
+    ws = tmp_path / "ws"
+    assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0
+    gen = ws / "tables" / (ws / "CURRENT").read_text().strip()
+    table = gen / "measurements.parquet"
+    table.write_bytes(table.read_bytes()[:200] + b"\x00" * 64)
+    for args in (("status",), ("query", "SELECT count(*) FROM measurements")):
+        result = invoke(*args, "-w", str(ws))
+        assert result.exit_code == 1 and "Traceback" not in result.stderr, args
+        lines = result.stderr.strip().splitlines()
+        assert lines[0].startswith("error: ") and lines[-1].startswith("Hint: `ctrl doctor`"), lines
+    doctor = invoke("doctor", "-w", str(ws))
+    assert doctor.exit_code == 1 and f"damaged: {table}: unreadable" in doctor.stderr
