@@ -444,6 +444,8 @@ def _train_offline(o: dict[str, Any], epochs_given: bool) -> None:
     if result.evaluation is not None:
         out.print(format_evaluation_table(result.evaluation, evaluation_title(result.run_dir)))
         _print(f"plot: {result.run_dir / 'evaluation.png'}")
+    _print(f"next: `ctrl predict --run {result.run_id} --budget-ms 200 --out decisions.parquet`, or "
+           f"`ctrl query \"FROM evaluations WHERE run_id = '{result.run_id}'\"`")
 
 
 def _train_online(o: dict[str, Any], reward_given: bool) -> None:
@@ -491,6 +493,8 @@ def _train_online(o: dict[str, Any], reward_given: bool) -> None:
                f"first/last quarter: reward {change('reward/mean', '.3f')}, accuracy {change('accuracy', '.3f')}, "
                f"violations {change('violation_rate', '.0%')}, latency {change('latency_ms_mean', '.0f')} ms; "
                f"{result.run_dir}")
+        _print(f"next: `ctrl evaluate {result.run_id}` (measured, paired with its offline start), the steps in "
+               f"`ctrl query \"FROM online_steps WHERE run_id = '{result.run_id}'\"`, every rollout in view rollouts")
 
 
 @app.command()

@@ -1,6 +1,6 @@
-"""Imported only by the parser processes (forkserver preload and worker start-up), never by ctrl
-itself: on Linux, importing it makes the importing process end with its parent, so a SIGKILLed
-``ctrl ingest`` leaves no forkserver or parser behind."""
+"""Parser processes end with the process that started them (Linux), so a SIGKILLed ``ctrl
+ingest`` leaves no forkserver or parser behind: the parser workers call :func:`die_with_parent`
+at start-up, and the forkserver, which imports this module as a preload, calls it on import."""
 
 from __future__ import annotations
 
@@ -17,4 +17,10 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-die_with_parent()
+def _is_forkserver() -> bool:
+    """True in multiprocessing's forkserver process (started as ``python -c "...forkserver import main..."``)."""
+    return sys.argv == ["-c"] and "multiprocessing.forkserver" in sys.modules
+
+
+if _is_forkserver():
+    die_with_parent()

@@ -29,6 +29,7 @@ from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISREG, S_ISSOCK
 
 import pyarrow as pa
 
+from pipeline._die_with_parent import die_with_parent
 from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError
@@ -332,13 +333,6 @@ def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
                                            for p in new)
 
 
-def _die_with_parent() -> None:
-    """Parser worker start-up: end with the forkserver that forked it (which ends with ingest)."""
-    from pipeline._die_with_parent import die_with_parent
-
-    die_with_parent()
-
-
 def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
     """Yield (path, meta) as files finish; a process pool when it pays off."""
     if workers <= 1 or len(todo) <= 1:
@@ -350,7 +344,7 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
     ctx = multiprocessing.get_context("forkserver")
     # the forkserver ends with this process (a SIGKILLed ingest leaves no orphans), its workers with it
     ctx.set_forkserver_preload(["pipeline._die_with_parent", "pipeline.parse"])
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with_parent)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent)
     pending: dict[Future, Path] = {}
     queue = iter(todo)
     try:

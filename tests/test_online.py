@@ -461,6 +461,7 @@ def test_cli_online_run_and_resume(online_ws, embedded_runtime):
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert "online run online-cli: 1 steps, budget range 30.0-300.0 ms" in first.stdout
+    assert "next: `ctrl evaluate online-cli`" in first.stdout
     assert "offline_start" in first.stdout  # the final evaluation's table
     resumed = runner.invoke(app, ["train", "--online", "-w", str(ws.root), "--steps", "2", "--resume", "online-cli",
                                   "--no-evaluate"])

@@ -29,6 +29,8 @@ def test_train_evaluate_predict(ws, tmp_path):
                                   "--reward-mode", "hard", "--fallback-confidence", "0.8"], catch_exceptions=False)
     assert trained.exit_code == 0, trained.output
     assert "run cli-run" in trained.stdout and "lut_p95" in trained.stdout
+    assert "next: `ctrl predict --run cli-run" in trained.stdout  # where to look next
+    assert "ctrl query \"FROM evaluations WHERE run_id = 'cli-run'\"" in trained.stdout
     assert (ws.runs_dir / "cli-run" / "evaluation.png").exists()
     from trainer.fallback import read_fallback
 
