@@ -13,6 +13,7 @@ Steps, each restartable:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -239,90 +240,97 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
     workspace = Workspace(config.workspace)
     report = IngestReport(workspace=workspace.root)
     with workspace.lock():
-        files = discover(config.paths)
-        if on_total:
-            on_total(len(files))
-        # a damaged generation (a table missing or corrupt, CURRENT or state.json bad) is never
-        # trusted: the tables are built again from the parse cache and the inputs
-        damage = generation_problems(workspace)
-        report.repaired.extend(f"{p.path}: {p.problem}: tables rebuilt" for p in damage)
-        manifest = _manifest_of_damaged(workspace, report) if damage else _read_manifest(workspace)
-        parser_changed = not damage and workspace.state().get("parser_version") not in (None, PARSER_VERSION)
-        now = datetime.now(timezone.utc)
-        new_manifest = dict(manifest)
-        todo: list[Path] = []
-        sizes: dict[Path, int] = {}
-        for path in files:
-            old = manifest.get(path_key(path))
-            try:
-                st = path.stat()
-            except OSError:  # vanished or a dangling link: the parser records why
+        try:
+            files = discover(config.paths)
+            if on_total:
+                on_total(len(files))
+            # a damaged generation (a table missing or corrupt, CURRENT or state.json bad) is never
+            # trusted: the tables are built again from the parse cache and the inputs
+            damage = generation_problems(workspace)
+            report.repaired.extend(f"{p.path}: {p.problem}: tables rebuilt" for p in damage)
+            manifest = _manifest_of_damaged(workspace, report) if damage else _read_manifest(workspace)
+            parser_changed = not damage and workspace.state().get("parser_version") not in (None, PARSER_VERSION)
+            now = datetime.now(timezone.utc)
+            new_manifest = dict(manifest)
+            todo: list[Path] = []
+            sizes: dict[Path, int] = {}
+            for path in files:
+                old = manifest.get(path_key(path))
+                try:
+                    st = path.stat()
+                except OSError:  # vanished or a dangling link: the parser records why
+                    todo.append(path)
+                    sizes[path] = 0
+                    continue
+                same_file = (old and not parser_changed and old["size_bytes"] == st.st_size
+                             and old["mtime_ns"] == st.st_mtime_ns)
+                cache_damage = (fragment_problems(_fragment_meta(workspace, old["fragment_sha256"]))
+                                if same_file and old["status"] == "ok" else None)
+                if cache_damage:
+                    report.repaired.append(f"{path_key(path)}: parse cache {cache_damage}: parsed again")
+                if same_file and not cache_damage:
+                    status = "unchanged" if old["status"] == "ok" else old["status"]
+                    report.files.append(FileResult(path_key(path), status, old["kind"], old["rows"], old["error"]))
+                    if progress:
+                        progress(path.name)
+                    continue
                 todo.append(path)
-                sizes[path] = 0
-                continue
-            same_file = (old and not parser_changed and old["size_bytes"] == st.st_size
-                         and old["mtime_ns"] == st.st_mtime_ns)
-            cache_damage = (fragment_problems(_fragment_meta(workspace, old["fragment_sha256"]))
-                            if same_file and old["status"] == "ok" else None)
-            if cache_damage:
-                report.repaired.append(f"{path_key(path)}: parse cache {cache_damage}: parsed again")
-            if same_file and not cache_damage:
-                report.files.append(FileResult(path_key(path), "unchanged" if old["status"] == "ok" else old["status"],
-                                               old["kind"], old["rows"], old["error"]))
+                sizes[path] = st.st_size
+
+            fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
+            todo.sort(key=lambda p: -sizes[p])  # largest first: workers finish together
+            for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
+                key = path_key(path)
+                old = manifest.get(key)
+                status = meta["status"]
+                if status == "error" and config.strict:
+                    raise IngestError(path, meta["error"].removeprefix(f"{path.name}: "))
+                unchanged = old is not None and old["sha256"] == meta["sha256"] and not parser_changed
+                keep_fragment = old["fragment_sha256"] if (old and status == "error") else None
+                new_manifest[key] = {
+                    "path": key, "sha256": meta["sha256"] or "", "size_bytes": meta["size_bytes"],
+                    "mtime_ns": meta["mtime_ns"], "kind": meta.get("kind"), "experiment": meta.get("experiment"),
+                    "dataset": meta.get("dataset"), "status": status, "error": meta.get("error"),
+                    "note": meta.get("note"),
+                    "rows": meta.get("rows", 0), "duplicate_rows": meta.get("duplicate_rows", 0),
+                    "fragment_sha256": meta["sha256"] if status == "ok" else keep_fragment,
+                    "ingested_at": old["ingested_at"] if unchanged else now,
+                }
+                result_status = "unchanged" if unchanged and status == "ok" else status
+                report.files.append(FileResult(key, result_status, meta.get("kind"), meta.get("rows", 0),
+                                               meta.get("error")))
                 if progress:
                     progress(path.name)
-                continue
-            todo.append(path)
-            sizes[path] = st.st_size
 
-        fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
-        todo.sort(key=lambda p: -sizes[p])  # largest first: workers finish together
-        for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
-            key = path_key(path)
-            old = manifest.get(key)
-            status = meta["status"]
-            if status == "error" and config.strict:
-                raise IngestError(path, meta["error"].removeprefix(f"{path.name}: "))
-            unchanged = old is not None and old["sha256"] == meta["sha256"] and not parser_changed
-            keep_fragment = old["fragment_sha256"] if (old and status == "error") else None
-            new_manifest[key] = {
-                "path": key, "sha256": meta["sha256"] or "", "size_bytes": meta["size_bytes"],
-                "mtime_ns": meta["mtime_ns"], "kind": meta.get("kind"), "experiment": meta.get("experiment"),
-                "dataset": meta.get("dataset"), "status": status, "error": meta.get("error"), "note": meta.get("note"),
-                "rows": meta.get("rows", 0), "duplicate_rows": meta.get("duplicate_rows", 0),
-                "fragment_sha256": meta["sha256"] if status == "ok" else keep_fragment,
-                "ingested_at": old["ingested_at"] if unchanged else now,
-            }
-            result_status = "unchanged" if unchanged and status == "ok" else status
-            report.files.append(FileResult(key, result_status, meta.get("kind"), meta.get("rows", 0),
-                                           meta.get("error")))
-            if progress:
-                progress(path.name)
+            report.files.sort(key=lambda f: f.path)
+            # a file whose cached parse is damaged and that is gone from disk cannot be parsed again
+            for key, row in list(new_manifest.items()):
+                if row["fragment_sha256"]:
+                    why = fragment_problems(_fragment_meta(workspace, row["fragment_sha256"]))
+                    if why:
+                        report.repaired.append(f"{key}: parse cache {why}, and the file is not among the given paths: "
+                                               "its rows are dropped")
+                        lost = f"{Path(key).name}: parse cache damaged and the file was not given"
+                        new_manifest[key] = {**row, "status": "error", "fragment_sha256": None, "error": lost}
+            if damage or parser_changed or _content_changed(manifest, new_manifest):
+                gen = workspace.commit(lambda out: _build(workspace, out, new_manifest, report))
+                build_catalog(workspace)
+                _collect_fragments(workspace, new_manifest)
+                report.changed, report.generation = True, gen.name
+            else:
+                current = workspace.current_generation()
+                report.generation = current.name if current else None
+            # the catalog is rewritten after the swap: a crash in between (or a deleted or damaged
+            # catalog) is repaired by the next ingest
+            why = catalog_problem(workspace) if report.generation else None
+            if why:
+                build_catalog(workspace)
+                report.repaired.append(f"{workspace.catalog_path}: {why}: rebuilt")
+        except OSError as err:
+            if err.errno == errno.ENOSPC:  # a full disk: the fragments parsed in this run go, not the tables
+                _free_unreferenced_fragments(workspace)
+            raise
 
-        report.files.sort(key=lambda f: f.path)
-        # a file whose cached parse is damaged and that is gone from disk cannot be parsed again
-        for key, row in list(new_manifest.items()):
-            if row["fragment_sha256"]:
-                why = fragment_problems(_fragment_meta(workspace, row["fragment_sha256"]))
-                if why:
-                    report.repaired.append(f"{key}: parse cache {why}, and the file is not among the given paths: "
-                                           "its rows are dropped")
-                    new_manifest[key] = {**row, "status": "error", "fragment_sha256": None,
-                                         "error": f"{Path(key).name}: parse cache damaged and the file was not given"}
-        if damage or parser_changed or _content_changed(manifest, new_manifest):
-            gen = workspace.commit(lambda out: _build(workspace, out, new_manifest, report))
-            build_catalog(workspace)
-            _collect_fragments(workspace, new_manifest)
-            report.changed, report.generation = True, gen.name
-        else:
-            current = workspace.current_generation()
-            report.generation = current.name if current else None
-        # the catalog is rewritten after the swap: a crash in between (or a deleted or damaged
-        # catalog) is repaired by the next ingest
-        why = catalog_problem(workspace) if report.generation else None
-        if why:
-            build_catalog(workspace)
-            report.repaired.append(f"{workspace.catalog_path}: {why}: rebuilt")
     report.elapsed_s = time.perf_counter() - started
     return report
 
@@ -383,6 +391,15 @@ def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: I
         shutil.rmtree(temp, ignore_errors=True)
     return {"parser_version": PARSER_VERSION, "created_at": datetime.now(timezone.utc).isoformat(),
             "rows": report.table_rows}
+
+
+def _free_unreferenced_fragments(workspace: Workspace) -> None:
+    """After a failed ingest: delete the cached parses the live manifest does not reference."""
+    try:
+        manifest = _read_manifest(workspace)
+    except (CtrlError, OSError, pa.ArrowException):
+        return  # the next ingest repairs the workspace and collects them
+    _collect_fragments(workspace, manifest)
 
 
 def _collect_fragments(workspace: Workspace, manifest: dict[str, dict]) -> None:

@@ -330,3 +330,27 @@ def test_a_killed_ingest_leaves_no_parser_processes(tmp_path):
     while _processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_with(tag) == []
+
+
+def test_a_full_disk_during_ingest_frees_the_new_parse_cache_and_keeps_the_tables(small_tree, tmp_path, monkeypatch):
+    import errno
+
+    import pipeline.ingestion as ingestion
+
+    ws = Workspace(tmp_path / "ws")
+    run_ingest([small_tree], ws)
+    before = run_query(ws, "SELECT count(*) AS m FROM measurements").to_pylist()
+    cached = sorted(p.name for p in ws.fragments_dir.rglob("*") if p.is_file())
+    write(small_tree / "more" / exp6_name(4, 4, 12), exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(ws.tables_dir / ".tmp-x"))
+
+    monkeypatch.setattr(ingestion, "build_tables", full)
+    with pytest.raises(OSError, match="No space left"):
+        run_ingest([small_tree], ws)
+    # the new file's parse was cached before the build failed: it is freed, the live tables stay
+    assert sorted(p.name for p in ws.fragments_dir.rglob("*") if p.is_file()) == cached
+    assert run_query(ws, "SELECT count(*) AS m FROM measurements").to_pylist() == before
+    monkeypatch.undo()
+    assert run_ingest([small_tree], ws).changed
