@@ -91,7 +91,7 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
     """The frame of every command: a ctrl error (and the exceptions in ``also``) becomes one red
     line and exit 1; Ctrl-C prints ``interrupted`` (``: <interrupted>``, what happens to the
     work, when given) and exits 130."""
-    from pipeline.errors import CtrlError
+    from pipeline.errors import CtrlError, describe
 
     try:
         yield
@@ -105,8 +105,7 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
         # a damaged file under a reader (Parquet, Arrow IPC, DuckDB): one line, and where to look
         if type(e).__module__.split(".")[0] not in ("pyarrow", "duckdb", "_duckdb", "polars"):
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise _fail(CtrlError(f"{type(e).__name__}: {first}\nHint: `ctrl doctor` checks the workspace's files "
+        raise _fail(CtrlError(f"{describe(e, 1000)}\nHint: `ctrl doctor` checks the workspace's files "
                               "and names the command that repairs them.")) from None
     except KeyboardInterrupt:
         err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False)

@@ -13,6 +13,13 @@ class CtrlError(Exception):
     """Base class of every user-facing ctrl error."""
 
 
+def describe(error: BaseException, limit: int = 200) -> str:
+    """``ExceptionType: first line of its message`` (cut at ``limit``): how a foreign exception
+    (pyarrow, torch, DuckDB, ...) is named inside a one-line ctrl error."""
+    first = (str(error).strip().splitlines() or [""])[0][:limit]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 class IngestError(CtrlError):
     """A results file that cannot be ingested.
 

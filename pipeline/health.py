@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import CtrlError
+from pipeline.errors import CtrlError, describe
 from pipeline.parse import PARSER_VERSION
 from pipeline.schema import FEATURE_TABLES, TABLES
 from pipeline.workspace import Workspace, check_table_schema
@@ -35,10 +35,6 @@ class Problem:
 
     def line(self) -> str:
         return f"{self.path}: {self.problem} (repair: {self.repair})"
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
 
 
 def generation_problems(workspace: Workspace) -> list[Problem]:
@@ -63,7 +59,7 @@ def generation_problems(workspace: Workspace) -> list[Problem]:
             problems.append(Problem(gen / "state.json", "not a JSON object with 'rows'", "ctrl ingest"))
             rows = {}
     except (OSError, ValueError) as err:
-        problems.append(Problem(gen / "state.json", f"unreadable ({_first_line(err)})", "ctrl ingest"))
+        problems.append(Problem(gen / "state.json", f"unreadable ({describe(err)})", "ctrl ingest"))
     for name, schema in TABLES.items():
         path = gen / f"{name}.parquet"
         if not path.exists():
@@ -73,7 +69,7 @@ def generation_problems(workspace: Workspace) -> list[Problem]:
             meta = pq.read_metadata(path)
             check_table_schema(meta.schema.to_arrow_schema(), schema, path)
         except (OSError, pa.ArrowException, CtrlError) as err:
-            problems.append(Problem(path, f"unreadable ({_first_line(err)})", "ctrl ingest"))
+            problems.append(Problem(path, f"unreadable ({describe(err)})", "ctrl ingest"))
             continue
         expected = rows.get(name)
         if isinstance(expected, int) and meta.num_rows != expected:
@@ -92,7 +88,7 @@ def fragment_problems(meta_file: Path) -> str | None:
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, ValueError) as err:
-        return f"unreadable ({_first_line(err)})"
+        return f"unreadable ({describe(err)})"
     if not isinstance(meta, dict):
         return "not a JSON object"
     sizes = meta.get("sizes", {})
@@ -106,7 +102,7 @@ def fragment_problems(meta_file: Path) -> str | None:
             with pa.memory_map(str(path)) as source:
                 pa.ipc.open_file(source).schema  # noqa: B018 - reading the footer is the check
         except (OSError, pa.ArrowException) as err:
-            return f"its {name} file {filename} is unreadable ({_first_line(err)})"
+            return f"its {name} file {filename} is unreadable ({describe(err)})"
     return None
 
 
@@ -123,7 +119,7 @@ def catalog_problem(workspace: Workspace) -> str | None:
     try:
         con = duckdb.connect(str(path), read_only=True)
     except duckdb.Error as err:
-        return f"unreadable ({_first_line(err)})"
+        return f"unreadable ({describe(err)})"
     try:
         recorded = con.execute(f"SELECT generation FROM {CATALOG_GENERATION_VIEW}").fetchone()
     except duckdb.Error:
@@ -147,7 +143,7 @@ def feature_chunk_problem(chunk: Path) -> str | None:
             meta = pq.read_metadata(path)
             check_table_schema(meta.schema.to_arrow_schema(), schema, path)
         except (OSError, pa.ArrowException, CtrlError) as err:
-            return f"{name}.parquet is unreadable ({_first_line(err)})"
+            return f"{name}.parquet is unreadable ({describe(err)})"
         counts[name] = meta.num_rows
     if counts["lang_features"] != counts["image_features"]:
         return f"lang_features has {counts['lang_features']} rows, image_features {counts['image_features']}"
@@ -182,7 +178,7 @@ def check_workspace(workspace: Workspace) -> list[Problem]:
             if not isinstance(json.loads(config.read_text()), dict):
                 problems.append(Problem(config, "not a JSON object", "delete the run directory and train again"))
         except (OSError, ValueError) as err:
-            problems.append(Problem(config, f"unreadable ({_first_line(err)})", "delete the run directory"))
+            problems.append(Problem(config, f"unreadable ({describe(err)})", "delete the run directory"))
     return problems
 
 

@@ -33,7 +33,7 @@ import pyarrow as pa
 from pipeline._die_with_parent import die_with_parent
 from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
-from pipeline.errors import CtrlError, IngestError
+from pipeline.errors import CtrlError, IngestError, describe
 from pipeline.health import catalog_problem, fragment_meta_path, fragment_problems, generation_problems
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
 from pipeline.schema import FILES
@@ -147,10 +147,6 @@ def path_key(path: Path) -> str:
     return text
 
 
-def _fragment_meta(workspace: Workspace, sha: str) -> Path:
-    return fragment_meta_path(workspace, sha)
-
-
 def _write_arrow(table: pa.Table, path: Path) -> None:
     # uncompressed Arrow IPC: 5x faster to write than Parquet, memory-mapped on read
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -189,8 +185,7 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
         meta = {"status": "skipped", "error": f"{name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
         tables = {}
     except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of one file is that file's error
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        meta = {"status": "error", "error": f"{name}: cannot parse ({type(err).__name__}: {first})", "rows": 0,
+        meta = {"status": "error", "error": f"{name}: cannot parse ({describe(err, 300)})", "rows": 0,
                 "duplicate_rows": 0, "tables": {}}
         tables = {}
     # every file lands by rename and the meta last: a killed worker leaves no half fragment
@@ -254,6 +249,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
             new_manifest = dict(manifest)
             todo: list[Path] = []
             sizes: dict[Path, int] = {}
+            checked: set[str] = set()  # cached parses already checked (or written) in this run
             for path in files:
                 old = manifest.get(path_key(path))
                 try:
@@ -264,8 +260,10 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                     continue
                 same_file = (old and not parser_changed and old["size_bytes"] == st.st_size
                              and old["mtime_ns"] == st.st_mtime_ns)
-                cache_damage = (fragment_problems(_fragment_meta(workspace, old["fragment_sha256"]))
-                                if same_file and old["status"] == "ok" else None)
+                cache_damage = None
+                if same_file and old["status"] == "ok":
+                    cache_damage = fragment_problems(fragment_meta_path(workspace, old["fragment_sha256"]))
+                    checked.add(old["fragment_sha256"])
                 if cache_damage:
                     report.repaired.append(f"{path_key(path)}: parse cache {cache_damage}: parsed again")
                 if same_file and not cache_damage:
@@ -283,6 +281,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                 key = path_key(path)
                 old = manifest.get(key)
                 status = meta["status"]
+                checked.add(meta["sha256"])
                 if status == "error" and config.strict:
                     raise IngestError(path, meta["error"].removeprefix(f"{path.name}: "))
                 unchanged = old is not None and old["sha256"] == meta["sha256"] and not parser_changed
@@ -303,10 +302,10 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
                     progress(path.name)
 
             report.files.sort(key=lambda f: f.path)
-            # a file whose cached parse is damaged and that is gone from disk cannot be parsed again
+            # a file not among the given paths whose cached parse is damaged cannot be parsed again
             for key, row in list(new_manifest.items()):
-                if row["fragment_sha256"]:
-                    why = fragment_problems(_fragment_meta(workspace, row["fragment_sha256"]))
+                if row["fragment_sha256"] and row["fragment_sha256"] not in checked:
+                    why = fragment_problems(fragment_meta_path(workspace, row["fragment_sha256"]))
                     if why:
                         report.repaired.append(f"{key}: parse cache {why}, and the file is not among the given paths: "
                                                "its rows are dropped")
@@ -378,7 +377,7 @@ def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: I
         sha = row["fragment_sha256"]
         if not sha:
             continue
-        meta_file = _fragment_meta(workspace, sha)
+        meta_file = fragment_meta_path(workspace, sha)
         meta = json.loads(meta_file.read_text())
         for name, filename in meta.get("tables", {}).items():
             pairs[name].append((str(meta_file.parent / filename), path))

@@ -74,6 +74,13 @@ def test_predict_needs_exactly_one_source(ws, tmp_path):
     assert both.exit_code == 1 and "exactly one of --run" in both.stderr
 
 
+def train_small_run(ws: Workspace, run_id: str, epochs: int = 1) -> None:
+    """A quick offline run through the CLI (one split, no fallback) that must succeed."""
+    result = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--num-epochs", str(epochs),
+                                 "--cross-fit-folds", "0", "--run-id", run_id, "--no-table-fallback"])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("run_id", ["../../escaped", "/tmp/ctrl-absolute-run", ".hidden", "a/b", "latest", "x" * 129])
 def test_run_ids_that_would_leave_runs_are_refused(ws, tmp_path, run_id):
     before = sorted(p.name for p in ws.runs_dir.iterdir()) if ws.runs_dir.exists() else []
@@ -88,9 +95,7 @@ def test_run_ids_that_would_leave_runs_are_refused(ws, tmp_path, run_id):
 
 def test_an_existing_run_is_never_overwritten_and_resume_keeps_its_epochs(ws):
     w = str(ws.root)
-    first = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--cross-fit-folds", "0",
-                                "--run-id", "kept", "--no-table-fallback"])
-    assert first.exit_code == 0, first.output
+    train_small_run(ws, "kept", epochs=2)
     run = ws.runs_dir / "kept"
     saved = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     again = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
@@ -110,9 +115,7 @@ def test_an_existing_run_is_never_overwritten_and_resume_keeps_its_epochs(ws):
 
 def test_predict_never_writes_over_the_workspaces_files(ws):
     w = str(ws.root)
-    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
-                                  "--run-id", "for-predict", "--no-table-fallback"])
-    assert trained.exit_code == 0, trained.output
+    train_small_run(ws, "for-predict")
     table = ws.require_generation() / "measurements.parquet"
     targets = [table, ws.catalog_path, ws.runs_dir / "for-predict" / "new.parquet", ws.features_dir / "x.csv"]
     before = {p: p.read_bytes() for p in targets if p.exists()}
@@ -132,9 +135,7 @@ def test_predict_never_writes_over_the_workspaces_files(ws):
 
 def test_a_damaged_run_gives_one_line_naming_the_file(ws):
     w = str(ws.root)
-    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--cross-fit-folds", "0",
-                                  "--run-id", "damaged", "--no-table-fallback"])
-    assert trained.exit_code == 0, trained.output
+    train_small_run(ws, "damaged")
     run = ws.runs_dir / "damaged"
     (run / "checkpoints" / "last.pt").write_bytes(b"\x00garbage" * 100)
     resumed = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "damaged", "--num-epochs", "2"])

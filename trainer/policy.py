@@ -52,8 +52,7 @@ def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.0
     ``margin`` is a fraction of the range width added on each side. The default, none, makes a
     budget outside the training range read as its nearest end (the encoder clamps): a generous
     budget gets the decision learnt for the range's top, never an encoding the network was not
-    trained on (with a margin, budgets just above the range got fewer crops where every
-    configuration fits).
+    trained on (which can spend less where every configuration fits).
     """
     if not max_ms > min_ms:
         msg = f"budget range must have max_ms > min_ms, got min_ms={min_ms!r}, max_ms={max_ms!r}"

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.errors import CtrlError
+from pipeline.errors import CtrlError, describe
 from pipeline.schema import RUNS, TableSchema
 from pipeline.workspace import Workspace, atomic_path, write_bytes_atomic
 
@@ -188,8 +188,7 @@ class RunDir:
             msg = f"{self.last_checkpoint}: missing: the run has no finished epoch to resume from"
             raise CtrlError(msg) from None
         except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            msg = (f"{self.last_checkpoint}: cannot read the checkpoint ({type(err).__name__}: {first})\n"
+            msg = (f"{self.last_checkpoint}: cannot read the checkpoint ({describe(err)})\n"
                    f"Hint: start the run again under a new --run-id (or delete {self.path}).")
             raise CtrlError(msg) from None
         if not isinstance(state, dict):
