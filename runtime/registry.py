@@ -25,7 +25,7 @@ from runtime.embedded_model import EMBEDDED_VERSION, build_embedded_model, direc
 from runtime.molmoe import MolmoERuntime, checkpoint_fingerprint
 
 #: bump when the testbed training code changes in a way the recipe fields do not capture
-TESTBED_VERSION = 3
+TESTBED_VERSION = 4
 #: the file in a trained testbed directory that records its recipe and training log
 RECIPE_FILE = "testbed.json"
 
@@ -55,6 +55,10 @@ class TestbedRecipe:
     #: top-K 4 then measures what running below the trained range costs
     top_k_choices: tuple[int, ...] = (6, 8, 12)
     min_blocks: int = 12
+    #: train the decoder's expert weights too. Off by default: the experts keep the seeded
+    #: embedded model's weights, so a trained testbed is the seed model plus the ~0.65 M other
+    #: parameters, small enough to ship with the repository (``testbed.shipped``)
+    train_experts: bool = False
     #: share of steps that run the full model (largest top-K, all blocks)
     full_prob: float = 0.25
     #: the first ``full_warmup`` share of the steps all run the full model (a curriculum: learn
@@ -108,7 +112,7 @@ def resolve_model(model: str) -> tuple[str, Path]:
         path = cached_testbed_dir()
         if path is None:
             msg = ("--model testbed: the trained testbed is not in the cache; "
-                   "run `ctrl testbed train` first (about 30 minutes on one core)")
+                   "run `ctrl testbed train` first (seconds with the default recipe, whose weights are shipped)")
             raise ModelLoadError(msg)
         return "embedded", path
     path = Path(model).expanduser()

@@ -50,6 +50,7 @@ from runtime.embedded_model import publish_model_dir, save_embedded_model, write
 from runtime.registry import RECIPE_FILE, TESTBED_VERSION, TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from runtime.scoring import score_answer
 from testbed.dataset import VqaDataset, read_dataset
+from testbed.shipped import SHIPPED_WEIGHTS, materialise, shipped_recipe_hash, trained_parameters
 from testbed.task import FAMILIES, generate_dataset
 
 
@@ -57,6 +58,8 @@ from testbed.task import FAMILIES, generate_dataset
 class TrainReport:
     model_dir: Path
     trained: bool
+    #: rebuilt from the shipped weights (``testbed.shipped``) instead of trained
+    from_shipped: bool = False
     train_seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
 
@@ -230,13 +233,16 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TestbedReci
     if config.vision_pretrain_steps:
         pretrain_vision(runtime, dataset, config, pretrain_progress)
     modules = (runtime.vision_backbone, runtime.decoder)  # the backbone holds the ViT and the projector
-    params = [p for m in modules for p in m.parameters()]
     for m in modules:
         m.requires_grad_(True)
         m.train()
+    if not config.train_experts:
+        for layer in runtime.decoder_layers:
+            layer.mlp.experts.requires_grad_(False)
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     groups = []
     for module, lr in ((runtime.vision_backbone, config.vision_peak_lr), (runtime.decoder, config.lr)):
-        own = list(module.parameters())
+        own = [p for p in module.parameters() if p.requires_grad]
         groups += [{"params": [p for p in own if p.ndim >= 2], "weight_decay": config.weight_decay, "base_lr": lr},
                    {"params": [p for p in own if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98))
@@ -289,19 +295,44 @@ def save_trained(runtime: EmbeddedRuntime, directory: Path, recipe: dict) -> Non
                         extra_files={RECIPE_FILE: json.dumps(recipe, indent=2, sort_keys=True) + "\n"})
 
 
+def round_trained_parameters(runtime: EmbeddedRuntime, config: TestbedRecipe) -> None:
+    """Round the parameters the recipe trained to float16 values (kept as float32): the last step
+    of the recipe, so that the result is exactly what ``testbed.shipped`` stores."""
+    with torch.no_grad():
+        for name, param in trained_parameters(runtime).items():
+            rounded = param.half()
+            if not torch.isfinite(rounded).all():
+                msg = f"trained parameter {name} does not fit float16 (training diverged?)"
+                raise ValueError(msg)
+            param.copy_(rounded.float())
+    if config.train_experts:
+        with torch.no_grad():
+            for layer in runtime.decoder_layers:
+                for param in layer.mlp.experts.parameters():
+                    param.copy_(param.half().float())
+
+
 def train_testbed(config: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path | None = None, force: bool = False,
                   progress: Callable[[int, float], None] | None = None,
-                  pretrain_progress: Callable[[int, float], None] | None = None) -> TrainReport:
-    """Train the testbed model of this recipe into the cache, or reuse it when it is there."""
+                  pretrain_progress: Callable[[int, float], None] | None = None,
+                  shipped: Path | None = SHIPPED_WEIGHTS) -> TrainReport:
+    """The testbed model of this recipe in the cache: reused when there, else rebuilt from the
+    ``shipped`` weights when they were trained with this recipe (seconds), else trained (minutes).
+    ``force`` trains in any case and replaces the cached directory."""
     cached = cached_testbed_dir(config, cache_dir)
     if cached is not None and not force:
         return TrainReport(cached, trained=False)
     target = testbed_model_dir(config, cache_dir)
     tmp = cache_tmp_dir(target)
+    use_shipped = not force and shipped is not None and shipped_recipe_hash(shipped) == config.recipe_hash()
     try:
         base, model_dir, data_dir = tmp / "base", tmp / "model", tmp / "data"
         base.mkdir()
         model_dir.mkdir()
+        if use_shipped:
+            materialise(model_dir, shipped, base_seed=config.base_seed)
+            publish_model_dir(model_dir, target)
+            return TrainReport(target, trained=False, from_shipped=True)
         with _deterministic(config.threads):
             write_embedded_model(base, seed=config.base_seed)
             generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train")
@@ -309,6 +340,7 @@ def train_testbed(config: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path
             _init_vision(runtime, config)
             start = time.perf_counter()
             losses = train_model(runtime, data_dir, config, progress, pretrain_progress)
+            round_trained_parameters(runtime, config)
             seconds = time.perf_counter() - start
             recipe = {"format": "ctrl-testbed", "testbed_version": TESTBED_VERSION, "recipe_hash": config.recipe_hash(),
                       "config": asdict(config), "final_loss": sum(losses[-20:]) / len(losses[-20:])}

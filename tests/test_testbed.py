@@ -166,10 +166,18 @@ def test_training_changes_the_weights(tiny_models, tmp_path):
     trained = load_file(str(tiny_models[0].model_dir / "decoder" / "model.safetensors"))
     original = load_file(str(base / "decoder" / "model.safetensors"))
     assert trained.keys() == original.keys()
-    changed = [k for k in trained if not (trained[k] == original[k]).all()]
-    # the experts, the routers, the embeddings and the head all get gradients
-    assert any("experts" in k for k in changed) and any("gate" in k for k in changed)
+    changed = {k for k in trained if not (trained[k] == original[k]).all()}
+    # the routers, the attention, the embeddings and the head get gradients; the experts keep the seed's weights
+    assert any(".mlp.gate." in k for k in changed) and any("q_proj" in k for k in changed)
     assert any("lm_head" in k for k in changed) and any("embed_tokens" in k for k in changed)
+    experts = {k for k in trained if ".mlp.experts." in k}
+    assert len(experts) == 16 * 64 * 3 and not experts & changed  # saved per expert: gate, up, down
+    # every trained value is a float16 value (what the shipped weights store)
+    assert all(torch.equal(trained[k].half().float(), trained[k]) for k in changed)
+
+    with_experts = train_testbed(dataclasses.replace(TINY, train_experts=True), cache_dir=tmp_path / "cache")
+    trained = load_file(str(with_experts.model_dir / "decoder" / "model.safetensors"))
+    assert all(not torch.equal(trained[k], original[k]) for k in experts)
 
 
 def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
@@ -286,4 +294,69 @@ def test_cli_train_reports_both_phases(tmp_path):
     assert "vision pretraining step 2/2" in result.output and "step 2/2 loss" in result.output
     assert "trained in" in result.output
     again = CliRunner().invoke(app, args, catch_exceptions=False)  # the same recipe: reused from the cache
-    assert again.exit_code == 0 and "vision pretraining" not in again.output
+    assert again.exit_code == 0 and "vision pretraining" not in again.output and "cached:" in again.output
+
+
+# -- shipped weights ----------------------------------------------------------------------------
+
+def test_shipped_weights_rebuild_the_trained_directory_byte_for_byte(tiny_models, tmp_path):
+    """pack -> materialise gives the directory training wrote; train_testbed then unpacks instead of training."""
+    from testbed.shipped import pack, shipped_recipe_hash
+
+    shipped = tmp_path / "weights.safetensors.xz"
+    size = pack(tiny_models[0].model_dir, shipped)
+    assert shipped.stat().st_size == size
+    assert 0.5e6 < size < 1.5e6  # ~0.65 M float16 values, hardly compressible
+    assert shipped_recipe_hash(shipped) == TINY.recipe_hash()
+
+    report = train_testbed(TINY, cache_dir=tmp_path / "cache", shipped=shipped)
+    assert not report.trained and report.from_shipped and report.losses == []
+    assert _tree_digest(report.model_dir) == _tree_digest(tiny_models[0].model_dir)
+    assert cached_testbed_dir(TINY, tmp_path / "cache") == report.model_dir
+    # a recipe the file was not trained with is trained, not unpacked
+    other = dataclasses.replace(TINY, seed=TINY.seed + 1)
+    trained = train_testbed(other, cache_dir=tmp_path / "cache", shipped=shipped)
+    assert trained.trained and not trained.from_shipped
+    # --force trains even when the weights are shipped
+    forced = train_testbed(TINY, cache_dir=tmp_path / "cache2", shipped=shipped, force=True)
+    assert forced.trained and _tree_digest(forced.model_dir) == _tree_digest(report.model_dir)
+
+
+def test_damaged_or_unfit_shipped_weights_are_refused_by_name(tiny_models, tmp_path):
+    import lzma
+
+    from safetensors.torch import save
+
+    from testbed.shipped import ShippedWeightsError, materialise, pack, shipped_recipe_hash
+
+    garbage = tmp_path / "garbage.xz"
+    garbage.write_bytes(b"not xz at all")
+    with pytest.raises(ShippedWeightsError, match="garbage.xz: not a readable shipped-weights file"):
+        shipped_recipe_hash(garbage)
+    assert shipped_recipe_hash(tmp_path / "missing.xz") is None
+
+    foreign = tmp_path / "foreign.xz"
+    foreign.write_bytes(lzma.compress(save({"x": torch.zeros(2)}, metadata={"format": "pt"})))
+    with pytest.raises(ShippedWeightsError, match="foreign.xz: not a shipped-weights file"):
+        shipped_recipe_hash(foreign)
+
+    unfit = tmp_path / "unfit.xz"
+    unfit.write_bytes(lzma.compress(save({"decoder.x": torch.zeros(2, dtype=torch.float16)},
+                                         metadata={"format": "ctrl-testbed-weights", "recipe_hash": "x",
+                                                   "recipe_file": "{}"})))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ShippedWeightsError, match="unfit.xz: does not fit the embedded model"):
+        materialise(tmp_path / "out", unfit)
+
+    experts_trained = train_testbed(dataclasses.replace(TINY, train_experts=True), cache_dir=tmp_path / "c")
+    with pytest.raises(ShippedWeightsError, match="its experts were trained"):
+        pack(experts_trained.model_dir, tmp_path / "x.xz")
+    assert not (tmp_path / "x.xz").exists()
+
+
+def test_the_default_recipe_is_shipped():
+    """The package carries the weights of the default recipe: the README's first run does not train."""
+    from testbed.shipped import SHIPPED_WEIGHTS, shipped_recipe_hash
+
+    assert shipped_recipe_hash(SHIPPED_WEIGHTS) == TestbedRecipe().recipe_hash(), (
+        "the default TestbedRecipe changed: train it and re-pack (python -m testbed.shipped MODEL_DIR)")
