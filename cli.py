@@ -636,7 +636,8 @@ def testbed_train(
                                          "on it).")] = 1,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Model cache (default: $CTRL_CACHE_DIR or "
                                                    "~/.cache/ctrl).", show_default=False, file_okay=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Train even when this recipe is cached or shipped (minutes).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Train even when this recipe is cached or shipped "
+                                        "(minutes).")] = False,
     eval_samples: Annotated[int, typer.Option("--eval-samples", min=0, help="Held-out samples for the knob table (0 = "
                                               "no evaluation).")] = 250,
     eval_dir: Annotated[Path | None, typer.Option("--eval-dir", help="Held-out set directory (default: "

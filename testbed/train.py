@@ -5,8 +5,11 @@ tokenizer and directory format as the embedded default), set fixed periodic filt
 patch embedding (``vision_init``), train the vision path alone with a temporary answer head
 (``vision_pretrain_steps``, :func:`pretrain_vision`), then AdamW (vision path at ``vision_lr``) on the teacher-forced
 next-token loss of the answer tokens (answer + EOS) after ``runtime.format_prompt(question)``,
-the image going through ``runtime.preprocess``. Every optimizer step draws one knob setting
-for its whole batch, so that the model degrades gracefully under the knobs:
+the image going through ``runtime.preprocess``. The experts keep the seeded weights unless
+``train_experts``, and the trained parameters end rounded to float16 values
+(:func:`round_trained_parameters`), so that the result ships compactly (``testbed.shipped``).
+Every optimizer step draws one knob setting for its whole batch, so that the model degrades
+gracefully under the knobs:
 
 * ``max_crops`` from ``crops_choices`` (the preprocessing of that step),
 * the MoE top-K of every layer from ``top_k_choices`` (``layer.mlp.gate.top_k``),
@@ -23,8 +26,9 @@ generator for the data order and knobs, ``torch.manual_seed``, a fixed thread co
 
 The trained model is cached as ``<cache root>/testbed-v<version>-<recipe hash>`` (``$CTRL_CACHE_DIR``
 or ``~/.cache/ctrl``): written to a temporary sibling, marker last, renamed into place, reused
-when present (:func:`train_testbed`; ``--model testbed`` loads :func:`cached_testbed_dir` and never
-trains). ``testbed.json`` in it records the recipe and the training log.
+when present, rebuilt from the shipped weights when they are this recipe's (:func:`train_testbed`;
+``--model testbed`` loads :func:`cached_testbed_dir` and never trains). ``testbed.json`` in it
+records the recipe and the training log.
 """
 
 from __future__ import annotations

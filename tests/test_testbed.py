@@ -354,9 +354,21 @@ def test_damaged_or_unfit_shipped_weights_are_refused_by_name(tiny_models, tmp_p
     assert not (tmp_path / "x.xz").exists()
 
 
-def test_the_default_recipe_is_shipped():
+def test_the_default_recipe_is_shipped_and_unpacked_by_the_cli(tmp_path):
     """The package carries the weights of the default recipe: the README's first run does not train."""
+    import json
+
+    from cli import app
     from testbed.shipped import SHIPPED_WEIGHTS, shipped_recipe_hash
 
     assert shipped_recipe_hash(SHIPPED_WEIGHTS) == TestbedRecipe().recipe_hash(), (
         "the default TestbedRecipe changed: train it and re-pack (python -m testbed.shipped MODEL_DIR)")
+    cache = tmp_path / "cache"
+    result = CliRunner().invoke(app, ["testbed", "train", "--eval-samples", "0", "--cache-dir", str(cache)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "unpacked the shipped weights" in result.output and "vision pretraining" not in result.output
+    model_dir = cached_testbed_dir(TestbedRecipe(), cache)
+    assert model_dir is not None
+    record = json.loads((model_dir / RECIPE_FILE).read_text())
+    assert record["recipe_hash"] == TestbedRecipe().recipe_hash() and record["config"]["train_experts"] is False
