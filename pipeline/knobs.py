@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -42,14 +43,12 @@ Config = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
 
 
 def balanced_combinations(max_crops: tuple[int, ...], top_k: tuple[int, ...], blocks: tuple[int, ...]) -> list[Config]:
-    """The "balanced" sparse strategy (§4.5): first / middle / last of lists with >= 3 values.
-
-    A single value per list is that one configuration (the origin skips the strategy then).
+    """The "balanced" sparse strategy (§4.5): first / middle / last of each list (all of a list
+    with fewer than 3 values), all combinations. A single value per list is that one
+    configuration (the origin skips the strategy then, to the same effect).
     """
     def pick(xs: tuple[int, ...]) -> list[int]:
-        return [xs[0], xs[len(xs) // 2], xs[-1]] if len(xs) >= 3 else list(xs)
-    if len(max_crops) == len(top_k) == len(blocks) == 1:
-        return [(max_crops[0], top_k[0], blocks[0])]
+        return list(dict.fromkeys((xs[0], xs[len(xs) // 2], xs[-1])))
     return list(itertools.product(pick(max_crops), pick(top_k), pick(blocks)))
 
 Tier = Literal["low", "medium", "high"]
@@ -184,10 +183,9 @@ def select_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOT
     others = list(range(first_kept, num_total_blocks))
     if scores is None:
         # keep order: the final block first, then the others in order (so n-2, n-3, ... are dropped first)
-        last = num_total_blocks - 1
-        ranked = ([last] if last >= first_kept else []) + [b for b in others if b != last]
+        ranked = sorted(others, key=lambda b: (b != num_total_blocks - 1, b))
     else:
-        ranked = sorted(others, key=lambda b: (-scores.get(b, float("-inf")), b))
+        ranked = sorted(others, key=lambda b: (-scores.get(b, -math.inf), b))
     return tuple(sorted(list(range(first_kept)) + ranked[: num_active_blocks - first_kept]))
 
 
@@ -200,13 +198,12 @@ def insertion_block_options(insertion_position: int, num_total_blocks: int = NUM
     """Total active-block counts stage 2 may choose after insertion position p (§2.3).
 
     With R = num_total_blocks - p blocks after the insertion point, s of them are kept,
-    s from max(num_total_blocks - 5, R - 4) to min(num_total_blocks - 1, R) (for 16 blocks:
-    max(11, R - 4) .. min(15, R)); the options are the totals p + s:
-    p = 1 -> 12..16, 2 -> 13..16, 3 -> 14..16, 4 -> 15..16, 5 -> 16.
+    s from max(num_total_blocks - 5, R - 4) to min(num_total_blocks - 1, R). For p >= 1 that
+    is num_total_blocks - 5 .. R, so the totals p + s run from p + num_total_blocks - 5 to
+    num_total_blocks: p = 1 -> 12..16, 2 -> 13..16, 3 -> 14..16, 4 -> 15..16, 5 -> 16, and
+    none from p = 6 on.
     """
     if not 1 <= insertion_position < num_total_blocks:
         msg = f"insertion position must be in 1..{num_total_blocks - 1}, got {insertion_position!r}"
         raise ValueError(msg)
-    remaining = num_total_blocks - insertion_position
-    low, high = max(num_total_blocks - 5, remaining - 4), min(num_total_blocks - 1, remaining)
-    return tuple(insertion_position + s for s in range(low, high + 1))
+    return tuple(range(insertion_position + num_total_blocks - 5, num_total_blocks + 1))

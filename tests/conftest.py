@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from origin_files import (
     exp5_config_doc,
@@ -19,7 +20,10 @@ from pipeline import IngestConfig, IngestReport, Workspace, ingest
 
 # wall-clock deadlines make property tests flaky on a loaded 2-core CI machine
 settings.register_profile("ctrl", deadline=None, print_blob=True)
-settings.load_profile("ctrl")
+# mutation runs (docs/testing.md): a failing example is enough, shrinking it only costs time
+settings.register_profile("mutation", deadline=None, max_examples=30,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.load_profile(os.environ.get("CTRL_HYPOTHESIS_PROFILE", "ctrl"))
 
 #: configurations of the small tree
 CONFIGS = [(2, 4, 12), (6, 8, 16)]

@@ -67,3 +67,32 @@ def test_image_with_question_on_per_question_dataset_hashes_the_question():
 def test_sample_id_is_never_used():
     with pytest.raises(ValueError, match="cannot build a sample key"):
         build_sample_key("coco_2014_vqa", {"sample_id": 4})
+
+
+def _sha1_16(payload: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha1(payload).hexdigest()[:16]
+
+
+def test_question_hash_is_the_documented_sha1_prefix():
+    """16 hex digits of SHA-1 over the JSON [whitespace-normalised question, options] (object keys sorted):
+    keys are stored in workspaces, so the exact bytes are part of the format."""
+    key, source = build_sample_key("science_qa", {"question": " What is\n  shown? ", "options": {"b": 2, "a": 1}})
+    assert (key, source) == ("q:" + _sha1_16(b'["What is shown?",{"a":1,"b":2}]'), "question_hash")
+    assert build_sample_key("science_qa", {"question": "Why?"})[0] == "q:" + _sha1_16(b'["Why?",[]]')
+    key, _ = build_sample_key("okvqa", {"image_id": 5, "question": "Why?", "options": ["x"]})
+    assert key == "img:5/q:" + _sha1_16(b'["Why?",["x"]]')
+
+
+def test_no_question_hashes_as_the_empty_question():
+    from pipeline.keys import question_hash
+
+    assert question_hash(None) == question_hash("") == question_hash("  ") == _sha1_16(b'["",[]]')
+
+
+def test_blank_questions_are_no_questions():
+    assert build_sample_key("okvqa", {"image_id": 5, "question": "  \n"}) == ("img:5", "image")
+    with pytest.raises(ValueError, match="^metadata has none of example_id, question_id, image_id, question: "
+                                         "cannot build a sample key$"):
+        build_sample_key("science_qa", {"question": " \t "})

@@ -160,3 +160,46 @@ def test_score_answer_cleans_then_scores():
 def test_score_answer_rejects_missing_references(answers, match):
     with pytest.raises(ValueError, match=match):
         score_answer("doc_qa", "Answer: yes", answers)
+
+
+# --- rules that single examples above do not pin down --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # a mark touching a space on either side deletes that mark everywhere in the answer
+        ("dog- cat-bird", "dog catbird"),
+        ("dog -cat-bird", "dog catbird"),
+        # touching no space: every occurrence becomes a space
+        ("dog-cat-bird", "dog cat bird"),
+        # newlines and tabs count as spaces before the rule applies (vqaEval replaces them first)
+        ("dog\n-cat-bird", "dog catbird"),
+        ("dog\t-cat-bird", "dog catbird"),
+    ],
+)
+def test_punctuation_touching_a_space_is_deleted_not_blanked(raw, expected):
+    assert normalize_vqa_answer(raw) == expected
+
+
+def test_multi_line_output_keeps_the_last_non_empty_line():
+    assert clean_prediction("first\nsecond\n\nthird\n") == "third"
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "distance"),
+    [("kitten", "sitting", 3), ("sitting", "kitten", 3), ("flaw", "lawn", 2), ("ab", "ba", 2), ("abc", "abc", 0),
+     ("", "abc", 3), ("abc", "", 3), ("", "", 0), ("a", "b", 1), ("abcd", "abd", 1), ("abd", "abcd", 1)],
+)
+def test_edit_distance(a, b, distance):
+    from runtime.scoring import _levenshtein
+
+    assert _levenshtein(a, b) == distance
+
+
+def test_missing_reference_messages_say_what_was_given():
+    with pytest.raises(ValueError, match="got a bare string\nHint: take `answers` from the workspace's `samples`"):
+        score_answer("text_vqa", "x", "cat")
+    with pytest.raises(ValueError, match="^cannot score a 'text_vqa' sample: expected a non-empty list of reference "
+                                         "answers, got an empty list\n"):
+        score_answer("text_vqa", "x", [])

@@ -194,7 +194,7 @@ def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
                                          *runtime.decoder.named_parameters(prefix="decoder")]}
     data = generate_dataset(tmp_path / "data", 4, seed=0)
     config = TestbedRecipe(num_train_samples=4, steps=2, batch_size=2, crops_choices=(1,), warmup_steps=1,
-                         vision_lr=0.0)
+                           vision_lr=0.0, vision_pretrain_steps=2)  # both phases, at two steps each
     train_model(runtime, data, config)
     vision = dict(runtime.vision_backbone.named_parameters())
     decoder = dict(runtime.decoder.named_parameters(prefix="decoder"))

@@ -247,6 +247,9 @@ def test_default_budget_range_rule(data):
     assert (slowest <= hi + 0.5).double().mean() >= 0.94
     grid = default_budget_grid(data, num=5)
     assert grid[0] == lo and grid[-1] == hi and np.allclose(np.diff(grid), (hi - lo) / 4, atol=0.1)
+    assert default_budget_grid(data) == [lo + 29.0 * i for i in range(8)]  # 176-379 ms: eight budgets, 29 ms apart
+    # budgets are rounded to 0.1 ms: 203 / 6 = 33.83 ms apart
+    assert default_budget_grid(data, num=7) == [176.0, 209.8, 243.7, 277.5, 311.3, 345.2, 379.0]
 
 
 # -- reward -------------------------------------------------------------------------------

@@ -611,6 +611,11 @@ def test_table_fallback_refuses_inconsistent_fields():
     with pytest.raises(ValueError, match="ascending"):
         make([2.0, 1.0], 2)
     assert make([1.0, 2.0], 2).fallback_budgets_ms == []
+    assert make([1.0, 2.0], 2).describe() == ("table fallback (95% confidence): controller at 1.0, 2.0 ms; "
+                                              "lut_p95 table at none")
+    unrated = make([1.0, 2.0], 2)
+    unrated.confidence = math.nan  # a fallback stored before the confidence rule
+    assert unrated.describe() == "table fallback: controller at 1.0, 2.0 ms; lut_p95 table at none"
     mixed = make([100.0, 150.5], 2)
     mixed.use_controller = [False, True]
     assert mixed.describe() == "table fallback (95% confidence): controller at 150.5 ms; lut_p95 table at 100.0 ms"

@@ -173,6 +173,7 @@ def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: st
     return parquet_path, png_path
 
 
+# pragma: no mutate start (presentation: the plot and the terminal table, outside the mutation score)
 def _plot(frame: pl.DataFrame, title: str) -> Figure:
     """Accuracy and violation rate against budget, one line per decider (Agg canvas, no pyplot state)."""
     # matplotlib takes about half a second to import; only runs that write a plot pay for it
@@ -225,3 +226,4 @@ def format_evaluation_table(frame: pl.DataFrame, title: str = "evaluation (test 
                       f"{row['reward_mean']:.3f}",
                       "" if expected is None or math.isnan(expected) else f"{expected:.3f}", top_text)
     return table
+# pragma: no mutate end
