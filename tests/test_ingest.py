@@ -13,7 +13,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from conftest import CONFIGS, NUM_SAMPLES, run_ingest, shard
-from origin_files import exp5_name, exp6_config_doc, exp6_name, write
+from origin_files import exp5_config_doc, exp5_final_doc, exp5_name, exp6_config_doc, exp6_name, write
 from pipeline import IngestError, Workspace, WorkspaceLockedError
 
 
@@ -203,3 +203,74 @@ def test_parallel_workers_give_the_same_tables(small_tree, tmp_path):
     run_ingest([small_tree], two, num_workers=2)
     for name, frame in tables(one).items():
         assert_frame_equal(frame, tables(two)[name])
+
+
+# -- documented rules, each on a tree built for it -------------------------------------------------
+
+EXP5_DIR = ("exp5", "exp5_accuracy_coco-2014-vqa")
+
+
+def _recorded_num_samples(tmp_path: Path, name: str, kinds: set[str]) -> int:
+    """Ingest a tree holding the chosen copies of configuration (2, 4, 12)'s exp5 summary:
+    rank-0 (3 samples, its shard), merged (6: two shards with padding), final (5)."""
+    d = tmp_path / name / "exp5"
+    if "rank0" in kinds:
+        write(d / exp5_name(2, 4, 12, rank=0), exp5_config_doc(2, 4, 12, shard(0), merged=False))
+    if "merged" in kinds:
+        write(d / exp5_name(2, 4, 12), exp5_config_doc(2, 4, 12, shard(0) + shard(1), merged=True))
+    if "final" in kinds:
+        write(d / "exp5_accuracy_results.json", exp5_final_doc([(2, 4, 12)], list(range(NUM_SAMPLES))))
+    ws = Workspace(tmp_path / name / "ws")
+    assert not run_ingest([d], ws).errors
+    configs = ws.read_table("configs")
+    assert configs.height == 1
+    return configs["recorded_num_samples"][0]
+
+
+def test_recorded_summary_precedence_is_merged_then_final_then_rank0(tmp_path):
+    assert _recorded_num_samples(tmp_path, "all", {"rank0", "merged", "final"}) == 6
+    assert _recorded_num_samples(tmp_path, "no-merge", {"rank0", "final"}) == 5  # final beats the one-shard file
+    assert _recorded_num_samples(tmp_path, "merged-rank0", {"rank0", "merged"}) == 6
+    assert _recorded_num_samples(tmp_path, "rank0", {"rank0"}) == 3
+
+
+def test_copies_that_disagree_are_flagged_and_the_winner_kept(tmp_path, workspace):
+    d = tmp_path / "exp5"
+    write(d / exp5_name(2, 4, 12), exp5_config_doc(2, 4, 12, shard(0) + shard(1), merged=True))
+    rank0 = exp5_config_doc(2, 4, 12, shard(0), merged=False)  # samples 0, 2, 4
+    rank0["all_samples"][1]["score"] = 1.0  # sample 2: 0.0 in the merged file
+    rank0["all_samples"][2]["pred"] = "something else"  # sample 4: same score, different prediction
+    write(d / exp5_name(2, 4, 12, rank=0), rank0)
+    run_ingest([d], workspace)
+    m = workspace.read_table("measurements").sort("sample_key")
+    assert m["sample_key"].to_list() == [f"ex:50000{i}" for i in range(5)]
+    assert m["flag_copies_disagree"].to_list() == [False, False, True, False, True]
+    assert m["num_copies"].to_list() == [3, 1, 2, 1, 2]  # sample 0: twice in the merged file (padding), once in rank 0
+    assert m["score"].to_list() == [0.0, 1.0, 0.0, 1.0, 0.0]  # the merged file's copies
+    assert m["pred"][4] == "answer 4"
+
+
+def test_a_file_deleted_from_disk_keeps_its_rows(small_tree, workspace):
+    run_ingest([small_tree], workspace)
+    before = tables(workspace)
+    merged = next(small_tree.rglob(exp6_name(2, 4, 12)))
+    merged.unlink()
+    run_ingest([small_tree], workspace)
+    for name, frame in tables(workspace).items():
+        assert_frame_equal(frame, before[name])
+    m = workspace.read_table("measurements").filter(pl.col("source_file") == str(merged))
+    assert m.height == NUM_SAMPLES
+    assert str(merged) in workspace.read_table("files")["path"].to_list()
+
+
+def test_an_id_written_with_spaces_is_the_same_sample(small_tree, tmp_path, workspace):
+    """exp6 writes example_id " 500000 " where exp5 wrote 500000: one sample, both experiments."""
+    d = tmp_path / "spaced" / "exp6"
+    doc = exp6_config_doc(2, 4, 12, list(range(NUM_SAMPLES)), merged=True)
+    for p in doc["per_sample_predictions"]:
+        p["metadata"]["example_id"] = f" {p['metadata']['example_id']} "
+    write(d / exp6_name(2, 4, 12), doc)
+    run_ingest([small_tree / "exp5", d], workspace)
+    assert workspace.read_table("samples")["sample_key"].to_list() == [f"ex:50000{i}" for i in range(5)]
+    m = workspace.read_table("measurements").filter((pl.col("max_crops") == 2))
+    assert m.group_by("sample_key").len().sort("sample_key")["len"].to_list() == [2] * NUM_SAMPLES

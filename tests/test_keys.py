@@ -33,6 +33,13 @@ def test_integral_float_and_int_ids_agree(n):
     assert canonical_id(n) == canonical_id(float(n)) == str(n)
 
 
+def test_ids_written_with_surrounding_whitespace_equal_the_number():
+    assert canonical_id(" 42") == canonical_id("42\n") == canonical_id(42) == "42"
+    assert canonical_id("  ") is None  # blank: falls through to the next rule
+    assert build_sample_key("text_vqa", {"example_id": " 42", "question": "q?"}) == ("ex:42", "example_id")
+    assert build_sample_key("text_vqa", {"question_id": "\t7 ", "image_id": 3}) == ("qid:7", "question_id")
+
+
 @given(question=st.text(min_size=1).filter(lambda q: q.strip()), options=st.lists(st.text(max_size=8), max_size=5))
 def test_question_hash_is_whitespace_insensitive_and_option_sensitive(question, options):
     base = build_sample_key("science_qa_img", {"question": question, "options": options})

@@ -287,6 +287,15 @@ def test_reward_hard_mode_and_parts_sum():
         assert torch.allclose(total, parts["reward"], atol=1e-6)
 
 
+def test_hard_mode_is_the_training_default_and_a_violation_pays_minus_one():
+    from trainer.offline import OfflineTrainConfig
+
+    reward = OfflineTrainConfig().reward
+    assert (reward.mode, reward.hard_violation_reward, reward.alpha) == ("hard", -1.0, 1.0)
+    assert reward_of(0.0, 250.5, 250.0, mode="hard")["reward"] == -1.0  # worse than a wrong answer in time
+    assert reward_of(0.0, 250.0, 250.0, mode="hard")["reward"] == 0.0
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"mode": "medium"}, "`mode` must be 'soft' or 'hard', got 'medium'"),
     ({"beta": -0.5}, "`beta` must be a finite number >= 0, got -0.5"),
