@@ -19,6 +19,7 @@ import torch
 from pipeline.catalog import connect, view_names
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
+from trainer.deploy import DeployedController
 from trainer.fallback import read_fallback
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint, write_frame_atomic
@@ -38,8 +39,10 @@ _IMAGE_JOIN = """LEFT JOIN (FROM image_features WHERE model_fingerprint = $fp AN
            QUALIFY row_number() OVER (PARTITION BY dataset, sample_key) = 1) i USING (dataset, sample_key)"""
 
 
-def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> dict[str, Any]:
-    """Every sample of the workspace with its features of model ``fingerprint``."""
+def _read_features(workspace: Workspace, fingerprint: str, image_dim: int,
+                   max_crops_values: tuple[int, ...]) -> dict[str, Any]:
+    """Every sample of the workspace with its features of model ``fingerprint`` and its tiling
+    per ``max_crops_values`` entry (NaN where unknown)."""
     con = connect(workspace)
     try:
         views = view_names(con)
@@ -59,6 +62,11 @@ def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> di
         sql = _LANG_SQL.format(image="i.feature" if has_images else "NULL::FLOAT[]",
                                join=_IMAGE_JOIN if has_images else "")
         table = con.sql(sql, params={"fp": fingerprint}).to_arrow_table()
+        tilings = None
+        if "image_tilings" in views:
+            tilings = con.sql("SELECT dataset, sample_key, max_crops, any_value(num_crops) AS num_crops "
+                              "FROM image_tilings WHERE model_fingerprint = $fp GROUP BY ALL",
+                              params={"fp": fingerprint}).fetchall()
     finally:
         con.close()
     lang = table.column("lang").to_pylist()
@@ -73,10 +81,19 @@ def _read_features(workspace: Workspace, fingerprint: str, image_dim: int) -> di
     image_mat = np.zeros((len(image), image_dim), dtype=np.float32)
     if present.any():
         image_mat[present] = np.asarray([f for f in image if f is not None], dtype=np.float32)
-    return {"dataset": table.column("dataset").to_pylist(), "sample_key": table.column("sample_key").to_pylist(),
-            "example_id": table.column("example_id").to_pylist(),
+    dataset, sample_key = table.column("dataset").to_pylist(), table.column("sample_key").to_pylist()
+    tiling_mat = np.full((len(lang), len(max_crops_values)), np.nan, dtype=np.float32)
+    if tilings:
+        row_of = {key: i for i, key in enumerate(zip(dataset, sample_key))}
+        column_of = {value: j for j, value in enumerate(max_crops_values)}
+        for d, k, max_crops, num_crops in tilings:
+            i, j = row_of.get((d, k)), column_of.get(max_crops)
+            if i is not None and j is not None and num_crops is not None:
+                tiling_mat[i, j] = num_crops
+    return {"dataset": dataset, "sample_key": sample_key, "example_id": table.column("example_id").to_pylist(),
             "lang": torch.from_numpy(np.asarray(lang, dtype=np.float32).reshape(len(lang), -1)),
-            "image": torch.from_numpy(image_mat), "image_present": torch.from_numpy(present)}
+            "image": torch.from_numpy(image_mat), "image_present": torch.from_numpy(present),
+            "tiling_crops": torch.from_numpy(tiling_mat)}
 
 
 @torch.inference_mode()
@@ -106,26 +123,25 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
         raise CtrlError(msg)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint)
-    fallback = read_fallback(checkpoint)
-    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim)
+    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
+                           policy.action_space.max_crops_values)
+    deployed = DeployedController(policy, read_fallback(checkpoint))
+    inputs = (feats["lang"], feats["image"], feats["image_present"])
     n = len(feats["dataset"])
-    actions = torch.tensor(policy.action_space.actions, dtype=torch.long)  # (A, 3)
-    table = fallback.lookup_table() if fallback is not None else None
     parts = []
     for budget in budgets:
-        if fallback is not None and not bool(fallback.controller_at(torch.tensor(budget))):
-            # the table's choice over the policy's whole action space (the deployed decision)
-            chosen = table.choose(torch.full((n,), budget), None)
-            probability, source = torch.ones(n, dtype=torch.float64), "table"
-        else:
-            probs = policy.log_probs(feats["image"], feats["image_present"], feats["lang"], budget, None).exp()
-            chosen = probs.argmax(-1)
-            probability, source = probs.gather(1, chosen[:, None])[:, 0].double(), "controller"
-        knobs = actions[chosen]
+        budget_vec = torch.full((n,), budget, dtype=torch.float64)
+        chosen, by_network = deployed.decide_actions(*inputs, budget_vec, feats["tiling_crops"])
+        probability = torch.ones(n, dtype=torch.float64)
+        if bool(by_network.any()):
+            probs = deployed.probabilities(*inputs, budget_vec, feats["tiling_crops"])
+            probability = torch.where(by_network, probs.gather(1, chosen[:, None])[:, 0].double(), probability)
+        knobs = deployed.actions[chosen]
         parts.append(pl.DataFrame({
             "sample_key": feats["sample_key"], "dataset": feats["dataset"], "example_id": feats["example_id"],
             "budget_ms": [budget] * n, "max_crops": knobs[:, 0].tolist(), "top_k": knobs[:, 1].tolist(),
-            "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(), "source": [source] * n,
+            "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(),
+            "source": ["controller" if b else "table" for b in by_network.tolist()],
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
                    "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
                    "source": pl.String}))

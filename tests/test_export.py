@@ -1,0 +1,216 @@
+"""ctrl export and the deployed controller: the same decisions as the training-time policy, its
+table fallback and `ctrl predict`, from a file that torch alone loads."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from cli import app
+from conftest import build_feature_workspace
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, embedded_runtime):
+    """A workspace with an offline run (tilings on, as by default) and a copy of its checkpoint whose
+    table fallback answers at every other grid budget, so that both sources decide."""
+    from synthetic import SyntheticSpec
+    from trainer.fallback import attach_fallback, read_fallback
+    from trainer.offline import OfflineTrainConfig, train_offline
+
+    root = tmp_path_factory.mktemp("export")
+    _, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=30))
+    result = train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=2, run_id="r1", cross_fit_folds=0,
+                                              warm_start_steps=20, disable_evaluation=True))
+    best = ws.runs_dir / "r1" / "checkpoints" / "best.pt"
+    assert result.run_id == "r1" and best.exists()
+    mixed = root / "mixed.pt"
+    shutil.copyfile(best, mixed)
+    fallback = read_fallback(mixed)
+    fallback.use_controller = [i % 2 == 0 for i in range(len(fallback.grid_ms))]
+    attach_fallback(mixed, fallback)
+    return ws, best, mixed
+
+
+def _inputs(ws, checkpoint):
+    from trainer.policy import ControllerPolicy
+    from trainer.predict import _read_features
+
+    policy = ControllerPolicy.load(checkpoint)
+    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
+                           policy.action_space.max_crops_values)
+    return policy, feats
+
+
+def _budgets(grid: list[float]) -> list[float]:
+    """Grid points, the points halfway between them, and budgets below and above the range."""
+    between = [(a + b) / 2 + 0.3 for a, b in zip(grid, grid[1:])]
+    return [grid[0] - 80.0, *grid, *between, grid[-1] + 150.0]
+
+
+def test_decisions_equal_the_policy_and_its_table_fallback(trained):
+    """Expected: the training-time network's argmax over the whole action space where the nearest grid
+    budget keeps the controller, else the lut_p95 table's choice for the budget."""
+    from trainer.deploy import DeployedController
+    from trainer.fallback import read_fallback
+
+    ws, _, mixed = trained
+    policy, f = _inputs(ws, mixed)
+    fallback = read_fallback(mixed)
+    table = fallback.lookup_table()
+    deployed = DeployedController(policy, fallback)
+    assert policy.config.use_tilings and not torch.isnan(f["tiling_crops"]).all()
+    n = len(f["sample_key"])
+    present = f["image_present"].clone()
+    present[1::4] = False  # a missing image: its features (any values) must not count
+    image = torch.where(present[:, None], f["image"], torch.randn(f["image"].shape))
+    some_unknown = f["tiling_crops"].clone()
+    some_unknown[::3] = float("nan")
+    sources = set()
+    for tilings in (f["tiling_crops"], some_unknown, None):
+        for budget in _budgets(fallback.grid_ms):
+            b = torch.full((n,), budget, dtype=torch.float64)
+            with torch.inference_mode():
+                probs = policy.log_probs(image, present, f["lang"], budget, None, tiling_crops=tilings).exp()
+                # the whole distribution, not only its argmax (a short training leaves near-uniform heads)
+                assert torch.allclose(deployed.probabilities(f["lang"], image, present, b, tilings), probs,
+                                      rtol=1e-4, atol=1e-6)
+            network = probs.argmax(-1)
+            use = fallback.controller_at(b)
+            expected = torch.where(use, network, table.choose(torch.full((n,), budget), None))
+            with torch.inference_mode():
+                actions, by_network = deployed.decide_actions(f["lang"], image, present, b, tilings)
+            assert torch.equal(by_network, use), budget
+            assert torch.equal(actions, expected), budget
+            sources.update(use.tolist())
+    assert sources == {True, False}
+
+
+def test_without_a_fallback_the_network_decides_every_budget(trained):
+    from trainer.deploy import DeployedController
+
+    ws, best, _ = trained
+    policy, f = _inputs(ws, best)
+    deployed = DeployedController(policy, None)
+    for budget in (120.0, 260.0, 900.0):
+        b = torch.full((len(f["lang"]),), budget)
+        with torch.inference_mode():
+            expected = policy.log_probs(f["image"], f["image_present"], f["lang"], budget, None,
+                                        tiling_crops=f["tiling_crops"]).argmax(-1)
+            actions, by_network = deployed.decide_actions(f["lang"], f["image"], f["image_present"], b,
+                                                          f["tiling_crops"])
+        assert by_network.all() and torch.equal(actions, expected)
+
+
+@given(stats=st.lists(st.one_of(st.none(), st.sampled_from([120.0, 150.0, 150.0, 180.5, 240.0])), min_size=2,
+                      max_size=8),
+       scores=st.lists(st.sampled_from([0.2, 0.5, 0.5, 0.9]), min_size=8, max_size=8),
+       tolerance=st.sampled_from([0.0, 0.05]))
+def test_table_steps_give_the_tables_choice_at_every_budget(stats, scores, tolerance):
+    """The table as a step function of the budget: equal to LookupTableDecider.choose, ties and
+    configurations never seen in training included."""
+    from trainer.baselines import LookupTableDecider
+    from trainer.data import ActionSpace
+    from trainer.deploy import step_lookup, table_steps
+
+    if all(s is None for s in stats):
+        stats[0] = 200.0
+    n = len(stats)
+    table = LookupTableDecider.__new__(LookupTableDecider)
+    table.action_space = ActionSpace(tuple((2, 8, 10 + i) for i in range(n)))
+    table.statistic, table.quantile, table.tolerance, table.name = "quantile", 0.95, tolerance, "t"
+    table.num_samples = torch.tensor([0 if s is None else 5 for s in stats])
+    table.mean_score = torch.tensor([float("nan") if s is None else v for s, v in zip(stats, scores)],
+                                    dtype=torch.float64)
+    table.latency_stat_ms = torch.tensor([float("nan") if s is None else s for s in stats], dtype=torch.float64)
+    thresholds, choices = table_steps(table)
+    budgets = torch.tensor([50.0, 119.9, 120.0, 142.0, 149.99, 150.0, 171.9, 180.5, 200.0, 239.0, 240.0, 1e4])
+    assert torch.equal(step_lookup(thresholds, choices, budgets, tolerance), table.choose(budgets, None))
+
+
+def test_exported_file_decides_like_predict_in_a_process_without_ctrl(trained, tmp_path):
+    ws, best, _ = trained
+    out = tmp_path / "controller.pt"
+    exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(out)])
+    assert exported.exit_code == 0, exported.output
+    assert str(out) in exported.stdout and "KiB" in exported.stdout and "tiling_crops [B, " in exported.stdout
+    policy, f = _inputs(ws, best)
+    from trainer.fallback import read_fallback
+
+    budgets = _budgets(read_fallback(best).grid_ms)
+    decisions = tmp_path / "decisions.parquet"
+    args = ["predict", "--run", "r1", "-w", str(ws.root), "--out", str(decisions)]
+    for b in budgets:
+        args += ["--budget-ms", str(b)]
+    assert runner.invoke(app, args).exit_code == 0
+    inputs = tmp_path / "inputs.pt"
+    torch.save({k: f[k] for k in ("lang", "image", "image_present", "tiling_crops")} | {
+        "budgets": torch.tensor(budgets, dtype=torch.float64)}, inputs)
+    site = Path(torch.__file__).resolve().parents[1]
+    script = f"""
+import importlib.util, sys
+sys.path.append({str(site)!r})  # torch's site-packages only: -I -S leaves the project and its .pth files out
+assert [m for m in ("cli", "pipeline", "trainer", "runtime") if importlib.util.find_spec(m)] == [], sys.path
+import torch
+controller = torch.jit.load({str(out)!r})
+x = torch.load({str(inputs)!r})
+n = x["lang"].shape[0]
+result = []
+for b in x["budgets"].tolist():
+    knobs = controller.decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
+    assert all(k.dtype == torch.int64 and k.shape == (n,) for k in knobs)
+    result.append(torch.stack(knobs, 1))
+torch.save(torch.stack(result), {str(tmp_path / "exported.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = torch.load(tmp_path / "exported.pt")  # (budgets, samples, 3)
+    frame = pl.read_parquet(decisions)
+    assert frame.height == len(budgets) * len(f["sample_key"])
+    for i, budget in enumerate(budgets):
+        rows = frame.filter(pl.col("budget_ms") == budget)
+        assert rows["sample_key"].to_list() == f["sample_key"]
+        expected = rows.select("max_crops", "top_k", "num_active_blocks").to_torch()
+        assert torch.equal(got[i], expected), budget
+
+
+def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_path):
+    from trainer import predict
+    from trainer.fallback import read_fallback
+
+    ws, _, mixed = trained
+    policy, f = _inputs(ws, mixed)
+    fallback = read_fallback(mixed)
+    budgets = fallback.grid_ms[:2]  # the first keeps the controller, the second answers with the table
+    frame = predict(ws, mixed, budgets, None)
+    first = frame.filter(pl.col("budget_ms") == budgets[0])
+    with torch.inference_mode():
+        probs = policy.log_probs(f["image"], f["image_present"], f["lang"], budgets[0], None,
+                                 tiling_crops=f["tiling_crops"]).exp()
+    chosen = probs.argmax(-1)
+    assert first["source"].unique().to_list() == ["controller"]
+    assert first["probability"].to_list() == pytest.approx(probs.gather(1, chosen[:, None])[:, 0].tolist(), rel=1e-5)
+    second = frame.filter(pl.col("budget_ms") == budgets[1])
+    assert second["source"].unique().to_list() == ["table"] and second["probability"].unique().to_list() == [1.0]
+    table_action = fallback.lookup_table().lookup(budgets[1])
+    assert set(second.select("max_crops", "top_k", "num_active_blocks").rows()) == {table_action}
+
+
+def test_export_errors_are_one_line(trained, tmp_path):
+    ws, _, _ = trained
+    missing = runner.invoke(app, ["export", "no-such-run", "-w", str(ws.root), "--out", str(tmp_path / "c.pt")])
+    assert missing.exit_code == 1 and "run 'no-such-run' not found" in missing.stderr
+    inside = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(ws.runs_dir / "r1" / "c.pt")])
+    assert inside.exit_code == 1 and "refusing to write the exported controller over the workspace" in inside.stderr
+    assert not (ws.runs_dir / "r1" / "c.pt").exists()

@@ -1,0 +1,319 @@
+"""The deployed controller as one small module: folded weights, one decision in a few dozen ops.
+
+:class:`DeployedController` holds what a serving process needs to decide — the policy
+network, the budget encoding, the action space and the table fallback per budget — as plain
+tensors, and computes the same greedy decision as :class:`trainer.fallback.PolicyDecider`
+over the policy's whole action space (what ``ctrl predict`` writes):
+
+* the per-feature standardisation is folded into the first ``Linear`` of each projection
+  (``W' = W / std``, ``b' = b - W' mean``), and the image-present flag into the image one;
+* the stage-1 crops log-softmax is dropped: it shifts every action by the same constant, so
+  the argmax does not move (the probability, which ``predict`` reports, adds it back);
+* the stage-2 choice embedding goes through its ``Linear`` once, at build time;
+* the table fallback becomes two sorted lookups: the nearest validation-grid budget says
+  whether the network or the table answers, and the table's choice is a step function of
+  the budget (it changes only where a configuration's p95 latency starts to fit);
+* where every row of a batch is answered by the table, the network is not run.
+
+The module is TorchScript-compatible and is what ``ctrl export`` writes
+(``torch.jit.load(FILE)`` needs torch only) and what ``ctrl predict`` runs.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.errors import CtrlError
+from pipeline.workspace import Workspace, write_bytes_atomic
+from trainer.baselines import LookupTableDecider, _pick
+from trainer.fallback import TableFallback, read_fallback
+from trainer.policy import ControllerPolicy
+from trainer.runs import resolve_checkpoint
+
+__all__ = ["DeployedController", "ExportReport", "export_controller", "load_deployed", "save_deployed", "step_lookup",
+           "table_steps"]
+
+
+def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
+    """``linear((x - mean) / std)`` as ``x @ w.T + b``: (w, b) in float64, then float32."""
+    w = linear.weight.double() / std.double()[None, :]
+    b = linear.bias.double() - w @ mean.double()
+    return w.float().contiguous(), b.float().contiguous()
+
+
+def _ln(module: nn.Module) -> tuple[Tensor, Tensor, float]:
+    assert isinstance(module, nn.LayerNorm)
+    return module.weight.detach().clone(), module.bias.detach().clone(), float(module.eps)
+
+
+class DeployedController(nn.Module):
+    """``decide(lang, image, image_present, budget_ms, tiling_crops=None)`` ->
+    ``(max_crops, top_k, num_active_blocks)``, three int64 (B,) tensors.
+
+    Inputs, batched over B: ``lang`` float (B, L) language features; ``image`` float (B, I)
+    image features (any values where ``image_present`` is False); ``image_present`` bool (B,);
+    ``budget_ms`` float (B,); ``tiling_crops`` float (B, C), optional: per entry of
+    ``max_crops_values``, the crops the preprocessor tiles this image into (NaN = unknown;
+    read only by policies trained with tilings).
+    """
+
+    def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None) -> None:
+        super().__init__()
+        policy = policy.eval()
+        cfg, space = policy.config, policy.action_space
+        with torch.no_grad():
+            self.lang_dim, self.image_dim = int(cfg.lang_feature_dim), int(cfg.image_feature_dim)
+            self.num_crops_values = len(space.max_crops_values)
+            self.uses_tilings = bool(cfg.use_tilings)
+            self.model_fingerprint = str(policy.model_fingerprint or "")
+            self.register_buffer("actions", torch.tensor(space.actions, dtype=torch.long))  # (A, 3)
+            self.register_buffer("max_crops_values", torch.tensor(space.max_crops_values, dtype=torch.long))
+            self.register_buffer("crops_index", policy.crops_index.clone())
+            self.register_buffer("top_k_index", policy.top_k_index.clone())
+            self.register_buffer("blocks_index", policy.blocks_index.clone())
+            # stage 1
+            w, b = _folded(policy.lang_proj[0], policy.lang_mean, policy.lang_std)
+            self.register_buffer("lang_w", w)
+            self.register_buffer("lang_b", b)
+            self.register_buffer("lang_ln_w", _ln(policy.lang_proj[1])[0])
+            self.register_buffer("lang_ln_b", _ln(policy.lang_proj[1])[1])
+            self.eps = _ln(policy.lang_proj[1])[2]
+            enc = policy.budget_encoder
+            self.budget_min_ms, self.budget_max_ms = float(enc.min_ms), float(enc.max_ms)
+            self.register_buffer("frequencies", enc.frequencies.clone())
+            names = ("b1_w", "b1_b", "b1_ln_w", "b1_ln_b", "b2_w", "b2_b", "b2_ln_w", "b2_ln_b")
+            mlp = enc.mlp
+            values = (mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias, mlp[3].weight, mlp[3].bias,
+                      mlp[4].weight, mlp[4].bias)
+            for name, value in zip(names, values):
+                self.register_buffer(name, value.detach().clone())
+            fusion = policy.stage1_fusion
+            self.register_buffer("fuse_w", fusion[0].weight.detach().clone())
+            self.register_buffer("fuse_b", fusion[0].bias.detach().clone())
+            self.register_buffer("fuse_ln_w", fusion[1].weight.detach().clone())
+            self.register_buffer("fuse_ln_b", fusion[1].bias.detach().clone())
+            self.register_buffer("crops1_w", policy.crops_head[0].weight.detach().clone())
+            self.register_buffer("crops1_b", policy.crops_head[0].bias.detach().clone())
+            self.register_buffer("crops2_w", policy.crops_head[2].weight.detach().clone())
+            self.register_buffer("crops2_b", policy.crops_head[2].bias.detach().clone())
+            self.register_buffer("tiling_mean", policy.tiling_mean.clone())
+            self.register_buffer("tiling_std", policy.tiling_std.clone())
+            # stage 2: image_proj(cat[present * (image - mean) / std, present])
+            #        = b + present * (W' image + (w_present - W' mean))
+            ip = policy.image_proj[0]
+            di = self.image_dim
+            w_img = ip.weight[:, :di].double() / policy.image_std.double()[None, :]
+            self.register_buffer("image_w", w_img.float().contiguous())
+            self.register_buffer("image_c", (ip.weight[:, di].double() - w_img @ policy.image_mean.double()).float())
+            self.register_buffer("image_b", ip.bias.detach().clone())
+            self.register_buffer("image_ln_w", policy.image_proj[1].weight.detach().clone())
+            self.register_buffer("image_ln_b", policy.image_proj[1].bias.detach().clone())
+            self.register_buffer("context_w", policy.stage2_context.weight.detach().clone())
+            self.register_buffer("context_b", policy.stage2_context.bias.detach().clone())
+            self.register_buffer("choice", F.linear(policy.crops_embedding.weight, policy.stage2_choice.weight))
+            tiling_w = policy.stage2_tiling.weight[:, 0] if policy.stage2_tiling is not None else torch.zeros(
+                cfg.hidden_dim)
+            self.register_buffer("choice_tiling_w", tiling_w.detach().clone())
+            self.register_buffer("s2_ln_w", policy.stage2_norm[0].weight.detach().clone())
+            self.register_buffer("s2_ln_b", policy.stage2_norm[0].bias.detach().clone())
+            for head, prefix in ((policy.top_k_head, "topk"), (policy.blocks_head, "blocks")):
+                self.register_buffer(f"{prefix}1_w", head[0].weight.detach().clone())
+                self.register_buffer(f"{prefix}1_b", head[0].bias.detach().clone())
+                self.register_buffer(f"{prefix}2_w", head[2].weight.detach().clone())
+                self.register_buffer(f"{prefix}2_b", head[2].bias.detach().clone())
+            self._build_fallback(fallback, len(space.actions))
+
+    def _build_fallback(self, fallback: TableFallback | None, num_actions: int) -> None:
+        self.has_fallback = fallback is not None
+        if fallback is None:
+            self.register_buffer("grid_ms", torch.zeros(1, dtype=torch.float64))
+            self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
+            self.register_buffer("table_thresholds", torch.zeros(0))
+            self.register_buffer("table_choices", torch.zeros(1, dtype=torch.long))
+            self.table_tolerance = 0.0
+            return
+        table = fallback.lookup_table()
+        self.register_buffer("grid_ms", torch.tensor(fallback.grid_ms, dtype=torch.float64))
+        self.register_buffer("use_controller", torch.tensor(fallback.use_controller, dtype=torch.bool))
+        thresholds, choices = table_steps(table)
+        self.register_buffer("table_thresholds", thresholds)
+        self.register_buffer("table_choices", choices)
+        self.table_tolerance = float(table.tolerance)
+
+    # -- pieces, written for TorchScript (no Python containers of modules, explicit types)
+    def _layer_norm(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return F.layer_norm(x, [x.shape[-1]], w, b, self.eps)
+
+    def _network_scores(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                        tiling_crops: Tensor | None) -> Tensor:
+        """Per action, the joint log-probability up to a per-row constant (B, A)."""
+        n = lang.shape[0]
+        lang_h = F.relu(self._layer_norm(F.linear(lang.float(), self.lang_w, self.lang_b), self.lang_ln_w,
+                                         self.lang_ln_b))
+        position = ((budget_ms.float() - self.budget_min_ms) / (self.budget_max_ms - self.budget_min_ms)).clamp(0, 1)
+        angles = position[:, None] * self.frequencies[None, :]
+        enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        x = F.gelu(self._layer_norm(F.linear(enc, self.b1_w, self.b1_b), self.b1_ln_w, self.b1_ln_b))
+        budget_h = self._layer_norm(F.linear(x, self.b2_w, self.b2_b), self.b2_ln_w, self.b2_ln_b)
+        if self.uses_tilings:
+            if tiling_crops is None:
+                tiling = torch.zeros(n, self.num_crops_values)
+                known = torch.zeros(n, 1)
+            else:
+                t = tiling_crops.float()
+                known = (~torch.isnan(t).any(-1, keepdim=True)).float()
+                tiling = torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
+            fused_in = torch.cat([lang_h, budget_h, tiling, known], dim=-1)
+        else:
+            tiling = torch.zeros(n, self.num_crops_values)
+            fused_in = torch.cat([lang_h, budget_h], dim=-1)
+        fused = F.relu(self._layer_norm(F.linear(fused_in, self.fuse_w, self.fuse_b), self.fuse_ln_w, self.fuse_ln_b))
+        crops_logits = F.linear(F.relu(F.linear(fused, self.crops1_w, self.crops1_b)), self.crops2_w, self.crops2_b)
+        present = image_present.float()[:, None]
+        image_pre = self.image_b + present * F.linear(image.float(), self.image_w, self.image_c)
+        image_h = F.relu(self._layer_norm(image_pre, self.image_ln_w, self.image_ln_b))
+        context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w, self.context_b)
+        hidden = context[:, None, :] + self.choice[None, :, :]
+        if self.uses_tilings:
+            hidden = hidden + tiling[:, :, None] * self.choice_tiling_w
+        hidden = F.relu(self._layer_norm(hidden, self.s2_ln_w, self.s2_ln_b))  # (B, C, H)
+        top_k = F.linear(F.relu(F.linear(hidden, self.topk1_w, self.topk1_b)), self.topk2_w, self.topk2_b)
+        blocks = F.linear(F.relu(F.linear(hidden, self.blocks1_w, self.blocks1_b)), self.blocks2_w, self.blocks2_b)
+        return (crops_logits.index_select(1, self.crops_index)
+                + top_k.log_softmax(-1).flatten(1).index_select(1, self.top_k_index)
+                + blocks.log_softmax(-1).flatten(1).index_select(1, self.blocks_index))
+
+    def _table_choice(self, budget_ms: Tensor) -> Tensor:
+        return step_lookup(self.table_thresholds, self.table_choices, budget_ms, self.table_tolerance)
+
+    def _use_network(self, budget_ms: Tensor) -> Tensor:
+        nearest = (budget_ms.double()[:, None] - self.grid_ms[None, :]).abs().argmin(-1)
+        return self.use_controller.index_select(0, nearest)
+
+    def decide_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                       tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(B,) action indices and (B,) bool: True where the network decided, False where the table did."""
+        if not self.has_fallback:
+            scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
+            return scores.argmax(-1), torch.ones(lang.shape[0], dtype=torch.bool)
+        use = self._use_network(budget_ms)
+        table = self._table_choice(budget_ms)
+        if not bool(use.any()):
+            return table, use
+        scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
+        return torch.where(use, scores.argmax(-1), table), use
+
+    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        action, _ = self.decide_actions(lang, image, image_present, budget_ms, tiling_crops)
+        knobs = self.actions.index_select(0, action)
+        return knobs[:, 0], knobs[:, 1], knobs[:, 2]
+
+    @torch.jit.export
+    def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The call a serving process makes (the same as calling the module)."""
+        return self.forward(lang, image, image_present, budget_ms, tiling_crops)
+
+    @torch.jit.export
+    def probabilities(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                      tiling_crops: Tensor | None = None) -> Tensor:
+        """pi(a | x, budget) of the network over the action space (B, A), ignoring the fallback."""
+        scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
+        return scores.softmax(-1)
+
+
+def step_lookup(thresholds: Tensor, choices: Tensor, budget_ms: Tensor, tolerance: float) -> Tensor:
+    """``choices[i]`` where ``i`` counts the thresholds at or below ``budget_ms * (1 + tolerance)`` (float32,
+    as the table compares)."""
+    steps = torch.searchsorted(thresholds, budget_ms.float() * (1.0 + tolerance), right=True)
+    return choices.index_select(0, steps)
+
+
+def table_steps(table: LookupTableDecider) -> tuple[Tensor, Tensor]:
+    """The table's choice as a step function of the budget: (sorted thresholds (T,), choices (T + 1,)).
+
+    ``step_lookup(thresholds, choices, budget, table.tolerance)`` equals ``table.choose(budget)``: the
+    set of configurations that fit grows only where the budget
+    reaches another configuration's latency statistic."""
+    stat = table.latency_stat_ms.float()
+    seen = ~torch.isnan(stat)
+    thresholds = torch.unique(stat[seen])  # sorted ascending
+    score = table.mean_score.float()
+    choices = []
+    for j in range(len(thresholds) + 1):
+        fits = (seen & (stat <= thresholds[j - 1])) if j else torch.zeros_like(seen)
+        best, found = _pick(fits[None, :], score[None, :], stat[None, :])
+        if not bool(found[0]):  # nothing fits: the lowest statistic
+            best, _ = _pick(seen[None, :], -torch.nan_to_num(stat, nan=1e30)[None, :], torch.zeros_like(stat)[None, :])
+        choices.append(int(best[0]))
+    return thresholds.contiguous(), torch.tensor(choices, dtype=torch.long)
+
+
+def save_deployed(module: DeployedController, path: Path) -> Path:
+    """Write ``module`` as a TorchScript file (atomic) that ``torch.jit.load`` reads with torch alone."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        # torch 2.13 marks TorchScript deprecated; it is still the fastest loader of a small module (docs/export.md)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(module), buffer)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, buffer.getvalue())
+    return path
+
+
+def load_deployed(path: Path) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.load(str(path), map_location="cpu")
+
+
+
+@dataclass
+class ExportReport:
+    """What ``ctrl export`` wrote: the file, its size, and what a caller needs to know to call it."""
+
+    path: Path
+    size_bytes: int
+    checkpoint: Path
+    model_fingerprint: str
+    lang_feature_dim: int
+    image_feature_dim: int
+    max_crops_values: tuple[int, ...]
+    num_actions: int
+    uses_tilings: bool
+    fallback_budgets_ms: list[float]
+
+
+def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
+                      out: str | Path) -> ExportReport:
+    """Write the deployed controller of an offline run (a run id, ``latest``, a run directory or a
+    checkpoint file) as a TorchScript file that ``torch.jit.load`` reads with torch alone."""
+    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    out = Path(out)
+    if ws.owns(out):
+        msg = (f"{out}: refusing to write the exported controller over the workspace's own files\n"
+               f"Hint: write it outside the workspace's tables, features, fragments and runs ({ws.root}).")
+        raise CtrlError(msg)
+    if out.is_dir():
+        msg = f"{out}: is a directory\nHint: --out FILE, e.g. controller.pt"
+        raise CtrlError(msg)
+    checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
+    policy = ControllerPolicy.load(checkpoint)
+    fallback = read_fallback(checkpoint)
+    module = DeployedController(policy, fallback).eval()
+    save_deployed(module, out)
+    return ExportReport(path=out, size_bytes=out.stat().st_size, checkpoint=checkpoint,
+                        model_fingerprint=module.model_fingerprint, lang_feature_dim=module.lang_dim,
+                        image_feature_dim=module.image_dim,
+                        max_crops_values=tuple(policy.action_space.max_crops_values),
+                        num_actions=len(policy.action_space.actions), uses_tilings=module.uses_tilings,
+                        fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms)
