@@ -83,17 +83,55 @@ def tiny_molmoe_dir(tmp_path_factory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
 
 
+#: mutation runs (docs/testing.md) set this: a feature workspace is built once per spec and copied
+#: for every mutant that cannot change how it is built
+FIXTURE_CACHE = os.environ.get("CTRL_TEST_FIXTURE_CACHE")
+#: the packages a feature workspace is built with; a mutant in one of them builds its own
+_WORKSPACE_BUILDERS = ("pipeline.", "features.", "runtime.", "synthetic.")
+
+
 def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 256):
     """Generate a synthetic origin tree under ``root``, ingest it and extract its features.
 
     Returns (tree, workspace): what every trainer test starts from.
     """
-    from features import FeatureConfig, extract_features
-    from synthetic import SyntheticSpec, generate_tree
+    from synthetic import SyntheticSpec
 
-    tree = generate_tree(spec or SyntheticSpec(num_samples=40), root / "data")
+    spec = spec or SyntheticSpec(num_samples=40)
+    if FIXTURE_CACHE and not os.environ.get("MUTANT_UNDER_TEST", "").startswith(_WORKSPACE_BUILDERS):
+        return _cached_feature_workspace(root, runtime, spec, chunk_size)
+    return _build_feature_workspace(root, runtime, spec, chunk_size)
+
+
+def _build_feature_workspace(root: Path, runtime, spec, chunk_size: int):
+    from features import FeatureConfig, extract_features
+    from synthetic import generate_tree
+
+    tree = generate_tree(spec, root / "data")
     workspace = Workspace(root / "ws")
     assert run_ingest([tree.exp5_dir, tree.exp6_dir], workspace).exit_code == 0
     extract_features(FeatureConfig(workspace=workspace.root, images_dir=tree.images_dir,
                                    batch_size=min(16, chunk_size), chunk_size=chunk_size), runtime=runtime)
     return tree, workspace
+
+
+def _cached_feature_workspace(root: Path, runtime, spec, chunk_size: int):
+    import fcntl
+    import hashlib
+    import pickle
+    import shutil
+
+    from pipeline.catalog import build_catalog
+
+    key = hashlib.sha1(repr((spec, chunk_size, runtime.fingerprint)).encode()).hexdigest()[:16]
+    cached = Path(FIXTURE_CACHE) / key
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the tree's paths name the cached copy
+        if not (cached / "tree.pickle").exists():
+            shutil.rmtree(cached, ignore_errors=True)
+            tree, _ = _build_feature_workspace(cached, runtime, spec, chunk_size)
+            (cached / "tree.pickle").write_bytes(pickle.dumps(tree))
+    workspace = Workspace(shutil.copytree(cached / "ws", root / "ws"))
+    build_catalog(workspace)  # its views name the copy's files
+    return pickle.loads((cached / "tree.pickle").read_bytes()), workspace

@@ -214,3 +214,31 @@ def test_export_errors_are_one_line(trained, tmp_path):
     inside = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(ws.runs_dir / "r1" / "c.pt")])
     assert inside.exit_code == 1 and "refusing to write the exported controller over the workspace" in inside.stderr
     assert not (ws.runs_dir / "r1" / "c.pt").exists()
+
+
+@pytest.mark.parametrize("drop", [(), ((6, 8, 12), (2, 4, 16))])
+def test_full_and_partial_action_spaces_without_tilings(drop):
+    """A policy over all 2 x 2 x 2 configurations and one over six of them, tilings off."""
+    import itertools
+
+    from trainer.data import ActionSpace
+    from trainer.deploy import DeployedController
+    from trainer.policy import ControllerPolicy, PolicyConfig
+
+    torch.manual_seed(3)
+    actions = tuple(a for a in itertools.product((2, 6), (4, 8), (12, 16)) if a not in drop)
+    policy = ControllerPolicy(PolicyConfig(lang_feature_dim=5, image_feature_dim=3, budget_min_ms=100.0,
+                                           budget_max_ms=300.0), ActionSpace(actions)).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))
+    deployed = DeployedController(policy, None)
+    assert deployed.full_product == (drop == ())
+    n = 64
+    lang, image, present = torch.randn(n, 5), torch.randn(n, 3), torch.rand(n) > 0.3
+    budget = 50.0 + 300.0 * torch.rand(n)
+    with torch.inference_mode():
+        probs = policy.log_probs(image, present, lang, budget, None).exp()
+        assert torch.allclose(deployed.probabilities(lang, image, present, budget), probs, rtol=1e-4, atol=1e-6)
+        knobs = torch.stack(deployed(lang, image, present, budget), 1)
+    assert torch.equal(knobs, torch.tensor(actions)[probs.argmax(-1)])

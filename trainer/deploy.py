@@ -10,6 +10,8 @@ over the policy's whole action space (what ``ctrl predict`` writes):
 * the stage-1 crops log-softmax is dropped: it shifts every action by the same constant, so
   the argmax does not move (the probability, which ``predict`` reports, adds it back);
 * the stage-2 choice embedding goes through its ``Linear`` once, at build time;
+* the two stage-2 heads run as one pair of matmuls, and over a full product of knob values
+  the joint scores are one broadcast sum instead of three gathers;
 * the table fallback becomes two sorted lookups: the nearest validation-grid budget says
   whether the network or the table answers, and the table's choice is a step function of
   the budget (it changes only where a configuration's p95 latency starts to fit);
@@ -80,7 +82,7 @@ class DeployedController(nn.Module):
             self.register_buffer("blocks_index", policy.blocks_index.clone())
             # stage 1
             w, b = _folded(policy.lang_proj[0], policy.lang_mean, policy.lang_std)
-            self.register_buffer("lang_w", w)
+            self.register_buffer("lang_w", w.t().contiguous())
             self.register_buffer("lang_b", b)
             self.register_buffer("lang_ln_w", _ln(policy.lang_proj[1])[0])
             self.register_buffer("lang_ln_b", _ln(policy.lang_proj[1])[1])
@@ -93,15 +95,16 @@ class DeployedController(nn.Module):
             values = (mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias, mlp[3].weight, mlp[3].bias,
                       mlp[4].weight, mlp[4].bias)
             for name, value in zip(names, values):
-                self.register_buffer(name, value.detach().clone())
+                self.register_buffer(name, (value.t() if name.endswith("_w") and value.dim() == 2 else value)
+                                     .detach().contiguous())
             fusion = policy.stage1_fusion
-            self.register_buffer("fuse_w", fusion[0].weight.detach().clone())
+            self.register_buffer("fuse_w", fusion[0].weight.t().detach().contiguous())
             self.register_buffer("fuse_b", fusion[0].bias.detach().clone())
             self.register_buffer("fuse_ln_w", fusion[1].weight.detach().clone())
             self.register_buffer("fuse_ln_b", fusion[1].bias.detach().clone())
-            self.register_buffer("crops1_w", policy.crops_head[0].weight.detach().clone())
+            self.register_buffer("crops1_w", policy.crops_head[0].weight.t().detach().contiguous())
             self.register_buffer("crops1_b", policy.crops_head[0].bias.detach().clone())
-            self.register_buffer("crops2_w", policy.crops_head[2].weight.detach().clone())
+            self.register_buffer("crops2_w", policy.crops_head[2].weight.t().detach().contiguous())
             self.register_buffer("crops2_b", policy.crops_head[2].bias.detach().clone())
             self.register_buffer("tiling_mean", policy.tiling_mean.clone())
             self.register_buffer("tiling_std", policy.tiling_std.clone())
@@ -110,12 +113,12 @@ class DeployedController(nn.Module):
             ip = policy.image_proj[0]
             di = self.image_dim
             w_img = ip.weight[:, :di].double() / policy.image_std.double()[None, :]
-            self.register_buffer("image_w", w_img.float().contiguous())
+            self.register_buffer("image_w", w_img.t().float().contiguous())
             self.register_buffer("image_c", (ip.weight[:, di].double() - w_img @ policy.image_mean.double()).float())
             self.register_buffer("image_b", ip.bias.detach().clone())
             self.register_buffer("image_ln_w", policy.image_proj[1].weight.detach().clone())
             self.register_buffer("image_ln_b", policy.image_proj[1].bias.detach().clone())
-            self.register_buffer("context_w", policy.stage2_context.weight.detach().clone())
+            self.register_buffer("context_w", policy.stage2_context.weight.t().detach().contiguous())
             self.register_buffer("context_b", policy.stage2_context.bias.detach().clone())
             self.register_buffer("choice", F.linear(policy.crops_embedding.weight, policy.stage2_choice.weight))
             tiling_w = policy.stage2_tiling.weight[:, 0] if policy.stage2_tiling is not None else torch.zeros(
@@ -123,31 +126,41 @@ class DeployedController(nn.Module):
             self.register_buffer("choice_tiling_w", tiling_w.detach().clone())
             self.register_buffer("s2_ln_w", policy.stage2_norm[0].weight.detach().clone())
             self.register_buffer("s2_ln_b", policy.stage2_norm[0].bias.detach().clone())
-            for head, prefix in ((policy.top_k_head, "topk"), (policy.blocks_head, "blocks")):
-                self.register_buffer(f"{prefix}1_w", head[0].weight.detach().clone())
-                self.register_buffer(f"{prefix}1_b", head[0].bias.detach().clone())
-                self.register_buffer(f"{prefix}2_w", head[2].weight.detach().clone())
-                self.register_buffer(f"{prefix}2_b", head[2].bias.detach().clone())
-            self._build_fallback(fallback, len(space.actions))
+            # both stage-2 heads in one pair of matmuls: first layers stacked, second layers block-diagonal
+            tk, bl = policy.top_k_head, policy.blocks_head
+            self.num_top_k = tk[2].out_features
+            self.register_buffer("heads1_w", torch.cat([tk[0].weight, bl[0].weight]).t().detach().contiguous())
+            self.register_buffer("heads1_b", torch.cat([tk[0].bias, bl[0].bias]).detach().clone())
+            self.register_buffer("heads2_w", torch.block_diag(tk[2].weight, bl[2].weight).t().detach().contiguous())
+            self.register_buffer("heads2_b", torch.cat([tk[2].bias, bl[2].bias]).detach().clone())
+            # a full product of knob values in sorted order: the flattened (C, K, B) grid is the action index
+            product = [(c, k, b) for c in space.max_crops_values for k in space.top_k_values
+                       for b in space.num_active_blocks_values]
+            self.full_product = list(space.actions) == product
+            self._build_fallback(fallback)
 
-    def _build_fallback(self, fallback: TableFallback | None, num_actions: int) -> None:
-        self.has_fallback = fallback is not None
-        if fallback is None:
-            self.register_buffer("grid_ms", torch.zeros(1, dtype=torch.float64))
+    def _build_fallback(self, fallback: TableFallback | None) -> None:
+        # a fallback that keeps the controller at every budget is no fallback
+        self.has_fallback = fallback is not None and not all(fallback.use_controller)
+        if fallback is None or not self.has_fallback:
+            self.register_buffer("grid_midpoints", torch.zeros(0, dtype=torch.float64))
             self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
             self.register_buffer("table_thresholds", torch.zeros(0))
             self.register_buffer("table_choices", torch.zeros(1, dtype=torch.long))
             self.table_tolerance = 0.0
             return
         table = fallback.lookup_table()
-        self.register_buffer("grid_ms", torch.tensor(fallback.grid_ms, dtype=torch.float64))
+        grid = torch.tensor(fallback.grid_ms, dtype=torch.float64)
+        # the nearest grid point (the lower one on a tie) is the number of midpoints below the budget
+        self.register_buffer("grid_midpoints", (grid[:-1] + grid[1:]) / 2)
         self.register_buffer("use_controller", torch.tensor(fallback.use_controller, dtype=torch.bool))
         thresholds, choices = table_steps(table)
         self.register_buffer("table_thresholds", thresholds)
         self.register_buffer("table_choices", choices)
         self.table_tolerance = float(table.tolerance)
 
-    # -- pieces, written for TorchScript (no Python containers of modules, explicit types)
+    # -- pieces, written for TorchScript (no Python containers of modules, explicit types); weight
+    # matrices are stored transposed, (in, out), for addmm: F.linear would transpose them per call
     def _layer_norm(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         return F.layer_norm(x, [x.shape[-1]], w, b, self.eps)
 
@@ -155,13 +168,13 @@ class DeployedController(nn.Module):
                         tiling_crops: Tensor | None) -> Tensor:
         """Per action, the joint log-probability up to a per-row constant (B, A)."""
         n = lang.shape[0]
-        lang_h = F.relu(self._layer_norm(F.linear(lang.float(), self.lang_w, self.lang_b), self.lang_ln_w,
+        lang_h = F.relu(self._layer_norm(torch.addmm(self.lang_b, lang.float(), self.lang_w), self.lang_ln_w,
                                          self.lang_ln_b))
         position = ((budget_ms.float() - self.budget_min_ms) / (self.budget_max_ms - self.budget_min_ms)).clamp(0, 1)
         angles = position[:, None] * self.frequencies[None, :]
         enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
-        x = F.gelu(self._layer_norm(F.linear(enc, self.b1_w, self.b1_b), self.b1_ln_w, self.b1_ln_b))
-        budget_h = self._layer_norm(F.linear(x, self.b2_w, self.b2_b), self.b2_ln_w, self.b2_ln_b)
+        x = F.gelu(self._layer_norm(torch.addmm(self.b1_b, enc, self.b1_w), self.b1_ln_w, self.b1_ln_b))
+        budget_h = self._layer_norm(torch.addmm(self.b2_b, x, self.b2_w), self.b2_ln_w, self.b2_ln_b)
         if self.uses_tilings:
             if tiling_crops is None:
                 tiling = torch.zeros(n, self.num_crops_values)
@@ -174,27 +187,33 @@ class DeployedController(nn.Module):
         else:
             tiling = torch.zeros(n, self.num_crops_values)
             fused_in = torch.cat([lang_h, budget_h], dim=-1)
-        fused = F.relu(self._layer_norm(F.linear(fused_in, self.fuse_w, self.fuse_b), self.fuse_ln_w, self.fuse_ln_b))
-        crops_logits = F.linear(F.relu(F.linear(fused, self.crops1_w, self.crops1_b)), self.crops2_w, self.crops2_b)
+        fused = F.relu(self._layer_norm(torch.addmm(self.fuse_b, fused_in, self.fuse_w), self.fuse_ln_w,
+                                        self.fuse_ln_b))
+        crops_hidden = torch.addmm(self.crops1_b, fused, self.crops1_w).relu_()
+        crops_logits = torch.addmm(self.crops2_b, crops_hidden, self.crops2_w)
         present = image_present.float()[:, None]
-        image_pre = self.image_b + present * F.linear(image.float(), self.image_w, self.image_c)
+        image_pre = self.image_b + present * torch.addmm(self.image_c, image.float(), self.image_w)
         image_h = F.relu(self._layer_norm(image_pre, self.image_ln_w, self.image_ln_b))
-        context = F.linear(torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w, self.context_b)
+        context = torch.addmm(self.context_b, torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w)
         hidden = context[:, None, :] + self.choice[None, :, :]
         if self.uses_tilings:
-            hidden = hidden + tiling[:, :, None] * self.choice_tiling_w
+            hidden = torch.addcmul(hidden, tiling[:, :, None], self.choice_tiling_w)
         hidden = F.relu(self._layer_norm(hidden, self.s2_ln_w, self.s2_ln_b))  # (B, C, H)
-        top_k = F.linear(F.relu(F.linear(hidden, self.topk1_w, self.topk1_b)), self.topk2_w, self.topk2_b)
-        blocks = F.linear(F.relu(F.linear(hidden, self.blocks1_w, self.blocks1_b)), self.blocks2_w, self.blocks2_b)
+        heads = torch.addmm(self.heads2_b, torch.addmm(self.heads1_b, hidden.flatten(0, 1), self.heads1_w).relu_(),
+                            self.heads2_w).view(n, self.num_crops_values, -1)
+        top_k = heads[:, :, :self.num_top_k].log_softmax(-1)  # (B, C, K)
+        blocks = heads[:, :, self.num_top_k:].log_softmax(-1)  # (B, C, Bk)
+        if self.full_product:
+            return (crops_logits[:, :, None, None] + top_k[:, :, :, None] + blocks[:, :, None, :]).flatten(1)
         return (crops_logits.index_select(1, self.crops_index)
-                + top_k.log_softmax(-1).flatten(1).index_select(1, self.top_k_index)
-                + blocks.log_softmax(-1).flatten(1).index_select(1, self.blocks_index))
+                + top_k.flatten(1).index_select(1, self.top_k_index)
+                + blocks.flatten(1).index_select(1, self.blocks_index))
 
     def _table_choice(self, budget_ms: Tensor) -> Tensor:
         return step_lookup(self.table_thresholds, self.table_choices, budget_ms, self.table_tolerance)
 
     def _use_network(self, budget_ms: Tensor) -> Tensor:
-        nearest = (budget_ms.double()[:, None] - self.grid_ms[None, :]).abs().argmin(-1)
+        nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
         return self.use_controller.index_select(0, nearest)
 
     def decide_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
@@ -204,6 +223,8 @@ class DeployedController(nn.Module):
             scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
             return scores.argmax(-1), torch.ones(lang.shape[0], dtype=torch.bool)
         use = self._use_network(budget_ms)
+        if bool(use.all()):
+            return self._network_scores(lang, image, image_present, budget_ms, tiling_crops).argmax(-1), use
         table = self._table_choice(budget_ms)
         if not bool(use.any()):
             return table, use
@@ -213,8 +234,8 @@ class DeployedController(nn.Module):
     def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                 tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         action, _ = self.decide_actions(lang, image, image_present, budget_ms, tiling_crops)
-        knobs = self.actions.index_select(0, action)
-        return knobs[:, 0], knobs[:, 1], knobs[:, 2]
+        max_crops, top_k, num_active_blocks = self.actions.index_select(0, action).unbind(1)
+        return max_crops, top_k, num_active_blocks
 
     @torch.jit.export
     def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,

@@ -1,0 +1,180 @@
+"""Controller decision latency: the exported controller against the training-time path, same run.
+
+    python benchmarks/bench_decision.py                       # both feature widths, one thread
+    python benchmarks/bench_decision.py --workspace workspace --run latest   # + agreement with ctrl predict
+
+Three paths decide the same inputs (a policy with the default architecture and tilings, random
+weights standing in for trained ones, and a table fallback that leaves every budget to the
+network, so that the network always runs — the slow case):
+
+* ``training-time``: what a decision cost before the export — the policy's ``log_probs`` over
+  the whole action space, ``argmax``, and the fallback's nearest-grid lookup;
+* ``deployed (eager)``: :class:`trainer.deploy.DeployedController` called from Python, the
+  module ``ctrl predict`` runs;
+* ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``.
+
+Batch 1: ``--repeats`` calls, each with a new budget, after 200 warm-up calls; batch 1,000:
+``--batch-repeats`` calls. Median, p95 and p99 in µs (batch 1) or ms (batch 1,000).
+
+With ``--workspace`` and ``--run``, the exported file of that run also decides every sample of
+the workspace at every budget of the run's grid (and between grid points) and is compared with
+``ctrl predict`` (the count of differing decisions is printed; it must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _stats(times: list[float], scale: float) -> tuple[float, float, float]:
+    times = sorted(times)
+    n = len(times)
+    return (statistics.median(times) * scale, times[min(n - 1, int(0.95 * n))] * scale,
+            times[min(n - 1, int(0.99 * n))] * scale)
+
+
+def build(lang_dim: int, image_dim: int):
+    """A policy over the balanced 27 configurations with tilings, its fallback, and its deployed module."""
+    import torch
+    from bench_trainer import synthetic_data
+
+    from trainer.baselines import LookupTableDecider
+    from trainer.deploy import DeployedController
+    from trainer.fallback import TableFallback
+    from trainer.policy import ControllerPolicy, PolicyConfig
+
+    torch.manual_seed(0)
+    data = synthetic_data(2000, lang_dim, image_dim)
+    policy = ControllerPolicy(PolicyConfig(lang_feature_dim=lang_dim, image_feature_dim=image_dim,
+                                           budget_min_ms=150.0, budget_max_ms=420.0, use_tilings=True),
+                              data.action_space).eval()
+    with torch.no_grad():  # weights away from the near-uniform initial heads
+        for p in policy.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    tilings = torch.randint(1, 13, (len(data), len(data.action_space.max_crops_values))).float()
+    policy.set_feature_normalization(data.image_features, data.image_present, data.lang_features, tilings)
+    grid = [150.0 + 30.0 * i for i in range(10)]
+    nan = [float("nan")] * len(grid)
+    fallback = TableFallback(grid_ms=grid, use_controller=[True] * len(grid), controller_reward=nan,
+                             table_reward=nan, reward_difference_se=nan, controller_violation_rate=nan,
+                             table_violation_rate=nan, table_violation_upper=nan, max_violation_rate=0.05,
+                             confidence=0.95, table=LookupTableDecider(data).state())
+    return data, tilings, policy, fallback, DeployedController(policy, fallback).eval()
+
+
+def timed(fn, inputs: list[tuple], warmup: int) -> list[float]:
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for i, args in enumerate(inputs):
+            started = time.perf_counter()
+            fn(*args)
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+    return times
+
+
+def latency_table(repeats: int, batch_repeats: int) -> list[str]:
+    import torch
+
+    from trainer.deploy import load_deployed, save_deployed
+
+    rows = ["| features | path | batch 1 median µs | p95 µs | p99 µs | batch 1,000 median ms | p95 ms | p99 ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for label, lang_dim, image_dim in (("embedded (64 + 64)", 64, 64), ("MolmoE-1B (2048 + 2048)", 2048, 2048)):
+        data, tilings, policy, fallback, deployed = build(lang_dim, image_dim)
+        with tempfile.TemporaryDirectory() as tmp:
+            exported = load_deployed(save_deployed(deployed, Path(tmp) / "controller.pt"))
+
+        def training_time(lang, image, present, budget, tiling):
+            fallback.controller_at(budget)
+            return policy.log_probs(image, present, lang, budget, None, tiling_crops=tiling).argmax(-1)
+
+        g = torch.Generator().manual_seed(1)
+        n = len(data)
+        warmup = 200
+        singles = []
+        for i in range(warmup + repeats):
+            j = i % n
+            singles.append((data.lang_features[j:j + 1], data.image_features[j:j + 1], data.image_present[j:j + 1],
+                            150.0 + 270.0 * torch.rand(1, generator=g), tilings[j:j + 1]))
+        batches = []
+        for i in range(20 + batch_repeats):
+            j = (i * 1000) % (n - 1000)
+            batches.append((data.lang_features[j:j + 1000], data.image_features[j:j + 1000],
+                            data.image_present[j:j + 1000], 150.0 + 270.0 * torch.rand(1000, generator=g),
+                            tilings[j:j + 1000]))
+        for name, fn in (("training-time", training_time), ("deployed (eager)", deployed), ("exported", exported)):
+            one = _stats(timed(fn, singles, warmup), 1e6)
+            many = _stats(timed(fn, batches, 20), 1e3)
+            rows.append(f"| {label} | {name} | {one[0]:.0f} | {one[1]:.0f} | {one[2]:.0f} | "
+                        f"{many[0]:.2f} | {many[1]:.2f} | {many[2]:.2f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def agreement(workspace: str, run: str) -> str:
+    """Differences between the exported file of ``run`` and ``ctrl predict`` on every sample and budget."""
+    import polars as pl
+    import torch
+
+    from pipeline import Workspace
+    from trainer import predict
+    from trainer.deploy import export_controller, load_deployed
+    from trainer.fallback import read_fallback
+    from trainer.policy import ControllerPolicy
+    from trainer.predict import _read_features
+    from trainer.runs import resolve_checkpoint
+
+    ws = Workspace(workspace)
+    checkpoint = resolve_checkpoint(ws, run)
+    policy = ControllerPolicy.load(checkpoint)
+    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
+                           policy.action_space.max_crops_values)
+    fallback = read_fallback(checkpoint)
+    grid = fallback.grid_ms if fallback is not None else [200.0, 300.0, 400.0]
+    budgets = sorted({*grid, *((a + b) / 2 + 0.3 for a, b in zip(grid, grid[1:])), grid[0] - 50.0, grid[-1] + 100.0})
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = load_deployed(export_controller(ws, checkpoint, Path(tmp) / "controller.pt").path)
+        frame = predict(ws, checkpoint, budgets, None)
+    n = len(feats["sample_key"])
+    differ = 0
+    for budget in budgets:
+        with torch.inference_mode():
+            knobs = torch.stack(exported.decide(feats["lang"], feats["image"], feats["image_present"],
+                                                torch.full((n,), budget), feats["tiling_crops"]), 1)
+        rows = frame.filter(pl.col("budget_ms") == budget).select("max_crops", "top_k", "num_active_blocks")
+        differ += int((knobs != rows.to_torch()).any(1).sum())
+    return f"{workspace} run {run}: {n} samples x {len(budgets)} budgets, {differ} decisions differ from ctrl predict"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=5000, help="batch-1 decisions timed per path")
+    parser.add_argument("--batch-repeats", type=int, default=200, help="1,000-decision batches timed per path")
+    parser.add_argument("--workspace", help="also compare the exported file with ctrl predict on this workspace")
+    parser.add_argument("--run", default="latest")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"\nCPU, {args.threads} torch thread(s), torch {torch.__version__}\n")
+    latency_table(args.repeats, args.batch_repeats)
+    if args.workspace:
+        print("\n" + agreement(args.workspace, args.run))
+
+
+if __name__ == "__main__":
+    main()
