@@ -4,7 +4,8 @@ The checkpoint may come from another workspace: only the feature model must matc
 fingerprint is stored in the checkpoint and compared with the workspace's cached features).
 Decisions range over the policy's whole action space (the configurations of its training
 data), not only over what this workspace happens to have recorded: that is the decision the
-deployed controller would make.
+deployed controller would make. The decisions come from :class:`trainer.deploy.DeployedController`,
+the module ``ctrl export`` writes, with each image's tiling from ``image_tilings``.
 """
 
 from __future__ import annotations
