@@ -242,3 +242,45 @@ def test_full_and_partial_action_spaces_without_tilings(drop):
         assert torch.allclose(deployed.probabilities(lang, image, present, budget), probs, rtol=1e-4, atol=1e-6)
         knobs = torch.stack(deployed(lang, image, present, budget), 1)
     assert torch.equal(knobs, torch.tensor(actions)[probs.argmax(-1)])
+
+
+def test_latest_is_the_newest_offline_run_and_online_runs_are_refused(trained, tmp_path):
+    """Two offline runs and a newer online run: `latest` is the newer offline one; predict and export
+    refuse the online run with one line."""
+    import json
+    import os
+
+    ws, _, _ = trained
+    newer = ws.runs_dir / "r2"
+    shutil.copytree(ws.runs_dir / "r1", newer)
+    online = ws.runs_dir / "o1"
+    online.mkdir()
+    (online / "config.json").write_text(json.dumps({"phase": "online", "run_id": "o1"}))
+    now = (ws.runs_dir / "r1" / "config.json").stat().st_mtime_ns
+    os.utime(newer / "config.json", ns=(now + 10**9, now + 10**9))
+    os.utime(online / "config.json", ns=(now + 2 * 10**9, now + 2 * 10**9))
+    try:
+        out = tmp_path / "c.pt"
+        exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(out)])
+        assert exported.exit_code == 0, exported.output
+        assert f"from {newer.resolve() / 'checkpoints' / 'best.pt'}" in exported.stdout
+        for args in (["predict", "--run", "o1", "--budget-ms", "200", "--out", str(tmp_path / "d.csv")],
+                     ["export", "o1", "--out", str(out)]):
+            refused = runner.invoke(app, [*args, "-w", str(ws.root)])
+            assert refused.exit_code == 1 and "o1 is an online run" in refused.stderr
+            assert len(refused.stderr.strip().splitlines()) == 2  # the error and its hint
+    finally:
+        shutil.rmtree(newer)
+        shutil.rmtree(online)
+
+
+def test_predict_on_another_workspace_with_the_same_models_features(trained, tmp_path, embedded_runtime):
+    from synthetic import SyntheticSpec
+    from trainer import predict
+
+    _, best, _ = trained
+    _, other = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=12, seed=7))
+    frame = predict(other, best, [200.0, 300.0], None)
+    keys = sorted(other.read_table("samples")["sample_key"].to_list())
+    assert frame.height == 2 * len(keys) == 2 * 24  # two datasets of 12 samples
+    assert sorted(frame.filter(pl.col("budget_ms") == 200.0)["sample_key"].to_list()) == keys
