@@ -108,7 +108,7 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
         raise _fail(CtrlError(f"{describe(e, 1000)}\nHint: `ctrl doctor` checks the workspace's files "
                               "and names the command that repairs them.")) from None
     except KeyboardInterrupt:
-        err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False)
+        err.print("interrupted" + (f": {interrupted}" if interrupted else ""), highlight=False, soft_wrap=True)
         raise typer.Exit(code=130) from None
 
 

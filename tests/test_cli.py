@@ -128,3 +128,37 @@ def test_commands_over_a_damaged_table_give_one_line_and_point_to_doctor(small_t
         assert lines[0].startswith("error: ") and lines[-1].startswith("Hint: `ctrl doctor`"), lines
     doctor = invoke("doctor", "-w", str(ws))
     assert doctor.exit_code == 1 and f"damaged: {table}: unreadable" in doctor.stderr
+
+
+def test_ctrl_c_during_ingest_exits_130_and_leaves_the_workspace(small_tree, tmp_path, monkeypatch):
+    ws = tmp_path / "ws"
+    assert invoke("ingest", str(small_tree / "exp5"), "-w", str(ws)).exit_code == 0
+    before = invoke("query", "SELECT count(*) AS n FROM measurements", "-w", str(ws), "--format", "csv").stdout
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pipeline.ingestion.build_tables", interrupted)  # Ctrl-C while the tables are built
+    result = invoke("ingest", str(small_tree), "-w", str(ws))
+    assert result.exit_code == 130 and result.stdout == ""
+    assert result.stderr == ("interrupted: the workspace is unchanged; parsed files are cached and the next run "
+                             "resumes\n")
+    monkeypatch.undo()
+    assert invoke("query", "SELECT count(*) AS n FROM measurements", "-w", str(ws), "--format", "csv").stdout == before
+    assert before == f"\"n\"\n{NUM_SAMPLES * len(CONFIGS)}\n"  # exp5 only: 5 samples x 2 configurations
+
+
+def test_ctrl_c_during_training_exits_130_with_the_resume_hint(tmp_path, monkeypatch, embedded_runtime):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=10))
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("trainer.offline.OfflineTrainer._train_epoch", interrupted)
+    result = invoke("train", "--offline", "-w", str(ws.root), "--num-epochs", "1", "--cross-fit-folds", "0",
+                    "--run-id", "cut")
+    assert result.exit_code == 130
+    assert result.stderr == "interrupted: resume with --resume RUN (the last finished epoch is checkpointed)\n"
