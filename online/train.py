@@ -103,7 +103,9 @@ def build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: M
             controller = TwoStageController.load(parent.last_checkpoint, runtime.fingerprint)
         else:
             policy = ControllerPolicy.load(resolve_checkpoint(workspace, parent.path), runtime.fingerprint)
-            controller = TwoStageController(policy, two_stage)
+            with torch.random.fork_rng():  # the new online heads: the same for the same seed
+                torch.manual_seed(config.seed)
+                controller = TwoStageController(policy, two_stage)
         saved_reward = parent.read_config().get("reward")
         if reward is None and isinstance(saved_reward, dict):
             reward = RewardConfig.from_json(saved_reward)
