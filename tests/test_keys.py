@@ -33,6 +33,14 @@ def test_integral_float_and_int_ids_agree(n):
     assert canonical_id(n) == canonical_id(float(n)) == str(n)
 
 
+def test_other_id_types_have_one_text_form():
+    assert canonical_id(2**70) == "1180591620717411303424"  # beyond 64 bits: still its digits
+    assert canonical_id(1.5) == "1.5" and canonical_id(-0.25) == "-0.25"  # not integral: as written
+    assert canonical_id({"b": 1, "a": [2, 3]}) == '{"a":[2,3],"b":1}'  # structured ids: sorted-key JSON
+    assert canonical_id([7, "x"]) == '[7,"x"]'
+    assert canonical_id(True) is None and canonical_id(float("nan")) is None
+
+
 def test_ids_written_with_surrounding_whitespace_equal_the_number():
     assert canonical_id(" 42") == canonical_id("42\n") == canonical_id(42) == "42"
     assert canonical_id("  ") is None  # blank: falls through to the next rule
