@@ -15,6 +15,8 @@ active layers and nothing for the skipped ones, and positions come from layer 0,
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -37,6 +39,20 @@ from runtime.base import (
 
 if TYPE_CHECKING:
     from transformers import OlmoeForCausalLM
+
+
+@functools.cache
+def _cache_argument() -> str:
+    """The keyword under which the installed transformers' Olmoe forward takes the KV cache:
+    ``cache`` in newer releases, which deprecate the older ``past_key_values``."""
+    from transformers import OlmoeModel
+
+    return "cache" if "cache" in inspect.signature(OlmoeModel.forward).parameters else "past_key_values"
+
+
+def with_cache(cache: object) -> dict[str, object]:
+    """``cache`` as the keyword argument of an Olmoe forward."""
+    return {_cache_argument(): cache}
 
 
 class OlmoeDecoderRuntime(ModelRuntime):
@@ -104,14 +120,14 @@ class OlmoeDecoderRuntime(ModelRuntime):
             # one slot per layer, indexed by each attention's original layer_idx
             cache = DynamicCache(config=self.decoder.config)
             mask = inputs.attention_mask.to(self.device)
-            out = self.decoder(inputs_embeds=self._embed(inputs), attention_mask=mask, past_key_values=cache,
+            out = self.decoder(inputs_embeds=self._embed(inputs), attention_mask=mask, **with_cache(cache),
                                use_cache=True, logits_to_keep=1)
 
             def next_token(token: int) -> int:
                 nonlocal mask
                 mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
                 step = self.decoder(input_ids=torch.tensor([[token]], device=self.device), attention_mask=mask,
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                                    **with_cache(cache), use_cache=True, logits_to_keep=1)
                 return int(step.logits[0, -1].argmax())
 
             tokens = greedy_decode(int(out.logits[0, -1].argmax()), next_token, self.eos_id, max_new_tokens)
@@ -161,7 +177,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
                 embeds = torch.cat([embeds, token], dim=1)
             cache = DynamicCache(config=self.decoder.config)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
-            out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, **with_cache(cache), use_cache=True)
         return PrefixState(inputs, p, embeds, out.last_hidden_state, cache,
                            extra_tokens=0 if extra_embedding is None else 1)
 
@@ -193,7 +209,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
                 with self._layers(suffix):
                     positions = torch.arange(seq, device=self.device)[None]
                     out = self.decoder.model(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
-                                             past_key_values=cache, use_cache=True)
+                                             **with_cache(cache), use_cache=True)
                 hidden = out.last_hidden_state
             else:
                 hidden = self.decoder.model.norm(hidden)
@@ -207,7 +223,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
         with torch.no_grad(), self._autocast(), self._layers(state.active_blocks):
             out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),
-                               attention_mask=state.attention_mask, past_key_values=state.cache, use_cache=True,
+                               attention_mask=state.attention_mask, **with_cache(state.cache), use_cache=True,
                                logits_to_keep=1)
         state.logits = out.logits[0, -1].float()
 
