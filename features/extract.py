@@ -218,6 +218,8 @@ def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) 
     done = cached_keys(out_dir)
     rows = list(samples.select("dataset", "sample_key", "split", "image_id", "question").iter_rows(named=True))
     todo = [r for r in rows if (r["dataset"], r["sample_key"]) not in done]
+    # questions on one image next to each other, so that they land in one forward batch and share its image forward
+    todo.sort(key=lambda r: (r["dataset"], r["image_id"] or ""))
     # after the highest chunk, not after the count: a deleted chunk must not make a name collide
     indices = [int(c.name.removeprefix("chunk-")) for c in out_dir.glob("chunk-*") if c.name[6:].isdigit()]
     return _Plan(fingerprint, out_dir, len(rows), todo, next_chunk=max(indices, default=-1) + 1)
