@@ -328,7 +328,7 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
         msg = f"{out}: is a directory\nHint: --out FILE, e.g. controller.pt"
         raise CtrlError(msg)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
-    policy = ControllerPolicy.load(checkpoint)
+    policy = ControllerPolicy.load(checkpoint, offline_only=True)
     fallback = read_fallback(checkpoint)
     module = DeployedController(policy, fallback).eval()
     save_deployed(module, out)

@@ -383,9 +383,16 @@ class ControllerPolicy(nn.Module):
         return atomic_torch_save(payload, Path(path))
 
     @classmethod
-    def load(cls, path: str | Path, model_fingerprint: str | None = None) -> ControllerPolicy:
-        """Read a checkpoint; with ``model_fingerprint``, refuse features of another model."""
+    def load(cls, path: str | Path, model_fingerprint: str | None = None, *, offline_only: bool = False
+             ) -> ControllerPolicy:
+        """Read a checkpoint; with ``model_fingerprint``, refuse features of another model; with
+        ``offline_only``, refuse an online run's checkpoint (its offline part alone is not the
+        controller the run trained: the online stage-2 heads read the model's hidden states)."""
         payload = read_checkpoint(path)
+        if offline_only and "two_stage" in payload:
+            msg = (f"{path}: the checkpoint of an online run: its controller needs the model in the loop\n"
+                   "Hint: predict and export take offline runs; evaluate an online run with `ctrl evaluate RUN`.")
+            raise CtrlError(msg)
         policy = cls(PolicyConfig(**payload["config"]), ActionSpace.from_json(payload["action_space"]),
                      payload["model_fingerprint"])
         policy.load_state_dict(payload["state_dict"], strict=True)  # never strict=False (§9 D25)

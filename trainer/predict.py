@@ -123,7 +123,7 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
                "e.g. ./decisions.parquet")
         raise CtrlError(msg)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
-    policy = ControllerPolicy.load(checkpoint)
+    policy = ControllerPolicy.load(checkpoint, offline_only=True)
     feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
                            policy.action_space.max_crops_values)
     deployed = DeployedController(policy, read_fallback(checkpoint))

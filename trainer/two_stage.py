@@ -164,8 +164,9 @@ class TwoStageController(nn.Module):
 
     # -- checkpoints
     def save(self, path, extra: dict | None = None):
-        """An ordinary policy checkpoint (``ControllerPolicy.load`` reads it: offline evaluation and
-        ``ctrl predict`` keep working) with the online modules under ``two_stage``."""
+        """A policy checkpoint in the offline layout (:meth:`load` reads that part with
+        ``ControllerPolicy.load``) plus the online modules under ``two_stage``, whose presence makes
+        ``ctrl predict`` and ``ctrl export`` refuse the file."""
         online = {k: v for k, v in self.state_dict().items() if not k.startswith("policy.")}
         payload = {"two_stage": {"format": TWO_STAGE_FORMAT, "config": asdict(self.two_stage), "state_dict": online}}
         return self.policy.save(path, extra={**payload, **(extra or {})})
