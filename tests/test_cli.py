@@ -146,19 +146,3 @@ def test_ctrl_c_during_ingest_exits_130_and_leaves_the_workspace(small_tree, tmp
     monkeypatch.undo()
     assert invoke("query", "SELECT count(*) AS n FROM measurements", "-w", str(ws), "--format", "csv").stdout == before
     assert before == f"\"n\"\n{NUM_SAMPLES * len(CONFIGS)}\n"  # exp5 only: 5 samples x 2 configurations
-
-
-def test_ctrl_c_during_training_exits_130_with_the_resume_hint(tmp_path, monkeypatch, embedded_runtime):
-    from conftest import build_feature_workspace
-    from synthetic import SyntheticSpec
-
-    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=10))
-
-    def interrupted(*_args, **_kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr("trainer.offline.OfflineTrainer._train_epoch", interrupted)
-    result = invoke("train", "--offline", "-w", str(ws.root), "--num-epochs", "1", "--cross-fit-folds", "0",
-                    "--run-id", "cut")
-    assert result.exit_code == 130
-    assert result.stderr == "interrupted: resume with --resume RUN (the last finished epoch is checkpointed)\n"

@@ -272,15 +272,3 @@ def test_latest_is_the_newest_offline_run_and_online_runs_are_refused(trained, t
     finally:
         shutil.rmtree(newer)
         shutil.rmtree(online)
-
-
-def test_predict_on_another_workspace_with_the_same_models_features(trained, tmp_path, embedded_runtime):
-    from synthetic import SyntheticSpec
-    from trainer import predict
-
-    _, best, _ = trained
-    _, other = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=12, seed=7))
-    frame = predict(other, best, [200.0, 300.0], None)
-    keys = sorted(other.read_table("samples")["sample_key"].to_list())
-    assert frame.height == 2 * len(keys) == 2 * 24  # two datasets of 12 samples
-    assert sorted(frame.filter(pl.col("budget_ms") == 200.0)["sample_key"].to_list()) == keys
