@@ -25,6 +25,15 @@ settings.register_profile("mutation", deadline=None, max_examples=30,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("CTRL_HYPOTHESIS_PROFILE", "ctrl"))
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` the workers share the cores: each (and every process it starts) gets
+    its share of threads, since OpenMP pools that oversubscribe the cores spin against each other
+    and make small torch ops several times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
 #: configurations of the small tree
 CONFIGS = [(2, 4, 12), (6, 8, 16)]
 NUM_SAMPLES = 5  # with world size 2: rank 0 gets 0, 2, 4; rank 1 gets 1, 3, 0 (padding)

@@ -26,7 +26,8 @@ def ws(tmp_path_factory, embedded_runtime) -> Workspace:
 def test_train_evaluate_predict(ws, tmp_path):
     w = str(ws.root)
     trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--run-id", "cli-run",
-                                  "--reward-mode", "hard", "--fallback-confidence", "0.8"], catch_exceptions=False)
+                                  "--reward-mode", "hard", "--fallback-confidence", "0.8", "--cross-fit-folds", "2"],
+                            catch_exceptions=False)
     assert trained.exit_code == 0, trained.output
     assert "run cli-run" in trained.stdout and "lut_p95" in trained.stdout
     assert "next: `ctrl predict --run cli-run" in trained.stdout  # where to look next

@@ -89,10 +89,11 @@ class DeployedController(nn.Module):
             self.eps = _ln(policy.lang_proj[1])[2]
             enc = policy.budget_encoder
             self.budget_min_ms, self.budget_max_ms = float(enc.min_ms), float(enc.max_ms)
-            self.register_buffer("frequencies", enc.frequencies.clone())
+            self.register_buffer("frequencies", enc.frequencies[None, :].clone())  # (1, F)
             names = ("b1_w", "b1_b", "b1_ln_w", "b1_ln_b", "b2_w", "b2_b", "b2_ln_w", "b2_ln_b")
             mlp = enc.mlp
-            values = (mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias, mlp[3].weight, mlp[3].bias,
+            # GELU's 0.5 moves into the next Linear (exact: a power of two)
+            values = (mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias, mlp[3].weight * 0.5, mlp[3].bias,
                       mlp[4].weight, mlp[4].bias)
             for name, value in zip(names, values):
                 self.register_buffer(name, (value.t() if name.endswith("_w") and value.dim() == 2 else value)
@@ -171,9 +172,11 @@ class DeployedController(nn.Module):
         lang_h = F.relu(self._layer_norm(torch.addmm(self.lang_b, lang.float(), self.lang_w), self.lang_ln_w,
                                          self.lang_ln_b))
         position = ((budget_ms.float() - self.budget_min_ms) / (self.budget_max_ms - self.budget_min_ms)).clamp(0, 1)
-        angles = position[:, None] * self.frequencies[None, :]
+        angles = position.unsqueeze(1) * self.frequencies
         enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
-        x = F.gelu(self._layer_norm(torch.addmm(self.b1_b, enc, self.b1_w), self.b1_ln_w, self.b1_ln_b))
+        x = self._layer_norm(torch.addmm(self.b1_b, enc, self.b1_w), self.b1_ln_w, self.b1_ln_b)
+        # 2 GELU(x) = x (1 + erf(x / sqrt 2)): on a small row aten's gelu costs as much as five such ops
+        x = (x * 0.7071067811865476).erf_().add_(1.0).mul_(x)
         budget_h = self._layer_norm(torch.addmm(self.b2_b, x, self.b2_w), self.b2_ln_w, self.b2_ln_b)
         if self.uses_tilings:
             if tiling_crops is None:
@@ -191,20 +194,20 @@ class DeployedController(nn.Module):
                                         self.fuse_ln_b))
         crops_hidden = torch.addmm(self.crops1_b, fused, self.crops1_w).relu_()
         crops_logits = torch.addmm(self.crops2_b, crops_hidden, self.crops2_w)
-        present = image_present.float()[:, None]
+        present = image_present.float().unsqueeze(1)
         image_pre = self.image_b + present * torch.addmm(self.image_c, image.float(), self.image_w)
         image_h = F.relu(self._layer_norm(image_pre, self.image_ln_w, self.image_ln_b))
         context = torch.addmm(self.context_b, torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w)
-        hidden = context[:, None, :] + self.choice[None, :, :]
+        hidden = context.unsqueeze(1) + self.choice
         if self.uses_tilings:
-            hidden = torch.addcmul(hidden, tiling[:, :, None], self.choice_tiling_w)
+            hidden = torch.addcmul(hidden, tiling.unsqueeze(2), self.choice_tiling_w)
         hidden = F.relu(self._layer_norm(hidden, self.s2_ln_w, self.s2_ln_b))  # (B, C, H)
         heads = torch.addmm(self.heads2_b, torch.addmm(self.heads1_b, hidden.flatten(0, 1), self.heads1_w).relu_(),
                             self.heads2_w).view(n, self.num_crops_values, -1)
-        top_k = heads[:, :, :self.num_top_k].log_softmax(-1)  # (B, C, K)
-        blocks = heads[:, :, self.num_top_k:].log_softmax(-1)  # (B, C, Bk)
+        top_k = heads.narrow(2, 0, self.num_top_k).log_softmax(-1)  # (B, C, K)
+        blocks = heads.narrow(2, self.num_top_k, heads.shape[2] - self.num_top_k).log_softmax(-1)  # (B, C, Bk)
         if self.full_product:
-            return (crops_logits[:, :, None, None] + top_k[:, :, :, None] + blocks[:, :, None, :]).flatten(1)
+            return (crops_logits.view(n, -1, 1, 1) + top_k.unsqueeze(3) + blocks.unsqueeze(2)).flatten(1)
         return (crops_logits.index_select(1, self.crops_index)
                 + top_k.flatten(1).index_select(1, self.top_k_index)
                 + blocks.flatten(1).index_select(1, self.blocks_index))
