@@ -36,6 +36,21 @@ def test_exp5_rank0_file(tmp_path):
     assert got.summaries.num_rows == 1 and got.summaries.column("recorded_num_samples").to_pylist() == [3]
 
 
+def test_reference_answers_come_from_answer_options_or_captions_when_there_is_no_answers_list(tmp_path):
+    doc = exp5_config_doc(2, 4, 12, [0, 1, 2, 3, 4], merged=False)
+    records = doc["all_samples"]
+    for r in records:
+        del r["answers"], r["metadata"]["answers"]
+    records[0]["metadata"]["answer"] = 7  # a number: kept as its text
+    records[1]["answer"] = "yes"  # on the record, not in the metadata
+    records[2]["metadata"]["options"] = ["red", "green", "blue"]
+    records[2]["answer_idx"] = 2  # the index on the record, the options in the metadata
+    records[3]["options"], records[3]["metadata"]["answer_idx"] = ["left", "right"], 0
+    records[4]["metadata"]["captions"] = ["a cat", "two cats"]
+    got = parse(write(tmp_path / exp5_name(2, 4, 12, rank=0), doc))
+    assert got.samples.column("answers").to_pylist() == [["7"], ["yes"], ["blue"], ["left"], ["a cat", "two cats"]]
+
+
 def test_exp5_merged_file_counts_padding_duplicates(tmp_path):
     p = write(tmp_path / exp5_name(2, 4, 12), exp5_config_doc(2, 4, 12, [0, 2, 4, 1, 3, 0], merged=True))
     got = parse(p)
@@ -190,6 +205,9 @@ BAD_INPUT = [
      r"per_sample_predictions\[2\]\.metadata: metadata has none of"),
     ("metadata not an object", _mutate(_set(["per_sample_predictions", 0, "metadata"], "x")),
      r"per_sample_predictions\[0\]\.metadata: expected an object, got a string"),
+    ("metadata a boolean", _mutate(_set(["per_sample_predictions", 0, "metadata"], True)),
+     r"per_sample_predictions\[0\]\.metadata: expected an object, got a boolean"),
+    ("config null", _mutate(_set(["config"], None)), r"config: expected an object, got null"),
     ("record not an object", _mutate(_set(["per_sample_latencies", 1], 5)),
      r"per_sample_latencies\[1\]: expected an object, got a number"),
     ("block list length", _mutate(_set(["config", "active_block_indices"], [0, 1])),
