@@ -440,7 +440,3 @@ class SummaryBuilder:
 
     def table(self) -> pa.Table:
         return pa.Table.from_pydict(self.rows, schema=FRAGMENT_SUMMARIES.arrow_schema())
-
-
-def is_nan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CONFIGS, NUM_SAMPLES, run_ingest
 from pipeline import QueryError, SchemaError, run_query, view_ddl
-from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, schema_markdown
+from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, schema_markdown, schemas_markdown
 
 SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "schema.md"
 
@@ -109,6 +109,10 @@ def test_schema_doc_documents_every_table_exactly(name):
     table = TABLES.get(name) or FEATURE_TABLES.get(name) or RUN_TABLES[name]
     assert schema_markdown(table) in SCHEMA_DOC.read_text(), (f"docs/schema.md of {name!r} is stale: "
                                                               "paste the output of `ctrl schema`")
+
+
+def test_schema_doc_holds_the_output_of_ctrl_schema_in_order():
+    assert schemas_markdown() in SCHEMA_DOC.read_text(), "docs/schema.md is stale: paste the output of `ctrl schema`"
 
 
 def test_a_workspace_under_a_quoted_directory_name_works(small_tree, tmp_path):

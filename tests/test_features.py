@@ -141,6 +141,7 @@ def test_images_looked_up_elsewhere_are_found_on_the_next_run(runtime, feature_w
     # another images directory: the samples whose image was missing are computed again, and found
     right = run(images)
     assert right.computed == 20 and right.missing_images == []
+    assert list(ws.features_dir.glob("*/.*")) == []  # the dropped chunks leave nothing behind
     rows = run_query(ws, "SELECT image_status, count(*) AS n, count(DISTINCT (dataset, sample_key)) AS k "
                          "FROM image_features GROUP BY 1").to_pylist()
     assert rows == [{"image_status": "ok", "n": 20, "k": 20}]

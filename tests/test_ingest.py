@@ -274,3 +274,19 @@ def test_an_id_written_with_spaces_is_the_same_sample(small_tree, tmp_path, work
     assert workspace.read_table("samples")["sample_key"].to_list() == [f"ex:50000{i}" for i in range(5)]
     m = workspace.read_table("measurements").filter((pl.col("max_crops") == 2))
     assert m.group_by("sample_key").len().sort("sample_key")["len"].to_list() == [2] * NUM_SAMPLES
+
+
+def test_a_tree_of_summaries_only_gives_empty_tables_and_its_configs(tmp_path, workspace):
+    """A final file whose rows cannot be attributed: no measurement or sample, the recorded summary kept."""
+    per_config = exp6_config_doc(2, 4, 12, [0, 1], merged=True)
+    final = {"summary": per_config["summary"], "all_samples": per_config["per_sample_latencies"],
+             "config": {"dataset_name": "coco_2014_vqa", "split": "validation", "max_crops_list": [2], "world_size": 2}}
+    write(tmp_path / "exp6" / "exp6_latency_results.json", final)
+    report = run_ingest([tmp_path / "exp6"], workspace)
+    assert report.exit_code == 0
+    assert workspace.read_table("measurements").height == 0 and workspace.read_table("samples").height == 0
+    (row,) = workspace.read_table("configs").to_dicts()
+    assert ((row["experiment"], row["max_crops"], row["top_k"], row["num_active_blocks"])
+            == ("exp6", 2, 4, 12))
+    assert (row["recorded_num_samples"], row["recorded_latency_total_ms_mean"]) == (2, 200.5)
+    assert (row["num_samples"], row["accuracy"], row["latency_total_ms_mean"]) == (0, None, None)
