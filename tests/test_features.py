@@ -266,3 +266,25 @@ def test_two_ranks_write_the_single_process_cache(runtime, feature_ws, tmp_path)
     assert sorted(theirs) == sorted(mine) and len(mine) == 4 * 3
     for name, table in mine.items():
         assert theirs[name].equals(table), name
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(batch_size=0), r"^batch_size must be >= 1, got 0$"),
+    (dict(batch_size=8, chunk_size=4), r"^chunk_size \(4\) must be >= batch_size \(8\)$"),
+    (dict(device="gpu"), r"^device must be cpu or cuda, got 'gpu'$"),
+    (dict(device="cuda1"), r"^device must be cpu or cuda, got 'cuda1'$"),
+    (dict(images_dir=Path("/nonexistent/images")), r"^--images /nonexistent/images is not a directory$"),
+])
+def test_feature_options_are_checked_with_one_line(options, message):
+    from features import FeatureConfig
+    from pipeline.errors import CtrlError
+
+    with pytest.raises(CtrlError, match=message):
+        FeatureConfig(**options)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_feature_devices_accepted_without_a_gpu(device):
+    from features import FeatureConfig
+
+    assert FeatureConfig(device=device, batch_size=4, chunk_size=4).device == device

@@ -456,6 +456,23 @@ def test_evaluation_frame_and_files(data, tmp_path):
     back = pl.read_parquet(parquet)
     assert back["run_id"].unique().to_list() == ["20260101-000000-abc123"] and back.drop("run_id").equals(frame)
     assert format_evaluation_table(frame).row_count == frame.height
+    # an evaluation read back and written under another run: one run_id column, the new one
+    parquet, _ = write_evaluation(tmp_path / "other-run", back)
+    again = pl.read_parquet(parquet)
+    assert again.columns == ["run_id", *frame.columns] and again["run_id"].unique().to_list() == ["other-run"]
+
+
+def test_evaluation_rows_get_the_documented_dtypes_whatever_they_hold():
+    from trainer.evaluate import evaluation_frame
+
+    frame = evaluation_frame([{"decider": "table", "budget_ms": 200, "num_samples": 3, "accuracy": 1}])
+    assert frame.schema == {"decider": pl.String, "budget_ms": pl.Float64, "num_samples": pl.Int64,
+                            "accuracy": pl.Float64, "latency_ms_mean": pl.Float64, "latency_ms_p95": pl.Float64,
+                            "violation_rate": pl.Float64, "accuracy_within_budget": pl.Float64,
+                            "reward_mean": pl.Float64, "expected_reward": pl.Float64, "config_histogram": pl.String,
+                            "accuracy_se": pl.Float64, "accuracy_vs_table": pl.Float64,
+                            "accuracy_vs_table_se": pl.Float64}
+    assert frame.row(0) == ("table", 200.0, 3, 1.0, *[None] * 10)
 
 
 def test_evaluation_refuses_decisions_outside_the_mask(data):
