@@ -139,12 +139,15 @@ def test_table_steps_give_the_tables_choice_at_every_budget(stats, scores, toler
     assert torch.equal(step_lookup(thresholds, choices, budgets, tolerance), table.choose(budgets, None))
 
 
-def test_exported_file_decides_like_predict_in_a_process_without_ctrl(trained, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["torchscript", "aoti-compiled"])
+def test_exported_file_decides_like_predict_in_a_process_without_ctrl(trained, tmp_path, compiled):
     ws, best, _ = trained
-    out = tmp_path / "controller.pt"
-    exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(out)])
+    out = tmp_path / ("controller.pt2" if compiled else "controller.pt")
+    exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(out),
+                                   *(["--compiled"] if compiled else [])])
     assert exported.exit_code == 0, exported.output
     assert str(out) in exported.stdout and "KiB" in exported.stdout and "tiling_crops [B, " in exported.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary file left
     policy, f = _inputs(ws, best)
     from trainer.fallback import read_fallback
 
@@ -163,12 +166,16 @@ import importlib.util, sys
 sys.path.append({str(site)!r})  # torch's site-packages only: -I -S leaves the project and its .pth files out
 assert [m for m in ("cli", "pipeline", "trainer", "runtime") if importlib.util.find_spec(m)] == [], sys.path
 import torch
-controller = torch.jit.load({str(out)!r})
+import torch._inductor
+if {compiled}:
+    decide = torch._inductor.aoti_load_package({str(out)!r})
+else:
+    decide = torch.jit.load({str(out)!r}).decide
 x = torch.load({str(inputs)!r})
 n = x["lang"].shape[0]
 result = []
 for b in x["budgets"].tolist():
-    knobs = controller.decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
+    knobs = decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
     assert all(k.dtype == torch.int64 and k.shape == (n,) for k in knobs)
     result.append(torch.stack(knobs, 1))
 torch.save(torch.stack(result), {str(tmp_path / "exported.pt")!r})

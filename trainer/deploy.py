@@ -24,9 +24,12 @@ The module is TorchScript-compatible and is what ``ctrl export`` writes
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +42,8 @@ from trainer.fallback import TableFallback, read_fallback
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint
 
-__all__ = ["DeployedController", "ExportReport", "export_controller", "load_deployed", "save_deployed", "step_lookup",
-           "table_steps"]
+__all__ = ["DeployedController", "ExportReport", "export_controller", "load_compiled", "load_deployed", "save_compiled",
+           "save_deployed", "step_lookup", "table_steps"]
 
 
 def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
@@ -301,6 +304,70 @@ def load_deployed(path: Path) -> torch.jit.ScriptModule:
 
 
 
+class _BranchFree(nn.Module):
+    """The decision without data-dependent branches, for ``torch.export``: the network and the table
+    both run and ``where`` picks (compiled, the network costs little more than the branch did)."""
+
+    def __init__(self, deployed: DeployedController) -> None:
+        super().__init__()
+        self.deployed = deployed
+
+    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        d = self.deployed
+        action = d._network_scores(lang, image, image_present, budget_ms, tiling_crops).argmax(-1)
+        if d.has_fallback:
+            action = torch.where(d._use_network(budget_ms), action, d._table_choice(budget_ms))
+        max_crops, top_k, num_active_blocks = d.actions.index_select(0, action).unbind(1)
+        return max_crops, top_k, num_active_blocks
+
+
+def save_compiled(module: DeployedController, path: Path) -> Path:
+    """Write ``module`` compiled ahead of time (AOTInductor, for this kind of CPU) as a ``.pt2``
+    package that ``torch._inductor.aoti_load_package`` reads with torch alone (atomic).
+
+    The batch size stays free; a run trained with tilings takes ``tiling_crops`` as a fifth,
+    required input (NaN = unknown). Compiling needs a C++ compiler and takes a minute or two.
+    """
+    from torch._inductor import aoti_compile_and_package
+
+    module = module.eval()
+    n = 2  # an example batch of 1 would fix the batch size at 1
+    example = (torch.zeros(n, module.lang_dim), torch.zeros(n, module.image_dim), torch.ones(n, dtype=torch.bool),
+               torch.full((n,), module.budget_min_ms))
+    if module.uses_tilings:
+        example = (*example, torch.ones(n, module.num_crops_values))
+    compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
+    if not any(c and shutil.which(c) for c in compilers):
+        msg = (f"{path}: no C++ compiler to compile the controller with (CXX, c++, g++, clang++)\n"
+               "Hint: install g++ or clang, or export without --compiled (TorchScript needs none).")
+        raise CtrlError(msg)
+    batch = torch.export.Dim("batch", min=1)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.pt2")
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch's own: export meets the TorchScript decorators, inductor uses deprecated pytree calls
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            program = torch.export.export(_BranchFree(module), example,
+                                          dynamic_shapes=tuple({0: batch} for _ in example))
+            aoti_compile_and_package(program, package_path=str(tmp))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_compiled(path: Path) -> Any:
+    """The package :func:`save_compiled` wrote, callable as ``(lang, image, image_present, budget_ms[,
+    tiling_crops])``; ``.loader.boxed_run([...])`` skips the wrapper's per-call argument parsing."""
+    from torch._inductor import aoti_load_package
+
+    return aoti_load_package(str(path))
+
+
 @dataclass
 class ExportReport:
     """What ``ctrl export`` wrote: the file, its size, and what a caller needs to know to call it."""
@@ -315,12 +382,14 @@ class ExportReport:
     num_actions: int
     uses_tilings: bool
     fallback_budgets_ms: list[float]
+    compiled: bool = False
 
 
 def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
-                      out: str | Path) -> ExportReport:
+                      out: str | Path, compiled: bool = False) -> ExportReport:
     """Write the deployed controller of an offline run (a run id, ``latest``, a run directory or a
-    checkpoint file) as a TorchScript file that ``torch.jit.load`` reads with torch alone."""
+    checkpoint file) as a TorchScript file that ``torch.jit.load`` reads with torch alone, or with
+    ``compiled`` as an AOTInductor package (:func:`save_compiled`)."""
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     out = Path(out)
     if ws.owns(out):
@@ -334,10 +403,11 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
     policy = ControllerPolicy.load(checkpoint, offline_only=True)
     fallback = read_fallback(checkpoint)
     module = DeployedController(policy, fallback).eval()
-    save_deployed(module, out)
+    (save_compiled if compiled else save_deployed)(module, out)
     return ExportReport(path=out, size_bytes=out.stat().st_size, checkpoint=checkpoint,
                         model_fingerprint=module.model_fingerprint, lang_feature_dim=module.lang_dim,
                         image_feature_dim=module.image_dim,
                         max_crops_values=tuple(policy.action_space.max_crops_values),
                         num_actions=len(policy.action_space.actions), uses_tilings=module.uses_tilings,
-                        fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms)
+                        fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms,
+                        compiled=compiled)
