@@ -128,3 +128,17 @@ def test_cross_fitted_run_scores_every_sample_out_of_fold_and_resumes_a_fold(cro
 def test_one_fold_is_refused():
     with pytest.raises(ValueError, match="cross_fit_folds"):
         OfflineTrainConfig(cross_fit_folds=1)
+
+
+def test_fallback_rule_on_one_sample_and_at_the_violation_ceiling():
+    from trainer.fallback import compare_with_table
+
+    val = make_data(n=1, full_mask=True)
+    with pytest.raises(ValueError, match=r"^`val` has no samples: the fallback needs held-out data$"):
+        compare_with_table(Constant(0), Constant(1), val.select([]), [100.0], RewardConfig(mode="hard"), {})
+    # a 1 ms budget: both deciders violate on the one sample, the table's rate and bound are 1;
+    # a ceiling of 1 holds both, and one paired sample has no standard error: the table stays
+    fallback = compare_with_table(Constant(0), Constant(1), val, [1.0], RewardConfig(mode="hard"), {},
+                                  max_violation_rate=1.0)
+    assert fallback.table_violation_upper == [1.0] and fallback.controller_violation_rate == [1.0]
+    assert fallback.reward_difference_se == [float("inf")] and fallback.use_controller == [False]
