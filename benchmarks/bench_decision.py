@@ -3,7 +3,7 @@
     python benchmarks/bench_decision.py                       # both feature widths, one thread
     python benchmarks/bench_decision.py --workspace workspace --run latest   # + agreement with ctrl predict
 
-Three paths decide the same inputs (a policy with the default architecture and tilings, random
+The paths below decide the same inputs (a policy with the default architecture and tilings, random
 weights standing in for trained ones, and a table fallback that leaves every budget to the
 network, so that the network always runs — the slow case):
 
@@ -11,7 +11,11 @@ network, so that the network always runs — the slow case):
   the whole action space, ``argmax``, and the fallback's nearest-grid lookup;
 * ``deployed (eager)``: :class:`trainer.deploy.DeployedController` called from Python, the
   module ``ctrl predict`` runs;
-* ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``.
+* ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``;
+* ``compiled``: the package ``ctrl export --compiled`` writes (AOTInductor), loaded with
+  ``torch._inductor.aoti_load_package`` and called as a function; ``compiled, boxed_run``: the same
+  package through ``.loader.boxed_run([...])``, which skips the wrapper's per-call argument
+  parsing (``--no-compiled`` leaves both out: compiling takes a minute or two per width).
 
 Batch 1: ``--repeats`` calls, each with a new budget, after 200 warm-up calls; batch 1,000:
 ``--batch-repeats`` calls. Median, p95 and p99 in µs (batch 1) or ms (batch 1,000).
@@ -84,17 +88,27 @@ def timed(fn, inputs: list[tuple], warmup: int) -> list[float]:
     return times
 
 
-def latency_table(repeats: int, batch_repeats: int) -> list[str]:
+def latency_table(repeats: int, batch_repeats: int, compiled: bool = True) -> list[str]:
     import torch
 
-    from trainer.deploy import load_deployed, save_deployed
+    from trainer.deploy import load_compiled, load_deployed, save_compiled, save_deployed
 
     rows = ["| features | path | batch 1 median µs | p95 µs | p99 µs | batch 1,000 median ms | p95 ms | p99 ms |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for label, lang_dim, image_dim in (("embedded (64 + 64)", 64, 64), ("MolmoE-1B (2048 + 2048)", 2048, 2048)):
         data, tilings, policy, fallback, deployed = build(lang_dim, image_dim)
+        paths = []
         with tempfile.TemporaryDirectory() as tmp:
             exported = load_deployed(save_deployed(deployed, Path(tmp) / "controller.pt"))
+            paths += [("exported", exported)]
+            if compiled:
+                package = load_compiled(save_compiled(deployed, Path(tmp) / "controller.pt2"))
+                run = package.loader.boxed_run
+
+                def boxed(*args):
+                    return run(list(args))
+
+                paths += [("compiled", package), ("compiled, boxed_run", boxed)]
 
         def training_time(lang, image, present, budget, tiling):
             fallback.controller_at(budget)
@@ -114,7 +128,7 @@ def latency_table(repeats: int, batch_repeats: int) -> list[str]:
             batches.append((data.lang_features[j:j + 1000], data.image_features[j:j + 1000],
                             data.image_present[j:j + 1000], 150.0 + 270.0 * torch.rand(1000, generator=g),
                             tilings[j:j + 1000]))
-        for name, fn in (("training-time", training_time), ("deployed (eager)", deployed), ("exported", exported)):
+        for name, fn in (("training-time", training_time), ("deployed (eager)", deployed), *paths):
             one = _stats(timed(fn, singles, warmup), 1e6)
             many = _stats(timed(fn, batches, 20), 1e3)
             rows.append(f"| {label} | {name} | {one[0]:.0f} | {one[1]:.0f} | {one[2]:.0f} | "
@@ -163,6 +177,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=5000, help="batch-1 decisions timed per path")
     parser.add_argument("--batch-repeats", type=int, default=200, help="1,000-decision batches timed per path")
+    parser.add_argument("--no-compiled", action="store_true", help="leave out the AOTInductor package")
     parser.add_argument("--workspace", help="also compare the exported file with ctrl predict on this workspace")
     parser.add_argument("--run", default="latest")
     args = parser.parse_args()
@@ -171,7 +186,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"\nCPU, {args.threads} torch thread(s), torch {torch.__version__}\n")
-    latency_table(args.repeats, args.batch_repeats)
+    latency_table(args.repeats, args.batch_repeats, compiled=not args.no_compiled)
     if args.workspace:
         print("\n" + agreement(args.workspace, args.run))
 

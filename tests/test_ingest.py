@@ -24,6 +24,8 @@ def tables(ws: Workspace) -> dict[str, pl.DataFrame]:
 def test_small_tree_rows_and_precedence(small_tree, workspace):
     report = run_ingest([small_tree], workspace)
     assert report.exit_code == 0 and report.count("ok") == 9 and report.changed
+    # rows per table, as `ctrl ingest` prints them: 5 samples x 2 configurations x 2 experiments; 9 files
+    assert report.table_rows == {"measurements": 20, "samples": 5, "configs": 4, "files": 9}
     m = workspace.read_table("measurements")
     # each (experiment, sample, config) once: 5 samples x 2 configs x 2 experiments
     assert m.height == 2 * len(CONFIGS) * NUM_SAMPLES
