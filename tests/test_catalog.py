@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CONFIGS, NUM_SAMPLES, run_ingest
 from pipeline import QueryError, SchemaError, run_query, view_ddl
-from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, schema_markdown, schemas_markdown
+from pipeline.schema import FEATURE_TABLES, RUN_TABLES, TABLES, duckdb_type, schema_markdown, schemas_markdown
 
 SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "schema.md"
 
@@ -128,3 +128,13 @@ def test_a_workspace_under_a_quoted_directory_name_works(small_tree, tmp_path):
         assert con.execute("SELECT count(*) FROM samples").fetchone() == (NUM_SAMPLES,)
     finally:
         con.close()
+
+
+def test_arrow_types_map_to_duckdb_types():
+    cases = {pa.string(): "VARCHAR", pa.large_string(): "VARCHAR", pa.bool_(): "BOOLEAN", pa.int32(): "INTEGER",
+             pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.float32(): "FLOAT",
+             pa.timestamp("us", tz="UTC"): "TIMESTAMPTZ", pa.timestamp("us"): "TIMESTAMP",
+             pa.list_(pa.int32()): "INTEGER[]", pa.large_list(pa.float32()): "FLOAT[]"}
+    assert {t: duckdb_type(t) for t in cases} == cases
+    with pytest.raises(TypeError, match=r"^no DuckDB type for arrow type DataType\(int8\)$"):
+        duckdb_type(pa.int8())
