@@ -296,6 +296,22 @@ def test_hard_mode_is_the_training_default_and_a_violation_pays_minus_one():
     assert reward_of(0.0, 250.0, 250.0, mode="hard")["reward"] == 0.0
 
 
+def test_reward_edges_zero_budget_float32_and_knob_shape():
+    # a zero budget: every answer is late; the guarded division gives the full latency penalty, finite
+    r = reward_of(1.0, 100.0, 0.0)
+    assert r["lat_pen"] == 0.5 and r["bonus"] == 0 and 1e15 < r["viol_pen"] < float("inf")
+    # the guard adds 1e-6 ms to the budget: 10 x (2 / (1 + 1e-6))^2 = 39.99992
+    assert reward_of(1.0, 3.0, 1.0)["viol_pen"] == pytest.approx(39.99992, rel=1e-6)
+    # float32 whatever the inputs' dtypes
+    parts = compute_reward(torch.tensor([1.0], dtype=torch.float64), torch.tensor([120.0], dtype=torch.float64),
+                           torch.tensor([200.0], dtype=torch.float64), torch.tensor([2.0, 4.0, 12.0],
+                                                                                    dtype=torch.float64),
+                           RewardConfig())
+    assert {k: v.dtype for k, v in parts.items()} == dict.fromkeys(parts, torch.float32)
+    with pytest.raises(ValueError, match=r"^`knob_values` must have shape \(\.\.\., 3\), got \(2,\)$"):
+        compute_reward(torch.ones(1), torch.ones(1), 100.0, torch.tensor([2.0, 4.0]), RewardConfig())
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"mode": "medium"}, "`mode` must be 'soft' or 'hard', got 'medium'"),
     ({"beta": -0.5}, "`beta` must be a finite number >= 0, got -0.5"),
