@@ -138,3 +138,9 @@ def test_arrow_types_map_to_duckdb_types():
     assert {t: duckdb_type(t) for t in cases} == cases
     with pytest.raises(TypeError, match=r"^no DuckDB type for arrow type DataType\(int8\)$"):
         duckdb_type(pa.int8())
+
+
+def test_key_columns_are_not_nullable_in_the_written_schema():
+    fields = {f.name: f.nullable for f in TABLES["samples"].arrow_schema()}
+    key = (fields["dataset"], fields["sample_key"], fields["key_source"])
+    assert key == (False, False, False) and fields["split"] is True

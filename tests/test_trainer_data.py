@@ -317,6 +317,7 @@ def test_reward_edges_zero_budget_float32_and_knob_shape():
     ({"beta": -0.5}, "`beta` must be a finite number >= 0, got -0.5"),
     ({"gamma": float("nan")}, "`gamma` must be a finite number >= 0"),
     ({"hard_violation_reward": 0.5}, "`hard_violation_reward` must be a finite number <= 0"),
+    ({"hard_violation_reward": False}, "`hard_violation_reward` must be a finite number <= 0"),
 ])
 def test_reward_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
