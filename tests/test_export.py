@@ -139,15 +139,17 @@ def test_table_steps_give_the_tables_choice_at_every_budget(stats, scores, toler
     assert torch.equal(step_lookup(thresholds, choices, budgets, tolerance), table.choose(budgets, None))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["torchscript", "aoti-compiled"])
-def test_exported_file_decides_like_predict_in_a_process_without_ctrl(trained, tmp_path, compiled):
+def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, tmp_path):
+    """The TorchScript file and the compiled package, loaded where no project code can be imported."""
     ws, best, _ = trained
-    out = tmp_path / ("controller.pt2" if compiled else "controller.pt")
-    exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(out),
-                                   *(["--compiled"] if compiled else [])])
-    assert exported.exit_code == 0, exported.output
-    assert str(out) in exported.stdout and "KiB" in exported.stdout and "tiling_crops [B, " in exported.stdout
-    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary file left
+    out, compiled = tmp_path / "controller.pt", tmp_path / "controller.pt2"
+    for path, extra, loader in ((out, [], "torch.jit.load(FILE).decide("),
+                                (compiled, ["--compiled"], "torch._inductor.aoti_load_package(FILE)(")):
+        exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(path), *extra])
+        assert exported.exit_code == 0, exported.output
+        assert str(path) in exported.stdout and "KiB" in exported.stdout and loader in exported.stdout
+        assert "tiling_crops [B, 3]" in exported.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.pt", "controller.pt2"]  # no temporary file
     policy, f = _inputs(ws, best)
     from trainer.fallback import read_fallback
 
@@ -167,29 +169,28 @@ sys.path.append({str(site)!r})  # torch's site-packages only: -I -S leaves the p
 assert [m for m in ("cli", "pipeline", "trainer", "runtime") if importlib.util.find_spec(m)] == [], sys.path
 import torch
 import torch._inductor
-if {compiled}:
-    decide = torch._inductor.aoti_load_package({str(out)!r})
-else:
-    decide = torch.jit.load({str(out)!r}).decide
 x = torch.load({str(inputs)!r})
 n = x["lang"].shape[0]
-result = []
-for b in x["budgets"].tolist():
-    knobs = decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
-    assert all(k.dtype == torch.int64 and k.shape == (n,) for k in knobs)
-    result.append(torch.stack(knobs, 1))
-torch.save(torch.stack(result), {str(tmp_path / "exported.pt")!r})
+for name, decide in (("torchscript", torch.jit.load({str(out)!r}).decide),
+                     ("compiled", torch._inductor.aoti_load_package({str(compiled)!r}))):
+    result = []
+    for b in x["budgets"].tolist():
+        knobs = decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
+        assert all(k.dtype == torch.int64 and k.shape == (n,) for k in knobs)
+        result.append(torch.stack(knobs, 1))
+    torch.save(torch.stack(result), {str(tmp_path)!r} + "/" + name + ".pt")
 """
     done = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    got = torch.load(tmp_path / "exported.pt")  # (budgets, samples, 3)
     frame = pl.read_parquet(decisions)
     assert frame.height == len(budgets) * len(f["sample_key"])
-    for i, budget in enumerate(budgets):
-        rows = frame.filter(pl.col("budget_ms") == budget)
-        assert rows["sample_key"].to_list() == f["sample_key"]
-        expected = rows.select("max_crops", "top_k", "num_active_blocks").to_torch()
-        assert torch.equal(got[i], expected), budget
+    for name in ("torchscript", "compiled"):
+        got = torch.load(tmp_path / f"{name}.pt")  # (budgets, samples, 3)
+        for i, budget in enumerate(budgets):
+            rows = frame.filter(pl.col("budget_ms") == budget)
+            assert rows["sample_key"].to_list() == f["sample_key"]
+            expected = rows.select("max_crops", "top_k", "num_active_blocks").to_torch()
+            assert torch.equal(got[i], expected), (name, budget)
 
 
 def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_path):
@@ -221,6 +222,16 @@ def test_export_errors_are_one_line(trained, tmp_path):
     inside = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(ws.runs_dir / "r1" / "c.pt")])
     assert inside.exit_code == 1 and "refusing to write the exported controller over the workspace" in inside.stderr
     assert not (ws.runs_dir / "r1" / "c.pt").exists()
+
+
+def test_compiled_export_without_a_compiler_says_so(trained, tmp_path, monkeypatch):
+    ws, _, _ = trained
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ to be found
+    monkeypatch.delenv("CXX", raising=False)
+    done = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(tmp_path / "c.pt2"), "--compiled"])
+    assert done.exit_code == 1 and "no C++ compiler to compile the controller with" in done.stderr
+    assert "Hint: install g++ or clang, or export without --compiled" in done.stderr
+    assert not (tmp_path / "c.pt2").exists()
 
 
 @pytest.mark.parametrize("drop", [(), ((6, 8, 12), (2, 4, 16))])
