@@ -300,6 +300,24 @@ def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online
     assert 0 < lo < hi
 
 
+def test_the_calibration_reference_reads_its_own_models_features_among_several(online_ws, embedded_runtime,
+                                                                               executor, tmp_path):
+    import shutil
+
+    from online.calibrate import budget_reference
+    from pipeline.workspace import Workspace
+
+    _, ws = online_ws
+    copy = Workspace(tmp_path / "ws")
+    shutil.copytree(ws.root, copy.root)
+    own = copy.features_dir / embedded_runtime.fingerprint[:16]
+    shutil.copytree(own, copy.features_dir / ("0" * 16))  # features of another model, cached alongside
+    parent = json.loads((copy.runs_dir / "offline-run" / "config.json").read_text())
+    reference = budget_reference(copy, embedded_runtime, executor.samples, parent)
+    assert reference is not None and reference.range_ms == (parent["budget_min_ms"], parent["budget_max_ms"])
+    assert reference.latency_ms == budget_reference(ws, embedded_runtime, executor.samples, parent).latency_ms
+
+
 def test_online_run_writes_rollouts_steps_and_checkpoint(online_ws, embedded_runtime):
     from online.train import train_online
     from pipeline.catalog import run_query
