@@ -311,7 +311,14 @@ def test_the_calibration_reference_reads_its_own_models_features_among_several(o
     copy = Workspace(tmp_path / "ws")
     shutil.copytree(ws.root, copy.root)
     own = copy.features_dir / embedded_runtime.fingerprint[:16]
-    shutil.copytree(own, copy.features_dir / ("0" * 16))  # features of another model, cached alongside
+    other = copy.features_dir / ("0" * 16)  # features of another model, cached alongside
+    shutil.copytree(own, other)
+    for path in other.rglob("*.parquet"):
+        table = pq.read_table(path)
+        if "model_fingerprint" in table.column_names:
+            i = table.column_names.index("model_fingerprint")
+            table = table.set_column(i, table.schema.field(i), [["0" * 64] * table.num_rows])
+            pq.write_table(table, path)
     parent = json.loads((copy.runs_dir / "offline-run" / "config.json").read_text())
     reference = budget_reference(copy, embedded_runtime, executor.samples, parent)
     assert reference is not None and reference.range_ms == (parent["budget_min_ms"], parent["budget_max_ms"])
