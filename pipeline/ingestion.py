@@ -30,7 +30,6 @@ from stat import S_ISBLK, S_ISCHR, S_ISDIR, S_ISFIFO, S_ISREG, S_ISSOCK
 
 import pyarrow as pa
 
-from pipeline._die_with_parent import die_with_parent
 from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError, describe
@@ -351,7 +350,7 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
     ctx = multiprocessing.get_context("forkserver")
     # the forkserver ends with this process (a SIGKILLed ingest leaves no orphans), its workers with it
     ctx.set_forkserver_preload(["pipeline._die_with_parent", "pipeline.parse"])
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
     pending: dict[Future, Path] = {}
     queue = iter(todo)
     try:

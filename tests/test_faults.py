@@ -301,6 +301,13 @@ def _processes_with(tag: str) -> list[int]:
     return found
 
 
+def _command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return "(ended)"
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_a_killed_ingest_leaves_no_parser_processes(tmp_path):
     import signal
@@ -322,14 +329,15 @@ def test_a_killed_ingest_leaves_no_parser_processes(tmp_path):
     # ingest, its resource tracker, the forkserver and two parser workers
     while len(_processes_with(tag)) < 5 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    time.sleep(0.5)  # the workers are parsing
+    # no pause: killed while the workers still import, before any code of theirs could arm itself
     assert proc.poll() is None and len(_processes_with(tag)) >= 5, "ingest finished before the workers started"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 20
     while _processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _processes_with(tag) == []
+    left = {pid: _command_line(pid) for pid in _processes_with(tag)}
+    assert left == {}
 
 
 def test_a_full_disk_during_ingest_frees_the_new_parse_cache_and_keeps_the_tables(small_tree, tmp_path, monkeypatch):
