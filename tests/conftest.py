@@ -83,13 +83,28 @@ def embedded_runtime(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_molmoe_dir(tmp_path_factory) -> Path:
-    """A tiny random-weight MolmoE checkpoint with the real layout, built once per session by the
-    origin reference's builder (skipped where the reference is absent)."""
+    """A tiny random-weight MolmoE checkpoint with the real layout, built once per run by the
+    origin reference's builder (skipped where the reference is absent). Tests only read it, so
+    the workers of ``pytest -n N`` share one: the first builds it under a lock, the others wait."""
     from molmoe_origin import SKIP_REASON, build_tiny, reference_dir
 
     if reference_dir() is None:
         pytest.skip(SKIP_REASON)
-    return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: one checkpoint per worker
+        return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
+    run_root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_root = run_root.parent  # the directory all workers of this run write under
+    home = run_root / "tiny-molmoe-shared"
+    home.mkdir(exist_ok=True)
+    with (home / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (home / "built").is_file():
+            build_tiny(home / "ckpt")
+            (home / "built").touch()
+    return home / "ckpt"
 
 
 #: mutation runs (docs/testing.md) set this: a feature workspace is built once per spec and copied

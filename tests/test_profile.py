@@ -334,3 +334,32 @@ def test_archive_refuses_foreign_trees(profiled, tmp_path):
     pq.write_table(pa.table({"x": [1]}), plain)
     with pytest.raises(CtrlError, match="plain.parquet: not a ctrl profile archive"):
         unpack_profile(plain, tmp_path / "out")
+
+
+def test_results_files_hold_a_record_per_line(tmp_path):
+    from profiler.tree import write_json
+
+    doc = {"summary": [{"top_k": 8, "latency_total_ms": {"P50": 1.5}}],
+           "per_sample_latencies": [{"sample_id": 0, "T_total_ms": 2.25}, {"sample_id": 1, "T_total_ms": 3.0}],
+           "config": {"dataset_name": "docvqa", "active_block_indices": [0, 1, 15], "ctrl_profile": {}},
+           "empty": []}
+    write_json(tmp_path / "r.json", doc)
+    assert (tmp_path / "r.json").read_text() == """{
+  "summary": [
+    {"top_k": 8, "latency_total_ms": {"P50": 1.5}}
+  ],
+  "per_sample_latencies": [
+    {"sample_id": 0, "T_total_ms": 2.25},
+    {"sample_id": 1, "T_total_ms": 3.0}
+  ],
+  "config": {
+    "dataset_name": "docvqa",
+    "active_block_indices": [0, 1, 15],
+    "ctrl_profile": {}
+  },
+  "empty": []
+}
+"""
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_json(tmp_path / "nan.json", {"per_sample_latencies": [{"T_total_ms": float("nan")}]})
+    assert not (tmp_path / "nan.json").exists()
