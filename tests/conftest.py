@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,21 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    _keep_bytecode()
+
+
+def _keep_bytecode() -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set, every process the suite starts (workers, CLI and rank
+    subprocesses) would compile torch and transformers again, about 8 s each: the session keeps
+    its bytecode instead, in a per-user directory outside the source tree and the venv."""
+    if not sys.dont_write_bytecode:
+        return
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    prefix = Path(tempfile.gettempdir()) / f"ctrl-test-pycache-{user}"
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
+    sys.pycache_prefix = str(prefix)
+    sys.dont_write_bytecode = False
 
 #: configurations of the small tree
 CONFIGS = [(2, 4, 12), (6, 8, 16)]
