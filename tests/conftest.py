@@ -111,10 +111,7 @@ def tiny_molmoe_dir(tmp_path_factory) -> Path:
         import fcntl
     except ImportError:  # no POSIX locks: one checkpoint per worker
         return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
-    run_root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run_root = run_root.parent  # the directory all workers of this run write under
-    home = run_root / "tiny-molmoe-shared"
+    home = _run_shared_dir(tmp_path_factory.getbasetemp()) / "tiny-molmoe-shared"
     home.mkdir(exist_ok=True)
     with (home / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -139,9 +136,16 @@ def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 25
     from synthetic import SyntheticSpec
 
     spec = spec or SyntheticSpec(num_samples=40)
-    if FIXTURE_CACHE and not os.environ.get("MUTANT_UNDER_TEST", "").startswith(_WORKSPACE_BUILDERS):
-        return _cached_feature_workspace(root, runtime, spec, chunk_size)
-    return _build_feature_workspace(root, runtime, spec, chunk_size)
+    if os.environ.get("MUTANT_UNDER_TEST", "").startswith(_WORKSPACE_BUILDERS):
+        return _build_feature_workspace(root, runtime, spec, chunk_size)
+    # modules that ask for the same workspace get copies of one, within a run or across mutants
+    cache = Path(FIXTURE_CACHE) if FIXTURE_CACHE else _run_shared_dir(root.parent) / "feature-workspaces"
+    return _cached_feature_workspace(cache, root, runtime, spec, chunk_size)
+
+
+def _run_shared_dir(basetemp: Path) -> Path:
+    """The directory all workers of this pytest run write under (each worker has its own basetemp)."""
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
 
 
 def _build_feature_workspace(root: Path, runtime, spec, chunk_size: int):
@@ -156,8 +160,11 @@ def _build_feature_workspace(root: Path, runtime, spec, chunk_size: int):
     return tree, workspace
 
 
-def _cached_feature_workspace(root: Path, runtime, spec, chunk_size: int):
-    import fcntl
+def _cached_feature_workspace(cache: Path, root: Path, runtime, spec, chunk_size: int):
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: each module builds its own
+        return _build_feature_workspace(root, runtime, spec, chunk_size)
     import hashlib
     import pickle
     import shutil
@@ -165,7 +172,7 @@ def _cached_feature_workspace(root: Path, runtime, spec, chunk_size: int):
     from pipeline.catalog import build_catalog
 
     key = hashlib.sha1(repr((spec, chunk_size, runtime.fingerprint)).encode()).hexdigest()[:16]
-    cached = Path(FIXTURE_CACHE) / key
+    cached = cache / key
     cached.parent.mkdir(parents=True, exist_ok=True)
     with open(cached.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the tree's paths name the cached copy
