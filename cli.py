@@ -320,6 +320,9 @@ def train(
     budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: "
                                                         "from the data).")] = None,
     budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
+    calibration_samples: Annotated[int, typer.Option("--calibration-samples", min=1, help="Online: training samples "
+                                                     "the budget calibration runs on (without a given range).",
+                                                     rich_help_panel=ONLINE)] = 16,
     reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 "
                                              "beyond) or soft (origin §7.5 formula).",
                                              rich_help_panel=REWARD)] = "hard",
@@ -456,7 +459,7 @@ def _train_online(o: dict[str, Any], reward_given: bool) -> None:
 
     fields = ("workspace", "model", "device", "fresh", "steps", "samples_per_step", "group_size", "max_new_tokens",
               "budget_min_ms", "budget_max_ms", "lr", "seed", "scale_rewards", "checkpoint_every", "run_id", "resume",
-              "eval_max_samples", "threads")
+              "eval_max_samples", "threads", "calibration_samples")
     # under torchrun, rank 0 shows the progress and reports
     with running("online", interrupted="continue with --online --resume RUN (from its last checkpoint)",
                  also=(ValueError,), show=os.environ.get("RANK", "0") == "0") as bar:

@@ -180,7 +180,10 @@ for name, decide in (("torchscript", torch.jit.load({str(out)!r}).decide),
         result.append(torch.stack(knobs, 1))
     torch.save(torch.stack(result), {str(tmp_path)!r} + "/" + name + ".pt")
 """
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    # -I ignores PYTHONPYCACHEPREFIX: without the session's bytecode it compiles torch again
+    prefix = ["-X", f"pycache_prefix={sys.pycache_prefix}"] if sys.pycache_prefix else []
+    done = subprocess.run([sys.executable, "-I", "-S", *prefix, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     frame = pl.read_parquet(decisions)
     assert frame.height == len(budgets) * len(f["sample_key"])

@@ -40,7 +40,7 @@ def ran(tiny_molmoe_dir: Path, tmp_path_factory) -> dict[str, Path]:
     ctrl("train", "--offline", "-w", str(ws), "--num-epochs", "1", "--cross-fit-folds", "0", "--run-id", "offline")
     ctrl("train", "--online", "--model", model, "--images", str(dataset / "images"), "-w", str(ws), "--steps", "1",
          "--samples-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--no-evaluate",
-         "--run-id", "online")
+         "--calibration-samples", "2", "--run-id", "online")
     return {"ws": ws, "dataset": dataset, "model": tiny_molmoe_dir}
 
 
@@ -62,7 +62,8 @@ def test_features_and_runs_are_those_of_the_checkpoint(ran):
                          "UNION ALL SELECT DISTINCT len(feature) FROM lang_features").to_pylist()
     assert {d["n"] for d in dims} == {64}  # the tiny checkpoint's d_model
     online = json.loads((ws.runs_dir / "online" / "config.json").read_text())
-    assert online["phase"] == "online"
+    assert online["phase"] == "online" and online["calibration_samples"] == 2
+    assert 0 < online["budget_min_ms"] < online["budget_max_ms"]  # calibrated on the checkpoint
     rollouts = run_query(ws, "SELECT count(*) AS n, min(latency_total_ms) AS t, min(num_text_tokens) AS text "
                              "FROM rollouts WHERE run_id = 'online'").to_pylist()[0]
     assert rollouts["n"] == 2 and rollouts["t"] > 0 and 5 < rollouts["text"] < 40
