@@ -54,6 +54,13 @@ def _tree_size(out: Path, subdirs: tuple[str, ...]) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
+def _up_to_date(out: Path, subdirs: tuple[str, ...], fingerprint: str) -> bool:
+    """Every output directory there and the stamp naming this fingerprint (written last)."""
+    stamp = out / STAMP
+    return (all((out / sub).is_dir() for sub in subdirs) and stamp.is_file()
+            and stamp.read_text().strip() == fingerprint)
+
+
 def _fingerprint() -> str:
     digest = hashlib.sha256(ARCHIVE.read_bytes())
     digest.update(json.dumps({"samples": NUM_SAMPLES, "seed": SEED, "split": SPLIT}).encode())
@@ -67,8 +74,7 @@ def write_sample_data(out: Path, force: bool = False) -> str:
         raise SystemExit(msg)
     stamp = out / STAMP
     fingerprint = _fingerprint()
-    complete = all((out / sub).is_dir() for sub in SUBDIRS)
-    if not force and complete and stamp.is_file() and stamp.read_text().strip() == fingerprint:
+    if not force and _up_to_date(out, SUBDIRS, fingerprint):
         return f"{out}: up to date ({fingerprint[:12]}); use --force to regenerate"
     stamp.unlink(missing_ok=True)  # a crash mid-way must not leave a valid-looking stamp
     start = time.perf_counter()
@@ -93,8 +99,7 @@ def write_synthetic(out: Path, force: bool = False) -> str:
     stamp = out / STAMP
     fingerprint = "synthetic-" + spec_fingerprint(spec)
     subdirs = ("exp5", "exp6", "images")
-    if not force and all((out / s).is_dir() for s in subdirs) and stamp.is_file() \
-            and stamp.read_text().strip() == fingerprint:
+    if not force and _up_to_date(out, subdirs, fingerprint):
         return f"{out}: up to date (synthetic {fingerprint[10:22]}); use --force to regenerate"
     stamp.unlink(missing_ok=True)
     start = time.perf_counter()

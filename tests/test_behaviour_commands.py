@@ -78,8 +78,8 @@ def _same(a, b) -> bool:
 def test_online_resume_gives_the_uninterrupted_run(features_ws, tmp_path, monkeypatch):
     """Claim (docs/online.md): `--resume RUN` continues from the last checkpoint, optimizer
     included, and each step's randomness is a function of (seed, step), so resuming draws what an
-    uninterrupted run would have. 4 steps in one go (whole) against 2 steps, then `--resume` to 4
-    (cut): steps 3-4 sample the same knobs, generate the same answers, earn the same rewards, log
+    uninterrupted run would have. 3 steps in one go (whole) against 1 step, then `--resume` to 3
+    (cut): steps 2-3 sample the same knobs, generate the same answers, earn the same rewards, log
     the same rows, and both end with the same controller and optimizer state. Every timed
     segment reads 1 ms, so wall-clock noise cannot enter the rewards. The resume call gives only
     --resume/--steps: the rest (other seed, lr, group size than the command's defaults) must
@@ -89,27 +89,27 @@ def test_online_resume_gives_the_uninterrupted_run(features_ws, tmp_path, monkey
     monkeypatch.setattr(Clock, "ms", lambda self, start, end: 1.0)
     ws = copy_workspace(features_ws, tmp_path / "ws")
     w = str(ws.root)
-    whole = invoke("train", "--online", "-w", w, "--steps", "4", "--run-id", "whole", *ONLINE)
+    whole = invoke("train", "--online", "-w", w, "--steps", "3", "--run-id", "whole", *ONLINE)
     assert whole.exit_code == 0, whole.output
-    cut = invoke("train", "--online", "-w", w, "--steps", "2", "--run-id", "cut", *ONLINE)
+    cut = invoke("train", "--online", "-w", w, "--steps", "1", "--run-id", "cut", *ONLINE)
     assert cut.exit_code == 0, cut.output
-    resumed = invoke("train", "--online", "-w", w, "--resume", "cut", "--steps", "4", "--no-evaluate")
+    resumed = invoke("train", "--online", "-w", w, "--resume", "cut", "--steps", "3", "--no-evaluate")
     assert resumed.exit_code == 0, resumed.output
-    assert "online run cut: 4 steps" in resumed.stdout
+    assert "online run cut: 3 steps" in resumed.stdout
 
     def rollouts(run: str, step: int) -> pl.DataFrame:
         return pl.read_parquet(ws.runs_dir / run / "rollouts" / f"step-{step:06d}.parquet").select(ROLLOUT_COLUMNS)
 
-    for step in (3, 4):
+    for step in (2, 3):
         expected = rollouts("whole", step)
         assert expected.height == 6 and expected["reward"].n_unique() > 1  # the update has something to learn
         assert rollouts("cut", step).equals(expected), step
     steps = {run: pl.read_parquet(ws.runs_dir / run / "online_steps.parquet") for run in ("whole", "cut")}
-    assert steps["cut"]["step"].to_list() == [1, 2, 3, 4]
+    assert steps["cut"]["step"].to_list() == [1, 2, 3]
     assert steps["cut"].select(STEP_COLUMNS).equals(steps["whole"].select(STEP_COLUMNS))
     saved = {run: torch.load(ws.runs_dir / run / "checkpoints" / "last.pt", weights_only=True)
              for run in ("whole", "cut")}
-    assert saved["cut"]["step"] == 4
+    assert saved["cut"]["step"] == 3
     for part in ("state_dict", "two_stage", "optimizer"):  # the offline policy, the online modules, AdamW
         a, b = _flatten(saved["whole"][part]), _flatten(saved["cut"][part])
         assert a.keys() == b.keys() and [k for k in a if not _same(a[k], b[k])] == [], part
