@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -106,11 +107,19 @@ def run_ingest(paths: list[Path], workspace: Workspace, **kwargs) -> IngestRepor
 
 @pytest.fixture(scope="session")
 def embedded_runtime(tmp_path_factory):
-    """The real embedded model, built once per test session into a temporary cache."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("CTRL_CACHE_DIR", str(tmp_path_factory.mktemp("model-cache")))
+    """The real embedded model in a temporary cache of this session: built once per run (the
+    workers of ``pytest -n N`` copy the first one's build) and loaded from the copy."""
     from runtime import load_runtime
 
+    def build(cache: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("CTRL_CACHE_DIR", str(cache))
+            load_runtime("embedded")
+
+    cache = tmp_path_factory.mktemp("model-cache")
+    shutil.copytree(_built_once(tmp_path_factory, "embedded-model-cache", build), cache, dirs_exist_ok=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("CTRL_CACHE_DIR", str(cache))
     yield load_runtime("embedded")
     patch.undo()
 
@@ -124,18 +133,28 @@ def tiny_molmoe_dir(tmp_path_factory) -> Path:
 
     if reference_dir() is None:
         pytest.skip(SKIP_REASON)
+    return _built_once(tmp_path_factory, "tiny-molmoe", build_tiny)
+
+
+def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """The directory ``build(dir)`` fills, built once per run: the first worker of ``pytest -n N``
+    builds it under a lock, the others wait and read it (one per worker where there are no POSIX
+    locks). Readers must not write into it."""
     try:
         import fcntl
-    except ImportError:  # no POSIX locks: one checkpoint per worker
-        return build_tiny(tmp_path_factory.mktemp("tiny-molmoe") / "ckpt")
-    home = _run_shared_dir(tmp_path_factory.getbasetemp()) / "tiny-molmoe-shared"
+    except ImportError:
+        out = tmp_path_factory.mktemp(name) / "built"
+        build(out)
+        return out
+    home = _run_shared_dir(tmp_path_factory.getbasetemp()) / f"{name}-shared"
     home.mkdir(exist_ok=True)
     with (home / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (home / "built").is_file():
-            build_tiny(home / "ckpt")
-            (home / "built").touch()
-    return home / "ckpt"
+        if not (home / "done").is_file():
+            shutil.rmtree(home / "built", ignore_errors=True)
+            build(home / "built")
+            (home / "done").touch()
+    return home / "built"
 
 
 #: mutation runs (docs/testing.md) set this: a feature workspace is built once per spec and copied
@@ -184,7 +203,6 @@ def _cached_feature_workspace(cache: Path, root: Path, runtime, spec, chunk_size
         return _build_feature_workspace(root, runtime, spec, chunk_size)
     import hashlib
     import pickle
-    import shutil
 
     from pipeline.catalog import build_catalog
 
