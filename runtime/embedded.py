@@ -31,6 +31,7 @@ from runtime.embedded_model import (
     directory_fingerprint,
     is_embedded_dir,
     load_strict,
+    own_memory,
     quiet_transformers,
 )
 
@@ -62,7 +63,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
                 self.spec = EmbeddedSpec(**raw)
                 self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.path / "tokenizer", local_files_only=True)
                 self.vision = load_strict(CLIPVisionModel, self.path / "vision")
-                self.decoder = load_strict(OlmoeForCausalLM, self.path / "decoder")
+                self.decoder = own_memory(load_strict(OlmoeForCausalLM, self.path / "decoder"))
                 proj_cfg = json.loads((self.path / "projector" / "projector.json").read_text())
                 self.projector = ImageProjector(**proj_cfg)
                 # strict: a missing or unexpected tensor is an error, never a silently random weight (D25)

@@ -27,7 +27,8 @@ Directory format (``build_embedded_model`` writes it; any directory laid out lik
     ctrl_embedded.json   format marker, version, seed, geometry, prompt and token names
     vision/              CLIPVisionModel.save_pretrained
     projector/           projector.safetensors + projector.json
-    decoder/             OlmoeForCausalLM.save_pretrained
+    decoder/             OlmoeForCausalLM.save_pretrained (experts fused per block; the
+                         per-expert layout of older directories loads too)
     tokenizer/           PreTrainedTokenizerFast.save_pretrained
 
 Weights are drawn from ``torch.Generator().manual_seed(seed)`` parameter by parameter with
@@ -39,6 +40,7 @@ skipping would barely move the outputs.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import json
 import math
@@ -48,7 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -270,9 +272,12 @@ def save_embedded_model(directory: Path, spec: EmbeddedSpec, vision: nn.Module, 
     are written before the marker, which goes last: a directory with a marker is complete."""
     from safetensors.torch import save_file  # deferred with transformers: saving needs both
 
+    # the decoder in its in-memory layout (experts fused per block), not the per-expert layout
+    # transformers writes by default: loading that one converts it key by key, ~1 s per load
+    native = {"save_original_format": False} if _accepts(decoder.save_pretrained, "save_original_format") else {}
     with quiet_transformers():
         vision.save_pretrained(directory / "vision")
-        decoder.save_pretrained(directory / "decoder")
+        decoder.save_pretrained(directory / "decoder", **native)
         tokenizer.save_pretrained(directory / "tokenizer")  # type: ignore[attr-defined]
     (directory / "projector").mkdir(exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in projector.state_dict().items()},
@@ -283,6 +288,10 @@ def save_embedded_model(directory: Path, spec: EmbeddedSpec, vision: nn.Module, 
     for name, text in (extra_files or {}).items():
         (directory / name).write_text(text)
     (directory / MARKER_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+
+
+def _accepts(function: Any, name: str) -> bool:
+    return name in inspect.signature(function).parameters
 
 
 def is_embedded_dir(path: str | Path) -> bool:
@@ -335,6 +344,17 @@ def load_strict(cls: type[PreTrainedModel], directory: Path) -> PreTrainedModel:
     if problems:
         msg = f"{directory}: weights do not match the config: {problems}"
         raise ModelLoadError(msg)
+    return model
+
+
+def own_memory(model: nn.Module) -> nn.Module:
+    """``model`` with its tensors copied into memory of their own. Loaded tensors map the file at
+    whatever offset it holds them, and the fused experts' kernels round differently on memory
+    that is not 64-byte aligned: freshly allocated tensors compute what the per-expert layout
+    (which loading assembles into new tensors) computes, bit for bit."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            tensor.data = tensor.data.clone()
     return model
 
 

@@ -340,6 +340,29 @@ def test_save_load_round_trip_gives_identical_outputs(embedded, embedded_dir, tm
         assert (other.num_layers, other.num_experts, other.default_top_k) == (16, 64, 8)
 
 
+def test_the_decoder_is_stored_fused_and_the_per_expert_layout_still_loads(embedded, embedded_dir, tmp_path):
+    """The decoder file holds the experts as two fused tensors per block (it loads without
+    transformers' per-expert conversion); a directory in the per-expert layout transformers
+    writes by default loads to the same model."""
+    from safetensors.torch import load_file
+
+    stored = load_file(str(embedded_dir / "decoder" / "model.safetensors"))
+    experts = sorted(k for k in stored if ".mlp.experts." in k)
+    assert experts[:2] == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+    assert len(experts) == 16 * 2 and tuple(stored[experts[1]].shape) == (64, 2 * 32, 64)
+    legacy = tmp_path / "legacy"
+    shutil.copytree(embedded_dir, legacy)
+    shutil.rmtree(legacy / "decoder")
+    # a model built in memory (not loaded from a fused file) is saved in transformers' default layout
+    fresh = type(embedded.decoder)(embedded.decoder.config)
+    fresh.load_state_dict(embedded.decoder.state_dict())
+    fresh.save_pretrained(legacy / "decoder")
+    assert sum(".mlp.experts." in k for k in load_file(str(legacy / "decoder" / "model.safetensors"))) == 16 * 64 * 3
+    other = load_runtime(str(legacy))
+    inputs = embedded.preprocess(make_image(320, 240), QUESTION, 4)
+    assert torch.equal(other.forward_logits(inputs), embedded.forward_logits(inputs))
+
+
 def test_build_is_deterministic_and_reused(embedded, embedded_dir, cache_root, tmp_path):
     mtime = (embedded_dir / "decoder" / "model.safetensors").stat().st_mtime_ns
     assert build_embedded_model(seed=0, cache_dir=cache_root) == embedded_dir  # reused, not rebuilt
