@@ -18,7 +18,10 @@ network, so that the network always runs — the slow case):
   parsing (``--no-compiled`` leaves both out: compiling takes a minute or two per width).
 
 Batch 1: ``--repeats`` calls, each with a new budget, after 200 warm-up calls; batch 1,000:
-``--batch-repeats`` calls. Median, p95 and p99 in µs (batch 1) or ms (batch 1,000).
+``--batch-repeats`` calls. Median, p95 and p99 in µs (batch 1) or ms (batch 1,000). The
+``arithmetic floor`` row of each width is the time the decision's matrix products alone take at
+the rate this machine multiplies large float32 matrices (measured at the start of the run): no
+float32 implementation of the same network decides much faster (the products run near the core's peak).
 
 With ``--workspace`` and ``--run``, the exported file of that run also decides every sample of
 the workspace at every budget of the run's grid (and between grid points) and is compared with
@@ -75,6 +78,29 @@ def build(lang_dim: int, image_dim: int):
     return data, tilings, policy, fallback, DeployedController(policy, fallback).eval()
 
 
+def multiply_adds(deployed) -> int:
+    """Multiply-adds of one decision's matrix products (the stage-2 heads run once per crops value)."""
+    once = ("lang_w", "image_w", "b1_w", "b2_w", "fuse_w", "crops1_w", "crops2_w", "context_w")
+    per_crops = ("heads1_w", "heads2_w")
+    return (sum(getattr(deployed, name).numel() for name in once)
+            + deployed.num_crops_values * sum(getattr(deployed, name).numel() for name in per_crops))
+
+
+def matmul_rate(repeats: int = 30) -> float:
+    """FLOP/s of one large float32 matrix product on this machine now (the arithmetic's ceiling)."""
+    import torch
+
+    a, b = torch.randn(1000, 2048), torch.randn(2048, 128)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / statistics.median(times)
+
+
 def timed(fn, inputs: list[tuple], warmup: int) -> list[float]:
     import torch
 
@@ -95,8 +121,14 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True) -> li
 
     rows = ["| features | path | batch 1 median µs | p95 µs | p99 µs | batch 1,000 median ms | p95 ms | p99 ms |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rate = matmul_rate()
+    print(f"float32 matrix products run at {rate / 1e9:.1f} GFLOP/s here (1000 x 2048 x 128)\n", flush=True)
     for label, lang_dim, image_dim in (("embedded (64 + 64)", 64, 64), ("MolmoE-1B (2048 + 2048)", 2048, 2048)):
         data, tilings, policy, fallback, deployed = build(lang_dim, image_dim)
+        macs = multiply_adds(deployed)
+        rows.append(f"| {label} | arithmetic floor ({macs / 1e3:.0f}k multiply-adds at {rate / 1e9:.1f} GFLOP/s) "
+                    f"| {2 * macs / rate * 1e6:.0f} | | | {2 * macs * 1000 / rate * 1e3:.2f} | | |")
+        print(rows[-1], flush=True)
         paths = []
         with tempfile.TemporaryDirectory() as tmp:
             exported = load_deployed(save_deployed(deployed, Path(tmp) / "controller.pt"))

@@ -322,6 +322,13 @@ class _BranchFree(nn.Module):
         return max_crops, top_k, num_active_blocks
 
 
+# Inductor's own C++ matrix products rather than calls into aten, whose per-call cost exceeds a batch-1
+# product's arithmetic (docs/export.md); aten where a CPU has no C++ template. Autotuning against aten
+# too would double the compile for the same choice. Precompiled headers pay off over many compiles only.
+COMPILE_OPTIONS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP", "autotune_fallback_to_aten": True,
+                   "aot_inductor.precompile_headers": False}
+
+
 def save_compiled(module: DeployedController, path: Path) -> Path:
     """Write ``module`` compiled ahead of time (AOTInductor, for this kind of CPU) as a ``.pt2``
     package that ``torch._inductor.aoti_load_package`` reads with torch alone (atomic).
@@ -351,11 +358,10 @@ def save_compiled(module: DeployedController, path: Path) -> Path:
             # torch's own: export meets the TorchScript decorators, inductor uses deprecated pytree calls
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # the autotuner's
             program = torch.export.export(_BranchFree(module), example,
                                           dynamic_shapes=tuple({0: batch} for _ in example))
-            # precompiled headers pay off over many compiles, not one: 8 of 40 s here without them
-            aoti_compile_and_package(program, package_path=str(tmp),
-                                     inductor_configs={"aot_inductor.precompile_headers": False})
+            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=COMPILE_OPTIONS)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
