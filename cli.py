@@ -556,8 +556,10 @@ def export(
     out_path: Annotated[Path, typer.Option("--out", help="The file to write (TorchScript; with --compiled an "
                                            "AOTInductor .pt2 package).", dir_okay=False)],
     compiled: Annotated[bool, typer.Option("--compiled", help="Compile ahead of time for this kind of CPU "
-                                           "(AOTInductor): about 3x faster per decision; needs a C++ compiler "
-                                           "and a minute or two to write, torch alone to load.")] = False,
+                                           "(AOTInductor): several times faster per decision; needs a C++ "
+                                           "compiler and a minute or two to write, torch alone to load.")] = False,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N: the device a --compiled package is "
+                                        "built for (a TorchScript file loads on any device).")] = "cpu",
     workspace: WorkspaceOption = None,
 ) -> None:
     """Write a run's deployed controller (network, budget encoding, action space, table fallback) as one
@@ -566,7 +568,7 @@ def export(
     from trainer.deploy import export_controller
 
     with handled():
-        report = export_controller(workspace, run, out_path, compiled=compiled)
+        report = export_controller(workspace, run, out_path, compiled=compiled, device=device)
     tiling = f", tiling_crops [B, {len(report.max_crops_values)}]" if report.uses_tilings else ""
     loader = "torch._inductor.aoti_load_package(FILE)" if report.compiled else "torch.jit.load(FILE).decide"
     _print(f"{report.path} ({report.size_bytes / 1024:.0f} KiB) from {report.checkpoint}")

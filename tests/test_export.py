@@ -113,6 +113,55 @@ def test_without_a_fallback_the_network_decides_every_budget(trained):
         assert by_network.all() and torch.equal(actions, expected)
 
 
+@pytest.mark.parametrize("with_fallback", [False, True])
+def test_every_tensor_the_module_makes_follows_its_device(trained, with_fallback):
+    """On the meta device a tensor made on the CPU meets the module's own and fails: what lets the
+    module run where it is moved (CUDA). Tilings left out and the fallback off exercise the tensors
+    the module makes itself; the fallback's data-dependent branch cannot run on meta."""
+    from trainer.deploy import DeployedController
+    from trainer.fallback import read_fallback
+
+    ws, best, mixed = trained
+    policy, f = _inputs(ws, best)
+    deployed = DeployedController(policy, read_fallback(mixed) if with_fallback else None).to("meta")
+    n = 4
+    args = (torch.zeros(n, deployed.lang_dim, device="meta"), torch.zeros(n, deployed.image_dim, device="meta"),
+            torch.ones(n, dtype=torch.bool, device="meta"), torch.full((n,), 200.0, device="meta"))
+    with torch.inference_mode():
+        probs = deployed.probabilities(*args)
+        assert probs.device.type == "meta" and probs.shape == (n, len(policy.action_space.actions))
+        if not with_fallback:
+            actions, by_network = deployed.decide_actions(*args)
+            assert actions.device.type == by_network.device.type == "meta"
+        else:
+            assert deployed._table_choice(args[3]).device.type == deployed._use_network(args[3]).device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_exported_file_decides_on_cuda_as_on_the_cpu(trained, tmp_path):
+    from trainer.deploy import DeployedController, load_compiled, save_compiled
+    from trainer.fallback import read_fallback
+
+    ws, _, mixed = trained
+    policy, f = _inputs(ws, mixed)
+    out = tmp_path / "controller.pt"
+    assert runner.invoke(app, ["export", str(mixed), "-w", str(ws.root), "--out", str(out)]).exit_code == 0
+    on_cpu = torch.jit.load(str(out))
+    on_cuda = torch.jit.load(str(out), map_location="cuda")
+    package = load_compiled(save_compiled(DeployedController(policy, read_fallback(mixed)), tmp_path / "c.pt2",
+                                          device="cuda"))
+    inputs = (f["lang"], f["image"], f["image_present"])
+    for budget in _budgets(read_fallback(mixed).grid_ms):
+        b = torch.full((len(f["lang"]),), budget)
+        with torch.inference_mode():
+            expected = torch.stack(on_cpu.decide(*inputs, b, f["tiling_crops"]), 1)
+            cuda_args = [t.cuda() for t in (*inputs, b, f["tiling_crops"])]
+            got = torch.stack(on_cuda.decide(*cuda_args), 1)
+            compiled = torch.stack(package(*cuda_args), 1)
+        assert got.device.type == compiled.device.type == "cuda"
+        assert torch.equal(got.cpu(), expected) and torch.equal(compiled.cpu(), expected), budget
+
+
 @given(stats=st.lists(st.one_of(st.none(), st.sampled_from([120.0, 150.0, 150.0, 180.5, 240.0])), min_size=2,
                       max_size=8),
        scores=st.lists(st.sampled_from([0.2, 0.5, 0.5, 0.9]), min_size=8, max_size=8),
@@ -225,6 +274,15 @@ def test_export_errors_are_one_line(trained, tmp_path):
     inside = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(ws.runs_dir / "r1" / "c.pt")])
     assert inside.exit_code == 1 and "refusing to write the exported controller over the workspace" in inside.stderr
     assert not (ws.runs_dir / "r1" / "c.pt").exists()
+    cases = [(["--device", "cuda:0"], "--device cuda:0: only a compiled package is built for a device"),
+             (["--device", "tpu", "--compiled"], "--device tpu: not a device to compile the controller for")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda", "--compiled"], "--device cuda: CUDA is not available here"))
+    for options, message in cases:
+        done = runner.invoke(app, ["export", "r1", "-w", str(ws.root), "--out", str(tmp_path / "d.pt"), *options])
+        assert done.exit_code == 1 and message in done.stderr, options
+        assert len(done.stderr.strip().splitlines()) == 2  # the error and its hint
+    assert not (tmp_path / "d.pt").exists()
 
 
 def test_compiled_export_without_a_compiler_says_so(trained, tmp_path, monkeypatch):

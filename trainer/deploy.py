@@ -42,8 +42,8 @@ from trainer.fallback import TableFallback, read_fallback
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint
 
-__all__ = ["DeployedController", "ExportReport", "export_controller", "load_compiled", "load_deployed", "save_compiled",
-           "save_deployed", "step_lookup", "table_steps"]
+__all__ = ["DeployedController", "ExportReport", "compile_device", "export_controller", "load_compiled",
+           "load_deployed", "save_compiled", "save_deployed", "step_lookup", "table_steps"]
 
 
 def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,15 +183,15 @@ class DeployedController(nn.Module):
         budget_h = self._layer_norm(torch.addmm(self.b2_b, x, self.b2_w), self.b2_ln_w, self.b2_ln_b)
         if self.uses_tilings:
             if tiling_crops is None:
-                tiling = torch.zeros(n, self.num_crops_values)
-                known = torch.zeros(n, 1)
+                tiling = lang.new_zeros((n, self.num_crops_values), dtype=torch.float32)
+                known = lang.new_zeros((n, 1), dtype=torch.float32)
             else:
                 t = tiling_crops.float()
                 known = (~torch.isnan(t).any(-1, keepdim=True)).float()
                 tiling = torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
             fused_in = torch.cat([lang_h, budget_h, tiling, known], dim=-1)
         else:
-            tiling = torch.zeros(n, self.num_crops_values)
+            tiling = lang.new_zeros((n, self.num_crops_values), dtype=torch.float32)
             fused_in = torch.cat([lang_h, budget_h], dim=-1)
         fused = F.relu(self._layer_norm(torch.addmm(self.fuse_b, fused_in, self.fuse_w), self.fuse_ln_w,
                                         self.fuse_ln_b))
@@ -227,7 +227,7 @@ class DeployedController(nn.Module):
         """(B,) action indices and (B,) bool: True where the network decided, False where the table did."""
         if not self.has_fallback:
             scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
-            return scores.argmax(-1), torch.ones(lang.shape[0], dtype=torch.bool)
+            return scores.argmax(-1), torch.ones(lang.shape[0], dtype=torch.bool, device=lang.device)
         use = self._use_network(budget_ms)
         if bool(use.all()):
             return self._network_scores(lang, image, image_present, budget_ms, tiling_crops).argmax(-1), use
@@ -327,23 +327,42 @@ class _BranchFree(nn.Module):
 # too would double the compile for the same choice. Precompiled headers pay off over many compiles only.
 COMPILE_OPTIONS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP", "autotune_fallback_to_aten": True,
                    "aot_inductor.precompile_headers": False}
+CUDA_COMPILE_OPTIONS = {"aot_inductor.precompile_headers": False}
 
 
-def save_compiled(module: DeployedController, path: Path) -> Path:
-    """Write ``module`` compiled ahead of time (AOTInductor, for this kind of CPU) as a ``.pt2``
-    package that ``torch._inductor.aoti_load_package`` reads with torch alone (atomic).
+def compile_device(device: str) -> torch.device:
+    """The device a compiled package is built for: cpu, or cuda[:N] where CUDA is available."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        msg = f"--device {device}: not a device to compile the controller for\nHint: cpu, cuda or cuda:N."
+        raise CtrlError(msg)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        msg = f"--device {device}: CUDA is not available here\nHint: compile on the GPU machine, or leave --device out."
+        raise CtrlError(msg)
+    return dev
+
+
+def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -> Path:
+    """Write ``module`` compiled ahead of time (AOTInductor, for this kind of CPU, or for CUDA with
+    ``device="cuda"``) as a ``.pt2`` package that ``torch._inductor.aoti_load_package`` reads with
+    torch alone (atomic). The package runs on the device it was compiled for.
 
     The batch size stays free; a run trained with tilings takes ``tiling_crops`` as a fifth,
     required input (NaN = unknown). Compiling needs a C++ compiler and takes a minute or two.
     """
     from torch._inductor import aoti_compile_and_package
 
-    module = module.eval()
+    dev = compile_device(device)
+    module = module.eval().to(dev)
     n = 2  # an example batch of 1 would fix the batch size at 1
     example = (torch.zeros(n, module.lang_dim), torch.zeros(n, module.image_dim), torch.ones(n, dtype=torch.bool),
                torch.full((n,), module.budget_min_ms))
     if module.uses_tilings:
         example = (*example, torch.ones(n, module.num_crops_values))
+    example = tuple(t.to(dev) for t in example)
     compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
     if not any(c and shutil.which(c) for c in compilers):
         msg = (f"{path}: no C++ compiler to compile the controller with (CXX, c++, g++, clang++)\n"
@@ -361,7 +380,8 @@ def save_compiled(module: DeployedController, path: Path) -> Path:
             warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # the autotuner's
             program = torch.export.export(_BranchFree(module), example,
                                           dynamic_shapes=tuple({0: batch} for _ in example))
-            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=COMPILE_OPTIONS)
+            aoti_compile_and_package(program, package_path=str(tmp),
+                                     inductor_configs=COMPILE_OPTIONS if dev.type == "cpu" else CUDA_COMPILE_OPTIONS)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -394,7 +414,7 @@ class ExportReport:
 
 
 def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
-                      out: str | Path, compiled: bool = False) -> ExportReport:
+                      out: str | Path, compiled: bool = False, device: str = "cpu") -> ExportReport:
     """Write the deployed controller of an offline run (a run id, ``latest``, a run directory or a
     checkpoint file) as a TorchScript file that ``torch.jit.load`` reads with torch alone, or with
     ``compiled`` as an AOTInductor package (:func:`save_compiled`)."""
@@ -407,11 +427,17 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
     if out.is_dir():
         msg = f"{out}: is a directory\nHint: --out FILE, e.g. controller.pt"
         raise CtrlError(msg)
+    if not compiled and device != "cpu":
+        msg = (f"--device {device}: only a compiled package is built for a device\n"
+               f"Hint: add --compiled, or load the TorchScript file with "
+               f"torch.jit.load(FILE, map_location={device!r}).")
+        raise CtrlError(msg)
+    compile_device(device)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint, offline_only=True)
     fallback = read_fallback(checkpoint)
     module = DeployedController(policy, fallback).eval()
-    (save_compiled if compiled else save_deployed)(module, out)
+    (save_compiled(module, out, device) if compiled else save_deployed(module, out))
     return ExportReport(path=out, size_bytes=out.stat().st_size, checkpoint=checkpoint,
                         model_fingerprint=module.model_fingerprint, lang_feature_dim=module.lang_dim,
                         image_feature_dim=module.image_dim,
