@@ -360,6 +360,8 @@ def train(
                                                  rich_help_panel=REWARD)] = 5,
     use_tilings: Annotated[bool, typer.Option("--use-tilings/--no-tilings", help="Feed each image's tiling (crops "
                                               "per max_crops choice) to both stages.")] = True,
+    hidden_dim: Annotated[int, typer.Option("--hidden-dim", min=8, help="Width of the controller's layers: narrower "
+                                            "decides faster in large batches (docs/export.md).")] = 128,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
                                                "hex).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last "
@@ -419,7 +421,7 @@ def _train_offline(o: dict[str, Any], epochs_given: bool) -> None:
             fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
                       "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",
                       "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "warm_start_target",
-                      "run_id", "cross_fit_folds")
+                      "run_id", "cross_fit_folds", "hidden_dim")
             config = OfflineTrainConfig(**{k: o[k] for k in fields}, reward=RewardConfig(mode=o["reward_mode"]),
                                         violation_target=o["violation_target"] or None,
                                         disable_table_fallback=not o["table_fallback"])

@@ -49,7 +49,7 @@ def _stats(times: list[float], scale: float) -> tuple[float, float, float]:
             times[min(n - 1, int(0.99 * n))] * scale)
 
 
-def build(lang_dim: int, image_dim: int):
+def build(lang_dim: int, image_dim: int, hidden_dim: int = 128):
     """A policy over the balanced 27 configurations with tilings, its fallback, and its deployed module."""
     import torch
     from bench_trainer import synthetic_data
@@ -62,7 +62,8 @@ def build(lang_dim: int, image_dim: int):
     torch.manual_seed(0)
     data = synthetic_data(2000, lang_dim, image_dim)
     policy = ControllerPolicy(PolicyConfig(lang_feature_dim=lang_dim, image_feature_dim=image_dim,
-                                           budget_min_ms=150.0, budget_max_ms=420.0, use_tilings=True),
+                                           budget_min_ms=150.0, budget_max_ms=420.0, use_tilings=True,
+                                           hidden_dim=hidden_dim),
                               data.action_space).eval()
     with torch.no_grad():  # weights away from the near-uniform initial heads
         for p in policy.parameters():
@@ -114,7 +115,7 @@ def timed(fn, inputs: list[tuple], warmup: int) -> list[float]:
     return times
 
 
-def latency_table(repeats: int, batch_repeats: int, compiled: bool = True) -> list[str]:
+def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidden_dim: int = 128) -> list[str]:
     import torch
 
     from trainer.deploy import load_compiled, load_deployed, save_compiled, save_deployed
@@ -124,7 +125,7 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True) -> li
     rate = matmul_rate()
     print(f"float32 matrix products run at {rate / 1e9:.1f} GFLOP/s here (1000 x 2048 x 128)\n", flush=True)
     for label, lang_dim, image_dim in (("embedded (64 + 64)", 64, 64), ("MolmoE-1B (2048 + 2048)", 2048, 2048)):
-        data, tilings, policy, fallback, deployed = build(lang_dim, image_dim)
+        data, tilings, policy, fallback, deployed = build(lang_dim, image_dim, hidden_dim)
         macs = multiply_adds(deployed)
         rows.append(f"| {label} | arithmetic floor ({macs / 1e3:.0f}k multiply-adds at {rate / 1e9:.1f} GFLOP/s) "
                     f"| {2 * macs / rate * 1e6:.0f} | | | {2 * macs * 1000 / rate * 1e3:.2f} | | |")
@@ -210,6 +211,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5000, help="batch-1 decisions timed per path")
     parser.add_argument("--batch-repeats", type=int, default=200, help="1,000-decision batches timed per path")
     parser.add_argument("--no-compiled", action="store_true", help="leave out the AOTInductor package")
+    parser.add_argument("--hidden-dim", type=int, default=128, help="the policy's width (ctrl train --hidden-dim)")
     parser.add_argument("--workspace", help="also compare the exported file with ctrl predict on this workspace")
     parser.add_argument("--run", default="latest")
     args = parser.parse_args()
@@ -217,8 +219,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"\nCPU, {args.threads} torch thread(s), torch {torch.__version__}\n")
-    latency_table(args.repeats, args.batch_repeats, compiled=not args.no_compiled)
+    print(f"\nCPU, {args.threads} torch thread(s), torch {torch.__version__}, hidden_dim {args.hidden_dim}\n")
+    latency_table(args.repeats, args.batch_repeats, compiled=not args.no_compiled, hidden_dim=args.hidden_dim)
     if args.workspace:
         print("\n" + agreement(args.workspace, args.run))
 

@@ -26,7 +26,8 @@ def ws(tmp_path_factory, embedded_runtime) -> Workspace:
 def test_train_evaluate_predict(ws, tmp_path):
     w = str(ws.root)
     trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "2", "--run-id", "cli-run",
-                                  "--reward-mode", "hard", "--fallback-confidence", "0.8", "--cross-fit-folds", "2"],
+                                  "--reward-mode", "hard", "--fallback-confidence", "0.8", "--cross-fit-folds", "2",
+                                  "--hidden-dim", "48"],
                             catch_exceptions=False)
     assert trained.exit_code == 0, trained.output
     assert "run cli-run" in trained.stdout and "lut_p95" in trained.stdout
@@ -34,8 +35,11 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert "ctrl query \"FROM evaluations WHERE run_id = 'cli-run'\"" in trained.stdout
     assert (ws.runs_dir / "cli-run" / "evaluation.png").exists()
     from trainer.fallback import read_fallback
+    from trainer.policy import ControllerPolicy
 
-    assert json.loads((ws.runs_dir / "cli-run" / "config.json").read_text())["fallback_confidence"] == 0.8
+    config = json.loads((ws.runs_dir / "cli-run" / "config.json").read_text())
+    assert config["fallback_confidence"] == 0.8 and config["hidden_dim"] == 48
+    assert ControllerPolicy.load(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt").lang_proj[0].out_features == 48
     fallback = read_fallback(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt")
     assert fallback.confidence == 0.8
     assert fallback.describe() in trained.stdout and "(80% confidence)" in trained.stdout
