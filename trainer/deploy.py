@@ -432,12 +432,16 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
                f"Hint: add --compiled, or load the TorchScript file with "
                f"torch.jit.load(FILE, map_location={device!r}).")
         raise CtrlError(msg)
-    compile_device(device)
+    if compiled:
+        compile_device(device)  # before the checkpoint is read: a bad device fails at once
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint, offline_only=True)
     fallback = read_fallback(checkpoint)
     module = DeployedController(policy, fallback).eval()
-    (save_compiled(module, out, device) if compiled else save_deployed(module, out))
+    if compiled:
+        save_compiled(module, out, device)
+    else:
+        save_deployed(module, out)
     return ExportReport(path=out, size_bytes=out.stat().st_size, checkpoint=checkpoint,
                         model_fingerprint=module.model_fingerprint, lang_feature_dim=module.lang_dim,
                         image_feature_dim=module.image_dim,
