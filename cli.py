@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -40,8 +41,23 @@ WorkspaceOption = Annotated[
                  show_default=False, file_okay=False),
 ]
 ModelOption = Annotated[str, typer.Option(
-    "--model", help="'embedded' (built offline from a seed), 'testbed' (the trained testbed, see `ctrl testbed train`) "
-                    "or a local model directory.")]
+    "--model", help="'embedded' (built offline from a seed), 'testbed' (the trained testbed, see `ctrl testbed "
+                    "train`), a local model directory or a Hugging Face id org/name[@revision] in the local HF cache.")]
+
+
+class Dtype(str, Enum):
+    """The values of ``--dtype`` (``runtime.precision.DTYPE_CHOICES``; tests/test_cli.py checks they agree)."""
+
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+DtypeOption = Annotated[Dtype, typer.Option(
+    "--dtype", help="Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or "
+                    "float32; products round to it as bf16 autocast does. Part of the model's fingerprint: features "
+                    "and profiles of two dtypes never mix.")]
 REWARD, ONLINE = "Reward and loss", "Online"
 
 
@@ -59,7 +75,8 @@ def _print(text: str) -> None:
 def _fail(error: Exception) -> typer.Exit:
     """One red line on stderr (the Hint on the next), exit code 1."""
     lines = str(error).splitlines() or [type(error).__name__]
-    err.print(f"[bold red]error:[/] {lines[0]}", markup=True, highlight=False, soft_wrap=True)
+    # the message is text, not markup: "[@revision]" or a path with brackets must print as written
+    err.print(f"[bold red]error:[/] {escape(lines[0])}", markup=True, highlight=False, soft_wrap=True)
     for line in lines[1:]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code=1)
@@ -264,6 +281,7 @@ def extract_features(
                                                       "'{dataset}/{image_id}.jpg'.")] = None,
     model: ModelOption = "embedded",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    dtype: DtypeOption = Dtype.auto,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Requests per forward pass.")] = 16,
     force: Annotated[bool, typer.Option("--force", help="Recompute features already cached for this model.")] = False,
 ) -> None:
@@ -281,7 +299,7 @@ def extract_features(
     with running("features", interrupted="finished chunks are kept; the next run resumes",
                  show=os.environ.get("RANK", "0") == "0") as bar:
         config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
-                               device=device, batch_size=batch_size, force=force)
+                               device=device, dtype=dtype.value, batch_size=batch_size, force=force)
         started: list[float] = []
 
         def advance(n: int) -> None:
@@ -380,6 +398,8 @@ def train(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per rollout.",
                                                 rich_help_panel=ONLINE)] = 16,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel=ONLINE)] = "cpu",
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="Online: " + DtypeOption.__metadata__[0].help,
+                                         rich_help_panel=ONLINE)] = Dtype.auto,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online "
                                                   "checkpoints.", rich_help_panel=ONLINE)] = 5,
     online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at "
@@ -465,7 +485,8 @@ def _train_online(o: dict[str, Any], reward_given: bool) -> None:
     # under torchrun, rank 0 shows the progress and reports
     with running("online", interrupted="continue with --online --resume RUN (from its last checkpoint)",
                  also=(ValueError,), show=os.environ.get("RANK", "0") == "0") as bar:
-        config = OnlineTrainConfig(**{k: o[k] for k in fields}, images_dir=o["images"], from_run=o["from_run"],
+        config = OnlineTrainConfig(**{k: o[k] for k in fields}, dtype=o["dtype"].value, images_dir=o["images"],
+                                   from_run=o["from_run"],
                                    reward=RewardConfig(mode=o["reward_mode"]) if reward_given else None,
                                    evaluate=o["online_evaluate"])
         bar.update(total=config.steps, info="starting")
@@ -598,6 +619,7 @@ def profile(
                                           "exp6_latency_<dataset>/).", file_okay=False)] = Path("results/profile"),
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.")] = "cpu",
+    dtype: DtypeOption = Dtype.auto,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured generations before each configuration "
                                         "(per rank).")] = 1,
     threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 "
@@ -612,7 +634,7 @@ def profile(
             as bar:
         config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
                                world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
-                               warmup=warmup, threads=threads)
+                               dtype=dtype.value, warmup=warmup, threads=threads)
         bar.update(info="loading the model")
         report = profile_model(config, progress=lambda n, label: bar.advance(n, info=label), on_total=bar.total)
     if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports
@@ -677,6 +699,8 @@ def testbed_train(
     eval_dir: Annotated[Path | None, typer.Option("--eval-dir", help="Held-out set directory (default: "
                                                   "<cache>/testbed-eval-seed<seed+1000>-n<N>).", show_default=False,
                                                   file_okay=False)] = None,
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="The knob table's model: " + DtypeOption.__metadata__[0].help
+                                         + " Training itself is float32.")] = Dtype.auto,
 ) -> None:
     """Train the embedded model on the testbed task (cached per recipe) and print its knob trade-off table."""
     from runtime import TestbedRecipe
@@ -709,7 +733,7 @@ def testbed_train(
             root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
             eval_root = eval_dir or root / f"testbed-eval-seed{seed + 1000}-n{eval_samples}"
             generate_dataset(eval_root, eval_samples, seed=seed + 1000, split="val")
-            rows = evaluate_testbed(report.model_dir, eval_root)
+            rows = evaluate_testbed(report.model_dir, eval_root, dtype=dtype.value)
             for line in format_eval_table(rows) + [""] + marginal_table(rows):
                 _print(line)
 

@@ -36,6 +36,7 @@ from pipeline.workspace import Workspace
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
+from runtime.precision import DTYPE_CHOICES
 
 #: max_crops values whose tiling is stored per sample (covers every tier of §2.1)
 TILING_MAX_CROPS = tuple(range(1, 16))
@@ -51,8 +52,12 @@ class FeatureConfig:
     image_pattern: extra file-name pattern, e.g. ``"{dataset}/{image_id}.jpg"``.
 
     > Model
-    model: ``"embedded"`` (built offline from a seed) or a local checkpoint directory.
+    model: ``"embedded"`` (built offline from a seed), ``"testbed"``, a local checkpoint directory or a
+        Hugging Face id ``org/name[@revision]`` in the local cache (``runtime.registry``).
     device: ``"cpu"`` or ``"cuda"`` (under torchrun: each rank's own GPU, ``cuda:LOCAL_RANK``).
+    dtype: the dtype the weights are held in (``runtime.precision``; default ``"auto"``: float32
+        on a CPU, bfloat16 on a GPU). Part of the model's fingerprint: features of two dtypes are
+        cached apart.
 
     > Work
     batch_size: requests per forward pass (default 16).
@@ -65,6 +70,7 @@ class FeatureConfig:
     image_pattern: str | None = None
     model: str = "embedded"
     device: str = "cpu"
+    dtype: str = "auto"
     batch_size: int = 16
     chunk_size: int = 256
     force: bool = False
@@ -78,6 +84,9 @@ class FeatureConfig:
             raise CtrlError(msg)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             msg = f"device must be cpu or cuda, got {self.device!r}"
+            raise CtrlError(msg)
+        if self.dtype not in DTYPE_CHOICES:
+            msg = f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
             raise CtrlError(msg)
         if self.images_dir is not None and not Path(self.images_dir).is_dir():
             msg = f"--images {self.images_dir} is not a directory"
@@ -124,6 +133,9 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
     started = time.perf_counter()
     dist = init_distributed_from_env(config.device)
     lead = dist.rank == 0
+    if runtime is None and model_fingerprint(config.model, config.dtype, config.device) is None:
+        # a checkpoint loaded for the first time: its fingerprint comes from the load itself
+        runtime = _load_model(config)
     with ExitStack() as held:
         with dist.fail_together():
             plan = _plan(config, runtime, held) if lead else None
@@ -134,7 +146,7 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
             on_total(len(plan.todo))
         with dist.fail_together():
             if plan.todo and runtime is None:  # load the model only when something is left to compute
-                runtime = load_runtime(config.model, device=local_device(config.device))
+                runtime = _load_model(config)
                 if runtime.fingerprint != plan.fingerprint:
                     msg = (f"model {config.model!r} loaded with fingerprint {runtime.fingerprint[:16]}, "
                            f"expected {plan.fingerprint[:16]}")
@@ -171,6 +183,10 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
     return report
 
 
+def _load_model(config: FeatureConfig) -> ModelRuntime:
+    return load_runtime(config.model, device=local_device(config.device), dtype=config.dtype)
+
+
 @dataclass
 class _Plan:
     """What rank 0 found before computing: the cache directory and the samples not yet in it."""
@@ -201,7 +217,9 @@ def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) 
     workspace = Workspace(config.workspace)
     samples = workspace.read_table("samples")  # raises a clear error on an empty workspace
     held.enter_context(workspace.lock("ctrl extract-features"))
-    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model)
+    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model, config.dtype,
+                                                                                    config.device)
+    assert fingerprint is not None  # unknown fingerprints load the model first (extract_features)
     out_dir = workspace.features_dir / fingerprint[:16]
     if config.force and out_dir.exists():
         trash = out_dir.with_name(f".trash-{uuid.uuid4().hex}")

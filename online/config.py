@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from runtime.precision import DTYPE_CHOICES
 from trainer.config import TrainingConfig, check_int
 
 
@@ -19,8 +20,12 @@ class OnlineTrainConfig(TrainingConfig):
     model being run; its features must be cached).
 
     > Model and data
-    model: "embedded", "testbed" or a local model directory (``runtime.registry``).
+    model: "embedded", "testbed", a local model directory or a Hugging Face id (``runtime.registry``).
     device: "cpu", "cuda", "cuda:1", ...
+    dtype: the dtype the model's weights are held in (``runtime.precision``; "auto": float32 on a
+        CPU, bfloat16 on a GPU). The run records the dtype it resolved to, and its features must be
+        those of that dtype (extract-features with the same ``--dtype``); a resumed run and the
+        evaluation of a run keep it.
     images_dir: where images are found by image_id (None = the paths recorded by extract-features).
     importance_scores: a §6 importance file for the block choice (None = the default rule).
 
@@ -51,6 +56,7 @@ class OnlineTrainConfig(TrainingConfig):
     lr: float = 3e-4
     model: str = "embedded"
     device: str = "cpu"
+    dtype: str = "auto"
     images_dir: Path | None = None
     importance_scores: Path | None = None
     from_run: str | None = "latest"
@@ -76,6 +82,9 @@ class OnlineTrainConfig(TrainingConfig):
             check_int(name, getattr(self, name), low)
         if (self.budget_min_ms is None) != (self.budget_max_ms is None):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
+            raise ValueError(msg)
+        if self.dtype not in DTYPE_CHOICES:
+            msg = f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
             raise ValueError(msg)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)

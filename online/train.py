@@ -48,6 +48,7 @@ from pipeline.schema import ONLINE_STEPS, REWARD_TERMS, ROLLOUTS
 from pipeline.workspace import Workspace
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
+from runtime.precision import dtype_name
 from runtime.timing import cpu_threads
 from trainer.data import ActionSpace
 from trainer.grpo import group_advantages
@@ -185,7 +186,7 @@ class OnlineTrainer:
         else:
             self.run = RunDir.new(self.workspace, self.dist.broadcast(config.run_id or new_run_id()))
         self.runtime = runtime if runtime is not None else load_runtime(config.model, config.device,
-                                                                         config.importance_scores)
+                                                                         config.importance_scores, config.dtype)
         self.samples = load_online_samples(self.workspace, self.runtime.fingerprint, config.images_dir)
         self.train_rows = self.samples.rows("train") or list(range(len(self.samples)))
         if state is not None:
@@ -232,7 +233,8 @@ class OnlineTrainer:
         self.config = OnlineTrainConfig.from_json({
             **config.to_json(), "budget_min_ms": self.budget_range[0], "budget_max_ms": self.budget_range[1],
             "reward": self.reward.to_json(), "parent_run_id": self.parent,
-            "model_fingerprint": self.runtime.fingerprint, "run_id": self.run.run_id, "resume": None})
+            "model_fingerprint": self.runtime.fingerprint, "dtype": dtype_name(self.runtime.dtype),
+            "run_id": self.run.run_id, "resume": None})
         if self.dist.rank == 0:
             self.run.write_config(self.config.to_json())
         self.dist.barrier()

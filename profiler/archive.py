@@ -181,6 +181,10 @@ def _read_archive(path: Path) -> tuple[pa.Table, dict]:
     if meta.get("version") != ARCHIVE_VERSION:
         msg = f"{path}: profile archive version {meta.get('version')!r}, this ctrl reads {ARCHIVE_VERSION}"
         raise CtrlError(msg)
+    for entry in meta.get("rank_files", []):
+        if isinstance(entry.get("block"), dict):
+            # profiles written before --dtype existed held their weights in float32
+            entry["block"].setdefault("dtype", "float32")
     return table, meta
 
 

@@ -76,6 +76,7 @@ from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, 
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
 from runtime.images import open_image
+from runtime.precision import DTYPE_CHOICES, dtype_name
 from runtime.scoring import score_answer
 from runtime.timing import GenerateTimer, cpu_threads
 from testbed.dataset import VqaDataset, read_dataset
@@ -139,6 +140,9 @@ class ProfileConfig:
     out_dir: Path = Path("results/profile")
     max_new_tokens: int = 16
     device: str = "cpu"
+    #: the dtype the weights are held in (``runtime.precision``; "auto": float32 on a CPU, bfloat16 on
+    #: a GPU); recorded in every file, and a file of another dtype is another run's
+    dtype: str = "auto"
     warmup: int = 1
     #: torch intra-op threads while profiling on CPU (0 = leave torch's setting). 1 by default:
     #: on a shared CPU, several spinning threads per op make single requests up to 10x slower and noisy
@@ -163,6 +167,9 @@ class ProfileConfig:
             if value is not None and value < low:
                 msg = f"{option} must be >= {low}, got {value}"
                 raise CtrlError(msg)
+        if self.dtype not in DTYPE_CHOICES:
+            msg = f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
+            raise CtrlError(msg)
         self.out_dir = Path(self.out_dir).expanduser()
         self.combinations, self.strategy = parse_configs(self.configs)
 
@@ -215,12 +222,13 @@ class _Profiler:
             "dataset_dir": str(dataset.root), "num_samples": n,
             "samples_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
             "max_new_tokens": self.config.max_new_tokens, "device": self.runtime.device.type,
+            "dtype": dtype_name(self.runtime.dtype),
         }
         return {key: identity[key] for key in IDENTITY_KEYS}
 
     def _foreign(self, path: Path, identity: dict) -> CtrlError:
         return CtrlError(f"{path}: written by a different profiling run (other model, samples, max_new_tokens, "
-                         f"device or world size than model {identity['model_fingerprint'][:12]}, "
+                         f"device, dtype or world size than model {identity['model_fingerprint'][:12]}, "
                          f"{identity['num_samples']} samples); use another --out or delete that directory")
 
     # -- one dataset
@@ -398,7 +406,7 @@ def profile_model(config: ProfileConfig, runtime: ModelRuntime | None = None,
             raise CtrlError(msg)
         config.world_size = dist.world_size
     if runtime is None:
-        runtime = load_runtime(config.model, device=config.device)
+        runtime = load_runtime(config.model, device=config.device, dtype=config.dtype)
     _check_knobs(config.combinations, runtime)
     if on_total is not None:
         share = sum(len(rank_indices(n, config.world_size, dist.rank)) for n in sizes) if dist.active else sum(sizes)

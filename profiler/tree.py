@@ -32,7 +32,7 @@ from pipeline.workspace import write_bytes_atomic
 PROFILE_VERSION = 1
 #: a run's identity (the start of every file's ``ctrl_profile`` block; the rest is per rank)
 IDENTITY_KEYS = ("model", "model_kind", "model_fingerprint", "dataset_dir", "num_samples", "samples_sha256",
-                 "max_new_tokens", "device")
+                 "max_new_tokens", "device", "dtype")
 
 
 #: one-line JSON by the C encoder (the standard library encodes with indentation in Python, 3x slower)
@@ -78,7 +78,7 @@ def is_complete(doc: dict | None, identity: dict, extra: dict) -> bool | None:
     block = config.get("ctrl_profile") if isinstance(config, dict) else None
     if not isinstance(block, dict) or config.get("ctrl_profile_version") != PROFILE_VERSION:
         return False
-    keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device")
+    keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device", "dtype")
     same = all(block.get(k) == identity[k] for k in keys) and all(block.get(k) == v for k, v in extra.items())
     return same and block.get("complete") is True
 

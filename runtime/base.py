@@ -184,8 +184,10 @@ class ModelRuntime(ABC):
 
     #: "embedded" or "molmoe"
     kind: str
-    #: identifies weights + config + preprocessing: cached features are keyed by it
+    #: identifies weights + config + preprocessing + dtype: cached features are keyed by it
     fingerprint: str
+    #: the dtype the weights are held in (``runtime.precision``)
+    dtype: torch.dtype = torch.float32
     num_layers: int
     num_experts: int
     default_top_k: int

@@ -19,7 +19,7 @@ import functools
 import inspect
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +36,7 @@ from runtime.base import (
     validate_active_blocks,
     validate_top_k,
 )
+from runtime.precision import compute_context
 
 if TYPE_CHECKING:
     from transformers import OlmoeForCausalLM
@@ -75,12 +76,13 @@ class OlmoeDecoderRuntime(ModelRuntime):
     def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
         """(1, seq, d) decoder inputs: the prompt's (and ``extra_ids``') embeddings with the image features placed."""
 
-    def _autocast(self) -> AbstractContextManager:
-        """The precision context of every forward (bf16 autocast on CUDA where the backend wants it)."""
-        return nullcontext()
+    def _precision(self) -> AbstractContextManager:
+        """The context of every forward: products rounded to the storage dtype (``runtime.precision``)."""
+        return compute_context(self.dtype)
 
     def text_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.get_input_embeddings()(input_ids.to(self.device))
+        """float32 rows of the input embedding (exact: a half table's rows promote without rounding)."""
+        return self.decoder.get_input_embeddings()(input_ids.to(self.device)).float()
 
     # -- knobs
     def set_top_k(self, top_k: int | Mapping[int, int]) -> None:
@@ -107,7 +109,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
     def forward_logits(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
         """float32 logits (seq_len, vocab) of one full forward without cache, under the current knobs;
         ``extra_ids`` are appended after the prompt (e.g. tokens generated so far)."""
-        with torch.inference_mode(), self._autocast(), self._run_active_blocks():
+        with torch.inference_mode(), self._precision(), self._run_active_blocks():
             embeds = self._embed(inputs, extra_ids)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
@@ -116,7 +118,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
     def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
-        with torch.inference_mode(), self._autocast(), self._run_active_blocks():
+        with torch.inference_mode(), self._precision(), self._run_active_blocks():
             # one slot per layer, indexed by each attention's original layer_idx
             cache = DynamicCache(config=self.decoder.config)
             mask = inputs.attention_mask.to(self.device)
@@ -170,7 +172,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
         p = self._check_insertion(insertion_position)
-        with torch.no_grad(), self._autocast(), self._layers(range(p), final_norm=False):
+        with torch.no_grad(), self._precision(), self._layers(range(p), final_norm=False):
             embeds = self._embed(inputs)
             if extra_embedding is not None:
                 token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
@@ -183,7 +185,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
 
     def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
         p = self._check_insertion(insertion_position)
-        with torch.enable_grad(), self._autocast(), self._layers(range(p), final_norm=False):
+        with torch.enable_grad(), self._precision(), self._layers(range(p), final_norm=False):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder.model(inputs_embeds=embeds.to(self.device), attention_mask=mask, use_cache=False)
         return out.last_hidden_state[0, -1]
@@ -204,7 +206,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
         # a fresh cache: the members of a group must not write into the shared prefix's cache
         cache = DynamicCache(config=self.decoder.config)
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._precision():
             if suffix:
                 with self._layers(suffix):
                     positions = torch.arange(seq, device=self.device)[None]
@@ -221,7 +223,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
 
     def decode_step(self, state: DecodeState, token: int) -> None:
         state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
-        with torch.no_grad(), self._autocast(), self._layers(state.active_blocks):
+        with torch.no_grad(), self._precision(), self._layers(state.active_blocks):
             out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),
                                attention_mask=state.attention_mask, **with_cache(state.cache), use_cache=True,
                                logits_to_keep=1)

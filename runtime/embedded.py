@@ -34,6 +34,7 @@ from runtime.embedded_model import (
     own_memory,
     quiet_transformers,
 )
+from runtime.precision import hold_weights_in, qualify_fingerprint, resolve_dtype
 
 
 class EmbeddedRuntime(OlmoeDecoderRuntime):
@@ -42,7 +43,8 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
     kind = "embedded"
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
-                 importance_scores: str | Path | Mapping[int, float] | None = None) -> None:
+                 importance_scores: str | Path | Mapping[int, float] | None = None,
+                 dtype: str | torch.dtype = "auto") -> None:
         # transformers takes seconds to import: resolving a model and reading its fingerprint must not pay it
         from safetensors.torch import load_file
         from transformers import (
@@ -56,6 +58,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
             msg = f"{self.path}: not an embedded model directory (no valid {MARKER_FILE})"
             raise ModelLoadError(msg)
         self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         try:
             with quiet_transformers():
                 raw = json.loads((self.path / MARKER_FILE).read_text())
@@ -73,11 +76,11 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
             raise ModelLoadError(msg) from exc
         self.vision_backbone = VisionBackbone(self.vision, self.projector, self.spec)
         for module in (self.vision_backbone, self.decoder):
-            module.to(self.device).eval()
+            hold_weights_in(module.to(self.device), self.dtype).eval()
             module.requires_grad_(False)
 
         self._init_decoder(self.decoder)
-        self.fingerprint = directory_fingerprint(self.path)
+        self.fingerprint = qualify_fingerprint(directory_fingerprint(self.path), self.dtype)
         if not all(isinstance(getattr(layer.mlp.gate, "top_k", None), int) for layer in self._all_layers):
             # transformers < 5 keeps top_k on the MoE block and a plain Linear as gate
             msg = "the embedded runtime needs transformers >= 5 (OLMoE router with a top_k)"
@@ -144,7 +147,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
         with_image = [i for i, item in enumerate(batch) if item.images is not None]
         if not with_image:
             return result
-        with torch.inference_mode():
+        with torch.inference_mode(), self._precision():
             tokens = self._image_tokens(torch.cat([batch[i].images for i in with_image]))
             sizes = [batch[i].images.shape[0] for i in with_image]
             for i, chunk in zip(with_image, torch.split(tokens, sizes)):

@@ -14,17 +14,18 @@ Knobs, cached generation and the two-stage online execution come from
 ``runtime.decoder_runtime`` (shared with the embedded model): per-block top-K on each router,
 active blocks swapped in for every forward (skipped blocks never run and keep no cache),
 max_crops through Molmo's tiling. What is MolmoE's own: the image features are *added* to the
-embeddings of the ``<im_patch>`` tokens at ``image_input_idx`` (the origin's ``index_add_``),
-and on CUDA every forward runs under bf16 autocast as the origin did (float32 on CPU).
+embeddings of the ``<im_patch>`` tokens at ``image_input_idx`` (the origin's ``index_add_``).
+
+Loading streams: the modules are built on the meta device, each tensor is read once from its
+file into its final place in the ``--dtype`` and on the device (``runtime.weights``), after a
+check that the weights fit (``runtime.memory``); the fingerprint comes from digests known
+without reading or computed from the bytes the load reads anyway (``runtime.fingerprint``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,25 +35,25 @@ from PIL import Image
 from torch import nn
 
 from pipeline.errors import KnobError
+from runtime import fingerprint
 from runtime.base import ModelInputs, ModelLoadError, resolve_device, resolve_importance_scores
-from runtime.cache import default_cache_root
 from runtime.decoder_runtime import OlmoeDecoderRuntime
+from runtime.memory import check_fits
 from runtime.molmoe_model import (
     MolmoVisionBackbone,
+    assign_weights,
     build_decoder,
     is_molmoe_config,
-    load_weights,
     read_architecture,
+    weight_targets,
 )
 from runtime.molmoe_processor import MolmoImageConfig, MolmoProcessor, load_molmo_tokenizer
+from runtime.precision import qualify_fingerprint, resolve_dtype
+from runtime.weights import WeightIndex, check_targets, stream_weights, target_bytes
 
 _PROMPT_TEMPLATE = " User: {question} Assistant:"  # message_format "role", always_start_with_space
 #: bump when the native implementation changes what it computes: it enters the fingerprint
 NATIVE_VERSION = 1
-#: the files that determine what the runtime computes (the checkpoint's .py files do not)
-_FINGERPRINT_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
-                      "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 
 @dataclass
@@ -96,46 +97,14 @@ def check_checkpoint_dir(path: Path) -> None:
         raise ModelLoadError(f"{path}: MolmoE checkpoint is missing " + "; ".join(missing))
 
 
-def checkpoint_fingerprint(path: Path) -> str:
-    """sha256 over the native implementation's version and the files that determine its outputs
-    (config, weights, tokenizer, preprocessor config; not the checkpoint's Python files).
+def checkpoint_fingerprint(path: Path, computed: Mapping[Path, str] | None = None) -> str:
+    """The weights' fingerprint of a checkpoint directory (``runtime.fingerprint``; float32's)."""
+    return fingerprint.checkpoint_fingerprint(path, f"molmoe-native:{NATIVE_VERSION}", computed)
 
-    Digests of multi-GB weight files are cached under ``<cache root>/fingerprints`` keyed by
-    absolute path, size and mtime, so only the first load of a checkpoint pays for hashing.
-    """
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()
-    cache_file = default_cache_root() / "fingerprints" / f"{key}.json"
-    try:
-        cached = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    files = {path / name for name in _FINGERPRINT_FILES if (path / name).is_file()}
-    files |= {p for pattern in _WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()}
-    fresh: dict[str, list] = {}
-    h = hashlib.sha256(f"molmoe-native:{NATIVE_VERSION}\n".encode())
-    for file in sorted(files):
-        rel = file.relative_to(path).as_posix()
-        stat = file.stat()
-        entry = cached.get(rel)
-        if entry and entry[0] == stat.st_size and entry[1] == stat.st_mtime_ns:
-            digest = entry[2]
-        else:
-            d = hashlib.sha256()
-            with file.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 24), b""):
-                    d.update(chunk)
-            digest = d.hexdigest()
-        fresh[rel] = [stat.st_size, stat.st_mtime_ns, digest]
-        h.update(rel.encode() + b"\0" + digest.encode() + b"\n")
-    if fresh != cached:
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(fresh))
-            os.replace(tmp, cache_file)
-        except OSError:
-            pass  # the cache only saves time
-    return h.hexdigest()
+
+def known_checkpoint_fingerprint(path: Path) -> str | None:
+    """:func:`checkpoint_fingerprint` when no weight file must be read for it, else None."""
+    return fingerprint.known_fingerprint(path, f"molmoe-native:{NATIVE_VERSION}")
 
 
 class MolmoERuntime(OlmoeDecoderRuntime):
@@ -144,10 +113,12 @@ class MolmoERuntime(OlmoeDecoderRuntime):
     kind = "molmoe"
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
-                 importance_scores: str | Path | Mapping[int, float] | None = None) -> None:
+                 importance_scores: str | Path | Mapping[int, float] | None = None,
+                 dtype: str | torch.dtype = "auto") -> None:
         self.path = Path(path)
         check_checkpoint_dir(self.path)
         self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.arch, _ = read_architecture(self.path)
         self.tokenizer = load_molmo_tokenizer(self.path)
         self.image_config = MolmoImageConfig.from_dir(self.path)
@@ -157,9 +128,9 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         with torch.device("meta"):
             vision = MolmoVisionBackbone(self.arch)
         decoder = build_decoder(self.arch, self.eos_id, self.tokenizer.pad_token_id)
-        load_weights(self.path, self.arch, vision, decoder)
+        digests = self._load_weights(vision, decoder)
         for module in (vision, decoder):
-            module.to(self.device).eval()
+            module.eval()
             module.requires_grad_(False)
         self.vision_backbone = vision
         self._init_decoder(decoder)
@@ -169,7 +140,21 @@ class MolmoERuntime(OlmoeDecoderRuntime):
             raise ModelLoadError(msg)
         self._active: tuple[int, ...] | None = None
         self._scores = resolve_importance_scores(importance_scores)
-        self.fingerprint = checkpoint_fingerprint(self.path)
+        self.weights_fingerprint = checkpoint_fingerprint(self.path, digests)
+        self.fingerprint = qualify_fingerprint(self.weights_fingerprint, self.dtype)
+
+    def _load_weights(self, vision: nn.Module, decoder: nn.Module) -> dict[Path, str]:
+        """Stream the checkpoint into the meta-device modules (module docstring); returns the
+        digests of the weight files hashed on the way (those not known before)."""
+        index = WeightIndex(self.path)
+        targets = weight_targets(self.arch)
+        check_targets(index, targets)
+        check_fits(str(self.path), lambda dtype: target_bytes(targets, dtype), self.dtype, self.device)
+        state, digests = stream_weights(index, targets, self.dtype, self.device,
+                                        hash_files=fingerprint.unknown_weight_files(self.path))
+        for prefix, module in (("vision.", vision), ("decoder.", decoder)):
+            assign_weights(module, {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}, self.path)
+        return digests
 
     def _check_geometry(self) -> None:
         ic, a = self.image_config, self.arch
@@ -223,9 +208,6 @@ class MolmoERuntime(OlmoeDecoderRuntime):
     def lang_feature_dim(self) -> int:
         return self.arch.d_model
 
-    def _autocast(self) -> AbstractContextManager:
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
-
     def _image_tokens(self, inputs: MolmoEInputs) -> torch.Tensor:
         """(crops + 1, tokens per crop, d_model): the vision backbone's output for one request."""
         masks = None if inputs.image_masks is None else inputs.image_masks[None].to(self.device)
@@ -235,7 +217,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         """Mean of the projected image tokens the processor places (image_input_idx >= 0); zeros
         for a text-only request. One request at a time: crop counts differ between requests."""
         result = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
-        with torch.inference_mode(), self._autocast():
+        with torch.inference_mode(), self._precision():
             for i, item in enumerate(batch):
                 if item.images is None:
                     continue

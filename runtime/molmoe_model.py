@@ -12,10 +12,11 @@ The origin model (``modeling_molmoe.py`` of ``allenai/MolmoE-1B-0924``) has two 
 * the decoder (``model.transformer``): OLMoE blocks (pre-norm RMS, fused QKV, q/k RMS norm
   over the full width, llama rotary, softmax-then-top-K routing without renormalisation, SwiGLU
   experts), a final RMS norm and an untied output head. That is exactly transformers'
-  ``OlmoeForCausalLM``; :func:`decoder_state_dict` renames (and splits / stacks) the origin
-  tensors into its layout. Only the input embedding differs: the origin's ``wte`` holds the
-  base vocabulary plus ``additional_vocab_size`` new rows, so the decoder gets an
-  ``nn.Embedding`` over both while its output head keeps the base vocabulary.
+  ``OlmoeForCausalLM``; :func:`weight_targets` maps (and splits / stacks) the origin tensors
+  into its layout, and ``runtime.weights`` streams them into place. Only the input embedding
+  differs: the origin's ``wte`` holds the base vocabulary plus ``additional_vocab_size`` new
+  rows, so the decoder gets an ``nn.Embedding`` over both while its output head keeps the base
+  vocabulary.
 
 Anything in ``config.json`` that selects a variant this module does not implement is refused
 by :meth:`MolmoEArchitecture.from_config` with the field's name, rather than run wrongly.
@@ -24,16 +25,17 @@ by :meth:`MolmoEArchitecture.from_config` with the field's name, rather than run
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.base import ModelLoadError
+from runtime.weights import Piece, Target
 
 if TYPE_CHECKING:
     from transformers import OlmoeForCausalLM
@@ -406,137 +408,65 @@ def build_decoder(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_
     return decoder
 
 
-def decoder_state_dict(arch: MolmoEArchitecture, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The decoder's tensors in ``OlmoeForCausalLM`` names from origin names (``get(name)``)."""
-    t = DECODER_PREFIX
-    embed = get(f"{t}wte.embedding")
+def weight_targets(arch: MolmoEArchitecture) -> dict[str, Target]:
+    """Every tensor of the vision backbone (``vision.<name>``) and the decoder (``decoder.<name>``,
+    ``OlmoeForCausalLM`` names) and the origin checkpoint tensors that fill it: the experts of a
+    block stacked into one ``gate_up_proj`` / ``down_proj`` each, the fused QKV split, the two
+    embedding tables of ``wte`` concatenated."""
+    t, d, kv = DECODER_PREFIX, arch.d_model, arch.n_kv_heads * arch.head_dim
+    inter = arch.expert_hidden
+
+    def whole(name: str, *shape: int) -> Target:
+        return Target(shape, (Piece(name, shape),))
+
+    vocab = arch.vocab_size + arch.additional_vocab_size
+    embed = [Piece(f"{t}wte.embedding", (arch.vocab_size, d))]
     if arch.additional_vocab_size:
-        embed = torch.cat([embed, get(f"{t}wte.new_embedding")], dim=0)
-    out = {"model.embed_tokens.weight": embed, "model.norm.weight": get(f"{t}ln_f.weight"),
-           "lm_head.weight": get("lm_head.weight")}
-    kv = arch.n_kv_heads * arch.head_dim
+        embed.append(Piece(f"{t}wte.new_embedding", (arch.additional_vocab_size, d)))
+    targets = {"decoder.model.embed_tokens.weight": Target((vocab, d), tuple(embed)),
+               "decoder.model.norm.weight": whole(f"{t}ln_f.weight", d),
+               "decoder.lm_head.weight": whole("lm_head.weight", arch.vocab_size, d)}
     for i in range(arch.n_layers):
-        src, dst = f"{t}blocks.{i}.", f"model.layers.{i}."
-        q, k, v = get(f"{src}attn.att_proj.weight").split((arch.d_model, kv, kv), dim=0)
-        out.update({
-            f"{dst}self_attn.q_proj.weight": q, f"{dst}self_attn.k_proj.weight": k,
-            f"{dst}self_attn.v_proj.weight": v, f"{dst}self_attn.o_proj.weight": get(f"{src}attn.attn_out.weight"),
-            f"{dst}self_attn.q_norm.weight": get(f"{src}attn.q_norm.weight"),
-            f"{dst}self_attn.k_norm.weight": get(f"{src}attn.k_norm.weight"),
-            f"{dst}input_layernorm.weight": get(f"{src}attn.attn_norm.weight"),
-            f"{dst}post_attention_layernorm.weight": get(f"{src}mlp.ff_norm.weight"),
-            f"{dst}mlp.gate.weight": get(f"{src}mlp.gate.weight"),
+        src, dst = f"{t}blocks.{i}.", f"decoder.model.layers.{i}."
+        qkv = (d + 2 * kv, d)
+        targets.update({
+            f"{dst}self_attn.q_proj.weight": Target((d, d), (Piece(f"{src}attn.att_proj.weight", qkv, (0, d)),)),
+            f"{dst}self_attn.k_proj.weight": Target((kv, d), (Piece(f"{src}attn.att_proj.weight", qkv, (d, d + kv)),)),
+            f"{dst}self_attn.v_proj.weight": Target((kv, d), (Piece(f"{src}attn.att_proj.weight", qkv,
+                                                                    (d + kv, d + 2 * kv)),)),
+            f"{dst}self_attn.o_proj.weight": whole(f"{src}attn.attn_out.weight", d, d),
+            f"{dst}self_attn.q_norm.weight": whole(f"{src}attn.q_norm.weight", d),
+            f"{dst}self_attn.k_norm.weight": whole(f"{src}attn.k_norm.weight", kv),
+            f"{dst}input_layernorm.weight": whole(f"{src}attn.attn_norm.weight", d),
+            f"{dst}post_attention_layernorm.weight": whole(f"{src}mlp.ff_norm.weight", d),
+            f"{dst}mlp.gate.weight": whole(f"{src}mlp.gate.weight", arch.num_experts, d),
         })
         experts = range(arch.num_experts)
-        out[f"{dst}mlp.experts.gate_up_proj"] = torch.stack([
-            torch.cat([get(f"{src}mlp.experts.{e}.gate_proj.weight"), get(f"{src}mlp.experts.{e}.up_proj.weight")])
-            for e in experts])
-        out[f"{dst}mlp.experts.down_proj"] = torch.stack(
-            [get(f"{src}mlp.experts.{e}.down_proj.weight") for e in experts])
-    return out
+        # (experts, 2 * inter, d) flat is gate_0, up_0, gate_1, up_1, ...: each written in its place
+        targets[f"{dst}mlp.experts.gate_up_proj"] = Target((arch.num_experts, 2 * inter, d), tuple(
+            Piece(f"{src}mlp.experts.{e}.{proj}.weight", (inter, d)) for e in experts for proj in ("gate_proj",
+                                                                                                    "up_proj")))
+        targets[f"{dst}mlp.experts.down_proj"] = Target((arch.num_experts, d, inter), tuple(
+            Piece(f"{src}mlp.experts.{e}.down_proj.weight", (d, inter)) for e in experts))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        vision = MolmoVisionBackbone(arch).state_dict()
+    for name, tensor in vision.items():
+        targets[f"vision.{name}"] = whole(VISION_PREFIX + name, *tensor.shape)
+    return targets
 
 
-# -- weights --------------------------------------------------------------------------------------
-
-class CheckpointWeights:
-    """Tensors of a checkpoint directory by name: ``model.safetensors``, sharded safetensors with
-    their index, or ``pytorch_model*.bin`` (memory-mapped). Use as a context manager: the files
-    stay open while loading, and each tensor is read when asked for."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
-        if not self.files:
-            msg = f"{path}: no weights (expected *.safetensors or pytorch_model*.bin)"
-            raise ModelLoadError(msg)
-        self._handles: dict[Path, Any] = {}
-        self._where: dict[str, Path] = {}
-
-    def __enter__(self) -> CheckpointWeights:
-        for file in self.files:
-            try:
-                if file.suffix == ".safetensors":
-                    from safetensors import safe_open  # deferred with transformers
-
-                    handle = safe_open(str(file), framework="pt")
-                    names = list(handle.keys())
-                else:
-                    handle = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                    names = list(handle)
-            except Exception as exc:  # a damaged weight file fails in many ways: name the file
-                msg = f"{file}: cannot read weights: {type(exc).__name__}: {exc}"
-                raise ModelLoadError(msg) from exc
-            self._handles[file] = handle
-            for name in names:
-                self._where.setdefault(name, file)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handles.clear()
-
-    def names(self) -> set[str]:
-        return set(self._where)
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor as float32 (the runtime computes in float32; bf16 autocast on CUDA)."""
-        file = self._where[name]
-        handle = self._handles[file]
-        tensor = handle.get_tensor(name) if file.suffix == ".safetensors" else handle[name]
-        return tensor.float()
-
-
-def expected_names(arch: MolmoEArchitecture) -> list[str]:
-    """Every tensor name a MolmoE checkpoint of this architecture must hold (origin names)."""
-    names = ["lm_head.weight", f"{DECODER_PREFIX}wte.embedding", f"{DECODER_PREFIX}ln_f.weight"]
-    if arch.additional_vocab_size:
-        names.append(f"{DECODER_PREFIX}wte.new_embedding")
-    for i in range(arch.n_layers):
-        b = f"{DECODER_PREFIX}blocks.{i}."
-        names += [f"{b}attn.{n}.weight" for n in ("att_proj", "attn_out", "q_norm", "k_norm", "attn_norm")]
-        names += [f"{b}mlp.ff_norm.weight", f"{b}mlp.gate.weight"]
-        names += [f"{b}mlp.experts.{e}.{n}.weight" for e in range(arch.num_experts)
-                  for n in ("gate_proj", "up_proj", "down_proj")]
-    with torch.device("meta"):  # names only: no memory, no init
-        names += [VISION_PREFIX + n for n in MolmoVisionBackbone(arch).state_dict()]
-    return names
-
-
-def load_weights(path: Path, arch: MolmoEArchitecture, vision: MolmoVisionBackbone, decoder: nn.Module) -> None:
-    """Fill the (meta-device) vision backbone and decoder from ``path``'s weights, strictly: a
-    missing, unexpected or wrongly shaped tensor is a ModelLoadError naming the first ones."""
-    with CheckpointWeights(path) as weights:
-        present = weights.names()
-        expected = expected_names(arch)
-        missing = [n for n in expected if n not in present]
-        if missing:
-            msg = f"{path}: checkpoint lacks {len(missing)} of {len(expected)} MolmoE weights, e.g. {missing[:3]}"
-            raise ModelLoadError(msg)
-        unexpected = sorted(present - set(expected))
-        if unexpected:
-            msg = (f"{path}: checkpoint has {len(unexpected)} weights this MolmoE config does not use, "
-                   f"e.g. {unexpected[:3]} (config.json does not match the weights?)")
-            raise ModelLoadError(msg)
-        _assign(vision, {n[len(VISION_PREFIX):]: weights.get(n) for n in expected if n.startswith(VISION_PREFIX)},
-                path)
-        _assign(decoder, decoder_state_dict(arch, weights.get), path)
-
-
-def _assign(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    own = module.state_dict()
-    for name, tensor in state.items():
-        want = tuple(own[name].shape)
-        if tuple(tensor.shape) != want:
-            msg = f"{path}: weight for {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
-            raise ModelLoadError(msg)
+def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Put the loaded tensors into a meta-device ``module`` as its parameters (no copy), rebuild
+    the buffers that are not weights (rotary frequencies) on their device, and refuse a module
+    left with a meta tensor."""
     module.load_state_dict(state, strict=True, assign=True)
-    # buffers that are not weights (rotary frequencies) were created on meta: rebuild them
+    device = next(iter(state.values())).device
     for sub in module.modules():
         if isinstance(getattr(sub, "inv_freq", None), torch.Tensor) and sub.inv_freq.is_meta:
-            inv_freq, _ = sub.compute_default_rope_parameters(sub.config)
+            inv_freq = sub.compute_default_rope_parameters(sub.config)[0].to(device)
             sub.register_buffer("inv_freq", inv_freq, persistent=False)
             sub.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
         msg = f"{path}: no weights for {left[:3]}"
         raise ModelLoadError(msg)
-

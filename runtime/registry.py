@@ -5,9 +5,14 @@
 * ``testbed``: the embedded model trained on the testbed task (``ctrl testbed train``,
   ``testbed.train``) with the current :class:`TestbedRecipe`, found in the model cache by the
   recipe's hash; never trained implicitly (it takes minutes);
-* anything else: a local directory, loaded as the embedded format when it carries the embedded
+* an existing local directory, loaded as the embedded format when it carries the embedded
   marker and as a MolmoE-1B checkpoint otherwise (``runtime.molmoe``, which refuses a directory
-  that is neither with a clear error).
+  that is neither with a clear error);
+* ``org/name[@revision]`` (not an existing directory): a Hugging Face Hub id, the snapshot in the
+  local Hugging Face cache (``runtime.hub``; never downloaded).
+
+Every model runs in a ``dtype`` (``runtime.precision``): ``auto`` is float32 on a CPU and bfloat16
+on a GPU, and the fingerprint of a model in another dtype than float32 says so.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from runtime.base import ModelLoadError, ModelRuntime
 from runtime.cache import default_cache_root
 from runtime.embedded import EmbeddedRuntime
 from runtime.embedded_model import EMBEDDED_VERSION, build_embedded_model, directory_fingerprint, is_embedded_dir
-from runtime.molmoe import MolmoERuntime, checkpoint_fingerprint
+from runtime.hub import is_hub_id, resolve_hub_id
+from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint
+from runtime.precision import qualify_fingerprint, resolve_dtype
 
 #: bump when the testbed training code changes in a way the recipe fields do not capture
 TESTBED_VERSION = 4
@@ -117,25 +124,33 @@ def resolve_model(model: str) -> tuple[str, Path]:
         return "embedded", path
     path = Path(model).expanduser()
     if not path.is_dir():
-        msg = f"{model}: no such model directory (use 'embedded', 'testbed' or a local directory)"
-        raise ModelLoadError(msg)
+        if is_hub_id(model):
+            path = resolve_hub_id(model)
+        else:
+            msg = (f"{model}: no such model directory (use 'embedded', 'testbed', a local directory or a "
+                   "Hugging Face id org/name[@revision])")
+            raise ModelLoadError(msg)
     return ("embedded" if is_embedded_dir(path) else "molmoe"), path
 
 
-def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None) -> ModelRuntime:
-    """A ready runtime for a ``--model`` value (see the module docstring).
+def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None,
+                 dtype: str = "auto") -> ModelRuntime:
+    """A ready runtime for a ``--model`` value (see the module docstring) holding its weights in
+    ``dtype`` (``runtime.precision``).
 
     ``importance_scores``: a §6 importance file used by ``blocks_for`` / ``knobs(num_active_blocks=...)``;
     without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
     """
     kind, path = resolve_model(model)
     if kind == "embedded":
-        return EmbeddedRuntime(path, device=device, importance_scores=importance_scores)
-    return MolmoERuntime(path, device=device, importance_scores=importance_scores)
+        return EmbeddedRuntime(path, device=device, importance_scores=importance_scores, dtype=dtype)
+    return MolmoERuntime(path, device=device, importance_scores=importance_scores, dtype=dtype)
 
 
-def model_fingerprint(model: str = "embedded") -> str:
-    """The fingerprint ``load_runtime(model)`` would report, without loading the weights:
-    lets a fully cached feature run skip the model altogether."""
+def model_fingerprint(model: str = "embedded", dtype: str = "auto", device: str = "cpu") -> str | None:
+    """The fingerprint ``load_runtime(model, device, dtype=dtype)`` would report, without loading
+    the weights: lets a fully cached feature run skip the model altogether. None when it cannot be
+    known without reading a checkpoint's weights (their first load computes it in passing)."""
     kind, path = resolve_model(model)
-    return directory_fingerprint(path) if kind == "embedded" else checkpoint_fingerprint(path)
+    weights = directory_fingerprint(path) if kind == "embedded" else known_checkpoint_fingerprint(path)
+    return None if weights is None else qualify_fingerprint(weights, resolve_dtype(dtype, device))

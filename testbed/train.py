@@ -371,14 +371,15 @@ class EvalRow:
 def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequence[int] = BALANCED_MAX_CROPS,
                      top_ks: Sequence[int] = BALANCED_TOP_K, blocks: Sequence[int] = BALANCED_NUM_ACTIVE_BLOCKS,
                      max_new_tokens: int = 6, num_samples: int | None = None, threads: int = 1,
-                     progress: Callable[[int], None] | None = None) -> list[EvalRow]:
-    """VQA score of ``runtime.generate`` per configuration and family on a dataset (greedy, KV cache)."""
+                     progress: Callable[[int], None] | None = None, dtype: str = "auto") -> list[EvalRow]:
+    """VQA score of ``runtime.generate`` per configuration and family on a dataset (greedy, KV cache),
+    the model's weights held in ``dtype`` (``runtime.precision``)."""
     dataset = read_dataset(dataset_dir)
     samples = list(dataset.samples)[:num_samples]
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runtime = load_runtime(str(model_dir))
+        runtime = load_runtime(str(model_dir), dtype=dtype)
         images = {}
         for s in samples:
             with Image.open(dataset.image_path(s)) as img:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: synthetic results, the testbed and the profiler produce inputs beside that flow.
 ALLOWED = {
     "pipeline": set(),
-    "synthetic": {"pipeline"},
+    "synthetic": {"pipeline", "runtime"},
     "runtime": {"pipeline"},
     "testbed": {"pipeline", "runtime"},
     "features": {"pipeline", "runtime"},

@@ -312,7 +312,8 @@ def test_a_model_path_that_does_not_exist_is_one_line_naming_it(shared_images_ws
     result = invoke("extract-features", "-w", ws.root, "--images", images, "--model", missing)
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        f"error: {missing}: no such model directory (use 'embedded', 'testbed' or a local directory)"]
+        f"error: {missing}: no such model directory (use 'embedded', 'testbed', a local directory or a Hugging Face "
+        "id org/name[@revision])"]
     assert not ws.features_dir.exists() or list(ws.features_dir.iterdir()) == []
 
 

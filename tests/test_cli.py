@@ -146,3 +146,21 @@ def test_ctrl_c_during_ingest_exits_130_and_leaves_the_workspace(small_tree, tmp
     monkeypatch.undo()
     assert invoke("query", "SELECT count(*) AS n FROM measurements", "-w", str(ws), "--format", "csv").stdout == before
     assert before == f"\"n\"\n{NUM_SAMPLES * len(CONFIGS)}\n"  # exp5 only: 5 samples x 2 configurations
+
+
+def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults():
+    """--dtype is written once in the CLI and once in runtime.precision; the configs default to auto."""
+    from cli import Dtype
+    from features import FeatureConfig
+    from online import OnlineTrainConfig
+    from profiler import ProfileConfig
+    from runtime.precision import DTYPE_CHOICES
+
+    assert tuple(d.value for d in Dtype) == DTYPE_CHOICES
+    assert FeatureConfig.dtype == ProfileConfig.dtype == OnlineTrainConfig.dtype == "auto"
+    for command in (["extract-features"], ["profile"], ["train", "--online"], ["testbed", "train"]):
+        required = ["--dataset", "."] if command == ["profile"] else []
+        result = runner.invoke(app, [*command, "--dtype", "int8", *required])
+        assert result.exit_code == 2, command
+        assert "'int8' is not one of" in result.output and all(f"'{c}'" in result.output for c in DTYPE_CHOICES)
+        assert "[default: auto]" in runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).output

@@ -431,11 +431,26 @@ def test_cuda_without_cuda_is_a_clear_error(embedded_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu(embedded, embedded_dir):
-    gpu = EmbeddedRuntime(embedded_dir, device="cuda")
+    gpu = EmbeddedRuntime(embedded_dir, device="cuda", dtype="float32")  # auto would be bfloat16 on a GPU
     inputs = embedded.preprocess(make_image(320, 240), QUESTION, 4)
     torch.testing.assert_close(gpu.forward_logits(inputs), embedded.forward_logits(inputs), rtol=1e-3, atol=1e-3)
     assert gpu.image_features([inputs]).shape == (1, gpu.image_feature_dim)
     gpu.generate(inputs, 4)
+
+
+def test_the_embedded_model_in_bfloat16_computes_close_to_float32(embedded, embedded_dir):
+    """Every weight-reading op of its CLIP tower and OLMoE decoder (conv, layer norm, linear,
+    embeddings) runs over bf16 weights; features stay within bf16 precision of float32's."""
+    half = EmbeddedRuntime(embedded_dir, dtype="bfloat16")
+    assert {p.dtype for m in (half.vision_backbone, half.decoder) for p in m.parameters()} == {torch.bfloat16}
+    assert half.fingerprint != embedded.fingerprint
+    inputs = [embedded.preprocess(make_image(320, 240, seed=s), QUESTION, 4) for s in range(3)]
+    exact, rounded = embedded.image_features(inputs), half.image_features(inputs)
+    assert rounded.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(exact, rounded).min() > 0.99
+    lang = half.lang_features([QUESTION])
+    assert torch.nn.functional.cosine_similarity(lang, embedded.lang_features([QUESTION])).item() > 0.999
+    assert len(half.generate(inputs[0], 4).token_ids) >= 1
 
 
 def test_molmoe_layout(molmoe):

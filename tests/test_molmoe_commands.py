@@ -77,3 +77,47 @@ def test_evaluate_the_online_run(ran):
 
 def test_dataset_is_the_one_profiled(ran):
     assert len(read_dataset(ran["dataset"]).samples) == 10
+
+
+@pytest.fixture(scope="module")
+def ran_bf16(ran: dict[str, Path], tmp_path_factory) -> dict[str, Path]:
+    """The same workspace and checkpoint with the weights held in bfloat16."""
+    root = tmp_path_factory.mktemp("molmoe-bf16")
+    model, ws, dataset = str(ran["model"]), ran["ws"], ran["dataset"]
+    ctrl("extract-features", "--model", model, "--images", str(dataset / "images"), "-w", str(ws), "--dtype",
+         "bfloat16")
+    ctrl("profile", "--model", model, "--dataset", str(dataset), "--configs", "2/4/12", "--num-samples", "1",
+         "--max-new-tokens", "2", "--out", str(root / "prof"), "--dtype", "bfloat16")
+    ctrl("train", "--online", "--fresh", "--model", model, "--images", str(dataset / "images"), "-w", str(ws),
+         "--steps", "1", "--samples-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--no-evaluate",
+         "--calibration-samples", "2", "--run-id", "online-bf16", "--dtype", "bfloat16")
+    return {**ran, "prof_bf16": root / "prof"}
+
+
+def test_bf16_features_are_cached_apart_from_float32_ones(ran_bf16):
+    ws = Workspace(ran_bf16["ws"])
+    rows = run_query(ws, "SELECT model_fingerprint, count(*) AS n, avg(list_sum(feature)) AS s FROM lang_features "
+                         "GROUP BY 1").to_pylist()
+    assert len(rows) == 2 and rows[0]["n"] == rows[1]["n"] == 10
+    online = json.loads((ws.runs_dir / "online-bf16" / "config.json").read_text())
+    assert online["dtype"] == "bfloat16" and online["model_fingerprint"] in {r["model_fingerprint"] for r in rows}
+    online32 = json.loads((ws.runs_dir / "online" / "config.json").read_text())
+    assert online32["dtype"] == "float32" and online32["model_fingerprint"] != online["model_fingerprint"]
+
+
+def test_a_bf16_profile_records_its_dtype_and_is_another_run_than_float32(ran_bf16, tmp_path):
+    rank_file = next(ran_bf16["prof_bf16"].rglob("exp6_latency_*_rank0.json"))
+    block = json.loads(rank_file.read_text())["config"]["ctrl_profile"]
+    assert block["dtype"] == "bfloat16" and block["device"] == "cpu"
+    # profiling the float32 run's directory again in bfloat16 would mix two precisions: refused
+    prof32 = tmp_path / "prof32"
+    args = ["profile", "--model", str(ran_bf16["model"]), "--dataset", str(ran_bf16["dataset"]), "--configs",
+            "2/4/12", "--num-samples", "1", "--max-new-tokens", "2", "--out", str(prof32)]
+    ctrl(*args)
+    refused = runner.invoke(app, [*args, "--dtype", "bfloat16"])
+    assert refused.exit_code == 1 and "written by a different profiling run" in refused.output
+
+
+def test_evaluate_a_bf16_online_run_in_its_dtype(ran_bf16):
+    out = ctrl("evaluate", "online-bf16", "-w", str(ran_bf16["ws"]), "--max-samples", "1")
+    assert "controller" in out

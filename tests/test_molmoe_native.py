@@ -167,7 +167,9 @@ def test_missing_and_mismatched_weights_name_the_tensor(tiny_molmoe_dir, tmp_pat
     bad = dict(state)
     bad["model.transformer.ln_f.weight"] = torch.ones(65)
     save_file(bad, str(shaped / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"model\.norm\.weight has shape \(65,\)"):
+    # named as the checkpoint stores it, so that it can be found in the weight files
+    with pytest.raises(ModelLoadError, match=r"weight model\.transformer\.ln_f\.weight has shape \(65,\), "
+                                             r"config\.json implies \(64,\)"):
         MolmoERuntime(shaped)
     extra = copy_without_weights(tiny_molmoe_dir, tmp_path / "extra")
     save_file({**state, "model.transformer.blocks.16.attn.att_proj.weight": torch.zeros(3)},
@@ -237,15 +239,3 @@ def test_decoded_text_is_cleaned_up_as_the_origin_tokenizer_did(native):
     when the origin decoded an answer (transformers 5 skips it for BPE tokenizers)."""
     ids = native.tokenizer.encode(" yes . It 's a cat , isn't it ?", add_special_tokens=False)
     assert native.decode_text([*ids, native.eos_id]) == " yes. It's a cat, isn't it?"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_runs_under_bf16_autocast_close_to_cpu(native, tiny_molmoe_dir):
-    gpu = MolmoERuntime(tiny_molmoe_dir, device="cuda")
-    inputs = native.preprocess(make_image(320, 240), QUESTION, 4)
-    cpu_logits, gpu_logits = native.forward_logits(inputs), gpu.forward_logits(inputs)
-    assert gpu_logits.dtype == torch.float32 and gpu_logits.shape == cpu_logits.shape
-    # bf16 keeps about 3 significant digits: the argmax of most positions survives
-    agree = (gpu_logits.argmax(-1) == cpu_logits.argmax(-1)).float().mean()
-    assert agree > 0.9
-    torch.testing.assert_close(gpu.image_features([inputs]), native.image_features([inputs]), rtol=0.05, atol=0.05)

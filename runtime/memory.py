@@ -1,0 +1,93 @@
+"""Whether a model's weights fit where they are to be loaded, asked before anything is allocated.
+
+A model too large for the host is otherwise killed by the kernel's OOM killer with no message
+(or takes the machine into swap); one that does not fit on a GPU fails midway with a CUDA
+out-of-memory error. :func:`check_fits` refuses it with one line instead: what the weights need in
+the chosen dtype, what is free, and the ``--dtype`` that would fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.base import ModelLoadError
+from runtime.precision import dtype_name
+
+#: memory a loaded model needs besides its weights: activations, KV cache, the runtime itself
+HEADROOM_BYTES = 1 << 30
+_GIB = float(1 << 30)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def host_available_bytes() -> int | None:
+    """Host memory a process can still take: ``MemAvailable`` of /proc/meminfo, lowered to the
+    room left under the process's cgroup (v2) limit when there is one; None where unknown."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        entry = Path("/proc/self/cgroup").read_text().splitlines()
+        group = next(line.split(":", 2)[2] for line in entry if line.startswith("0::"))
+    except (OSError, StopIteration, IndexError):
+        return available
+    root = Path("/sys/fs/cgroup") / group.lstrip("/")
+    limit, current = _read_int(root / "memory.max"), _read_int(root / "memory.current")
+    if limit is not None and current is not None:
+        room = max(limit - current, 0)
+        available = room if available is None else min(available, room)
+    return available
+
+
+def device_available_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device (None for other devices)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _candidates(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return [torch.float32, torch.float16]
+    return [torch.float32, torch.bfloat16]
+
+
+def check_fits(what: str, weight_bytes: Callable[[torch.dtype], int], dtype: torch.dtype, device: torch.device,
+               available: int | None = None) -> None:
+    """Raise ModelLoadError (one line) unless ``weight_bytes(dtype)`` plus :data:`HEADROOM_BYTES`
+    fits in the free memory of ``device`` (the host for a CPU). ``available`` overrides the reading."""
+    if available is None:
+        available = device_available_bytes(device) if device.type == "cuda" else host_available_bytes()
+    if available is None:
+        return
+    need = weight_bytes(dtype)
+    if need + HEADROOM_BYTES <= available:
+        return
+    place = f"GPU {device}" if device.type == "cuda" else "host"
+    fitting = [d for d in _candidates(device) if d != dtype and weight_bytes(d) + HEADROOM_BYTES <= available
+               and weight_bytes(d) < need]
+    if fitting:
+        alt = fitting[0]
+        advice = f"--dtype {dtype_name(alt)} ({weight_bytes(alt) / _GIB:.1f} GiB) would fit"
+    else:
+        smallest = min(_candidates(device), key=weight_bytes)
+        advice = (f"no --dtype fits ({dtype_name(smallest)} needs {weight_bytes(smallest) / _GIB:.1f} GiB); free "
+                  "memory or use a device with more")
+    msg = (f"{what}: the weights need {need / _GIB:.1f} GiB in {dtype_name(dtype)} (+{HEADROOM_BYTES / _GIB:.0f} GiB "
+           f"to run) and {available / _GIB:.1f} GiB of {place} memory is free; {advice}")
+    raise ModelLoadError(msg)
