@@ -305,18 +305,27 @@ def extract_features(
         def advance(n: int) -> None:
             started[:] = started or [time.perf_counter()]
             elapsed = time.perf_counter() - started[0]
-            bar.advance(n, info=f"{(bar.completed + n) / elapsed:.1f} samples/s" if elapsed > 0 else "")
+            bar.advance(n, info=_rate(bar.completed + n, elapsed) if elapsed > 0 else "")
 
         report = run_extract(config, progress=advance, on_total=bar.total)
     if current_dist().rank != 0:
         return
     _print(f"features for {report.num_samples} samples (model {report.fingerprint[:16]}): {report.computed} computed, "
-           f"{report.cached} already cached; {report.computed / max(report.elapsed_s, 1e-9):.1f} samples/s")
+           f"{report.cached} already cached; {_rate(report.computed, report.elapsed_s)}")
     for label, ids in (("missing", report.missing_images), ("unreadable", report.unreadable_images)):
         unique = list(dict.fromkeys(ids))
         if unique:
             err.print(f"{len(unique)} {label} image(s), e.g. {', '.join(unique[:5])}: their image features are null",
                       highlight=False, markup=False)
+
+
+def _rate(samples: float, seconds: float) -> str:
+    """Samples per second, or seconds per sample when a sample takes longer than a second (a
+    full-size model on a CPU)."""
+    if samples <= 0 or seconds <= 0:
+        return "0 samples/s"
+    rate = samples / seconds
+    return f"{rate:.1f} samples/s" if rate >= 1 else f"{seconds / samples:.1f} s/sample"
 
 
 # -- training ----------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def step_knobs(out: Path, results: dict, max_new_tokens: int) -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     runtime = MolmoERuntime(out, dtype="bfloat16")
-    image = Image.fromarray((torch.rand(480, 640, 3, generator=torch.Generator().manual_seed(1)) * 255)
+    image = Image.fromarray((torch.rand(1008, 1344, 3, generator=torch.Generator().manual_seed(1)) * 255)
                             .to(torch.uint8).numpy())
     question = "What is the dominant color of the object in the center of the picture?"
     timer = GenerateTimer(runtime)

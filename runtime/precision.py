@@ -16,7 +16,9 @@ What differs by device is only the kernel of a product with half weights:
   kernel on the rounded inputs. On the 2-core development VM a bfloat16 product of 64 x 2048
   rows by a 1024 x 2048 weight took 13.3 ms against 2.6 ms converted (4-8x for prefill shapes),
   while for one row the half kernel took 0.23 ms against 0.47 ms (benchmarks/bench_precision.py).
-  Converted weights live for one product only: nothing is held twice.
+  Converted weights live for one product only, in a scratch buffer reused from product to
+  product (a fresh 8 MB tensor per expert costs its page faults again every time): nothing is
+  held twice. Where autograd may need the weight later, the conversion gets its own tensor.
 
 float32 storage runs plain float32 on every device (no rounding), so ``--dtype float32`` and the
 runtimes' outputs before ``--dtype`` existed are identical.
@@ -29,6 +31,7 @@ MolmoE-1B's 7.2 B weights (13.4 GiB) on a 24 GB card.
 from __future__ import annotations
 
 import hashlib
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -46,6 +49,9 @@ DTYPE_HELP = ("Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUD
 _BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: products with at most this many rows use the half kernel on a CPU (see the module docstring)
 CPU_HALF_KERNEL_MAX_ROWS = 8
+#: weights up to this many values are converted into the reused scratch buffer (64 MiB of float32)
+SCRATCH_MAX_VALUES = 16 << 20
+_scratch = threading.local()
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -99,6 +105,17 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1) if x.dim() else 1
 
 
+def _as_float32(weight: torch.Tensor, for_autograd: bool) -> torch.Tensor:
+    """``weight`` converted to float32 for one product: in this thread's scratch buffer, or in a
+    tensor of its own when autograd may keep it or it is larger than the buffer may grow."""
+    if for_autograd or weight.numel() > SCRATCH_MAX_VALUES:
+        return weight.float()
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < weight.numel() or buffer.device != weight.device:
+        buffer = _scratch.buffer = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+    return buffer[:weight.numel()].view(weight.shape).copy_(weight)
+
+
 class HalfStorageCompute(TorchFunctionMode):
     """bf16-autocast computing over half-precision weights (see the module docstring).
 
@@ -137,7 +154,8 @@ class HalfStorageCompute(TorchFunctionMode):
             out = F.linear(self._round(x), weight, None if bias is None else bias.to(self.dtype))
         else:
             bias32 = None if bias is None else bias.float()
-            out = self._round(F.linear(self._round(x).float(), weight.float(), bias32))
+            autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            out = self._round(F.linear(self._round(x).float(), _as_float32(weight, autograd), bias32))
         return out.to(out_dtype)
 
     def _convolution(self, func: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -148,8 +166,9 @@ class HalfStorageCompute(TorchFunctionMode):
         if weight.device.type == "cuda":
             out = func(self._round(x), weight, None if bias is None else bias.to(self.dtype), *args, **kwargs)
         else:
-            out = self._round(func(self._round(x).float(), weight.float(), None if bias is None else bias.float(),
-                                   *args, **kwargs))
+            autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            out = self._round(func(self._round(x).float(), _as_float32(weight, autograd),
+                                   None if bias is None else bias.float(), *args, **kwargs))
         return out.to(out_dtype)
 
     def _layer_norm(self, x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,

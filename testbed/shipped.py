@@ -86,7 +86,7 @@ def pack(model_dir: Path, out: Path = SHIPPED_WEIGHTS) -> int:
     if recipe.get("config", {}).get("train_experts", True):
         msg = f"{model_dir}: its experts were trained; only a train_experts=False testbed can be shipped"
         raise ShippedWeightsError(msg)
-    runtime = EmbeddedRuntime(model_dir)
+    runtime = EmbeddedRuntime(model_dir, dtype="float32")
     tensors = {}
     for name, param in trained_parameters(runtime).items():
         half = param.detach().half()
@@ -121,7 +121,7 @@ def materialise(directory: Path, path: Path = SHIPPED_WEIGHTS, base_seed: int = 
     tensors = load(payload)
     with tempfile.TemporaryDirectory() as scratch:
         write_embedded_model(Path(scratch), seed=base_seed)
-        runtime = EmbeddedRuntime(Path(scratch))
+        runtime = EmbeddedRuntime(Path(scratch), dtype="float32")
     params = trained_parameters(runtime)
     if set(tensors) != set(params):
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))

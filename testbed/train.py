@@ -340,7 +340,7 @@ def train_testbed(config: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path
         with _deterministic(config.threads):
             write_embedded_model(base, seed=config.base_seed)
             generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train")
-            runtime = EmbeddedRuntime(base)
+            runtime = EmbeddedRuntime(base, dtype="float32")  # trained in float32 whatever the device
             _init_vision(runtime, config)
             start = time.perf_counter()
             losses = train_model(runtime, data_dir, config, progress, pretrain_progress)

@@ -164,3 +164,11 @@ def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults
         assert result.exit_code == 2, command
         assert "'int8' is not one of" in result.output and all(f"'{c}'" in result.output for c in DTYPE_CHOICES)
         assert "[default: auto]" in runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).output
+
+
+def test_throughput_reads_as_seconds_per_sample_when_a_sample_takes_longer_than_a_second():
+    from cli import _rate
+
+    assert _rate(10, 2.0) == "5.0 samples/s"
+    assert _rate(2, 71.0) == "35.5 s/sample"  # MolmoE-1B's features on a CPU
+    assert _rate(0, 3.0) == "0 samples/s"

@@ -164,3 +164,22 @@ def test_the_cpu_kernels_for_few_and_many_rows_compute_the_same_rounding():
 def test_the_fingerprint_of_float32_is_the_weights_own_and_others_differ():
     assert qualify_fingerprint("abc", torch.float32) == "abc"
     assert len({"abc", qualify_fingerprint("abc", torch.bfloat16), qualify_fingerprint("abc", torch.float16)}) == 3
+
+
+def test_gradients_through_converted_weights_are_those_of_each_weight():
+    """Inference reuses one scratch buffer for converted weights; under autograd (the online
+    latency token trains through the decoder) each product keeps its own, or the first layer's
+    backward would read the second layer's weight."""
+    generator = torch.Generator().manual_seed(1)
+    w1, w2 = (torch.randn(64, 64, generator=generator).bfloat16() for _ in range(2))
+    x = torch.randn(32, 64, generator=generator, requires_grad=True)
+    with torch.enable_grad(), HalfStorageCompute(torch.bfloat16):
+        torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2).pow(2).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+
+    def rounded_linear(v, w):  # the same rounding, spelled out
+        return torch.nn.functional.linear(v.bfloat16().float(), w.float()).bfloat16().float()
+
+    rounded_linear(rounded_linear(x, w1), w2).pow(2).sum().backward()
+    torch.testing.assert_close(got, x.grad, rtol=0, atol=0)
