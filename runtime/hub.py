@@ -52,8 +52,8 @@ def resolve_hub_id(model: str) -> Path:
         raise ModelLoadError(msg) from exc
     if snapshot is None or not Path(snapshot).is_dir():
         where = f"revision {revision!r} of " if revision else ""
-        msg = (f"{model}: {where}{repo} is not in the Hugging Face cache {hub_cache_dir()} (ctrl does not "
-               f"download)\nHint: fetch it with `hf download {repo}"
+        msg = (f"{model}: no such directory, and {where}{repo} is not in the Hugging Face cache {hub_cache_dir()} "
+               f"(ctrl does not download)\nHint: fetch it with `hf download {repo}"
                + (f" --revision {revision}" if revision else "") + "`, or point HF_HUB_CACHE / HF_HOME at the "
                "cache that holds it, or pass the checkpoint directory")
         raise ModelLoadError(msg)

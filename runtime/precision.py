@@ -25,7 +25,7 @@ runtimes' outputs before ``--dtype`` existed are identical.
 
 ``auto`` is float32 on a CPU (exact, and a bf16 product is slow there) and bfloat16 on a GPU
 (float16 on GPUs without bf16 support, before Ampere): the origin's GPU precision, and it fits
-MolmoE-1B's 7.2 B weights (13.4 GiB) on a 24 GB card.
+MolmoE-1B's 7.2 B weights (13.45 GiB) on a 24 GB card.
 """
 
 from __future__ import annotations

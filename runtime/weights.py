@@ -49,8 +49,8 @@ _MAX_HEADER_BYTES = 100 << 20
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor of a weight file: safetensors spans are absolute byte offsets in the file;
-    a ``.bin`` tensor is its memory-mapped tensor (``mapped``)."""
+    """One tensor of a weight file; ``begin``/``end`` are its absolute byte offsets in a
+    safetensors file (0 for a ``.bin`` tensor, which is read through its memory map)."""
 
     name: str
     file: Path
@@ -219,9 +219,9 @@ def stream_weights(index: WeightIndex, targets: Mapping[str, Target], dtype: tor
     """Allocate every target in ``dtype`` on ``device`` and fill it from the files (module docstring).
 
     Returns (the filled targets by name, the sha256 of each safetensors file in ``hash_files``).
-    Floating-point sources convert to ``dtype``; other dtypes must match exactly.
+    Floating-point sources convert to ``dtype``; other dtypes must match exactly. The targets must
+    have passed :func:`check_targets`.
     """
-    check_targets(index, targets)
     out = {name: torch.empty(t.shape, dtype=dtype, device=device) for name, t in targets.items()}
     spans: dict[Path, list[_Span]] = {}
     for name, target in targets.items():
