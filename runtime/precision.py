@@ -112,7 +112,9 @@ def _as_float32(weight: torch.Tensor, for_autograd: bool) -> torch.Tensor:
         return weight.float()
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < weight.numel() or buffer.device != weight.device:
-        buffer = _scratch.buffer = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+        # a normal tensor, even when first needed under inference_mode: later no_grad forwards write it too
+        with torch.inference_mode(False):
+            buffer = _scratch.buffer = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
     return buffer[:weight.numel()].view(weight.shape).copy_(weight)
 
 

@@ -183,3 +183,28 @@ def test_gradients_through_converted_weights_are_those_of_each_weight():
 
     rounded_linear(rounded_linear(x, w1), w2).pow(2).sum().backward()
     torch.testing.assert_close(got, x.grad, rtol=0, atol=0)
+
+
+def test_the_scratch_buffer_serves_inference_mode_and_no_grad_forwards_alike():
+    """The buffer made in an inference_mode forward (features, generation) is written again by a
+    no_grad one (the online prefill); an inference tensor could not be."""
+    import threading
+
+    weight = torch.randn(64, 48).bfloat16()
+    x = torch.randn(20, 48)
+    out: dict[str, object] = {}
+
+    def forwards() -> None:  # a new thread: its scratch buffer does not exist yet
+        try:
+            with torch.inference_mode(), HalfStorageCompute(torch.bfloat16):
+                out["first"] = torch.nn.functional.linear(x, weight)
+            with torch.no_grad(), HalfStorageCompute(torch.bfloat16):
+                out["second"] = torch.nn.functional.linear(x, weight * 2)
+        except RuntimeError as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=forwards)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    assert torch.equal(out["second"], 2 * out["first"])
