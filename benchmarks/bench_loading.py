@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,30 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 CACHE = ROOT / "benchmarks" / ".cache"
-
-#: a load in a fresh process; argv: checkpoint, dtype ("-" for a runtime without one)
-SCRIPT = r"""
-import json, sys, time
-from pathlib import Path
-import safetensors, transformers
-from runtime.molmoe import MolmoERuntime
-from runtime.molmoe_model import build_decoder, read_architecture
-
-def status(key):
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
-
-arch, _ = read_architecture(Path(sys.argv[1]))
-build_decoder(arch, 0, 1)
-Path("/proc/self/clear_refs").write_text("5")
-base = status("VmRSS")
-started = time.perf_counter()
-runtime = MolmoERuntime(sys.argv[1]) if sys.argv[2] == "-" else MolmoERuntime(sys.argv[1], dtype=sys.argv[2])
-seconds = time.perf_counter() - started
-weights = sum(p.numel() * p.element_size() for m in (runtime.vision_backbone, runtime.decoder) for p in m.parameters())
-print(json.dumps({"seconds": seconds, "weights": weights, "peak": status("VmHWM") - base}))
-"""
-
 
 def checkpoints(d_model: int) -> dict[str, Path]:
     import torch
@@ -78,16 +53,9 @@ def baseline_tree(rev: str) -> Path:
     return tree
 
 
-def load(tree: Path, checkpoint: Path, dtype: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "CTRL_CACHE_DIR": str(CACHE / "loading-model-cache")}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(checkpoint), dtype], capture_output=True, text=True,
-                         env=env, cwd=tree)
-    if out.returncode != 0:
-        sys.exit(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
+    from load_memory import measure_load
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-rev", default="d91e8ee")
     parser.add_argument("--d-model", type=int, default=256)
@@ -101,7 +69,8 @@ def main() -> None:
     print(f"| revision | file | held | load s (median of {args.rounds}) | weights MB | peak / weights |")
     print("|---|---|---|---:|---:|---:|")
     for label, tree, stored, held in cases:
-        runs = [load(tree, files[stored], held) for _ in range(args.rounds)]
+        env = {"CTRL_CACHE_DIR": str(CACHE / "loading-model-cache")}
+        runs = [measure_load(files[stored], held, tree, env) for _ in range(args.rounds)]
         seconds = statistics.median(r["seconds"] for r in runs)
         ratio = statistics.median(r["peak"] / r["weights"] for r in runs)
         print(f"| {label} | {stored} | {'float32' if held == '-' else held} | {seconds:.2f} | "

@@ -36,7 +36,7 @@ from pipeline.workspace import Workspace
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
-from runtime.precision import DTYPE_CHOICES
+from runtime.precision import check_dtype_name
 
 #: max_crops values whose tiling is stored per sample (covers every tier of §2.1)
 TILING_MAX_CROPS = tuple(range(1, 16))
@@ -85,9 +85,7 @@ class FeatureConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             msg = f"device must be cpu or cuda, got {self.device!r}"
             raise CtrlError(msg)
-        if self.dtype not in DTYPE_CHOICES:
-            msg = f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
-            raise CtrlError(msg)
+        check_dtype_name(self.dtype)
         if self.images_dir is not None and not Path(self.images_dir).is_dir():
             msg = f"--images {self.images_dir} is not a directory"
             raise CtrlError(msg)
@@ -133,12 +131,15 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
     started = time.perf_counter()
     dist = init_distributed_from_env(config.device)
     lead = dist.rank == 0
-    if runtime is None and model_fingerprint(config.model, config.dtype, config.device) is None:
+    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model, config.dtype,
+                                                                                    config.device)
+    if fingerprint is None:
         # a checkpoint loaded for the first time: its fingerprint comes from the load itself
         runtime = _load_model(config)
+        fingerprint = runtime.fingerprint
     with ExitStack() as held:
         with dist.fail_together():
-            plan = _plan(config, runtime, held) if lead else None
+            plan = _plan(config, fingerprint, held) if lead else None
         plan = dist.broadcast(plan)
         report = FeatureReport(plan.fingerprint, num_samples=plan.num_samples,
                                cached=plan.num_samples - len(plan.todo))
@@ -211,15 +212,12 @@ class _Batch:
     unreadable_images: list[str] = field(default_factory=list)
 
 
-def _plan(config: FeatureConfig, runtime: ModelRuntime | None, held: ExitStack) -> _Plan:
+def _plan(config: FeatureConfig, fingerprint: str, held: ExitStack) -> _Plan:
     """Take the workspace lock (held until ``held`` closes), apply --force, drop unfinished chunks
     and list the samples without cached features."""
     workspace = Workspace(config.workspace)
     samples = workspace.read_table("samples")  # raises a clear error on an empty workspace
     held.enter_context(workspace.lock("ctrl extract-features"))
-    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model, config.dtype,
-                                                                                    config.device)
-    assert fingerprint is not None  # unknown fingerprints load the model first (extract_features)
     out_dir = workspace.features_dir / fingerprint[:16]
     if config.force and out_dir.exists():
         trash = out_dir.with_name(f".trash-{uuid.uuid4().hex}")

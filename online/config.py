@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runtime.precision import DTYPE_CHOICES
+from runtime.precision import check_dtype_name
 from trainer.config import TrainingConfig, check_int
 
 
@@ -83,9 +83,7 @@ class OnlineTrainConfig(TrainingConfig):
         if (self.budget_min_ms is None) != (self.budget_max_ms is None):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
             raise ValueError(msg)
-        if self.dtype not in DTYPE_CHOICES:
-            msg = f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
-            raise ValueError(msg)
+        check_dtype_name(self.dtype)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):

@@ -183,7 +183,7 @@ def _read_archive(path: Path) -> tuple[pa.Table, dict]:
         raise CtrlError(msg)
     for entry in meta.get("rank_files", []):
         if isinstance(entry.get("block"), dict):
-            # profiles written before --dtype existed held their weights in float32
+            # a block without a dtype was profiled with float32 weights (it has no other precision)
             entry["block"].setdefault("dtype", "float32")
     return table, meta
 

@@ -76,7 +76,7 @@ from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, 
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
 from runtime.images import open_image
-from runtime.precision import DTYPE_CHOICES, dtype_name
+from runtime.precision import check_dtype_name, dtype_name
 from runtime.scoring import score_answer
 from runtime.timing import GenerateTimer, cpu_threads
 from testbed.dataset import VqaDataset, read_dataset
@@ -167,9 +167,7 @@ class ProfileConfig:
             if value is not None and value < low:
                 msg = f"{option} must be >= {low}, got {value}"
                 raise CtrlError(msg)
-        if self.dtype not in DTYPE_CHOICES:
-            msg = f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
-            raise CtrlError(msg)
+        check_dtype_name(self.dtype)
         self.out_dir = Path(self.out_dir).expanduser()
         self.combinations, self.strategy = parse_configs(self.configs)
 

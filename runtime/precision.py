@@ -13,15 +13,14 @@ What differs by device is only the kernel of a product with half weights:
 * CUDA: the half-precision kernel, always;
 * CPU: the half kernel for up to :data:`CPU_HALF_KERNEL_MAX_ROWS` rows (a decode step, an expert
   that few tokens chose), else the weight converted to float32 for this one call and the float32
-  kernel on the rounded inputs. On the 2-core development VM a bfloat16 product of 64 x 2048
-  rows by a 1024 x 2048 weight took 13.3 ms against 2.6 ms converted (4-8x for prefill shapes),
-  while for one row the half kernel took 0.23 ms against 0.47 ms (benchmarks/bench_precision.py).
-  Converted weights live for one product only, in a scratch buffer reused from product to
-  product (a fresh 8 MB tensor per expert costs its page faults again every time): nothing is
-  held twice. Where autograd may need the weight later, the conversion gets its own tensor.
+  kernel on the rounded inputs: a CPU without bf16 instructions runs the half kernel several
+  times slower than float32 for prefill shapes and as fast for a few rows
+  (benchmarks/bench_precision.py, docs/results.md). Converted weights live for one product
+  only, in a scratch buffer reused from product to product (a fresh 8 MB tensor per expert costs
+  its page faults again every time): nothing is held twice. Where autograd may need the weight
+  later, the conversion gets its own tensor.
 
-float32 storage runs plain float32 on every device (no rounding), so ``--dtype float32`` and the
-runtimes' outputs before ``--dtype`` existed are identical.
+float32 storage runs plain float32 on every device, with no rounding and no interception.
 
 ``auto`` is float32 on a CPU (exact, and a bf16 product is slow there) and bfloat16 on a GPU
 (float16 on GPUs without bf16 support, before Ampere): the origin's GPU precision, and it fits
@@ -43,15 +42,19 @@ from runtime.base import ModelLoadError
 
 #: the values of ``--dtype``
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-#: the help of every ``--dtype`` option (the commands that run a model share it)
-DTYPE_HELP = ("Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or float32; "
-              "products round to it as bf16 autocast does. Part of the model's fingerprint.")
 _BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: products with at most this many rows use the half kernel on a CPU (see the module docstring)
 CPU_HALF_KERNEL_MAX_ROWS = 8
 #: weights up to this many values are converted into the reused scratch buffer (64 MiB of float32)
 SCRATCH_MAX_VALUES = 16 << 20
 _scratch = threading.local()
+
+
+def check_dtype_name(name: str) -> None:
+    """Raise ModelLoadError unless ``name`` is one of :data:`DTYPE_CHOICES` (what configs accept)."""
+    if name not in DTYPE_CHOICES:
+        msg = f"--dtype {name!r}: expected one of {', '.join(DTYPE_CHOICES)}"
+        raise ModelLoadError(msg)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -62,14 +65,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
             raise ModelLoadError(msg)
         return dtype
     name = str(dtype).strip().lower().removeprefix("torch.")
+    check_dtype_name(name)
     if name == "auto":
         device = torch.device(device)
         if device.type != "cuda":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name not in _BY_NAME:
-        msg = f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}"
-        raise ModelLoadError(msg)
     return _BY_NAME[name]
 
 

@@ -158,6 +158,14 @@ def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults
 
     assert tuple(d.value for d in Dtype) == DTYPE_CHOICES
     assert FeatureConfig.dtype == ProfileConfig.dtype == OnlineTrainConfig.dtype == "auto"
+    import pytest
+
+    from runtime import ModelLoadError
+
+    for make in (lambda: FeatureConfig(dtype="int8"), lambda: OnlineTrainConfig(dtype="int8"),
+                 lambda: ProfileConfig(datasets=["."], dtype="int8")):
+        with pytest.raises(ModelLoadError, match=r"--dtype 'int8': expected one of auto, bfloat16, float16, float32"):
+            make()
     for command in (["extract-features"], ["profile"], ["train", "--online"], ["testbed", "train"]):
         required = ["--dataset", "."] if command == ["profile"] else []
         result = runner.invoke(app, [*command, "--dtype", "int8", *required])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from load_memory import measure_load
 from safetensors import safe_open
 from test_model_runtime import QUESTION, make_image
 from typer.testing import CliRunner
@@ -31,36 +32,6 @@ from synthetic.molmoe_checkpoint import write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-
-#: loads a checkpoint in a fresh process and prints the resident memory it took (bytes) as JSON
-PEAK_SCRIPT = r"""
-import json, sys
-from pathlib import Path
-import safetensors, transformers  # loaded before the baseline: not the load's memory
-from runtime.molmoe import MolmoERuntime
-from runtime.molmoe_model import build_decoder, read_architecture
-
-def status(key):
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
-
-arch, _ = read_architecture(Path(sys.argv[1]))
-build_decoder(arch, 0, 1)  # transformers' lazy modules imported, on the meta device
-Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
-base = status("VmRSS")
-runtime = MolmoERuntime(sys.argv[1], dtype=sys.argv[2])
-weights = sum(p.numel() * p.element_size() for m in (runtime.vision_backbone, runtime.decoder) for p in m.parameters())
-print(json.dumps({"weights": weights, "peak": status("VmHWM") - base}))
-"""
-
-
-def measure_load(path: Path, dtype: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), dtype], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
 
 @pytest.fixture(scope="module")
 def mid_size(tiny_molmoe_dir: Path, tmp_path_factory) -> dict[str, Path]:
@@ -77,8 +48,8 @@ def mid_size(tiny_molmoe_dir: Path, tmp_path_factory) -> dict[str, Path]:
                                               ("float32", "float32"), ("bfloat16", "float32")])
 def test_a_load_takes_little_more_than_its_weights(mid_size, stored, held):
     """Nothing is held twice: the peak is the weights in the held dtype plus two 16 MiB staging
-    buffers and the tokenizer. Building the state dict first and copying the experts with
-    stack/cat took 1.56-1.87x."""
+    buffers and the tokenizer; a loader that builds the state dict first or stacks the experts
+    with a copy holds 1.5x or more."""
     got = measure_load(mid_size[stored], held)
     values = sum(t.numel for t in WeightIndex(mid_size[stored]).tensors.values())
     assert values > 120_000_000
