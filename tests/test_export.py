@@ -53,6 +53,22 @@ def _inputs(ws, checkpoint):
     return policy, feats
 
 
+def _expected_network(policy, image, present, lang, budget, tilings, crops=None):
+    """The network's greedy decision from the policy's own stage outputs, (N,) action indices: the
+    crops of highest log p1 (or the crops columns ``crops``), then among that crops value's actions
+    the highest log p2(top_k) + log p3(blocks)."""
+    with torch.inference_mode():
+        crops_lp, lang_h, budget_h = policy.stage1(lang, budget, tiling_crops=tilings)
+        top_k_lp, blocks_lp = policy.stage2_heads(policy.stage2_hidden(image, present, lang_h, budget_h,
+                                                                       tiling_crops=tilings))
+    if crops is None:
+        crops = crops_lp.argmax(-1)
+    knobs = policy.action_space.knob_indices()
+    rows = torch.arange(len(lang))
+    score = top_k_lp[rows, crops][:, knobs[:, 1]] + blocks_lp[rows, crops][:, knobs[:, 2]]
+    return score.masked_fill(knobs[None, :, 0] != crops[:, None], float("-inf")).argmax(-1)
+
+
 def _budgets(grid: list[float]) -> list[float]:
     """Grid points, the points halfway between them, and budgets below and above the range."""
     between = [(a + b) / 2 + 0.3 for a, b in zip(grid, grid[1:])]
@@ -60,8 +76,8 @@ def _budgets(grid: list[float]) -> list[float]:
 
 
 def test_decisions_equal_the_policy_and_its_table_fallback(trained):
-    """Expected: the training-time network's argmax over the whole action space where the nearest grid
-    budget keeps the controller, else the lut_p95 table's choice for the budget."""
+    """Expected: the training-time network's sequential greedy choice over the whole action space where
+    the nearest grid budget keeps the controller, else the lut_p95 table's choice for the budget."""
     from trainer.deploy import DeployedController
     from trainer.fallback import read_fallback
 
@@ -86,7 +102,7 @@ def test_decisions_equal_the_policy_and_its_table_fallback(trained):
                 # the whole distribution, not only its argmax (a short training leaves near-uniform heads)
                 assert torch.allclose(deployed.probabilities(f["lang"], image, present, b, tilings), probs,
                                       rtol=1e-4, atol=1e-6)
-            network = probs.argmax(-1)
+            network = _expected_network(policy, image, present, f["lang"], budget, tilings)
             use = fallback.controller_at(b)
             expected = torch.where(use, network, table.choose(torch.full((n,), budget), None))
             with torch.inference_mode():
@@ -105,12 +121,69 @@ def test_without_a_fallback_the_network_decides_every_budget(trained):
     deployed = DeployedController(policy, None)
     for budget in (120.0, 260.0, 900.0):
         b = torch.full((len(f["lang"]),), budget)
+        expected = _expected_network(policy, f["image"], f["image_present"], f["lang"], budget, f["tiling_crops"])
         with torch.inference_mode():
-            expected = policy.log_probs(f["image"], f["image_present"], f["lang"], budget, None,
-                                        tiling_crops=f["tiling_crops"]).argmax(-1)
             actions, by_network = deployed.decide_actions(f["lang"], f["image"], f["image_present"], b,
                                                           f["tiling_crops"])
         assert by_network.all() and torch.equal(actions, expected)
+
+
+def test_the_exported_files_two_stages_are_the_sequential_decision_and_the_evaluations(trained, tmp_path):
+    """The loaded TorchScript file, as a server calls it: stage1 alone is the argmax of the policy's
+    log p1(crops) (with tilings) or the table's crops; stage2 at any crops value is the argmax of the
+    policy's stage-2 log-probs over that value's actions, or the table's top_k and blocks; decide is
+    stage1 then stage2, and what PolicyDecider (ctrl evaluate's controller) decides."""
+    from trainer.data import load_offline_data
+    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from trainer.fallback import PolicyDecider, read_fallback
+
+    ws, _, mixed = trained
+    policy, f = _inputs(ws, mixed)
+    fallback = read_fallback(mixed)
+    table = fallback.lookup_table()
+    exported = load_deployed(save_deployed(DeployedController(policy, fallback), tmp_path / "controller.pt"))
+    values = torch.tensor(policy.action_space.max_crops_values)
+    actions = torch.tensor(policy.action_space.actions)
+    n = len(f["sample_key"])
+    lang, image, present = f["lang"], f["image"], f["image_present"]
+    seen = set()
+    for tilings in (f["tiling_crops"], None):
+        for budget in _budgets(fallback.grid_ms):
+            b = torch.full((n,), budget)
+            use = fallback.controller_at(b)
+            table_action = actions[table.choose(b, None)]
+            with torch.inference_mode():
+                crops_lp = policy.crops_log_probs(lang, budget, tiling_crops=tilings)
+                crops = exported.stage1(lang, b, tilings)
+            assert crops.dtype == torch.int64 and crops.shape == (n,)
+            assert torch.equal(crops, torch.where(use, values[crops_lp.argmax(-1)], table_action[:, 0])), budget
+            for column, value in enumerate(values.tolist()):
+                expected = actions[_expected_network(policy, image, present, lang, budget, tilings,
+                                                     torch.full((n,), column))]
+                with torch.inference_mode():
+                    top_k, blocks = exported.stage2(lang, image, present, b, torch.full((n,), value), tilings)
+                assert top_k.dtype == blocks.dtype == torch.int64
+                expected = torch.where(use[:, None], expected[:, 1:], table_action[:, 1:])
+                assert torch.equal(torch.stack([top_k, blocks], 1), expected), (budget, value)
+            with torch.inference_mode():
+                top_k, blocks = exported.stage2(lang, image, present, b, crops, tilings)
+                decided = torch.stack(exported.decide(lang, image, present, b, tilings), 1)
+            assert torch.equal(decided, torch.stack([crops, top_k, blocks], 1)), budget
+            seen.update(use.tolist())
+    assert seen == {True, False}
+
+    data = load_offline_data(ws, policy.model_fingerprint)
+    assert data.action_space == policy.action_space and data.tiling_crops is not None
+    full = data.mask.all(-1)  # a server ranges over every configuration; the evaluation over the recorded ones
+    assert int(full.sum()) >= len(data) // 2
+    rows = torch.arange(len(data))[full]
+    decider = PolicyDecider(policy, fallback)
+    for budget in _budgets(fallback.grid_ms):
+        b = torch.full((len(data),), budget)
+        with torch.inference_mode():
+            decided = torch.stack(exported.decide(data.lang_features, data.image_features, data.image_present, b,
+                                                  data.tiling_crops), 1)
+        assert torch.equal(decided[rows], actions[decider.decide(data, budget)][rows]), budget
 
 
 @pytest.mark.parametrize("with_fallback", [False, True])
@@ -258,7 +331,7 @@ def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_pa
     with torch.inference_mode():
         probs = policy.log_probs(f["image"], f["image_present"], f["lang"], budgets[0], None,
                                  tiling_crops=f["tiling_crops"]).exp()
-    chosen = probs.argmax(-1)
+    chosen = _expected_network(policy, f["image"], f["image_present"], f["lang"], budgets[0], f["tiling_crops"])
     assert first["source"].unique().to_list() == ["controller"]
     assert first["probability"].to_list() == pytest.approx(probs.gather(1, chosen[:, None])[:, 0].tolist(), rel=1e-5)
     second = frame.filter(pl.col("budget_ms") == budgets[1])
@@ -320,7 +393,10 @@ def test_full_and_partial_action_spaces_without_tilings(drop):
         probs = policy.log_probs(image, present, lang, budget, None).exp()
         assert torch.allclose(deployed.probabilities(lang, image, present, budget), probs, rtol=1e-4, atol=1e-6)
         knobs = torch.stack(deployed(lang, image, present, budget), 1)
-    assert torch.equal(knobs, torch.tensor(actions)[probs.argmax(-1)])
+        crops = deployed.stage1(lang, budget)
+        top_k, blocks = deployed.stage2(lang, image, present, budget, crops)
+    assert torch.equal(knobs, torch.tensor(actions)[_expected_network(policy, image, present, lang, budget, None)])
+    assert torch.equal(torch.stack([crops, top_k, blocks], 1), knobs)
 
 
 def test_latest_is_the_newest_offline_run_and_online_runs_are_refused(trained, tmp_path):
@@ -351,3 +427,131 @@ def test_latest_is_the_newest_offline_run_and_online_runs_are_refused(trained, t
     finally:
         shutil.rmtree(newer)
         shutil.rmtree(online)
+
+
+# -- the decision rule on a policy whose decisions are known by construction -------------------------
+
+FULL_PRODUCT = tuple((c, k, b) for c in (2, 6, 10) for k in (4, 8, 12) for b in (12, 14, 16))
+
+
+def _hand_set_policy(actions):
+    """The same distribution for every input: p1(crops 2, 6, 10) = (0.3, 0.5, 0.2); at crops 2,
+    top_k 4 and 12 blocks almost surely; at crops 6, every top_k and every block count equally
+    likely (exact ties); at crops 10, top_k 12 and 14 blocks almost surely.
+
+    The joint mode is therefore (2, 4, 12) (0.3 against at most 0.5 / 9 for a crops-6 action); the
+    sequential greedy decision is crops 6, and on its tie the first crops-6 action."""
+    from trainer.data import ActionSpace
+    from trainer.policy import ControllerPolicy, PolicyConfig
+
+    policy = ControllerPolicy(PolicyConfig(lang_feature_dim=2, image_feature_dim=2, budget_min_ms=100.0,
+                                           budget_max_ms=300.0, hidden_dim=4, crops_embedding_dim=4),
+                              ActionSpace(actions)).eval()
+    with torch.no_grad():
+        policy.crops_head[2].weight.zero_()
+        policy.crops_head[2].bias.copy_(torch.tensor([0.3, 0.5, 0.2]).log())
+        # stage 2's hidden state is the crops choice alone: after its LayerNorm and ReLU, 1.73 in
+        # coordinate c for crops column c, 0 elsewhere
+        policy.stage2_context.weight.zero_()
+        policy.stage2_context.bias.zero_()
+        policy.stage2_choice.weight.copy_(torch.eye(4))
+        policy.crops_embedding.weight.copy_(torch.eye(3, 4) * 4.0 - 1.0)
+        for head, favourite in ((policy.top_k_head, {0: 0, 2: 2}), (policy.blocks_head, {0: 0, 2: 1})):
+            head[0].weight.copy_(torch.eye(4))
+            head[0].bias.zero_()
+            head[2].weight.zero_()
+            head[2].bias.zero_()
+            for crops_column, value_column in favourite.items():
+                head[2].weight[value_column, crops_column] = 5.0
+    return policy
+
+
+def _hand_set_data(policy, mask):
+    from trainer.data import OfflineData
+
+    n, a = mask.shape
+    return OfflineData(action_space=policy.action_space, model_fingerprint="f" * 64, dataset=["d"] * n,
+                       sample_key=[f"k{i}" for i in range(n)], example_id=[str(i) for i in range(n)],
+                       split=["test"] * n, image_features=torch.randn(n, 2), image_present=torch.rand(n) > 0.3,
+                       lang_features=torch.randn(n, 2), score=torch.where(mask, 0.5, float("nan")),
+                       latency_ms=torch.where(mask, 100.0, float("nan")), latency_is_sample=mask.clone(), mask=mask)
+
+
+def test_the_decision_is_sequential_not_the_joint_mode(tmp_path):
+    """Stage 1 keeps the most probable crops value even where another value has the most probable
+    configuration; stage 2 breaks its exact tie towards the smallest top_k, then the fewest blocks."""
+    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from trainer.fallback import PolicyDecider
+
+    policy = _hand_set_policy(FULL_PRODUCT)
+    n = 5
+    data = _hand_set_data(policy, torch.ones(n, len(FULL_PRODUCT), dtype=torch.bool))
+    budget = torch.linspace(50.0, 400.0, n)
+    inputs = (data.lang_features, data.image_features, data.image_present)
+    joint = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget).argmax(-1)
+    assert {FULL_PRODUCT[int(i)] for i in joint} == {(2, 4, 12)}  # the construction holds
+    module = DeployedController(policy, None)
+    assert module.full_product
+    exported = load_deployed(save_deployed(module, tmp_path / "controller.pt"))
+    for deployed in (module, exported):
+        with torch.inference_mode():
+            assert deployed.stage1(data.lang_features, budget).tolist() == [6] * n
+            for crops, expected in ((2, (4, 12)), (6, (4, 12)), (10, (12, 14))):
+                top_k, blocks = deployed.stage2(*inputs, budget, torch.full((n,), crops))
+                assert list(zip(top_k.tolist(), blocks.tolist())) == [expected] * n, crops
+            decided = torch.stack(deployed.decide(*inputs, budget), 1)
+        assert [tuple(r) for r in decided.tolist()] == [(6, 4, 12)] * n
+    assert [FULL_PRODUCT[int(i)] for i in PolicyDecider(policy).decide(data, budget)] == [(6, 4, 12)] * n
+
+
+def test_the_decision_stays_inside_a_masked_action_space(tmp_path):
+    """An action space that is not a full product (the deployed module) and per-sample masks (the
+    evaluation): stage 2 ranges over the actions of the chosen crops that exist, and stage 1 over
+    the crops values that have one."""
+    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from trainer.fallback import PolicyDecider
+
+    actions = tuple(a for a in FULL_PRODUCT if a not in {(6, 4, 12), (6, 8, 12), (2, 4, 12)})
+    policy = _hand_set_policy(actions)
+    module = DeployedController(policy, None)
+    assert not module.full_product
+    exported = load_deployed(save_deployed(module, tmp_path / "controller.pt"))
+    n = 3
+    lang, image, present, budget = torch.randn(n, 2), torch.randn(n, 2), torch.ones(n, dtype=torch.bool), \
+        torch.full((n,), 200.0)
+    for deployed in (module, exported):
+        with torch.inference_mode():
+            assert deployed.stage1(lang, budget).tolist() == [6] * n
+            # crops 6 ties everywhere: its first recorded action; crops 2 lost (2, 4, 12), and its two
+            # next best, (2, 4, 14) and (2, 8, 12), tie: the smaller top_k
+            for crops, expected in ((6, (4, 14)), (2, (4, 14)), (10, (12, 14))):
+                top_k, blocks = deployed.stage2(lang, image, present, budget, torch.full((n,), crops))
+                assert list(zip(top_k.tolist(), blocks.tolist())) == [expected] * n, crops
+            assert [tuple(r) for r in torch.stack(deployed.decide(lang, image, present, budget), 1).tolist()] \
+                == [(6, 4, 14)] * n
+
+    # per-sample masks: no crops-6 action -> crops 2 (p1's second); neither crops 6 nor 2 -> crops 10;
+    # only crops 6's last action -> that one
+    def without(*crops_values):
+        return torch.tensor([a[0] not in crops_values for a in actions])
+
+    only_last_six = torch.tensor([a == (6, 12, 16) for a in actions]) | without(6)
+    mask = torch.stack([torch.ones(len(actions), dtype=torch.bool), without(6), without(6, 2), only_last_six])
+    data = _hand_set_data(policy, mask)
+    chosen = [actions[int(i)] for i in PolicyDecider(policy).decide(data, 200.0)]
+    assert chosen == [(6, 4, 14), (2, 4, 14), (10, 12, 14), (6, 12, 16)]
+
+
+@pytest.mark.parametrize("max_crops", [5, 0, 11, -3])
+def test_stage2_refuses_a_crops_value_outside_the_action_space(tmp_path, max_crops):
+    from trainer.deploy import DeployedController, load_deployed, save_deployed
+
+    module = DeployedController(_hand_set_policy(FULL_PRODUCT), None)
+    exported = load_deployed(save_deployed(module, tmp_path / "controller.pt"))
+    args = (torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2, dtype=torch.bool), torch.full((2,), 200.0),
+            torch.tensor([6, max_crops]))
+    message = rf"max_crops {max_crops} is not in the controller's action space \(max_crops values 2, 6, 10\)"
+    with pytest.raises(ValueError, match=message):
+        module.stage2(*args)
+    with pytest.raises(torch.jit.Error, match=message):
+        exported.stage2(*args)

@@ -2,16 +2,19 @@
 
 :class:`DeployedController` holds what a serving process needs to decide — the policy
 network, the budget encoding, the action space and the table fallback per budget — as plain
-tensors, and computes the same greedy decision as :class:`trainer.fallback.PolicyDecider`
-over the policy's whole action space (what ``ctrl predict`` writes):
+tensors, in the two calls a server makes: ``stage1`` (the crops, before the vision tower, from
+the language features, the budget and the tiling) and ``stage2`` (top_k and blocks, after the
+vision pass at those crops). ``decide`` is the two in sequence: the greedy decision of
+:mod:`trainer.greedy` over the policy's whole action space, as
+:class:`trainer.fallback.PolicyDecider` makes it (what ``ctrl predict`` writes). For speed:
 
 * the per-feature standardisation is folded into the first ``Linear`` of each projection
   (``W' = W / std``, ``b' = b - W' mean``), and the image-present flag into the image one;
-* the stage-1 crops log-softmax is dropped: it shifts every action by the same constant, so
-  the argmax does not move (the probability, which ``predict`` reports, adds it back);
-* the stage-2 choice embedding goes through its ``Linear`` once, at build time;
-* the two stage-2 heads run as one pair of matmuls, and over a full product of knob values
-  the joint scores are one broadcast sum instead of three gathers;
+* the log-softmaxes are dropped from the decision: each shifts every choice of its row by the
+  same constant, so no argmax moves (the probability, which ``predict`` reports, adds them back);
+* the stage-2 choice embedding goes through its ``Linear`` once, at build time, and stage 2 runs
+  at the chosen crops only; its two heads run as one pair of matmuls, and over a full product of
+  knob values the best top_k and blocks are two separate argmaxes;
 * the table fallback becomes two sorted lookups: the nearest validation-grid budget says
   whether the network or the table answers, and the table's choice is a step function of
   the budget (it changes only where a configuration's p95 latency starts to fit);
@@ -39,6 +42,7 @@ from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace, write_bytes_atomic
 from trainer.baselines import LookupTableDecider, _pick
 from trainer.fallback import TableFallback, read_fallback
+from trainer.greedy import greedy_crops, greedy_within_crops
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint
 
@@ -59,14 +63,23 @@ def _ln(module: nn.Module) -> tuple[Tensor, Tensor, float]:
 
 
 class DeployedController(nn.Module):
-    """``decide(lang, image, image_present, budget_ms, tiling_crops=None)`` ->
-    ``(max_crops, top_k, num_active_blocks)``, three int64 (B,) tensors.
+    """The controller in the two calls of a serving process, batched over B:
 
-    Inputs, batched over B: ``lang`` float (B, L) language features; ``image`` float (B, I)
-    image features (any values where ``image_present`` is False); ``image_present`` bool (B,);
-    ``budget_ms`` float (B,); ``tiling_crops`` float (B, C), optional: per entry of
-    ``max_crops_values``, the crops the preprocessor tiles this image into (NaN = unknown;
-    read only by policies trained with tilings).
+    * ``stage1(lang, budget_ms, tiling_crops=None)`` -> ``max_crops`` (B,) int64, before the
+      vision tower;
+    * ``stage2(lang, image, image_present, budget_ms, max_crops, tiling_crops=None)`` ->
+      ``(top_k, num_active_blocks)``, two (B,) int64, after the vision pass at ``max_crops``;
+    * ``decide(lang, image, image_present, budget_ms, tiling_crops=None)`` -> ``(max_crops, top_k,
+      num_active_blocks)``: stage 1, then stage 2 at its crops.
+
+    Inputs: ``lang`` float (B, L) language features; ``image`` float (B, I) image features (any
+    values where ``image_present`` is False); ``image_present`` bool (B,); ``budget_ms`` float
+    (B,); ``tiling_crops`` float (B, C), optional: per entry of ``max_crops_values``, the crops
+    the preprocessor tiles this image into (NaN = unknown; read only by policies trained with
+    tilings); ``max_crops`` int64 (B,): stage 1's result, one of ``max_crops_values``.
+
+    Where the table fallback answers a budget, stage 1 returns the table's crops and stage 2 the
+    table's top_k and blocks for that budget: stage 2 must get the budgets stage 1 got.
     """
 
     def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None) -> None:
@@ -137,10 +150,21 @@ class DeployedController(nn.Module):
             self.register_buffer("heads1_b", torch.cat([tk[0].bias, bl[0].bias]).detach().clone())
             self.register_buffer("heads2_w", torch.block_diag(tk[2].weight, bl[2].weight).t().detach().contiguous())
             self.register_buffer("heads2_b", torch.cat([tk[2].bias, bl[2].bias]).detach().clone())
+            self.num_blocks = bl[2].out_features
             # a full product of knob values in sorted order: the flattened (C, K, B) grid is the action index
             product = [(c, k, b) for c in space.max_crops_values for k in space.top_k_values
                        for b in space.num_active_blocks_values]
             self.full_product = list(space.actions) == product
+            crops_of, top_k_of, blocks_of = policy.knob_indices.unbind(1)
+            self.register_buffer("action_crops", crops_of.clone())
+            self.register_buffer("action_top_k", top_k_of.clone())
+            self.register_buffer("action_blocks", blocks_of.clone())
+            # max_crops value -> its column (-1: not a value of the space); the last entry stands for
+            # every value above the largest
+            column = torch.full((max(space.max_crops_values) + 2,), -1, dtype=torch.long)
+            column[torch.tensor(space.max_crops_values)] = torch.arange(self.num_crops_values)
+            self.register_buffer("crops_column", column)
+            self.max_crops_text = ", ".join(str(v) for v in space.max_crops_values)
             self._build_fallback(fallback)
 
     def _build_fallback(self, fallback: TableFallback | None) -> None:
@@ -168,9 +192,10 @@ class DeployedController(nn.Module):
     def _layer_norm(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         return F.layer_norm(x, [x.shape[-1]], w, b, self.eps)
 
-    def _network_scores(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                        tiling_crops: Tensor | None) -> Tensor:
-        """Per action, the joint log-probability up to a per-row constant (B, A)."""
+    def _stage1_features(self, lang: Tensor, budget_ms: Tensor,
+                         tiling_crops: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What both stages read: the projected language features (B, H), the budget encoding (B, Hb),
+        the standardised tiling (B, C) (0 where unknown) and the tiling-known flag (B, 1)."""
         n = lang.shape[0]
         lang_h = F.relu(self._layer_norm(torch.addmm(self.lang_b, lang.float(), self.lang_w), self.lang_ln_w,
                                          self.lang_ln_b))
@@ -181,34 +206,81 @@ class DeployedController(nn.Module):
         # 2 GELU(x) = x (1 + erf(x / sqrt 2)): on a small row aten's gelu costs as much as five such ops
         x = (x * 0.7071067811865476).erf_().add_(1.0).mul_(x)
         budget_h = self._layer_norm(torch.addmm(self.b2_b, x, self.b2_w), self.b2_ln_w, self.b2_ln_b)
+        if self.uses_tilings and tiling_crops is not None:
+            t = tiling_crops.float()
+            known = (~torch.isnan(t).any(-1, keepdim=True)).float()
+            tiling = torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
+        else:
+            known = lang.new_zeros((n, 1), dtype=torch.float32)
+            tiling = lang.new_zeros((n, self.num_crops_values), dtype=torch.float32)
+        return lang_h, budget_h, tiling, known
+
+    def _crops_logits(self, lang_h: Tensor, budget_h: Tensor, tiling: Tensor, known: Tensor) -> Tensor:
+        """Stage 1: log p1(crops) up to a per-row constant, (B, C)."""
         if self.uses_tilings:
-            if tiling_crops is None:
-                tiling = lang.new_zeros((n, self.num_crops_values), dtype=torch.float32)
-                known = lang.new_zeros((n, 1), dtype=torch.float32)
-            else:
-                t = tiling_crops.float()
-                known = (~torch.isnan(t).any(-1, keepdim=True)).float()
-                tiling = torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
             fused_in = torch.cat([lang_h, budget_h, tiling, known], dim=-1)
         else:
-            tiling = lang.new_zeros((n, self.num_crops_values), dtype=torch.float32)
             fused_in = torch.cat([lang_h, budget_h], dim=-1)
         fused = F.relu(self._layer_norm(torch.addmm(self.fuse_b, fused_in, self.fuse_w), self.fuse_ln_w,
                                         self.fuse_ln_b))
         crops_hidden = torch.addmm(self.crops1_b, fused, self.crops1_w).relu_()
-        crops_logits = torch.addmm(self.crops2_b, crops_hidden, self.crops2_w)
+        return torch.addmm(self.crops2_b, crops_hidden, self.crops2_w)
+
+    def _stage2_context(self, lang_h: Tensor, budget_h: Tensor, image: Tensor, image_present: Tensor) -> Tensor:
+        """The stage-2 fusion's context part, the same for every crops choice, (B, H)."""
         present = image_present.float().unsqueeze(1)
         image_pre = self.image_b + present * torch.addmm(self.image_c, image.float(), self.image_w)
         image_h = F.relu(self._layer_norm(image_pre, self.image_ln_w, self.image_ln_b))
-        context = torch.addmm(self.context_b, torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w)
-        hidden = context.unsqueeze(1) + self.choice
+        return torch.addmm(self.context_b, torch.cat([lang_h, image_h, budget_h], dim=-1), self.context_w)
+
+    def _stage2_heads(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Stage-2 hidden states (R, H) before their norm -> top_k and blocks logits (R, K), (R, Bk)."""
+        hidden = F.relu(self._layer_norm(hidden, self.s2_ln_w, self.s2_ln_b))
+        heads = torch.addmm(self.heads2_b, torch.addmm(self.heads1_b, hidden, self.heads1_w).relu_(), self.heads2_w)
+        return heads.narrow(1, 0, self.num_top_k), heads.narrow(1, self.num_top_k, self.num_blocks)
+
+    def _stage2_action(self, context: Tensor, tiling: Tensor, crops: Tensor) -> Tensor:
+        """Stage 2 at the crops columns ``crops`` (B,): the greedy action index (B,) among their actions."""
+        hidden = context + self.choice.index_select(0, crops)
+        if self.uses_tilings:
+            hidden = torch.addcmul(hidden, tiling.gather(1, crops.unsqueeze(1)), self.choice_tiling_w)
+        top_k, blocks = self._stage2_heads(hidden)
+        if self.full_product:  # every (top_k, blocks) pair is an action: the best of each head
+            return (crops * self.num_top_k + top_k.argmax(-1)) * self.num_blocks + blocks.argmax(-1)
+        candidates = self.action_crops.unsqueeze(0) == crops.unsqueeze(1)
+        return greedy_within_crops(top_k, blocks, self.action_top_k, self.action_blocks, candidates)
+
+    def _network_crops(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None) -> Tensor:
+        """The network's stage-1 choice, (B,) crops columns. Every crops value of the space has an action
+        (the values are read off the actions), so the argmax ranges over all of them."""
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        return greedy_crops(self._crops_logits(lang_h, budget_h, tiling, known))
+
+    def _network_stage2(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                        tiling_crops: Tensor | None, crops: Tensor) -> Tensor:
+        """The network's stage-2 choice at the crops columns ``crops``, (B,) action indices."""
+        lang_h, budget_h, tiling, _ = self._stage1_features(lang, budget_ms, tiling_crops)
+        return self._stage2_action(self._stage2_context(lang_h, budget_h, image, image_present), tiling, crops)
+
+    def _network_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                         tiling_crops: Tensor | None) -> Tensor:
+        """Both stages of the network in one pass (the features stage 1 computes serve stage 2), (B,) actions."""
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        crops = greedy_crops(self._crops_logits(lang_h, budget_h, tiling, known))
+        return self._stage2_action(self._stage2_context(lang_h, budget_h, image, image_present), tiling, crops)
+
+    def _network_scores(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                        tiling_crops: Tensor | None) -> Tensor:
+        """Per action, the joint log-probability up to a per-row constant (B, A)."""
+        n = lang.shape[0]
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        crops_logits = self._crops_logits(lang_h, budget_h, tiling, known)
+        hidden = self._stage2_context(lang_h, budget_h, image, image_present).unsqueeze(1) + self.choice
         if self.uses_tilings:
             hidden = torch.addcmul(hidden, tiling.unsqueeze(2), self.choice_tiling_w)
-        hidden = F.relu(self._layer_norm(hidden, self.s2_ln_w, self.s2_ln_b))  # (B, C, H)
-        heads = torch.addmm(self.heads2_b, torch.addmm(self.heads1_b, hidden.flatten(0, 1), self.heads1_w).relu_(),
-                            self.heads2_w).view(n, self.num_crops_values, -1)
-        top_k = heads.narrow(2, 0, self.num_top_k).log_softmax(-1)  # (B, C, K)
-        blocks = heads.narrow(2, self.num_top_k, heads.shape[2] - self.num_top_k).log_softmax(-1)  # (B, C, Bk)
+        top_k, blocks = self._stage2_heads(hidden.flatten(0, 1))
+        top_k = top_k.log_softmax(-1).view(n, self.num_crops_values, -1)  # (B, C, K)
+        blocks = blocks.log_softmax(-1).view(n, self.num_crops_values, -1)  # (B, C, Bk)
         if self.full_product:
             return (crops_logits.view(n, -1, 1, 1) + top_k.unsqueeze(3) + blocks.unsqueeze(2)).flatten(1)
         return (crops_logits.index_select(1, self.crops_index)
@@ -222,20 +294,70 @@ class DeployedController(nn.Module):
         nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
         return self.use_controller.index_select(0, nearest)
 
+    def _crops_columns(self, max_crops: Tensor) -> Tensor:
+        """``max_crops`` values (B,) -> their columns in ``max_crops_values``; an error for any other value."""
+        columns = self.crops_column.index_select(0, max_crops.long().clamp(0, self.crops_column.shape[0] - 1))
+        if columns.numel() > 0 and int(columns.min()) < 0:
+            bad = int(max_crops.masked_select(columns < 0)[0])
+            raise ValueError("max_crops " + str(bad) + " is not in the controller's action space (max_crops values "
+                             + self.max_crops_text + "): pass the value stage1 returned")
+        return columns
+
+    @torch.jit.export
+    def network_decides(self, budget_ms: Tensor) -> Tensor:
+        """(B,) bool: True where the network decides at this budget, False where the table fallback does."""
+        if not self.has_fallback:
+            return torch.ones(budget_ms.shape[0], dtype=torch.bool, device=budget_ms.device)
+        return self._use_network(budget_ms)
+
     def decide_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                        tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(B,) action indices and (B,) bool: True where the network decided, False where the table did."""
+        """(B,) action indices of :meth:`decide` and (B,) bool: True where the network decided, False
+        where the table did."""
         if not self.has_fallback:
-            scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
-            return scores.argmax(-1), torch.ones(lang.shape[0], dtype=torch.bool, device=lang.device)
+            return (self._network_actions(lang, image, image_present, budget_ms, tiling_crops),
+                    torch.ones(lang.shape[0], dtype=torch.bool, device=lang.device))
         use = self._use_network(budget_ms)
         if bool(use.all()):
-            return self._network_scores(lang, image, image_present, budget_ms, tiling_crops).argmax(-1), use
+            return self._network_actions(lang, image, image_present, budget_ms, tiling_crops), use
         table = self._table_choice(budget_ms)
         if not bool(use.any()):
             return table, use
-        scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
-        return torch.where(use, scores.argmax(-1), table), use
+        return torch.where(use, self._network_actions(lang, image, image_present, budget_ms, tiling_crops), table), use
+
+    @torch.jit.export
+    def stage1(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None) -> Tensor:
+        """Stage 1, before the vision tower: ``max_crops`` (B,) int64."""
+        if not self.has_fallback:
+            return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+        use = self._use_network(budget_ms)
+        if bool(use.all()):
+            return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+        table = self.actions.index_select(0, self._table_choice(budget_ms)).select(1, 0)
+        if not bool(use.any()):
+            return table
+        network = self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+        return torch.where(use, network, table)
+
+    @torch.jit.export
+    def stage2(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor, max_crops: Tensor,
+               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Stage 2, after the vision pass at ``max_crops`` (stage 1's result): ``(top_k, num_active_blocks)``,
+        two (B,) int64. Raises for a ``max_crops`` value that is not in the action space."""
+        crops = self._crops_columns(max_crops)
+        if not self.has_fallback:
+            action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+        else:
+            use = self._use_network(budget_ms)
+            if bool(use.all()):
+                action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+            else:
+                action = self._table_choice(budget_ms)
+                if bool(use.any()):
+                    network = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+                    action = torch.where(use, network, action)
+        knobs = self.actions.index_select(0, action)
+        return knobs.select(1, 1), knobs.select(1, 2)
 
     def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                 tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -246,13 +368,14 @@ class DeployedController(nn.Module):
     @torch.jit.export
     def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """The call a serving process makes (the same as calling the module)."""
+        """``stage1`` and then ``stage2`` at its crops, in one call (the same as calling the module)."""
         return self.forward(lang, image, image_present, budget_ms, tiling_crops)
 
     @torch.jit.export
     def probabilities(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                       tiling_crops: Tensor | None = None) -> Tensor:
-        """pi(a | x, budget) of the network over the action space (B, A), ignoring the fallback."""
+        """pi(a | x, budget) of the network over the action space (B, A), ignoring the fallback: the
+        policy's joint distribution (the decision is its sequential greedy choice, not its mode)."""
         scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
         return scores.softmax(-1)
 
@@ -315,7 +438,7 @@ class _BranchFree(nn.Module):
     def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                 tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         d = self.deployed
-        action = d._network_scores(lang, image, image_present, budget_ms, tiling_crops).argmax(-1)
+        action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops)
         if d.has_fallback:
             action = torch.where(d._use_network(budget_ms), action, d._table_choice(budget_ms))
         max_crops, top_k, num_active_blocks = d.actions.index_select(0, action).unbind(1)

@@ -32,6 +32,8 @@ and the online phase continues the network, not the fallback.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -44,7 +46,15 @@ from torch import Tensor
 from trainer.baselines import Decider, LookupTableDecider, budget_vector
 from trainer.data import OfflineData
 from trainer.evaluate import VIOLATION_TARGET
-from trainer.policy import ControllerPolicy, check_fingerprint, data_log_probs, read_checkpoint
+from trainer.greedy import policy_greedy
+from trainer.policy import (
+    ControllerPolicy,
+    _aligned,
+    _aligned_tilings,
+    check_fingerprint,
+    data_log_probs,
+    read_checkpoint,
+)
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import atomic_torch_save
 
@@ -132,7 +142,8 @@ class TableFallback:
 
 
 class PolicyDecider:
-    """The trained controller as a :class:`trainer.baselines.Decider`: greedy argmax of pi.
+    """The trained controller as a :class:`trainer.baselines.Decider`: the greedy decision a server
+    makes, stage 1 then stage 2 (:mod:`trainer.greedy`), inside each sample's mask.
 
     With a ``fallback`` (:class:`trainer.fallback.TableFallback`), the lookup table's
     configuration at the budgets where the controller did not beat the table on held-out
@@ -149,14 +160,9 @@ class PolicyDecider:
     def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
         """pi(a | x) over ``data.action_space`` (N, A), 0 outside ``data.mask`` (the evaluation's
         expected reward); one-hot on the table's choice where the fallback answers."""
-        if self.policy.model_fingerprint is not None:
-            check_fingerprint(self.policy, data.model_fingerprint, "controller")
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
+        self._check_model(data)
+        with self._evaluating():
             probs = data_log_probs(self.policy, data, budget_ms).exp()
-        finally:
-            self.policy.train(was_training)
         if self.fallback is None:
             return probs
         budget = budget_vector(budget_ms, len(data))
@@ -166,9 +172,38 @@ class PolicyDecider:
         table_choice = F.one_hot(self._table.decide(data, budget), probs.shape[1]).to(probs.dtype)
         return torch.where(use[:, None], probs, table_choice)
 
+    @torch.inference_mode()
     def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
-        """(N,) indices into ``data.action_space``, always inside ``data.mask``: the most probable action."""
-        return self.action_probs(data, budget_ms).argmax(-1)
+        """(N,) indices into ``data.action_space``, always inside ``data.mask``: the network's greedy
+        decision (:func:`trainer.greedy.policy_greedy`), the table's where the fallback answers."""
+        budget = budget_vector(budget_ms, len(data))
+        use = None if self.fallback is None else self.fallback.controller_at(budget)
+        if use is not None and not bool(use.any()):
+            return self._table.decide(data, budget)
+        self._check_model(data)
+        mask, to_data = _aligned(self.policy, data)  # data_log_probs' view of the data in the policy's space
+        with self._evaluating():
+            chosen = policy_greedy(self.policy, data.image_features, data.image_present, data.lang_features, budget,
+                                   mask, tiling_crops=_aligned_tilings(self.policy, data))
+        if to_data is not None:
+            chosen = to_data[chosen]
+        if use is None or bool(use.all()):
+            return chosen
+        return torch.where(use, chosen, self._table.decide(data, budget))
+
+    def _check_model(self, data: OfflineData) -> None:
+        if self.policy.model_fingerprint is not None:
+            check_fingerprint(self.policy, data.model_fingerprint, "controller")
+
+    @contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """The policy in eval mode for the block (no dropout), its mode restored after."""
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            yield
+        finally:
+            self.policy.train(was_training)
 
 
 def wilson_upper_bound(successes: int, trials: int, confidence: float) -> float:
