@@ -226,7 +226,9 @@ def _plan(config: FeatureConfig, fingerprint: str, held: ExitStack) -> _Plan:
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*out_dir.glob(".tmp-chunk-*"), *out_dir.glob(".stale-chunk-*")]:  # left by an interrupted run
         shutil.rmtree(stale, ignore_errors=True)
-    for chunk in sorted(out_dir.glob("chunk-*")):  # a damaged chunk leaves the cache: its samples are computed again
+    # a damaged chunk, or one written before a column of its tables existed (no global_feature),
+    # leaves the cache: its samples are computed again
+    for chunk in sorted(out_dir.glob("chunk-*")):
         if feature_chunk_problem(chunk) is not None:
             _drop_chunk(out_dir, chunk)
     if config.images_dir is not None:
@@ -304,7 +306,8 @@ def _compute_batch(runtime: ModelRuntime, index: int, chunk: int, batch: list[di
                           "num_prompt_tokens": prompt_tokens, "feature": lang[i].tolist()})
         row = {"dataset": r["dataset"], "sample_key": r["sample_key"], "model_fingerprint": fp,
                "image_id": r["image_id"], "image_path": None, "image_width": None, "image_height": None,
-               "reference_max_crops": REFERENCE_MAX_CROPS, "num_crops": None, "feature": None}
+               "reference_max_crops": REFERENCE_MAX_CROPS, "num_crops": None, "feature": None,
+               "global_feature": None}
         image, status = _load(images, loaded, r)
         row["image_status"] = status
         if status in ("missing", "unreadable"):
@@ -325,13 +328,13 @@ def _compute_batch(runtime: ModelRuntime, index: int, chunk: int, batch: list[di
             row["num_crops"] = pending[key][1].num_crops
         image_rows.append(row)
     if pending:
-        with torch.inference_mode():
-            feats = runtime.image_features([inputs for _, inputs in pending.values()]).float().cpu()
+        with torch.inference_mode():  # one vision pass gives both features
+            feats = runtime.encode_images([inputs for _, inputs in pending.values()])
         out.forward_batches += 1
-        for (indices, _), feat in zip(pending.values(), feats):
-            vector = feat.tolist()
+        for (indices, _), feat, global_feat in zip(pending.values(), feats.all_tokens, feats.global_crop):
+            vector, global_vector = feat.float().tolist(), global_feat.float().tolist()
             for index in indices:
-                image_rows[index]["feature"] = vector
+                image_rows[index].update(feature=vector, global_feature=global_vector)
     out.tables = {
         "image_features": _table(IMAGE_FEATURES, image_rows, runtime.image_feature_dim),
         "lang_features": _table(LANG_FEATURES, lang_rows, runtime.lang_feature_dim),
@@ -357,11 +360,17 @@ def _load(images: ImageIndex, loaded: dict, r: dict):
     return (path, img), "ok"
 
 
+#: the vector columns of the feature tables, stored as fixed-size lists of the model's width
+_VECTOR_COLUMNS = ("feature", "global_feature")
+
+
 def _table(schema: TableSchema, rows: list[dict], dim: int | None) -> pa.Table:
     arrow = schema.arrow_schema()
-    if dim is not None:  # store vectors as fixed-size lists of the model's width
-        i = arrow.get_field_index("feature")
-        arrow = arrow.set(i, pa.field("feature", pa.list_(pa.float32(), dim), nullable=arrow.field(i).nullable))
+    if dim is not None:
+        for name in _VECTOR_COLUMNS:
+            i = arrow.get_field_index(name)
+            if i >= 0:
+                arrow = arrow.set(i, pa.field(name, pa.list_(pa.float32(), dim), nullable=arrow.field(i).nullable))
     return pa.Table.from_pylist(rows, schema=arrow)
 
 

@@ -15,7 +15,7 @@ from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
 from runtime.base import ModelRuntime
 from runtime.images import ImageIndex
-from trainer.data import split_of
+from trainer.data import GLOBAL_IMAGE_FEATURE, check_image_feature_column, split_of
 
 _HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model first."
 
@@ -24,8 +24,10 @@ _HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model first.
 class OnlineSamples:
     """N samples (sorted by dataset, sample_key) with everything a rollout needs.
 
-    lang (N, Dl) and image (N, Di) float32 are the cached features; image_present (N,) bool is
-    False where the sample has no readable image (image_path None too).
+    lang (N, Dl) and image (N, Di) float32 are the cached features, image the global-crop one
+    (``image_features.global_feature``, what stage 2 reads offline and what a request's own vision
+    pass gives, ``PrefixState.image_feature``); image_present (N,) bool is False where the sample
+    has no readable image (image_path None too).
     """
 
     dataset: list[str]
@@ -121,7 +123,8 @@ def _read_samples(workspace: Workspace, model_fingerprint: str) -> pa.Table:
                    f"(cached: {listing})\n{_HINT_FEATURES}")
             raise CacheMismatchError(msg)
         if "image_features" in views:
-            image_cols = "i.image_path, i.image_width, i.image_height, i.feature AS image_feature"
+            check_image_feature_column(con, model_fingerprint)
+            image_cols = f"i.image_path, i.image_width, i.image_height, i.{GLOBAL_IMAGE_FEATURE} AS image_feature"
             image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
                           "AND i.model_fingerprint = $fp")
         else:

@@ -268,6 +268,8 @@ class RolloutExecutor:
             state = runtime.prefill_prefix(inputs, p, s1.budget_token[0])
         out.model_s += time.perf_counter() - tick
         tick = time.perf_counter()
+        # the cached global-crop feature, as offline training reads it: it equals the prefix's own
+        # (state.image_feature) bit for bit, and the loss batch replays stage 2 from the cache
         with self.timer.segment("stage2", shared):
             top_k_lp, blocks_lp = ctrl.stage2(
                 s1, self.samples.image[sample][None].to(device), self.samples.image_present[sample][None].to(device),

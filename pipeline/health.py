@@ -132,8 +132,8 @@ def catalog_problem(workspace: Workspace) -> str | None:
 
 
 def feature_chunk_problem(chunk: Path) -> str | None:
-    """Why a feature chunk cannot be used (a table missing or unreadable, tables of different
-    samples), or None."""
+    """Why a feature chunk cannot be used (a table missing, unreadable or written before one of
+    its columns existed, tables of different samples), or None."""
     counts = {}
     for name, schema in FEATURE_TABLES.items():
         path = chunk / f"{name}.parquet"
@@ -141,6 +141,10 @@ def feature_chunk_problem(chunk: Path) -> str | None:
             return f"{name}.parquet is missing"
         try:
             meta = pq.read_metadata(path)
+            names = meta.schema.to_arrow_schema().names
+            missing = [c for c in schema.column_names if c not in names]
+            if missing and set(names) < set(schema.column_names):
+                return f"{name}.parquet was written by an older ctrl (no column {', '.join(missing)})"
             check_table_schema(meta.schema.to_arrow_schema(), schema, path)
         except (OSError, pa.ArrowException, CtrlError) as err:
             return f"{name}.parquet is unreadable ({describe(err)})"

@@ -229,7 +229,8 @@ _VECTOR = pa.list_(pa.float32())
 IMAGE_FEATURES = TableSchema(
     name="image_features",
     description="One row per (dataset, sample_key, model_fingerprint): "
-                "the pooled vision-backbone output at the reference crop setting.",
+                "the pooled vision-backbone output of the global crop (what stage 2 reads) "
+                "and over all crops at the reference crop setting.",
     primary_key=("dataset", "sample_key", "model_fingerprint"),
     columns=_FEATURE_KEY + (
         Column("image_id", _S, "samples.image_id"),
@@ -237,9 +238,14 @@ IMAGE_FEATURES = TableSchema(
         Column("image_path", _S, "file the image was read from"),
         Column("image_width", _I, "original image width", "px"),
         Column("image_height", _I, "original image height", "px"),
-        Column("reference_max_crops", _I, "max_crops used for the feature", "crops", **_KEY),
+        Column("reference_max_crops", _I, "max_crops of the vision pass both features come from", "crops", **_KEY),
         Column("num_crops", _I, "crops of that tiling (plus one global image)", "crops"),
-        Column("feature", _VECTOR, "float32[image_feature_dim]; null when the image is missing or unreadable"),
+        Column("feature", _VECTOR, "float32[image_feature_dim]: mean of every image token at reference_max_crops "
+                                   "(analysis only: a server never runs that crop count); null when the image is "
+                                   "missing or unreadable"),
+        Column("global_feature", _VECTOR, "float32[image_feature_dim]: mean of the global crop's image tokens (the "
+                                          "whole image resized to one crop), the same at every max_crops; what the "
+                                          "controller's stage 2 reads; null when the image is missing or unreadable"),
     ),
 )
 

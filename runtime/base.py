@@ -21,7 +21,7 @@ from PIL import Image
 from pipeline import knobs
 from pipeline.errors import CtrlError, KnobError
 
-#: the crop setting at which image features are extracted (documented in docs/features.md)
+#: the crop setting at which the reference image feature is extracted (documented in docs/features.md)
 REFERENCE_MAX_CROPS = 6
 
 
@@ -133,22 +133,51 @@ class GenerationResult:
 
 
 @dataclass
+class ImageFeatures:
+    """Both image features of a batch of requests, from one vision pass: float32, shape
+    (len(batch), image_feature_dim) each, on the CPU, zero rows for text-only requests.
+
+    all_tokens: the projected image tokens mean-pooled over every token the request places (the
+        global image and all crops, at the request's max_crops): the reference feature,
+        extracted at ``REFERENCE_MAX_CROPS`` for analysis. A server never computes it: stage 1
+        picks the crops before the vision tower runs.
+    global_crop: the same mean over the global image's tokens alone (the first image array: the
+        whole image resized to one crop). The vision tower encodes every array on its own, so
+        this is identical at every max_crops and the request's own vision pass yields it; it is
+        what stage 2 of the controller reads (``PrefixState.image_feature`` during a request).
+    """
+
+    all_tokens: torch.Tensor
+    global_crop: torch.Tensor
+
+
+def image_token_mean(tokens: torch.Tensor) -> torch.Tensor:
+    """(tokens, d) -> float32 (d,) on the CPU: the one reduction every image feature uses, so a
+    feature computed at extraction and the same feature computed during a request agree bit for bit."""
+    return tokens.float().mean(0).cpu()
+
+
+@dataclass
 class PrefixState:
     """A prefill run up to the insertion point (two-stage online execution, origin §7.3).
 
     Shared by every rollout with the same (request, crops, insertion position): blocks before
     the insertion point run with the model's default top-K whatever stage 2 later chooses.
 
-    insertion_position: p; blocks 0..p-1 have run.
+    insertion_position: p; blocks 0..p-1 have run (p = 0: none, the state holds the decoder
+        inputs; stage 2 then runs between the vision tower and block 0).
     embeds: (1, seq, d) decoder inputs: text embeddings, image features scattered in and the
         extra (budget) token appended last when one was given. Detached: reusable for a
         gradient-carrying recompute (:meth:`ModelRuntime.latency_token`).
-    hidden: (1, seq, d) residual stream after block p-1 (no final norm).
+    hidden: (1, seq, d) residual stream after block p-1 (no final norm); ``embeds`` when p = 0.
     cache: backend KV cache holding blocks 0..p-1 (read-only for the members).
     extra_tokens: 1 when the budget token was appended. It is read by stage 2 (the latency
         token) and then dropped: :meth:`ModelRuntime.prefill_suffix` continues with the prompt
         alone, so the answer is the model's own for the chosen knobs. A model never trained
         with such a token answers from it badly (the trained testbed emitted EOS at once).
+    image_feature: float32 (d,) on the CPU: the global-crop image feature
+        (:attr:`ImageFeatures.global_crop`) from this request's own vision pass, equal to the
+        one ``ctrl extract-features`` caches; None for a text-only request.
     """
 
     inputs: ModelInputs
@@ -157,6 +186,7 @@ class PrefixState:
     hidden: torch.Tensor
     cache: object
     extra_tokens: int = 0
+    image_feature: torch.Tensor | None = None
 
     @property
     def latency_token(self) -> torch.Tensor:
@@ -216,9 +246,19 @@ class ModelRuntime(ABC):
     def lang_feature_dim(self) -> int: ...
 
     @abstractmethod
+    def encode_images(self, batch: Sequence[ModelInputs]) -> ImageFeatures:
+        """Both image features of each request (see :class:`ImageFeatures`) from one pass of
+        the vision backbone (after pooling and projection)."""
+
     def image_features(self, batch: Sequence[ModelInputs]) -> torch.Tensor:
         """float32, shape (len(batch), image_feature_dim): the vision backbone's output
         (after pooling and projection) mean-pooled over all image tokens of each request."""
+        return self.encode_images(batch).all_tokens
+
+    def global_image_features(self, batch: Sequence[ModelInputs]) -> torch.Tensor:
+        """float32, shape (len(batch), image_feature_dim): the mean of each request's global-crop
+        tokens, the feature stage 2 reads (identical at every max_crops)."""
+        return self.encode_images(batch).global_crop
 
     @abstractmethod
     def text_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -311,7 +351,10 @@ class ModelRuntime(ABC):
     def prefill_prefix(self, inputs: ModelInputs, insertion_position: int,
                        extra_embedding: torch.Tensor | None = None) -> PrefixState:
         """Embed (vision tower included), append ``extra_embedding`` (d,) as the last position,
-        and run blocks 0..p-1 of the prefill with the current top-K of those blocks."""
+        and run blocks 0..p-1 of the prefill with the current top-K of those blocks; the state
+        carries the request's global-crop image feature. p = 0 (only without
+        ``extra_embedding``: the latency token needs a block) runs no block, so that
+        :meth:`prefill_suffix` runs every active block with the top-K then chosen."""
         raise self._no_two_stage()
 
     def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Both backends hold their decoder as transformers' ``OlmoeForCausalLM`` (the embedded model
 natively, MolmoE-1B with its weights renamed, ``runtime.molmoe_model``), so the knobs, cached
 generation and the two-stage online execution are written once here. A backend supplies
-preprocessing, features and ``_embed`` (text embeddings with the image features placed).
+preprocessing, features and ``_embed`` (text embeddings with the image features placed, and on
+request the global-crop image feature from the same vision pass).
 
 Knobs act on the execution path: ``set_top_k`` writes each layer's router
 (``layers[i].mlp.gate.top_k``, which ``torch.topk`` reads at every forward); with active
@@ -73,8 +74,12 @@ class OlmoeDecoderRuntime(ModelRuntime):
         self._all_layers = decoder.model.layers
 
     @abstractmethod
-    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
-        """(1, seq, d) decoder inputs: the prompt's (and ``extra_ids``') embeddings with the image features placed."""
+    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = (),
+               image_feature: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(1, seq, d) decoder inputs: the prompt's (and ``extra_ids``') embeddings with the image
+        features placed; with ``image_feature``, also the global-crop feature (float32 (d,) on the
+        CPU, ``ImageFeatures.global_crop``) from the same vision pass, else None (None too
+        without an image)."""
 
     def _precision(self) -> AbstractContextManager:
         """The context of every forward: products rounded to the storage dtype (``runtime.precision``)."""
@@ -110,7 +115,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         """float32 logits (seq_len, vocab) of one full forward without cache, under the current knobs;
         ``extra_ids`` are appended after the prompt (e.g. tokens generated so far)."""
         with torch.inference_mode(), self._precision(), self._run_active_blocks():
-            embeds = self._embed(inputs, extra_ids)
+            embeds, _ = self._embed(inputs, extra_ids)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
             return out.logits[0].float().cpu()
@@ -122,7 +127,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
             # one slot per layer, indexed by each attention's original layer_idx
             cache = DynamicCache(config=self.decoder.config)
             mask = inputs.attention_mask.to(self.device)
-            out = self.decoder(inputs_embeds=self._embed(inputs), attention_mask=mask, **with_cache(cache),
+            out = self.decoder(inputs_embeds=self._embed(inputs)[0], attention_mask=mask, **with_cache(cache),
                                use_cache=True, logits_to_keep=1)
 
             def next_token(token: int) -> int:
@@ -161,9 +166,11 @@ class OlmoeDecoderRuntime(ModelRuntime):
         finally:
             model.layers, model.norm = self._all_layers, norm
 
-    def _check_insertion(self, insertion_position: int) -> int:
-        if isinstance(insertion_position, bool) or not 1 <= int(insertion_position) < self.num_layers:
-            msg = f"insertion position must be in 1..{self.num_layers - 1}, got {insertion_position!r}"
+    def _check_insertion(self, insertion_position: int, lowest: int = 1) -> int:
+        if isinstance(insertion_position, bool) or not lowest <= int(insertion_position) < self.num_layers:
+            msg = f"insertion position must be in {lowest}..{self.num_layers - 1}, got {insertion_position!r}"
+            if lowest and not isinstance(insertion_position, bool) and int(insertion_position) == 0:
+                msg += " (position 0 runs no block before stage 2, so there is no latency token to read a budget token)"
             raise KnobError(msg)
         return int(insertion_position)
 
@@ -171,17 +178,22 @@ class OlmoeDecoderRuntime(ModelRuntime):
                        extra_embedding: torch.Tensor | None = None) -> PrefixState:
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
-        p = self._check_insertion(insertion_position)
-        with torch.no_grad(), self._precision(), self._layers(range(p), final_norm=False):
-            embeds = self._embed(inputs)
+        p = self._check_insertion(insertion_position, lowest=0 if extra_embedding is None else 1)
+        with torch.no_grad(), self._precision():
+            embeds, image_feature = self._embed(inputs, image_feature=True)
             if extra_embedding is not None:
                 token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
                 embeds = torch.cat([embeds, token], dim=1)
             cache = DynamicCache(config=self.decoder.config)
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
-            out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, **with_cache(cache), use_cache=True)
-        return PrefixState(inputs, p, embeds, out.last_hidden_state, cache,
-                           extra_tokens=0 if extra_embedding is None else 1)
+            hidden = embeds
+            if p:
+                with self._layers(range(p), final_norm=False):
+                    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+                    out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, **with_cache(cache),
+                                             use_cache=True)
+                hidden = out.last_hidden_state
+        return PrefixState(inputs, p, embeds, hidden, cache, extra_tokens=0 if extra_embedding is None else 1,
+                           image_feature=image_feature)
 
     def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
         p = self._check_insertion(insertion_position)

@@ -15,8 +15,10 @@ from torch import nn
 from pipeline import knobs
 from pipeline.errors import KnobError
 from runtime.base import (
+    ImageFeatures,
     ModelInputs,
     ModelLoadError,
+    image_token_mean,
     resolve_device,
     resolve_importance_scores,
 )
@@ -138,21 +140,24 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
         return int(self.decoder.config.hidden_size)
 
     def _image_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """(n_arrays, 3, crop, crop) -> (n_arrays, tokens_per_image, decoder width)."""
+        """(n_arrays, 3, crop, crop) -> (n_arrays, tokens_per_image, decoder width); every array
+        is encoded on its own (no attention or pooling across arrays)."""
         return self.vision_backbone(images.to(self.device, torch.float32))
 
-    def image_features(self, batch: Sequence[ModelInputs]) -> torch.Tensor:
-        """Text-only requests get a zero row (they have no image tokens)."""
-        result = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
+    def encode_images(self, batch: Sequence[ModelInputs]) -> ImageFeatures:
+        """The arrays of all requests in one backbone call; text-only requests get zero rows.
+        Every token of every array is placed, so the global crop's feature is the mean of array 0."""
+        all_tokens = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
+        global_crop = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         with_image = [i for i, item in enumerate(batch) if item.images is not None]
-        if not with_image:
-            return result
-        with torch.inference_mode(), self._precision():
-            tokens = self._image_tokens(torch.cat([batch[i].images for i in with_image]))
-            sizes = [batch[i].images.shape[0] for i in with_image]
-            for i, chunk in zip(with_image, torch.split(tokens, sizes)):
-                result[i] = chunk.reshape(-1, chunk.shape[-1]).mean(0).float().cpu()
-        return result
+        if with_image:
+            with torch.inference_mode(), self._precision():
+                tokens = self._image_tokens(torch.cat([batch[i].images for i in with_image]))
+                sizes = [batch[i].images.shape[0] for i in with_image]
+                for i, chunk in zip(with_image, torch.split(tokens, sizes)):
+                    all_tokens[i] = chunk.reshape(-1, chunk.shape[-1]).mean(0).float().cpu()
+                    global_crop[i] = image_token_mean(chunk[0])
+        return ImageFeatures(all_tokens, global_crop)
 
     def lang_features(self, questions: Sequence[str]) -> torch.Tensor:
         result = torch.zeros(len(questions), self.lang_feature_dim, dtype=torch.float32)
@@ -163,19 +168,24 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
         return result
 
     # -- forward
-    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
+    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = (),
+               image_feature: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = inputs.input_ids.to(self.device)
         if extra_ids:
             ids = torch.cat([ids, torch.tensor([list(extra_ids)], dtype=torch.long, device=self.device)], dim=1)
         embeds = self.text_embeddings(ids)
+        feature = None
         if inputs.images is not None:
-            tokens = self._image_tokens(inputs.images).reshape(-1, embeds.shape[-1])
+            per_array = self._image_tokens(inputs.images)
+            if image_feature:
+                feature = image_token_mean(per_array[0])
+            tokens = per_array.reshape(-1, embeds.shape[-1])
             positions = inputs.image_token_positions.to(self.device)
             if positions.numel() != tokens.shape[0]:
                 msg = f"{positions.numel()} image placeholders for {tokens.shape[0]} image tokens"
                 raise ValueError(msg)
             embeds[0, positions] = tokens.to(embeds.dtype)  # image features replace the placeholders
-        return embeds
+        return embeds, feature
 
     # -- module handles
     @property

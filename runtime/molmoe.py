@@ -14,7 +14,9 @@ Knobs, cached generation and the two-stage online execution come from
 ``runtime.decoder_runtime`` (shared with the embedded model): per-block top-K on each router,
 active blocks swapped in for every forward (skipped blocks never run and keep no cache),
 max_crops through Molmo's tiling. What is MolmoE's own: the image features are *added* to the
-embeddings of the ``<im_patch>`` tokens at ``image_input_idx`` (the origin's ``index_add_``).
+embeddings of the ``<im_patch>`` tokens at ``image_input_idx`` (the origin's ``index_add_``),
+and the global-crop feature takes the global image's own padding mask
+(``MolmoVisionBackbone.forward``): the origin's ``image_masks`` give it the first crop's.
 
 Loading streams: the modules are built on the meta device, each tensor is read once from its
 file into its final place in the ``--dtype`` and on the device (``runtime.weights``), after a
@@ -36,7 +38,14 @@ from torch import nn
 
 from pipeline.errors import KnobError
 from runtime import fingerprint
-from runtime.base import ModelInputs, ModelLoadError, resolve_device, resolve_importance_scores
+from runtime.base import (
+    ImageFeatures,
+    ModelInputs,
+    ModelLoadError,
+    image_token_mean,
+    resolve_device,
+    resolve_importance_scores,
+)
 from runtime.decoder_runtime import OlmoeDecoderRuntime
 from runtime.memory import check_fits
 from runtime.molmoe_model import (
@@ -62,11 +71,14 @@ class MolmoEInputs(ModelInputs):
 
     ``images`` has Molmo's patchified layout (crops + 1, patches, patch*patch*3), the global
     image first; ``image_masks`` (crops + 1, patches) and ``image_input_idx`` (crops + 1,
-    tokens per crop; negative = not placed) are the processor's own outputs.
+    tokens per crop; negative = not placed) are the processor's own outputs;
+    ``global_image_mask`` (patches,) is the global image's own padding fractions (the global-crop
+    feature; ``runtime.molmoe_processor``).
     """
 
     image_masks: torch.Tensor | None = None
     image_input_idx: torch.Tensor | None = None
+    global_image_mask: torch.Tensor | None = None
 
 
 def check_checkpoint_dir(path: Path) -> None:
@@ -188,7 +200,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         idx = out.image_input_idx.long()
         return MolmoEInputs(ids, torch.ones_like(ids), out.images.float(), idx[idx >= 0].flatten(), out.tiling,
                             prompt, num_text_tokens=out.num_text_tokens, image_masks=out.image_masks.float(),
-                            image_input_idx=idx)
+                            image_input_idx=idx, global_image_mask=out.global_image_mask.float())
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Generated ids as text, as the origin's tokenizer (transformers 4.4x) decoded them: special
@@ -208,23 +220,38 @@ class MolmoERuntime(OlmoeDecoderRuntime):
     def lang_feature_dim(self) -> int:
         return self.arch.d_model
 
-    def _image_tokens(self, inputs: MolmoEInputs) -> torch.Tensor:
-        """(crops + 1, tokens per crop, d_model): the vision backbone's output for one request."""
+    def _image_tokens(self, inputs: MolmoEInputs,
+                      global_crop: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The vision backbone's output for one request, (crops + 1, tokens per crop, d_model),
+        and with ``global_crop`` the global-crop feature (float32 (d_model,) on the CPU): the
+        mean of the global image's placed tokens with its own padding mask."""
         masks = None if inputs.image_masks is None else inputs.image_masks[None].to(self.device)
-        return self.vision_backbone(inputs.images[None].to(self.device), masks)[0]
+        own = inputs.global_image_mask if global_crop else None
+        if global_crop and own is None and self.vision_backbone.pad_embed is not None:
+            msg = "inputs without global_image_mask (use MolmoERuntime.preprocess) for a model with padding embeddings"
+            raise ValueError(msg)
+        tokens, global_tokens = self.vision_backbone(inputs.images[None].to(self.device), masks,
+                                                     None if own is None else own[None].to(self.device))
+        if not global_crop:
+            return tokens[0], None
+        placed = inputs.image_input_idx[0].to(self.device) >= 0
+        return tokens[0], image_token_mean(global_tokens[0][placed])
 
-    def image_features(self, batch: Sequence[ModelInputs]) -> torch.Tensor:
-        """Mean of the projected image tokens the processor places (image_input_idx >= 0); zeros
-        for a text-only request. One request at a time: crop counts differ between requests."""
-        result = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
+    def encode_images(self, batch: Sequence[ModelInputs]) -> ImageFeatures:
+        """Means of the projected image tokens the processor places (image_input_idx >= 0): of all
+        of them, and of the global crop's; zeros for a text-only request. One request at a time:
+        crop counts differ between requests."""
+        all_tokens = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
+        global_crop = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         with torch.inference_mode(), self._precision():
             for i, item in enumerate(batch):
                 if item.images is None:
                     continue
-                feats = self._image_tokens(item)
-                valid = item.image_input_idx.to(self.device) >= 0
-                result[i] = feats[valid].float().mean(0).cpu()
-        return result
+                feats, global_feature = self._image_tokens(item, global_crop=True)  # type: ignore[arg-type]
+                valid = item.image_input_idx.to(self.device) >= 0  # type: ignore[attr-defined]
+                all_tokens[i] = feats[valid].float().mean(0).cpu()
+                global_crop[i] = global_feature
+        return ImageFeatures(all_tokens, global_crop)
 
     def lang_features(self, questions: Sequence[str]) -> torch.Tensor:
         result = torch.zeros(len(questions), self.lang_feature_dim, dtype=torch.float32)
@@ -235,18 +262,20 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         return result
 
     # -- forward
-    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
+    def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = (),
+               image_feature: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = inputs.input_ids.to(self.device)
         if extra_ids:
             ids = torch.cat([ids, torch.tensor([list(extra_ids)], dtype=torch.long, device=self.device)], dim=1)
         embeds = self.text_embeddings(ids)
+        feature = None
         if inputs.images is not None:
-            feats = self._image_tokens(inputs)  # type: ignore[arg-type]
+            feats, feature = self._image_tokens(inputs, global_crop=image_feature)  # type: ignore[arg-type]
             idx = inputs.image_input_idx.to(self.device).reshape(-1)  # type: ignore[attr-defined]
             valid = (idx >= 0) & (idx < embeds.shape[1])
             # added to the <im_patch> embeddings, as the origin does
             embeds[0].index_add_(0, idx[valid], feats.reshape(idx.shape[0], -1)[valid].to(embeds.dtype))
-        return embeds
+        return embeds, feature
 
     # -- module handles
     @property

@@ -322,8 +322,18 @@ class MolmoVisionBackbone(nn.Module):
         self.image_projector = MolmoImageProjector(arch.vit_width, arch.expert_hidden, arch.d_model)
         self.pad_embed = nn.Parameter(torch.zeros(2, arch.pooled_width)) if arch.pad_embed else None
 
-    def forward(self, images: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
-        """(batch, arrays, patches, pixels) + masks (batch, arrays, patches) -> (batch, arrays, tokens, d_model)."""
+    def forward(self, images: torch.Tensor, image_masks: torch.Tensor | None,
+                global_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, arrays, patches, pixels) + masks (batch, arrays, patches) -> the tokens
+        (batch, arrays, tokens, d_model) and the global image's tokens (batch, tokens, d_model).
+
+        The padding embeddings follow ``image_masks`` row by row, and the processor's rows are
+        shifted by one (row 0 describes the first crop): array 0, the global image, gets the
+        first crop's padding, which changes with the tiling. ``global_masks`` (batch, patches),
+        the global image's own fractions, give its tokens as at max_crops 1 (where row 0 is its
+        own): only the padding, pooling and projector run again for that one array, from the
+        same ViT states, and only where the padding differs. Without them the global tokens
+        are array 0's."""
         a = self.arch
         batch, arrays, num_patches, pixels = images.shape
         flat = images.reshape(batch * arrays, num_patches, pixels)
@@ -332,6 +342,16 @@ class MolmoVisionBackbone(nn.Module):
         states = self.image_vit(flat)
         feats = torch.cat([states[i] for i in a.vit_layers], dim=-1)[:, 1:] * real
         feats = feats.reshape(batch, arrays, num_patches, -1)
+        tokens = self._pool_and_project(feats, image_masks)
+        if self.pad_embed is None or global_masks is None or torch.equal(global_masks, image_masks[:, 0]):
+            return tokens, tokens[:, 0]
+        return tokens, self._pool_and_project(feats[:, :1], global_masks[:, None])[:, 0]
+
+    def _pool_and_project(self, feats: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
+        """ViT features (batch, arrays, patches, width) -> tokens (batch, arrays, tokens, d_model):
+        padding embeddings, 2x2 attention pooling, projector."""
+        a = self.arch
+        batch, arrays = feats.shape[:2]
         if self.pad_embed is not None:
             if image_masks is None:
                 msg = "image_masks are required by a model with padding embeddings"

@@ -14,7 +14,9 @@ Reproduces the checkpoint's ``preprocessing_molmo.py`` / ``multimodal_preprocess
 * ``image_masks``: per patch, the fraction of its pixels that are image rather than padding, for
   the crops only, followed by one row of -1. The rows therefore do not line up with ``images``
   (row 0 is the first crop, not the global image): the origin does this and the model was run
-  with it, so it is kept;
+  with it, so it is kept. The global image's own fractions are returned beside them
+  (``global_image_mask``, not an origin output): what the global crop's tokens get at
+  max_crops 1, where row 0 is the global image's, so its feature does not depend on the crops;
 * ``image_input_idx``: for each pooled token of each crop, its position in ``input_ids``
   (-100 for the margin tokens a crop does not place), built with the origin's bookkeeping.
 
@@ -175,6 +177,8 @@ class MolmoProcessed:
     image_input_idx: torch.Tensor | None
     #: float32 (crops + 1, patches_per_crop): image fraction of each crop patch, then a row of -1
     image_masks: torch.Tensor | None
+    #: float32 (patches_per_crop,): image fraction of each patch of the global image (not an origin output)
+    global_image_mask: torch.Tensor | None
     #: (rows, cols) of the crops
     tiling: tuple[int, int] | None
     #: tokens of the prompt only (no BOS, no image tokens)
@@ -228,10 +232,11 @@ class MolmoProcessor:
         text = np.asarray(self.text_tokens(question), dtype=np.int64)
         if image is None:
             ids = np.concatenate([[self.bos_id], text]).astype(np.int64)
-            return MolmoProcessed(torch.from_numpy(ids), None, None, None, None, len(text))
+            return MolmoProcessed(torch.from_numpy(ids), None, None, None, None, None, len(text))
         # the origin converts to RGB and ignores the EXIF orientation (see the module docstring)
         pixels = np.array(image.convert("RGB"), dtype=np.uint8)
-        images, image_tokens, patch_order, masks, tiling = self._image_to_patches_and_tokens(pixels, max_crops)
+        images, image_tokens, patch_order, masks, global_mask, tiling = self._image_to_patches_and_tokens(
+            pixels, max_crops)
         image_input_idx = self._build_image_input_idx(image_tokens, patch_order)
         ids = np.concatenate([[self.bos_id], image_tokens, text]).astype(np.int64)
         # BOS shifts every placed position by one
@@ -241,6 +246,7 @@ class MolmoProcessor:
             images=torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32)),
             image_input_idx=torch.from_numpy(image_input_idx),
             image_masks=torch.from_numpy(np.ascontiguousarray(masks, dtype=np.float32)),
+            global_image_mask=torch.from_numpy(np.ascontiguousarray(global_mask, dtype=np.float32)),
             tiling=tiling,
             num_text_tokens=len(text),
         )
@@ -279,7 +285,8 @@ class MolmoProcessor:
         return arr.reshape(n, side * side, -1)
 
     def _image_to_patches_and_tokens(self, image: np.ndarray, max_crops: int):
-        """The origin's ``MolmoImageProcessor.image_to_patches_and_tokens``."""
+        """The origin's ``MolmoImageProcessor.image_to_patches_and_tokens``, plus the global image's
+        own patch masks."""
         cfg = self.config
         height, width = image.shape[:2]
         left_margin, right_margin = cfg.overlap_margins
@@ -319,7 +326,8 @@ class MolmoProcessor:
         per_row = np.concatenate([np.full(((w + 1) // 2,), ids[IM_PATCH]), [ids[IM_COL]]])
         crop_tokens = [[ids[IM_START]], np.tile(per_row, [(h + 1) // 2]), [ids[IM_END]]]
 
-        resized, _ = self._resize_and_pad(image, crop, crop)
+        resized, resized_mask = self._resize_and_pad(image, crop, crop)
+        global_mask = self._patchify(resized_mask[None]).astype(np.float32).mean(axis=-1)[0]
         patches = np.concatenate([self._patchify(resized[None]), patches], 0)
         patch_ordering = np.where(patch_ordering >= 0, patch_ordering + cfg.tokens_per_image, -1)
         patch_ordering = np.concatenate([np.arange(0, cfg.tokens_per_image), patch_ordering], 0)
@@ -327,7 +335,7 @@ class MolmoProcessor:
         global_tokens = [[ids[IM_START]], np.tile(global_row, [cfg.tokens_h]), [ids[IM_END]]]
         image_tokens = np.concatenate(global_tokens + crop_tokens, 0).astype(np.int64)
         masks = np.pad(masks, [[0, 1], [0, 0]], constant_values=-1)
-        return patches, image_tokens, patch_ordering, masks, (rows, cols)
+        return patches, image_tokens, patch_ordering, masks, global_mask, (rows, cols)
 
     def _build_image_input_idx(self, image_tokens: np.ndarray, patch_order: np.ndarray) -> np.ndarray:
         """The origin's ``build_image_input_idx``: patch order -> position of each pooled token."""

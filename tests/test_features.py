@@ -66,6 +66,76 @@ def test_features_for_every_sample_and_views(runtime, feature_ws):
     assert (sample_tilings["num_crops"] <= sample_tilings["max_crops"]).all()
 
 
+def test_both_image_features_come_from_one_vision_pass(runtime, feature_ws, vision_calls):
+    """``feature``: all tokens at the reference crops; ``global_feature``: the global crop's tokens,
+    which the vision module gives for the global image alone; one vision call per batch."""
+    import torch
+    from PIL import Image
+
+    from features import FeatureConfig, extract_features
+
+    ws, images = feature_ws
+    report = extract_features(FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8),
+                              runtime=runtime)
+    assert report.computed == 20 and vision_calls[0] == 5  # 20 samples in batches of 4
+    rows = run_query(ws, "SELECT image_path, reference_max_crops, feature, global_feature FROM image_features "
+                         "ORDER BY dataset, sample_key").to_pylist()
+    assert {len(r["global_feature"]) for r in rows} == {runtime.image_feature_dim}
+    for r in rows[:3]:
+        image = Image.open(r["image_path"]).convert("RGB")
+        alone = runtime.preprocess(image, "", 1).images[:1]  # the global image, the same at any max_crops
+        with torch.inference_mode():
+            expected = runtime.vision_module(alone)[0].mean(0)
+        torch.testing.assert_close(torch.tensor(r["global_feature"]), expected, rtol=1e-5, atol=1e-6)
+        reference = runtime.image_features([runtime.preprocess(image, "", r["reference_max_crops"])])[0]
+        torch.testing.assert_close(torch.tensor(r["feature"]), reference, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(torch.tensor(r["feature"]), expected, atol=1e-3)
+
+
+def test_chunks_without_the_global_feature_are_recomputed_without_force(runtime, feature_ws):
+    """A chunk an older ctrl wrote (no global_feature) is named by ctrl doctor, refused by the
+    readers with the hint to run extract-features, and computed again by it without --force."""
+    from features import FeatureConfig, extract_features
+    from online.data import load_online_samples
+    from pipeline import CtrlError
+    from pipeline.catalog import build_catalog
+    from pipeline.health import check_workspace, feature_chunk_problem
+    from trainer.data import load_offline_data
+
+    ws, images = feature_ws
+    config = FeatureConfig(workspace=ws.root, images_dir=images, batch_size=4, chunk_size=8)
+    assert extract_features(config, runtime=runtime).computed == 20
+    before = run_query(ws, "SELECT sample_key, global_feature FROM image_features ORDER BY 1").to_pylist()
+    chunks = sorted(ws.features_dir.glob("*/chunk-*"))
+
+    def make_old(chunk: Path) -> None:
+        table = pq.read_table(chunk / "image_features.parquet")
+        pq.write_table(table.drop_columns(["global_feature"]), chunk / "image_features.parquet")
+        build_catalog(ws)
+
+    def stale(n: int) -> str:
+        return (rf"^{n} cached image features of model {runtime.fingerprint[:16]} have no global_feature \(written "
+                r"by an older ctrl\)\nHint: run `ctrl extract-features` with the same --model and --images")
+
+    make_old(chunks[0])
+    why = "image_features.parquet was written by an older ctrl (no column global_feature)"
+    assert feature_chunk_problem(chunks[0]) == why
+    assert [(p.path, p.problem) for p in check_workspace(ws)] == [(chunks[0], why)]
+    for read in (lambda: load_offline_data(ws), lambda: load_online_samples(ws, runtime.fingerprint)):
+        with pytest.raises(CtrlError, match=stale(8)):
+            read()
+    assert extract_features(config, runtime=runtime).computed == 8
+    for chunk in sorted(ws.features_dir.glob("*/chunk-*")):  # every chunk old: the view has no such column
+        make_old(chunk)
+    with pytest.raises(CtrlError, match=stale(20)):
+        load_offline_data(ws)
+    again = extract_features(config, runtime=runtime)
+    assert again.computed == 20 and again.cached == 0
+    assert check_workspace(ws) == []
+    assert run_query(ws, "SELECT sample_key, global_feature FROM image_features ORDER BY 1").to_pylist() == before
+    assert load_offline_data(ws).image_present.all()
+
+
 def test_second_run_does_no_forward_pass(runtime, feature_ws, vision_calls):
     from features import FeatureConfig, extract_features
 

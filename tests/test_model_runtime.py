@@ -325,6 +325,100 @@ def test_image_and_lang_features(rt):
     torch.testing.assert_close(lang[1], emb[0].float().mean(0).cpu())
 
 
+def _global_crop_expected(rt, image: Image.Image) -> torch.Tensor:
+    """The global image's tokens as the vision module's plain forward computes them at max_crops 1,
+    mean-pooled: at one crop the global array is the only one besides the crop, and (MolmoE) the
+    first mask row is the global image's own."""
+    inputs = rt.preprocess(image, QUESTION, 1)
+    with torch.inference_mode():
+        if rt.kind == "molmoe":
+            tokens = rt.vision_module(inputs.images[None], inputs.image_masks[None])[0][0, 0]
+        else:
+            tokens = rt.vision_module(inputs.images[:1])[0]
+    return tokens.float().mean(0)
+
+
+GLOBAL_SIZES = [(640, 480), (1000, 300), (1500, 1500)]
+
+
+def test_the_global_crop_feature_is_the_same_at_every_crop_count(rt):
+    """The feature stage 2 reads: the mean of the global crop's tokens, from the vision pass of any
+    max_crops (the tower encodes each array on its own); the all-crops mean is not."""
+    for i, size in enumerate(GLOBAL_SIZES):
+        image = make_image(*size, seed=i)
+        expected = _global_crop_expected(rt, image)
+        batch = [rt.preprocess(image, QUESTION, c) for c in (1, 6, 12)]
+        both = rt.encode_images(batch + [rt.preprocess(None, QUESTION, 6)])
+        assert both.global_crop.shape == both.all_tokens.shape == (4, rt.image_feature_dim)
+        assert both.global_crop.dtype == torch.float32 and both.global_crop.device.type == "cpu"
+        for row in range(3):
+            torch.testing.assert_close(both.global_crop[row], expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(both.global_crop[3], torch.zeros(rt.image_feature_dim))  # text only
+        assert torch.equal(both.all_tokens, rt.image_features(batch + [rt.preprocess(None, QUESTION, 6)]))
+        if size == (1500, 1500):  # three tilings: the all-crops mean moves with them
+            assert len({inputs.tiling for inputs in batch}) == 3
+            assert not torch.allclose(both.all_tokens[1], both.all_tokens[2], atol=1e-4)
+
+
+def test_molmoe_global_crop_takes_its_own_padding_mask(molmoe):
+    """Molmo's image_masks rows are shifted by one (row 0 is the first crop's), so in the decoder's
+    tokens the global image gets the first crop's padding; the feature uses its own, the row it
+    has at max_crops 1."""
+    image = make_image(640, 480, seed=0)  # wider than tall: padding above and below
+    one, six = molmoe.preprocess(image, QUESTION, 1), molmoe.preprocess(image, QUESTION, 6)
+    assert torch.equal(one.global_image_mask, one.image_masks[0])
+    assert torch.equal(six.global_image_mask, one.global_image_mask)
+    assert not torch.equal(six.image_masks[0], six.global_image_mask) and six.tiling != (1, 1)
+    with torch.inference_mode():
+        decoder_tokens, _ = molmoe.vision_module(six.images[None], six.image_masks[None])
+    expected = _global_crop_expected(molmoe, image)
+    if molmoe.vision_module.pad_embed is not None:  # the padding embeddings make the masks matter
+        assert not torch.allclose(decoder_tokens[0, 0].float().mean(0), expected, atol=1e-3)
+    torch.testing.assert_close(molmoe.global_image_features([six])[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_request_carries_its_global_crop_feature(rt):
+    """``prefill_prefix`` returns the global-crop feature of the request's own vision pass, at any
+    crops and insertion position: what extract-features caches (there at the reference crops)."""
+    from runtime import REFERENCE_MAX_CROPS
+
+    image = make_image(800, 600, seed=5)
+    cached = rt.global_image_features([rt.preprocess(make_image(300, 500, seed=6), "", REFERENCE_MAX_CROPS),
+                                       rt.preprocess(image, "", REFERENCE_MAX_CROPS)])[1]
+    for max_crops, p, token in ((1, 1, None), (6, 3, torch.randn(rt.hidden_size)), (12, 0, None)):
+        state = rt.prefill_prefix(rt.preprocess(image, QUESTION, max_crops), p, token)
+        feature = state.image_feature
+        assert feature.shape == (rt.image_feature_dim,) and feature.dtype == torch.float32
+        assert feature.device.type == "cpu"
+        torch.testing.assert_close(feature, cached, rtol=1e-5, atol=1e-6)
+    assert rt.prefill_prefix(rt.preprocess(None, QUESTION, 6), 1).image_feature is None
+
+
+def test_insertion_position_zero_leaves_every_block_to_stage_2(rt, image_inputs):
+    """p = 0: the prefix is the vision tower and the embeddings only, and the suffix runs every
+    active block with the top-K chosen afterwards: the tokens of generate with those knobs."""
+    with count_block_calls(rt) as calls:
+        prefix = rt.prefill_prefix(image_inputs, 0)
+    assert dict(calls) == {} and prefix.insertion_position == 0
+    assert torch.equal(prefix.hidden, prefix.embeds) and prefix.image_feature is not None
+    active = rt.blocks_for(12)
+    with rt.knobs(top_k=4, active_blocks=active):
+        reference = rt.generate(image_inputs, max_new_tokens=6).token_ids
+    with rt.knobs(top_k=4):
+        with count_block_calls(rt) as calls:
+            state = rt.prefill_suffix(prefix, active)
+        assert dict(calls) == {b: 1 for b in active}
+        tokens = [int(state.logits.argmax())]
+        while len(tokens) < 6 and tokens[-1] != rt.eos_id:
+            rt.decode_step(state, tokens[-1])
+            tokens.append(int(state.logits.argmax()))
+    assert tokens == reference
+    with pytest.raises(KnobError, match=r"insertion position must be in 1\.\.15, got 0 \(position 0 runs no block"):
+        rt.prefill_prefix(image_inputs, 0, torch.zeros(rt.hidden_size))
+    with pytest.raises(KnobError, match=r"insertion position must be in 0\.\.15, got 16"):
+        rt.prefill_prefix(image_inputs, 16)
+
+
 # -- build, save / load, fingerprint ---------------------------------------------------------------
 
 def test_save_load_round_trip_gives_identical_outputs(embedded, embedded_dir, tmp_path):

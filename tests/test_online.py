@@ -151,6 +151,25 @@ def test_budget_token_is_read_by_stage_2_and_leaves_the_answer_alone(embedded_ru
     assert torch.allclose(logits[-1].float(), state.logits, atol=1e-4)
 
 
+def test_stage_2_reads_the_cached_global_feature_which_the_request_computes_itself(embedded_runtime, executor,
+                                                                                   monkeypatch):
+    """Online stage 2 reads the cached global-crop feature (as offline training does); the request's
+    own vision pass gives the same vector at the crops stage 1 chose (what a server reads)."""
+    rt, ctrl, samples = embedded_runtime, executor.controller, executor.samples
+    with_image = [i for i in range(len(samples)) if samples.image_present[i]][:3]
+    for s in with_image:
+        for max_crops in (2, 10):
+            state = rt.prefill_prefix(executor._model_inputs(s, max_crops), 2)
+            torch.testing.assert_close(state.image_feature, samples.image[s], rtol=1e-5, atol=1e-6)
+    seen = []
+    stage2 = type(ctrl).stage2
+    monkeypatch.setattr(type(ctrl), "stage2", lambda self, s1, image, *a: seen.append(image.clone())
+                        or stage2(self, s1, image, *a))
+    s = with_image[0]
+    executor.run_fixed([s], (ctrl.max_crops_values.index(10), 0, 0, 0))
+    assert len(seen) == 1 and torch.equal(seen[0][0].cpu(), samples.image[s])
+
+
 def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor):
     rt = embedded_runtime
     prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 3)

@@ -162,6 +162,27 @@ def test_mask_scores_and_latencies_equal_the_recorded_groups(built, data, truth_
     assert torch.allclose(data.lang_features[i], torch.tensor(lang["feature"]))
 
 
+def test_image_features_are_the_cached_global_crop_features(built, data):
+    """Training reads ``global_feature`` (what stage 2 reads in deployment); the all-crops
+    ``feature`` only when asked for by name, and the data says which it holds."""
+    _, ws = built
+    reference = load_offline_data(ws, image_feature="feature")
+    assert data.image_feature == "global_feature" and reference.image_feature == "feature"
+    assert data.subset("test").image_feature == "global_feature" and reference.select([0]).image_feature == "feature"
+    row = {k: i for i, k in enumerate(zip(data.dataset, data.sample_key))}
+    cached = run_query(ws, "SELECT dataset, sample_key, feature, global_feature FROM image_features").to_pylist()
+    assert {(r["dataset"], r["sample_key"]) for r in cached} == set(row)
+    for r in cached:
+        i = row[(r["dataset"], r["sample_key"])]
+        assert torch.equal(data.image_features[i], torch.tensor(r["global_feature"], dtype=torch.float32))
+        assert torch.equal(reference.image_features[i], torch.tensor(r["feature"], dtype=torch.float32))
+    assert not torch.allclose(data.image_features, reference.image_features)
+    assert torch.equal(reference.mask, data.mask)
+    assert torch.equal(reference.score.nan_to_num(-1), data.score.nan_to_num(-1))
+    with pytest.raises(ValueError, match="image_feature must be one of"):
+        load_offline_data(ws, image_feature="crops")
+
+
 def test_tiling_crops_are_the_cached_tilings_of_the_action_space(built, data):
     from pipeline.catalog import connect
 

@@ -181,13 +181,43 @@ def test_tilings_move_both_stages_only_when_enabled():
 
 
 def test_old_checkpoint_format_is_refused_with_a_hint(tmp_path):
+    """Format 2 and older read the all-crops image feature in stage 2, which a server cannot have."""
     data = make_data()
     path = make_policy(data).save(tmp_path / "p.pt")
     payload = torch.load(path, weights_only=True)
-    torch.save({**payload, "format": CHECKPOINT_FORMAT - 1}, tmp_path / "old.pt")
-    with pytest.raises(CtrlError, match=rf"checkpoint format {CHECKPOINT_FORMAT - 1}, this ctrl reads format "
-                                        rf"{CHECKPOINT_FORMAT}\nHint: .*train a new run"):
+    assert CHECKPOINT_FORMAT == 3
+    old = {k: v for k, v in payload.items() if k != "image_feature"}
+    old["config"] = {k: v for k, v in payload["config"].items() if k != "image_feature"}
+    torch.save({**old, "format": 2}, tmp_path / "old.pt")
+    with pytest.raises(CtrlError, match=r"checkpoint format 2, this ctrl reads format 3 \(its stage 2 read the "
+                                        r"all-crops image feature, which a server does not have\)\nHint: "
+                                        r".*train a new run with `ctrl train --offline`\.$"):
         ControllerPolicy.load(tmp_path / "old.pt")
+    torch.save({**payload, "format": 4}, tmp_path / "newer.pt")
+    with pytest.raises(CtrlError, match=r"checkpoint format 4, this ctrl reads format 3\nHint: "):
+        ControllerPolicy.load(tmp_path / "newer.pt")
+
+
+def test_the_checkpoint_records_the_image_feature_and_data_of_another_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from trainer.policy import data_log_probs
+
+    data = make_data()
+    policy = make_policy(data)
+    assert policy.config.image_feature == "global_feature" and data.image_feature == "global_feature"
+    path = policy.save(tmp_path / "p.pt")
+    payload = torch.load(path, weights_only=True)
+    assert payload["image_feature"] == payload["config"]["image_feature"] == "global_feature"
+    assert ControllerPolicy.load(path).config.image_feature == "global_feature"
+    reference = replace(data, image_feature="feature")  # the all-crops feature, loaded for a comparison
+    with pytest.raises(CacheMismatchError, match=r"^policy: trained on the image feature 'global_feature', but the "
+                                                 r"data holds 'feature'\nHint: "):
+        data_log_probs(policy, reference, 200.0)
+    with pytest.raises(ValueError, match="`image_feature` must be one of"):
+        replace(policy.config, image_feature="crops")
+    with pytest.raises(ValueError, match="`image_feature` must be one of"):
+        replace(data, image_feature="crops")
 
 
 def test_violation_constraint_interpolates_and_ascends():

@@ -41,7 +41,16 @@ KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
 #: testbed task and the synthetic generator), then VQA v2's ``question_type`` and ``answer_type``
 FAMILY_KEYS = ("family", "question_type", "answer_type")
 
-__all__ = ["FAMILY_KEYS", "SPLITS", "Action", "ActionSpace", "OfflineData", "budget_grid", "default_budget_range",
+#: the image feature the controller's stage 2 reads (``image_features.global_feature``): the
+#: global crop's tokens, which a server's own vision pass yields at whatever crops stage 1 chose
+GLOBAL_IMAGE_FEATURE = "global_feature"
+#: the reference feature (``image_features.feature``): all tokens at the reference crop count,
+#: which a server never computes; read only to measure what the global one costs
+REFERENCE_IMAGE_FEATURE = "feature"
+IMAGE_FEATURE_COLUMNS = (GLOBAL_IMAGE_FEATURE, REFERENCE_IMAGE_FEATURE)
+
+__all__ = ["FAMILY_KEYS", "GLOBAL_IMAGE_FEATURE", "IMAGE_FEATURE_COLUMNS", "REFERENCE_IMAGE_FEATURE", "SPLITS",
+           "Action", "ActionSpace", "OfflineData", "budget_grid", "check_image_feature_column", "default_budget_range",
            "family_of", "load_offline_data", "split_of"]
 
 
@@ -149,6 +158,9 @@ class OfflineData:
     only, so even stage 1 (before the vision tower) may read it: a direct latency predictor.
     family: per sample, its question family (the first of ``FAMILY_KEYS`` recorded in the sample's
     metadata, see :func:`family_of`), None where none is; None when no sample has one.
+    image_feature: the ``image_features`` column ``image_features`` holds (``GLOBAL_IMAGE_FEATURE``,
+        what stage 2 reads in deployment; ``REFERENCE_IMAGE_FEATURE`` only for comparisons). A
+        policy records it and is applied only to data of the same feature.
     """
 
     action_space: ActionSpace
@@ -167,9 +179,13 @@ class OfflineData:
     tiling_crops: torch.Tensor | None = None
     mean_score: torch.Tensor | None = None
     family: list[str | None] | None = None
+    image_feature: str = GLOBAL_IMAGE_FEATURE
 
     def __post_init__(self) -> None:
         n, a = len(self.dataset), len(self.action_space)
+        if self.image_feature not in IMAGE_FEATURE_COLUMNS:
+            msg = f"`image_feature` must be one of {IMAGE_FEATURE_COLUMNS}, got {self.image_feature!r}"
+            raise ValueError(msg)
         for name in ("sample_key", "example_id", "split"):
             if len(getattr(self, name)) != n:
                 msg = f"`{name}` has {len(getattr(self, name))} entries, `dataset` has {n}"
@@ -229,6 +245,7 @@ class OfflineData:
             tiling_crops=None if self.tiling_crops is None else self.tiling_crops[index],
             mean_score=None if self.mean_score is None else self.mean_score[index],
             family=None if self.family is None else [self.family[i] for i in idx],
+            image_feature=self.image_feature,
         )
 
     def subset(self, split: str) -> OfflineData:
@@ -293,6 +310,26 @@ def split_of(dataset: str, sample_key: str, fractions: tuple[float, float, float
 # -- loading ------------------------------------------------------------------------------
 
 _HINT_EXTRACT = "Hint: run `ctrl extract-features --images DIR` on this workspace first."
+
+
+def check_image_feature_column(con: duckdb.DuckDBPyConnection, fingerprint: str,
+                               column: str = GLOBAL_IMAGE_FEATURE) -> None:
+    """Raise a CtrlError (with the hint to run ``ctrl extract-features``) when image features of
+    ``fingerprint`` were cached by an older ctrl without ``column``: the view has no such column,
+    or a row with a readable image has it null. ``con`` has the workspace's views and an
+    ``image_features`` view."""
+    if column not in IMAGE_FEATURE_COLUMNS:
+        msg = f"image feature column must be one of {IMAGE_FEATURE_COLUMNS}, got {column!r}"
+        raise ValueError(msg)
+    names = {r[0] for r in con.sql("DESCRIBE image_features").fetchall()}
+    # without the column in any chunk, the view has none: every readable image lacks it
+    lacking = f"AND {column} IS NULL" if column in names else ""
+    ((stale,),) = con.sql(f"SELECT count(*) FROM image_features WHERE model_fingerprint = $fp "
+                          f"AND image_status = 'ok' {lacking}", params={"fp": fingerprint}).fetchall()
+    if stale:
+        msg = (f"{stale} cached image features of model {fingerprint[:16]} have no {column} (written by an older "
+               "ctrl)\nHint: run `ctrl extract-features` with the same --model and --images: it recomputes them.")
+        raise CtrlError(msg)
 
 # Materialise groups once (the view is a join): every later query reads the temp table.
 _GROUPS_SQL = """
@@ -371,7 +408,8 @@ class _GroupTables:
     tilings: dict[str, np.ndarray] | None  # row, max_crops, num_crops
 
 
-def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str | None = None) -> OfflineData:
+def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str | None = None, *,
+                      image_feature: str = GLOBAL_IMAGE_FEATURE) -> OfflineData:
     """Read the recorded groups and cached features of ``workspace`` into an :class:`OfflineData`.
 
     * Actions: the configurations with at least one sample recorded with a score and a
@@ -382,11 +420,17 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     * ``family``: per sample, :func:`family_of` its ``samples.metadata_json``.
     * ``model_fingerprint``: full or a unique prefix (the feature directory name); required
       when features of several models are cached.
+    * ``image_feature``: the ``image_features`` column read (``GLOBAL_IMAGE_FEATURE``, the
+      global crop's, what training reads; ``REFERENCE_IMAGE_FEATURE`` for a comparison only).
 
     Raises CtrlError (with a hint to run ``ctrl extract-features``) when no features are
-    cached or samples lack language features, CacheMismatchError for an unknown fingerprint.
+    cached, samples lack language features or the image features were cached without the
+    column; CacheMismatchError for an unknown fingerprint.
     """
-    tables = _read_group_tables(_as_workspace(workspace), model_fingerprint)
+    if image_feature not in IMAGE_FEATURE_COLUMNS:
+        msg = f"image_feature must be one of {IMAGE_FEATURE_COLUMNS}, got {image_feature!r}"
+        raise ValueError(msg)
+    tables = _read_group_tables(_as_workspace(workspace), model_fingerprint, image_feature)
     keys, action_space = tables.keys, tables.action_space
     n, num_actions = keys.num_rows, len(action_space)
     dataset = keys.column("dataset").to_pylist()
@@ -418,11 +462,11 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
         latency_ms=torch.from_numpy(cells["latency_ms"]), latency_is_sample=torch.from_numpy(is_sample),
         mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(_tiling_matrix(tables, n)),
         mean_score=torch.from_numpy(cells["mean_score"]),
-        family=family if any(f is not None for f in family) else None,
+        family=family if any(f is not None for f in family) else None, image_feature=image_feature,
     )
 
 
-def _read_group_tables(ws: Workspace, model_fingerprint: str | None) -> _GroupTables:
+def _read_group_tables(ws: Workspace, model_fingerprint: str | None, image_feature: str) -> _GroupTables:
     con = connect(ws)
     try:
         views = view_names(con)
@@ -445,10 +489,11 @@ def _read_group_tables(ws: Workspace, model_fingerprint: str | None) -> _GroupTa
         cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
                         "JOIN _keys k USING (dataset, sample_key) "
                         "JOIN _acts a USING (max_crops, top_k, num_active_blocks)").to_arrow_table()
-        feature_sql = ("SELECT k.row, f.feature FROM {table} f JOIN _keys k USING (dataset, sample_key) "
+        feature_sql = ("SELECT k.row, f.{column} AS feature FROM {table} f JOIN _keys k USING (dataset, sample_key) "
                        "WHERE f.model_fingerprint = $fp {extra} QUALIFY row_number() OVER (PARTITION BY k.row) = 1")
         params = {"fp": fingerprint}
-        lang = con.sql(feature_sql.format(table="lang_features", extra=""), params=params).to_arrow_table()
+        lang = con.sql(feature_sql.format(column="feature", table="lang_features", extra=""),
+                       params=params).to_arrow_table()
         tilings = None
         if "image_tilings" in views:
             tilings = con.sql("SELECT k.row, t.max_crops, any_value(t.num_crops) AS num_crops FROM image_tilings t "
@@ -456,7 +501,9 @@ def _read_group_tables(ws: Workspace, model_fingerprint: str | None) -> _GroupTa
                               params=params).fetchnumpy()
         image = None
         if "image_features" in views:
-            image = con.sql(feature_sql.format(table="image_features", extra="AND f.feature IS NOT NULL"),
+            check_image_feature_column(con, fingerprint, image_feature)
+            image = con.sql(feature_sql.format(column=image_feature, table="image_features",
+                                               extra=f"AND f.{image_feature} IS NOT NULL"),
                             params=params).to_arrow_table()
     finally:
         con.close()

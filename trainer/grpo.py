@@ -88,6 +88,7 @@ class _Rows:
 
     def __init__(self, data: OfflineData, index: Tensor) -> None:
         self.action_space = data.action_space
+        self.image_feature = data.image_feature
         self.image_features = data.image_features[index]
         self.image_present = data.image_present[index]
         self.lang_features = data.lang_features[index]

@@ -315,7 +315,8 @@ def build_policy(config: OfflineTrainConfig, train: OfflineData) -> ControllerPo
     lo, hi = budget_normalization_range(config.budget_min_ms, config.budget_max_ms, config.budget_margin)
     policy_config = PolicyConfig(lang_feature_dim=train.lang_features.shape[1],
                                  image_feature_dim=train.image_features.shape[1], budget_min_ms=lo, budget_max_ms=hi,
-                                 hidden_dim=config.hidden_dim, dropout=config.dropout, use_tilings=config.use_tilings)
+                                 hidden_dim=config.hidden_dim, dropout=config.dropout, use_tilings=config.use_tilings,
+                                 image_feature=train.image_feature)
     torch.manual_seed(config.seed)  # initial weights depend on the seed only
     policy = ControllerPolicy(policy_config, train.action_space, train.model_fingerprint)
     policy.set_feature_normalization(train.image_features, train.image_present, train.lang_features, train.tiling_crops)

@@ -14,6 +14,12 @@ then renormalised over each sample's mask (masked log-softmax), so only configur
 recorded for that sample get probability; with a full mask over a full product space the
 renormalisation is the identity.
 
+The image feature stage 2 reads is the global crop's (``image_features.global_feature``,
+``trainer.data.GLOBAL_IMAGE_FEATURE``): stage 1 chooses the crops before the vision tower runs,
+so a server has the vision output at the chosen crop count only, and the global crop's tokens
+are the same at every crop count. The checkpoint records the feature (``image_feature``); a
+policy is applied only to data of that feature.
+
 Both stages may also read the image's *tiling* (``tiling_crops``: per crops choice, the number
 of crops the preprocessor tiles this image into; ``image_tilings``). It depends on the image
 size alone, so it is known before the vision tower and stage 1 may use it; it is the most
@@ -38,12 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import CacheMismatchError, CtrlError
-from trainer.data import ActionSpace, OfflineData
+from trainer.data import GLOBAL_IMAGE_FEATURE, IMAGE_FEATURE_COLUMNS, ActionSpace, OfflineData
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import atomic_torch_save
 
-#: bump when the checkpoint layout changes (2: tiling inputs)
-CHECKPOINT_FORMAT = 2
+#: bump when the checkpoint layout or what it reads changes (2: tiling inputs; 3: the global-crop
+#: image feature, recorded as ``image_feature``: a format-2 policy read the all-crops feature)
+CHECKPOINT_FORMAT = 3
 
 
 def budget_normalization_range(min_ms: float, max_ms: float, margin: float = 0.0) -> tuple[float, float]:
@@ -67,7 +74,10 @@ class PolicyConfig:
 
     > Inputs (set from the data; a checkpoint refuses features of other widths)
     lang_feature_dim: width of ``lang_features.feature`` (int).
-    image_feature_dim: width of ``image_features.feature`` (int).
+    image_feature_dim: width of the image feature (int).
+    image_feature: the ``image_features`` column stage 2 reads (``"global_feature"``, the
+        global crop's, by default and in deployment; ``"feature"`` only to compare with the
+        all-crops reference feature, ``trainer.data.IMAGE_FEATURE_COLUMNS``).
     budget_min_ms, budget_max_ms: budget normalisation range in ms (float). Budgets are mapped
         to [0, 1] over it and clamped outside. Set it from the data's budget range with a
         margin (:func:`budget_normalization_range`); there is deliberately no default
@@ -104,8 +114,12 @@ class PolicyConfig:
     crops_embedding_dim: int = 16
     dropout: float = 0.0
     use_tilings: bool = False
+    image_feature: str = GLOBAL_IMAGE_FEATURE
 
     def __post_init__(self) -> None:
+        if self.image_feature not in IMAGE_FEATURE_COLUMNS:
+            msg = f"`image_feature` must be one of {IMAGE_FEATURE_COLUMNS}, got {self.image_feature!r}"
+            raise ValueError(msg)
         if int(self.image_feature_dim) < 0:  # 0: a workspace without any image features
             msg = f"`image_feature_dim` must be >= 0, got {self.image_feature_dim!r}"
             raise ValueError(msg)
@@ -368,7 +382,8 @@ class ControllerPolicy(nn.Module):
 
     # -- checkpoints
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
-        """Write a checkpoint (atomic): weights, config, action space, fingerprint, feature dims."""
+        """Write a checkpoint (atomic): weights, config, action space, fingerprint, feature dims and
+        the image feature read."""
         payload = {
             "format": CHECKPOINT_FORMAT,
             "state_dict": self.state_dict(),
@@ -377,6 +392,7 @@ class ControllerPolicy(nn.Module):
             "model_fingerprint": self.model_fingerprint,
             "lang_feature_dim": self.config.lang_feature_dim,
             "image_feature_dim": self.config.image_feature_dim,
+            "image_feature": self.config.image_feature,
             "budget_range_ms": [self.config.budget_min_ms, self.config.budget_max_ms],
             **(extra or {}),
         }
@@ -416,7 +432,9 @@ def read_checkpoint(path: str | Path) -> dict:
         raise CtrlError(msg) from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        msg = (f"{path}: checkpoint format {found!r}, this ctrl reads format {CHECKPOINT_FORMAT}\n"
+        why = (" (its stage 2 read the all-crops image feature, which a server does not have)"
+               if found in (1, 2) else "")
+        msg = (f"{path}: checkpoint format {found!r}, this ctrl reads format {CHECKPOINT_FORMAT}{why}\n"
                "Hint: checkpoints from an older ctrl cannot be loaded; train a new run with `ctrl train --offline`.")
         raise CtrlError(msg)
     return payload
@@ -458,8 +476,18 @@ def _aligned_tilings(policy: ControllerPolicy, data: OfflineData) -> Tensor | No
     return out
 
 
+def check_image_feature(policy: ControllerPolicy, data: OfflineData, where: str | Path = "policy") -> None:
+    """Raise :class:`CacheMismatchError` when ``data`` holds another image feature than the policy read in training."""
+    if policy.config.image_feature != data.image_feature:
+        msg = (f"{where}: trained on the image feature {policy.config.image_feature!r}, "
+               f"but the data holds {data.image_feature!r}\n"
+               "Hint: load the data with the feature the policy was trained on, or train a new run.")
+        raise CacheMismatchError(msg)
+
+
 def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
     """log pi over ``data.action_space`` (N, A_data) under ``data.mask``; -inf elsewhere."""
+    check_image_feature(policy, data)
     mask, to_data = _aligned(policy, data)
     lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask,
                           tiling_crops=_aligned_tilings(policy, data))
