@@ -610,6 +610,69 @@ def export(
            f"features of model {report.model_fingerprint[:16]}")
 
 
+# -- serving -----------------------------------------------------------------------------------
+
+def _serve_help(name: str) -> str:
+    from serve.config import option_help  # deferred like every stage; the help text is written once, there
+
+    return option_help(name)
+
+
+def _serve_default(name: str) -> Any:
+    from serve.config import option_default
+
+    return option_default(name)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option("--model", help=_serve_help("model"))] = _serve_default("model"),
+    controller: Annotated[str, typer.Option("--controller", help=_serve_help("controller"))] = _serve_default(
+        "controller"),
+    host: Annotated[str, typer.Option("--host", help=_serve_help("host"))] = _serve_default("host"),
+    port: Annotated[int, typer.Option("--port", help=_serve_help("port"))] = _serve_default("port"),
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help=_serve_help("allow_remote"))] = False,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="CTRL_API_KEY", help=_serve_help("api_key"),
+                                                show_default=False)] = None,
+    device: Annotated[str, typer.Option("--device", help=_serve_help("device"))] = _serve_default("device"),
+    dtype: DtypeOption = Dtype.auto,
+    threads: Annotated[int, typer.Option("--threads", help=_serve_help("threads"))] = _serve_default("threads"),
+    max_queue: Annotated[int, typer.Option("--max-queue", help=_serve_help("max_queue"))] = _serve_default(
+        "max_queue"),
+    default_budget_ms: Annotated[float | None, typer.Option("--default-budget-ms", help=_serve_help(
+        "default_budget_ms"), show_default=False)] = None,
+    default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", help=_serve_help(
+        "default_max_tokens"))] = _serve_default("default_max_tokens"),
+    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", help=_serve_help(
+        "max_tokens_limit"))] = _serve_default("max_tokens_limit"),
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help=_serve_help(
+        "max_body_bytes"))] = _serve_default("max_body_bytes"),
+    max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", help=_serve_help(
+        "max_image_pixels"))] = _serve_default("max_image_pixels"),
+    local_images: Annotated[Path | None, typer.Option("--local-images", help=_serve_help("local_images"),
+                                                      file_okay=False, show_default=False)] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name", help=_serve_help(
+        "served_model_name"), show_default=False)] = None,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help=_serve_help("warmup"))] = _serve_default(
+        "warmup"),
+    workspace: WorkspaceOption = None,
+) -> None:
+    """Serve the model over HTTP (OpenAI chat completions) with the controller choosing each request's
+    knobs within its latency budget; every request is recorded in the workspace (view `requests`).
+    SIGTERM or Ctrl-C drains the requests in flight and exits 0."""
+    from serve.config import ServeConfig
+    from serve.server import serve as run_server
+
+    with handled(also=(ValueError,)):
+        config = ServeConfig(model=model, controller=controller, workspace=workspace, host=host, port=port,
+                             allow_remote=allow_remote, api_key=api_key, device=device, dtype=dtype.value,
+                             threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
+                             default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
+                             max_body_bytes=max_body_bytes, max_image_pixels=max_image_pixels,
+                             local_images=local_images, served_model_name=served_model_name, warmup=warmup)
+        run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
+
+
 # -- profiling ---------------------------------------------------------------------------------
 
 @app.command()

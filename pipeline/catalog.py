@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import QueryError
-from pipeline.schema import FEATURE_TABLES, TABLES, quote_ident, quote_literal
+from pipeline.schema import FEATURE_TABLES, REQUESTS, TABLES, duckdb_type, quote_ident, quote_literal
 from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -83,6 +83,20 @@ def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
     return statements
 
 
+def requests_view_ddl(log_glob: Path) -> str:
+    """The ``requests`` view over the server's JSON-lines logs: typed columns from the schema; a
+    line that does not parse (a torn tail after a crash of the file system) is left out."""
+    columns = ", ".join(f"{quote_literal(c.name)}: {quote_literal(duckdb_type(c.dtype))}" for c in REQUESTS.columns)
+    return (f"CREATE OR REPLACE VIEW requests AS SELECT * FROM read_json({quote_literal(str(log_glob))}, "
+            f"format = 'newline_delimited', columns = {{{columns}}}, ignore_errors = true) "
+            "WHERE request_id IS NOT NULL")
+
+
+def _requests_glob(workspace: Workspace) -> Path | None:
+    directory = workspace.requests_dir
+    return directory / "*.jsonl" if any(directory.glob("*.jsonl")) else None
+
+
 def workspace_table_paths(workspace: Workspace) -> dict[str, Path | list[Path]]:
     """The live generation's tables, plus feature tables (a glob over every model's cache) and
     run tables; ``measurements`` also reads the online rollouts (experiment 'online')."""
@@ -104,9 +118,17 @@ def connect(workspace: Workspace) -> duckdb.DuckDBPyConnection:
     import duckdb  # deferred: parser worker processes import pipeline and never query
 
     con = duckdb.connect()
-    for stmt in view_ddl(workspace_table_paths(workspace)):
+    for stmt in _workspace_ddl(workspace):
         con.execute(stmt)
     return con
+
+
+def _workspace_ddl(workspace: Workspace) -> list[str]:
+    statements = view_ddl(workspace_table_paths(workspace))
+    log_glob = _requests_glob(workspace)
+    if log_glob is not None:
+        statements.append(requests_view_ddl(log_glob))
+    return statements
 
 
 def view_names(con: duckdb.DuckDBPyConnection) -> set[str]:
@@ -121,7 +143,7 @@ def build_catalog(workspace: Workspace) -> Path:
     tmp = workspace.root / f".{workspace.catalog_path.name}.{uuid.uuid4().hex}.tmp"
     con = duckdb.connect(str(tmp))
     try:
-        for stmt in view_ddl(workspace_table_paths(workspace)):
+        for stmt in _workspace_ddl(workspace):
             con.execute(stmt)
         # which generation these views read: a catalog left behind by a crash is detected and rebuilt
         con.execute(f"CREATE VIEW ctrl_generation AS SELECT {quote_literal(workspace.require_generation().name)} "
@@ -172,7 +194,8 @@ def run_query(workspace: Workspace, sql: str) -> pa.Table:
         raise
     except duckdb.Error as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        views = ", ".join(sorted(workspace_table_paths(workspace)) + ["groups"])
+        views = ", ".join(sorted(workspace_table_paths(workspace)) + ["groups"]
+                          + (["requests"] if _requests_glob(workspace) else []))
         msg = f"query failed: {first}\nHint: views are {views}; `ctrl query \"DESCRIBE measurements\"` lists columns."
         raise QueryError(msg) from None
     finally:

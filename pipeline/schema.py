@@ -423,6 +423,50 @@ ONLINE_STEPS = TableSchema(
 
 RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS, ONLINE_STEPS, ROLLOUTS)}
 
+# -- the request log, written by `ctrl serve` under workspace/requests/ (one JSON line per request)
+_D = pa.float64()
+REQUESTS = TableSchema(
+    name="requests",
+    description="One row per request `ctrl serve` handled (workspace/requests/*.jsonl, one file per server "
+                "process, append-only). Latencies are null for requests that did not finish.",
+    primary_key=("request_id",),
+    columns=(
+        Column("request_id", _S, "the response's id (chatcmpl-...)", **_KEY),
+        Column("time", _TS, "when the request arrived"),
+        Column("status", _S, "ok | cancelled (the client disconnected) | error"),
+        Column("model", _S, "the served model's name"),
+        Column("model_fingerprint", _S, "fingerprint of the model that answered"),
+        Column("controller_run", _S, "run id or file of the controller; `request` when the request fixed its knobs"),
+        Column("controller_phase", _S, "offline | online | request"),
+        Column("budget_ms", _D, "the request's latency budget", "ms"),
+        Column("budget_source", _S, "request | default (the request set no latency_budget_ms)"),
+        Column("queue_length", _L, "requests waiting or running when it arrived"),
+        Column("waited_ms", _D, "arrival to stage 1 (parsing, image decoding, queue): what stage 1 subtracts "
+                                "from the budget", "ms"),
+        Column("decided_by", _S, "controller | table (the run's table fallback) | request (fixed knobs)"),
+        Column("max_crops", _L, "knob: crops choice", "crops"),
+        Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
+        Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),
+        Column("num_active_blocks", _L, "knob: decoder blocks run", "blocks"),
+        Column("num_crops", _L, "crops of the image's tiling at max_crops", "crops"),
+        Column("num_prompt_tokens", _L, "prompt tokens, image tokens included", "tokens"),
+        Column("num_output_tokens", _L, "generated tokens", "tokens"),
+        *(Column(f"latency_{stage}_ms", _D, what, "ms") for stage, what in (
+            ("parse", "arrival to the queue: body, JSON, image decoding"),
+            ("queue", "waiting for the model"),
+            ("stage1", "language feature, tiling and the controller's stage 1"),
+            ("preprocess", "crops and tokens at the chosen max_crops"),
+            ("vision", "the vision tower"),
+            ("prefill", "decoder blocks of the prefill (both parts)"),
+            ("stage2", "the controller's stage 2"),
+            ("decode", "decode steps after the first token"),
+            ("total", "arrival to the answer's text, as the client waits for it"))),
+        Column("met", _B, "latency_total_ms <= budget_ms"),
+        Column("answer", _S, "the generated text"),
+        Column("error", _S, "what failed, for status error"),
+    ),
+)
+
 
 def schema_markdown(table: TableSchema) -> str:
     """The docs/schema.md section of one table, generated so docs and code cannot drift."""
@@ -442,4 +486,5 @@ def schema_markdown(table: TableSchema) -> str:
 
 def schemas_markdown() -> str:
     """All tables' docs/schema.md sections (``ctrl schema`` prints this)."""
-    return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values(), *RUN_TABLES.values()))
+    return "\n\n".join(schema_markdown(t) for t in (*TABLES.values(), *FEATURE_TABLES.values(), *RUN_TABLES.values(),
+                                                     REQUESTS))

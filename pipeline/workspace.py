@@ -91,6 +91,11 @@ class Workspace:
         return self.root / "runs"
 
     @property
+    def requests_dir(self) -> Path:
+        """The request logs of ``ctrl serve`` (view ``requests``)."""
+        return self.root / "requests"
+
+    @property
     def catalog_path(self) -> Path:
         return self.root / CATALOG_NAME
 

@@ -26,7 +26,8 @@ ALLOWED = {
     "profiler": {"pipeline", "runtime", "testbed"},
     "trainer": {"pipeline"},
     "online": {"pipeline", "runtime", "trainer"},
-    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "online"},
+    "serve": {"pipeline", "runtime", "trainer"},
+    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "online", "serve"},
 }
 #: where a function may import a project module (the CLI defers its stages for ``ctrl --help``)
 LOCAL_IMPORTS_ALLOWED = {"cli"}

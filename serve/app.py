@@ -1,0 +1,164 @@
+"""The HTTP API (FastAPI): OpenAI chat completions plus health, models and metrics.
+
+Endpoints (docs/serving.md#http-api):
+
+* ``POST /v1/chat/completions``: the OpenAI request (:mod:`serve.protocol`); the reply is an
+  OpenAI ``chat.completion`` whose extra ``ctrl`` object holds the knobs, the per-stage
+  latencies and whether the budget was met.
+* ``GET /v1/models``: the one served model.
+* ``GET /health``: 200 with the queue length once the model is loaded.
+* ``GET /metrics``: Prometheus text format (:mod:`serve.metrics`).
+
+Every error is an OpenAI error object with one clear message; 4xx for the client's mistakes
+(400 bad request, 401 no or wrong key, 404 unknown model or path, 413 body too large), 503 with
+Retry-After when the queue is full. With an API key, every endpoint but ``/health`` requires
+``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.engine import Engine, Overloaded, Result, new_job
+from serve.protocol import Limits, RequestError, parse_chat_request
+
+#: how often a waiting handler checks whether its client is still connected
+DISCONNECT_POLL_S = 0.05
+
+
+def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None) -> FastAPI:
+    """The ASGI app around a started-or-not :class:`Engine` (its lifespan starts and stops it)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            # uvicorn has waited for the requests in flight; the queue is empty or finishes here
+            await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="ctrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    def error(exc: RequestError) -> JSONResponse:
+        if exc.status != 503:
+            engine.metrics.requests.labels(status="invalid").inc()
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+        if exc.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reason = {404: f"no endpoint {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None))
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                               "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.model_name, "queue_length": engine.pending}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
+                 "default_budget_ms": engine.default_budget_ms}
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
+                                            "owned_by": "ctrl", "ctrl": about}]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        authorize(request)
+        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
+        authorize(request)
+        body = await _read_body(request, max_body_bytes)
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            try:  # NaN and Infinity literals: parsed, so that the field's own check names the value
+                data = json.loads(body)
+            except ValueError:
+                raise RequestError(400, f"the request body is not valid JSON ({exc})", None, "invalid_json") from None
+        chat = await run_in_threadpool(parse_chat_request, data, limits)  # image decoding off the event loop
+        if chat.model != engine.model_name:
+            raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
+                                    f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
+        job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
+        job.loop = asyncio.get_running_loop()
+        job.future = job.loop.create_future()
+        engine.submit(job)
+        while True:
+            done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                job.cancelled.set()  # the worker stops at the next stage or token
+                return JSONResponse({}, status_code=499)
+        result: Result = job.future.result()
+        return JSONResponse(_completion(job.request_id, engine.model_name, result))
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it exceeds ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    too_large = RequestError(413, f"the request body is larger than the server's limit of {limit:,} bytes", None,
+                             "body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
+    row = result.record
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "finish_reason": result.finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
+                  "total_tokens": result.num_prompt_tokens + result.num_output_tokens},
+        "ctrl": {
+            "knobs": {k: row.get(k) for k in ("max_crops", "top_k", "num_active_blocks", "insertion_position")},
+            "decided_by": row.get("decided_by"), "controller_run": row.get("controller_run"),
+            "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
+            "met": row.get("met"), "waited_ms": row.get("waited_ms"),
+            "latency_ms": {k[len("latency_"):-len("_ms")]: v for k, v in row.items() if k.startswith("latency_")},
+        },
+    }

@@ -1,0 +1,142 @@
+"""Options of ``ctrl serve``: each option's default and help live on its field, once.
+
+The CLI builds its options from :func:`option_help` and the field defaults; docs/serving.md
+lists the same text (tests/test_serve.py checks they agree). This module imports nothing of
+ctrl, so that ``ctrl --help`` reads it without loading pyarrow or torch; a bad value is a
+``ValueError`` with one line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+#: the values of --dtype (runtime.precision.DTYPE_CHOICES)
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: host names that always mean loopback
+LOOPBACK_NAMES = {"localhost"}
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class ServeConfig:
+    """How ``ctrl serve`` runs: the model, the controller, the HTTP endpoint and its limits."""
+
+    model: str = field(default="testbed", metadata=_help(
+        "The model answering requests: 'embedded', 'testbed', a local MolmoE directory or a Hugging Face id "
+        "org/name[@revision] in the local cache; must be the model the controller's features came from."))
+    controller: str = field(default="latest", metadata=_help(
+        "The controller on the request path: a run id or directory (offline or online), 'latest' (the most "
+        "recently started run with a checkpoint, either phase), a checkpoint .pt or a file written by "
+        "`ctrl export`."))
+    workspace: Path | None = field(default=None, metadata=_help(
+        "Workspace: where runs are looked up and every request is recorded (requests/*.jsonl, view `requests`)."))
+    host: str = field(default="127.0.0.1", metadata=_help(
+        "Address to bind; anything but loopback also needs --allow-remote."))
+    port: int = field(default=8000, metadata=_help("TCP port to listen on (0 = any free port, printed at start)."))
+    allow_remote: bool = field(default=False, metadata=_help(
+        "Allow binding to a non-loopback address (then also set --api-key)."))
+    api_key: str | None = field(default=None, metadata=_help(
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY)."))
+    device: str = field(default="cpu", metadata=_help("cpu or cuda."))
+    dtype: str = field(default="auto", metadata=_help(
+        "Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or float32."))
+    threads: int = field(default=1, metadata=_help(
+        "CPU threads of the model's operations (0 = torch's default, one per core). 1 by default: with two, "
+        "torch's spinning workers made testbed requests several times slower (docs/serving.md#concurrency-and-load)."))
+    max_queue: int = field(default=8, metadata=_help(
+        "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
+    default_budget_ms: float | None = field(default=None, metadata=_help(
+        "Latency budget of a request without latency_budget_ms [default: the top of the controller's "
+        "training budget range]."))
+    default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
+    max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(
+        "The largest request body accepted, in bytes (413 above)."))
+    max_image_pixels: int = field(default=25_000_000, metadata=_help(
+        "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
+    local_images: Path | None = field(default=None, metadata=_help(
+        "Also accept image_url file paths (file:///... or /...) inside this directory [default: data: URIs only]."))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "The model name requests must use and /v1/models lists [default: the --model value]."))
+    warmup: bool = field(default=True, metadata=_help(
+        "Run every crops choice once before accepting requests, so first requests do not pay one-time costs."))
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            msg = f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            raise ValueError(msg)
+        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_body_bytes", "max_image_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
+                msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+                raise ValueError(msg)
+        if not 0 <= int(self.port) <= 65535:
+            msg = f"--port must be in 0..65535, got {self.port!r}"
+            raise ValueError(msg)
+        if self.threads < 0:
+            msg = f"--threads must be >= 0, got {self.threads!r}"
+            raise ValueError(msg)
+        if self.default_max_tokens > self.max_tokens_limit:
+            msg = (f"--default-max-tokens ({self.default_max_tokens}) must not exceed --max-tokens-limit "
+                   f"({self.max_tokens_limit})")
+            raise ValueError(msg)
+        if self.default_budget_ms is not None and not (math.isfinite(self.default_budget_ms)
+                                                       and self.default_budget_ms > 0):
+            msg = f"--default-budget-ms must be a positive number of milliseconds, got {self.default_budget_ms!r}"
+            raise ValueError(msg)
+        if not self.allow_remote and not is_loopback(self.host):
+            msg = (f"--host {self.host!r} is not a loopback address: the server would answer other machines\n"
+                   "Hint: add --allow-remote (and --api-key) to serve on the network, or bind to 127.0.0.1.")
+            raise ValueError(msg)
+        if self.local_images is not None and not Path(self.local_images).is_dir():
+            msg = f"--local-images {str(self.local_images)!r} is not a directory"
+            raise ValueError(msg)
+        if self.api_key is not None and not self.api_key.strip():
+            msg = "--api-key must not be empty"
+            raise ValueError(msg)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and addresses in 127.0.0.0/8 or ::1."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def option_help(name: str) -> str:
+    """The help text of a :class:`ServeConfig` field (the CLI's and the docs' option text)."""
+    for f in fields(ServeConfig):
+        if f.name == name:
+            return f.metadata["help"]
+    raise KeyError(name)
+
+
+def option_default(name: str) -> Any:
+    for f in fields(ServeConfig):
+        if f.name == name:
+            return None if f.default is MISSING else f.default
+    raise KeyError(name)
+
+
+def options_markdown() -> str:
+    """The options table of docs/serving.md, from the fields (a test checks the doc holds it)."""
+    lines = ["| option | default | |", "|---|---|---|"]
+    for f in fields(ServeConfig):
+        flag = "--workspace/-w" if f.name == "workspace" else "--" + f.name.replace("_", "-")
+        default = "" if f.default in (None, MISSING) else f"`{f.default}`"
+        lines.append(f"| `{flag}` | {default} | {f.metadata['help']} |")
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""The controller on the request path: which knobs a request runs with, decided in two stages.
+
+Stage 1 runs before the vision tower and reads what is known then: the question's language
+feature (mean input embedding), the image's tiling at every crops choice (from its size) and
+the budget left (the request's budget less the time since it arrived). It picks the crops
+and, for an online run, the insertion position and the budget token. Stage 2 runs after the
+vision pass at those crops (for an online run, after decoder blocks 0..p-1): it reads the
+global crop's image feature from that pass (the feature training reads, the same at every
+crop count), plus, for an online run, the latency token, and picks top-K and the block count.
+
+* :class:`OfflineDecider`: an offline run, as ``ctrl export`` writes it
+  (:class:`trainer.deploy.DeployedController`: its ``stage1`` and ``stage2``, with the table
+  fallback). Its stage 2 runs before block 0 (insertion position 0): its top-K applies to
+  every block, as in the recorded data it was trained on.
+* :class:`OnlineDecider`: an online run's :class:`trainer.two_stage.TwoStageController`
+  (greedy at each stage, as ``ctrl evaluate`` measures it).
+* :class:`FixedKnobs`: the knobs a request fixed itself (``knobs``), e.g. a benchmark's static
+  configuration; the controller does not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.workspace import Workspace
+from serve.protocol import RequestError
+from trainer.deploy import DeployedController, load_deployed
+from trainer.fallback import read_fallback
+from trainer.policy import ControllerPolicy, read_checkpoint
+from trainer.runs import RunDir, latest_run
+from trainer.two_stage import Stage1Output, TwoStageController
+
+
+@dataclass
+class Stage1Choice:
+    """What stage 1 decided for one request."""
+
+    max_crops: int
+    insertion_position: int  # decoder blocks 0..p-1 run before stage 2 (0: stage 2 before block 0)
+    budget_token: torch.Tensor | None
+    decided_by: str  # controller | table | request
+    state: Any = None  # what the decider's stage 2 reuses
+
+
+@dataclass
+class Stage2Inputs:
+    lang: torch.Tensor  # (Dl,)
+    tiling_crops: torch.Tensor  # (C,), NaN without an image
+    budget_ms: float
+    image_feature: torch.Tensor | None  # (Di,) the global crop's feature; None without an image
+    latency_token: torch.Tensor | None  # (d,) after blocks 0..p-1, online runs only
+
+
+class Decider(Protocol):
+    """Two-stage knob decisions for one request at a time."""
+
+    #: run id (or file name) and phase of the controller, recorded with every request
+    controller_run: str
+    phase: str
+    max_crops_values: tuple[int, ...]
+    budget_range_ms: tuple[float, float]
+
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
+
+    def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]: ...
+
+
+def _image(feature: torch.Tensor | None, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, dim) image feature and (1,) present flag; zeros and False without an image."""
+    if feature is None or dim == 0:
+        return torch.zeros(1, dim), torch.tensor([feature is not None and dim > 0])
+    return feature.reshape(1, -1).float().cpu(), torch.tensor([True])
+
+
+class OfflineDecider:
+    """An offline run's deployed controller (``DeployedController`` or the TorchScript file ``ctrl export`` wrote)."""
+
+    phase = "offline"
+
+    def __init__(self, deployed: Any, controller_run: str) -> None:
+        self.deployed = deployed
+        self.controller_run = controller_run
+        self.max_crops_values = tuple(int(v) for v in deployed.max_crops_values.tolist())
+        self.budget_range_ms = (float(deployed.budget_min_ms), float(deployed.budget_max_ms))
+        self.image_dim = int(deployed.image_dim)
+
+    def _decided_by(self, budget: torch.Tensor) -> str:
+        use_network = getattr(self.deployed, "_use_network", None)
+        if use_network is None:  # a TorchScript file does not expose it
+            return "controller"
+        return "controller" if bool(use_network(budget)[0]) else "table"
+
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+        budget = torch.tensor([float(budget_ms)])
+        max_crops = int(self.deployed.stage1(lang[None].float(), budget, tiling_crops[None].float())[0])
+        return Stage1Choice(max_crops, 0, None, self._decided_by(budget))
+
+    def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
+        image, present = _image(inputs.image_feature, self.image_dim)
+        top_k, blocks = self.deployed.stage2(inputs.lang[None].float(), image, present,
+                                             torch.tensor([float(inputs.budget_ms)]),
+                                             torch.tensor([choice.max_crops], dtype=torch.long),
+                                             inputs.tiling_crops[None].float())
+        return int(top_k[0]), int(blocks[0])
+
+
+class OnlineDecider:
+    """An online run's two-stage controller, greedy at each stage."""
+
+    phase = "online"
+
+    def __init__(self, controller: TwoStageController, controller_run: str) -> None:
+        self.controller = controller.eval()
+        self.controller_run = controller_run
+        self.max_crops_values = tuple(controller.max_crops_values)
+        cfg = controller.policy.config
+        self.budget_range_ms = (float(cfg.budget_min_ms), float(cfg.budget_max_ms))
+        self.image_dim = int(cfg.image_feature_dim)
+
+    @torch.no_grad()
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+        s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float())
+        c, pi = int(s1.crops_log_probs[0].argmax()), int(s1.insertion_log_probs[0].argmax())
+        return Stage1Choice(self.controller.max_crops_values[c], self.controller.insertion_positions[pi],
+                            s1.budget_token[0], "controller", (s1, c, pi))
+
+    @torch.no_grad()
+    def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
+        s1, c, pi = choice.state
+        assert isinstance(s1, Stage1Output) and inputs.latency_token is not None
+        image, present = _image(inputs.image_feature, self.image_dim)
+        top_k_lp, blocks_lp = self.controller.stage2(s1, image, present, torch.tensor([c]), torch.tensor([pi]),
+                                                     inputs.latency_token[None].float().cpu())
+        return (self.controller.top_k_values[int(top_k_lp[0].argmax())],
+                self.controller.num_active_blocks_values[int(blocks_lp[0].argmax())])
+
+
+class FixedKnobs:
+    """The knobs a request set itself; checked against the model's ranges."""
+
+    phase = "request"
+    controller_run = "request"
+
+    def __init__(self, knobs: dict[str, int], num_experts: int, num_layers: int, max_crops_limit: int) -> None:
+        limits = {"max_crops": max_crops_limit, "top_k": num_experts, "num_active_blocks": num_layers}
+        for name, limit in limits.items():
+            if not 1 <= knobs[name] <= limit:
+                msg = f"`knobs.{name}` must be in 1..{limit} for this model, got {knobs[name]}"
+                raise RequestError(400, msg, f"knobs.{name}", "invalid_value")
+        self.knobs = knobs
+        self.max_crops_values = (knobs["max_crops"],)
+        self.budget_range_ms = (0.0, 0.0)
+
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+        return Stage1Choice(self.knobs["max_crops"], 0, None, "request")
+
+    def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
+        return self.knobs["top_k"], self.knobs["num_active_blocks"]
+
+
+def load_decider(workspace: Workspace, spec: str, model_fingerprint: str) -> OfflineDecider | OnlineDecider:
+    """The controller named by ``spec`` (run id or directory, ``latest``, checkpoint or exported file),
+    refused with one line when it was trained on another model's features."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _from_file(path, model_fingerprint)
+    run = _latest(workspace) if spec == "latest" else RunDir.resolve(workspace, spec)
+    if run.phase == "online":
+        if not run.last_checkpoint.exists():
+            msg = f"{run.last_checkpoint} does not exist: the online run saved no checkpoint yet"
+            raise CtrlError(msg)
+        return OnlineDecider(TwoStageController.load(run.last_checkpoint, model_fingerprint), run.run_id)
+    if not run.best_checkpoint.exists():
+        msg = (f"{run.best_checkpoint} does not exist: the run has not finished an epoch\n"
+               "Hint: resume it with `ctrl train --offline --resume RUN`.")
+        raise CtrlError(msg)
+    return _offline(run.best_checkpoint, model_fingerprint, run.run_id)
+
+
+def _latest(workspace: Workspace) -> RunDir:
+    runs = []
+    for phase in ("offline", "online"):
+        try:
+            runs.append(latest_run(workspace, phase))  # type: ignore[arg-type]
+        except CtrlError:
+            continue
+    runs = [r for r in runs if (r.last_checkpoint if r.phase == "online" else r.best_checkpoint).exists()]
+    if not runs:
+        msg = (f"workspace {workspace.root} has no run with a checkpoint\n"
+               "Hint: train one with `ctrl train --offline` (and `ctrl train --online`), or pass --controller FILE.")
+        raise CtrlError(msg)
+    return max(runs, key=lambda r: r.config_path.stat().st_mtime_ns)
+
+
+def _offline(checkpoint: Path, model_fingerprint: str, name: str) -> OfflineDecider:
+    policy = ControllerPolicy.load(checkpoint, model_fingerprint, offline_only=True)
+    return OfflineDecider(DeployedController(policy, read_fallback(checkpoint)), name)
+
+
+def _from_file(path: Path, model_fingerprint: str) -> OfflineDecider | OnlineDecider:
+    try:
+        payload = read_checkpoint(path)
+    except CtrlError:
+        payload = None
+    if payload is not None:
+        if "two_stage" in payload:
+            return OnlineDecider(TwoStageController.load(path, model_fingerprint), path.name)
+        return _offline(path, model_fingerprint, path.name)
+    try:
+        deployed = load_deployed(path)
+    except Exception as exc:  # torch.jit raises many types for a foreign file: one line here
+        msg = (f"{path}: neither a ctrl checkpoint nor a file written by `ctrl export` "
+               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        raise CtrlError(msg) from None
+    exported_for = str(deployed.model_fingerprint)
+    if exported_for != model_fingerprint:
+        msg = (f"{path}: exported for model {exported_for[:16]}, but the server runs model {model_fingerprint[:16]}\n"
+               "Hint: serve the model the controller was trained on (--model, --dtype), or export a run trained on it.")
+        raise CacheMismatchError(msg)
+    return OfflineDecider(deployed, path.name)

@@ -1,0 +1,327 @@
+"""Requests through the model, one at a time, behind a bounded queue.
+
+One worker thread owns the model: the knobs (top-K per block, active blocks) are state of the
+model, so two requests cannot run on one copy at once, and on the CPU one request already uses
+every core (docs/serving.md#concurrency has the measurement). Requests wait in a queue of at
+most ``max_queue``; one more is refused at once (:class:`Overloaded`, HTTP 503 with
+Retry-After) instead of waiting longer than any budget. The time a request waits counts
+against its budget: stage 1 reads the budget less the time since the request arrived.
+
+A request's timeline, every part measured (``runtime.timing.StageTimer``)::
+
+    arrival (the HTTP handler starts) .. parse (body, JSON, image decode) .. queue
+    stage1   language feature, tiling, the controller's stage 1
+    preprocess  crops at the chosen max_crops, tokenisation
+    prefix   vision tower (+ decoder blocks 0..p-1 for an online controller)
+    stage2   the controller's stage 2
+    suffix   the remaining active blocks of the prefill, first token
+    decode   one segment per further token
+
+``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
+the response's serialisation and transfer. A cancelled request (its client disconnected)
+stops at the next stage or token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from PIL import Image
+
+from runtime import ModelRuntime
+from runtime.base import greedy_decode
+from runtime.timing import RequestTiming, StageTimer, cpu_threads
+from serve.deciders import Decider, FixedKnobs, Stage2Inputs
+from serve.metrics import ServeMetrics
+from serve.protocol import ChatRequest, RequestError
+from serve.request_log import RequestLog
+
+#: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
+MAX_CROPS_LIMIT = 15
+
+
+class Cancelled(Exception):
+    """The client went away: the request stops where it is."""
+
+
+@dataclass
+class Job:
+    """One request in flight: its input, when it arrived, and how it ends."""
+
+    request: ChatRequest
+    budget_ms: float
+    budget_source: str
+    arrival: float  # perf_counter at the handler's start
+    arrival_time: datetime
+    parse_ms: float
+    queue_length: int
+    request_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    enqueued: float = 0.0
+
+    def finish(self, outcome: Result | BaseException) -> None:
+        """Hand the outcome to the waiting handler (thread-safe)."""
+        if self.future is None or self.loop is None:
+            return
+
+        def deliver() -> None:
+            if self.future is not None and not self.future.done():
+                if isinstance(outcome, BaseException):
+                    self.future.set_exception(outcome)
+                else:
+                    self.future.set_result(outcome)
+
+        try:
+            self.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the event loop has closed: nobody waits any more
+            pass
+
+
+@dataclass
+class Result:
+    """A served request: the answer and everything measured about it."""
+
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    record: dict[str, Any]
+
+
+class Overloaded(RequestError):
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(503, f"the server is at capacity (queue full); retry in {retry_after_s} s", None,
+                         "queue_full")
+        self.retry_after_s = retry_after_s
+
+
+class Engine:
+    """The model, the controller, the queue and the worker thread that runs requests."""
+
+    def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
+                 default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
+                 metrics: ServeMetrics | None = None) -> None:
+        self.runtime, self.decider = runtime, decider
+        self.model_name = model_name
+        self.max_queue = int(max_queue)
+        self.default_budget_ms = float(default_budget_ms if default_budget_ms is not None
+                                       else decider.budget_range_ms[1])
+        self.threads = int(threads)
+        self.log = request_log
+        self.metrics = metrics if metrics is not None else ServeMetrics()
+        self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._pending = 0  # waiting + running
+        self._lock = threading.Lock()
+        self._service_s: deque[float] = deque(maxlen=50)
+        self._worker: threading.Thread | None = None
+        self.served = 0
+
+    # -- lifecycle
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._run, name="ctrl-serve-worker", daemon=True)
+        self._worker.start()
+
+    def stop(self) -> None:
+        """Finish the queued requests, then stop the worker and close the log."""
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join()
+            self._worker = None
+        self.timer.close()
+        if self.log is not None:
+            self.log.close()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    # -- admission
+    def budget_for(self, request: ChatRequest) -> tuple[float, str]:
+        if request.budget_ms is not None:
+            return request.budget_ms, "request"
+        return self.default_budget_ms, "default"
+
+    def submit(self, job: Job) -> None:
+        """Queue a job or raise :class:`Overloaded` when ``max_queue`` requests already wait."""
+        with self._lock:
+            if self._pending >= self.max_queue + 1:
+                self.metrics.requests.labels(status="rejected").inc()
+                raise Overloaded(self._retry_after(self._pending))
+            self._pending += 1
+            self.metrics.queue_length.set(self._pending)
+        job.enqueued = time.perf_counter()
+        self._jobs.put(job)
+
+    def _retry_after(self, pending: int) -> int:
+        typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 1.0
+        return max(1, math.ceil(pending * typical))
+
+    # -- the worker
+    def _run(self) -> None:
+        with cpu_threads(self.threads, self.runtime.device):
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                started = time.perf_counter()
+                try:
+                    job.finish(self.execute(job))
+                except BaseException as exc:  # every failure goes back to its request, the worker lives on
+                    job.finish(exc)
+                finally:
+                    self._service_s.append(time.perf_counter() - started)
+                    with self._lock:
+                        self._pending -= 1
+                        self.metrics.queue_length.set(self._pending)
+
+    def execute(self, job: Job, *, record: bool = True) -> Result:
+        """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
+        req, runtime = job.request, self.runtime
+        stages = RequestTiming()
+        queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
+        decider: Decider = self.decider if req.knobs is None else FixedKnobs(
+            req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT)
+        try:
+            self._check(job)
+            waited_ms = (time.perf_counter() - job.arrival) * 1000.0
+            with torch.inference_mode():
+                with self.timer.segment("stage1", stages):
+                    lang = runtime.lang_features([req.question])[0]
+                    tiling = _tiling(runtime, req.image, decider.max_crops_values)
+                    choice = decider.stage1(lang, tiling, job.budget_ms - waited_ms)
+                self._check(job)
+                with self.timer.segment("preprocess", stages):
+                    inputs = runtime.preprocess(req.image, req.question, choice.max_crops)
+                with self.timer.segment("prefix", stages):
+                    prefix = runtime.prefill_prefix(inputs, choice.insertion_position, choice.budget_token)
+                self._check(job)
+                p = choice.insertion_position
+                with self.timer.segment("stage2", stages):
+                    top_k, blocks = decider.stage2(choice, Stage2Inputs(
+                        lang, tiling, job.budget_ms - waited_ms, prefix.image_feature,
+                        prefix.latency_token if p > 0 else None))
+                    active = runtime.blocks_for(blocks, first_kept=max(p, 1))
+                self._check(job)
+                with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
+                    with self.timer.segment("suffix", stages):
+                        state = runtime.prefill_suffix(prefix, active)
+
+                    def next_token(token: int) -> int:
+                        self._check(job)
+                        with self.timer.segment("decode", stages):
+                            runtime.decode_step(state, token)
+                            return int(state.logits.argmax())
+
+                    tokens = greedy_decode(int(state.logits.argmax()), next_token, runtime.eos_id, req.max_tokens)
+                text = runtime.decode_text(tokens)
+            total_ms = (time.perf_counter() - job.arrival) * 1000.0
+        except Cancelled:
+            if record:
+                self._record(job, "cancelled", queue_ms=queue_ms)
+            raise
+        except RequestError:
+            raise
+        except Exception as exc:
+            if record:
+                self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
+            raise
+        self.timer.resolve(stages)
+        seg = {s.name: s for s in stages.segments if s.name != "decode"}
+        decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
+        knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
+                 "num_active_blocks": blocks}
+        latency = {
+            "parse": job.parse_ms, "queue": queue_ms, "stage1": seg["stage1"].wall_ms,
+            "preprocess": seg["preprocess"].wall_ms, "vision": seg["prefix"].vision_ms,
+            "prefill": (seg["prefix"].blocks_ms or 0.0) + (seg["suffix"].blocks_ms or 0.0),
+            "stage2": seg["stage2"].wall_ms, "decode": decode_ms, "total": total_ms,
+        }
+        finish = "stop" if tokens and tokens[-1] == runtime.eos_id else "length"
+        prompt_tokens = int(inputs.input_ids.shape[1])
+        result = Result(text, finish, prompt_tokens, len(tokens), {})
+        result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
+                                     decided_by=choice.decided_by, latency=latency, num_crops=inputs.num_crops,
+                                     num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
+                                     stages=stages) if record else {}
+        return result
+
+    def _check(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            raise Cancelled
+
+    def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
+                knobs: dict[str, int] | None = None, decided_by: str | None = None,
+                latency: dict[str, float | None] | None = None, num_crops: int | None = None,
+                num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
+                answer: str | None = None, error: str | None = None, stages: RequestTiming | None = None
+                ) -> dict[str, Any]:
+        """The request's row of the ``requests`` view; appended to the log and counted in the metrics."""
+        latency = latency or {}
+        total = latency.get("total")
+        met = None if total is None else bool(total <= job.budget_ms)
+        decider = self.decider if job.request.knobs is None else None
+        row: dict[str, Any] = {
+            "request_id": job.request_id, "time": job.arrival_time, "status": status,
+            "model": self.model_name, "model_fingerprint": self.runtime.fingerprint,
+            "controller_run": decider.controller_run if decider else "request",
+            "controller_phase": decider.phase if decider else "request",
+            "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
+            "waited_ms": waited_ms, "decided_by": decided_by,
+            **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
+            "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
+            **{f"latency_{k}_ms": latency.get(k) for k in
+               ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "total")},
+            "met": met, "answer": answer, "error": error,
+        }
+        if job.request_id.startswith("warmup-"):
+            return row
+        if self.log is not None:
+            self.log.append(row)
+        self.metrics.observe(row)
+        self.served += 1
+        return row
+
+
+def _tiling(runtime: ModelRuntime, image: Image.Image | None, max_crops_values: tuple[int, ...]) -> torch.Tensor:
+    """(C,) crops of this image's tiling at each max_crops choice; NaN without an image."""
+    if image is None:
+        return torch.full((len(max_crops_values),), float("nan"))
+    return torch.tensor([float(r * c) for r, c in (runtime.tiling(image.width, image.height, int(m))
+                                                    for m in max_crops_values)])
+
+
+def new_job(request: ChatRequest, engine: Engine, arrival: float, arrival_time: datetime, parse_ms: float,
+            request_id: str | None = None) -> Job:
+    budget, source = engine.budget_for(request)
+    job = Job(request, budget, source, arrival, arrival_time, parse_ms, engine.pending)
+    if request_id is not None:
+        job.request_id = request_id
+    return job
+
+
+def warm_up(engine: Engine) -> int:
+    """Run every crops choice of the controller once (an image request, two tokens), unrecorded."""
+    image = Image.new("RGB", (640, 480), (120, 110, 100))
+    runs = 0
+    for max_crops in engine.decider.max_crops_values:
+        knobs = {"max_crops": int(max_crops), "top_k": engine.runtime.default_top_k,
+                 "num_active_blocks": engine.runtime.num_layers}
+        request = ChatRequest(engine.model_name, "warm up", image, 2, None, knobs)
+        job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{max_crops}")
+        with cpu_threads(engine.threads, engine.runtime.device):
+            engine.execute(job, record=False)
+        runs += 1
+    return runs

@@ -1,0 +1,54 @@
+"""Prometheus metrics of a server (``GET /metrics``), in a registry of its own.
+
+ctrl_requests_total{status}            ok, cancelled, error, rejected (queue full), invalid (4xx)
+ctrl_budget_total{outcome}             met / missed, of the requests answered
+ctrl_request_latency_seconds           histogram of the end-to-end latency (arrival to answer)
+ctrl_stage_latency_seconds{stage}      histogram per stage: parse, queue, stage1, preprocess, vision,
+                                       prefill, stage2, decode
+ctrl_queue_length                      requests waiting or running
+ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
+                                       insertion_position)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: seconds; from a sub-millisecond controller stage to a full-size request on a CPU
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STAGES = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode")
+KNOBS = ("max_crops", "top_k", "num_active_blocks", "insertion_position")
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ctrl_requests", "Requests by how they ended", ["status"], registry=self.registry)
+        self.budget = Counter("ctrl_budget", "Answered requests by whether they met their budget", ["outcome"],
+                              registry=self.registry)
+        self.latency = Histogram("ctrl_request_latency_seconds", "End-to-end latency (arrival to answer)",
+                                 buckets=BUCKETS, registry=self.registry)
+        self.stage_latency = Histogram("ctrl_stage_latency_seconds", "Latency per stage of a request", ["stage"],
+                                       buckets=BUCKETS, registry=self.registry)
+        self.queue_length = Gauge("ctrl_queue_length", "Requests waiting or running", registry=self.registry)
+        self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
+
+    def observe(self, row: dict[str, Any]) -> None:
+        """Count one finished request from its ``requests`` row."""
+        self.requests.labels(status=row["status"]).inc()
+        if row["status"] != "ok":
+            return
+        self.budget.labels(outcome="met" if row["met"] else "missed").inc()
+        self.latency.observe(row["latency_total_ms"] / 1000.0)
+        for stage in STAGES:
+            value = row.get(f"latency_{stage}_ms")
+            if value is not None:
+                self.stage_latency.labels(stage=stage).observe(value / 1000.0)
+        for knob in KNOBS:
+            if row.get(knob) is not None:
+                self.decisions.labels(knob=knob, value=str(row[knob])).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

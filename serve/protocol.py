@@ -1,0 +1,223 @@
+"""The OpenAI chat-completions request, checked into a :class:`ChatRequest`, and its errors.
+
+What is accepted (docs/serving.md#requests): one user message, its content a string or a list
+of ``text`` and at most one ``image_url`` part (a ``data:`` URI; a file path only under
+``--local-images``); an optional system message is refused rather than silently dropped, as
+are earlier turns, since the model has no chat template for them. Decoding is greedy:
+``temperature`` 0, ``top_p`` 1, ``n`` 1 (or absent); other sampling settings are refused with
+a 400 naming the field. Extensions: ``latency_budget_ms`` (positive, finite) and ``knobs``
+(fixed max_crops / top_k / num_active_blocks instead of the controller's choice).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, UnidentifiedImageError
+
+#: knob names a request may fix in ``knobs``
+KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, one-line message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def error_type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "server_overloaded"}.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """One checked request: the question, the image (RGB, or None), the generation and budget settings."""
+
+    model: str
+    question: str
+    image: Image.Image | None
+    max_tokens: int
+    budget_ms: float | None
+    knobs: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for (from :class:`serve.config.ServeConfig`)."""
+
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_image_pixels: int
+    local_images: Path | None = None
+
+
+def _refuse(message: str, param: str | None = None, code: str | None = "invalid_value") -> NoReturn:
+    """Raise the 400 :class:`RequestError` of a bad field."""
+    raise RequestError(400, message, param, code)
+
+
+def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
+    """Check a decoded JSON body; raise :class:`RequestError` (400) naming the first bad field."""
+    if not isinstance(body, dict):
+        _refuse(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        _refuse("`model` is required: a string (GET /v1/models lists the served model)", "model")
+    _check_sampling(body)
+    question, image = _read_messages(body.get("messages"), limits)
+    return ChatRequest(model=model, question=question, image=image, max_tokens=_max_tokens(body, limits),
+                       budget_ms=_budget(body), knobs=_knobs(body.get("knobs")))
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    greedy = {"temperature": 0, "top_p": 1, "n": 1}
+    for name, value in greedy.items():
+        got = body.get(name)
+        if got is None:
+            continue
+        if isinstance(got, bool) or not isinstance(got, int | float) or float(got) != value:
+            _refuse(f"`{name}` must be {value} or absent: this server decodes greedily, got {got!r}", name,
+                       "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        got = body.get(name)
+        if got not in (None, 0, 0.0):
+            _refuse(f"`{name}` is not supported (greedy decoding): must be 0 or absent, got {got!r}", name,
+                       "unsupported_value")
+    for name in ("stream", "logprobs"):
+        if body.get(name) not in (None, False):
+            _refuse(f"`{name}` is not supported by this server: must be false or absent", name,
+                       "unsupported_value")
+    for name in ("stop", "logit_bias", "tools", "tool_choice", "functions", "response_format", "top_logprobs"):
+        if body.get(name) not in (None, [], {}):
+            _refuse(f"`{name}` is not supported by this server: leave it out", name, "unsupported_value")
+
+
+def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return limits.default_max_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens_limit:
+        _refuse(f"`{name}` must be an integer in 1..{limits.max_tokens_limit}, got {value!r}", name)
+    return value
+
+
+def _budget(body: dict[str, Any]) -> float | None:
+    value = body.get("latency_budget_ms")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        _refuse(f"`latency_budget_ms` must be a positive, finite number of milliseconds, got {value!r}",
+                   "latency_budget_ms")
+    return float(value)
+
+
+def _knobs(value: Any) -> dict[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != set(KNOB_NAMES):
+        _refuse(f"`knobs` must be an object with exactly {', '.join(KNOB_NAMES)} (integers), got {value!r}",
+                   "knobs")
+    for name in KNOB_NAMES:
+        if isinstance(value[name], bool) or not isinstance(value[name], int) or value[name] < 1:
+            _refuse(f"`knobs.{name}` must be a positive integer, got {value[name]!r}", f"knobs.{name}")
+    return {name: int(value[name]) for name in KNOB_NAMES}
+
+
+def _read_messages(messages: Any, limits: Limits) -> tuple[str, Image.Image | None]:
+    if not isinstance(messages, list) or not messages:
+        _refuse("`messages` must be a non-empty list of messages", "messages")
+    if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
+        roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages]
+        _refuse(f"`messages` must hold exactly one user message (no system prompt, no earlier turns: the "
+                   f"model has no chat template for them), got roles {roles}", "messages", "unsupported_value")
+    content = messages[0].get("content")
+    if isinstance(content, str):
+        return content, None
+    if not isinstance(content, list) or not content:
+        _refuse("`messages[0].content` must be a string or a non-empty list of parts", "messages[0].content")
+    texts: list[str] = []
+    image: Image.Image | None = None
+    for i, part in enumerate(content):
+        where = f"messages[0].content[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                _refuse(f"`{where}.text` must be a string", f"{where}.text")
+            texts.append(part["text"])
+        elif kind == "image_url":
+            if image is not None:
+                _refuse(f"`{where}`: at most one image per request", where, "unsupported_value")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                _refuse(f"`{where}.image_url.url` is required: a data: URI of the image", f"{where}.image_url")
+            image = load_image(url, limits, f"{where}.image_url.url")
+        else:
+            _refuse(f"`{where}.type` must be 'text' or 'image_url', got {kind!r}", f"{where}.type")
+    return "\n".join(texts), image
+
+
+def load_image(url: str, limits: Limits, where: str) -> Image.Image:
+    """The RGB image of a ``data:`` URI (or of a file under ``limits.local_images``)."""
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            _refuse(f"`{where}`: a data: URI must be base64 ('data:image/png;base64,...')", where)
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            _refuse(f"`{where}`: the data: URI is not valid base64", where, "invalid_image")
+        return decode_image(data, limits.max_image_pixels, where)
+    if limits.local_images is None:
+        _refuse(f"`{where}`: only data: URIs are accepted (the server was not started with --local-images)",
+                   where, "unsupported_value")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("", "file"):
+        _refuse(f"`{where}`: {parsed.scheme}: URLs are not fetched; send a data: URI or a file path", where,
+                   "unsupported_value")
+    root = Path(limits.local_images).resolve()
+    path = Path(unquote(parsed.path) if parsed.scheme == "file" else url).expanduser()
+    path = (path if path.is_absolute() else root / path).resolve()
+    if not path.is_relative_to(root):
+        _refuse(f"`{where}`: {str(path)!r} is outside the --local-images directory", where, "unsupported_value")
+    if not path.is_file():
+        _refuse(f"`{where}`: no such image file {str(path)!r}", where, "invalid_image")
+    return decode_image(path.read_bytes(), limits.max_image_pixels, where)
+
+
+def decode_image(data: bytes, max_pixels: int, where: str) -> Image.Image:
+    """Decode to RGB, refusing an image whose header declares more than ``max_pixels`` before any pixel is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+                if width * height > max_pixels:
+                    msg = (f"`{where}`: the image declares {width} x {height} = {width * height:,} pixels, more than "
+                           f"the server's limit of {max_pixels:,} pixels")
+                    _refuse(msg, where, "image_too_large")
+                return img.convert("RGB")
+    except RequestError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        _refuse(f"`{where}`: the image declares more pixels than the server's limit of {max_pixels:,} pixels "
+                f"(the decoder refuses it: {exc})", where, "image_too_large")
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _refuse(f"`{where}`: not a decodable image ({reason})", where, "invalid_image")

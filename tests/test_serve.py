@@ -1,0 +1,544 @@
+"""``ctrl serve`` through real clients: the ``openai`` package and raw HTTP against a server
+started in a subprocess on a free loopback port, plus the engine's budget accounting in-process.
+
+The servers serve the embedded model with controllers trained here on a synthetic workspace:
+an offline run (server A) and an online controller file (server B, which also has an API key
+and no queue, so a second concurrent request is refused).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import build_feature_workspace
+from synthetic import SyntheticSpec
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_BODY_BYTES = 300_000
+STARTUP_S = 180.0
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serve_ws(tmp_path_factory, embedded_runtime):
+    """A synthetic workspace with an offline run and an online controller file continued from it."""
+    from online.config import OnlineTrainConfig
+    from online.data import load_online_samples
+    from online.train import build_controller
+    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+
+    root = tmp_path_factory.mktemp("serve")
+    tree, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
+    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
+                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    samples = load_online_samples(ws, embedded_runtime.fingerprint, None)
+    config = OnlineTrainConfig(workspace=ws.root, from_run="offline-run", budget_min_ms=30.0, budget_max_ms=300.0)
+    controller, _, _ = build_controller(config, ws, embedded_runtime, samples, (30.0, 300.0))
+    online_file = root / "online-controller.pt"
+    controller.save(online_file)
+    return tree, ws, online_file
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(ws_root: Path, log_path: Path, *extra: str) -> Server:
+    port = free_port()
+    args = [sys.executable, "-m", "cli", "serve", "--model", "embedded", "-w", str(ws_root), "--port", str(port),
+            "--threads", "1", "--no-warmup", "--max-body-bytes", str(MAX_BODY_BYTES), *extra]
+    with log_path.open("wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    server = Server(process, port, log_path)
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"ctrl serve exited with {process.returncode}:\n{server.log()}")
+        try:
+            status, _ = request(server, "GET", "/health")
+            if status == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail(f"ctrl serve did not answer /health within {STARTUP_S} s:\n{server.log()}")
+
+
+def stop_server(server: Server) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            return server.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+    return server.process.returncode
+
+
+@pytest.fixture(scope="module")
+def server_a(serve_ws, tmp_path_factory):
+    """The offline run, data: URIs only, the default queue."""
+    _, ws, _ = serve_ws
+    server = start_server(ws.root, tmp_path_factory.mktemp("server-a") / "log.txt", "--controller", "offline-run")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def server_b(serve_ws, tmp_path_factory):
+    """The online controller file, an API key, no waiting room."""
+    _, ws, online_file = serve_ws
+    server = start_server(ws.root, tmp_path_factory.mktemp("server-b") / "log.txt", "--controller", str(online_file),
+                          "--api-key", "secret-key", "--max-queue", "0", "--served-model-name", "molmoe-test")
+    yield server
+    stop_server(server)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def request(server: Server, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+    """Raw HTTP (http.client): status and the decoded JSON body (or {'text': ...})."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        raw = response.read()
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            decoded = {"text": raw.decode(errors="replace")}
+        return response.status, {**decoded, "_headers": {k.lower(): v for k, v in response.getheaders()}}
+    finally:
+        conn.close()
+
+
+def chat_body(content, model: str = "embedded", **fields) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], **fields}).encode()
+
+
+def png_data_uri(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def sample_image(tree) -> Path:
+    return sorted(Path(tree.images_dir).rglob("*.*"))[0]
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares width x height pixels (the data would decompress to gigabytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * (width + 1) * 64, 9)  # the first rows only; decoding would need them all
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+
+
+def assert_serving(server: Server) -> None:
+    """A good request still gets its answer (after a refused one)."""
+    status, body = request(server, "POST", "/v1/chat/completions", chat_body("What is shown?", max_tokens=2))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+
+def one_line_error(body: dict) -> str:
+    message = body["error"]["message"]
+    assert message and "\n" not in message and "Traceback" not in message
+    return message
+
+
+# -- through the openai client -------------------------------------------------------------------
+
+def test_openai_client_text_request_gets_an_answer_with_the_knobs_and_latencies(server_a):
+    client = openai.OpenAI(base_url=server_a.base_url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": "How many?"}],
+                                           max_tokens=3)
+    assert reply.object == "chat.completion" and reply.model == "embedded"
+    assert isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= reply.usage.completion_tokens <= 3
+    extra = reply.model_extra["ctrl"]
+    assert set(extra["knobs"]) == {"max_crops", "top_k", "num_active_blocks", "insertion_position"}
+    assert extra["knobs"]["insertion_position"] == 0  # an offline controller decides before block 0
+    assert extra["budget_source"] == "default" and extra["budget_ms"] > 0
+    latency = extra["latency_ms"]
+    assert latency["vision"] is None  # no image, no vision pass
+    assert latency["total"] >= latency["stage1"] + latency["prefill"] + latency["decode"] > 0
+    assert extra["met"] == (latency["total"] <= extra["budget_ms"])
+
+
+def test_openai_client_image_request_with_a_budget(server_a, serve_ws):
+    tree, _, _ = serve_ws
+    client = openai.OpenAI(base_url=server_a.base_url + "/v1", api_key="unused")
+    image = Image.open(sample_image(tree))
+    reply = client.chat.completions.create(
+        model="embedded", max_tokens=2, extra_body={"latency_budget_ms": 5000},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"},
+                                               {"type": "image_url", "image_url": {"url": png_data_uri(image)}}]}])
+    extra = reply.model_extra["ctrl"]
+    assert extra["budget_ms"] == 5000 and extra["budget_source"] == "request"
+    assert extra["latency_ms"]["vision"] > 0
+    assert extra["knobs"]["max_crops"] in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+    assert extra["decided_by"] in ("controller", "table")
+
+
+def test_fixed_knobs_are_applied_on_the_execution_path(server_a, serve_ws, embedded_runtime):
+    """A request that fixes its knobs gets exactly the answer the model gives with them in-process."""
+    tree, _, _ = serve_ws
+    image = Image.open(sample_image(tree)).convert("RGB")
+    question = "What color is the shape?"
+    content = [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": png_data_uri(image)}}]
+    for knobs in ({"max_crops": 1, "top_k": 1, "num_active_blocks": 2},
+                  {"max_crops": 4, "top_k": embedded_runtime.default_top_k,
+                   "num_active_blocks": embedded_runtime.num_layers}):
+        status, body = request(server_a, "POST", "/v1/chat/completions",
+                               chat_body(content, max_tokens=6, knobs=knobs))
+        assert status == 200, body
+        assert {k: body["ctrl"]["knobs"][k] for k in knobs} == knobs and body["ctrl"]["decided_by"] == "request"
+        inputs = embedded_runtime.preprocess(Image.open(io.BytesIO(base64.b64decode(
+            png_data_uri(image).split(",", 1)[1]))), question, knobs["max_crops"])
+        with embedded_runtime.knobs(top_k=knobs["top_k"], num_active_blocks=knobs["num_active_blocks"]):
+            expected = embedded_runtime.generate(inputs, max_new_tokens=6).text
+        assert body["choices"][0]["message"]["content"] == expected
+
+
+def test_health_models_and_metrics(server_a):
+    status, health = request(server_a, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["model"] == "embedded"
+    status, models = request(server_a, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["embedded"]
+    assert_serving(server_a)
+    status, metrics = request(server_a, "GET", "/metrics")
+    text = metrics["text"]
+    assert status == 200
+    ok = next(float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith('ctrl_requests_total{status="ok"}'))
+    assert ok >= 1
+    assert 'ctrl_decisions_total{knob="max_crops"' in text
+    assert 'ctrl_stage_latency_seconds_bucket{le="0.001",stage="stage1"}' in text
+    assert "ctrl_queue_length" in text and "ctrl_budget_total" in text
+
+
+# -- bad requests over raw HTTP -----------------------------------------------------------------
+
+BAD_CASES = {
+    "malformed JSON": (b'{"model": "embedded", "messages": [', 400, "not valid JSON"),
+    "image referenced without a url": (chat_body([{"type": "text", "text": "What?"}, {"type": "image_url"}]), 400,
+                                       "image_url.url` is required"),
+    "undecodable image": (chat_body([{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(b"not an image at all" * 10).decode()}}]), 400,
+        "not a decodable image"),
+    "image over the pixel limit": (chat_body([{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(bomb_png(6000, 6000)).decode()}}]), 400,
+        "declares 6000 x 6000 = 36,000,000 pixels, more than the server's limit of 25,000,000 pixels"),
+    "decompression bomb": (chat_body([{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(bomb_png(40000, 40000)).decode()}}]), 400,
+        "more pixels than the server's limit of 25,000,000 pixels"),
+    "body over the limit": (chat_body("x" * (MAX_BODY_BYTES + 10)), 413, "larger than the server's limit"),
+    "negative budget": (chat_body("What?", latency_budget_ms=-5), 400, "latency_budget_ms` must be a positive"),
+    "NaN budget": (b'{"model": "embedded", "messages": [{"role": "user", "content": "What?"}], '
+                   b'"latency_budget_ms": NaN}', 400, "got nan"),
+    "non-numeric budget": (chat_body("What?", latency_budget_ms="fast"), 400, "got 'fast'"),
+    "unknown model": (chat_body("What?", model="gpt-4o"), 404, "'gpt-4o' is not served here"),
+    "sampling": (chat_body("What?", temperature=0.7), 400, "`temperature` must be 0 or absent"),
+    "remote image url": (chat_body([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), 400,
+                         "only data: URIs are accepted"),
+    "system prompt": (json.dumps({"model": "embedded", "messages": [{"role": "system", "content": "Be brief."},
+                                                                    {"role": "user", "content": "What?"}]}).encode(),
+                      400, "exactly one user message"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_requests_get_one_clear_4xx_and_the_server_keeps_serving(server_a, case):
+    body, want_status, want_text = BAD_CASES[case]
+    status, reply = request(server_a, "POST", "/v1/chat/completions", body)
+    assert status == want_status, reply
+    assert want_text in one_line_error(reply)
+    assert_serving(server_a)
+
+
+def test_a_non_loopback_bind_needs_an_explicit_option(serve_ws):
+    _, ws, _ = serve_ws
+    done = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", "embedded", "-w", str(ws.root),
+                           "--host", "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "--host '0.0.0.0' is not a loopback address" in done.stderr and "--allow-remote" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- the request log and its view -------------------------------------------------------------
+
+def test_every_request_is_in_the_requests_view(server_a, serve_ws):
+    from pipeline.catalog import run_query
+    from pipeline.workspace import Workspace
+
+    _, ws, _ = serve_ws
+    before = _ok_count(ws)
+    for budget in (50, 5000):
+        status, _ = request(server_a, "POST", "/v1/chat/completions",
+                            chat_body("Which shape?", max_tokens=2, latency_budget_ms=budget))
+        assert status == 200
+    assert _ok_count(ws) == before + 2
+    rows = run_query(Workspace(ws.root), "SELECT budget_ms, met, latency_total_ms, controller_run, model_fingerprint, "
+                                         "answer, waited_ms FROM requests WHERE status = 'ok' "
+                                         "ORDER BY time DESC LIMIT 2").to_pylist()
+    assert sorted(r["budget_ms"] for r in rows) == [50.0, 5000.0]
+    assert all(r["controller_run"] == "offline-run" and r["answer"] is not None for r in rows)
+    assert all(r["met"] == (r["latency_total_ms"] <= r["budget_ms"]) for r in rows)
+    by_budget = run_query(Workspace(ws.root), "SELECT budget_ms, avg(met::INT) AS met FROM requests "
+                                              "WHERE time > now() - INTERVAL 1 HOUR GROUP BY 1 ORDER BY 1")
+    assert by_budget.num_rows >= 2
+
+
+def _ok_count(ws) -> int:
+    lines = [json.loads(line) for path in (ws.root / "requests").glob("*.jsonl")
+             for line in path.read_text().splitlines()]
+    return sum(1 for r in lines if r["status"] == "ok")
+
+
+def test_sigkill_loses_no_recorded_request_and_leaves_no_half_line(serve_ws, tmp_path):
+    """Kill -9 under load: every answered request is in the log, and every line is whole JSON."""
+    _, ws, _ = serve_ws
+    server = start_server(ws.root, tmp_path / "log.txt", "--controller", "offline-run", "--max-queue", "4")
+    answered: list[str] = []
+
+    def client() -> None:
+        for _ in range(50):
+            try:
+                status, body = request(server, "POST", "/v1/chat/completions", chat_body("Count?", max_tokens=2),
+                                       timeout=30)
+            except OSError:
+                return
+            if status == 200:
+                answered.append(body["id"])
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(answered) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    for t in threads:
+        t.join()
+    logged = {}
+    log_files = sorted((ws.root / "requests").glob(f"*-{server.process.pid}.jsonl"))
+    assert len(log_files) == 1
+    raw = log_files[0].read_bytes()
+    assert raw.endswith(b"\n")
+    for line in raw.decode().splitlines():
+        record = json.loads(line)  # every line is whole
+        logged[record["request_id"]] = record
+    assert len(answered) >= 5 and set(answered) <= set(logged)
+
+
+# -- load: queue, disconnects, draining --------------------------------------------------------
+
+def long_request_body(model: str, max_tokens: int = 200) -> bytes:
+    """A request that keeps the model busy for a while: the largest knobs, a large image, many tokens."""
+    knobs = {"max_crops": 12, "top_k": 8, "num_active_blocks": 16}
+    image = Image.new("RGB", (900, 700), (10, 200, 30))
+    return chat_body([{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {
+        "url": png_data_uri(image)}}], model=model, max_tokens=max_tokens, knobs=knobs)
+
+
+AUTH = {"Authorization": "Bearer secret-key"}
+
+
+def test_api_key_is_required_except_for_health(server_b):
+    status, reply = request(server_b, "GET", "/v1/models")
+    assert status == 401 and "API key" in one_line_error(reply)
+    status, reply = request(server_b, "POST", "/v1/chat/completions", chat_body("What?", model="molmoe-test"),
+                            {"Authorization": "Bearer wrong"})
+    assert status == 401
+    assert request(server_b, "GET", "/health")[0] == 200
+    client = openai.OpenAI(base_url=server_b.base_url + "/v1", api_key="secret-key")
+    reply = client.chat.completions.create(model="molmoe-test", messages=[{"role": "user", "content": "What?"}],
+                                           max_tokens=2, extra_body={"latency_budget_ms": 200})
+    extra = reply.model_extra["ctrl"]
+    assert extra["knobs"]["insertion_position"] >= 1  # the online controller's stage 2 runs inside the prefill
+    assert extra["controller_run"] == "online-controller.pt"
+
+
+def test_a_full_queue_answers_503_with_retry_after(server_b):
+    results: list[tuple[int, dict]] = []
+    first = threading.Thread(target=lambda: results.append(request(
+        server_b, "POST", "/v1/chat/completions", long_request_body("molmoe-test"), AUTH)))
+    first.start()
+    deadline = time.monotonic() + 30
+    while request(server_b, "GET", "/health")[1]["queue_length"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, reply = request(server_b, "POST", "/v1/chat/completions", chat_body("What?", model="molmoe-test"), AUTH)
+    first.join()
+    assert status == 503 and int(reply["_headers"]["retry-after"]) >= 1
+    assert "queue full" in one_line_error(reply)
+    assert results[0][0] == 200
+    status, _ = request(server_b, "POST", "/v1/chat/completions", chat_body("What?", model="molmoe-test"), AUTH)
+    assert status == 200
+
+
+def test_a_client_that_disconnects_stops_its_work(server_b, serve_ws):
+    _, ws, _ = serve_ws
+    body = long_request_body("molmoe-test")
+    sock = socket.create_connection(("127.0.0.1", server_b.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer secret-key\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while request(server_b, "GET", "/health")[1]["queue_length"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + 30
+    while request(server_b, "GET", "/health")[1]["queue_length"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    records = [json.loads(line) for path in (ws.root / "requests").glob(f"*-{server_b.process.pid}.jsonl")
+               for line in path.read_text().splitlines()]
+    cancelled = [r for r in records if r["status"] == "cancelled"]
+    assert cancelled and cancelled[-1]["answer"] is None
+    status, _ = request(server_b, "POST", "/v1/chat/completions", chat_body("What?", model="molmoe-test"), AUTH)
+    assert status == 200
+
+
+def test_sigterm_drains_the_request_in_flight_and_exits_0(serve_ws, tmp_path):
+    _, ws, _ = serve_ws
+    server = start_server(ws.root, tmp_path / "log.txt", "--controller", "offline-run")
+    results: list[tuple[int, dict]] = []
+    body = long_request_body("embedded", max_tokens=100)
+    worker = threading.Thread(target=lambda: results.append(request(server, "POST", "/v1/chat/completions", body)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while request(server, "GET", "/health")[1]["queue_length"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.process.send_signal(signal.SIGTERM)
+    worker.join()
+    assert server.process.wait(timeout=60) == 0, server.log()
+    assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] >= 1
+
+
+# -- the engine in-process ------------------------------------------------------------------------
+
+class RecordingDecider:
+    """Fixed knobs; remembers the budget each stage was given."""
+
+    phase, controller_run = "offline", "recording"
+    max_crops_values = (1, 2)
+    budget_range_ms = (10.0, 1000.0)
+
+    def __init__(self) -> None:
+        self.budgets: list[float] = []
+
+    def stage1(self, lang, tiling_crops, budget_ms):
+        from serve.deciders import Stage1Choice
+
+        self.budgets.append(budget_ms)
+        self.tiling = tiling_crops
+        return Stage1Choice(2, 0, None, "controller")
+
+    def stage2(self, choice, inputs):
+        self.image_feature = inputs.image_feature
+        return 2, 3
+
+
+def test_stage_1_reads_the_budget_less_the_time_already_waited(embedded_runtime, tmp_path):
+    from pipeline.workspace import Workspace
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider()
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=1, default_budget_ms=None,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")))
+    assert engine.default_budget_ms == 1000.0  # the top of the controller's range
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+    request_ = ChatRequest("embedded", "What color?", image, 2, 900.0)
+    arrived = time.perf_counter() - 0.25  # the request arrived 250 ms ago
+    job = new_job(request_, engine, arrived, datetime.now(UTC), 0.0)
+    result = engine.execute(job)
+    engine.stop()
+    assert 900.0 - 250.0 - 50.0 < decider.budgets[0] <= 900.0 - 250.0
+    # the tiling of a 2:1 image at max_crops 1 and 2, from its size alone
+    assert decider.tiling.tolist() == [float(r * c) for r, c in (embedded_runtime.tiling(640, 320, 1),
+                                                                 embedded_runtime.tiling(640, 320, 2))]
+    assert decider.image_feature is not None and torch.isfinite(decider.image_feature).all()
+    row = result.record
+    assert (row["max_crops"], row["top_k"], row["num_active_blocks"]) == (2, 2, 3)
+    assert row["latency_total_ms"] >= 250.0 and row["waited_ms"] >= 250.0
+    assert row["met"] == (row["latency_total_ms"] <= 900.0)
+
+
+# -- options: written once --------------------------------------------------------------------
+
+def test_cli_options_and_docs_take_default_and_help_from_the_config():
+    from dataclasses import MISSING, fields
+
+    import typer.main
+
+    from cli import app
+    from serve.config import ServeConfig, options_markdown
+
+    command = typer.main.get_command(app).commands["serve"]
+    params = {p.name: p for p in command.params}
+    shared = {"workspace", "dtype"}  # one option of every command (cli.py), not of this one alone
+    for f in fields(ServeConfig):
+        param = params[f.name]
+        assert f.name in shared or param.help == f.metadata["help"], f.name
+        if f.name == "dtype":
+            assert param.default.value == f.default
+        elif f.default is not MISSING:
+            assert param.default == f.default, f.name
+    assert options_markdown() in (ROOT / "docs" / "serving.md").read_text()
+
+
+def test_config_refuses_bad_values_with_one_line():
+    from serve.config import ServeConfig
+
+    for kwargs, text in (({"host": "10.1.2.3"}, "not a loopback address"), ({"port": 70000}, "--port must be"),
+                         ({"max_queue": -1}, "--max-queue must be"), ({"default_budget_ms": float("nan")},
+                                                                        "--default-budget-ms must be"),
+                         ({"api_key": " "}, "--api-key must not be empty")):
+        with pytest.raises(ValueError, match=text):
+            ServeConfig(**kwargs)
+    assert ServeConfig(host="::1").host == "::1" and ServeConfig(host="10.1.2.3", allow_remote=True)
