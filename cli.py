@@ -602,12 +602,18 @@ def export(
     with handled():
         report = export_controller(workspace, run, out_path, compiled=compiled, device=device)
     tiling = f", tiling_crops [B, {len(report.max_crops_values)}]" if report.uses_tilings else ""
-    loader = "torch._inductor.aoti_load_package(FILE)" if report.compiled else "torch.jit.load(FILE).decide"
+    lang, image = f"lang [B, {report.lang_feature_dim}]", f"image [B, {report.image_feature_dim}]"
     _print(f"{report.path} ({report.size_bytes / 1024:.0f} KiB) from {report.checkpoint}")
-    _print(f"call: {loader}(lang [B, {report.lang_feature_dim}], "
-           f"image [B, {report.image_feature_dim}], image_present [B] bool, budget_ms [B]{tiling}) "
-           f"-> (max_crops, top_k, num_active_blocks), int64 [B] each; max_crops in {list(report.max_crops_values)}, "
-           f"features of model {report.model_fingerprint[:16]}")
+    if report.compiled:
+        _print(f"call: torch._inductor.aoti_load_package(FILE)({lang}, {image}, image_present [B] bool, budget_ms [B]"
+               f"{tiling}) -> (max_crops, top_k, num_active_blocks), int64 [B] each")
+    else:
+        _print(f"stage 1, before the vision tower: torch.jit.load(FILE).stage1({lang}, budget_ms [B]{tiling}) "
+               f"-> max_crops [B] int64, in {list(report.max_crops_values)}")
+        _print(f"stage 2, after it: .stage2({lang}, {image} (the global crop's feature), image_present [B] bool, "
+               f"budget_ms [B], max_crops [B]{tiling}) -> (top_k, num_active_blocks), int64 [B] each; "
+               f"or .decide(...) for both")
+    _print(f"features of model {report.model_fingerprint[:16]}")
 
 
 # -- serving -----------------------------------------------------------------------------------

@@ -211,6 +211,10 @@ def _from_file(path: Path, model_fingerprint: str) -> OfflineDecider | OnlineDec
         if "two_stage" in payload:
             return OnlineDecider(TwoStageController.load(path, model_fingerprint), path.name)
         return _offline(path, model_fingerprint, path.name)
+    if path.suffix == ".pt2":
+        msg = (f"{path}: a compiled package (`ctrl export --compiled`) decides both stages in one call\n"
+               "Hint: serve the TorchScript file of `ctrl export RUN --out FILE.pt`, or the run itself.")
+        raise CtrlError(msg)
     try:
         deployed = load_deployed(path)
     except Exception as exc:  # torch.jit raises many types for a foreign file: one line here

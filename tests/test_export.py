@@ -265,7 +265,7 @@ def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, t
     """The TorchScript file and the compiled package, loaded where no project code can be imported."""
     ws, best, _ = trained
     out, compiled = tmp_path / "controller.pt", tmp_path / "controller.pt2"
-    for path, extra, loader in ((out, [], "torch.jit.load(FILE).decide("),
+    for path, extra, loader in ((out, [], "torch.jit.load(FILE).stage1("),
                                 (compiled, ["--compiled"], "torch._inductor.aoti_load_package(FILE)(")):
         exported = runner.invoke(app, ["export", "latest", "-w", str(ws.root), "--out", str(path), *extra])
         assert exported.exit_code == 0, exported.output
