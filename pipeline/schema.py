@@ -443,6 +443,10 @@ REQUESTS = TableSchema(
         Column("queue_length", _L, "requests waiting or running when it arrived"),
         Column("waited_ms", _D, "arrival to stage 1 (parsing, image decoding, queue): what stage 1 subtracts "
                                 "from the budget", "ms"),
+        Column("reserve_ms", _D, "reserve for the work after stage 1 outside the model's profiled path "
+                                 "(preprocessing, stage 2, detokenisation): p90 of recent requests", "ms"),
+        Column("budget_left_ms", _D, "the budget both stages read: budget_ms less the time spent before stage 1 "
+                                     "and the reserve", "ms"),
         Column("decided_by", _S, "controller | table (the run's table fallback) | request (fixed knobs)"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),

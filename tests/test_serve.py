@@ -482,6 +482,11 @@ class RecordingDecider:
         return 2, 3
 
 
+def decider_spent(row: dict) -> float:
+    """Time before the stage-1 decision: arrival to stage 1, plus stage 1 (its decision is instant here)."""
+    return row["waited_ms"] + row["latency_stage1_ms"]
+
+
 def test_stage_1_reads_the_budget_less_the_time_already_waited(embedded_runtime, tmp_path):
     from pipeline.workspace import Workspace
     from serve.engine import Engine, new_job
@@ -497,8 +502,15 @@ def test_stage_1_reads_the_budget_less_the_time_already_waited(embedded_runtime,
     arrived = time.perf_counter() - 0.25  # the request arrived 250 ms ago
     job = new_job(request_, engine, arrived, datetime.now(UTC), 0.0)
     result = engine.execute(job)
+    assert 900.0 - 250.0 - 50.0 < decider.budgets[0] <= 900.0 - 250.0  # nothing reserved before the first request
+    # the work after stage 1 outside vision, prefill and decode is reserved from the next budget
+    reserve = result.record["latency_total_ms"] - result.record["latency_vision_ms"] - \
+        result.record["latency_prefill_ms"] - result.record["latency_decode_ms"] - decider_spent(result.record)
+    assert reserve > 0 and engine.overhead_reserve_ms() == pytest.approx(reserve, abs=2.0)
+    second = engine.execute(new_job(request_, engine, time.perf_counter(), datetime.now(UTC), 0.0))
+    assert decider.budgets[1] == pytest.approx(900.0 - second.record["reserve_ms"], abs=25.0)
+    assert second.record["budget_left_ms"] == decider.budgets[1]
     engine.stop()
-    assert 900.0 - 250.0 - 50.0 < decider.budgets[0] <= 900.0 - 250.0
     # the tiling of a 2:1 image at max_crops 1 and 2, from its size alone
     assert decider.tiling.tolist() == [float(r * c) for r, c in (embedded_runtime.tiling(640, 320, 1),
                                                                  embedded_runtime.tiling(640, 320, 2))]
