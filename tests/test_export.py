@@ -156,6 +156,7 @@ def test_the_exported_files_two_stages_are_the_sequential_decision_and_the_evalu
                 crops_lp = policy.crops_log_probs(lang, budget, tiling_crops=tilings)
                 crops = exported.stage1(lang, b, tilings)
             assert crops.dtype == torch.int64 and crops.shape == (n,)
+            assert torch.equal(exported.network_decides(b), use)
             assert torch.equal(crops, torch.where(use, values[crops_lp.argmax(-1)], table_action[:, 0])), budget
             for column, value in enumerate(values.tolist()):
                 expected = actions[_expected_network(policy, image, present, lang, budget, tilings,
@@ -540,6 +541,19 @@ def test_the_decision_stays_inside_a_masked_action_space(tmp_path):
     data = _hand_set_data(policy, mask)
     chosen = [actions[int(i)] for i in PolicyDecider(policy).decide(data, 200.0)]
     assert chosen == [(6, 4, 14), (2, 4, 14), (10, 12, 14), (6, 12, 16)]
+
+
+def test_the_evaluations_decision_refuses_data_of_another_image_feature():
+    from dataclasses import replace
+
+    from pipeline import CacheMismatchError
+    from trainer.fallback import PolicyDecider
+
+    policy = _hand_set_policy(FULL_PRODUCT)
+    data = replace(_hand_set_data(policy, torch.ones(2, len(FULL_PRODUCT), dtype=torch.bool)), image_feature="feature")
+    with pytest.raises(CacheMismatchError, match=r"^controller: trained on the image feature 'global_feature', "
+                                                 r"but the data holds 'feature'"):
+        PolicyDecider(policy).decide(data, 200.0)
 
 
 @pytest.mark.parametrize("max_crops", [5, 0, 11, -3])

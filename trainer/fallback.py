@@ -52,6 +52,7 @@ from trainer.policy import (
     _aligned,
     _aligned_tilings,
     check_fingerprint,
+    check_image_feature,
     data_log_probs,
     read_checkpoint,
 )
@@ -192,8 +193,10 @@ class PolicyDecider:
         return torch.where(use, chosen, self._table.decide(data, budget))
 
     def _check_model(self, data: OfflineData) -> None:
+        """The data's features are those the policy was trained on: the same model and image feature."""
         if self.policy.model_fingerprint is not None:
             check_fingerprint(self.policy, data.model_fingerprint, "controller")
+        check_image_feature(self.policy, data, "controller")
 
     @contextmanager
     def _evaluating(self) -> Iterator[None]:

@@ -9,8 +9,8 @@ runs after the vision pass at the crops stage 1 chose. So the greedy decision is
 2. among the allowed actions with those crops, the argmax of
    log p2(top_k | x, crops) + log p3(blocks | x, crops).
 
-It can differ from the joint argmax where stage 1's favourite crops value has no single
-stage-2 configuration as likely as another crops value's best one.
+It differs from the joint mode where a crops value that stage 1 finds less likely has a
+stage-2 configuration so much more likely that its product p1 p2 p3 is the larger.
 
 Ties go to the first maximum (``torch.argmax``): the fewest crops, then, among the actions of
 those crops (sorted, :class:`trainer.data.ActionSpace`), the smallest top_k and then the fewest

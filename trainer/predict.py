@@ -5,7 +5,8 @@ fingerprint is stored in the checkpoint and compared with the workspace's cached
 Decisions range over the policy's whole action space (the configurations of its training
 data), not only over what this workspace happens to have recorded: that is the decision the
 deployed controller would make. The decisions come from :class:`trainer.deploy.DeployedController`,
-the module ``ctrl export`` writes, with each image's tiling from ``image_tilings``.
+the module ``ctrl export`` writes, with each image's tiling from ``image_tilings``: its ``decide``,
+stage 1 and then stage 2 at the chosen crops (:mod:`trainer.greedy`), as a server calls it.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     ``run_or_checkpoint``: a run id of ``workspace``, a run directory (its best checkpoint) or a
     checkpoint file. Returns (and writes to ``out``, .parquet or .csv, unless None) a frame with
     ``PREDICTION_COLUMNS``, sorted by dataset, sample_key, budget_ms; ``source`` is
-    ``"controller"`` (the network decided; ``probability`` = pi(decision | sample, budget), in
-    (0, 1]) or ``"table"`` (the checkpoint's table fallback answers at this budget,
-    ``trainer.fallback``; ``probability`` = 1: the decision is deterministic).
+    ``"controller"`` (the network decided; ``probability`` = pi(decision | sample, budget) under the
+    joint policy, in (0, 1]; the sequential decision need not be pi's mode) or ``"table"`` (the
+    checkpoint's table fallback answers at this budget, ``trainer.fallback``; ``probability`` = 1:
+    the decision is deterministic).
 
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
