@@ -7,11 +7,14 @@ The paths below decide the same inputs (a policy with the default architecture a
 weights standing in for trained ones, and a table fallback that leaves every budget to the
 network, so that the network always runs — the slow case):
 
-* ``training-time``: what a decision cost before the export — the policy's ``log_probs`` over
-  the whole action space, ``argmax``, and the fallback's nearest-grid lookup;
+* ``training-time``: what a decision costs without the export — the policy's two stages over the
+  whole action space with the greedy rule of :mod:`trainer.greedy`, and the fallback's
+  nearest-grid lookup;
 * ``deployed (eager)``: :class:`trainer.deploy.DeployedController` called from Python, the
   module ``ctrl predict`` runs;
-* ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``;
+* ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``, its ``decide``;
+  ``exported, stage1 + stage2``: the same file called as a server calls it, ``stage1`` and then
+  ``stage2`` at its crops (stage 2 computes the language and budget features again);
 * ``compiled``: the package ``ctrl export --compiled`` writes (AOTInductor), loaded with
   ``torch._inductor.aoti_load_package`` and called as a function; ``compiled, boxed_run``: the same
   package through ``.loader.boxed_run([...])``, which skips the wrapper's per-call argument
@@ -80,11 +83,10 @@ def build(lang_dim: int, image_dim: int, hidden_dim: int = 128):
 
 
 def multiply_adds(deployed) -> int:
-    """Multiply-adds of one decision's matrix products (the stage-2 heads run once per crops value)."""
-    once = ("lang_w", "image_w", "b1_w", "b2_w", "fuse_w", "crops1_w", "crops2_w", "context_w")
-    per_crops = ("heads1_w", "heads2_w")
-    return (sum(getattr(deployed, name).numel() for name in once)
-            + deployed.num_crops_values * sum(getattr(deployed, name).numel() for name in per_crops))
+    """Multiply-adds of one decision's matrix products (stage 2 runs at the chosen crops only)."""
+    names = ("lang_w", "image_w", "b1_w", "b2_w", "fuse_w", "crops1_w", "crops2_w", "context_w", "heads1_w",
+             "heads2_w")
+    return sum(getattr(deployed, name).numel() for name in names)
 
 
 def matmul_rate(repeats: int = 30) -> float:
@@ -119,6 +121,7 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidde
     import torch
 
     from trainer.deploy import load_compiled, load_deployed, save_compiled, save_deployed
+    from trainer.greedy import policy_greedy
 
     rows = ["| features | path | batch 1 median µs | p95 µs | p99 µs | batch 1,000 median ms | p95 ms | p99 ms |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -133,7 +136,12 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidde
         paths = []
         with tempfile.TemporaryDirectory() as tmp:
             exported = load_deployed(save_deployed(deployed, Path(tmp) / "controller.pt"))
-            paths += [("exported", exported)]
+
+            def two_calls(lang, image, present, budget, tiling):
+                crops = exported.stage1(lang, budget, tiling)
+                return crops, *exported.stage2(lang, image, present, budget, crops, tiling)
+
+            paths += [("exported", exported.decide), ("exported, stage1 + stage2", two_calls)]
             if compiled:
                 package = load_compiled(save_compiled(deployed, Path(tmp) / "controller.pt2"))
                 run = package.loader.boxed_run
@@ -145,7 +153,7 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidde
 
         def training_time(lang, image, present, budget, tiling):
             fallback.controller_at(budget)
-            return policy.log_probs(image, present, lang, budget, None, tiling_crops=tiling).argmax(-1)
+            return policy_greedy(policy, image, present, lang, budget, tiling_crops=tiling)
 
         g = torch.Generator().manual_seed(1)
         n = len(data)
