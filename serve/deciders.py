@@ -90,10 +90,7 @@ class OfflineDecider:
         self.image_dim = int(deployed.image_dim)
 
     def _decided_by(self, budget: torch.Tensor) -> str:
-        use_network = getattr(self.deployed, "_use_network", None)
-        if use_network is None:  # a TorchScript file does not expose it
-            return "controller"
-        return "controller" if bool(use_network(budget)[0]) else "table"
+        return "controller" if bool(self.deployed.network_decides(budget)[0]) else "table"
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         budget = torch.tensor([float(budget_ms)])
