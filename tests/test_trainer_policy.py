@@ -211,9 +211,11 @@ def test_the_checkpoint_records_the_image_feature_and_data_of_another_is_refused
     assert payload["image_feature"] == payload["config"]["image_feature"] == "global_feature"
     assert ControllerPolicy.load(path).config.image_feature == "global_feature"
     reference = replace(data, image_feature="feature")  # the all-crops feature, loaded for a comparison
-    with pytest.raises(CacheMismatchError, match=r"^policy: trained on the image feature 'global_feature', but the "
-                                                 r"data holds 'feature'\nHint: "):
-        data_log_probs(policy, reference, 200.0)
+    for decide in (lambda: data_log_probs(policy, reference, 200.0),
+                   lambda: PolicyDecider(policy).decide(reference, 200.0)):
+        with pytest.raises(CacheMismatchError, match=r"^(policy|controller): trained on the image feature "
+                                                     r"'global_feature', but the data holds 'feature'\nHint: "):
+            decide()
     with pytest.raises(ValueError, match="`image_feature` must be one of"):
         replace(policy.config, image_feature="crops")
     with pytest.raises(ValueError, match="`image_feature` must be one of"):

@@ -449,6 +449,15 @@ def check_fingerprint(policy: ControllerPolicy, model_fingerprint: str, where: s
         raise CacheMismatchError(msg)
 
 
+def check_image_feature(policy: ControllerPolicy, data: OfflineData, where: str | Path = "policy") -> None:
+    """Raise :class:`CacheMismatchError` when ``data`` holds another image feature than the policy read in training."""
+    if policy.config.image_feature != data.image_feature:
+        msg = (f"{where}: trained on the image feature {policy.config.image_feature!r}, "
+               f"but the data holds {data.image_feature!r}\n"
+               "Hint: load the data with the feature the policy was trained on, or train a new run.")
+        raise CacheMismatchError(msg)
+
+
 def _aligned(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tensor | None]:
     """``data.mask`` mapped into the policy's action space, and the policy->data index map (None = same)."""
     if tuple(policy.action_space.actions) == tuple(data.action_space.actions):
@@ -474,15 +483,6 @@ def _aligned_tilings(policy: ControllerPolicy, data: OfflineData) -> Tensor | No
         if value in theirs:
             out[:, j] = tilings[:, theirs.index(value)]
     return out
-
-
-def check_image_feature(policy: ControllerPolicy, data: OfflineData, where: str | Path = "policy") -> None:
-    """Raise :class:`CacheMismatchError` when ``data`` holds another image feature than the policy read in training."""
-    if policy.config.image_feature != data.image_feature:
-        msg = (f"{where}: trained on the image feature {policy.config.image_feature!r}, "
-               f"but the data holds {data.image_feature!r}\n"
-               "Hint: load the data with the feature the policy was trained on, or train a new run.")
-        raise CacheMismatchError(msg)
 
 
 def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
