@@ -8,14 +8,18 @@ under ``--workspace`` on first use: ingest, extract-features, ``ctrl train --off
 
 1. starts ``ctrl serve --model testbed --controller RUN`` in a subprocess (one model thread, as
    the profile was measured);
-2. measures the server's **capacity**: requests/s of one client sending back to back, the
+2. reads the server's **latency scale** after a few requests (its model time per ms of the
+   profile, docs/serving.md#latency-calibration) and its reserve, and turns the tested budgets,
+   quantiles of the run's training budget range (profile ms), into this machine's ms:
+   ``profile budget x scale + reserve``;
+3. measures the server's **capacity**: requests/s of one client sending back to back, the
    controller deciding at the middle budget;
-3. for every budget and every arrival rate (fractions of that capacity), sends the same
+4. for every budget and every arrival rate (fractions of that capacity), sends the same
    sequence of test-split requests (question + image from the sample data) at Poisson
    arrival times, open loop (a request is sent at its time whether or not earlier ones have
    finished), once with the controller deciding and once per **static configuration** the
    run's p95 lookup table picks at the tested budgets (the request fixes its ``knobs``);
-4. per (budget, rate, decider): the fraction answered within the budget (latency measured by
+5. per (budget, rate, decider): the fraction answered within the budget (latency measured by
    the client, from the scheduled send to the last byte; a 503 counts as missed and wrong),
    accuracy (answers scored with the dataset metric against the references), throughput
    (answers per second over the run) and p50 / p99 latency.
@@ -177,6 +181,15 @@ def run_open_loop(port: int, requests: list[dict], budget: float, knobs: tuple[i
     return [o for o in outcomes if o is not None], time.perf_counter() - start
 
 
+def server_calibration(port: int) -> tuple[float, float]:
+    """The server's current latency scale and overhead reserve (ms), from GET /v1/models."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/models")
+    about = json.loads(conn.getresponse().read())["data"][0]["ctrl"]
+    conn.close()
+    return float(about["latency_scale"]), float(about["overhead_reserve_ms"])
+
+
 def capacity(port: int, requests: list[dict], budget: float, n: int) -> float:
     """Requests per second of one client sending back to back (the controller deciding)."""
     start = time.perf_counter()
@@ -216,27 +229,34 @@ def main() -> None:
     prepare_workspace(args.workspace, args.run_id)
     config = json.loads((args.workspace / "runs" / args.run_id / "config.json").read_text())
     lo, hi = float(config["budget_min_ms"]), float(config["budget_max_ms"])
-    budgets = [round(lo + float(q) * (hi - lo), 1) for q in args.budget_quantiles.split(",")]
+    profile_budgets = [round(lo + float(q) * (hi - lo), 1) for q in args.budget_quantiles.split(",")]
     requests = test_requests(args.workspace, args.requests)
-    statics = sorted(set(table_configs(args.workspace, args.run_id, budgets).values()))
+    table = table_configs(args.workspace, args.run_id, profile_budgets)
     port = free_port()
     log = args.out.with_suffix(".server.log")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(args.workspace, args.run_id, port, log, args.max_queue)
     rows: list[dict] = []
     try:
-        capacity(port, requests, budgets[len(budgets) // 2], 10)  # warm the client and server paths
-        cap = capacity(port, requests, budgets[len(budgets) // 2], min(60, len(requests)))
+        # warm the client and server paths; the requests also calibrate the server's latency scale
+        capacity(port, requests, 10 * hi, 20)
+        scale, reserve = server_calibration(port)
+        budgets = [round(b * scale + reserve, 1) for b in profile_budgets]
+        statics_at = {b: table[p] for b, p in zip(budgets, profile_budgets)}
+        print(f"latency scale {scale:.2f}, reserve {reserve:.1f} ms: profile budgets {profile_budgets} ms are "
+              f"{budgets} ms here", flush=True)
         middle = budgets[len(budgets) // 2]
+        cap = capacity(port, requests, middle, min(60, len(requests)))
         print(f"capacity {cap:.1f} requests/s (one client, back to back, controller at {middle} ms)", flush=True)
-        print(f"budgets {budgets} ms; static configurations of the p95 table: {statics}", flush=True)
+        print(f"static configurations of the p95 table: {sorted(set(statics_at.values()))}", flush=True)
         for budget in budgets:
             for fraction in (float(f) for f in args.rates.split(",")):
                 rate = fraction * cap
-                for knobs in (None, *statics):
+                for knobs in (None, *sorted(set(statics_at.values()))):
                     outcomes, wall = run_open_loop(port, requests, budget, knobs, rate, args.seed)
                     name = "controller" if knobs is None else "static {}/{}/{}".format(*knobs)
-                    row = {"budget_ms": budget, "rate_fraction": fraction, "rate_rps": round(rate, 2),
+                    row = {"budget_ms": budget, "profile_budget_ms": profile_budgets[budgets.index(budget)],
+                           "latency_scale": round(scale, 3), "rate_fraction": fraction, "rate_rps": round(rate, 2),
                            "decider": name, **summarize(outcomes, budget, wall)}
                     if knobs is None:
                         chosen = [o.knobs for o in outcomes if o.knobs]

@@ -88,7 +88,9 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
-                 "default_budget_ms": engine.default_budget_ms}
+                 "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
+                 "latency_scale_source": engine.latency_scale.source,
+                 "overhead_reserve_ms": engine.overhead_reserve_ms()}
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
                                             "owned_by": "ctrl", "ctrl": about}]}
 
@@ -158,7 +160,7 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
             "knobs": {k: row.get(k) for k in ("max_crops", "top_k", "num_active_blocks", "insertion_position")},
             "decided_by": row.get("decided_by"), "controller_run": row.get("controller_run"),
             "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
-            "met": row.get("met"), "waited_ms": row.get("waited_ms"),
+            "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
             "latency_ms": {k[len("latency_"):-len("_ms")]: v for k, v in row.items() if k.startswith("latency_")},
         },
     }

@@ -55,6 +55,13 @@ class ServeConfig:
     default_budget_ms: float | None = field(default=None, metadata=_help(
         "Latency budget of a request without latency_budget_ms [default: the top of the controller's "
         "training budget range]."))
+    latency_scale: float | None = field(default=None, metadata=_help(
+        "This machine's model time per millisecond of the latencies the controller was trained on; budgets are "
+        "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds [default: "
+        "measured on the requests served, warm-up included; docs/serving.md#latency-calibration]."))
+    latency_scale_quantile: float = field(default=0.75, metadata=_help(
+        "The measured latency scale is this quantile of the last 32 requests' ratios of served model time to "
+        "the configuration's median training latency (higher: more careful decisions)."))
     default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
     max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(
@@ -90,6 +97,12 @@ class ServeConfig:
         if self.default_budget_ms is not None and not (math.isfinite(self.default_budget_ms)
                                                        and self.default_budget_ms > 0):
             msg = f"--default-budget-ms must be a positive number of milliseconds, got {self.default_budget_ms!r}"
+            raise ValueError(msg)
+        if self.latency_scale is not None and not (math.isfinite(self.latency_scale) and self.latency_scale > 0):
+            msg = f"--latency-scale must be a positive number, got {self.latency_scale!r}"
+            raise ValueError(msg)
+        if not (math.isfinite(self.latency_scale_quantile) and 0 <= self.latency_scale_quantile <= 1):
+            msg = f"--latency-scale-quantile must be in [0, 1], got {self.latency_scale_quantile!r}"
             raise ValueError(msg)
         if not self.allow_remote and not is_loopback(self.host):
             msg = (f"--host {self.host!r} is not a loopback address: the server would answer other machines\n"

@@ -64,6 +64,9 @@ class Decider(Protocol):
     phase: str
     max_crops_values: tuple[int, ...]
     budget_range_ms: tuple[float, float]
+    #: per configuration (max_crops, top_k, blocks), the median latency the controller was trained on
+    #: (empty: unknown; the server then cannot measure its latency scale)
+    reference_latency_ms: dict[tuple[int, int, int], float]
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
 
@@ -88,6 +91,7 @@ class OfflineDecider:
         self.max_crops_values = tuple(int(v) for v in deployed.max_crops_values.tolist())
         self.budget_range_ms = (float(deployed.budget_min_ms), float(deployed.budget_max_ms))
         self.image_dim = int(deployed.image_dim)
+        self.reference_latency_ms = reference_latencies(deployed)
 
     def _decided_by(self, budget: torch.Tensor) -> str:
         return "controller" if bool(self.deployed.network_decides(budget)[0]) else "table"
@@ -118,6 +122,9 @@ class OnlineDecider:
         cfg = controller.policy.config
         self.budget_range_ms = (float(cfg.budget_min_ms), float(cfg.budget_max_ms))
         self.image_dim = int(cfg.image_feature_dim)
+        # an online run's budgets were measured on the serving path at training time; nothing records
+        # them per configuration, so the scale stays 1 unless --latency-scale pins it
+        self.reference_latency_ms: dict[tuple[int, int, int], float] = {}
 
     @torch.no_grad()
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
@@ -152,12 +159,23 @@ class FixedKnobs:
         self.knobs = knobs
         self.max_crops_values = (knobs["max_crops"],)
         self.budget_range_ms = (0.0, 0.0)
+        self.reference_latency_ms: dict[tuple[int, int, int], float] = {}
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         return Stage1Choice(self.knobs["max_crops"], 0, None, "request")
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.knobs["top_k"], self.knobs["num_active_blocks"]
+
+
+def reference_latencies(deployed: Any) -> dict[tuple[int, int, int], float]:
+    """The deployed controller's median training latency per configuration (empty for a file written
+    before it recorded them, or a controller without a table fallback)."""
+    reference = getattr(deployed, "reference_latency_ms", None)
+    if reference is None or reference.numel() == 0:
+        return {}
+    return {(int(c), int(k), int(b)): float(ms) for (c, k, b), ms in zip(deployed.actions.tolist(), reference.tolist())
+            if ms == ms}  # NaN: never recorded in training
 
 
 def load_decider(workspace: Workspace, spec: str, model_fingerprint: str) -> OfflineDecider | OnlineDecider:

@@ -19,7 +19,9 @@ A request's timeline, every part measured (``runtime.timing.StageTimer``)::
 
 Stage 1 and stage 2 read the budget left: the request's budget less the time spent so far and
 less a reserve for the parts after stage 1 that the controller's latencies (profiled vision,
-prefill and decode) do not include (:meth:`Engine.overhead_reserve_ms`).
+prefill and decode) do not include (:meth:`Engine.overhead_reserve_ms`), divided by the latency
+scale (:mod:`serve.calibration`): this machine's model time per millisecond of the controller's
+training latencies, measured on the requests served.
 
 ``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
 the response's serialisation and transfer. A cancelled request (its client disconnected)
@@ -45,6 +47,7 @@ from PIL import Image
 from runtime import ModelRuntime
 from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
+from serve.calibration import LatencyScale
 from serve.deciders import Decider, FixedKnobs, Stage2Inputs
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
@@ -116,7 +119,7 @@ class Engine:
 
     def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None) -> None:
         self.runtime, self.decider = runtime, decider
         self.model_name = model_name
         self.max_queue = int(max_queue)
@@ -125,6 +128,8 @@ class Engine:
         self.threads = int(threads)
         self.log = request_log
         self.metrics = metrics if metrics is not None else ServeMetrics()
+        self.latency_scale = latency_scale if latency_scale is not None else LatencyScale(
+            decider.reference_latency_ms)
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._pending = 0  # waiting + running
@@ -150,8 +155,8 @@ class Engine:
             self.log.close()
 
     def overhead_reserve_ms(self) -> float:
-        """What the rest of a request costs outside the model's profiled path (vision, prefill,
-        decode): preprocessing at the chosen crops, stage 2, detokenisation. The controller's
+        """What the rest of a request costs outside the model's profiled path (the vision pass,
+        prefill and decoding): preprocessing at the chosen crops, stage 2, detokenisation. The controller's
         latencies were measured without it, so stage 1 reads the budget less this reserve: the
         90th percentile of the last 64 requests (warm-up included), 0 before the first."""
         if not self._overheads:
@@ -219,7 +224,9 @@ class Engine:
                     spent_ms = (time.perf_counter() - job.arrival) * 1000.0
                     reserve_ms = self.overhead_reserve_ms()
                     budget_left_ms = job.budget_ms - spent_ms - reserve_ms
-                    choice = decider.stage1(lang, tiling, budget_left_ms)
+                    scale = self.latency_scale.value
+                    controller_budget_ms = budget_left_ms / scale  # in the controller's units
+                    choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)
                 with self.timer.segment("preprocess", stages):
                     inputs = runtime.preprocess(req.image, req.question, choice.max_crops)
@@ -229,7 +236,7 @@ class Engine:
                 p = choice.insertion_position
                 with self.timer.segment("stage2", stages):
                     top_k, blocks = decider.stage2(choice, Stage2Inputs(
-                        lang, tiling, budget_left_ms, prefix.image_feature,
+                        lang, tiling, controller_budget_ms, prefix.image_feature,
                         prefix.latency_token if p > 0 else None))
                     active = runtime.blocks_for(blocks, first_kept=max(p, 1))
                 self._check(job)
@@ -259,9 +266,11 @@ class Engine:
         self.timer.resolve(stages)
         seg = {s.name: s for s in stages.segments if s.name != "decode"}
         decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
-        model_ms = (seg["prefix"].vision_ms or 0.0) + (seg["prefix"].blocks_ms or 0.0) + \
-            (seg["suffix"].blocks_ms or 0.0) + decode_ms
+        # what the profile timed as one generate call: the vision pass, the prefill, the decode steps
+        model_ms = (seg["prefix"].wall_ms or 0.0) + (seg["suffix"].wall_ms or 0.0) + decode_ms
         self._overheads.append(max(0.0, total_ms - spent_ms - model_ms))
+        if p == 0:  # the configurations the reference latencies were recorded for
+            self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
         latency = {
@@ -274,7 +283,7 @@ class Engine:
         prompt_tokens = int(inputs.input_ids.shape[1])
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
-                                     budget_left_ms=budget_left_ms, reserve_ms=reserve_ms,
+                                     budget_left_ms=budget_left_ms, reserve_ms=reserve_ms, latency_scale=scale,
                                      decided_by=choice.decided_by, latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      stages=stages) if record else {}
@@ -286,6 +295,7 @@ class Engine:
 
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
                 budget_left_ms: float | None = None, reserve_ms: float | None = None,
+                latency_scale: float | None = None,
                 knobs: dict[str, int] | None = None, decided_by: str | None = None,
                 latency: dict[str, float | None] | None = None, num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
@@ -303,6 +313,7 @@ class Engine:
             "controller_phase": decider.phase if decider else "request",
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
             "waited_ms": waited_ms, "reserve_ms": reserve_ms, "budget_left_ms": budget_left_ms,
+            "latency_scale": latency_scale,
             "decided_by": decided_by,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
@@ -336,16 +347,32 @@ def new_job(request: ChatRequest, engine: Engine, arrival: float, arrival_time: 
     return job
 
 
-def warm_up(engine: Engine) -> int:
-    """Run every crops choice of the controller once (an image request, two tokens), unrecorded."""
-    image = Image.new("RGB", (640, 480), (120, 110, 100))
-    runs = 0
+def warmup_configs(engine: Engine) -> list[tuple[int, int, int]]:
+    """What the warm-up runs: per crops choice of the controller, its fastest and its slowest
+    configuration by reference latency (the range the latency scale is seeded over), or the model's
+    defaults at that crops choice where the controller has no reference latencies."""
+    configs: list[tuple[int, int, int]] = []
+    reference = engine.latency_scale.reference_ms
     for max_crops in engine.decider.max_crops_values:
-        knobs = {"max_crops": int(max_crops), "top_k": engine.runtime.default_top_k,
-                 "num_active_blocks": engine.runtime.num_layers}
-        request = ChatRequest(engine.model_name, "warm up", image, 2, None, knobs)
-        job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{max_crops}")
-        with cpu_threads(engine.threads, engine.runtime.device):
-            engine.execute(job, record=False)
-        runs += 1
+        ranked = sorted((ms, knobs) for knobs, ms in reference.items() if knobs[0] == int(max_crops))
+        chosen = [ranked[0][1], ranked[-1][1]] if ranked else [
+            (int(max_crops), engine.runtime.default_top_k, engine.runtime.num_layers)]
+        configs.extend(dict.fromkeys(chosen))
+    return configs
+
+
+def warm_up(engine: Engine, max_tokens: int = 4) -> int:
+    """Run the :func:`warmup_configs` (an image request each), unrecorded; twice where they seed the
+    latency scale. Returns the number of requests run."""
+    image = Image.new("RGB", (640, 480), (120, 110, 100))
+    rounds = 2 if engine.latency_scale.calibrates else 1
+    runs = 0
+    for _ in range(rounds):
+        for max_crops, top_k, blocks in warmup_configs(engine):
+            knobs = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks}
+            request = ChatRequest(engine.model_name, "What is in the image?", image, max_tokens, None, knobs)
+            job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{runs}")
+            with cpu_threads(engine.threads, engine.runtime.device):
+                engine.execute(job, record=False)
+            runs += 1
     return runs

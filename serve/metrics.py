@@ -6,6 +6,10 @@ ctrl_request_latency_seconds           histogram of the end-to-end latency (arri
 ctrl_stage_latency_seconds{stage}      histogram per stage: parse, queue, stage1, preprocess, vision,
                                        prefill, stage2, decode
 ctrl_queue_length                      requests waiting or running
+ctrl_latency_scale                     model time per ms of the controller's training latencies, as the
+                                       last request read it
+ctrl_overhead_reserve_seconds          the reserve for work outside the profiled path, as the last
+                                       request read it
 ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
                                        insertion_position)
 """
@@ -33,6 +37,10 @@ class ServeMetrics:
         self.stage_latency = Histogram("ctrl_stage_latency_seconds", "Latency per stage of a request", ["stage"],
                                        buckets=BUCKETS, registry=self.registry)
         self.queue_length = Gauge("ctrl_queue_length", "Requests waiting or running", registry=self.registry)
+        self.latency_scale = Gauge("ctrl_latency_scale", "Model time per ms of the controller's training "
+                                   "latencies (budgets are divided by it)", registry=self.registry)
+        self.reserve = Gauge("ctrl_overhead_reserve_seconds", "Reserve for the work outside the profiled path",
+                             registry=self.registry)
         self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
 
     def observe(self, row: dict[str, Any]) -> None:
@@ -42,6 +50,10 @@ class ServeMetrics:
             return
         self.budget.labels(outcome="met" if row["met"] else "missed").inc()
         self.latency.observe(row["latency_total_ms"] / 1000.0)
+        if row.get("latency_scale") is not None:
+            self.latency_scale.set(row["latency_scale"])
+        if row.get("reserve_ms") is not None:
+            self.reserve.set(row["reserve_ms"] / 1000.0)
         for stage in STAGES:
             value = row.get(f"latency_{stage}_ms")
             if value is not None:

@@ -16,6 +16,7 @@ from pipeline.catalog import build_catalog
 from pipeline.workspace import Workspace
 from runtime import load_runtime
 from serve.app import create_app
+from serve.calibration import LatencyScale
 from serve.config import ServeConfig
 from serve.deciders import load_decider
 from serve.engine import Engine, warm_up
@@ -29,15 +30,24 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     log(f"loading model {config.model!r} ({config.device}, dtype {config.dtype})")
     runtime = load_runtime(config.model, config.device, None, config.dtype)
     decider = load_decider(workspace, config.controller, runtime.fingerprint)
+    scale = LatencyScale(decider.reference_latency_ms, fixed=config.latency_scale,
+                         quantile=config.latency_scale_quantile)
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
                     default_budget_ms=config.default_budget_ms, threads=config.threads,
-                    request_log=RequestLog(workspace))
+                    request_log=RequestLog(workspace), latency_scale=scale)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)
     log(f"controller {decider.controller_run} ({decider.phase}); default budget {engine.default_budget_ms:.1f} ms; "
         f"requests recorded in {engine.log.path if engine.log else '-'}")
+    if scale.fixed is not None:
+        log(f"latency scale fixed at {scale.fixed:g}")
+    elif not scale.reference_ms:
+        log("latency scale 1: the controller records no latencies per configuration (an online run, or a file "
+            "exported before they were recorded), so budgets are read as the controller's milliseconds")
     if config.warmup:
-        log(f"warm-up: {warm_up(engine)} requests")
+        runs = warm_up(engine)
+        measured = f"; latency scale {scale.value:.2f}" if scale.calibrates else ""
+        log(f"warm-up: {runs} requests{measured}")
     return engine
 
 

@@ -113,6 +113,35 @@ def test_decisions_equal_the_policy_and_its_table_fallback(trained):
     assert sources == {True, False}
 
 
+def test_the_exported_file_carries_the_median_training_latency_per_configuration(trained, tmp_path):
+    """What a server calibrates its latency scale against: per action, the median recorded latency of
+    the training split (the split the fallback's table was built on); NaN where train never recorded it."""
+    import numpy as np
+
+    from trainer.data import load_offline_data
+    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from trainer.fallback import read_fallback
+    from trainer.policy import ControllerPolicy
+
+    ws, best, _ = trained
+    policy = ControllerPolicy.load(best)
+    exported = load_deployed(save_deployed(DeployedController(policy, read_fallback(best)), tmp_path / "c.pt"))
+    train = load_offline_data(ws).subset("train")
+    by_action = dict(zip(train.action_space.actions, range(len(train.action_space))))
+    reference = exported.reference_latency_ms
+    assert reference.dtype == torch.float64 and len(reference) == len(policy.action_space)
+    for action, got in zip(policy.action_space.actions, reference.tolist()):
+        j = by_action[action]
+        recorded = train.latency_ms[train.mask[:, j], j].double().numpy()
+        if len(recorded) == 0:
+            assert np.isnan(got)
+        else:
+            assert got == pytest.approx(float(np.median(recorded)), rel=1e-6)
+    assert not torch.isnan(reference).all()
+    without = DeployedController(policy, None)
+    assert without.reference_latency_ms.numel() == 0
+
+
 def test_without_a_fallback_the_network_decides_every_budget(trained):
     from trainer.deploy import DeployedController
 

@@ -448,6 +448,15 @@ def test_lookup_table_chooses_on_train_only(data):
         fits = [j for j in range(len(means)) if p95s[j] <= b]
         want = max(fits, key=lambda j: (means[j], -p95s[j])) if fits else int(np.argmin(p95s))
         assert lut.lookup(b) == train.action_space.actions[want]
+    # the median latency per configuration, which a server calibrates its clock against; kept in the state
+    for j in range(len(train.action_space)):
+        m = train.mask[:, j]
+        assert float(lut.latency_median_ms[j]) == pytest.approx(float(np.median(train.latency_ms[m, j].numpy())),
+                                                                rel=1e-6)
+    state = lut.state()
+    assert LookupTableDecider.from_state(state).latency_median_ms.tolist() == lut.latency_median_ms.tolist()
+    del state["latency_median_ms"]  # a checkpoint of an older version
+    assert LookupTableDecider.from_state(state).latency_median_ms is None
     mean5 = LookupTableDecider(train, statistic="mean", tolerance=0.05)
     assert mean5.name == "lut_mean5" and mean5.latency_stat_ms[0] == pytest.approx(
         float(train.latency_ms[train.mask[:, 0], 0].double().mean()), rel=1e-5)

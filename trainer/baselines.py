@@ -106,6 +106,8 @@ class LookupTableDecider(_Deterministic):
     mean score among those with statistic <= B * (1 + ``tolerance``) (ties -> lower statistic);
     when none fits, the configuration with the lowest statistic. The choice depends on the
     budget only; per sample the best-ranked configuration that is recorded for it is used.
+    Besides, ``latency_median_ms``: the median latency per configuration, which a server
+    compares its own measured latencies with (``serve.calibration``).
 
     * ``LookupTableDecider(train)``: ``"lut_p95"``, p95 latency within the budget.
     * ``LookupTableDecider(train, statistic="mean", tolerance=0.05)``: ``"lut_mean5"``, the
@@ -146,12 +148,15 @@ class LookupTableDecider(_Deterministic):
         else:
             stat = torch.nanquantile(latency, quantile, dim=0)
         self.latency_stat_ms = torch.where(seen, stat, nan)  # (A,), NaN: never recorded in train
+        # the typical latency per configuration: the unit a server calibrates its clock against
+        self.latency_median_ms: torch.Tensor | None = torch.where(seen, torch.nanquantile(latency, 0.5, dim=0), nan)
 
     def state(self) -> dict:
         """The table as plain values (checkpoints): :meth:`from_state` rebuilds it without the data."""
         return {"action_space": self.action_space.to_json(), "statistic": self.statistic, "quantile": self.quantile,
                 "tolerance": self.tolerance, "name": self.name, "num_samples": self.num_samples.tolist(),
-                "mean_score": self.mean_score.tolist(), "latency_stat_ms": self.latency_stat_ms.tolist()}
+                "mean_score": self.mean_score.tolist(), "latency_stat_ms": self.latency_stat_ms.tolist(),
+                "latency_median_ms": None if self.latency_median_ms is None else self.latency_median_ms.tolist()}
 
     @classmethod
     def from_state(cls, state: dict) -> LookupTableDecider:
@@ -162,6 +167,8 @@ class LookupTableDecider(_Deterministic):
         table.num_samples = torch.tensor(state["num_samples"], dtype=torch.long)
         table.mean_score = torch.tensor(state["mean_score"], dtype=torch.float64)
         table.latency_stat_ms = torch.tensor(state["latency_stat_ms"], dtype=torch.float64)
+        median = state.get("latency_median_ms")  # absent from checkpoints of older versions
+        table.latency_median_ms = None if median is None else torch.tensor(median, dtype=torch.float64)
         return table
 
     def lookup(self, budget_ms: float) -> Action:

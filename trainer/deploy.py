@@ -27,6 +27,7 @@ The module is TorchScript-compatible and is what ``ctrl export`` writes
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 import warnings
@@ -80,6 +81,10 @@ class DeployedController(nn.Module):
 
     Where the table fallback answers a budget, stage 1 returns the table's crops and stage 2 the
     table's top_k and blocks for that budget: stage 2 must get the budgets stage 1 got.
+
+    ``reference_latency_ms`` (A,) float64, per row of ``actions``: the median latency of that
+    configuration in the training split (NaN: not recorded there; empty without a table
+    fallback), the scale the budgets are in.
     """
 
     def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None) -> None:
@@ -168,6 +173,15 @@ class DeployedController(nn.Module):
             self._build_fallback(fallback)
 
     def _build_fallback(self, fallback: TableFallback | None) -> None:
+        # per action, the median latency of the training split (NaN: unseen there; empty: unknown), the
+        # latencies the budgets are in: a server measures its own against them (serve.calibration)
+        reference = torch.zeros(0, dtype=torch.float64)
+        table = None if fallback is None else fallback.lookup_table()
+        if table is not None and table.latency_median_ms is not None:
+            median = dict(zip(table.action_space.actions, table.latency_median_ms.tolist()))
+            reference = torch.tensor([median.get(tuple(a), math.nan) for a in self.actions.tolist()],
+                                     dtype=torch.float64)
+        self.register_buffer("reference_latency_ms", reference)
         # a fallback that keeps the controller at every budget is no fallback
         self.has_fallback = fallback is not None and not all(fallback.use_controller)
         if fallback is None or not self.has_fallback:

@@ -1,0 +1,90 @@
+"""The server's clock against the controller's: how much longer a served request takes than the
+latencies the controller was trained on.
+
+An offline controller reads budgets in the units of its profile: latencies recorded on another
+machine, or on the same machine at another time (a shared machine's speed drifts by tens of
+percent within minutes: docs/serving.md#latency-calibration). A server that handed it budgets
+in its own milliseconds would let it pick configurations that are too slow whenever the
+serving machine is slower than the profiling one. :class:`LatencyScale` measures the ratio on
+the requests served: per request, its model time (vision pass, prefill and decoding, as the
+profile timed them) over the median latency of the same configuration in the controller's
+training split. The scale is a quantile of the last ``window`` ratios, so it follows the
+machine as it drifts; the server divides the budget left by it before the controller reads it.
+
+The ratio assumes answers of the lengths the profile recorded (its ``max_new_tokens``): a request
+that generates many more tokens raises its own ratio, which makes later decisions more careful,
+not less.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Mapping
+
+#: knob values (max_crops, top_k, num_active_blocks)
+Knobs = tuple[int, int, int]
+
+
+class LatencyScale:
+    """Served model time / the controller's reference latency, over the last ``window`` requests.
+
+    ``reference_ms`` maps a configuration to its median training latency (configurations without
+    one are not measured). ``fixed`` pins the scale (no measurement); otherwise it is the
+    ``quantile`` of the recorded ratios, and 1.0 before the first.
+    """
+
+    def __init__(self, reference_ms: Mapping[Knobs, float], *, fixed: float | None = None, quantile: float = 0.5,
+                 window: int = 32) -> None:
+        if fixed is not None and not (math.isfinite(fixed) and fixed > 0):
+            msg = f"the latency scale must be a positive number, got {fixed!r}"
+            raise ValueError(msg)
+        if not 0.0 <= quantile <= 1.0:
+            msg = f"the latency scale quantile must be in [0, 1], got {quantile!r}"
+            raise ValueError(msg)
+        if window < 1:
+            msg = f"the latency scale window must be at least 1, got {window!r}"
+            raise ValueError(msg)
+        self.reference_ms = {tuple(int(v) for v in k): float(ms) for k, ms in reference_ms.items()
+                             if math.isfinite(ms) and ms > 0}
+        self.fixed, self.quantile = fixed, float(quantile)
+        self._ratios: deque[float] = deque(maxlen=int(window))
+        self._lock = threading.Lock()
+
+    @property
+    def source(self) -> str:
+        """``fixed`` (pinned), ``measured`` (ratios recorded), ``none`` (1.0: nothing to compare with yet)."""
+        if self.fixed is not None:
+            return "fixed"
+        return "measured" if self._ratios else "none"
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether served requests can move the scale (not pinned, and reference latencies exist)."""
+        return self.fixed is None and bool(self.reference_ms)
+
+    def reference(self, knobs: Knobs) -> float | None:
+        return self.reference_ms.get(knobs)
+
+    def observe(self, knobs: Knobs, model_ms: float) -> float | None:
+        """Record one served request's model time; its ratio, or None when it cannot count (no
+        reference for its configuration, a pinned scale, a non-positive time)."""
+        reference = self.reference_ms.get(knobs)
+        if self.fixed is not None or reference is None or not (math.isfinite(model_ms) and model_ms > 0):
+            return None
+        ratio = model_ms / reference
+        with self._lock:
+            self._ratios.append(ratio)
+        return ratio
+
+    @property
+    def value(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            ordered = sorted(self._ratios)
+        if not ordered:
+            return 1.0
+        # the sorted ratio at rank floor(quantile * n), without interpolation
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
