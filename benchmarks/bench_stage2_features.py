@@ -91,8 +91,8 @@ def train_runs(ws: Path, seed: int | None, baseline_seed: int | None, reuse: boo
     """``ctrl train --offline`` (global feature), then its configuration on the reference feature
     (and on the global feature with ``baseline_seed``)."""
     from trainer import train_offline
+    from trainer.config import OfflineTrainConfig
     from trainer.data import GLOBAL_IMAGE_FEATURE, REFERENCE_IMAGE_FEATURE, load_offline_data
-    from trainer.offline import OfflineTrainConfig
     from trainer.runs import RunDir
 
     if not (reuse and finished(ws, GLOBAL_RUN)):
@@ -124,9 +124,9 @@ def out_of_fold_decisions(ws: Path, run_id: str, data) -> tuple[dict[str, object
     import torch
 
     from trainer.baselines import LookupTableDecider
+    from trainer.config import OfflineTrainConfig
     from trainer.crossfit import load_folds
     from trainer.fallback import PolicyDecider, read_fallback
-    from trainer.offline import OfflineTrainConfig
     from trainer.runs import RunDir
 
     run = RunDir(ws / "runs" / run_id)

@@ -99,7 +99,8 @@ def main() -> None:
 
     import polars as pl
 
-    from trainer.offline import OfflineTrainConfig, train_offline
+    from trainer.config import OfflineTrainConfig
+    from trainer.offline import train_offline
 
     with torch_threads(args.threads):
         print(f"\nCPU, {args.threads} torch threads\n")

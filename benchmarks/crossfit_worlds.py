@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="OfflineTrainConfig field=JSON value")
     args = parser.parse_args()
 
-    from trainer.offline import OfflineTrainConfig, train_offline
+    from trainer.config import OfflineTrainConfig
+    from trainer.offline import train_offline
 
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     worlds = [(name, Path(path)) for name, path in (w.split("=", 1) for w in args.workspace)]

@@ -13,10 +13,11 @@ from test_trainer_policy import make_data
 from conftest import build_feature_workspace
 from pipeline.catalog import run_query
 from pipeline.workspace import Workspace
+from trainer.config import OfflineTrainConfig
 from trainer.crossfit import OutOfFold, deployed_data, fold_data, fold_of, folds_of
 from trainer.data import load_offline_data
 from trainer.evaluate import evaluate_deciders
-from trainer.offline import OfflineTrainConfig, evaluate_run, train_offline
+from trainer.offline import evaluate_run, train_offline
 from trainer.reward import RewardConfig
 
 

@@ -26,8 +26,9 @@ def trained(tmp_path_factory, embedded_runtime):
     """A workspace with an offline run (tilings on, as by default) and a copy of its checkpoint whose
     table fallback answers at every other grid budget, so that both sources decide."""
     from synthetic import SyntheticSpec
+    from trainer.config import OfflineTrainConfig
     from trainer.fallback import attach_fallback, read_fallback
-    from trainer.offline import OfflineTrainConfig, train_offline
+    from trainer.offline import train_offline
 
     root = tmp_path_factory.mktemp("export")
     _, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=30))

@@ -105,7 +105,7 @@ def test_bad_settings_are_refused_by_name():
         OutcomeConfig(quantile=1.0)
     with pytest.raises(ValueError, match="`patience` must be an integer"):
         OutcomeConfig(patience=0)
-    from trainer.offline import OfflineTrainConfig
+    from trainer.config import OfflineTrainConfig
 
     with pytest.raises(ValueError, match="warm_start_target"):
         OfflineTrainConfig(workspace=".", warm_start_target="oracle")

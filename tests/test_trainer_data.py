@@ -309,7 +309,7 @@ def test_reward_hard_mode_and_parts_sum():
 
 
 def test_hard_mode_is_the_training_default_and_a_violation_pays_minus_one():
-    from trainer.offline import OfflineTrainConfig
+    from trainer.config import OfflineTrainConfig
 
     reward = OfflineTrainConfig().reward
     assert (reward.mode, reward.hard_violation_reward, reward.alpha) == ("hard", -1.0, 1.0)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from conftest import build_feature_workspace
 from pipeline import CacheMismatchError, CtrlError, Workspace
+from trainer.config import OfflineTrainConfig
 from trainer.constraint import ViolationConstraint
 from trainer.data import ActionSpace, OfflineData
 from trainer.fallback import PolicyDecider
@@ -27,7 +28,7 @@ from trainer.grpo import (
     policy_loss,
     sample_groups,
 )
-from trainer.offline import OfflineTrainConfig, train_offline
+from trainer.offline import train_offline
 from trainer.policy import CHECKPOINT_FORMAT, ControllerPolicy, PolicyConfig, expected_reward
 from trainer.reward import RewardConfig, compute_reward
 

@@ -13,7 +13,7 @@ from trainer.baselines import (
     OracleDecider,
     RandomDecider,
 )
-from trainer.config import TrainingConfig
+from trainer.config import OfflineTrainConfig, TrainingConfig
 from trainer.data import (
     Action,
     ActionSpace,
@@ -33,7 +33,6 @@ from trainer.evaluate import (
 from trainer.fallback import PolicyDecider, TableFallback, fit_table_fallback, read_fallback
 from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
 from trainer.offline import (
-    OfflineTrainConfig,
     OfflineTrainer,
     RunResult,
     evaluate_run,

@@ -1,18 +1,21 @@
-"""What the two training phases share: the options of a GRPO run and their validation.
+"""The options of a GRPO run and their validation.
 
-:class:`OfflineTrainConfig` (``trainer.offline``) and ``OnlineTrainConfig`` (``online.config``)
-extend :class:`TrainingConfig`; each option is documented and checked once, here or in the
-phase that owns it.
+:class:`TrainingConfig` holds what the two training phases share; :class:`OfflineTrainConfig`
+(here) and ``OnlineTrainConfig`` (``online.config``) extend it. Each option is documented and
+checked once, here or in the phase that owns it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from pipeline.errors import CtrlError
+from pipeline.workspace import Workspace
 from trainer.reward import RewardConfig
+from trainer.runs import RunDir
 
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[ScaleRewards, ...] = ("group", "batch", "none")
@@ -126,3 +129,197 @@ class TrainingConfig:
             msg = f"unknown {cls.__name__} fields {unknown!r}"
             raise ValueError(msg)
         return cls(**d)
+
+
+@dataclass
+class OfflineTrainConfig(TrainingConfig):
+    """Options of ``ctrl train --offline``; the shared ones are documented on ``TrainingConfig``.
+
+    Offline defaults: ``lr`` 1e-3 (origin 1e-4, for far larger networks), ``reward`` hard mode
+    (the score within the budget, -1 beyond it: the budget is a constraint; the origin's soft
+    formula lets small violations through and pays for slack). ``budget_min_ms`` /
+    ``budget_max_ms`` default to ``trainer.data.default_budget_range`` of the train split; the
+    policy's budget encoder is normalised over that range (widened by ``budget_margin``, default none).
+
+    > Groups and epochs
+    num_budgets_per_sample: groups per sample in each step, each with its own budget (int,
+        default 8): several budgets per sample teach the budget dependence faster.
+    num_epochs: passes over the train split (int, default 30).
+    batch_size: samples per step (int, default 32); a step has batch_size * num_budgets_per_sample groups.
+    num_iterations: gradient steps on each sampled batch, μ in TRL (int, default 1). With 1 the
+        sampling policy equals the current one, so ``clip_epsilon`` only matters when > 1.
+
+    > The training score
+    score_target: the score the rewards of training (and the validation selection) use.
+      - ``"mean"``: the mean of the exp5 and exp6 scores where both were recorded for the
+        (sample, configuration), else the recorded one (default): two independent runs of the
+        same configuration, half the outcome noise the policy could memorise.
+      - ``"recorded"``: the ``groups`` view's ``score`` (exp6 where present), as evaluated.
+
+    > Anchoring the policy to the static lookup table
+    warm_start_steps: Adam steps (int >= 0, default 200; 0 = off) that fit the initial policy to
+        a decider's choices before GRPO (cross-entropy to ``warm_start_weight`` on its choice at
+        a uniform budget, the rest uniform over the sample's configurations, so sampling still
+        explores). With ``kl_beta`` > 0 this warm-started policy is the KL reference: the
+        controller starts from that decider and deviates per sample only where the recorded
+        rewards pay for it.
+    warm_start_target: the decider the policy starts from.
+      - ``"outcome"``: the outcome model's per-sample choice (``trainer.outcome``: predicted
+        score and latency quantile per configuration from the features, fitted on the train
+        split; default).
+      - ``"table"``: the ``lut_p95`` table of the train split (the budget alone decides).
+    warm_start_weight: the decider's share of the warm-start target (float in (0, 1], default 0.7).
+    outcome_quantile: the latency quantile the outcome model predicts and holds within the
+        budget (float in (0, 1), default 0.95). The model is fitted in every run (it is also
+        the evaluation decider ``outcome``) and saved as ``outcome.pt``.
+    outcome_tilings: the outcome model also reads each image's tiling (crops per max_crops
+        choice, ``image_tilings``; bool, default True).
+
+    > The loss
+    loss_type: ``"grpo"`` or ``"pairwise"``.
+      - ``"grpo"``: -mean(A * log pi(a)) with group-relative advantages (default).
+      - ``"pairwise"``: the origin §7.6 GRPOTrainerV2 ranking loss, ties skipped; no clipping.
+    clip_epsilon: PPO clip range ε of the ratio against the sampling policy (float in (0, 1);
+        None = off, the default).
+    kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0, default 0.1; 0 = off).
+        The initial policy is the warm-started one.
+
+    > The violation constraint (per budget: E[latency > budget] <= target; ``trainer.constraint``)
+    violation_target: the share of decisions over budget allowed at each budget (float in (0, 1),
+        default 0.01; None = off, reward shaping only). It sits below the 5 % goal because the
+        multipliers see the train split, whose per-sample latencies the policy can learn: new
+        samples violate more. A multiplier lambda(b) >= 0 per point of the validation budget
+        grid (linear in between) is subtracted from the reward of every violating
+        configuration; after each step it moves by ``violation_lr`` times (the sampling
+        policy's exact violation probability near b - target).
+    violation_lr: dual step size (float > 0, default 1.0).
+    violation_max_multiplier: cap of lambda(b) (float > 0, default 10.0): below the lowest
+        budget some samples violate whatever is chosen, so the constraint can be infeasible
+        there and lambda would otherwise grow forever.
+
+    > The policy (``trainer.policy.PolicyConfig``)
+    hidden_dim: width of the network (int, default 128). dropout: default 0.0.
+    use_tilings: feed each image's tiling (crops per max_crops choice, ``image_tilings``) to
+        both stages (bool, default True; unknown tilings read as the training mean).
+    budget_margin: the encoder's normalisation range is the budget range widened by this
+        fraction on each side (float, default 0.0: a budget outside the training range reads
+        as its nearest end, ``trainer.policy.budget_normalization_range``).
+
+    > Deployment
+    cross_fit_folds: K of the K-fold cross-fitting (int, default 5; 0 = off: one split decides).
+        With K >= 2 the deployed network trains on every sample outside the val split, K more
+        networks each without one fold (``trainer.crossfit``), and the fallback and the
+        evaluation use every sample once, out of fold. Costs K more trainings.
+    disable_table_fallback: deploy the network alone (bool, default False). By default, after
+        training, the controller is compared with the ``lut_p95`` table at every budget of the
+        validation grid, violations before reward, and the table answers wherever the
+        controller does not win with confidence (safe policy improvement; the rule:
+        ``trainer.fallback``). The network alone is evaluated too, as decider ``policy``.
+    fallback_confidence: level of that comparison (float in [0.5, 1), default 0.95): the
+        table's violation rate counts by its upper bound at this level, and the controller's
+        reward must beat the table's in a one-sided paired test at this level (0.5: plain
+        point estimates, any positive difference).
+
+    > Evaluation
+    num_val_budgets: budgets (evenly spaced over the budget range, ends included) at which the
+        validation expected reward is computed each epoch (int, default 8).
+    eval_budgets: budgets (ms) of the final test evaluation (None = the validation grid,
+        rounded to 0.1 ms).
+    disable_evaluation: skip the final test evaluation against the baselines (bool, default False).
+
+    ``resume`` continues a run from its last finished epoch (optimizer and RNG state included:
+    the result equals an uninterrupted run); every other field must match that run's
+    config.json, except ``num_epochs``, which may grow (:meth:`from_run`).
+    """
+
+    lr: float = 1e-3
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(mode="hard"))
+    num_budgets_per_sample: int = 8
+    num_epochs: int = 30
+    batch_size: int = 32
+    num_iterations: int = 1
+    score_target: Literal["mean", "recorded"] = "mean"
+    warm_start_steps: int = 200
+    warm_start_target: Literal["outcome", "table"] = "outcome"
+    warm_start_weight: float = 0.7
+    outcome_quantile: float = 0.95
+    outcome_tilings: bool = True
+    loss_type: Literal["grpo", "pairwise"] = "grpo"
+    clip_epsilon: float | None = None
+    kl_beta: float = 0.1
+    violation_target: float | None = 0.01
+    violation_lr: float = 1.0
+    violation_max_multiplier: float = 10.0
+    hidden_dim: int = 128
+    dropout: float = 0.0
+    use_tilings: bool = True
+    budget_margin: float = 0.0
+    cross_fit_folds: int = 5
+    disable_table_fallback: bool = False
+    fallback_confidence: float = 0.95
+    num_val_budgets: int = 8
+    eval_budgets: list[float] | None = None
+    disable_evaluation: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eval_budgets is not None:
+            self.eval_budgets = [float(b) for b in self.eval_budgets]
+        for name, low in (("num_budgets_per_sample", 1), ("num_epochs", 1), ("batch_size", 1), ("num_iterations", 1),
+                          ("hidden_dim", 1), ("num_val_budgets", 1), ("warm_start_steps", 0),
+                          ("cross_fit_folds", 0)):
+            check_int(name, getattr(self, name), low)
+        for name in ("kl_beta", "budget_margin"):
+            check_number(name, getattr(self, name))
+        for name in ("violation_lr", "violation_max_multiplier"):
+            check_number(name, getattr(self, name), positive=True)
+        self._check_ranges()
+        self._check_choices()
+
+    def _check_ranges(self) -> None:
+        checks = (
+            ("violation_target", self.violation_target is None or 0.0 < self.violation_target < 1.0,
+             "in (0, 1) or None (off)"),
+            ("clip_epsilon", self.clip_epsilon is None or 0.0 < self.clip_epsilon < 1.0, "in (0, 1) or None (off)"),
+            ("dropout", 0.0 <= self.dropout < 1.0, "in [0, 1)"),
+            ("warm_start_weight", 0.0 < self.warm_start_weight <= 1.0, "in (0, 1]"),
+            ("outcome_quantile", isinstance(self.outcome_quantile, (int, float))
+             and 0.0 < self.outcome_quantile < 1.0, "in (0, 1)"),
+            ("fallback_confidence", isinstance(self.fallback_confidence, (int, float))
+             and 0.5 <= self.fallback_confidence < 1.0, "in [0.5, 1)"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                msg = f"`{name}` must be {allowed}, got {getattr(self, name)!r}"
+                raise ValueError(msg)
+        if self.cross_fit_folds == 1:
+            msg = "`cross_fit_folds` must be 0 (off) or at least 2, got 1"
+            raise ValueError(msg)
+        if self.eval_budgets is not None and (not self.eval_budgets or min(self.eval_budgets) <= 0):
+            msg = f"`eval_budgets` must be a non-empty list of budgets > 0 ms, got {self.eval_budgets!r}"
+            raise ValueError(msg)
+
+    def _check_choices(self) -> None:
+        if self.warm_start_target not in ("outcome", "table"):
+            msg = f"`warm_start_target` must be 'outcome' or 'table', got {self.warm_start_target!r}"
+            raise ValueError(msg)
+        if self.score_target not in ("mean", "recorded"):
+            msg = f"`score_target` must be 'mean' or 'recorded', got {self.score_target!r}"
+            raise ValueError(msg)
+        if self.loss_type not in ("grpo", "pairwise"):
+            msg = f"`loss_type` must be 'grpo' or 'pairwise', got {self.loss_type!r}"
+            raise ValueError(msg)
+        if self.loss_type == "pairwise" and self.clip_epsilon is not None:
+            msg = (f"`clip_epsilon` ({self.clip_epsilon!r}) has no effect with `loss_type`='pairwise'\n"
+                   "Hint: set clip_epsilon=None, or use loss_type='grpo'.")
+            raise ValueError(msg)
+
+    @classmethod
+    def from_run(cls, run: str | Path, workspace: str | Path | None = None, **overrides: Any) -> OfflineTrainConfig:
+        """The saved config of a run, set up to resume it (``overrides``, e.g. ``num_epochs``)."""
+        run_dir = RunDir.resolve(Workspace(workspace), run)
+        try:
+            return cls.from_json({**run_dir.read_config(), "resume": str(run_dir.path), **overrides})
+        except (TypeError, ValueError) as err:  # a config.json edited or damaged into other fields/values
+            msg = f"{run_dir.config_path}: not a valid offline run config ({err})"
+            raise CtrlError(msg) from None
