@@ -1,0 +1,78 @@
+"""Training metrics in TensorBoard (read back with tensorboard's own reader) and the training-curves PNG."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from PIL import Image
+
+from pipeline.errors import CtrlError
+from trainer.reporting import (
+    REPORT_TO,
+    Reporter,
+    check_report_to,
+    evaluation_scalars,
+    make_reporter,
+    plot_training_curves,
+    reported_scalars,
+)
+
+ROWS = [
+    {"kind": "step", "step": 1, "loss": 0.5, "reward/mean": 0.25, "reward_std": 0.1, "kl": 0.0, "learning_rate": 1e-3,
+     "violation_rate": 0.3, "grad_norm": 2.0, "groups": 8},
+    {"kind": "step", "step": 2, "loss": 0.25, "reward/mean": 0.5, "reward_std": 0.2, "kl": 0.01, "learning_rate": 1e-3,
+     "violation_rate": 0.2, "grad_norm": float("nan")},
+    {"kind": "epoch", "step": 2, "val/expected_reward": 0.6, "val/expected_violation_rate": 0.05},
+]
+EVALUATION = [{"decider": "controller", "budget_ms": 72.04, "accuracy": 0.64, "violation_rate": 0.023},
+              {"decider": "lut_p95", "budget_ms": 72.04, "accuracy": 0.61, "violation_rate": float("nan")}]
+
+
+def test_rows_are_reported_under_trl_names():
+    assert reported_scalars(ROWS[0]) == {"loss": 0.5, "reward": 0.25, "reward_std": 0.1, "kl": 0.0,
+                                         "learning_rate": 1e-3, "violation_rate": 0.3, "grad_norm": 2.0}
+    assert "grad_norm" not in reported_scalars(ROWS[1])  # NaN is not a measurement
+    assert reported_scalars(ROWS[2]) == {"eval/expected_reward": 0.6, "eval/expected_violation_rate": 0.05}
+    assert evaluation_scalars(EVALUATION) == [("evaluation/controller/accuracy", 72, 0.64),
+                                              ("evaluation/controller/violation_rate", 72, 0.023),
+                                              ("evaluation/lut_p95/accuracy", 72, 0.61)]
+
+
+def test_tensorboard_event_files_hold_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reporter = make_reporter("tensorboard", "r1", tmp_path / "runs" / "r1", tmp_path, {"lr": 1e-3})
+    for row in ROWS:
+        reporter.log(row, row["step"])
+    reporter.log_evaluation(EVALUATION)
+    reporter.close()
+    events = EventAccumulator(str(tmp_path / "runs" / "r1" / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, round(e.value, 6)) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["reward"] == [(1, 0.25), (2, 0.5)]
+    assert scalars["loss"] == [(1, 0.5), (2, 0.25)]
+    assert scalars["kl"] == [(1, 0.0), (2, 0.01)]
+    assert scalars["learning_rate"] == [(1, 0.001), (2, 0.001)]
+    assert scalars["eval/expected_reward"] == [(2, 0.6)]
+    assert scalars["evaluation/controller/accuracy"] == [(72, 0.64)]
+    assert scalars["grad_norm"] == [(1, 2.0)]
+
+
+def test_backends_are_checked_before_training(monkeypatch):
+    assert REPORT_TO == ("none", "tensorboard", "mlflow", "wandb")
+    check_report_to("none")
+    with pytest.raises(ValueError, match=r"^--report-to must be one of none, tensorboard, mlflow, wandb, got 'tb'$"):
+        check_report_to("tb")
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed
+    with pytest.raises(CtrlError, match=r"^--report-to mlflow needs the mlflow package\nHint: pip install"):
+        check_report_to("mlflow")
+    assert type(make_reporter("none", "r1", "unused", "unused", {})) is Reporter
+
+
+def test_training_curves_png(tmp_path):
+    path = plot_training_curves(ROWS, tmp_path / "training_curves.png", title="run r1")
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 1000  # five panels side by side
+    assert plot_training_curves([{"kind": "epoch", "step": None}], tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
