@@ -351,7 +351,7 @@ def train(
                                                      "the budget calibration runs on (without a given range).",
                                                      rich_help_panel=ONLINE)] = 16,
     reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 "
-                                             "beyond) or soft (origin §7.5 formula).",
+                                             "beyond) or soft (the origin's formula, docs/origin_format.md §7.5).",
                                              rich_help_panel=REWARD)] = "hard",
     score_target: Annotated[str, typer.Option("--score-target", help="mean (of exp5 and exp6 where both recorded; "
                                               "default) or recorded: the training score.",
@@ -362,7 +362,7 @@ def train(
     warm_start_target: Annotated[str, typer.Option("--warm-start-target", help="outcome (the outcome model's "
                                                    "per-sample choice; default) or table (lut_p95).",
                                                    rich_help_panel=REWARD)] = "outcome",
-    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (origin §7.6).",
+    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (docs/origin_format.md §7.6).",
                                            rich_help_panel=REWARD)] = "grpo",
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.",
                                                rich_help_panel=REWARD)] = "batch",

@@ -38,7 +38,7 @@ from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
 from runtime.precision import check_dtype_name
 
-#: max_crops values whose tiling is stored per sample (covers every tier of §2.1)
+#: max_crops values whose tiling is stored per sample (covers every tier of docs/origin_format.md §2.1)
 TILING_MAX_CROPS = tuple(range(1, 16))
 
 

@@ -27,7 +27,7 @@ class OnlineTrainConfig(TrainingConfig):
         those of that dtype (extract-features with the same ``--dtype``); a resumed run and the
         evaluation of a run keep it.
     images_dir: where images are found by image_id (None = the paths recorded by extract-features).
-    importance_scores: a §6 importance file for the block choice (None = the default rule).
+    importance_scores: an importance file (docs/origin_format.md §6) for the block choice (None = the default rule).
 
     > Start
     from_run: an offline (or online) run id / directory to continue from; "latest" = the most

@@ -1,4 +1,4 @@
-"""``ctrl train --online``: GRPO with the real model in the loop (``origin_formats.md`` §7.3-7.7).
+"""``ctrl train --online``: GRPO with the real model in the loop (``docs/origin_format.md`` §7.3-7.7).
 
 Each step draws ``samples_per_step`` training samples, each with a budget drawn uniformly from
 the budget range; per (sample, budget) group the controller samples ``group_size`` knob

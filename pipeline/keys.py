@@ -1,4 +1,4 @@
-"""Stable sample keys built from metadata, never from ``sample_id`` (origin_formats.md §4.4, D8).
+"""Stable sample keys built from metadata, never from ``sample_id`` (docs/origin_format.md §4.4, D8).
 
 Rules, first match wins (the rule's name is stored as ``samples.key_source``):
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-#: datasets whose unit is an image with several questions (origin_formats.md §8)
+#: datasets whose unit is an image with several questions (docs/origin_format.md §8)
 PER_IMAGE_DATASETS = frozenset({"tally_qa", "coco_caption", "coco_2014_vqa_multi"})
 
 KEY_SOURCES = ("example_id", "question_id", "image_caption", "image", "image_question", "question_hash")

@@ -1,6 +1,6 @@
 """The knob space: the one definition every stage imports.
 
-MolmoE-1B exposes three inference knobs (``origin_formats.md`` §2):
+MolmoE-1B exposes three inference knobs (``docs/origin_format.md`` §2):
 
 * ``max_crops`` - how many image crops the vision tower sees (plus one global image);
   core_exp and the controllers group crop counts into *tiers*.
@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-# -- model constants (MolmoE-1B, origin_formats.md §1.1)
+# -- model constants (MolmoE-1B, docs/origin_format.md §1.1)
 NUM_TOTAL_BLOCKS = 16
 NUM_EXPERTS = 64
 DEFAULT_TOP_K = 8
@@ -92,7 +92,7 @@ def exp_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOTAL_
 
 
 
-# -- Knob1: crops. The Molmo tiling rule (origin_formats.md §2.1)
+# -- Knob1: crops. The Molmo tiling rule (docs/origin_format.md §2.1)
 #: MolmoE-1B geometry: 336-px crops, 4-patch (56 px) margins on each side -> 224-px window
 MOLMO_CROP_WINDOW_PX = 224
 MOLMO_TOTAL_MARGIN_PX = 112
@@ -134,7 +134,7 @@ def select_tiling(height: int | np.ndarray, width: int | np.ndarray, max_crops: 
     return rows, cols
 
 
-# -- Knob3: which blocks run. Importance-based selection (origin_formats.md §2.3, §6)
+# -- Knob3: which blocks run. Importance-based selection (docs/origin_format.md §2.3, §6)
 
 
 def load_importance_scores(path: str | Path) -> dict[int, float]:
@@ -189,7 +189,7 @@ def select_active_blocks(num_active_blocks: int, num_total_blocks: int = NUM_TOT
     return tuple(sorted(list(range(first_kept)) + ranked[: num_active_blocks - first_kept]))
 
 
-# -- the two-stage controller's insertion position (origin_formats.md §2.3, §7.3)
+# -- the two-stage controller's insertion position (docs/origin_format.md §2.3, §7.3)
 #: stage 2 runs after the first p blocks, p in 1..5
 INSERTION_POSITIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 

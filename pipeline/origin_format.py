@@ -2,7 +2,7 @@
 
 One definition for everything that reads or writes these trees: ingest matches file names
 with the patterns below, ``ctrl profile`` and the synthetic generator build names with the
-functions below (``origin_formats.md`` §4.2, §4.3).
+functions below (``docs/origin_format.md`` §4.2, §4.3).
 
 Layout of one dataset (``<slug>`` = the dataset name with ``_`` replaced by ``-``)::
 

@@ -2,7 +2,7 @@
 
 A fragment is what one file contributes: measurement rows (before dedupe), the first copy
 of each sample's metadata, and the recorded configuration summaries. Formats:
-``origin_formats.md`` §4 (exp5/exp6) and §5 (core_exp).
+``docs/origin_format.md`` §4 (exp5/exp6) and §5 (core_exp).
 """
 
 from __future__ import annotations

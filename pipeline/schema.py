@@ -1,7 +1,8 @@
 """Table contracts of the workspace: one entry per table, the only place columns are defined.
 
 Writers cast to these schemas and check primary keys, readers check ``schema_version``,
-the DuckDB views and docs/schema.md are generated from here.
+the DuckDB views and docs/schema.md are generated from here. The flags cite the origin's defects
+(D1, D2, D10: docs/origin_format.md §9).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``ctrl profile``: measure a model's knob sweep and write it as exp5 / exp6 result trees.
 
-The origin's profiling scripts (``origin_formats.md`` §4.2, §4.3) are the format this writes,
+The origin's profiling scripts (``docs/origin_format.md`` §4.2, §4.3) are the format this writes,
 so ``ctrl ingest <out>`` reads the result like any other run; the measurement is the fixed one
 (§9, §10):
 

@@ -159,7 +159,7 @@ def image_token_mean(tokens: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PrefixState:
-    """A prefill run up to the insertion point (two-stage online execution, origin §7.3).
+    """A prefill run up to the insertion point (two-stage online execution, docs/origin_format.md §7.3).
 
     Shared by every rollout with the same (request, crops, insertion position): blocks before
     the insertion point run with the model's default top-K whatever stage 2 later chooses.

@@ -71,7 +71,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
                 self.decoder = own_memory(load_strict(OlmoeForCausalLM, self.path / "decoder"))
                 proj_cfg = json.loads((self.path / "projector" / "projector.json").read_text())
                 self.projector = ImageProjector(**proj_cfg)
-                # strict: a missing or unexpected tensor is an error, never a silently random weight (D25)
+                # strict: a missing or unexpected tensor is an error, never a random weight (docs/origin_format.md D25)
                 self.projector.load_state_dict(load_file(str(self.path / "projector" / "projector.safetensors")))
         except (OSError, TypeError, ValueError, KeyError, RuntimeError) as exc:
             msg = f"{self.path}: cannot load the embedded model: {exc}"

@@ -1,7 +1,7 @@
 """The embedded model's format: a MolmoE-shaped VLM generated from a seed, needing no download.
 
 It is composed from transformers' own classes so that the knobs act on the same kind of
-execution path as in MolmoE-1B (``origin_formats.md`` §1):
+execution path as in MolmoE-1B (``docs/origin_format.md`` §1):
 
 * vision: a small ``CLIPVisionModel`` (112-px crops, 14-px patches -> 8x8 patches) run on
   Molmo-style overlapping crops plus a global image placed first; the two last ViT hidden

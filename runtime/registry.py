@@ -138,7 +138,8 @@ def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores
     """A ready runtime for a ``--model`` value (see the module docstring) holding its weights in
     ``dtype`` (``runtime.precision``).
 
-    ``importance_scores``: a §6 importance file used by ``blocks_for`` / ``knobs(num_active_blocks=...)``;
+    ``importance_scores``: an importance file (docs/origin_format.md §6) used by ``blocks_for`` /
+    ``knobs(num_active_blocks=...)``;
     without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
     """
     kind, path = resolve_model(model)

@@ -1,7 +1,7 @@
 """Answer scoring for the online phase: clean a generated answer, then score it against the references.
 
 The references are the ``answers`` list of the workspace's ``samples`` table; the metric is chosen by the
-sample's ``dataset`` (``origin_formats.md`` §8, one table: :data:`DATASET_METRICS`). Every score is in [0, 1].
+sample's ``dataset`` (``docs/origin_format.md`` §8, one table: :data:`DATASET_METRICS`). Every score is in [0, 1].
 
 Metrics
 - ``vqa_score`` (VQA v2, TextVQA, OK-VQA, and any unknown dataset): ``min(#references equal to the prediction / 3, 1)``

@@ -1,4 +1,4 @@
-"""Latency of a request, measured with PyTorch hooks on a runtime's modules (``origin_formats.md`` §3).
+"""Latency of a request, measured with PyTorch hooks on a runtime's modules (``docs/origin_format.md`` §3).
 
 What the origin got wrong and these timers do instead (§9 D1-D3):
 

@@ -1,4 +1,4 @@
-"""Deterministic synthetic exp5/exp6 result trees in the exact origin formats (origin_formats.md §4).
+"""Deterministic synthetic exp5/exp6 result trees in the exact origin formats (docs/origin_format.md §4).
 
 Used for the sample data in ``data/``, as test fixtures (small trees, fault injection) and
 for benchmarks (large trees). Only numpy, the standard library and Pillow are imported.

@@ -2,7 +2,8 @@
 
 Everything here is deterministic given ``(seed, dataset)`` and uses numpy only. The
 writer in :mod:`synthetic` turns these tables into exp5/exp6 JSON trees; the
-model itself is documented in that module's docstring and in ``data/README.md``.
+model itself is documented in that module's docstring and in ``data/README.md``. Sections (§)
+and defect labels (D1 ..) cite docs/origin_format.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from pipeline.knobs import NUM_TOTAL_BLOCKS, TOKENS_PER_CROP, exp_active_blocks
 from pipeline.knobs import select_tiling as knobs_select_tiling
 
-# -- Molmo image geometry (origin_formats.md §2.1)
+# -- Molmo image geometry (docs/origin_format.md §2.1)
 CROP_WINDOW_PX = 224
 TOTAL_MARGIN_PX = 112
 #: global image in the sequence: start + 12 rows x (12 patches + 1 col token) + end

@@ -7,7 +7,7 @@ Layout of one dataset directory::
     <dir>/images/<image_id>.png
 
 Samples carry the metadata keys of the origin's per-sample records (``example_id``,
-``image_id``, ``question``, ``answers``; origin_formats.md §4.1), so results written from them
+``image_id``, ``question``, ``answers``; docs/origin_format.md §4.1), so results written from them
 get the same sample keys at ingest as the origin's VQA sets, and ``ctrl extract-features
 --images <dir>/images`` finds the images by image_id. ``family`` names the question family
 (extra metadata, kept by ingest in ``metadata_json``).

@@ -16,7 +16,7 @@ DATASET = "coco_2014_vqa"
 
 
 def vqa_record(i: int, score: float | None = None, sample_id: int = 0) -> dict[str, Any]:
-    """exp5 all_samples / exp6 per_sample_predictions entry for question i (§4.1)."""
+    """exp5 all_samples / exp6 per_sample_predictions entry for question i (docs/origin_format.md §4.1)."""
     return {
         "sample_id": sample_id,
         "score": float(i % 2) if score is None else score,

@@ -150,7 +150,7 @@ def test_image_arrays_are_crops_plus_one(rt, size, max_crops):
 
 
 def test_some_crop_case_uses_exactly_max_crops(rt):
-    """Origin defect D11 drops the last crop exactly when rows*cols == max_crops: cover that case."""
+    """Origin defect D11 (docs/origin_format.md) drops the last crop when rows*cols == max_crops: cover that case."""
     exact = [(size, mc) for size, mc in CROP_CASES if np.prod(rt.tiling(size[0], size[1], mc)) == mc and mc > 1]
     assert exact, "no test case uses a tiling with exactly max_crops crops"
     for size, mc in exact:

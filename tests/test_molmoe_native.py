@@ -85,7 +85,7 @@ def test_greedy_generation_equals_the_origin(native, origin):
 
 def test_skipped_blocks_equal_the_origin_without_those_blocks(native, origin):
     """The origin's forward run over a block list without the skipped blocks is the reference for
-    Knob3 (what the origin's controller meant; its mask wrapper faked K/V instead, D24)."""
+    Knob3 (what the origin's controller meant; its mask wrapper faked K/V instead, D24 in docs/origin_format.md)."""
     inputs = native.preprocess(make_image(400, 300), QUESTION, 6)
     active = [0, 2, 3, 7, 8, 11, 14, 15]
     blocks = origin.model.transformer.blocks

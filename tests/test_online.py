@@ -1,5 +1,6 @@
 """The online phase: two-stage execution on the real embedded model, hook timing, rollouts,
-GRPO steps, resume and a 2-process (gloo) run."""
+GRPO steps, resume and a 2-process (gloo) run. Sections (§) and defect labels (D1 ..) cite
+docs/origin_format.md."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def test_testbed_model_must_be_trained_first(monkeypatch, tmp_path):
 
 
 def test_parser_honours_the_profile_marker(tmp_path):
-    """The same exp6 file: without the marker the origin's defects are flagged (D1, D10); with
+    """The same exp6 file: without the marker the origin's defects are flagged (D1, D10 of docs/origin_format.md); with
     ``config.ctrl_profile_version`` the recorded prefill, vision time and text-only counts are kept."""
     from origin_files import exp6_config_doc, exp6_name, write
     from pipeline.errors import IngestError

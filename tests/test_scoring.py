@@ -1,4 +1,7 @@
-"""runtime.scoring: prediction cleaning (§4.1), VQA normalization, vqa_score / exact match / ANLS, dispatch (§8)."""
+"""runtime.scoring: prediction cleaning (§4.1), VQA normalization, vqa_score / exact match / ANLS, dispatch (§8).
+
+Sections: docs/origin_format.md.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of the synthetic exp5/exp6 tree generator (synthetic)."""
+"""Tests of the synthetic exp5/exp6 tree generator (synthetic); D1 .. are the origin defects of
+docs/origin_format.md §9."""
 
 from __future__ import annotations
 

@@ -317,7 +317,7 @@ def test_pairwise_loss_on_a_hand_example():
     want = (nls(-1.0 - -2.0) + nls(-0.5 - -2.0)) / 2
     assert valid.tolist() == [True, False]
     assert loss.item() == pytest.approx(want, rel=1e-6)
-    # groups are rows: their order never mixes members of different groups (origin D21)
+    # groups are rows: their order never mixes members of different groups (origin defect D21, docs/origin_format.md §9)
     loss_swapped, _ = pairwise_objective(lp.flip(0), rewards.flip(0))
     assert loss_swapped.item() == pytest.approx(want, rel=1e-6)
 

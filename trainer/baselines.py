@@ -98,7 +98,7 @@ class OracleDecider(_Deterministic):
 
 
 class LookupTableDecider(_Deterministic):
-    """Static lookup table chosen on training data (origin §7.9, done on one latency definition).
+    """Static lookup table chosen on training data (docs/origin_format.md §7.9, on one latency definition).
 
     Per configuration, from ``train`` (pass ``data.subset("train")``; its allowed entries only):
     the mean score and a latency statistic, ``statistic="quantile"`` (the ``quantile``, default

@@ -74,7 +74,7 @@ class TrainingConfig:
       - ``"batch"``: the std of all rewards of the step (default): keeps the relative size of
         the groups' differences and is invariant to the reward scale.
       - ``"none"``: no division (Dr. GRPO); the step size then depends on the reward weights.
-    reward: a ``trainer.reward.RewardConfig`` or a dict of its fields (``origin_formats.md`` §7.5).
+    reward: a ``trainer.reward.RewardConfig`` or a dict of its fields (``docs/origin_format.md`` §7.5).
     seed: seeds initialisation, data order, budgets and sampling (int, default 42): the same
         config gives the same run.
     """

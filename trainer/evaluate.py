@@ -5,7 +5,7 @@ configurations (the test split). Columns (see ``EVALUATION_COLUMNS``):
 
 * ``accuracy``: mean recorded score of the chosen configurations;
 * ``latency_ms_mean`` / ``latency_ms_p95``: their recorded latency (linear-interpolation p95);
-* ``violation_rate``: share with latency > budget_ms (no tolerance, origin §7.8 training metric);
+* ``violation_rate``: share with latency > budget_ms (no tolerance: the training metric of docs/origin_format.md §7.8);
 * ``accuracy_within_budget``: mean score with every answer over budget counted as 0: the
   accuracy a service with this deadline delivers (late answers are lost);
 * ``reward_mean``: mean reward (``trainer.reward``) of the decisions;

@@ -4,7 +4,7 @@ Every tensor here is shaped (num_groups, G): row m is one group, i.e. one (sampl
 pair with G configurations drawn from the current policy under that sample's mask. A group
 is *indexed explicitly* by ``GroupSamples.sample_index`` - rewards, log-probs and advantages
 of a group always stay in its row, never in contiguous slices of a flat batch (origin
-``origin_formats.md`` §9 D21).
+``docs/origin_format.md`` §9 D21).
 
 Losses (``loss_type``):
 

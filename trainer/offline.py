@@ -1,4 +1,4 @@
-"""``ctrl train --offline``: GRPO on the recorded configuration groups (``origin_formats.md`` §7.6).
+"""``ctrl train --offline``: GRPO on the recorded configuration groups (``docs/origin_format.md`` §7.6).
 
 Every sample of exp5/exp6 was recorded under every configuration, so a group of G sampled
 configurations per (sample, budget) is scored by lookup, not by running the model. One run:

@@ -27,7 +27,7 @@ direct per-sample predictor of the vision and prefill cost of each crops choice.
 the standardised log(1 + crops) of every choice, stage 2 adds a per-choice term. Missing
 tilings (no readable image, or a caller without them) read as the training mean.
 
-The budget enters through a sinusoidal encoding followed by an MLP (``origin_formats.md``
+The budget enters through a sinusoidal encoding followed by an MLP (``docs/origin_format.md``
 §7.2), but normalised over the training budget range (never the origin's fixed 50-500 ms,
 §9 D22) with frequencies chosen so that every dimension varies over that range; budgets outside
 it are clamped to its ends.

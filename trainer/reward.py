@@ -1,6 +1,6 @@
 """The reward of one decision: recorded score and latency against a latency budget.
 
-Soft mode is the origin formula (``origin_formats.md`` §7.5, RewardFunction) with its
+Soft mode is the origin formula (``docs/origin_format.md`` §7.5, RewardFunction) with its
 weights as options; hard mode is a constraint: the score when the budget is met, a fixed
 penalty otherwise. Every part is returned so that training can log it.
 """
@@ -32,7 +32,7 @@ _EPS = 1e-6  # §7.5 guards the division by the budget with 1e-6
 
 @dataclass
 class RewardConfig:
-    """Options of the reward (``origin_formats.md`` §7.5; defaults are the origin trainer's).
+    """Options of the reward (``docs/origin_format.md`` §7.5; defaults are the origin trainer's).
 
     > Mode
     mode: ``"soft"`` or ``"hard"``.

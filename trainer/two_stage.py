@@ -1,4 +1,4 @@
-"""The online two-stage controller (``origin_formats.md`` §7.3): the offline policy plus what
+"""The online two-stage controller (``docs/origin_format.md`` §7.3): the offline policy plus what
 only the real model can feed it.
 
 Stage 1 runs before the vision tower on the language features and the budget: the offline
