@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGIN_DOC = ROOT / "docs" / "origin_format.md"
@@ -62,3 +64,19 @@ def test_no_reference_to_the_format_document_outside_the_repository():
             for path in repo_files(".py", ".md", ".toml", ".txt", ".sh", ".cfg", ".yaml", ".yml")
             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if outside in line]
     assert not hits, f"{outside} is not in this repository; cite docs/origin_format.md:\n" + "\n".join(hits)
+
+
+def load_cli_generator() -> ModuleType:
+    """docs/gen_cli.py, which is a script beside the docs, not a module of the package."""
+    spec = importlib.util.spec_from_file_location("gen_cli", ROOT / "docs" / "gen_cli.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_is_generated_from_the_cli():
+    generated = load_cli_generator().cli_markdown()
+    assert (ROOT / "docs" / "cli.md").read_text() == generated, (
+        "docs/cli.md is stale: regenerate it with `python docs/gen_cli.py` and commit it")
+    for command in ("ingest", "train", "serve", "testbed train"):
+        assert f"\n## ctrl {command}\n" in generated
