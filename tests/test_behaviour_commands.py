@@ -120,7 +120,7 @@ def test_online_resume_gives_the_uninterrupted_run(features_ws, tmp_path, monkey
 # `ctrl query` and `ctrl ingest` (during the table build) are pinned in tests/test_cli.py.
 
 def test_ctrl_c_during_feature_extraction_exits_130_and_keeps_finished_chunks(tmp_path, monkeypatch, embedded_runtime):
-    """Claim: exit 130 on Ctrl-C (README) with the line "finished chunks are kept; the next run
+    """Claim: exit 130 on Ctrl-C (docs/cli.md) with the line "finished chunks are kept; the next run
     resumes": interrupted in its second chunk of 4 samples, the first chunk stays, the workspace
     checks out, and the next run computes only the 8 samples left. (``embedded_runtime`` puts the
     embedded model in the session's model cache, which `--model embedded` loads.)"""
@@ -468,7 +468,7 @@ def ingested_then_a_new_file(small_tree: Path, ws: Workspace) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc")
 def test_a_crash_while_current_is_swapped_leaves_the_previous_workspace(small_tree, tmp_path, monkeypatch):
-    """Claim: "an interrupted run leaves the previous workspace intact" (README; the new generation
+    """Claim: "an interrupted run leaves the previous workspace intact" (docs/ingest.md; the new generation
     is complete before CURRENT is swapped atomically, docs/ingest.md): killed while the new
     CURRENT is being written, queries and the catalog read the previous tables, `ctrl doctor`
     finds nothing wrong, and the next ingest gives the complete result without parsing again."""
@@ -504,7 +504,7 @@ def test_a_crash_while_current_is_swapped_leaves_the_previous_workspace(small_tr
 
 def test_a_crash_while_the_catalog_is_written_is_reported_and_repaired(small_tree, tmp_path, monkeypatch):
     """Claim: the catalog is rewritten after the swap, and a crash in between is found by `ctrl
-    doctor` and repaired by the next ingest (README, docs/ingest.md): killed before the new
+    doctor` and repaired by the next ingest (docs/ingest.md): killed before the new
     ctrl.duckdb replaces the old one, `ctrl query` reads the new generation, the old catalog still
     reads the previous one, doctor names the catalog (exit 1) and the next ingest rebuilds it."""
     import os

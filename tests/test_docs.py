@@ -80,3 +80,48 @@ def test_cli_reference_is_generated_from_the_cli():
         "docs/cli.md is stale: regenerate it with `python docs/gen_cli.py` and commit it")
     for command in ("ingest", "train", "serve", "testbed train"):
         assert f"\n## ctrl {command}\n" in generated
+
+
+README = ROOT / "README.md"
+README_MAX_LINES = 120
+FENCED_CODE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def markdown_pages() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub gives a page: lower case, punctuation dropped, spaces -> '-'."""
+    seen: dict[str, int] = {}
+    found = set()
+    for title in HEADING.findall(FENCED_CODE.sub("", page.read_text())):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_readme_is_short():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, (f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): "
+                                             "move reference material into docs/")
+
+
+def test_relative_links_point_to_existing_files_and_headings():
+    broken = []
+    for page in markdown_pages():
+        text = INLINE_CODE.sub("", FENCED_CODE.sub("", page.read_text()))
+        for target in LINK.findall(text):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)

@@ -53,7 +53,7 @@ def test_train_evaluate_predict(ws, tmp_path):
                (SELECT count(DISTINCT budget_ms) FROM evaluations WHERE run_id = 'cli-run') AS budgets"""])
     assert json.loads(views.stdout) == [{"runs": 1, "has_metrics": True, "budgets": 2}]
 
-    # the run files follow their declared schemas (pipeline.schema.RUN_TABLES, documented in the README)
+    # the run files follow their declared schemas (pipeline.schema.RUN_TABLES, documented in docs/schema.md)
     import pyarrow.parquet as pq
 
     from pipeline.schema import RUN_TABLES
