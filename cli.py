@@ -37,7 +37,7 @@ err = Console(stderr=True)
 
 WorkspaceOption = Annotated[
     Path | None,
-    typer.Option("--workspace", "-w", envvar="CTRL_WORKSPACE", help="Workspace directory [default: ./workspace].",
+    typer.Option("--workspace", "-w", envvar="CTRL_WORKSPACE", help="Workspace directory (default: ./workspace).",
                  show_default=False, file_okay=False),
 ]
 ModelOption = Annotated[str, typer.Option(
@@ -330,130 +330,85 @@ def _rate(samples: float, seconds: float) -> str:
 
 # -- training ----------------------------------------------------------------------------------
 
+def _train_opt(name: str, *flags: str, **kwargs: Any) -> Any:
+    """A ``ctrl train`` option: help and default from its config field (online.train_options); the
+    CLI's default is None, "not given", so that each phase's own default applies."""
+    from online.train_options import train_option_help
+
+    return typer.Option(*(flags or ("--" + name.replace("_", "-"),)), help=train_option_help(name),
+                        show_default=False, **kwargs)
+
+
 @app.command()
 def train(
-    ctx: typer.Context,
     offline: Annotated[bool, typer.Option("--offline/--online", help="Offline GRPO on the recorded configurations, "
                                           "or online GRPO running the model.")] = True,
     workspace: WorkspaceOption = None,
-    model_fingerprint: Annotated[str | None, typer.Option("--model-fingerprint", help="Feature model to use (prefix "
-                                                          "ok; default: the only one).")] = None,
-    num_epochs: Annotated[int, typer.Option("--num-epochs", min=1, help="Passes over the train split.")] = 30,
-    group_size: Annotated[int, typer.Option("--group-size", min=2, help="Configurations sampled per (sample, budget) "
-                                            "group, G.")] = 5,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per step.")] = 32,
-    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
-    seed: Annotated[int, typer.Option("--seed", help="Seed: the same options give the same run.")] = 42,
-    budget_min_ms: Annotated[float | None, typer.Option("--budget-min-ms", help="Training budget range (default: "
-                                                        "from the data).")] = None,
-    budget_max_ms: Annotated[float | None, typer.Option("--budget-max-ms")] = None,
-    calibration_samples: Annotated[int, typer.Option("--calibration-samples", min=1, help="Online: training samples "
-                                                     "the budget calibration runs on (without a given range).",
-                                                     rich_help_panel=ONLINE)] = 16,
-    reward_mode: Annotated[str, typer.Option("--reward-mode", help="hard (default: the score within the budget, -1 "
-                                             "beyond) or soft (the origin's formula, docs/origin_format.md §7.5).",
-                                             rich_help_panel=REWARD)] = "hard",
-    score_target: Annotated[str, typer.Option("--score-target", help="mean (of exp5 and exp6 where both recorded; "
-                                              "default) or recorded: the training score.",
-                                              rich_help_panel=REWARD)] = "mean",
-    warm_start_steps: Annotated[int, typer.Option("--warm-start-steps", min=0, help="Steps fitting the initial policy "
-                                                  "to the warm-start decider (0 = off).",
-                                                  rich_help_panel=REWARD)] = 200,
-    warm_start_target: Annotated[str, typer.Option("--warm-start-target", help="outcome (the outcome model's "
-                                                   "per-sample choice; default) or table (lut_p95).",
-                                                   rich_help_panel=REWARD)] = "outcome",
-    loss_type: Annotated[str, typer.Option("--loss-type", help="grpo or pairwise (docs/origin_format.md §7.6).",
-                                           rich_help_panel=REWARD)] = "grpo",
-    scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="group, batch or none.",
-                                               rich_help_panel=REWARD)] = "batch",
-    clip_epsilon: Annotated[float | None, typer.Option("--clip-epsilon", help="PPO clip range (default off).",
-                                                       rich_help_panel=REWARD)] = None,
-    kl_beta: Annotated[float, typer.Option("--kl-beta", help="KL weight to the initial (warm-started) policy.",
-                                           rich_help_panel=REWARD)] = 0.1,
-    violation_target: Annotated[float, typer.Option("--violation-target", min=0.0, max=0.99, help="Allowed share of "
-                                                    "decisions over budget at each budget: a per-budget Lagrange "
-                                                    "multiplier prices violations (0 = off).",
-                                                    rich_help_panel=REWARD)] = 0.01,
-    table_fallback: Annotated[bool, typer.Option("--table-fallback/--no-table-fallback", help="Answer with the lut_p95 "
-                                                 "table at the budgets where the controller does not beat it on the "
-                                                 "validation split.", rich_help_panel=REWARD)] = True,
-    fallback_confidence: Annotated[float, typer.Option("--fallback-confidence", min=0.5, max=0.999, help="Confidence "
-                                                       "of that comparison: the table's violation bound and the "
-                                                       "controller's reward test (0.5 = point estimates).",
-                                                       rich_help_panel=REWARD)] = 0.95,
-    cross_fit_folds: Annotated[int, typer.Option("--cross-fit-folds", min=0, help="K-fold cross-fitting: K more "
-                                                 "networks, each without one fold, decide the fallback and the "
-                                                 "evaluation on every sample out of fold (0 = off: one split).",
-                                                 rich_help_panel=REWARD)] = 5,
-    use_tilings: Annotated[bool, typer.Option("--use-tilings/--no-tilings", help="Feed each image's tiling (crops "
-                                              "per max_crops choice) to both stages.")] = True,
-    hidden_dim: Annotated[int, typer.Option("--hidden-dim", min=8, help="Width of the controller's layers: narrower "
-                                            "decides faster in large batches (docs/export.md).")] = 128,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Run directory name (default: timestamp + "
-                                               "hex).")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="Continue a run (id or directory) from its last "
-                                               "checkpoint.")] = None,
-    from_run: Annotated[str, typer.Option("--from", help="Offline (or online) run to continue from; 'latest' = the "
-                                          "newest offline run.", rich_help_panel=ONLINE)] = "latest",
-    fresh: Annotated[bool, typer.Option("--fresh", help="Start from an untrained controller instead of a run.",
-                                        rich_help_panel=ONLINE)] = False,
-    model: Annotated[str, typer.Option("--model", help="'embedded', 'testbed' (the trained testbed) or a local model "
-                                       "directory.", rich_help_panel=ONLINE)] = "embedded",
-    images: Annotated[Path | None, typer.Option("--images", help="Image directory (default: paths recorded by "
-                                                "extract-features).", rich_help_panel=ONLINE)] = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Online optimizer steps.", rich_help_panel=ONLINE)] = 20,
-    samples_per_step: Annotated[int, typer.Option("--samples-per-step", min=1, help="(sample, budget) groups per "
-                                                  "online step.", rich_help_panel=ONLINE)] = 2,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per rollout.",
-                                                rich_help_panel=ONLINE)] = 16,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.", rich_help_panel=ONLINE)] = "cpu",
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="Online: " + DtypeOption.__metadata__[0].help,
-                                         rich_help_panel=ONLINE)] = Dtype.auto,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Steps between online "
-                                                  "checkpoints.", rich_help_panel=ONLINE)] = 5,
-    online_evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Online: evaluate with the model at "
-                                                  "the end.", rich_help_panel=ONLINE)] = True,
-    eval_max_samples: Annotated[int | None, typer.Option("--eval-max-samples", min=1, help="Online: test samples of "
-                                                         "the final evaluation (default: all).",
-                                                         rich_help_panel=ONLINE)] = None,
-    threads: Annotated[int, typer.Option("--threads", min=0, help="Online: CPU threads per request (0 = torch's "
-                                         "default).", rich_help_panel=ONLINE)] = 1,
+    model_fingerprint: Annotated[str | None, _train_opt("model_fingerprint")] = None,
+    num_epochs: Annotated[int | None, _train_opt("num_epochs", min=1)] = None,
+    group_size: Annotated[int | None, _train_opt("group_size", min=2)] = None,
+    batch_size: Annotated[int | None, _train_opt("batch_size", min=1)] = None,
+    lr: Annotated[float | None, _train_opt("lr")] = None,
+    seed: Annotated[int | None, _train_opt("seed")] = None,
+    budget_min_ms: Annotated[float | None, _train_opt("budget_min_ms")] = None,
+    budget_max_ms: Annotated[float | None, _train_opt("budget_max_ms")] = None,
+    report_to: Annotated[str | None, _train_opt("report_to")] = None,
+    calibration_samples: Annotated[int | None, _train_opt("calibration_samples", min=1, rich_help_panel=ONLINE)] = None,
+    reward_mode: Annotated[str | None, _train_opt("reward_mode", rich_help_panel=REWARD)] = None,
+    score_target: Annotated[str | None, _train_opt("score_target", rich_help_panel=REWARD)] = None,
+    warm_start_steps: Annotated[int | None, _train_opt("warm_start_steps", min=0, rich_help_panel=REWARD)] = None,
+    warm_start_target: Annotated[str | None, _train_opt("warm_start_target", rich_help_panel=REWARD)] = None,
+    loss_type: Annotated[str | None, _train_opt("loss_type", rich_help_panel=REWARD)] = None,
+    scale_rewards: Annotated[str | None, _train_opt("scale_rewards", rich_help_panel=REWARD)] = None,
+    clip_epsilon: Annotated[float | None, _train_opt("clip_epsilon", rich_help_panel=REWARD)] = None,
+    kl_beta: Annotated[float | None, _train_opt("kl_beta", rich_help_panel=REWARD)] = None,
+    violation_target: Annotated[float | None, _train_opt("violation_target", min=0.0, max=0.99,
+                                                         rich_help_panel=REWARD)] = None,
+    no_table_fallback: Annotated[bool | None, _train_opt("no_table_fallback", "--no-table-fallback/--table-fallback",
+                                                         rich_help_panel=REWARD)] = None,
+    fallback_confidence: Annotated[float | None, _train_opt("fallback_confidence", min=0.5, max=0.999,
+                                                            rich_help_panel=REWARD)] = None,
+    cross_fit_folds: Annotated[int | None, _train_opt("cross_fit_folds", min=0, rich_help_panel=REWARD)] = None,
+    use_tilings: Annotated[bool | None, _train_opt("use_tilings", "--use-tilings/--no-tilings")] = None,
+    hidden_dim: Annotated[int | None, _train_opt("hidden_dim", min=8)] = None,
+    run_id: Annotated[str | None, _train_opt("run_id")] = None,
+    resume: Annotated[str | None, _train_opt("resume")] = None,
+    from_run: Annotated[str | None, _train_opt("from_run", "--from", rich_help_panel=ONLINE)] = None,
+    fresh: Annotated[bool | None, _train_opt("fresh", "--fresh", rich_help_panel=ONLINE)] = None,
+    model: Annotated[str | None, _train_opt("model", rich_help_panel=ONLINE)] = None,
+    images: Annotated[Path | None, _train_opt("images", rich_help_panel=ONLINE)] = None,
+    steps: Annotated[int | None, _train_opt("steps", min=1, rich_help_panel=ONLINE)] = None,
+    samples_per_step: Annotated[int | None, _train_opt("samples_per_step", min=1, rich_help_panel=ONLINE)] = None,
+    max_new_tokens: Annotated[int | None, _train_opt("max_new_tokens", min=1, rich_help_panel=ONLINE)] = None,
+    device: Annotated[str | None, _train_opt("device", rich_help_panel=ONLINE)] = None,
+    dtype: Annotated[Dtype | None, _train_opt("dtype", rich_help_panel=ONLINE)] = None,
+    checkpoint_every: Annotated[int | None, _train_opt("checkpoint_every", min=1, rich_help_panel=ONLINE)] = None,
+    online_evaluate: Annotated[bool | None, _train_opt("online_evaluate", "--evaluate/--no-evaluate",
+                                                       rich_help_panel=ONLINE)] = None,
+    eval_max_samples: Annotated[int | None, _train_opt("eval_max_samples", min=1, rich_help_panel=ONLINE)] = None,
+    threads: Annotated[int | None, _train_opt("threads", min=0, rich_help_panel=ONLINE)] = None,
 ) -> None:
     """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
-    evaluate), or --online with the model in the loop (hook-measured latency, scored answers)."""
-    options = dict(ctx.params)
+    evaluate), or --online with the model in the loop (hook-measured latency, scored answers).
+    Options of the other phase are refused; with --resume only the options a resumed run may
+    change are accepted (docs/cli.md)."""
+    options = {k: v for k, v in locals().items() if k != "offline"}
+    from online.train_options import train_config
+
+    phase = "offline" if offline else "online"
+    with handled(also=(ValueError,)):
+        config = train_config(phase, options)
     if offline:
-        # a resumed run keeps its own epochs unless --num-epochs is given explicitly (to train it longer)
-        _train_offline(options, epochs_given=str(ctx.get_parameter_source("num_epochs")).endswith("COMMANDLINE"))
+        _train_offline(config)
     else:
-        # online keeps the parent run's reward unless --reward-mode is given explicitly
-        reward_given = str(ctx.get_parameter_source("reward_mode")).endswith("COMMANDLINE")
-        _train_online(options, reward_given)
+        _train_online(config)
 
 
-def _train_offline(o: dict[str, Any], epochs_given: bool) -> None:
-    from trainer import (
-        OfflineTrainConfig,
-        RewardConfig,
-        evaluation_title,
-        format_evaluation_table,
-        read_fallback,
-        train_offline,
-    )
+def _train_offline(config: Any) -> None:
+    from trainer import evaluation_title, format_evaluation_table, read_fallback, train_offline
 
     with running("train", interrupted="resume with --resume RUN (the last finished epoch is checkpointed)",
                  also=(ValueError,), counts=False) as bar:
-        if o["resume"]:
-            config = OfflineTrainConfig.from_run(o["resume"], o["workspace"],
-                                                 **({"num_epochs": o["num_epochs"]} if epochs_given else {}))
-        else:
-            fields = ("workspace", "model_fingerprint", "num_epochs", "group_size", "batch_size", "lr", "seed",
-                      "budget_min_ms", "budget_max_ms", "loss_type", "scale_rewards", "clip_epsilon", "kl_beta",
-                      "fallback_confidence", "use_tilings", "score_target", "warm_start_steps", "warm_start_target",
-                      "run_id", "cross_fit_folds", "hidden_dim")
-            config = OfflineTrainConfig(**{k: o[k] for k in fields}, reward=RewardConfig(mode=o["reward_mode"]),
-                                        violation_target=o["violation_target"] or None,
-                                        disable_table_fallback=not o["table_fallback"])
 
         def show(event: dict) -> None:
             if event.get("phase") == "train":
@@ -481,23 +436,16 @@ def _train_offline(o: dict[str, Any], epochs_given: bool) -> None:
            f"`ctrl query \"FROM evaluations WHERE run_id = '{result.run_id}'\"`")
 
 
-def _train_online(o: dict[str, Any], reward_given: bool) -> None:
+def _train_online(config: Any) -> None:
     import os
 
-    from online import OnlineTrainConfig, train_online
+    from online import train_online
     from runtime.distributed import current_dist
-    from trainer import RewardConfig, format_evaluation_table
+    from trainer import format_evaluation_table
 
-    fields = ("workspace", "model", "device", "fresh", "steps", "samples_per_step", "group_size", "max_new_tokens",
-              "budget_min_ms", "budget_max_ms", "lr", "seed", "scale_rewards", "checkpoint_every", "run_id", "resume",
-              "eval_max_samples", "threads", "calibration_samples")
     # under torchrun, rank 0 shows the progress and reports
     with running("online", interrupted="continue with --online --resume RUN (from its last checkpoint)",
                  also=(ValueError,), show=os.environ.get("RANK", "0") == "0") as bar:
-        config = OnlineTrainConfig(**{k: o[k] for k in fields}, dtype=o["dtype"].value, images_dir=o["images"],
-                                   from_run=o["from_run"],
-                                   reward=RewardConfig(mode=o["reward_mode"]) if reward_given else None,
-                                   evaluate=o["online_evaluate"])
         bar.update(total=config.steps, info="starting")
 
         def show(event: dict) -> None:
@@ -533,7 +481,8 @@ def _train_online(o: dict[str, Any], reward_given: bool) -> None:
 
 @app.command()
 def evaluate(
-    run: Annotated[str, typer.Argument(help="Run id of the workspace, 'latest', or a run directory.")],
+    run: Annotated[str, typer.Argument(help="A run id of the workspace (offline or online), a run directory, or "
+                                       "'latest': the most recently started run with a checkpoint.")],
     workspace: WorkspaceOption = None,
     budget_ms: Annotated[list[float] | None, typer.Option("--budget-ms", help="Budgets to evaluate (repeatable; "
                                                           "default: the run's grid).")] = None,
@@ -546,7 +495,7 @@ def evaluate(
     from trainer import RunDir, evaluate_run, evaluation_title, format_evaluation_table
 
     with handled(also=(ValueError,)):
-        run_dir = RunDir.resolve(Workspace(workspace), run)
+        run_dir = RunDir.resolve(Workspace(workspace), run, ("offline", "online"))
     if run_dir.phase == "online":
         from online import evaluate_online_run
 
@@ -564,7 +513,9 @@ def evaluate(
 def predict(
     budget_ms: Annotated[list[float], typer.Option("--budget-ms", help="Latency budget in ms (repeatable).")],
     out_path: Annotated[Path, typer.Option("--out", help="Output file, .parquet or .csv.", dir_okay=False)],
-    run: Annotated[str | None, typer.Option("--run", help="Run id of the workspace, or a run directory.")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="An offline run id of the workspace, a run directory, or "
+                                            "'latest': the most recently started offline run with a "
+                                            "checkpoint.")] = None,
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A checkpoint file.", exists=True,
                                                     dir_okay=False)] = None,
     workspace: WorkspaceOption = None,
@@ -583,8 +534,9 @@ def predict(
 
 @app.command("export")
 def export(
-    run: Annotated[str, typer.Argument(help="Offline run id of the workspace, 'latest', a run directory or a "
-                                       "checkpoint file.")],
+    run: Annotated[str, typer.Argument(help="An offline run id of the workspace, a run directory, a checkpoint "
+                                       "file, or 'latest': the most recently started offline run with a "
+                                       "checkpoint.")],
     out_path: Annotated[Path, typer.Option("--out", help="The file to write (TorchScript; with --compiled an "
                                            "AOTInductor .pt2 package).", dir_okay=False)],
     compiled: Annotated[bool, typer.Option("--compiled", help="Compile ahead of time for this kind of CPU "

@@ -7,14 +7,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from runtime.precision import check_dtype_name
-from trainer.config import TrainingConfig, check_int
+from trainer.config import TrainingConfig, check_int, option
+from trainer.reward import RewardConfig
 
 
 @dataclass
 class OnlineTrainConfig(TrainingConfig):
     """Options of ``ctrl train --online``; the shared ones are documented on ``TrainingConfig``.
 
-    Online defaults: ``lr`` 3e-4; ``reward`` None = the parent run's reward (fresh: hard mode);
+    Each option's default and one-line help are on its field (``ctrl train --help``, docs/cli.md).
+    ``reward`` None = the parent run's reward (fresh: hard mode);
     ``budget_min_ms`` / ``budget_max_ms`` both None = calibrated on this machine
     (``online.calibrate``), or both given; ``model_fingerprint`` is filled in by the run (the
     model being run; its features must be cached).
@@ -31,49 +33,57 @@ class OnlineTrainConfig(TrainingConfig):
 
     > Start
     from_run: an offline (or online) run id / directory to continue from; "latest" = the most
-        recent offline run of the workspace (default); ignored with ``fresh``.
-    fresh: start from an untrained controller (bool, default False).
+        recent offline run of the workspace; ignored with ``fresh``.
+    fresh: start from an untrained controller (bool).
     parent_run_id: filled in by the run: the run it continued from (None: fresh).
 
     > Rollouts
-    steps: optimizer steps (int, default 20). samples_per_step: groups per step (default 2).
-    max_new_tokens: generation cap per rollout (int, default 16, exp5's cap).
-    calibration_samples: training samples the budget calibration runs on (default 16).
-    warmup: run each configuration once unmeasured before its first measured run (default True).
-    threads: torch intra-op threads on CPU (default 1; 0 = torch's setting): with more threads
+    steps: optimizer steps (int). samples_per_step: groups per step.
+    max_new_tokens: generation cap per rollout (int).
+    calibration_samples: training samples the budget calibration runs on.
+    warmup: run each configuration once unmeasured before its first measured run.
+    threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
 
     > Runs
     evaluate: after the last step, evaluate the run with the model on the test split against its
-        offline start (``online.evaluate``; default True).
-    eval_max_samples: test samples the final evaluation runs (default None: all of the test split).
-    checkpoint_every: steps between checkpoints (default 5; the last step always saves).
+        offline start (``online.evaluate``).
+    eval_max_samples: test samples the final evaluation runs.
+    checkpoint_every: steps between checkpoints.
 
     ``resume`` continues an online run from its last checkpoint: ``steps`` may grow, the device,
     threads and evaluation options may differ, everything else comes from the run's config.json.
     """
 
-    lr: float = 3e-4
-    model: str = "embedded"
-    device: str = "cpu"
-    dtype: str = "auto"
-    images_dir: Path | None = None
-    importance_scores: Path | None = None
-    from_run: str | None = "latest"
-    fresh: bool = False
-    parent_run_id: str | None = None
-    steps: int = 20
-    samples_per_step: int = 2
-    max_new_tokens: int = 16
-    calibration_samples: int = 16
-    warmup: bool = True
-    threads: int = 1
-    evaluate: bool = True
-    eval_max_samples: int | None = None
-    checkpoint_every: int = 5
+    lr: float = option(3e-4, help="AdamW learning rate.")
+    reward: RewardConfig | None = option(None, help="Reward mode: hard (the score within the budget, -1 beyond) "
+                                                    "or soft (docs/origin_format.md §7.5).",
+                                         shown_default="the parent run's (fresh: hard)")
+    model: str = option("embedded", help="'embedded', 'testbed' (the trained testbed), a local model directory or "
+                                         "a Hugging Face id in the local cache.")
+    device: str = option("cpu", help="cpu, cuda, cuda:N.")
+    dtype: str = option("auto", help="Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), "
+                                     "bfloat16, float16 or float32; the features must be of the same dtype.")
+    images_dir: Path | None = option(None, help="Image directory.", shown_default="the paths extract-features recorded")
+    importance_scores: Path | None = option(None, help="Block importance file (docs/origin_format.md §6).",
+                                            shown_default="the default rule")
+    from_run: str | None = option("latest", help="Offline (or online) run to continue from; 'latest' = the newest "
+                                                 "offline run.")
+    fresh: bool = option(False, help="Start from an untrained controller instead of a run.")
+    parent_run_id: str | None = option(None, help="Filled in by the run: the run it continued from.")
+    steps: int = option(20, help="Online optimizer steps (on --resume: train the run longer).")
+    samples_per_step: int = option(2, help="(sample, budget) groups per online step.")
+    max_new_tokens: int = option(16, help="Generation cap per rollout.")
+    calibration_samples: int = option(16, help="Training samples the budget calibration runs on (without a given "
+                                               "range).")
+    warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
+    threads: int = option(1, help="CPU threads per request (0 = torch's default).")
+    evaluate: bool = option(True, help="Evaluate with the model on the test split at the end.")
+    eval_max_samples: int | None = option(None, help="Test samples of the final evaluation.", shown_default="all")
+    checkpoint_every: int = option(5, help="Steps between checkpoints.")
 
     #: what a resumed run takes from the call instead of the run's config.json (not part of the experiment)
-    PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples")
+    PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to")
 
     def __post_init__(self) -> None:
         super().__post_init__()

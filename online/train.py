@@ -53,6 +53,7 @@ from runtime.timing import cpu_threads
 from trainer.data import ActionSpace
 from trainer.grpo import group_advantages
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
+from trainer.reporting import make_reporter, plot_training_curves
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, new_run_id, resolve_checkpoint, rows_frame, write_table_atomic
 from trainer.two_stage import TwoStageConfig, TwoStageController, set_budget_range
@@ -275,10 +276,13 @@ class OnlineTrainer:
                         "budget_max_ms": self.budget_range[1]}
         self._write_run_row()
         executor = RolloutExecutor(self.runtime, self.controller, self.samples, config.max_new_tokens, config.warmup)
+        reporter = make_reporter(config.report_to if self.dist.rank == 0 else "none", self.run.run_id, self.run.path,
+                                 self.workspace.root, config.to_json())
         step = self.start_step - 1
         try:
             for step in range(self.start_step, config.steps + 1):
                 row = self.step(step, executor)
+                reporter.log(row, step)
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     tick = time.perf_counter()
                     self._checkpoint(step)
@@ -287,11 +291,13 @@ class OnlineTrainer:
         except BaseException as err:
             self._write_run_row(status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
                                 finished_at=datetime.now(timezone.utc), wall_time_s=self._elapsed())
+            reporter.close()
             raise
         finally:
             executor.close()
         if self.dist.rank == 0:
             write_table_atomic(self.rows, ONLINE_STEPS, self.run.online_steps_path)
+            plot_training_curves(self.rows, self.run.path / "training_curves.png", f"online run {self.run.run_id}")
         self._write_run_row(status="completed", steps=step, finished_at=datetime.now(timezone.utc),
                             wall_time_s=self._elapsed())
         evaluation = None
@@ -299,6 +305,8 @@ class OnlineTrainer:
             self.notify({"phase": "evaluate"})
             evaluation = evaluate_online_run(self.workspace, self.run.path, max_samples=config.eval_max_samples,
                                              runtime=self.runtime)
+            reporter.log_evaluation(evaluation.to_dicts())
+        reporter.close()
         self.dist.barrier()
         return OnlineRunResult(run_id=self.run.run_id, run_dir=self.run.path, checkpoint=self.run.last_checkpoint,
                                steps=rows_frame(self.rows, ONLINE_STEPS) if self.rows else pl.DataFrame(),
@@ -327,7 +335,8 @@ class OnlineTrainer:
         # each rank's loss is scaled by world_size for DDP's gradient averaging: their mean is the loss
         total_loss = sum(dist.all_gather(loss)) / dist.world_size
         row = {"run_id": self.run.run_id, "step": step, "loss": total_loss,
-               "reward/mean": float(parts["reward"].mean()),
+               "reward/mean": float(parts["reward"].mean()), "reward_std": float(parts["reward"].std()),
+               "learning_rate": float(self.optimizer.param_groups[0]["lr"]),
                **{f"reward/{t}": float(parts[t].mean()) for t in REWARD_TERMS}, **_rollout_means(gathered),
                "groups": len(groups), "zero_variance_groups": int((~valid).sum()), "rollouts": len(gathered),
                "prefixes": num_prefixes, "grad_norm": grad_norm, "time_model_s": local.model_s,

@@ -324,6 +324,9 @@ METRICS = TableSchema(
         Column("loss", _F, "policy loss"),
         *(Column(f"reward/{part}", _F, f"mean {part} over the sampled configurations") for part in
           ("mean", *REWARD_TERMS)),
+        Column("reward_std", _F, "step rows: standard deviation of the sampled configurations' rewards"),
+        Column("violation_rate", _F, "step rows: share of the sampled configurations over budget"),
+        Column("learning_rate", _F, "step rows: the optimizer's learning rate"),
         Column("groups", _L, "(sample, budget) groups used"),
         Column("zero_variance_groups", _L, "groups dropped: all rewards equal, no signal"),
         Column("kl", _F, "exact KL to the initial policy (0 when off)"),
@@ -403,6 +406,8 @@ ONLINE_STEPS = TableSchema(
         Column("loss", _F, "policy loss"),
         *(Column(f"reward/{part}", _F, f"mean {part} over the step's rollouts") for part in
           ("mean", *REWARD_TERMS)),
+        Column("reward_std", _F, "standard deviation of the step's rollout rewards"),
+        Column("learning_rate", _F, "the optimizer's learning rate"),
         Column("accuracy", _F, "mean score of the rollouts"),
         Column("latency_ms_mean", _F, "mean latency_total_ms", "ms"),
         Column("violation_rate", _F, "share of rollouts over budget"),

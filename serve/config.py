@@ -53,12 +53,12 @@ class ServeConfig:
     max_queue: int = field(default=8, metadata=_help(
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
     default_budget_ms: float | None = field(default=None, metadata=_help(
-        "Latency budget of a request without latency_budget_ms [default: the top of the controller's "
-        "training budget range]."))
+        "Latency budget of a request without latency_budget_ms (default: the top of the controller's "
+        "training budget range)."))
     latency_scale: float | None = field(default=None, metadata=_help(
         "This machine's model time per millisecond of the latencies the controller was trained on; budgets are "
-        "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds [default: "
-        "measured on the requests served, warm-up included; docs/serving.md#latency-calibration]."))
+        "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds (default: "
+        "measured on the requests served, warm-up included; docs/serving.md#latency-calibration)."))
     latency_scale_quantile: float = field(default=0.75, metadata=_help(
         "The measured latency scale is this quantile of the last 32 requests' ratios of served model time to "
         "the configuration's median training latency (higher: more careful decisions)."))
@@ -69,9 +69,9 @@ class ServeConfig:
     max_image_pixels: int = field(default=25_000_000, metadata=_help(
         "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
     local_images: Path | None = field(default=None, metadata=_help(
-        "Also accept image_url file paths (file:///... or /...) inside this directory [default: data: URIs only]."))
+        "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only)."))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "The model name requests must use and /v1/models lists [default: the --model value]."))
+        "The model name requests must use and /v1/models lists (default: the --model value)."))
     warmup: bool = field(default=True, metadata=_help(
         "Run every crops choice once before accepting requests, so first requests do not pay one-time costs."))
 

@@ -32,7 +32,7 @@ from serve.protocol import RequestError
 from trainer.deploy import DeployedController, load_deployed
 from trainer.fallback import read_fallback
 from trainer.policy import ControllerPolicy, read_checkpoint
-from trainer.runs import RunDir, latest_run
+from trainer.runs import RunDir
 from trainer.two_stage import Stage1Output, TwoStageController
 
 
@@ -184,7 +184,7 @@ def load_decider(workspace: Workspace, spec: str, model_fingerprint: str) -> Off
     path = Path(spec).expanduser()
     if path.is_file():
         return _from_file(path, model_fingerprint)
-    run = _latest(workspace) if spec == "latest" else RunDir.resolve(workspace, spec)
+    run = RunDir.resolve(workspace, spec, ("offline", "online"))
     if run.phase == "online":
         if not run.last_checkpoint.exists():
             msg = f"{run.last_checkpoint} does not exist: the online run saved no checkpoint yet"
@@ -195,21 +195,6 @@ def load_decider(workspace: Workspace, spec: str, model_fingerprint: str) -> Off
                "Hint: resume it with `ctrl train --offline --resume RUN`.")
         raise CtrlError(msg)
     return _offline(run.best_checkpoint, model_fingerprint, run.run_id)
-
-
-def _latest(workspace: Workspace) -> RunDir:
-    runs = []
-    for phase in ("offline", "online"):
-        try:
-            runs.append(latest_run(workspace, phase))  # type: ignore[arg-type]
-        except CtrlError:
-            continue
-    runs = [r for r in runs if (r.last_checkpoint if r.phase == "online" else r.best_checkpoint).exists()]
-    if not runs:
-        msg = (f"workspace {workspace.root} has no run with a checkpoint\n"
-               "Hint: train one with `ctrl train --offline` (and `ctrl train --online`), or pass --controller FILE.")
-        raise CtrlError(msg)
-    return max(runs, key=lambda r: r.config_path.stat().st_mtime_ns)
 
 
 def _offline(checkpoint: Path, model_fingerprint: str, name: str) -> OfflineDecider:

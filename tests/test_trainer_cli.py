@@ -118,6 +118,26 @@ def test_an_existing_run_is_never_overwritten_and_resume_keeps_its_epochs(ws):
     assert (row["num_epochs"], row["epochs_done"]) == (3, 3)
 
 
+def test_resume_applies_the_options_a_run_may_change_and_refuses_the_others(ws):
+    w = str(ws.root)
+    train_small_run(ws, "opts")
+    run = ws.runs_dir / "opts"
+    changed = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "opts", "--lr", "0.5"])
+    assert changed.exit_code == 1
+    lines = changed.stderr.strip().splitlines()
+    assert lines[0] == ("error: --lr cannot change when resuming run opts (it trained with 0.001, given 0.5); a "
+                        "resumed run may change only --num-epochs, --report-to")
+    assert lines[1].startswith("Hint:") and len(lines) == 2
+    same = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "opts", "--lr", "0.001",
+                               "--cross-fit-folds", "0", "--num-epochs", "2"])
+    assert same.exit_code == 0, same.output  # options equal to the run's are accepted; --num-epochs applies
+    row = pl.read_parquet(run / "run.parquet").row(0, named=True)
+    assert (row["num_epochs"], row["epochs_done"]) == (2, 2)
+    online = runner.invoke(app, ["train", "--online", "-w", w, "--resume", "opts"])
+    assert online.exit_code == 1 and online.stderr.startswith(
+        "error: --resume opts: an offline run, resumed with `ctrl train --offline --resume`")
+
+
 def test_predict_never_writes_over_the_workspaces_files(ws):
     w = str(ws.root)
     train_small_run(ws, "for-predict")

@@ -8,12 +8,13 @@ checked once, here or in the phase that owns it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
+from trainer.reporting import REPORT_TO
 from trainer.reward import RewardConfig
 from trainer.runs import RunDir
 
@@ -47,6 +48,44 @@ def check_number(name: str, value: Any, *, positive: bool = False) -> None:
         raise ValueError(msg)
 
 
+def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING,
+           shown_default: str | None = None) -> Any:
+    """A config field with its help text: ``ctrl train`` and docs/cli.md take the option's help and
+    default from here (``shown_default`` describes a default that is not a plain value)."""
+    metadata = {"help": help, "shown_default": shown_default}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def option_help(cls: type, name: str) -> str:
+    """The help text of field ``name`` of the config class ``cls``."""
+    return _field(cls, name).metadata["help"]
+
+
+def option_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` as the user sees it (``shown_default``, else the value)."""
+    f = _field(cls, name)
+    if f.metadata.get("shown_default") is not None:
+        return f.metadata["shown_default"]
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+
+def has_option(cls: type, name: str) -> bool:
+    return any(f.name == name for f in fields(cls))
+
+
+def _field(cls: type, name: str) -> Any:
+    for f in fields(cls):
+        if f.name == name:
+            if "help" not in f.metadata:
+                msg = f"{cls.__name__}.{name} has no help text"
+                raise KeyError(msg)
+            return f
+    msg = f"{cls.__name__} has no field {name!r}"
+    raise KeyError(msg)
+
+
 @dataclass
 class TrainingConfig:
     """Options of both ``ctrl train --offline`` and ``ctrl train --online``.
@@ -59,39 +98,47 @@ class TrainingConfig:
     resume: a run id or run directory to continue from its last checkpoint (``trainer.runs``).
 
     > Groups and budgets
-    group_size: configurations sampled per (sample, budget) group, G (int >= 2, default 5 as the
-        origin JointGRPOTrainer).
+    group_size: configurations sampled per (sample, budget) group, G (int >= 2).
     budget_min_ms, budget_max_ms: the budget range in ms; each group's budget is drawn uniformly
         from it (None = from the data offline, calibrated on this machine online).
 
     > Optimisation
-    lr: AdamW learning rate (float > 0). weight_decay: AdamW weight decay (float >= 0, default 1e-5).
-    max_grad_norm: gradient-norm clip (float > 0, default 1.0; None = off).
+    lr: AdamW learning rate (float > 0). weight_decay: AdamW weight decay (float >= 0).
+    max_grad_norm: gradient-norm clip (float > 0; None = off).
     scale_rewards: what the centred rewards r - mean_group(r) are divided by (TRL's option; True
         is an alias of "group", False of "none"; ``trainer.grpo.group_advantages``).
       - ``"group"``: the group's std (the origin JointGRPOTrainer). It amplifies groups whose
         rewards differ only by score noise as much as groups that reveal a violation.
-      - ``"batch"``: the std of all rewards of the step (default): keeps the relative size of
+      - ``"batch"``: the std of all rewards of the step: keeps the relative size of
         the groups' differences and is invariant to the reward scale.
       - ``"none"``: no division (Dr. GRPO); the step size then depends on the reward weights.
     reward: a ``trainer.reward.RewardConfig`` or a dict of its fields (``docs/origin_format.md`` §7.5).
-    seed: seeds initialisation, data order, budgets and sampling (int, default 42): the same
+    seed: seeds initialisation, data order, budgets and sampling (int): the same
         config gives the same run.
+    report_to: mirror the metrics to TensorBoard, MLflow or W&B (``trainer.reporting``).
     """
 
-    workspace: Path | None = None
-    model_fingerprint: str | None = None
-    run_id: str | None = None
-    resume: str | None = None
-    group_size: int = 5
-    budget_min_ms: float | None = None
-    budget_max_ms: float | None = None
-    lr: float = 1e-3
-    weight_decay: float = 1e-5
-    max_grad_norm: float | None = 1.0
-    scale_rewards: ScaleRewards = "batch"
-    reward: RewardConfig | None = None
-    seed: int = 42
+    workspace: Path | None = option(None, help="Workspace directory.", shown_default="$CTRL_WORKSPACE or ./workspace")
+    model_fingerprint: str | None = option(None, help="Feature model to use (a unique prefix is enough).",
+                                           shown_default="the only one cached; online: the model run")
+    run_id: str | None = option(None, help="Run directory name.", shown_default="timestamp + 6 hex digits")
+    resume: str | None = option(None, help="Continue a run (id or directory) from its last checkpoint; options "
+                                           "given with it must be ones a resumed run may change.")
+    group_size: int = option(5, help="Configurations sampled per (sample, budget) group, G.")
+    budget_min_ms: float | None = option(None, help="Low end of the training budget range (ms).",
+                                         shown_default="from the data; online: calibrated on this machine")
+    budget_max_ms: float | None = option(None, help="High end of the training budget range (ms).",
+                                         shown_default="from the data; online: calibrated on this machine")
+    lr: float = option(1e-3, help="AdamW learning rate.")
+    weight_decay: float = option(1e-5, help="AdamW weight decay.")
+    max_grad_norm: float | None = option(1.0, help="Gradient-norm clip (None = off).")
+    scale_rewards: ScaleRewards = option("batch", help="What centred rewards are divided by: group, batch or none.")
+    reward: RewardConfig | None = option(None, help="Reward mode: hard (the score within the budget, -1 beyond) "
+                                                    "or soft (docs/origin_format.md §7.5).",
+                                         shown_default="hard")
+    seed: int = option(42, help="Seed: the same options give the same run.")
+    report_to: str = option("none", help="Also report the training metrics to: none, tensorboard, mlflow or wandb "
+                                         "(optional extras; metrics.parquet is always written).")
 
     def __post_init__(self) -> None:
         if self.workspace is not None:
@@ -105,6 +152,9 @@ class TrainingConfig:
             msg = f"`max_grad_norm` must be > 0 or None (off), got {self.max_grad_norm!r}"
             raise ValueError(msg)
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)
+        if self.report_to not in REPORT_TO:
+            msg = f"`report_to` must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}"
+            raise ValueError(msg)
         lo, hi = self.budget_min_ms, self.budget_max_ms
         if lo is not None and hi is not None and not hi > lo:
             msg = (f"`budget_max_ms` ({hi!r}) must be greater than `budget_min_ms` ({lo!r})\n"
@@ -134,30 +184,32 @@ class TrainingConfig:
 @dataclass
 class OfflineTrainConfig(TrainingConfig):
     """Options of ``ctrl train --offline``; the shared ones are documented on ``TrainingConfig``.
+    Each option's default and one-line help are on its field (``ctrl train --help`` and
+    docs/cli.md show them); below is why they are what they are.
 
-    Offline defaults: ``lr`` 1e-3 (origin 1e-4, for far larger networks), ``reward`` hard mode
-    (the score within the budget, -1 beyond it: the budget is a constraint; the origin's soft
-    formula lets small violations through and pays for slack). ``budget_min_ms`` /
+    Offline choices: ``lr`` larger than the origin's 1e-4 (which was for far larger networks);
+    the hard ``reward`` (the score within the budget, -1 beyond it: the budget is a constraint;
+    the origin's soft formula lets small violations through and pays for slack). ``budget_min_ms`` /
     ``budget_max_ms`` default to ``trainer.data.default_budget_range`` of the train split; the
-    policy's budget encoder is normalised over that range (widened by ``budget_margin``, default none).
+    policy's budget encoder is normalised over that range (widened by ``budget_margin``).
 
     > Groups and epochs
-    num_budgets_per_sample: groups per sample in each step, each with its own budget (int,
-        default 8): several budgets per sample teach the budget dependence faster.
-    num_epochs: passes over the train split (int, default 30).
-    batch_size: samples per step (int, default 32); a step has batch_size * num_budgets_per_sample groups.
-    num_iterations: gradient steps on each sampled batch, μ in TRL (int, default 1). With 1 the
+    num_budgets_per_sample: groups per sample in each step, each with its own budget (int):
+        several budgets per sample teach the budget dependence faster.
+    num_epochs: passes over the train split (int).
+    batch_size: samples per step (int); a step has batch_size * num_budgets_per_sample groups.
+    num_iterations: gradient steps on each sampled batch, μ in TRL (int). With 1 the
         sampling policy equals the current one, so ``clip_epsilon`` only matters when > 1.
 
     > The training score
     score_target: the score the rewards of training (and the validation selection) use.
       - ``"mean"``: the mean of the exp5 and exp6 scores where both were recorded for the
-        (sample, configuration), else the recorded one (default): two independent runs of the
+        (sample, configuration), else the recorded one: two independent runs of the
         same configuration, half the outcome noise the policy could memorise.
       - ``"recorded"``: the ``groups`` view's ``score`` (exp6 where present), as evaluated.
 
     > Anchoring the policy to the static lookup table
-    warm_start_steps: Adam steps (int >= 0, default 200; 0 = off) that fit the initial policy to
+    warm_start_steps: Adam steps (int >= 0; 0 = off) that fit the initial policy to
         a decider's choices before GRPO (cross-entropy to ``warm_start_weight`` on its choice at
         a uniform budget, the rest uniform over the sample's configurations, so sampling still
         explores). With ``kl_beta`` > 0 this warm-started policy is the KL reference: the
@@ -166,100 +218,113 @@ class OfflineTrainConfig(TrainingConfig):
     warm_start_target: the decider the policy starts from.
       - ``"outcome"``: the outcome model's per-sample choice (``trainer.outcome``: predicted
         score and latency quantile per configuration from the features, fitted on the train
-        split; default).
+        split).
       - ``"table"``: the ``lut_p95`` table of the train split (the budget alone decides).
-    warm_start_weight: the decider's share of the warm-start target (float in (0, 1], default 0.7).
+    warm_start_weight: the decider's share of the warm-start target (float in (0, 1]).
     outcome_quantile: the latency quantile the outcome model predicts and holds within the
-        budget (float in (0, 1), default 0.95). The model is fitted in every run (it is also
+        budget (float in (0, 1)). The model is fitted in every run (it is also
         the evaluation decider ``outcome``) and saved as ``outcome.pt``.
     outcome_tilings: the outcome model also reads each image's tiling (crops per max_crops
-        choice, ``image_tilings``; bool, default True).
+        choice, ``image_tilings``; bool).
 
     > The loss
     loss_type: ``"grpo"`` or ``"pairwise"``.
-      - ``"grpo"``: -mean(A * log pi(a)) with group-relative advantages (default).
+      - ``"grpo"``: -mean(A * log pi(a)) with group-relative advantages.
       - ``"pairwise"``: the origin §7.6 GRPOTrainerV2 ranking loss, ties skipped; no clipping.
     clip_epsilon: PPO clip range ε of the ratio against the sampling policy (float in (0, 1);
-        None = off, the default).
-    kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0, default 0.1; 0 = off).
+        None = off).
+    kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0; 0 = off).
         The initial policy is the warm-started one.
 
     > The violation constraint (per budget: E[latency > budget] <= target; ``trainer.constraint``)
-    violation_target: the share of decisions over budget allowed at each budget (float in (0, 1),
-        default 0.01; None = off, reward shaping only). It sits below the 5 % goal because the
+    violation_target: the share of decisions over budget allowed at each budget (float in (0, 1);
+        None = off, reward shaping only). Its default sits below the 5 % goal because the
         multipliers see the train split, whose per-sample latencies the policy can learn: new
         samples violate more. A multiplier lambda(b) >= 0 per point of the validation budget
         grid (linear in between) is subtracted from the reward of every violating
         configuration; after each step it moves by ``violation_lr`` times (the sampling
         policy's exact violation probability near b - target).
-    violation_lr: dual step size (float > 0, default 1.0).
-    violation_max_multiplier: cap of lambda(b) (float > 0, default 10.0): below the lowest
+    violation_lr: dual step size (float > 0).
+    violation_max_multiplier: cap of lambda(b) (float > 0): below the lowest
         budget some samples violate whatever is chosen, so the constraint can be infeasible
         there and lambda would otherwise grow forever.
 
     > The policy (``trainer.policy.PolicyConfig``)
-    hidden_dim: width of the network (int, default 128). dropout: default 0.0.
+    hidden_dim: width of the network (int). dropout: of its layers.
     use_tilings: feed each image's tiling (crops per max_crops choice, ``image_tilings``) to
-        both stages (bool, default True; unknown tilings read as the training mean).
+        both stages (bool; unknown tilings read as the training mean).
     budget_margin: the encoder's normalisation range is the budget range widened by this
-        fraction on each side (float, default 0.0: a budget outside the training range reads
-        as its nearest end, ``trainer.policy.budget_normalization_range``).
+        fraction on each side (float).
 
     > Deployment
-    cross_fit_folds: K of the K-fold cross-fitting (int, default 5; 0 = off: one split decides).
+    cross_fit_folds: K of the K-fold cross-fitting (int; 0 = off: one split decides).
         With K >= 2 the deployed network trains on every sample outside the val split, K more
         networks each without one fold (``trainer.crossfit``), and the fallback and the
         evaluation use every sample once, out of fold. Costs K more trainings.
-    disable_table_fallback: deploy the network alone (bool, default False). By default, after
+    disable_table_fallback: deploy the network alone (bool). Otherwise, after
         training, the controller is compared with the ``lut_p95`` table at every budget of the
         validation grid, violations before reward, and the table answers wherever the
         controller does not win with confidence (safe policy improvement; the rule:
         ``trainer.fallback``). The network alone is evaluated too, as decider ``policy``.
-    fallback_confidence: level of that comparison (float in [0.5, 1), default 0.95): the
+    fallback_confidence: level of that comparison (float in [0.5, 1)): the
         table's violation rate counts by its upper bound at this level, and the controller's
         reward must beat the table's in a one-sided paired test at this level (0.5: plain
         point estimates, any positive difference).
 
     > Evaluation
     num_val_budgets: budgets (evenly spaced over the budget range, ends included) at which the
-        validation expected reward is computed each epoch (int, default 8).
+        validation expected reward is computed each epoch (int).
     eval_budgets: budgets (ms) of the final test evaluation (None = the validation grid,
         rounded to 0.1 ms).
-    disable_evaluation: skip the final test evaluation against the baselines (bool, default False).
+    disable_evaluation: skip the final test evaluation against the baselines (bool).
 
     ``resume`` continues a run from its last finished epoch (optimizer and RNG state included:
     the result equals an uninterrupted run); every other field must match that run's
     config.json, except ``num_epochs``, which may grow (:meth:`from_run`).
     """
 
-    lr: float = 1e-3
-    reward: RewardConfig = field(default_factory=lambda: RewardConfig(mode="hard"))
-    num_budgets_per_sample: int = 8
-    num_epochs: int = 30
-    batch_size: int = 32
-    num_iterations: int = 1
-    score_target: Literal["mean", "recorded"] = "mean"
-    warm_start_steps: int = 200
-    warm_start_target: Literal["outcome", "table"] = "outcome"
-    warm_start_weight: float = 0.7
-    outcome_quantile: float = 0.95
-    outcome_tilings: bool = True
-    loss_type: Literal["grpo", "pairwise"] = "grpo"
-    clip_epsilon: float | None = None
-    kl_beta: float = 0.1
-    violation_target: float | None = 0.01
-    violation_lr: float = 1.0
-    violation_max_multiplier: float = 10.0
-    hidden_dim: int = 128
-    dropout: float = 0.0
-    use_tilings: bool = True
-    budget_margin: float = 0.0
-    cross_fit_folds: int = 5
-    disable_table_fallback: bool = False
-    fallback_confidence: float = 0.95
-    num_val_budgets: int = 8
-    eval_budgets: list[float] | None = None
-    disable_evaluation: bool = False
+    lr: float = option(1e-3, help="AdamW learning rate.")
+    reward: RewardConfig = option(default_factory=lambda: RewardConfig(mode="hard"),
+                                  help="Reward mode: hard (the score within the budget, -1 beyond) or soft "
+                                       "(docs/origin_format.md §7.5).", shown_default="hard")
+    num_budgets_per_sample: int = option(8, help="Groups per sample in each step, each with its own budget.")
+    num_epochs: int = option(30, help="Passes over the train split (on --resume: train the run longer).")
+    batch_size: int = option(32, help="Samples per step.")
+    num_iterations: int = option(1, help="Gradient steps on each sampled batch (TRL's mu).")
+    score_target: Literal["mean", "recorded"] = option(
+        "mean", help="The training score: mean (of exp5 and exp6 where both recorded) or recorded.")
+    warm_start_steps: int = option(200, help="Steps fitting the initial policy to the warm-start decider (0 = off).")
+    warm_start_target: Literal["outcome", "table"] = option(
+        "outcome", help="The warm-start decider: outcome (the outcome model's per-sample choice) or table (lut_p95).")
+    warm_start_weight: float = option(0.7, help="The warm-start decider's share of the warm-start target.")
+    outcome_quantile: float = option(0.95, help="Latency quantile the outcome model predicts and keeps in budget.")
+    outcome_tilings: bool = option(True, help="The outcome model also reads each image's tiling.")
+    loss_type: Literal["grpo", "pairwise"] = option(
+        "grpo", help="grpo or pairwise (the origin's ranking loss, docs/origin_format.md §7.6).")
+    clip_epsilon: float | None = option(None, help="PPO clip range of the ratio to the sampling policy (None = off).")
+    kl_beta: float = option(0.1, help="KL weight to the initial (warm-started) policy.")
+    violation_target: float | None = option(
+        0.01, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier "
+                   "prices violations (0 or None = off).")
+    violation_lr: float = option(1.0, help="Step size of the violation multipliers.")
+    violation_max_multiplier: float = option(10.0, help="Cap of a violation multiplier.")
+    hidden_dim: int = option(128, help="Width of the controller's layers: narrower decides faster in large batches "
+                                       "(docs/export.md).")
+    dropout: float = option(0.0, help="Dropout of the controller's layers.")
+    use_tilings: bool = option(True, help="Feed each image's tiling (crops per max_crops choice) to both stages.")
+    budget_margin: float = option(0.0, help="Widen the budget encoder's range by this fraction on each side.")
+    cross_fit_folds: int = option(5, help="K-fold cross-fitting: K more networks, each without one fold, decide the "
+                                          "fallback and the evaluation on every sample out of fold (0 = off).")
+    disable_table_fallback: bool = option(
+        False, help="Deploy the network alone, without the lut_p95 table answering at the budgets where the "
+                    "controller does not beat it on the validation split.")
+    fallback_confidence: float = option(
+        0.95, help="Confidence of the fallback comparison: the table's violation bound and the controller's reward "
+                   "test (0.5 = point estimates).")
+    num_val_budgets: int = option(8, help="Budgets of the validation grid.")
+    eval_budgets: list[float] | None = option(None, help="Budgets (ms) of the final evaluation.",
+                                              shown_default="the validation grid")
+    disable_evaluation: bool = option(False, help="Skip the final evaluation against the baselines.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -209,11 +209,11 @@ class RunDir:
         return run
 
     @classmethod
-    def resolve(cls, workspace: Workspace, run: str | Path) -> RunDir:
-        """A run from a run id of ``workspace``, ``"latest"`` (the most recently started offline run)
-        or the path of a run directory."""
+    def resolve(cls, workspace: Workspace, run: str | Path, phases: tuple[Phase, ...] = ("offline",)) -> RunDir:
+        """A run from a run id of ``workspace``, the path of a run directory, or ``"latest"``: the most
+        recently started run of ``phases`` with a checkpoint (:func:`latest_run`)."""
         if str(run) == "latest":
-            return latest_run(workspace, "offline")
+            return latest_run(workspace, phases)
         path = Path(run).expanduser()
         if path.is_dir() and (path / CONFIG_FILE).exists():
             return cls(path.resolve())
@@ -227,12 +227,18 @@ class RunDir:
         raise CtrlError(msg)
 
 
-def latest_run(workspace: Workspace, phase: Phase = "offline") -> RunDir:
-    """The most recently started run of ``phase`` (by its config.json's modification time)."""
+def latest_run(workspace: Workspace, phases: Phase | tuple[Phase, ...] = ("offline", "online")) -> RunDir:
+    """What ``latest`` means for every command: the most recently started run (by its config.json's
+    modification time) of the phases the command takes, among those with a checkpoint (an offline
+    run's best epoch, an online run's last step)."""
+    phases = (phases,) if isinstance(phases, str) else tuple(phases)
     runs = [RunDir(p.parent.resolve()) for p in workspace.runs_dir.glob(f"*/{CONFIG_FILE}")]
-    runs = [r for r in runs if r.phase == phase]
+    runs = [r for r in runs if r.phase in phases
+            and (r.last_checkpoint if r.phase == "online" else r.best_checkpoint).exists()]
     if not runs:
-        msg = f"workspace {workspace.root} has no {phase} runs yet\nHint: ctrl train --{phase}"
+        kind = " or ".join(phases)
+        msg = (f"workspace {workspace.root} has no {kind} run with a checkpoint yet\n"
+               f"Hint: ctrl train --{phases[0]}")
         raise CtrlError(msg)
     return max(runs, key=lambda r: r.config_path.stat().st_mtime_ns)
 
@@ -245,7 +251,7 @@ def resolve_checkpoint(workspace: Workspace, run_or_checkpoint: str | Path) -> P
     run = RunDir.resolve(workspace, run_or_checkpoint)
     if run.phase == "online":
         msg = (f"{run.run_id} is an online run: its controller needs the model in the loop\n"
-               "Hint: its rollouts are in the `online_steps` and `rollouts` views; evaluate/predict take offline runs.")
+               "Hint: predict and export take offline runs; `ctrl evaluate` and `ctrl serve` take online runs too.")
         raise CtrlError(msg)
     if not run.best_checkpoint.exists():
         msg = (f"{run.best_checkpoint} does not exist: the run has not finished an epoch\n"
