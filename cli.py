@@ -185,13 +185,14 @@ def query(
 ) -> None:
     """Run SQL over the workspace with DuckDB."""
     from pipeline import Workspace, run_query
+    from pipeline.catalog import csv_ready
 
     with handled(interrupted="nothing was written"):
         result = run_query(Workspace(workspace), sql)
         if output_format is OutputFormat.csv:
             import pyarrow.csv as pacsv
 
-            pacsv.write_csv(result, sys.stdout.buffer)
+            pacsv.write_csv(csv_ready(result), sys.stdout.buffer)
         elif output_format is OutputFormat.json:
             sys.stdout.write(json.dumps(result.to_pylist(), default=str, indent=1) + "\n")
         else:

@@ -1,13 +1,21 @@
 """DuckDB views over the workspace: generated DDL (pure) and the code that executes it.
 
-Views hold no data, so ``ctrl.duckdb`` can always be deleted and rebuilt; ``ctrl query``
-uses an in-memory database with the same views.
+Views hold no data, so ``ctrl.duckdb`` can always be deleted and rebuilt. ``ctrl query`` runs in
+an in-memory database whose views read Arrow datasets that pyarrow opens, while DuckDB itself
+may open no file and load no extension (:func:`connect_read_only`): read-only by construction,
+whatever the statement.
+
+Workspace paths are data: any character a file system allows is escaped before DuckDB's glob
+sees it (``[``, ``*`` and ``?`` are glob syntax there).
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,15 +72,20 @@ RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations":
              "online_steps": "online_steps.parquet", "rollouts": "rollouts/step-*.parquet"}
 
 
-def _paths_sql(paths: Path | list[Path]) -> str:
+def duckdb_glob(root: Path, pattern: str = "") -> str:
+    """``root`` taken literally (its glob characters escaped), then ``pattern`` as a glob."""
+    return glob.escape(str(root)) + ("/" + pattern if pattern else "")
+
+
+def _paths_sql(paths: str | list[str]) -> str:
     if isinstance(paths, list):
-        return "[" + ", ".join(quote_literal(str(p)) for p in paths) + "]"
-    return quote_literal(str(paths))
+        return "[" + ", ".join(quote_literal(p) for p in paths) + "]"
+    return quote_literal(paths)
 
 
-def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
-    """CREATE VIEW statements for the given tables (a path/glob or a list of them each) plus
-    derived views, in a stable order."""
+def view_ddl(table_paths: dict[str, str | list[str]]) -> list[str]:
+    """CREATE VIEW statements for the given tables (a DuckDB glob or a list of them each, as
+    :func:`duckdb_glob` writes them) plus derived views, in a stable order."""
     statements = [
         f"CREATE OR REPLACE VIEW {quote_ident(name)} AS SELECT * FROM read_parquet({_paths_sql(path)}, "
         "union_by_name = true)"
@@ -83,31 +96,51 @@ def view_ddl(table_paths: dict[str, Path | list[Path]]) -> list[str]:
     return statements
 
 
-def requests_view_ddl(log_glob: Path) -> str:
+def requests_view_ddl(log_glob: str) -> str:
     """The ``requests`` view over the server's JSON-lines logs: typed columns from the schema; a
     line that does not parse (a torn tail after a crash of the file system) is left out."""
     columns = ", ".join(f"{quote_literal(c.name)}: {quote_literal(duckdb_type(c.dtype))}" for c in REQUESTS.columns)
-    return (f"CREATE OR REPLACE VIEW requests AS SELECT * FROM read_json({quote_literal(str(log_glob))}, "
+    return (f"CREATE OR REPLACE VIEW requests AS SELECT * FROM read_json({quote_literal(log_glob)}, "
             f"format = 'newline_delimited', columns = {{{columns}}}, ignore_errors = true) "
             "WHERE request_id IS NOT NULL")
 
 
-def _requests_glob(workspace: Workspace) -> Path | None:
+def _requests_glob(workspace: Workspace) -> str | None:
     directory = workspace.requests_dir
-    return directory / "*.jsonl" if any(directory.glob("*.jsonl")) else None
+    return duckdb_glob(directory, "*.jsonl") if any(directory.glob("*.jsonl")) else None
 
 
-def workspace_table_paths(workspace: Workspace) -> dict[str, Path | list[Path]]:
-    """The live generation's tables, plus feature tables (a glob over every model's cache) and
-    run tables; ``measurements`` also reads the online rollouts (experiment 'online')."""
+def _globbed_tables(workspace: Workspace) -> dict[str, tuple[Path, str]]:
+    """table -> (workspace directory, glob inside it), for the tables outside the generation."""
+    tables = {name: (workspace.features_dir, f"*/chunk-*/{name}.parquet") for name in FEATURE_TABLES}
+    tables.update({name: (workspace.runs_dir, f"*/{filename}") for name, filename in RUN_VIEWS.items()})
+    return tables
+
+
+def workspace_table_files(workspace: Workspace) -> dict[str, list[Path]]:
+    """Every table's files, listed: the live generation's tables, the feature tables of every
+    model's cache and the run tables; ``measurements`` also reads the online rollouts."""
     gen = workspace.require_generation()
-    paths = {name: gen / f"{name}.parquet" for name in TABLES if (gen / f"{name}.parquet").exists()}
-    for name in FEATURE_TABLES:
-        if any(workspace.features_dir.glob(f"*/chunk-*/{name}.parquet")):
-            paths[name] = workspace.features_dir / "*" / "chunk-*" / f"{name}.parquet"
-    for name, filename in RUN_VIEWS.items():  # written by the trainer, one file per run
-        if any(workspace.runs_dir.glob(f"*/{filename}")):
-            paths[name] = workspace.runs_dir / "*" / filename
+    files = {name: [gen / f"{name}.parquet"] for name in TABLES if (gen / f"{name}.parquet").exists()}
+    for name, (root, pattern) in _globbed_tables(workspace).items():
+        found = sorted(root.glob(pattern))  # Path.glob takes the root literally
+        if found:
+            files[name] = found
+    if "rollouts" in files and "measurements" in files:
+        files["measurements"] = files["measurements"] + files["rollouts"]
+    return files
+
+
+def workspace_table_paths(workspace: Workspace) -> dict[str, str | list[str]]:
+    """The tables of :func:`workspace_table_files` as DuckDB globs (``ctrl.duckdb``'s views then
+    also see the files written after it was built)."""
+    files = workspace_table_files(workspace)
+    gen = workspace.require_generation()
+    paths: dict[str, str | list[str]] = {name: duckdb_glob(gen / f"{name}.parquet") for name in TABLES
+                                         if name in files}
+    for name, (root, pattern) in _globbed_tables(workspace).items():
+        if name in files:
+            paths[name] = duckdb_glob(root, pattern)
     if "rollouts" in paths and "measurements" in paths:
         paths["measurements"] = [paths["measurements"], paths["rollouts"]]  # type: ignore[list-item]
     return paths
@@ -155,32 +188,106 @@ def build_catalog(workspace: Workspace) -> Path:
     return workspace.catalog_path
 
 
-#: what ``ctrl query`` runs: statements that only read (DESCRIBE, SHOW and SUMMARIZE parse as SELECT)
-READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+#: set before a query's SQL runs, then locked: DuckDB opens no file (the views read Arrow datasets
+#: that pyarrow opened), downloads nothing, installs and loads no extension
+QUERY_GUARD = ("SET enable_external_access = false", "SET autoinstall_known_extensions = false",
+               "SET autoload_known_extensions = false", "SET lock_configuration = true")
 
 
-def _refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
-    """QueryError unless every statement of ``sql`` only reads: a query must never change the
-    workspace's files (``COPY ... TO`` over a table, ``ATTACH`` of the catalog, ...)."""
-    for statement in con.extract_statements(sql):
-        kind = statement.type.name
-        if kind not in READ_ONLY_STATEMENTS:
-            msg = (f"query refused: {kind} statements are not run by `ctrl query`, which only reads "
-                   f"({', '.join(READ_ONLY_STATEMENTS)}, DESCRIBE, SHOW, SUMMARIZE)\n"
-                   "Hint: export with `ctrl query --format csv \"SELECT ...\" > FILE`, or open the data with your own "
-                   "duckdb session outside the workspace.")
-            raise QueryError(msg)
+def connect_read_only(workspace: Workspace) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the workspace's views, which no statement can make
+    write a file, read one outside the workspace's tables, or reach the network (:data:`QUERY_GUARD`)."""
+    import duckdb  # deferred, as in connect()
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    con = duckdb.connect()
+    try:
+        for name, files in sorted(workspace_table_files(workspace).items()):
+            schemas = []
+            for f in files:
+                try:
+                    schemas.append(pq.read_schema(f))
+                except (OSError, pa.ArrowException) as err:
+                    msg = (f"{f}: not a readable Parquet file ({str(err).splitlines()[0]})\n"
+                           "Hint: `ctrl doctor` checks every file of the workspace and says how to rebuild it.")
+                    raise QueryError(msg) from None
+            schema = pa.unify_schemas(schemas, promote_options="permissive")  # as union_by_name
+            source = f"_arrow_{name}"
+            con.register(source, ds.dataset([str(f) for f in files], format="parquet", schema=schema))
+            con.execute(f"CREATE VIEW {quote_ident(name)} AS SELECT * FROM {quote_ident(source)}")
+        if {"measurements", "configs"} <= set(workspace_table_files(workspace)):
+            con.execute(f"CREATE VIEW groups AS {GROUPS_SQL.strip()}")
+        log = request_log_table(workspace)
+        if log is not None:
+            con.register("_arrow_requests", log)
+            con.execute("CREATE VIEW requests AS SELECT * FROM _arrow_requests")
+        for statement in QUERY_GUARD:
+            con.execute(statement)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def request_log_table(workspace: Workspace) -> pa.Table | None:
+    """The server's request logs as a table of the ``requests`` schema; lines that do not parse (a
+    torn tail after a crash) or hold no request are left out. None without any log."""
+    import pyarrow as pa
+
+    files = sorted(workspace.requests_dir.glob("*.jsonl"))
+    if not files:
+        return None
+    schema = REQUESTS.arrow_schema()
+    rows = []
+    for path in files:
+        for line in path.read_bytes().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict) or row.get("request_id") is None:
+                continue
+            if isinstance(row.get("time"), str):
+                try:
+                    row["time"] = datetime.fromisoformat(row["time"])
+                except ValueError:
+                    row["time"] = None
+            rows.append({c: row.get(c) for c in schema.names})
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a line of other types: keep every line that converts
+        kept = []
+        for row in rows:
+            try:
+                pa.Table.from_pylist([row], schema=schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                continue
+            kept.append(row)
+        return pa.Table.from_pylist(kept, schema=schema)
+
+
+def csv_ready(table: pa.Table) -> pa.Table:
+    """``table`` with its nested columns (lists, structs, maps), which CSV cannot hold, as JSON text."""
+    import pyarrow as pa
+
+    columns = []
+    for column, field in zip(table.columns, table.schema):
+        if pa.types.is_nested(field.type):
+            column = pa.array([None if v is None else json.dumps(v, default=str) for v in column.to_pylist()],
+                              pa.string())
+        columns.append(column)
+    return pa.Table.from_arrays(columns, names=table.column_names)
 
 
 def run_query(workspace: Workspace, sql: str) -> pa.Table:
-    """Run read-only SQL over the workspace views; returns a pyarrow Table. DuckDB errors and
-    statements that could write (anything but SELECT / EXPLAIN) become QueryError."""
+    """Run SQL over the workspace views in a :func:`connect_read_only` connection; returns a pyarrow
+    Table. DuckDB errors become QueryError; so does any attempt to open a file."""
     import duckdb  # deferred, as in connect()
 
-    con = connect(workspace)
+    con = connect_read_only(workspace)
     try:
-        _refuse_writes(con, sql)
-        con.execute("SET lock_configuration = true")  # no SET can undo the guard's assumptions
         relation = con.sql(sql)
         if relation is None:  # a statement without a result set
             import pyarrow as pa
@@ -192,6 +299,13 @@ def run_query(workspace: Workspace, sql: str) -> pa.Table:
         if isinstance(err, duckdb.InterruptException) or "interrupted" in str(err).lower():
             raise KeyboardInterrupt from None
         raise
+    except duckdb.PermissionException as err:
+        first = str(err).strip().splitlines()[0]
+        msg = (f"query refused: `ctrl query` only reads the workspace's views; it opens no file, downloads "
+               f"nothing and loads no extension ({first})\n"
+               "Hint: export with `ctrl query --format csv \"SELECT ...\" > FILE`, or open ctrl.duckdb in your own "
+               "duckdb session.")
+        raise QueryError(msg) from None
     except duckdb.Error as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         views = ", ".join(sorted(workspace_table_paths(workspace)) + ["groups"]

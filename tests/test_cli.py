@@ -96,7 +96,15 @@ def test_a_query_that_would_write_is_refused_with_exit_1(small_tree, tmp_path):
     target = tmp_path / "copy.parquet"
     result = invoke("query", f"COPY (SELECT * FROM measurements) TO '{target}'", "-w", str(ws))
     assert result.exit_code == 1 and not target.exists()
-    assert result.stderr.startswith("error: query refused: COPY statements are not run by `ctrl query`")
+    assert result.stderr.startswith("error: query refused: `ctrl query` only reads the workspace's views")
+
+
+def test_csv_holds_list_columns_as_json(small_tree, tmp_path):
+    ws = tmp_path / "ws"
+    assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0
+    result = invoke("query", "SELECT [1, 2] AS blocks, {'a': 1} AS s, 'x' AS t", "-w", str(ws), "--format", "csv")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == ['"blocks","s","t"', '"[1, 2]","{""a"": 1}","x"']
 
 
 def test_a_full_disk_is_one_line_naming_the_file(small_tree, tmp_path, monkeypatch):
