@@ -250,10 +250,15 @@ def doctor(workspace: WorkspaceOption = None) -> None:
     """Check every workspace file against what its writer recorded; one line per problem with the
     command that repairs it (exit 1 if any)."""
     from pipeline import Workspace
+    from pipeline.errors import WorkspaceError
     from pipeline.health import check_workspace
 
     with handled():
         ws = Workspace(workspace)
+        if not ws.root.is_dir():
+            msg = (f"workspace {ws.root} does not exist\n"
+                   "Hint: pass the workspace with -w (or CTRL_WORKSPACE); `ctrl ingest` creates one.")
+            raise WorkspaceError(msg)
         problems = check_workspace(ws)
     for problem in problems:
         err.print(f"[red]damaged:[/] {problem.line()}", highlight=False, soft_wrap=True)

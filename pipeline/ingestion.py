@@ -112,11 +112,13 @@ class IngestReport:
         return 1 if self.errors else 0
 
 
-def discover(paths: Iterable[Path]) -> list[Path]:
+def discover(paths: Iterable[Path], exclude: Path | None = None) -> list[Path]:
     """Absolute paths of every ``*.json`` file under ``paths`` (directory symlinks followed, each
-    real directory once), sorted and de-duplicated. A path given explicitly is kept whatever it
-    is: ingest refuses what is not a regular file, with a recorded error."""
+    real directory once), sorted and de-duplicated; nothing inside ``exclude`` (the workspace,
+    whose own files are never input). A path given explicitly is kept whatever it is: ingest
+    refuses what is not a regular file, with a recorded error."""
     found: set[Path] = set()
+    excluded = exclude.resolve() if exclude is not None else None
     for p in paths:
         p = p.resolve()
         if not p.is_dir():
@@ -129,7 +131,8 @@ def discover(paths: Iterable[Path]) -> list[Path]:
                 dirs[:] = []
                 continue
             seen.add((st.st_dev, st.st_ino))
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                             and (excluded is None or (Path(top) / d).resolve() != excluded))
             found.update(Path(top) / n for n in names
                          if n.endswith(".json") and not n.startswith(".") and (Path(top) / n).is_file())
     return sorted(found)
@@ -235,7 +238,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
     report = IngestReport(workspace=workspace.root)
     with workspace.lock():
         try:
-            files = discover(config.paths)
+            files = discover(config.paths, exclude=workspace.root)
             if on_total:
                 on_total(len(files))
             # a damaged generation (a table missing or corrupt, CURRENT or state.json bad) is never

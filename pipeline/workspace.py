@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -67,6 +68,10 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+#: what CURRENT may name: a generation directory inside tables/
+GENERATION_NAME = re.compile(r"gen-[0-9]{6,}")
+
+
 class Workspace:
     """A workspace root. Cheap to construct; nothing is created until a writer runs."""
 
@@ -113,9 +118,13 @@ class Workspace:
     def current_generation(self) -> Path | None:
         """Directory of the live generation, or None for a workspace never written."""
         try:
-            name = (self.root / "CURRENT").read_text().strip()
+            name = (self.root / "CURRENT").read_text(errors="replace").strip()
         except FileNotFoundError:
             return None
+        if not GENERATION_NAME.fullmatch(name):  # empty, damaged, or a path that would leave tables/
+            msg = (f"{self.root / 'CURRENT'} does not name a generation (gen-NNNNNN), it holds {name[:60]!r}\n"
+                   "Hint: re-run `ctrl ingest` to rebuild the workspace.")
+            raise WorkspaceError(msg)
         gen = self.tables_dir / name
         if not gen.is_dir():
             msg = (f"{self.root / 'CURRENT'} names {name!r}, which does not exist\n"

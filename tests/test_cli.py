@@ -99,6 +99,13 @@ def test_a_query_that_would_write_is_refused_with_exit_1(small_tree, tmp_path):
     assert result.stderr.startswith("error: query refused: `ctrl query` only reads the workspace's views")
 
 
+def test_doctor_of_a_workspace_that_does_not_exist_is_an_error(tmp_path):
+    result = invoke("doctor", "-w", str(tmp_path / "nowhere"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: workspace {tmp_path / 'nowhere'} does not exist")
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_csv_holds_list_columns_as_json(small_tree, tmp_path):
     ws = tmp_path / "ws"
     assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0

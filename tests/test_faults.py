@@ -211,6 +211,14 @@ def current_names_a_missing_generation(ws: Workspace) -> None:
     (ws.root / "CURRENT").write_text("gen-000099\n")
 
 
+def empty_current(ws: Workspace) -> None:
+    (ws.root / "CURRENT").write_text("")
+
+
+def escaping_current(ws: Workspace) -> None:
+    (ws.root / "CURRENT").write_text("../../..\n")
+
+
 def delete_a_fragment(ws: Workspace) -> None:
     next(ws.fragments_dir.rglob("*.measurements.arrow")).unlink()
 
@@ -224,8 +232,8 @@ def delete_catalog(ws: Workspace) -> None:
 
 
 @pytest.mark.parametrize("damage", [scribble_table, delete_table, truncate_manifest, bad_state,
-                                    current_names_a_missing_generation, delete_a_fragment, garbage_catalog,
-                                    delete_catalog])
+                                    current_names_a_missing_generation, empty_current, escaping_current,
+                                    delete_a_fragment, garbage_catalog, delete_catalog])
 def test_damage_is_reported_and_the_next_ingest_repairs_it(small_tree, tmp_path, damage):
     from pipeline.health import check_workspace
 
@@ -362,3 +370,28 @@ def test_a_full_disk_during_ingest_frees_the_new_parse_cache_and_keeps_the_table
     assert run_query(ws, "SELECT count(*) AS m FROM measurements").to_pylist() == before
     monkeypatch.undo()
     assert run_ingest([small_tree], ws).changed
+
+
+@pytest.mark.parametrize(("content", "shown"), [("", "''"), ("../../..", "'../../..'")])
+def test_a_current_that_names_no_generation_is_one_line(small_tree, tmp_path, content, shown):
+    from pipeline.errors import WorkspaceError
+
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    (ws.root / "CURRENT").write_text(content)
+    with pytest.raises(WorkspaceError, match=rf"CURRENT does not name a generation \(gen-NNNNNN\), it holds {shown}"):
+        run_query(ws, "SELECT count(*) FROM measurements")
+
+
+def test_a_workspace_inside_the_input_tree_is_never_ingested(small_tree, tmp_path):
+    expected = clean_counts(small_tree, tmp_path)
+    ws = Workspace(small_tree / "workspace")  # `ctrl ingest .` run from the results directory
+    first = run_ingest([small_tree], ws)
+    assert not first.errors and first.changed
+    (ws.root / "stray.json").write_text("{}")  # a JSON file of the workspace's own is not input either
+    again = run_ingest([small_tree], ws)
+    assert not again.errors and not again.changed  # settled: the second run finds nothing new
+    assert run_query(ws, "SELECT (SELECT count(*) FROM measurements) AS m, (SELECT count(*) FROM samples) AS s"
+                     ).to_pylist()[0] == expected
+    paths = run_query(ws, "SELECT path FROM files").column("path").to_pylist()
+    assert paths and not any(p.startswith(str(ws.root.resolve())) for p in paths)
