@@ -86,8 +86,33 @@ class FeatureConfig:
             msg = f"device must be cpu or cuda, got {self.device!r}"
             raise CtrlError(msg)
         check_dtype_name(self.dtype)
+        if self.image_pattern is not None:
+            check_image_pattern(self.image_pattern)
         if self.images_dir is not None and not Path(self.images_dir).is_dir():
             msg = f"--images {self.images_dir} is not a directory"
+            raise CtrlError(msg)
+
+
+#: the fields an --image-pattern may use
+IMAGE_PATTERN_FIELDS = ("image_id", "dataset", "split")
+
+
+def check_image_pattern(pattern: str) -> None:
+    """Refuse a pattern that names another field, a positional one, or is not a format string."""
+    import string
+
+    try:
+        parsed = list(string.Formatter().parse(pattern))
+    except ValueError as err:
+        msg = f"--image-pattern {pattern!r} is not a valid pattern ({err}); use e.g. '{{dataset}}/{{image_id}}.jpg'"
+        raise CtrlError(msg) from None
+    for _, field_name, _, _ in parsed:
+        if field_name is None:
+            continue
+        if field_name not in IMAGE_PATTERN_FIELDS:
+            shown = "{" + field_name + "}"
+            msg = (f"--image-pattern {pattern!r} uses {shown}; the fields are "
+                   + ", ".join("{" + f + "}" for f in IMAGE_PATTERN_FIELDS))
             raise CtrlError(msg)
 
 

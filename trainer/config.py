@@ -156,6 +156,10 @@ class TrainingConfig:
             msg = f"`report_to` must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}"
             raise ValueError(msg)
         lo, hi = self.budget_min_ms, self.budget_max_ms
+        for name, value in (("budget_min_ms", lo), ("budget_max_ms", hi)):
+            if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                msg = f"`{name}` must be a finite number of milliseconds > 0, got {value!r}"
+                raise ValueError(msg)
         if lo is not None and hi is not None and not hi > lo:
             msg = (f"`budget_max_ms` ({hi!r}) must be greater than `budget_min_ms` ({lo!r})\n"
                    "Hint: leave both None to derive the range from the data.")

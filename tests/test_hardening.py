@@ -1,0 +1,50 @@
+"""Values that cannot work are refused before any work, with one line naming the value."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from features.extract import check_image_pattern
+from pipeline.errors import CtrlError
+from trainer.config import OfflineTrainConfig
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(("pattern", "message"), [
+    ("{foo}.jpg", "uses {foo}; the fields are {image_id}, {dataset}, {split}"),
+    ("{0}", "uses {0}; the fields are"),
+    ("{}", "uses {}; the fields are"),
+    ("{image_id", "is not a valid pattern"),
+])
+def test_an_image_pattern_with_other_fields_is_refused(pattern, message):
+    with pytest.raises(CtrlError, match="^" + re.escape(f"--image-pattern {pattern!r} {message}")):
+        check_image_pattern(pattern)
+    check_image_pattern("{dataset}/{image_id}.jpg")
+
+
+def test_extract_features_refuses_a_bad_pattern_in_one_line(tmp_path):
+    result = runner.invoke(app, ["extract-features", "-w", str(tmp_path / "ws"), "--image-pattern", "{foo}.jpg"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[0] == (
+        "error: --image-pattern '{foo}.jpg' uses {foo}; the fields are {image_id}, {dataset}, {split}")
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, -5.0, 0.0])
+def test_a_budget_range_end_that_is_not_a_finite_positive_number_is_named(value):
+    message = rf"^`budget_max_ms` must be a finite number of milliseconds > 0, got {value!r}$"
+    with pytest.raises(ValueError, match=message):
+        OfflineTrainConfig(budget_min_ms=50.0, budget_max_ms=value)
+
+
+def test_train_with_an_infinite_budget_writes_no_run(tmp_path):
+    result = runner.invoke(app, ["train", "--offline", "-w", str(tmp_path / "ws"), "--budget-min-ms", "50",
+                                 "--budget-max-ms", "inf"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: `budget_max_ms` must be a finite number of milliseconds > 0, got inf")
+    assert not (tmp_path / "ws" / "runs").exists()
