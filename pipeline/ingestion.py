@@ -113,10 +113,11 @@ class IngestReport:
 
 
 def discover(paths: Iterable[Path], exclude: Path | None = None) -> list[Path]:
-    """Absolute paths of every ``*.json`` file under ``paths`` (directory symlinks followed, each
+    """Absolute paths of every ``*.json`` entry under ``paths`` (directory symlinks followed, each
     real directory once), sorted and de-duplicated; nothing inside ``exclude`` (the workspace,
-    whose own files are never input). A path given explicitly is kept whatever it is: ingest
-    refuses what is not a regular file, with a recorded error."""
+    whose own files are never input). Entries that are not regular files (a FIFO, a link to a
+    device, a dangling link) and directories that cannot be listed are kept too, as is a path
+    given explicitly whatever it is: ingest records each of them as a bad file, never reads one."""
     found: set[Path] = set()
     excluded = exclude.resolve() if exclude is not None else None
     for p in paths:
@@ -125,7 +126,7 @@ def discover(paths: Iterable[Path], exclude: Path | None = None) -> list[Path]:
             found.add(p)
             continue
         seen: set[tuple[int, int]] = set()
-        for top, dirs, names in os.walk(p, followlinks=True):
+        for top, dirs, names in os.walk(p, followlinks=True, onerror=lambda err: found.add(Path(err.filename))):
             st = os.stat(top)
             if (st.st_dev, st.st_ino) in seen:  # a symlink loop or a second link to a directory
                 dirs[:] = []
@@ -133,8 +134,7 @@ def discover(paths: Iterable[Path], exclude: Path | None = None) -> list[Path]:
             seen.add((st.st_dev, st.st_ino))
             dirs[:] = sorted(d for d in dirs if not d.startswith(".")
                              and (excluded is None or (Path(top) / d).resolve() != excluded))
-            found.update(Path(top) / n for n in names
-                         if n.endswith(".json") and not n.startswith(".") and (Path(top) / n).is_file())
+            found.update(Path(top) / n for n in names if n.endswith(".json") and not n.startswith("."))
     return sorted(found)
 
 
@@ -161,6 +161,14 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     name = path_key(Path(path.name))
     try:
         stat = path.stat()
+        if S_ISDIR(stat.st_mode):  # a directory that could not be listed
+            try:
+                os.listdir(path)
+                why = "a directory"
+            except OSError as err:
+                why = f"a directory that cannot be listed: {err.strerror or err}"
+            return {"status": "error", "error": f"{name}: not a regular file ({why})", "sha256": None,
+                    "size_bytes": 0, "mtime_ns": stat.st_mtime_ns}
         if not S_ISREG(stat.st_mode):  # a FIFO would block forever, /dev/zero never ends
             return {"status": "error", "error": f"{name}: not a regular file ({_file_type(stat.st_mode)})",
                     "sha256": None, "size_bytes": 0, "mtime_ns": stat.st_mtime_ns}

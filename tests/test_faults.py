@@ -395,3 +395,26 @@ def test_a_workspace_inside_the_input_tree_is_never_ingested(small_tree, tmp_pat
                      ).to_pylist()[0] == expected
     paths = run_query(ws, "SELECT path FROM files").column("path").to_pylist()
     assert paths and not any(p.startswith(str(ws.root.resolve())) for p in paths)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+def test_special_entries_inside_a_directory_are_bad_files_not_skipped(small_tree, tmp_path):
+    odd = small_tree / "odd"
+    odd.mkdir()
+    os.mkfifo(odd / "fifo.json")
+    (odd / "zero.json").symlink_to("/dev/zero")
+    (odd / "gone.json").symlink_to(tmp_path / "nowhere.json")
+    locked = odd / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        report = run_ingest([small_tree], Workspace(tmp_path / "ws"))
+    finally:
+        locked.chmod(0o755)
+    errors = {Path(f.path).name: f.error for f in report.errors}
+    assert errors["fifo.json"] == "fifo.json: not a regular file (a FIFO)"
+    assert errors["zero.json"] == "zero.json: not a regular file (a character device)"
+    assert errors["gone.json"] == "gone.json: cannot read: No such file or directory"
+    if os.geteuid() != 0:  # root lists any directory
+        assert errors["locked"] == "locked: not a regular file (a directory that cannot be listed: Permission denied)"
+    assert len([f for f in report.files if f.status == "ok"]) == 9
