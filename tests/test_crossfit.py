@@ -16,8 +16,8 @@ from pipeline.workspace import Workspace
 from trainer.config import OfflineTrainConfig
 from trainer.crossfit import OutOfFold, deployed_data, fold_data, fold_of, folds_of
 from trainer.data import load_offline_data
-from trainer.evaluate import evaluate_deciders
-from trainer.offline import evaluate_run, train_offline
+from trainer.evaluate import evaluate_deciders, evaluate_run
+from trainer.offline import train_offline
 from trainer.reward import RewardConfig
 
 

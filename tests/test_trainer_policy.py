@@ -87,7 +87,7 @@ def test_masked_probabilities_sum_to_one_and_vanish_outside_the_mask():
 
 
 def test_budgets_beyond_the_training_range_read_as_its_ends():
-    from trainer.offline import build_policy
+    from trainer.warm_start import build_policy
 
     data = make_data()
     policy = build_policy(OfflineTrainConfig(budget_min_ms=150.0, budget_max_ms=350.0), data)
@@ -446,7 +446,7 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
 def _initial_state(ws: Workspace, result) -> dict:
     """The policy as train_offline initialised it (same seed, same data)."""
     from trainer.data import load_offline_data
-    from trainer.offline import build_policy
+    from trainer.warm_start import build_policy
 
     config = OfflineTrainConfig.from_json(json.loads((result.run_dir / "config.json").read_text()))
     return build_policy(config, load_offline_data(ws).subset("train")).state_dict()
@@ -527,7 +527,7 @@ def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
 # -- training targets and the lookup-table warm start ------------------------------------------
 
 def test_training_targets_use_the_mean_score_only_when_asked():
-    from trainer.offline import training_targets
+    from trainer.data import training_targets
 
     data = make_data(n=10)
     data.mean_score = torch.where(data.mask, (data.score + 0.5) / 2, float("nan"))
@@ -542,7 +542,7 @@ def test_training_targets_use_the_mean_score_only_when_asked():
 
 def test_warm_start_makes_the_greedy_decision_the_lookup_table():
     from trainer.baselines import LookupTableDecider
-    from trainer.offline import warm_start
+    from trainer.warm_start import warm_start
 
     data = make_data(n=40, full_mask=True)
     policy = make_policy(data).train()
@@ -563,7 +563,7 @@ def test_warm_start_makes_the_greedy_decision_the_lookup_table():
 def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_path):
     from trainer.baselines import LookupTableDecider
     from trainer.fallback import attach_fallback, fit_table_fallback, read_fallback, wilson_upper_bound
-    from trainer.offline import warm_start
+    from trainer.warm_start import warm_start
 
     train, val = make_data(n=60, seed=0, full_mask=True), make_data(n=40, seed=1)
     policy = make_policy(train, seed=2).train()  # near the table (warm start): wins some budgets, loses others

@@ -27,21 +27,18 @@ from trainer.evaluate import (
     EVALUATION_COLUMNS,
     default_budget_grid,
     evaluate_deciders,
+    evaluate_run,
+    evaluation_title,
     format_evaluation_table,
     write_evaluation,
 )
 from trainer.fallback import PolicyDecider, TableFallback, fit_table_fallback, read_fallback
 from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
-from trainer.offline import (
-    OfflineTrainer,
-    RunResult,
-    evaluate_run,
-    evaluation_title,
-    train_offline,
-)
+from trainer.offline import OfflineTrainer, train_offline
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
 from trainer.predict import PREDICTION_COLUMNS, predict
 from trainer.reward import REWARD_PARTS, RewardConfig, compute_reward
+from trainer.run_record import RunResult
 from trainer.runs import RunDir, latest_run, resolve_checkpoint
 
 __all__ = [

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+#: the goal's violation ceiling: the share of decisions over budget a deployed controller may make
+#: (the fallback's test, the evaluation's plot and table); training aims below it (``violation_target``)
+VIOLATION_TARGET = 0.05
+
 
 class ViolationConstraint:
     """Lagrange multipliers lambda(b) >= 0 on a budget grid for E[latency > b] <= target.

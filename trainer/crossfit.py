@@ -15,13 +15,14 @@ uses every sample instead:
 * the deployed network is trained on every sample outside the val split (the val split picks
   its epoch), its table on every sample.
 
-The fold runs live in ``runs/<run_id>/folds/fold-<k>/`` (the usual run files; not listed in the
-``runs`` view).
+The fold runs (:func:`train_folds`) live in ``runs/<run_id>/folds/fold-<k>/`` (the usual run
+files; not listed in the ``runs`` view).
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from trainer.baselines import Decider, LookupTableDecider
+from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.fallback import PolicyDecider, TableFallback, compare_with_table
 from trainer.policy import ControllerPolicy
@@ -36,7 +38,7 @@ from trainer.reward import RewardConfig
 from trainer.runs import RunDir
 
 __all__ = ["FOLDS_DIR", "FoldModels", "OutOfFold", "deployed_data", "fit_cross_fitted_fallback", "fold_data",
-           "fold_of", "fold_run_dir", "folds_of", "load_folds"]
+           "fold_of", "fold_run_dir", "folds_of", "load_folds", "train_folds"]
 
 #: the folds' run directories, inside the parent run's directory
 FOLDS_DIR = "folds"
@@ -106,6 +108,33 @@ class OutOfFold:
 def fold_run_dir(run_dir: Path, fold: int) -> Path:
     """Where fold ``fold`` of the run in ``run_dir`` trains."""
     return run_dir / FOLDS_DIR / f"fold-{fold}"
+
+
+#: trains one fold: (its config, its data, its run directory, its progress callback)
+TrainFold = Callable[[OfflineTrainConfig, OfflineData, Path, Callable[[dict], None]], object]
+
+
+def train_folds(run_dir: Path, config: OfflineTrainConfig, data: OfflineData, train_fold: TrainFold,
+                notify: Callable[[dict], None]) -> None:
+    """The K fold networks of the cross-fit of the run in ``run_dir``, each in ``folds/fold-<k>``
+    (a finished fold is kept, an interrupted one restarts), trained by ``train_fold`` with the
+    run's options but no cross-fit, table fallback or evaluation of their own. ``notify`` hears
+    ``phase="fold"`` events (fold, num_folds, epoch)."""
+    k_total = config.cross_fit_folds
+    fold_config = OfflineTrainConfig.from_json({**config.to_json(), "cross_fit_folds": 0, "run_id": None,
+                                                "resume": None, "disable_table_fallback": True,
+                                                "disable_evaluation": True})
+    for k in range(k_total):
+        target = fold_run_dir(run_dir, k)
+        if (target / "metrics.parquet").exists() and RunDir(target).best_checkpoint.exists():
+            continue
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted fold restarts
+
+        def relay(event: dict, fold: int = k + 1) -> None:
+            notify({"phase": "fold", "fold": fold, "num_folds": k_total, "epoch": event.get("epoch", 0)})
+
+        relay({})
+        train_fold(fold_config, fold_data(data, k, k_total), target, relay)
 
 
 class FoldModels:

@@ -51,7 +51,7 @@ IMAGE_FEATURE_COLUMNS = (GLOBAL_IMAGE_FEATURE, REFERENCE_IMAGE_FEATURE)
 
 __all__ = ["FAMILY_KEYS", "GLOBAL_IMAGE_FEATURE", "IMAGE_FEATURE_COLUMNS", "REFERENCE_IMAGE_FEATURE", "SPLITS",
            "Action", "ActionSpace", "OfflineData", "budget_grid", "check_image_feature_column", "default_budget_range",
-           "family_of", "load_offline_data", "split_of"]
+           "family_of", "load_offline_data", "nonempty_split", "split_of", "training_targets"]
 
 
 # -- the action space ---------------------------------------------------------------------
@@ -305,6 +305,26 @@ def split_of(dataset: str, sample_key: str, fractions: tuple[float, float, float
     if u < fractions[0]:
         return "train"
     return "val" if u < fractions[0] + fractions[1] else "test"
+
+
+def nonempty_split(data: OfflineData, name: str) -> OfflineData:
+    """The samples of split ``name``; a CtrlError when it has none (training and evaluation need each)."""
+    part = data.subset(name)
+    if len(part) == 0:
+        msg = (f"the {name} split is empty ({len(data)} samples in total)\n"
+               "Hint: the split is 80/10/10 by sample; ingest more samples.")
+        raise CtrlError(msg)
+    return part
+
+
+def training_targets(data: OfflineData, score_target: str = "mean") -> OfflineData:
+    """A copy of ``data`` whose ``score`` is what the rewards of training are computed from:
+    ``"mean"``, the mean of the exp5 and exp6 scores where both were recorded
+    (``OfflineData.mean_score``, two independent runs: half the outcome noise), else the
+    recorded score; ``"recorded"``, the groups view's ``score`` (exp6 where present)."""
+    out = data.clone()
+    out.score = data.scores(score_target).clone()
+    return out
 
 
 # -- loading ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Evaluation of deciders over a grid of latency budgets: metrics frame, Parquet, plot, table.
+"""Evaluation of deciders over a grid of latency budgets: metrics frame, Parquet, plot, table,
+and the evaluation of an offline run against the baselines (:func:`evaluate_run`).
 
 One row per (decider, budget_ms), computed on the recorded outcomes of the chosen
 configurations (the test split). Columns (see ``EVALUATION_COLUMNS``):
@@ -24,7 +25,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,24 +34,37 @@ import polars as pl
 import torch
 from rich.table import Table
 
-from pipeline.workspace import atomic_path
-from trainer.baselines import Decider, budget_vector
-from trainer.data import OfflineData, budget_grid, default_budget_range
+from pipeline.workspace import Workspace, atomic_path
+from trainer.baselines import (
+    Decider,
+    FamilyLookupTableDecider,
+    LargestDecider,
+    LookupTableDecider,
+    OracleDecider,
+    RandomDecider,
+    budget_vector,
+)
+from trainer.config import OfflineTrainConfig
+from trainer.constraint import VIOLATION_TARGET
+from trainer.crossfit import FoldModels, fold_run_dir, load_folds
+from trainer.data import OfflineData, budget_grid, default_budget_range, load_offline_data, nonempty_split
+from trainer.fallback import PolicyDecider, TableFallback, read_fallback
+from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
+from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig, compute_reward
+from trainer.runs import RunDir, resolve_checkpoint
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "default_budget_grid", "evaluate_deciders",
-           "format_evaluation_table", "write_evaluation"]
+__all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "baseline_deciders", "default_budget_grid", "evaluate_deciders",
+           "evaluate_run", "evaluation_title", "format_evaluation_table", "write_evaluation"]
 
 EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
                       "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram",
                       "accuracy_se", "accuracy_vs_table", "accuracy_vs_table_se")
 #: the decider the paired differences are taken against
 TABLE_DECIDER = "lut_p95"
-#: the goal's violation ceiling, drawn as the reference line of the plot
-VIOLATION_TARGET = 0.05
 
 
 def default_budget_grid(data: OfflineData, num: int = 8) -> list[float]:
@@ -171,6 +186,94 @@ def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: st
     with atomic_path(png_path, suffix=".png") as tmp:  # matplotlib picks the format from the name
         _plot(frame, run_id).savefig(tmp, dpi=120)
     return parquet_path, png_path
+
+
+# -- an offline run against the baselines -------------------------------------------------
+
+#: build a decider fitted on training samples: (its name, how to build it from those samples)
+Fitted = Callable[[str, Callable[[OfflineData], Decider]], Decider]
+
+
+def baseline_deciders(fitted: Fitted, *, family: bool, seed: int) -> list[Decider]:
+    """The baselines of every evaluation, in their order: oracle, lut_p95, lut_by_family (where
+    the samples record a question family), lut_mean5 (the origin's table, docs/origin_format.md
+    §7.9: mean latency within budget x 1.05), largest, random. ``fitted`` builds the ones fitted
+    on training samples: on the train split, or out of fold in a cross-fitted run."""
+    tables = [fitted("lut_p95", LookupTableDecider)]
+    if family:
+        tables.append(fitted("lut_by_family", FamilyLookupTableDecider))
+    mean5 = fitted("lut_mean5", lambda train: LookupTableDecider(train, statistic="mean", tolerance=0.05))
+    return [OracleDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
+
+
+def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
+                 data: OfflineData | None = None) -> pl.DataFrame:
+    """``ctrl evaluate RUN``: the run's controller vs the outcome model (``trainer.outcome``) and
+    the baselines (:func:`baseline_deciders`).
+
+    A cross-fitted run (``cross_fit_folds`` >= 2) is evaluated on every sample, each decided out
+    of fold by the networks, outcome models and tables of the fold that did not train on it;
+    otherwise the best checkpoint on the test split. Writes ``evaluation.parquet`` (with
+    ``run_id``) and ``evaluation.png`` into the run directory and returns the frame (without
+    ``run_id``).
+    """
+    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    run_dir = RunDir.resolve(ws, run)
+    config = OfflineTrainConfig.from_json(run_dir.read_config())
+    if data is None:
+        data = load_offline_data(ws, config.model_fingerprint)
+    checkpoint = resolve_checkpoint(ws, run_dir.path)
+    fallback = read_fallback(checkpoint)
+    budgets = [float(b) for b in (budgets_ms or config.eval_budgets)]
+    if config.cross_fit_folds:
+        models = load_folds(run_dir.path, data, config.cross_fit_folds)
+        evaluated = data
+        own = _cross_fitted_controllers(run_dir.path, models, fallback)
+
+        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+            return models.out_of_fold(name, lambda k: make(models.train[k]))
+    else:
+        policy = ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint)
+        train, evaluated = nonempty_split(data, "train"), nonempty_split(data, "test")
+        # PolicyDecider exposes action_probs, so its rows get the exact expected reward
+        own = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
+        outcome_file = run_dir.path / OUTCOME_FILE
+        own += [OutcomeDecider(OutcomeModel.load(outcome_file))] if outcome_file.exists() else []
+
+        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+            return make(train)
+    deciders = [*own, *baseline_deciders(fitted, family=data.family is not None, seed=config.seed)]
+    frame = evaluate_deciders(evaluated, deciders, budgets, config.reward)
+    write_evaluation(run_dir.path, frame)
+    return frame
+
+
+def evaluation_title(run_dir: Path) -> str:
+    """The heading of a run's evaluation table: which samples it was computed on."""
+    try:
+        folds = int(RunDir(Path(run_dir)).read_config().get("cross_fit_folds") or 0)
+    except (OSError, ValueError, TypeError):
+        folds = 0
+    return (f"evaluation (every sample, out of fold: {folds}-fold cross-fit)" if folds
+            else "evaluation (test split)")
+
+
+def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: TableFallback | None) -> list[Decider]:
+    """The run's own deciders, out of fold: fold k's network (with the deployed fallback's
+    per-budget choice answered by fold k's table), the network alone where a fallback exists,
+    and fold k's outcome model where every fold saved one."""
+
+    def controller(k: int) -> PolicyDecider:
+        own = None if fallback is None else replace(fallback, table=LookupTableDecider(models.train[k]).state())
+        return PolicyDecider(models.policies[k], own)
+
+    deciders: list[Decider] = [models.out_of_fold("controller", controller)]
+    if fallback is not None:
+        deciders.append(models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k], name="policy")))
+    outcome_files = [fold_run_dir(run_path, k) / OUTCOME_FILE for k in range(models.folds)]
+    if all(f.exists() for f in outcome_files):
+        deciders.append(models.out_of_fold("outcome", lambda k: OutcomeDecider(OutcomeModel.load(outcome_files[k]))))
+    return deciders
 
 
 # pragma: no mutate start (presentation: the plot and the terminal table, outside the mutation score)

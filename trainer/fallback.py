@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.baselines import Decider, LookupTableDecider, budget_vector
+from trainer.constraint import VIOLATION_TARGET
 from trainer.data import OfflineData
-from trainer.evaluate import VIOLATION_TARGET
 from trainer.greedy import policy_greedy
 from trainer.policy import (
     ControllerPolicy,
