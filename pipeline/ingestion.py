@@ -41,6 +41,10 @@ from pipeline.workspace import Workspace, atomic_path
 _FRAGMENT_TABLES = ("measurements", "samples", "summaries")
 
 
+#: the most parser processes an ingest starts: more only add memory and start-up time
+MAX_WORKERS = 4 * (os.cpu_count() or 1)
+
+
 @dataclass
 class IngestConfig:
     """Options of ``ctrl ingest``.
@@ -73,6 +77,10 @@ class IngestConfig:
             raise CtrlError(msg)
         if self.num_workers < 0:
             msg = f"num_workers must be >= 0, got {self.num_workers!r}"
+            raise CtrlError(msg)
+        if self.num_workers > MAX_WORKERS:
+            msg = (f"--num-workers {self.num_workers} is more parser processes than ctrl starts (at most "
+                   f"{MAX_WORKERS}: 4 per core of this machine); 0 picks one per core")
             raise CtrlError(msg)
 
     @property
