@@ -23,7 +23,7 @@ ROWS = [
      "violation_rate": 0.3, "grad_norm": 2.0, "groups": 8},
     {"kind": "step", "step": 2, "loss": 0.25, "reward/mean": 0.5, "reward_std": 0.2, "kl": 0.01, "learning_rate": 1e-3,
      "violation_rate": 0.2, "grad_norm": float("nan")},
-    {"kind": "epoch", "step": 2, "val/expected_reward": 0.6, "val/expected_violation_rate": 0.05},
+    {"kind": "epoch", "step": 2, "val/expected_reward": 0.6, "val/expected_violation_rate": 0.05, "loss": 0.3},
 ]
 EVALUATION = [{"decider": "controller", "budget_ms": 72.04, "accuracy": 0.64, "violation_rate": 0.023},
               {"decider": "lut_p95", "budget_ms": 72.04, "accuracy": 0.61, "violation_rate": float("nan")}]
@@ -76,3 +76,31 @@ def test_training_curves_png(tmp_path):
         assert image.format == "PNG" and image.width > 1000  # five panels side by side
     assert plot_training_curves([{"kind": "epoch", "step": None}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_offline_training_reports_to_tensorboard_and_draws_its_curves(tmp_path, embedded_runtime):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+    from trainer.config import OfflineTrainConfig
+    from trainer.offline import train_offline
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    result = train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=2, run_id="tb", cross_fit_folds=2,
+                                              warm_start_steps=5, report_to="tensorboard"))
+    run = result.run_dir
+    with Image.open(run / "training_curves.png") as image:
+        assert image.format == "PNG"
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "reward", "reward_std", "kl", "learning_rate", "violation_rate", "eval/expected_reward",
+            "evaluation/controller/accuracy"} <= tags
+    steps = result.metrics.filter(result.metrics["kind"] == "step")
+    assert [e.step for e in events.Scalars("reward")] == steps["step"].to_list()  # none from the fold networks
+    assert [round(e.value, 5) for e in events.Scalars("reward")] == [round(v, 5) for v in steps["reward/mean"]]
+    assert {round(e.value, 9) for e in events.Scalars("learning_rate")} == {0.001}
+    epochs = result.metrics.filter(result.metrics["kind"] == "epoch")
+    assert [e.step for e in events.Scalars("eval/expected_reward")] == epochs["step"].to_list()  # initial + 2
+    assert not any((run / "folds").rglob("tensorboard"))

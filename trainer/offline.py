@@ -50,6 +50,7 @@ from trainer.fallback import attach_fallback, fit_table_fallback
 from trainer.grpo import policy_loss, sample_groups
 from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, expected_reward
+from trainer.reporting import Reporter, make_reporter, plot_training_curves
 from trainer.run_record import Progress, RunResult, check_resume, epoch_summary, resolve_config, run_row
 from trainer.runs import RunDir, rows_frame, write_table_atomic
 from trainer.warm_start import build_policy, warm_start
@@ -95,6 +96,8 @@ class OfflineTrainer:
         self.resuming = resume is not None and self.run.last_checkpoint.exists()
         self.progress = Progress()
         self.last_val: float | None = None  # the last epoch's validation expected reward
+        self.is_fold = run_dir is not None
+        self.reporter = Reporter()  # the run's --report-to backend once training starts; folds report nothing
 
     # -- the start: a new run's outcome model and warm start, or a resumed run's state
     def _fit_outcome_model(self) -> OutcomeModel:
@@ -154,6 +157,9 @@ class OfflineTrainer:
         self.run_row = run_row(self.progress, self.config, self.data, self.workspace.root, len(self.train_split),
                                len(self.val_split))
         self._write_run_row()
+        if not self.is_fold:
+            self.reporter = make_reporter(self.config.report_to, self.run.run_id, self.run.path, self.workspace.root,
+                                          self.config.to_json())
         try:
             if self.progress.epoch == 0:
                 self._evaluate_initial_policy()
@@ -161,6 +167,9 @@ class OfflineTrainer:
                 self._train_epoch(epoch)
                 self._checkpoint(epoch)
             write_table_atomic(self.progress.rows, METRICS, self.run.metrics_path)
+            if not self.is_fold:
+                plot_training_curves(self.progress.rows, self.run.path / "training_curves.png",
+                                     f"run {self.run.run_id}")
             if self.config.cross_fit_folds:
                 train_folds(self.run.path, self.config, self.data, _train_fold, self.notify)
             if not self.config.disable_table_fallback:
@@ -170,9 +179,12 @@ class OfflineTrainer:
                 num_epochs = self.config.num_epochs
                 self.notify({"phase": "evaluate", "epoch": num_epochs, "num_epochs": num_epochs})
                 evaluation = evaluate_run(self.workspace, self.run.path, data=self.data)
+                self.reporter.log_evaluation(evaluation.to_dicts())
         except BaseException as err:  # record why the run stopped, then let the error through
             self._finish_run_row("interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
             raise
+        finally:
+            self.reporter.close()
         self._finish_run_row("completed")
         p = self.progress
         return RunResult(run_id=self.run.run_id, run_dir=self.run.path, best_checkpoint=self.run.best_checkpoint,
@@ -228,7 +240,10 @@ class OfflineTrainer:
             out.loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm or math.inf)
             self.optimizer.step()
+        violated = None if groups.violated is None else float(groups.violated.float().mean())
         return {"loss": float(out.loss.detach()), "reward/mean": float(groups.rewards.mean()),
+                "reward_std": float(groups.rewards.std()), "violation_rate": violated,
+                "learning_rate": float(self.optimizer.param_groups[0]["lr"]),
                 **{f"reward/{t}": float(groups.parts[t].mean()) for t in REWARD_TERMS},
                 "groups": out.num_groups, "zero_variance_groups": out.num_zero_variance_groups,
                 "kl": out.kl, "clip_ratio": out.clip_ratio, "grad_norm": float(norm)}
@@ -239,6 +254,7 @@ class OfflineTrainer:
 
     def _log(self, row: dict[str, Any]) -> None:
         self.progress.rows.append({"run_id": self.run.run_id, **row, "wall_time_s": time.perf_counter() - self.started})
+        self.reporter.log(row, row["step"])
         if row["kind"] == "epoch":
             self.last_val = row["val/expected_reward"]
 

@@ -60,9 +60,13 @@ def check_report_to(report_to: str) -> None:
 
 
 def reported_scalars(row: Mapping[str, Any]) -> dict[str, float]:
-    """The row's reported metrics under their reported names (finite numbers only)."""
+    """The row's reported metrics under their reported names (finite numbers only). An offline
+    epoch row reports its validation metrics only: its other columns average the step rows."""
     out = {}
+    epoch_row = row.get("kind") == "epoch"
     for column, name in REPORTED_NAMES.items():
+        if epoch_row and not column.startswith("val/"):
+            continue
         value = row.get(column)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             continue

@@ -76,10 +76,10 @@ def resolve_config(config: OfflineTrainConfig, data: OfflineData) -> OfflineTrai
 
 
 def check_resume(run: RunDir, resolved: OfflineTrainConfig) -> OfflineTrainConfig:
-    """The saved config with the new num_epochs; any other difference is refused."""
+    """The saved config with the new num_epochs and report_to; any other difference is refused."""
     saved = run.read_config()
     new = resolved.to_json()
-    ignore = {"resume", "run_id", "num_epochs", "workspace"}
+    ignore = {"resume", "run_id", "num_epochs", "workspace", "report_to"}
     differ = sorted(k for k in saved if k not in ignore and saved[k] != new.get(k))
     if differ:
         detail = ", ".join(f"{k}: {saved[k]!r} -> {new.get(k)!r}" for k in differ)
@@ -87,7 +87,7 @@ def check_resume(run: RunDir, resolved: OfflineTrainConfig) -> OfflineTrainConfi
                "Hint: resume with only --resume (and optionally --num-epochs), or start a new run.")
         raise CtrlError(msg)
     return OfflineTrainConfig.from_json({**saved, "num_epochs": resolved.num_epochs, "resume": None,
-                                         "workspace": new["workspace"]})
+                                         "workspace": new["workspace"], "report_to": resolved.report_to})
 
 
 def epoch_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
