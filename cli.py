@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -259,13 +260,16 @@ def doctor(workspace: WorkspaceOption = None) -> None:
             msg = (f"workspace {ws.root} does not exist\n"
                    "Hint: pass the workspace with -w (or CTRL_WORKSPACE); `ctrl ingest` creates one.")
             raise WorkspaceError(msg)
+        started = time.perf_counter()
         problems = check_workspace(ws)
+        took = f"{time.perf_counter() - started:.1f} s"
     for problem in problems:
         err.print(f"[red]damaged:[/] {problem.line()}", highlight=False, soft_wrap=True)
     if problems:
-        err.print(f"[bold red]{len(problems)} problem(s)[/] in {ws.root}")
+        err.print(f"[bold red]{len(problems)} problem(s)[/] in {ws.root} (checked in {took})")
         raise typer.Exit(code=1)
-    _print(f"workspace {ws.root}: every table, cached parse, feature chunk and the catalog check out")
+    _print(f"workspace {ws.root}: every table, cached parse, feature chunk, run file and the catalog check out, "
+           f"their contents included (checked in {took})")
 
 
 @app.command()

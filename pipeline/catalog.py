@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import QueryError
 from pipeline.schema import FEATURE_TABLES, REQUESTS, TABLES, duckdb_type, quote_ident, quote_literal
-from pipeline.workspace import Workspace
+from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256
 
 if TYPE_CHECKING:
     import duckdb
@@ -205,6 +205,12 @@ def connect_read_only(workspace: Workspace) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     try:
         for name, files in sorted(workspace_table_files(workspace).items()):
+            if name in RUN_VIEWS:  # a damaged run's file leaves that run out, never the other runs
+                files = [f for f in files if _intact_run_file(f)]
+                if not files:
+                    continue
+            elif name in TABLES:
+                _check_generation_table(workspace, name)
             schemas = []
             for f in files:
                 try:
@@ -229,6 +235,37 @@ def connect_read_only(workspace: Workspace) -> duckdb.DuckDBPyConnection:
         con.close()
         raise
     return con
+
+
+def _intact_run_file(path: Path) -> bool:
+    """A run file whose content is what its writer recorded (or predates the record) and whose footer reads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        recorded = json.loads((path.parent / CHECKSUM_FILE).read_text()).get(path.name)
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    try:
+        if recorded is not None and file_sha256(path) != recorded:
+            return False
+        pq.read_schema(path)
+    except (OSError, ValueError, pa.ArrowException):
+        return False
+    return True
+
+
+def _check_generation_table(workspace: Workspace, name: str) -> None:
+    """QueryError when a table of the live generation differs from what its ingest wrote."""
+    gen = workspace.require_generation()
+    try:
+        recorded = json.loads((gen / "state.json").read_text()).get("sha256", {}).get(f"{name}.parquet")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded is not None and file_sha256(gen / f"{name}.parquet") != recorded:
+        msg = (f"{gen / f'{name}.parquet'}: content differs from what its ingest wrote (SHA-256)\n"
+               "Hint: `ctrl ingest` rebuilds it from the parse cache and the inputs.")
+        raise QueryError(msg)
 
 
 def request_log_table(workspace: Workspace) -> pa.Table | None:

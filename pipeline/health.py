@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from pipeline.errors import CtrlError, describe
 from pipeline.parse import PARSER_VERSION
 from pipeline.schema import FEATURE_TABLES, TABLES
-from pipeline.workspace import Workspace, check_table_schema
+from pipeline.workspace import CHECKSUM_FILE, Workspace, check_table_schema, file_sha256
 
 #: the view of ``ctrl.duckdb`` naming the generation its views read
 CATALOG_GENERATION_VIEW = "ctrl_generation"
@@ -52,9 +52,11 @@ def generation_problems(workspace: Workspace) -> list[Problem]:
     assert gen is not None
     problems: list[Problem] = []
     rows: dict = {}
+    hashes: dict = {}
     try:
         state = json.loads((gen / "state.json").read_text())
         rows = state.get("rows", {}) if isinstance(state, dict) else {}
+        hashes = state.get("sha256", {}) if isinstance(state, dict) else {}
         if not isinstance(state, dict) or not isinstance(rows, dict):
             problems.append(Problem(gen / "state.json", "not a JSON object with 'rows'", "ctrl ingest"))
             rows = {}
@@ -74,6 +76,10 @@ def generation_problems(workspace: Workspace) -> list[Problem]:
         expected = rows.get(name)
         if isinstance(expected, int) and meta.num_rows != expected:
             problems.append(Problem(path, f"has {meta.num_rows} rows, its ingest wrote {expected}", "ctrl ingest"))
+            continue
+        recorded = hashes.get(path.name) if isinstance(hashes, dict) else None
+        if isinstance(recorded, str) and file_sha256(path) != recorded:
+            problems.append(Problem(path, "content differs from what its ingest wrote (SHA-256)", "ctrl ingest"))
     return problems
 
 
@@ -92,12 +98,15 @@ def fragment_problems(meta_file: Path) -> str | None:
     if not isinstance(meta, dict):
         return "not a JSON object"
     sizes = meta.get("sizes", {})
+    hashes = meta.get("sha256", {})
     for name, filename in (meta.get("tables") or {}).items():
         path = meta_file.parent / filename
         if not path.exists():
             return f"its {name} file {filename} is missing"
         if name in sizes and path.stat().st_size != sizes[name]:
             return f"its {name} file {filename} has {path.stat().st_size} bytes, {sizes[name]} were written"
+        if isinstance(hashes, dict) and name in hashes and file_sha256(path) != hashes[name]:
+            return f"its {name} file {filename} differs from what was written (SHA-256)"
         try:
             with pa.memory_map(str(path)) as source:
                 pa.ipc.open_file(source).schema  # noqa: B018 - reading the footer is the check
@@ -151,6 +160,26 @@ def feature_chunk_problem(chunk: Path) -> str | None:
         counts[name] = meta.num_rows
     if counts["lang_features"] != counts["image_features"]:
         return f"lang_features has {counts['lang_features']} rows, image_features {counts['image_features']}"
+    return checksum_problem(chunk)
+
+
+def checksum_problem(directory: Path) -> str | None:
+    """Which file of ``directory`` differs from the SHA-256 its writer recorded in ``sha256.json``
+    (None: all equal, or nothing recorded: written before checksums existed)."""
+    try:
+        recorded = json.loads((directory / CHECKSUM_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        return f"{CHECKSUM_FILE} is unreadable ({describe(err)})"
+    if not isinstance(recorded, dict):
+        return f"{CHECKSUM_FILE} is not a JSON object"
+    for name, digest in sorted(recorded.items()):
+        path = directory / name
+        if not path.exists():
+            return f"{name} is missing"
+        if file_sha256(path) != digest:
+            return f"{name} differs from what was written (SHA-256)"
     return None
 
 
@@ -177,6 +206,12 @@ def check_workspace(workspace: Workspace) -> list[Problem]:
         why = feature_chunk_problem(chunk)
         if why:
             problems.append(Problem(chunk, why, "ctrl extract-features (computes its samples again)"))
+    for book in sorted(workspace.runs_dir.glob(f"*/**/{CHECKSUM_FILE}")):  # run files and rollouts
+        why = checksum_problem(book.parent)
+        if why:
+            run = book.relative_to(workspace.runs_dir).parts[0]
+            problems.append(Problem(book.parent, why, f"ctrl train --resume {run} rewrites its metrics; "
+                                                      f"ctrl evaluate {run} its evaluation; else delete the run"))
     for config in sorted(workspace.runs_dir.glob("*/config.json")):
         try:
             if not isinstance(json.loads(config.read_text()), dict):

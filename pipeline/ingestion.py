@@ -36,7 +36,7 @@ from pipeline.errors import CtrlError, IngestError, describe
 from pipeline.health import catalog_problem, fragment_meta_path, fragment_problems, generation_problems
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
 from pipeline.schema import FILES
-from pipeline.workspace import Workspace, atomic_path
+from pipeline.workspace import Workspace, atomic_path, file_sha256
 
 _FRAGMENT_TABLES = ("measurements", "samples", "summaries")
 
@@ -215,6 +215,7 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
                 _write_arrow(table, tmp)
             meta["tables"][name] = filename
             meta.setdefault("sizes", {})[name] = (bucket / filename).stat().st_size
+            meta.setdefault("sha256", {})[name] = file_sha256(bucket / filename)
     with atomic_path(meta_file) as tmp:
         tmp.write_text(json.dumps(meta))
     return {**meta, **base, "cached": False}

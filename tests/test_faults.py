@@ -418,3 +418,56 @@ def test_special_entries_inside_a_directory_are_bad_files_not_skipped(small_tree
     if os.geteuid() != 0:  # root lists any directory
         assert errors["locked"] == "locked: not a regular file (a directory that cannot be listed: Permission denied)"
     assert len([f for f in report.files if f.status == "ok"]) == 9
+
+
+def _scribble(path: Path, at: int = 64) -> None:
+    """Same size, other bytes: what bit rot or a same-size edit leaves."""
+    data = bytearray(path.read_bytes())
+    for i in range(at, min(len(data) - 16, at + 64)):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_same_size_edit_of_a_table_or_a_cached_parse_is_found_by_its_checksum(small_tree, tmp_path):
+    from pipeline.health import check_workspace
+
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    expected = run_query(ws, "SELECT count(*) AS n, sum(latency_total_ms) AS s FROM measurements").to_pylist()
+    table = ws.require_generation() / "measurements.parquet"
+    _scribble(table, at=len(table.read_bytes()) // 3)
+    problems = check_workspace(ws)
+    assert [(p.path, p.problem) for p in problems] == [
+        (table, "content differs from what its ingest wrote (SHA-256)")]
+    with pytest.raises(Exception, match=r"content differs from what its ingest wrote \(SHA-256\)\nHint: `ctrl ingest`"):
+        run_query(ws, "SELECT count(*) FROM measurements")
+    report = run_ingest([small_tree], ws)
+    assert report.repaired and not report.errors
+    fragment = next(ws.fragments_dir.rglob("*.measurements.arrow"))
+    _scribble(fragment, at=len(fragment.read_bytes()) // 2)
+    problems = check_workspace(ws)
+    assert len(problems) == 1 and "differs from what was written (SHA-256)" in problems[0].problem
+    assert run_ingest([small_tree], ws).repaired  # parsed again from the input, not carried into the tables
+    assert check_workspace(ws) == []
+    assert run_query(ws, "SELECT count(*) AS n, sum(latency_total_ms) AS s FROM measurements").to_pylist() == expected
+
+
+def test_a_damaged_run_file_leaves_that_run_out_of_the_views_not_the_others(small_tree, tmp_path):
+    from pipeline.health import check_workspace
+    from pipeline.schema import METRICS
+    from trainer.runs import write_table_atomic
+
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    for run in ("good", "bad"):
+        rows = [{"run_id": run, "kind": "step", "step": s, "epoch": 1, "loss": 0.5 / s} for s in range(1, 200)]
+        write_table_atomic(rows, METRICS, ws.runs_dir / run / "metrics.parquet")
+    assert run_query(ws, "SELECT run_id, count(*) AS n FROM metrics GROUP BY 1 ORDER BY 1").to_pylist() == [
+        {"run_id": "bad", "n": 199}, {"run_id": "good", "n": 199}]
+    damaged = ws.runs_dir / "bad" / "metrics.parquet"
+    _scribble(damaged, at=len(damaged.read_bytes()) // 3)
+    assert run_query(ws, "SELECT run_id, count(*) AS n FROM metrics GROUP BY 1").to_pylist() == [
+        {"run_id": "good", "n": 199}]
+    problems = check_workspace(ws)
+    assert [(p.path, p.problem) for p in problems] == [
+        (ws.runs_dir / "bad", "metrics.parquet differs from what was written (SHA-256)")]

@@ -34,7 +34,7 @@ import polars as pl
 import torch
 from rich.table import Table
 
-from pipeline.workspace import Workspace, atomic_path
+from pipeline.workspace import Workspace, atomic_path, record_checksum
 from trainer.baselines import (
     Decider,
     FamilyLookupTableDecider,
@@ -183,6 +183,7 @@ def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: st
     parquet_path, png_path = run_dir / "evaluation.parquet", run_dir / "evaluation.png"
     with atomic_path(parquet_path) as tmp:
         out.write_parquet(tmp)
+    record_checksum(parquet_path)
     with atomic_path(png_path, suffix=".png") as tmp:  # matplotlib picks the format from the name
         _plot(frame, run_id).savefig(tmp, dpi=120)
     return parquet_path, png_path

@@ -34,7 +34,7 @@ import torch
 
 from pipeline.errors import CtrlError, describe
 from pipeline.schema import RUNS, TableSchema
-from pipeline.workspace import Workspace, atomic_path, write_bytes_atomic
+from pipeline.workspace import Workspace, atomic_path, record_checksum, write_bytes_atomic
 
 Phase = Literal["offline", "online"]
 CONFIG_FILE = "config.json"
@@ -80,10 +80,11 @@ def rows_frame(rows: list[dict[str, Any]], schema: TableSchema) -> pl.DataFrame:
 
 
 def write_table_atomic(rows: list[dict[str, Any]], schema: TableSchema, path: Path) -> None:
-    """Write ``rows`` as a Parquet file of ``schema``, atomically."""
+    """Write ``rows`` as a Parquet file of ``schema``, atomically, and record its SHA-256 beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         pq.write_table(rows_table(rows, schema), tmp)
+    record_checksum(path)
 
 
 def write_frame_atomic(frame: pl.DataFrame, path: Path) -> Path:
