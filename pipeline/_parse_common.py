@@ -229,6 +229,9 @@ def run_info(ctx: Ctx, config: dict, experiment: str) -> RunInfo:
     if split is not None and not isinstance(split, str):  # stored as null it would silently merge splits
         raise ctx.fail(join("config", "split"), f"expected a string, got {split!r}")
     world_size = ctx.integer(config, "world_size", "config", required=False, lo=1, hi=MAX_WORLD_SIZE) or 1
+    rank = ctx.integer(config, "rank", "config", required=False, lo=0, hi=MAX_WORLD_SIZE)
+    if rank is not None and rank >= world_size:
+        raise ctx.fail(join("config", "rank"), f"rank {rank} does not exist in a world of {world_size}")
     total = ctx.integer(config, "num_total_blocks", "config", required=False, lo=1, hi=1024) or knobs.NUM_TOTAL_BLOCKS
     return RunInfo(experiment, dataset, split, world_size, total)
 

@@ -286,6 +286,7 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
         i = score.is_null().to_pylist().index(True)
         raise ctx.fail(field=f"per_sample_predictions[{i}].score",
                        reason="missing, and per_sample_latencies has no accuracy either")
+    _check_parts_within_total(ctx, total, {"T_decode_ms": decode, "T_prefill_ms": prefill_raw})
     # D1: a 0 decode time with more than one output token is a missing value, not a time
     decode_missing = pc.fill_null(pc.and_(pc.equal(decode, 0.0), pc.fill_null(pc.greater(n_output, 1), True)), False)
     columns = {
@@ -319,6 +320,21 @@ def _parse_exp6_config(ctx: Ctx, doc: dict, kind: str) -> ParsedFile:
     _add_exp_summary(ctx, sb, info, cfg, blocks, entry, where)
     table = mb.table()
     return ParsedFile(kind, "exp6", info.dataset, table, samples.table(), sb.table(), count_duplicates(table))
+
+
+#: how far a part of a request's latency may exceed its total (timer rounding), in ms
+PART_TOLERANCE_MS = 1.0
+
+
+def _check_parts_within_total(ctx: Ctx, total: pa.Array, parts: dict[str, pa.Array]) -> None:
+    """A part of a request's latency (decode, prefill) cannot take longer than the whole request."""
+    for name, part in parts.items():
+        over = pc.fill_null(pc.greater(part, pc.add(total, PART_TOLERANCE_MS)), False)
+        if pc.any(over).as_py():
+            i = over.to_pylist().index(True)
+            raise ctx.fail(field=f"per_sample_latencies[{i}].{name}",
+                           reason=f"{part[i].as_py()!r} ms is longer than the request's T_total_ms "
+                                  f"{total[i].as_py()!r} ms")
 
 
 def _ctrl_profile_version(ctx: Ctx, config: dict) -> int | None:

@@ -125,6 +125,20 @@ def set_latency(value: float):
     return edit
 
 
+def set_times(total: float, decode: float):
+    def edit(doc: dict) -> dict:
+        doc["per_sample_latencies"][2].update(T_total_ms=total, T_decode_ms=decode)
+        return doc
+    return edit
+
+
+def set_rank(rank: int, world_size: int):
+    def edit(doc: dict) -> dict:
+        doc["config"].update(rank=rank, world_size=world_size)
+        return doc
+    return edit
+
+
 def set_score(value: float):
     def edit(doc: dict) -> dict:
         doc["per_sample_predictions"][1]["score"] = value
@@ -156,6 +170,11 @@ def set_split(value):
      "config.active_block_indices: block 99 is outside 0..15 (num_total_blocks)"),
     (set_blocks([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10]), "config.active_block_indices: block 10 is listed twice"),
     (set_split(7), "config.split: expected a string, got 7"),
+    (set_times(27.0, 5000.0), "per_sample_latencies[2].T_decode_ms: 5000.0 ms is longer than the request's "
+                              "T_total_ms 27.0 ms"),
+    (set_times(0.0, 21.0), "per_sample_latencies[2].T_decode_ms: 21.0 ms is longer than the request's "
+                           "T_total_ms 0.0 ms"),
+    (set_rank(5, 2), "config.rank: rank 5 does not exist in a world of 2"),
 ])
 def test_values_that_cannot_be_true_fail_their_file_naming_the_field(small_tree, tmp_path, edit, error):
     bad = bad_copy(small_tree, exp6_name(4, 4, 12), edit)
