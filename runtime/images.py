@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -53,8 +54,12 @@ class ImageIndex:
 
 def open_image(path: Path) -> Image.Image | None:
     """The image as RGB, or None when the file cannot be decoded (or declares more pixels than
-    PIL's decompression-bomb limit: a tiny file can claim 40000 x 40000 and exhaust memory)."""
+    PIL's decompression-bomb limit: a tiny file can claim 40000 x 40000 and exhaust memory).
+    Only regular files are opened: a FIFO named like an image would block forever, a device
+    never ends."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # over the limit / 2 too
             with Image.open(path) as img:

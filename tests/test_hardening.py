@@ -58,3 +58,23 @@ def test_too_many_parser_processes_are_refused_before_any_start(tmp_path):
     assert result.stderr.startswith(f"error: --num-workers 100000 is more parser processes than ctrl starts (at most "
                                     f"{MAX_WORKERS}: 4 per core of this machine)")
     assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this system")
+def test_a_fifo_or_a_device_named_like_an_image_is_never_opened(tmp_path):
+    import os
+    import threading
+
+    from runtime.images import open_image
+
+    fifo = tmp_path / "img-1.jpg"
+    os.mkfifo(fifo)
+    device = tmp_path / "img-2.jpg"
+    device.symlink_to("/dev/zero")
+    results = {}
+    worker = threading.Thread(target=lambda: results.update(fifo=open_image(fifo), device=open_image(device)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "open_image blocked on a FIFO"
+    assert results == {"fifo": None, "device": None}
