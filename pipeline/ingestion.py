@@ -41,6 +41,10 @@ from pipeline.workspace import Workspace, atomic_path, file_sha256
 _FRAGMENT_TABLES = ("measurements", "samples", "summaries")
 
 
+#: the largest input file read: a result file of the origin's scripts is at most a few hundred MB, and
+#: parsing holds several times a file's size in memory
+MAX_INPUT_BYTES = 1 << 30
+
 #: the most parser processes an ingest starts: more only add memory and start-up time
 MAX_WORKERS = 4 * (os.cpu_count() or 1)
 
@@ -177,6 +181,10 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
                 why = f"a directory that cannot be listed: {err.strerror or err}"
             return {"status": "error", "error": f"{name}: not a regular file ({why})", "sha256": None,
                     "size_bytes": 0, "mtime_ns": stat.st_mtime_ns}
+        if S_ISREG(stat.st_mode) and stat.st_size > MAX_INPUT_BYTES:  # parsing costs several times the size
+            return {"status": "error", "error": f"{name}: {stat.st_size:,} bytes, more than an input file may have "
+                                                f"({MAX_INPUT_BYTES:,}); not read",
+                    "sha256": None, "size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         if not S_ISREG(stat.st_mode):  # a FIFO would block forever, /dev/zero never ends
             return {"status": "error", "error": f"{name}: not a regular file ({_file_type(stat.st_mode)})",
                     "sha256": None, "size_bytes": 0, "mtime_ns": stat.st_mtime_ns}

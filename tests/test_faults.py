@@ -490,3 +490,20 @@ def test_a_damaged_run_file_leaves_that_run_out_of_the_views_not_the_others(smal
     problems = check_workspace(ws)
     assert [(p.path, p.problem) for p in problems] == [
         (ws.runs_dir / "bad", "metrics.parquet differs from what was written (SHA-256)")]
+
+
+def test_an_oversized_file_is_refused_before_it_is_read(small_tree, tmp_path, monkeypatch):
+    import pipeline.ingestion as ingestion
+
+    limit = max(f.stat().st_size for f in small_tree.rglob("*.json")) + 1  # the real limit is 1 GiB
+    monkeypatch.setattr(ingestion, "MAX_INPUT_BYTES", limit)
+    padded = small_tree / "bad" / "padded.json"
+    padded.parent.mkdir(parents=True, exist_ok=True)
+    with open(padded, "wb") as fh:  # sparse: spaces would do the same
+        fh.write(b"{}")
+        fh.truncate(limit + 4096)
+    report = run_ingest([small_tree], Workspace(tmp_path / "ws"), num_workers=1)
+    errors = {Path(f.path).name: f.error for f in report.errors}
+    assert errors == {"padded.json": f"padded.json: {limit + 4096:,} bytes, more than an input file may have "
+                                     f"({limit:,}); not read"}
+    assert len([f for f in report.files if f.status == "ok"]) == 9
