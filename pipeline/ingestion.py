@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -368,11 +369,29 @@ def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
 
 
 def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
-    """Yield (path, meta) as files finish; a process pool when it pays off."""
+    """Yield (path, meta) as files finish; a process pool when it pays off. A parser process that
+    dies (killed, out of memory) fails the file it was parsing, not the ingest: the files in
+    flight then are parsed again one at a time, and the one that kills its process again is
+    recorded as a bad file."""
     if workers <= 1 or len(todo) <= 1:
         for path in todo:
             yield path, _parse_to_fragment(str(path), fragments_root)
         return
+    remaining = list(todo)
+    while remaining:
+        unfinished, in_flight = yield from _pool_pass(remaining, fragments_root, workers)
+        for path in in_flight:  # one of them killed its process: each alone now
+            alone, _ = yield from _pool_pass([path], fragments_root, 1)
+            if alone:
+                yield path, {"status": "error", "sha256": None, "size_bytes": 0, "mtime_ns": 0,
+                             "error": f"{path_key(Path(path.name))}: the parser process died while parsing it "
+                                      "(killed, or out of memory)"}
+        remaining = [p for p in unfinished if p not in set(in_flight)]
+
+
+def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
+    """Parse ``paths`` in a process pool, yielding (path, meta); returns ([], []) when all finished,
+    else (the paths not finished, those in flight) once a worker died."""
     # forkserver, not fork: the parent may already run DuckDB/polars/arrow threads, and a
     # forked child can inherit one of their locks held and hang
     ctx = multiprocessing.get_context("forkserver")
@@ -380,7 +399,8 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
     ctx.set_forkserver_preload(["pipeline._die_with_parent", "pipeline.parse"])
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
     pending: dict[Future, Path] = {}
-    queue = iter(todo)
+    queue = iter(paths)
+    finished: set[Path] = set()
     try:
         for path in queue:  # keep at most 2 tasks per worker in flight: bounded memory for results
             pending[pool.submit(_parse_to_fragment, str(path), fragments_root)] = path
@@ -389,11 +409,18 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bo
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in sorted(done, key=lambda f: pending[f]):
+                try:
+                    meta = fut.result()
+                except BrokenProcessPool:
+                    in_flight = sorted(pending.values())
+                    return [p for p in paths if p not in finished], in_flight
                 path = pending.pop(fut)
-                yield path, fut.result()
+                finished.add(path)
+                yield path, meta
                 nxt = next(queue, None)
                 if nxt is not None:
                     pending[pool.submit(_parse_to_fragment, str(nxt), fragments_root)] = nxt
+        return [], []
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

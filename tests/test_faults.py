@@ -507,3 +507,67 @@ def test_an_oversized_file_is_refused_before_it_is_read(small_tree, tmp_path, mo
     assert errors == {"padded.json": f"padded.json: {limit + 4096:,} bytes, more than an input file may have "
                                      f"({limit:,}); not read"}
     assert len([f for f in report.files if f.status == "ok"]) == 9
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Linux /proc)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_parser_process_killed_mid_ingest_fails_no_run(small_tree, tmp_path):
+    import signal
+    import threading
+    import time
+
+    big = small_tree / "big"
+    for i in range(6):  # slow enough to parse that workers are busy when they are killed
+        write(big / f"a{i}" / exp6_name(4, 4, 12), exp6_config_doc(4, 4, 12, shard(0) * 400 + shard(1) * 400,
+                                                                   merged=True))
+    outcome = {}
+
+    def ingest() -> None:
+        try:
+            outcome["report"] = run_ingest([small_tree], Workspace(tmp_path / "ws"), num_workers=2)
+        except BaseException as err:  # handed to the assertion below
+            outcome["error"] = err
+
+    ingest_thread = threading.Thread(target=ingest, daemon=True)
+    ingest_thread.start()
+    killed = 0
+    deadline = time.monotonic() + 60
+    while ingest_thread.is_alive() and time.monotonic() < deadline and not killed:
+        servers = [p for p in _descendants(os.getpid())
+                   if b"forkserver" in _cmdline(p)]
+        workers = [w for server in servers for w in _descendants(server)]  # forked by the server: the parsers
+        for pid in workers[:1]:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        time.sleep(0.05)
+    ingest_thread.join(timeout=120)
+    assert not ingest_thread.is_alive() and killed == 1
+    assert "error" not in outcome, outcome.get("error")
+    report = outcome["report"]
+    assert all(f.status == "ok" for f in report.files), [f.error for f in report.errors]
+    assert len(report.files) == 15
