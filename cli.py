@@ -554,6 +554,7 @@ def export(
                                            "compiler and a minute or two to write, torch alone to load.")] = False,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N: the device a --compiled package is "
                                         "built for (a TorchScript file loads on any device).")] = "cpu",
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     workspace: WorkspaceOption = None,
 ) -> None:
     """Write a run's deployed controller (network, budget encoding, action space, table fallback) as one
@@ -562,7 +563,7 @@ def export(
     from trainer.deploy import export_controller
 
     with handled():
-        report = export_controller(workspace, run, out_path, compiled=compiled, device=device)
+        report = export_controller(workspace, run, out_path, compiled=compiled, device=device, force=force)
     tiling = f", tiling_crops [B, {len(report.max_crops_values)}]" if report.uses_tilings else ""
     lang, image = f"lang [B, {report.lang_feature_dim}]", f"image [B, {report.image_feature_dim}]"
     _print(f"{report.path} ({report.size_bytes / 1024:.0f} KiB) from {report.checkpoint}")

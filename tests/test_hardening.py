@@ -78,3 +78,22 @@ def test_a_fifo_or_a_device_named_like_an_image_is_never_opened(tmp_path):
     worker.join(timeout=10)
     assert not worker.is_alive(), "open_image blocked on a FIFO"
     assert results == {"fifo": None, "device": None}
+
+
+def test_export_never_replaces_an_existing_file_without_force(tmp_path, embedded_runtime):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    trained = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--num-epochs", "1", "--cross-fit-folds",
+                                  "0", "--no-table-fallback", "--warm-start-steps", "5", "--run-id", "r"])
+    assert trained.exit_code == 0, trained.output
+    source = tmp_path / "module.py"
+    source.write_text("print('my source file')\n")
+    refused = runner.invoke(app, ["export", "r", "-w", str(ws.root), "--out", str(source)])
+    assert refused.exit_code == 1
+    assert refused.stderr.startswith(f"error: {source}: exists; refusing to replace it")
+    assert source.read_text() == "print('my source file')\n"
+    replaced = runner.invoke(app, ["export", "r", "-w", str(ws.root), "--out", str(source), "--force"])
+    assert replaced.exit_code == 0, replaced.output
+    assert source.read_bytes()[:2] == b"PK"  # a TorchScript archive now

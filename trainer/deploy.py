@@ -551,10 +551,12 @@ class ExportReport:
 
 
 def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
-                      out: str | Path, compiled: bool = False, device: str = "cpu") -> ExportReport:
+                      out: str | Path, compiled: bool = False, device: str = "cpu",
+                      force: bool = False) -> ExportReport:
     """Write the deployed controller of an offline run (a run id, ``latest``, a run directory or a
     checkpoint file) as a TorchScript file that ``torch.jit.load`` reads with torch alone, or with
-    ``compiled`` as an AOTInductor package (:func:`save_compiled`)."""
+    ``compiled`` as an AOTInductor package (:func:`save_compiled`). An existing ``out`` is replaced
+    only with ``force``."""
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     out = Path(out)
     if ws.owns(out):
@@ -563,6 +565,9 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
         raise CtrlError(msg)
     if out.is_dir():
         msg = f"{out}: is a directory\nHint: --out FILE, e.g. controller.pt"
+        raise CtrlError(msg)
+    if (out.exists() or out.is_symlink()) and not force:
+        msg = f"{out}: exists; refusing to replace it\nHint: add --force to replace it, or pick another --out."
         raise CtrlError(msg)
     if not compiled and device != "cpu":
         msg = (f"--device {device}: only a compiled package is built for a device\n"
