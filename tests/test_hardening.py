@@ -97,3 +97,15 @@ def test_export_never_replaces_an_existing_file_without_force(tmp_path, embedded
     replaced = runner.invoke(app, ["export", "r", "-w", str(ws.root), "--out", str(source), "--force"])
     assert replaced.exit_code == 0, replaced.output
     assert source.read_bytes()[:2] == b"PK"  # a TorchScript archive now
+
+
+def test_more_folds_than_samples_is_refused_before_training(tmp_path, embedded_runtime):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    result = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--cross-fit-folds", "100000"])
+    assert result.exit_code == 1
+    assert re.match(r"error: --cross-fit-folds 100000 is more folds than the \d+ samples the networks train on",
+                    result.stderr)
+    assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from pipeline.errors import CtrlError
 from pipeline.schema import METRICS, REWARD_TERMS
 from pipeline.workspace import Workspace
 from trainer.baselines import LookupTableDecider
@@ -76,6 +77,10 @@ class OfflineTrainer:
         nonempty_split(self.data, "test")  # cross-fitted or not, the data must have held-out samples
         # cross-fitted: the deployed network also learns from the test split (the folds judge it)
         trained_on = deployed_data(self.data) if config.cross_fit_folds else self.data
+        if config.cross_fit_folds > len(trained_on):  # each fold must hold out at least one sample
+            msg = (f"--cross-fit-folds {config.cross_fit_folds} is more folds than the {len(trained_on)} samples "
+                   "the networks train on\nHint: use at most that many (5 is the default), or 0 for one split.")
+            raise CtrlError(msg)
         train, val = nonempty_split(trained_on, "train"), nonempty_split(trained_on, "val")
         config = resolve_config(config, self.data)
         self.config = check_resume(resume, config) if resume is not None else config
