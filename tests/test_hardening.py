@@ -109,3 +109,20 @@ def test_more_folds_than_samples_is_refused_before_training(tmp_path, embedded_r
     assert re.match(r"error: --cross-fit-folds 100000 is more folds than the \d+ samples the networks train on",
                     result.stderr)
     assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())
+
+
+@pytest.mark.parametrize("option", [("--hidden-dim", "100000000"), ("--batch-size", "1000000000"),
+                                    ("--group-size", "10000000")])
+def test_options_whose_memory_cannot_fit_are_refused_before_they_allocate(tmp_path, embedded_runtime, option):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    result = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), *option])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert re.match(r"error: these options need about [\d,.]+ GiB per training step \(hidden_dim \d+, batch_size \d+ "
+                    r"x num_budgets_per_sample \d+ groups of group_size \d+\), and [\d,.]+ GiB are available$",
+                    lines[0]), lines
+    assert lines[1].startswith("Hint: lower --hidden-dim, --batch-size or --group-size")
+    assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())

@@ -86,6 +86,39 @@ def _field(cls: type, name: str) -> Any:
     raise KeyError(msg)
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the system can still give (``MemAvailable`` on Linux; None when unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def offline_training_bytes(config: OfflineTrainConfig, num_actions: int, feature_dim: int) -> int:
+    """A rough upper estimate of what one offline training step holds in memory: the policy's
+    weights with their gradients and Adam moments (about a dozen hidden x hidden layers), and the
+    step's activations, logits and sampled groups."""
+    h = config.hidden_dim
+    params = 12 * h * h + 4 * feature_dim * h + 4 * num_actions * h
+    groups = config.batch_size * config.num_budgets_per_sample
+    activations = groups * (24 * h + 8 * num_actions + 8 * config.group_size)
+    return 4 * (4 * params + 3 * activations)
+
+
+def check_training_memory(config: OfflineTrainConfig, num_actions: int, feature_dim: int) -> None:
+    """Refuse, before anything is allocated, options whose step cannot fit in the memory left."""
+    need, free = offline_training_bytes(config, num_actions, feature_dim), available_memory_bytes()
+    if free is not None and need > free:
+        msg = (f"these options need about {need / 2**30:,.1f} GiB per training step (hidden_dim {config.hidden_dim}, "
+               f"batch_size {config.batch_size} x num_budgets_per_sample {config.num_budgets_per_sample} groups of "
+               f"group_size {config.group_size}), and {free / 2**30:,.1f} GiB are available\n"
+               "Hint: lower --hidden-dim, --batch-size or --group-size.")
+        raise CtrlError(msg)
+
+
 @dataclass
 class TrainingConfig:
     """Options of both ``ctrl train --offline`` and ``ctrl train --online``.

@@ -42,7 +42,7 @@ from pipeline.errors import CtrlError
 from pipeline.schema import METRICS, REWARD_TERMS
 from pipeline.workspace import Workspace
 from trainer.baselines import LookupTableDecider
-from trainer.config import OfflineTrainConfig
+from trainer.config import OfflineTrainConfig, check_training_memory
 from trainer.constraint import ViolationConstraint
 from trainer.crossfit import deployed_data, fit_cross_fitted_fallback, load_folds, train_folds
 from trainer.data import OfflineData, budget_grid, load_offline_data, nonempty_split, training_targets
@@ -77,6 +77,8 @@ class OfflineTrainer:
         nonempty_split(self.data, "test")  # cross-fitted or not, the data must have held-out samples
         # cross-fitted: the deployed network also learns from the test split (the folds judge it)
         trained_on = deployed_data(self.data) if config.cross_fit_folds else self.data
+        check_training_memory(config, len(self.data.action_space),
+                              self.data.lang_features.shape[1] + self.data.image_features.shape[1])
         if config.cross_fit_folds > len(trained_on):  # each fold must hold out at least one sample
             msg = (f"--cross-fit-folds {config.cross_fit_folds} is more folds than the {len(trained_on)} samples "
                    "the networks train on\nHint: use at most that many (5 is the default), or 0 for one split.")
