@@ -126,3 +126,35 @@ def test_options_whose_memory_cannot_fit_are_refused_before_they_allocate(tmp_pa
                     lines[0]), lines
     assert lines[1].startswith("Hint: lower --hidden-dim, --batch-size or --group-size")
     assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())
+
+
+def test_a_full_disk_during_training_is_one_line_leaves_no_temporary_file_and_resumes(tmp_path, embedded_runtime,
+                                                                                     monkeypatch):
+    import errno
+
+    import torch
+
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def full_after_two(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_after_two)
+    args = ["train", "--offline", "-w", str(ws.root), "--num-epochs", "3", "--cross-fit-folds", "0",
+            "--no-table-fallback", "--warm-start-steps", "5", "--run-id", "full"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "No space left on device" in result.stderr.strip().splitlines()[0]
+    run = ws.runs_dir / "full"
+    assert not [p for p in run.rglob("*") if p.name.startswith(".") or ".tmp" in p.name]
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--resume", "full"])
+    assert resumed.exit_code == 0, resumed.output
