@@ -188,14 +188,13 @@ def agreement(workspace: str, run: str) -> str:
     from trainer.deploy import export_controller, load_deployed
     from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy
-    from trainer.predict import _read_features
+    from trainer.predict import read_prediction_inputs
     from trainer.runs import resolve_checkpoint
 
     ws = Workspace(workspace)
     checkpoint = resolve_checkpoint(ws, run)
     policy = ControllerPolicy.load(checkpoint)
-    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
-                           policy.action_space.max_crops_values)
+    feats = read_prediction_inputs(ws, policy)
     fallback = read_fallback(checkpoint)
     grid = fallback.grid_ms if fallback is not None else [200.0, 300.0, 400.0]
     budgets = sorted({*grid, *((a + b) / 2 + 0.3 for a, b in zip(grid, grid[1:])), grid[0] - 50.0, grid[-1] + 100.0})

@@ -7,17 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from pipeline.catalog import connect, view_names
-from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from runtime.base import ModelRuntime
 from runtime.images import ImageIndex
-from trainer.data import GLOBAL_IMAGE_FEATURE, check_image_feature_column, split_of
+from trainer.data import SampleFeatures, read_sample_features, resolve_feature_model, split_of
 
-_HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model first."
+_HINT_FEATURES = "Hint: run `ctrl extract-features` with the same --model on this workspace first."
 
 
 @dataclass
@@ -64,7 +63,8 @@ class OnlineSamples:
 
 
 def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir: Path | None = None) -> OnlineSamples:
-    """Samples of the workspace with language features of ``model_fingerprint``.
+    """Samples of the workspace with their cached features of ``model_fingerprint``
+    (``trainer.data.read_sample_features``: every sample must have them).
 
     Images: ``images_dir`` (looked up by image_id as ``ctrl extract-features`` does) when given,
     else the path recorded at feature extraction. Samples without reference answers or without
@@ -73,84 +73,70 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
     if images_dir is not None and not images_dir.is_dir():
         msg = f"--images {images_dir}: not a directory"
         raise CtrlError(msg)
+    rows, feats = _read_samples(workspace, model_fingerprint)
     skipped = {"no_answers": 0, "no_question": 0}
     kept = []
-    for r in _read_samples(workspace, model_fingerprint).to_pylist():
+    for i, r in enumerate(rows):
         if not r["question"]:
             skipped["no_question"] += 1
         elif not r["answers"]:
             skipped["no_answers"] += 1
         else:
-            kept.append(r)
+            kept.append(i)
     if not kept:
         msg = (f"workspace {workspace.root}: no sample with a question, reference answers and features "
                f"of model {model_fingerprint[:16]}")
         raise CtrlError(msg)
-    paths = _image_paths(kept, images_dir)
-    lang = np.asarray([r["lang_feature"] for r in kept], dtype=np.float32)
-    image_dim = next((len(r["image_feature"]) for r in kept if r["image_feature"] is not None), 0)
-    image = np.zeros((len(kept), image_dim), dtype=np.float32)
-    present = np.zeros(len(kept), dtype=bool)
-    for i, r in enumerate(kept):
-        if r["image_feature"] is not None and paths[i] is not None:
-            image[i] = r["image_feature"]
-            present[i] = True
+    paths = _image_paths([rows[i] for i in kept], [feats.image_path[i] for i in kept], images_dir)
+    present = np.array([bool(feats.image_present[i]) and path is not None for i, path in zip(kept, paths)],
+                       dtype=bool)
+    image = np.where(present[:, None], feats.image[kept], np.float32(0.0)).astype(np.float32)
     return OnlineSamples(
-        dataset=[r["dataset"] for r in kept], sample_key=[r["sample_key"] for r in kept],
-        split=[r["split"] for r in kept], question=[r["question"] for r in kept],
-        answers=[list(r["answers"]) for r in kept], image_path=[p if present[i] else None for i, p in enumerate(paths)],
-        lang=torch.from_numpy(lang), image=torch.from_numpy(image), image_present=torch.from_numpy(present),
-        model_fingerprint=model_fingerprint, skipped={k: v for k, v in skipped.items() if v},
-        image_size=[(int(r["image_width"]), int(r["image_height"])) if present[i] and r["image_width"] else None
-                    for i, r in enumerate(kept)])
+        dataset=[rows[i]["dataset"] for i in kept], sample_key=[rows[i]["sample_key"] for i in kept],
+        split=[rows[i]["split"] for i in kept], question=[rows[i]["question"] for i in kept],
+        answers=[list(rows[i]["answers"]) for i in kept],
+        image_path=[p if present[j] else None for j, p in enumerate(paths)],
+        lang=torch.from_numpy(np.ascontiguousarray(feats.lang[kept])), image=torch.from_numpy(image),
+        image_present=torch.from_numpy(present), model_fingerprint=model_fingerprint,
+        skipped={k: v for k, v in skipped.items() if v},
+        image_size=[feats.image_size[i] if present[j] else None for j, i in enumerate(kept)])
 
 
-def _read_samples(workspace: Workspace, model_fingerprint: str) -> pa.Table:
-    """Every sample with its question, answers, language feature and (where extracted) image feature and path."""
+#: the workspace's samples, in (dataset, sample_key) order: the rows of the feature reader
+_SAMPLES_SQL = """
+CREATE TEMP TABLE _online AS
+SELECT dataset, sample_key, split, question, answers, image_id,
+       (row_number() OVER (ORDER BY dataset, sample_key) - 1)::BIGINT AS row
+FROM samples
+"""
+
+
+def _read_samples(workspace: Workspace, model_fingerprint: str) -> tuple[list[dict], SampleFeatures]:
+    """Every sample with its question, answers and image id, and its cached features (image path included)."""
     con = connect(workspace)
     try:
-        views = view_names(con)
-        if "samples" not in views:
+        if "samples" not in view_names(con):
             msg = f"workspace {workspace.root} has no samples\nHint: run `ctrl ingest` first."
             raise CtrlError(msg)
-        if "lang_features" not in views:
-            msg = f"workspace {workspace.root} has no cached features\n{_HINT_FEATURES}"
-            raise CtrlError(msg)
-        cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features").fetchall()]
-        if model_fingerprint not in cached:
-            listing = ", ".join(fp[:16] for fp in cached) or "none"
-            msg = (f"no features of model {model_fingerprint[:16]} in {workspace.root} "
-                   f"(cached: {listing})\n{_HINT_FEATURES}")
-            raise CacheMismatchError(msg)
-        if "image_features" in views:
-            check_image_feature_column(con, model_fingerprint)
-            image_cols = f"i.image_path, i.image_width, i.image_height, i.{GLOBAL_IMAGE_FEATURE} AS image_feature"
-            image_join = ("LEFT JOIN image_features i ON i.dataset = s.dataset AND i.sample_key = s.sample_key "
-                          "AND i.model_fingerprint = $fp")
-        else:
-            image_cols = ("NULL::VARCHAR AS image_path, NULL::INT AS image_width, NULL::INT AS image_height, "
-                          "NULL::FLOAT[] AS image_feature")
-            image_join = ""
-        return con.sql(f"""
-            SELECT s.dataset, s.sample_key, s.split, s.question, s.answers, s.image_id, l.feature AS lang_feature,
-                   {image_cols}
-            FROM samples s
-            JOIN lang_features l ON l.dataset = s.dataset AND l.sample_key = s.sample_key AND l.model_fingerprint = $fp
-            {image_join}
-            ORDER BY s.dataset, s.sample_key""", params={"fp": model_fingerprint}).to_arrow_table()
+        fingerprint = resolve_feature_model(con, workspace.root, model_fingerprint,
+                                            needed_by="the model being run needs", hint=_HINT_FEATURES)
+        con.execute(_SAMPLES_SQL)
+        rows = con.sql("SELECT dataset, sample_key, split, question, answers, image_id FROM _online "
+                       "ORDER BY row").to_arrow_table().to_pylist()
+        return rows, read_sample_features(con, "_online", fingerprint)
     finally:
         con.close()
 
 
-def _image_paths(rows: list[dict], images_dir: Path | None) -> list[str | None]:
+def _image_paths(rows: list[dict], recorded: list[str | None], images_dir: Path | None) -> list[str | None]:
     """Each sample's image file: looked up in ``images_dir`` by image_id, else the path recorded at
-    feature extraction (only where that extraction read the image)."""
+    feature extraction (``recorded``: only where that extraction read the image)."""
     index = ImageIndex(images_dir) if images_dir is not None else None
     paths: list[str | None] = []
-    for r in rows:
+    for r, path in zip(rows, recorded):
         if index is not None and r["image_id"] is not None:
             found = index.find(str(r["image_id"]), r["dataset"], r["split"])
             paths.append(str(found) if found is not None else None)
         else:
-            paths.append(r["image_path"] if r["image_feature"] is not None else None)
+            paths.append(path)
     return paths

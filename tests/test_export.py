@@ -46,11 +46,10 @@ def trained(tmp_path_factory, embedded_runtime):
 
 def _inputs(ws, checkpoint):
     from trainer.policy import ControllerPolicy
-    from trainer.predict import _read_features
+    from trainer.predict import read_prediction_inputs
 
     policy = ControllerPolicy.load(checkpoint)
-    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
-                           policy.action_space.max_crops_values)
+    feats = read_prediction_inputs(ws, policy)
     return policy, feats
 
 

@@ -51,7 +51,8 @@ IMAGE_FEATURE_COLUMNS = (GLOBAL_IMAGE_FEATURE, REFERENCE_IMAGE_FEATURE)
 
 __all__ = ["FAMILY_KEYS", "GLOBAL_IMAGE_FEATURE", "IMAGE_FEATURE_COLUMNS", "REFERENCE_IMAGE_FEATURE", "SPLITS",
            "Action", "ActionSpace", "OfflineData", "budget_grid", "check_image_feature_column", "default_budget_range",
-           "family_of", "load_offline_data", "nonempty_split", "split_of", "training_targets"]
+           "SampleFeatures", "family_of", "load_offline_data", "nonempty_split", "read_sample_features",
+           "resolve_feature_model", "split_of", "training_targets"]
 
 
 # -- the action space ---------------------------------------------------------------------
@@ -329,6 +330,7 @@ def training_targets(data: OfflineData, score_target: str = "mean") -> OfflineDa
 
 # -- loading ------------------------------------------------------------------------------
 
+#: the hint of every reader of the cached features when they are missing
 _HINT_EXTRACT = "Hint: run `ctrl extract-features --images DIR` on this workspace first."
 
 
@@ -350,6 +352,128 @@ def check_image_feature_column(con: duckdb.DuckDBPyConnection, fingerprint: str,
         msg = (f"{stale} cached image features of model {fingerprint[:16]} have no {column} (written by an older "
                "ctrl)\nHint: run `ctrl extract-features` with the same --model and --images: it recomputes them.")
         raise CtrlError(msg)
+
+
+def resolve_feature_model(con: duckdb.DuckDBPyConnection, root: Path, requested: str | None, *,
+                          needed_by: str | None = None, hint: str = "") -> str:
+    """The one model whose cached features are read (``con``: a workspace connection, ``root`` its directory).
+
+    Without ``needed_by``: ``requested`` as a full fingerprint or a unique prefix, or the only
+    model cached when None. With ``needed_by`` (what needs that model: a checkpoint, the model
+    being run), ``requested`` is a full fingerprint that must be cached; else a
+    CacheMismatchError ``"<needed_by> features of model X, but workspace W has features of model
+    Y only"`` with ``hint``. A workspace without cached features is a CtrlError with the hint to
+    run ``ctrl extract-features``.
+    """
+    counts = []
+    if "lang_features" in view_names(con):
+        counts = con.sql("SELECT model_fingerprint, count(*) FROM lang_features GROUP BY 1 ORDER BY 1").fetchall()
+    available = [fp for fp, _ in counts]
+    if not available:
+        msg = f"workspace {root} has no cached features\n{_HINT_EXTRACT}"
+        raise CtrlError(msg)
+    if needed_by is not None:
+        if requested not in available:
+            listing = ", ".join(fp[:16] for fp in available)
+            msg = (f"{needed_by} features of model {str(requested)[:16]}, but workspace {root} has features of model "
+                   f"{listing} only\n{hint}")
+            raise CacheMismatchError(msg)
+        return requested
+    listing = ", ".join(f"{fp} ({n} samples)" for fp, n in counts)
+    if requested is not None:
+        matches = [fp for fp in available if fp == requested] or [fp for fp in available if fp.startswith(requested)]
+        if len(matches) != 1:
+            what = "matches several" if matches else "matches none"
+            msg = (f"model fingerprint {requested!r} {what} of the cached feature models: {listing}\n"
+                   "Hint: pass one of these fingerprints, or run `ctrl extract-features` "
+                   "with that model.")
+            raise CacheMismatchError(msg)
+        return matches[0]
+    if len(available) > 1:
+        msg = (f"features of {len(available)} models are cached: {listing}\n"
+               "Hint: choose one with model_fingerprint (e.g. `--model-fingerprint "
+               f"{available[0][:16]}`).")
+        raise CtrlError(msg)
+    return available[0]
+
+
+@dataclass
+class SampleFeatures:
+    """The cached features of one model for N samples, in the order asked for (:func:`read_sample_features`)."""
+
+    fingerprint: str
+    lang: np.ndarray  # (N, Dl) float32
+    image: np.ndarray  # (N, Di) float32; zero where image_present is False
+    image_present: np.ndarray  # (N,) bool: the sample's image was read at extraction
+    tiling_crops: np.ndarray  # (N, C) float32: crops per max_crops value asked for; NaN where unknown
+    image_path: list[str | None]  # the file extraction read the image from (None without a read image)
+    image_size: list[tuple[int, int] | None]  # its (width, height)
+
+
+#: one row per (sample, model): a cache that holds a sample twice gives one of them
+_FEATURE_SQL = ("SELECT k.row, {columns} FROM {table} f JOIN {keys} k USING (dataset, sample_key) "
+                "WHERE f.model_fingerprint = $fp {extra} QUALIFY row_number() OVER (PARTITION BY k.row) = 1")
+
+
+def read_sample_features(con: duckdb.DuckDBPyConnection, keys: str, fingerprint: str, *,
+                         image_feature: str = GLOBAL_IMAGE_FEATURE,
+                         max_crops_values: Sequence[int] = ()) -> SampleFeatures:
+    """The cached features of model ``fingerprint`` (see :func:`resolve_feature_model`) for the
+    samples of table ``keys`` of ``con`` (columns ``dataset``, ``sample_key`` and ``row``, 0..N-1,
+    one row per sample): the one reader of training, prediction and the online phase.
+
+    * language features: every sample must have them, else a CtrlError naming the first ones
+      with the hint to run ``ctrl extract-features``;
+    * image features: column ``image_feature`` of ``image_features`` where the image was read
+      (zero and ``image_present`` False elsewhere); a cache written without that column is
+      refused (:func:`check_image_feature_column`);
+    * tilings (``image_tilings``): crops per entry of ``max_crops_values`` (NaN where unknown).
+
+    Where a cache holds a sample more than once, one of its rows is read.
+    """
+    views = view_names(con)
+    ((n,),) = con.sql(f"SELECT count(*) FROM {keys}").fetchall()
+    params = {"fp": fingerprint}
+    lang = con.sql(_FEATURE_SQL.format(columns="f.feature", table="lang_features", keys=keys, extra=""),
+                   params=params).to_arrow_table()
+    lang_rows, lang_mat = _feature_matrix(lang)
+    if len(lang_rows) < n:
+        missing = ", ".join(str(row) for row in np.setdiff1d(np.arange(n), lang_rows)[:3])
+        first = con.sql(f"SELECT dataset || '/' || sample_key FROM {keys} WHERE row IN ({missing}) ORDER BY row")
+        msg = (f"{n - len(lang_rows)} of {n} samples have no language features for model {fingerprint[:16]} "
+               f"(first: {', '.join(f for (f,) in first.fetchall())})\n{_HINT_EXTRACT}")
+        raise CtrlError(msg)
+    out = SampleFeatures(fingerprint, np.zeros((n, lang_mat.shape[1]), dtype=np.float32),
+                         np.zeros((n, 0), dtype=np.float32), np.zeros(n, dtype=bool),
+                         np.full((n, len(max_crops_values)), np.nan, dtype=np.float32), [None] * n, [None] * n)
+    out.lang[lang_rows] = lang_mat
+    if "image_features" in views:
+        check_image_feature_column(con, fingerprint, image_feature)
+        image_sql = _FEATURE_SQL.format(columns=f"f.{image_feature} AS feature, f.image_path, f.image_width, "
+                                                "f.image_height", table="image_features", keys=keys,
+                                        extra=f"AND f.{image_feature} IS NOT NULL")
+        image = con.sql(image_sql, params=params).to_arrow_table()
+        rows, mat = _feature_matrix(image)
+        out.image = np.zeros((n, mat.shape[1]), dtype=np.float32)
+        out.image[rows] = mat
+        out.image_present[rows] = True
+        for row, path, width, height in zip(rows.tolist(), *(image.column(c).to_pylist() for c in
+                                                             ("image_path", "image_width", "image_height"))):
+            out.image_path[row] = path
+            out.image_size[row] = (int(width), int(height)) if width and height else None
+    if max_crops_values and "image_tilings" in views:
+        tilings = con.sql(f"SELECT k.row, t.max_crops, any_value(t.num_crops) AS num_crops FROM image_tilings t "
+                          f"JOIN {keys} k USING (dataset, sample_key) WHERE t.model_fingerprint = $fp "
+                          "AND t.num_crops IS NOT NULL GROUP BY ALL", params=params).fetchnumpy()
+        crops_values = np.asarray(max_crops_values)
+        max_crops = np.asarray(tilings["max_crops"], dtype=np.int64)
+        keep = np.isin(max_crops, crops_values)  # the table covers max_crops 1..15; keep the ones asked for
+        col = np.searchsorted(np.sort(crops_values), max_crops[keep])
+        col = np.argsort(crops_values)[col]  # positions in the order asked for
+        crops = np.asarray(tilings["num_crops"], dtype=np.float32)
+        out.tiling_crops[np.asarray(tilings["row"])[keep], col] = crops[keep]
+    return out
+
 
 # Materialise groups once (the view is a join): every later query reads the temp table.
 _GROUPS_SQL = """
@@ -374,31 +498,6 @@ def _as_workspace(workspace: Workspace | str | Path) -> Workspace:
     return workspace if isinstance(workspace, Workspace) else Workspace(workspace)
 
 
-def _resolve_fingerprint(con: duckdb.DuckDBPyConnection, requested: str | None) -> str:
-    """The one model fingerprint to read: the requested one (full or unique prefix) or the only one."""
-    counts = con.sql("SELECT model_fingerprint, count(*) FROM lang_features GROUP BY 1 ORDER BY 1").fetchall()
-    available = [fp for fp, _ in counts]
-    listing = ", ".join(f"{fp} ({n} samples)" for fp, n in counts)
-    if not available:
-        msg = f"no language features in the workspace\n{_HINT_EXTRACT}"
-        raise CtrlError(msg)
-    if requested is not None:
-        matches = [fp for fp in available if fp == requested] or [fp for fp in available if fp.startswith(requested)]
-        if len(matches) != 1:
-            what = "matches several" if matches else "matches none"
-            msg = (f"model fingerprint {requested!r} {what} of the cached feature models: {listing}\n"
-                   "Hint: pass one of these fingerprints, or run `ctrl extract-features` "
-                   "with that model.")
-            raise CacheMismatchError(msg)
-        return matches[0]
-    if len(available) > 1:
-        msg = (f"features of {len(available)} models are cached: {listing}\n"
-               "Hint: choose one with model_fingerprint (e.g. `--model-fingerprint "
-               f"{available[0][:16]}`).")
-        raise CtrlError(msg)
-    return available[0]
-
-
 def _feature_matrix(table: pa.Table, column: str = "feature") -> tuple[np.ndarray, np.ndarray]:
     """(rows, matrix) from an Arrow table with ``row`` and a FLOAT[] column, without a per-row loop."""
     rows = table.column("row").to_numpy()
@@ -419,13 +518,10 @@ def _feature_matrix(table: pa.Table, column: str = "feature") -> tuple[np.ndarra
 class _GroupTables:
     """What :func:`load_offline_data` reads from the workspace, before it becomes tensors."""
 
-    fingerprint: str
     action_space: ActionSpace
     keys: pa.Table  # dataset, sample_key, example_id, metadata_json: one row per sample, in row order
     cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample
-    lang: pa.Table  # row, feature
-    image: pa.Table | None  # row, feature (readable images only)
-    tilings: dict[str, np.ndarray] | None  # row, max_crops, num_crops
+    features: SampleFeatures
 
 
 def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str | None = None, *,
@@ -445,24 +541,16 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
 
     Raises CtrlError (with a hint to run ``ctrl extract-features``) when no features are
     cached, samples lack language features or the image features were cached without the
-    column; CacheMismatchError for an unknown fingerprint.
+    column (:func:`read_sample_features`); CacheMismatchError for an unknown fingerprint.
     """
     if image_feature not in IMAGE_FEATURE_COLUMNS:
         msg = f"image_feature must be one of {IMAGE_FEATURE_COLUMNS}, got {image_feature!r}"
         raise ValueError(msg)
     tables = _read_group_tables(_as_workspace(workspace), model_fingerprint, image_feature)
-    keys, action_space = tables.keys, tables.action_space
+    keys, action_space, features = tables.keys, tables.action_space, tables.features
     n, num_actions = keys.num_rows, len(action_space)
     dataset = keys.column("dataset").to_pylist()
     sample_key = keys.column("sample_key").to_pylist()
-    lang_features = _lang_matrix(tables, dataset, sample_key)
-    image_present = np.zeros(n, dtype=bool)
-    image_features = np.zeros((n, 0), dtype=np.float32)
-    if tables.image is not None:
-        img_rows, img_mat = _feature_matrix(tables.image)
-        image_features = np.zeros((n, img_mat.shape[1]), dtype=np.float32)
-        image_features[img_rows] = img_mat  # missing images stay zero, image_present says so
-        image_present[img_rows] = True
     cells = {name: np.full((n, num_actions), np.nan, dtype=np.float32)
              for name in ("score", "mean_score", "latency_ms")}
     r, c = tables.cells.column("row").to_numpy(), tables.cells.column("col").to_numpy()
@@ -474,13 +562,13 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     is_sample &= ~np.isnan(cells["latency_ms"])
     family = [family_of(m) for m in keys.column("metadata_json").to_pylist()]
     return OfflineData(
-        action_space=action_space, model_fingerprint=tables.fingerprint, dataset=dataset, sample_key=sample_key,
+        action_space=action_space, model_fingerprint=features.fingerprint, dataset=dataset, sample_key=sample_key,
         example_id=keys.column("example_id").to_pylist(),
         split=[split_of(d, k) for d, k in zip(dataset, sample_key)],
-        image_features=torch.from_numpy(image_features), image_present=torch.from_numpy(image_present),
-        lang_features=torch.from_numpy(lang_features), score=torch.from_numpy(cells["score"]),
+        image_features=torch.from_numpy(features.image), image_present=torch.from_numpy(features.image_present),
+        lang_features=torch.from_numpy(features.lang), score=torch.from_numpy(cells["score"]),
         latency_ms=torch.from_numpy(cells["latency_ms"]), latency_is_sample=torch.from_numpy(is_sample),
-        mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(_tiling_matrix(tables, n)),
+        mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(features.tiling_crops),
         mean_score=torch.from_numpy(cells["mean_score"]),
         family=family if any(f is not None for f in family) else None, image_feature=image_feature,
     )
@@ -489,73 +577,28 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
 def _read_group_tables(ws: Workspace, model_fingerprint: str | None, image_feature: str) -> _GroupTables:
     con = connect(ws)
     try:
-        views = view_names(con)
-        if "groups" not in views:
+        if "groups" not in view_names(con):
             msg = (f"workspace {ws.root} has no recorded groups (measurements and configs)\n"
                    "Hint: run `ctrl ingest` on exp5/exp6 results first.")
             raise CtrlError(msg)
-        if "lang_features" not in views:
-            msg = f"workspace {ws.root} has no cached features\n{_HINT_EXTRACT}"
-            raise CtrlError(msg)
-        fingerprint = _resolve_fingerprint(con, model_fingerprint)
+        fingerprint = resolve_feature_model(con, ws.root, model_fingerprint)
         con.execute(_GROUPS_SQL)
         acts = con.sql("SELECT max_crops, top_k, num_active_blocks FROM _acts ORDER BY col").fetchall()
         if not acts:
             msg = (f"workspace {ws.root} has no configuration recorded with both a score and a latency\n"
                    "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
             raise CtrlError(msg)
+        action_space = ActionSpace(tuple(acts))
         keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id, s.metadata_json FROM _keys k "
                        "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
         cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
                         "JOIN _keys k USING (dataset, sample_key) "
                         "JOIN _acts a USING (max_crops, top_k, num_active_blocks)").to_arrow_table()
-        feature_sql = ("SELECT k.row, f.{column} AS feature FROM {table} f JOIN _keys k USING (dataset, sample_key) "
-                       "WHERE f.model_fingerprint = $fp {extra} QUALIFY row_number() OVER (PARTITION BY k.row) = 1")
-        params = {"fp": fingerprint}
-        lang = con.sql(feature_sql.format(column="feature", table="lang_features", extra=""),
-                       params=params).to_arrow_table()
-        tilings = None
-        if "image_tilings" in views:
-            tilings = con.sql("SELECT k.row, t.max_crops, any_value(t.num_crops) AS num_crops FROM image_tilings t "
-                              "JOIN _keys k USING (dataset, sample_key) WHERE t.model_fingerprint = $fp GROUP BY ALL",
-                              params=params).fetchnumpy()
-        image = None
-        if "image_features" in views:
-            check_image_feature_column(con, fingerprint, image_feature)
-            image = con.sql(feature_sql.format(column=image_feature, table="image_features",
-                                               extra=f"AND f.{image_feature} IS NOT NULL"),
-                            params=params).to_arrow_table()
+        features = read_sample_features(con, "_keys", fingerprint, image_feature=image_feature,
+                                        max_crops_values=action_space.max_crops_values)
     finally:
         con.close()
-    return _GroupTables(fingerprint, ActionSpace(tuple(acts)), keys, cells, lang, image, tilings)
-
-
-def _lang_matrix(tables: _GroupTables, dataset: list[str], sample_key: list[str]) -> np.ndarray:
-    """(N, Dl) language features; every sample must have them."""
-    n = len(dataset)
-    lang_rows, lang_mat = _feature_matrix(tables.lang)
-    if len(lang_rows) < n:
-        missing = np.setdiff1d(np.arange(n), lang_rows)
-        first = ", ".join(f"{dataset[i]}/{sample_key[i]}" for i in missing[:3])
-        msg = (f"{len(missing)} of {n} samples have no language features for model {tables.fingerprint[:16]} "
-               f"(first: {first})\n{_HINT_EXTRACT}")
-        raise CtrlError(msg)
-    out = np.zeros((n, lang_mat.shape[1]), dtype=np.float32)
-    out[lang_rows] = lang_mat
-    return out
-
-
-def _tiling_matrix(tables: _GroupTables, n: int) -> np.ndarray:
-    """(N, C) crops per sample and max_crops value of the action space; NaN where unknown."""
-    crops_values = tables.action_space.max_crops_values
-    out = np.full((n, len(crops_values)), np.nan, dtype=np.float32)
-    if tables.tilings is not None:
-        max_crops = np.asarray(tables.tilings["max_crops"], dtype=np.int64)
-        col = np.searchsorted(np.asarray(crops_values), max_crops)
-        keep = np.isin(max_crops, crops_values)  # the table covers max_crops 1..15; keep the action space's
-        rows = np.asarray(tables.tilings["row"])[keep]
-        out[rows, col[keep]] = np.asarray(tables.tilings["num_crops"], dtype=np.float32)[keep]
-    return out
+    return _GroupTables(action_space, keys, cells, features)
 
 
 # -- budgets ------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ import polars as pl
 import torch
 
 from pipeline.catalog import connect, view_names
-from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
+from trainer.data import read_sample_features, resolve_feature_model
 from trainer.deploy import DeployedController
 from trainer.fallback import read_fallback
 from trainer.policy import ControllerPolicy
@@ -29,73 +30,39 @@ from trainer.runs import resolve_checkpoint, write_frame_atomic
 PREDICTION_COLUMNS = ("sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k", "num_active_blocks",
                       "probability", "source")
 
-_LANG_SQL = """
-SELECT s.dataset, s.sample_key, s.example_id, l.feature AS lang, {image} AS image
-FROM samples s
-LEFT JOIN (FROM lang_features WHERE model_fingerprint = $fp
-           QUALIFY row_number() OVER (PARTITION BY dataset, sample_key) = 1) l USING (dataset, sample_key)
-{join}
-ORDER BY s.dataset, s.sample_key
+#: every sample of the workspace, in (dataset, sample_key) order: the rows of the feature reader
+_SAMPLES_SQL = """
+CREATE TEMP TABLE _keys AS
+SELECT dataset, sample_key, example_id, (row_number() OVER (ORDER BY dataset, sample_key) - 1)::BIGINT AS row
+FROM samples
 """
-_IMAGE_JOIN = """LEFT JOIN (FROM image_features WHERE model_fingerprint = $fp AND feature IS NOT NULL
-           QUALIFY row_number() OVER (PARTITION BY dataset, sample_key) = 1) i USING (dataset, sample_key)"""
 
 
-def _read_features(workspace: Workspace, fingerprint: str, image_dim: int,
-                   max_crops_values: tuple[int, ...]) -> dict[str, Any]:
-    """Every sample of the workspace with its features of model ``fingerprint`` and its tiling
-    per ``max_crops_values`` entry (NaN where unknown)."""
+def read_prediction_inputs(workspace: Workspace, policy: ControllerPolicy) -> dict[str, Any]:
+    """Every sample of the workspace with the features the policy reads (its model's, its image
+    feature; ``trainer.data.read_sample_features``) and its tiling per max_crops value of the
+    policy's action space (NaN where unknown), as tensors."""
     con = connect(workspace)
     try:
-        views = view_names(con)
-        if "lang_features" not in views:
-            msg = (f"workspace {workspace.root} has no cached features\n"
-                   "Hint: run `ctrl extract-features --images DIR` first.")
+        if "samples" not in view_names(con):
+            msg = f"workspace {workspace.root} has no samples\nHint: run `ctrl ingest` first."
             raise CtrlError(msg)
-        cached = [r[0] for r in con.sql("SELECT DISTINCT model_fingerprint FROM lang_features ORDER BY 1").fetchall()]
-        if fingerprint not in cached:
-            listing = ", ".join(fp[:16] for fp in cached)
-            msg = (f"the checkpoint was trained on features of model {fingerprint[:16]}, but workspace "
-                   f"{workspace.root} has features of model {listing} only\n"
-                   "Hint: run `ctrl extract-features` with the checkpoint's model on this workspace, "
-                   "or use a checkpoint trained on this model's features.")
-            raise CacheMismatchError(msg)
-        has_images = "image_features" in views
-        sql = _LANG_SQL.format(image="i.feature" if has_images else "NULL::FLOAT[]",
-                               join=_IMAGE_JOIN if has_images else "")
-        table = con.sql(sql, params={"fp": fingerprint}).to_arrow_table()
-        tilings = None
-        if "image_tilings" in views:
-            tilings = con.sql("SELECT dataset, sample_key, max_crops, any_value(num_crops) AS num_crops "
-                              "FROM image_tilings WHERE model_fingerprint = $fp GROUP BY ALL",
-                              params={"fp": fingerprint}).fetchall()
+        fingerprint = resolve_feature_model(
+            con, workspace.root, policy.model_fingerprint, needed_by="the checkpoint was trained on",
+            hint="Hint: run `ctrl extract-features` with the checkpoint's model on this workspace, "
+                 "or use a checkpoint trained on this model's features.")
+        con.execute(_SAMPLES_SQL)
+        keys = con.sql("SELECT dataset, sample_key, example_id FROM _keys ORDER BY row").fetchall()
+        feats = read_sample_features(con, "_keys", fingerprint, image_feature=policy.config.image_feature,
+                                     max_crops_values=policy.action_space.max_crops_values)
     finally:
         con.close()
-    lang = table.column("lang").to_pylist()
-    keys = zip(table.column("dataset").to_pylist(), table.column("sample_key").to_pylist(), lang)
-    missing = [f"{d}/{k}" for d, k, f in keys if f is None]
-    if missing:
-        msg = (f"{len(missing)} of {len(lang)} samples have no language features for model {fingerprint[:16]} "
-               f"(first: {', '.join(missing[:3])})\nHint: run `ctrl extract-features` on this workspace.")
-        raise CtrlError(msg)
-    image = table.column("image").to_pylist()
-    present = np.array([f is not None for f in image], dtype=bool)
-    image_mat = np.zeros((len(image), image_dim), dtype=np.float32)
-    if present.any():
-        image_mat[present] = np.asarray([f for f in image if f is not None], dtype=np.float32)
-    dataset, sample_key = table.column("dataset").to_pylist(), table.column("sample_key").to_pylist()
-    tiling_mat = np.full((len(lang), len(max_crops_values)), np.nan, dtype=np.float32)
-    if tilings:
-        row_of = {key: i for i, key in enumerate(zip(dataset, sample_key))}
-        column_of = {value: j for j, value in enumerate(max_crops_values)}
-        for d, k, max_crops, num_crops in tilings:
-            i, j = row_of.get((d, k)), column_of.get(max_crops)
-            if i is not None and j is not None and num_crops is not None:
-                tiling_mat[i, j] = num_crops
-    return {"dataset": dataset, "sample_key": sample_key, "example_id": table.column("example_id").to_pylist(),
-            "lang": torch.from_numpy(np.asarray(lang, dtype=np.float32).reshape(len(lang), -1)),
-            "image": torch.from_numpy(image_mat), "image_present": torch.from_numpy(present),
-            "tiling_crops": torch.from_numpy(tiling_mat)}
+    dataset, sample_key, example_id = (list(column) for column in zip(*keys)) if keys else ([], [], [])
+    image = feats.image if feats.image.shape[1] else np.zeros((len(keys), policy.config.image_feature_dim), np.float32)
+    return {"dataset": dataset, "sample_key": sample_key, "example_id": example_id,
+            "lang": torch.from_numpy(feats.lang), "image": torch.from_numpy(image),
+            "image_present": torch.from_numpy(feats.image_present),
+            "tiling_crops": torch.from_numpy(feats.tiling_crops)}
 
 
 @torch.inference_mode()
@@ -126,8 +93,7 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
         raise CtrlError(msg)
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint, offline_only=True)
-    feats = _read_features(ws, policy.model_fingerprint, policy.config.image_feature_dim,
-                           policy.action_space.max_crops_values)
+    feats = read_prediction_inputs(ws, policy)
     deployed = DeployedController(policy, read_fallback(checkpoint))
     inputs = (feats["lang"], feats["image"], feats["image_present"])
     n = len(feats["dataset"])
