@@ -598,3 +598,28 @@ def test_stage2_refuses_a_crops_value_outside_the_action_space(tmp_path, max_cro
         module.stage2(*args)
     with pytest.raises(torch.jit.Error, match=message):
         exported.stage2(*args)
+
+
+@pytest.mark.parametrize("change", ["activation", "moved", "gelu", "eps"])
+def test_a_changed_policy_layer_breaks_the_export_by_name(change):
+    """The export builds from the policy's named parts (ControllerPolicy.parts): a layer whose kind,
+    position or arithmetic changes is an error naming it, never a silently different module."""
+    from torch import nn
+
+    from trainer.deploy import DeployedController
+
+    policy = _hand_set_policy(FULL_PRODUCT)
+    if change == "activation":
+        policy.lang_proj[2] = nn.GELU()
+    elif change == "moved":
+        policy.crops_head = nn.Sequential(nn.ReLU(), *policy.crops_head)
+    elif change == "gelu":
+        policy.budget_encoder.mlp[2] = nn.GELU(approximate="tanh")
+    else:
+        policy.stage2_norm[0].eps = 1e-3
+    expected = {"activation": r"policy layers lang_proj are \['Linear', 'LayerNorm', 'GELU', 'Dropout'\]",
+                "moved": r"policy layers crops_head are \['ReLU', 'Linear', 'ReLU', 'Linear'\]",
+                "gelu": r"budget_encoder.mlp: the export computes the exact \(erf\) GELU",
+                "eps": r"LayerNorms have different eps"}[change]
+    with pytest.raises((TypeError, ValueError), match=expected):
+        DeployedController(policy, None)

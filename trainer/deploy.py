@@ -58,11 +58,6 @@ def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tenso
     return w.float().contiguous(), b.float().contiguous()
 
 
-def _ln(module: nn.Module) -> tuple[Tensor, Tensor, float]:
-    assert isinstance(module, nn.LayerNorm)
-    return module.weight.detach().clone(), module.bias.detach().clone(), float(module.eps)
-
-
 class DeployedController(nn.Module):
     """The controller in the two calls of a serving process, batched over B:
 
@@ -101,61 +96,55 @@ class DeployedController(nn.Module):
             self.register_buffer("crops_index", policy.crops_index.clone())
             self.register_buffer("top_k_index", policy.top_k_index.clone())
             self.register_buffer("blocks_index", policy.blocks_index.clone())
+            parts = policy.parts()
             # stage 1
-            w, b = _folded(policy.lang_proj[0], policy.lang_mean, policy.lang_std)
+            w, b = _folded(parts.lang.linear, policy.lang_mean, policy.lang_std)
             self.register_buffer("lang_w", w.t().contiguous())
             self.register_buffer("lang_b", b)
-            self.register_buffer("lang_ln_w", _ln(policy.lang_proj[1])[0])
-            self.register_buffer("lang_ln_b", _ln(policy.lang_proj[1])[1])
-            self.eps = _ln(policy.lang_proj[1])[2]
+            self._norm("lang_ln", parts.lang.norm)
+            # one epsilon for every LayerNorm of the module
+            eps = {float(norm.eps) for norm in parts.norms()}
+            if len(eps) != 1:
+                msg = f"the policy's LayerNorms have different eps {sorted(eps)}: the export applies one"
+                raise ValueError(msg)
+            self.eps = eps.pop()
             enc = policy.budget_encoder
             self.budget_min_ms, self.budget_max_ms = float(enc.min_ms), float(enc.max_ms)
             self.register_buffer("frequencies", enc.frequencies[None, :].clone())  # (1, F)
-            names = ("b1_w", "b1_b", "b1_ln_w", "b1_ln_b", "b2_w", "b2_b", "b2_ln_w", "b2_ln_b")
-            mlp = enc.mlp
-            # GELU's 0.5 moves into the next Linear (exact: a power of two)
-            values = (mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias, mlp[3].weight * 0.5, mlp[3].bias,
-                      mlp[4].weight, mlp[4].bias)
-            for name, value in zip(names, values):
-                self.register_buffer(name, (value.t() if name.endswith("_w") and value.dim() == 2 else value)
-                                     .detach().contiguous())
-            fusion = policy.stage1_fusion
-            self.register_buffer("fuse_w", fusion[0].weight.t().detach().contiguous())
-            self.register_buffer("fuse_b", fusion[0].bias.detach().clone())
-            self.register_buffer("fuse_ln_w", fusion[1].weight.detach().clone())
-            self.register_buffer("fuse_ln_b", fusion[1].bias.detach().clone())
-            self.register_buffer("crops1_w", policy.crops_head[0].weight.t().detach().contiguous())
-            self.register_buffer("crops1_b", policy.crops_head[0].bias.detach().clone())
-            self.register_buffer("crops2_w", policy.crops_head[2].weight.t().detach().contiguous())
-            self.register_buffer("crops2_b", policy.crops_head[2].bias.detach().clone())
+            mlp = parts.budget
+            self._linear("b1", mlp.linear1)
+            self._norm("b1_ln", mlp.norm1)
+            self._linear("b2", mlp.linear2, scale=0.5)  # GELU's 0.5 moves into the next Linear (exact: a power of two)
+            self._norm("b2_ln", mlp.norm2)
+            self._linear("fuse", parts.stage1_fusion.linear)
+            self._norm("fuse_ln", parts.stage1_fusion.norm)
+            self._linear("crops1", parts.crops_head.hidden)
+            self._linear("crops2", parts.crops_head.out)
             self.register_buffer("tiling_mean", policy.tiling_mean.clone())
             self.register_buffer("tiling_std", policy.tiling_std.clone())
             # stage 2: image_proj(cat[present * (image - mean) / std, present])
             #        = b + present * (W' image + (w_present - W' mean))
-            ip = policy.image_proj[0]
+            ip = parts.image.linear
             di = self.image_dim
             w_img = ip.weight[:, :di].double() / policy.image_std.double()[None, :]
             self.register_buffer("image_w", w_img.t().float().contiguous())
             self.register_buffer("image_c", (ip.weight[:, di].double() - w_img @ policy.image_mean.double()).float())
             self.register_buffer("image_b", ip.bias.detach().clone())
-            self.register_buffer("image_ln_w", policy.image_proj[1].weight.detach().clone())
-            self.register_buffer("image_ln_b", policy.image_proj[1].bias.detach().clone())
-            self.register_buffer("context_w", policy.stage2_context.weight.t().detach().contiguous())
-            self.register_buffer("context_b", policy.stage2_context.bias.detach().clone())
-            self.register_buffer("choice", F.linear(policy.crops_embedding.weight, policy.stage2_choice.weight))
-            tiling_w = policy.stage2_tiling.weight[:, 0] if policy.stage2_tiling is not None else torch.zeros(
+            self._norm("image_ln", parts.image.norm)
+            self._linear("context", parts.stage2_context)
+            self.register_buffer("choice", F.linear(parts.crops_embedding.weight, parts.stage2_choice.weight))
+            tiling_w = parts.stage2_tiling.weight[:, 0] if parts.stage2_tiling is not None else torch.zeros(
                 cfg.hidden_dim)
             self.register_buffer("choice_tiling_w", tiling_w.detach().clone())
-            self.register_buffer("s2_ln_w", policy.stage2_norm[0].weight.detach().clone())
-            self.register_buffer("s2_ln_b", policy.stage2_norm[0].bias.detach().clone())
+            self._norm("s2_ln", parts.stage2_norm)
             # both stage-2 heads in one pair of matmuls: first layers stacked, second layers block-diagonal
-            tk, bl = policy.top_k_head, policy.blocks_head
-            self.num_top_k = tk[2].out_features
-            self.register_buffer("heads1_w", torch.cat([tk[0].weight, bl[0].weight]).t().detach().contiguous())
-            self.register_buffer("heads1_b", torch.cat([tk[0].bias, bl[0].bias]).detach().clone())
-            self.register_buffer("heads2_w", torch.block_diag(tk[2].weight, bl[2].weight).t().detach().contiguous())
-            self.register_buffer("heads2_b", torch.cat([tk[2].bias, bl[2].bias]).detach().clone())
-            self.num_blocks = bl[2].out_features
+            tk, bl = parts.top_k_head, parts.blocks_head
+            self.num_top_k = tk.out.out_features
+            self.register_buffer("heads1_w", torch.cat([tk.hidden.weight, bl.hidden.weight]).t().detach().contiguous())
+            self.register_buffer("heads1_b", torch.cat([tk.hidden.bias, bl.hidden.bias]).detach().clone())
+            self.register_buffer("heads2_w", torch.block_diag(tk.out.weight, bl.out.weight).t().detach().contiguous())
+            self.register_buffer("heads2_b", torch.cat([tk.out.bias, bl.out.bias]).detach().clone())
+            self.num_blocks = bl.out.out_features
             # a full product of knob values in sorted order: the flattened (C, K, B) grid is the action index
             product = [(c, k, b) for c in space.max_crops_values for k in space.top_k_values
                        for b in space.num_active_blocks_values]
@@ -171,6 +160,16 @@ class DeployedController(nn.Module):
             self.register_buffer("crops_column", column)
             self.max_crops_text = ", ".join(str(v) for v in space.max_crops_values)
             self._build_fallback(fallback)
+
+    def _linear(self, name: str, linear: nn.Linear, scale: float = 1.0) -> None:
+        """Buffers ``<name>_w`` (the weight transposed, (in, out), times ``scale``) and ``<name>_b``."""
+        self.register_buffer(f"{name}_w", (linear.weight * scale).t().detach().contiguous())
+        self.register_buffer(f"{name}_b", linear.bias.detach().clone())
+
+    def _norm(self, name: str, norm: nn.LayerNorm) -> None:
+        """Buffers ``<name>_w`` and ``<name>_b``: a LayerNorm's scale and shift."""
+        self.register_buffer(f"{name}_w", norm.weight.detach().clone())
+        self.register_buffer(f"{name}_b", norm.bias.detach().clone())
 
     def _build_fallback(self, fallback: TableFallback | None) -> None:
         # per action, the median latency of the training split (NaN: unseen there; empty: unknown), the

@@ -200,6 +200,79 @@ def mlp_head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
     return head
 
 
+# -- the layers by name: what the export (``trainer.deploy``) folds into plain tensors
+
+@dataclass(frozen=True)
+class Projection:
+    """The parts of a :func:`projection`: ``linear`` -> ``norm`` -> ReLU -> dropout."""
+
+    linear: nn.Linear
+    norm: nn.LayerNorm
+
+
+@dataclass(frozen=True)
+class Head:
+    """The parts of an :func:`mlp_head`: ``hidden`` -> ReLU -> ``out``."""
+
+    hidden: nn.Linear
+    out: nn.Linear
+
+
+@dataclass(frozen=True)
+class BudgetMLP:
+    """The parts of ``BudgetEncoder.mlp``: ``linear1`` -> ``norm1`` -> GELU (erf) -> ``linear2`` -> ``norm2``."""
+
+    linear1: nn.Linear
+    norm1: nn.LayerNorm
+    linear2: nn.Linear
+    norm2: nn.LayerNorm
+
+
+@dataclass(frozen=True)
+class PolicyParts:
+    """Every layer of a :class:`ControllerPolicy` by name (:meth:`ControllerPolicy.parts`).
+
+    Stage 1: ``lang`` (of the standardised language features), ``budget`` (of the sinusoid),
+    ``stage1_fusion`` (of [lang, budget, tiling, tiling known]), ``crops_head``. Stage 2: ``image``
+    (of [standardised image * present, present]), ``stage2_context`` (of [lang, image, budget]),
+    ``stage2_choice`` (of ``crops_embedding``), ``stage2_tiling`` (None without tilings),
+    ``stage2_norm`` (then ReLU, dropout), ``top_k_head``, ``blocks_head``.
+    """
+
+    lang: Projection
+    budget: BudgetMLP
+    stage1_fusion: Projection
+    crops_head: Head
+    image: Projection
+    stage2_context: nn.Linear
+    stage2_choice: nn.Linear
+    crops_embedding: nn.Embedding
+    stage2_tiling: nn.Linear | None
+    stage2_norm: nn.LayerNorm
+    top_k_head: Head
+    blocks_head: Head
+
+    def norms(self) -> list[nn.LayerNorm]:
+        return [self.lang.norm, self.budget.norm1, self.budget.norm2, self.stage1_fusion.norm, self.image.norm,
+                self.stage2_norm]
+
+
+_PROJECTION = (nn.Linear, nn.LayerNorm, nn.ReLU, nn.Dropout)
+_HEAD = (nn.Linear, nn.ReLU, nn.Linear)
+_BUDGET_MLP = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Linear, nn.LayerNorm)
+_STAGE2_NORM = (nn.LayerNorm, nn.ReLU, nn.Dropout)
+
+
+def _layers(seq: nn.Sequential, name: str, layout: tuple[type[nn.Module], ...]) -> list[nn.Module]:
+    """The layers of ``seq``, checked against ``layout`` (a TypeError naming both where they differ)."""
+    found = tuple(type(m) for m in seq)
+    if found != layout:
+        msg = (f"policy layers {name} are {[t.__name__ for t in found]}, not {[t.__name__ for t in layout]}: "
+               "ControllerPolicy.parts and the export (trainer.deploy) read them by name and must change with them")
+        raise TypeError(msg)
+    return list(seq)
+
+
 class ControllerPolicy(nn.Module):
     """pi(action | image features, language features, budget) over an :class:`ActionSpace`.
 
@@ -251,6 +324,33 @@ class ControllerPolicy(nn.Module):
         self.stage2_norm = nn.Sequential(nn.LayerNorm(h), nn.ReLU(), nn.Dropout(d))
         self.top_k_head = mlp_head(h, h, num_top_k)
         self.blocks_head = mlp_head(h, h, num_blocks)
+
+    def parts(self) -> PolicyParts:
+        """The layers by name: the one place that knows their positions inside each ``Sequential``
+        (a changed layout is a TypeError here, not a silently different export)."""
+
+        def proj(name: str, seq: nn.Sequential) -> Projection:
+            layers = _layers(seq, name, _PROJECTION)
+            return Projection(layers[0], layers[1])
+
+        def head(name: str, seq: nn.Sequential) -> Head:
+            layers = _layers(seq, name, _HEAD)
+            return Head(layers[0], layers[2])
+
+        budget = _layers(self.budget_encoder.mlp, "budget_encoder.mlp", _BUDGET_MLP)
+        if budget[2].approximate != "none":
+            msg = f"policy layers budget_encoder.mlp: the export computes the exact (erf) GELU, not {budget[2]!r}"
+            raise TypeError(msg)
+        return PolicyParts(
+            lang=proj("lang_proj", self.lang_proj),
+            budget=BudgetMLP(budget[0], budget[1], budget[3], budget[4]),
+            stage1_fusion=proj("stage1_fusion", self.stage1_fusion),
+            crops_head=head("crops_head", self.crops_head),
+            image=proj("image_proj", self.image_proj),
+            stage2_context=self.stage2_context, stage2_choice=self.stage2_choice,
+            crops_embedding=self.crops_embedding, stage2_tiling=self.stage2_tiling,
+            stage2_norm=_layers(self.stage2_norm, "stage2_norm", _STAGE2_NORM)[0],
+            top_k_head=head("top_k_head", self.top_k_head), blocks_head=head("blocks_head", self.blocks_head))
 
     # -- inputs
     def set_feature_normalization(self, image: Tensor, image_present: Tensor, lang: Tensor,
