@@ -115,7 +115,7 @@ def free_port() -> int:
 def start_server(ws: Path, run_id: str, port: int, log: Path, max_queue: int) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", run_id,
                                 "-w", str(ws), "--port", str(port), "--threads", "1", "--max-queue", str(max_queue)],
-                               cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                               cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -252,7 +252,7 @@ def equality() -> list[dict]:
                     worst = max(worst, float((live - cached[i]).abs().max()))
                     identical &= bool(torch.equal(live, cached[i]))
                     if rt.kind == "molmoe":
-                        with torch.inference_mode(), rt._precision():
+                        with torch.inference_mode(), rt.precision_context():
                             tokens, _ = rt.vision_module(inputs.images[None], inputs.image_masks[None])
                         shifted = max(shifted, float((tokens[0, 0].float().mean(0) - cached[i]).abs().max()))
             rows.append({"model": name, "dtype": dtype, "largest_difference": worst, "bit_identical": identical,
@@ -311,7 +311,7 @@ def molmoe_vision_cost(dtype: str, rounds: int, threads: int) -> dict | None:
         backbone(images, masks)
 
     def extra() -> None:
-        backbone._pool_and_project(vit_states, own[:, None])
+        backbone.pool_and_project(vit_states, own[:, None])
 
     timed(whole), timed(extra)  # warm-up
     vision = [timed(whole) for _ in range(rounds)]

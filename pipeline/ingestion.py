@@ -211,7 +211,7 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
     except NotResultsFile as err:
         meta = {"status": "skipped", "error": f"{name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}
         tables = {}
-    except (Exception, RecursionError) as err:  # noqa: BLE001 - any failure of one file is that file's error
+    except (Exception, RecursionError) as err:  # any failure of one file is that file's error
         meta = {"status": "error", "error": f"{name}: cannot parse ({describe(err, 300)})", "rows": 0,
                 "duplicate_rows": 0, "tables": {}}
         tables = {}
@@ -305,7 +305,7 @@ def ingest(config: IngestConfig, progress: Callable[[str], None] | None = None,
 
             fragments_root = str(workspace.fragments_dir / f"p{PARSER_VERSION}")
             todo.sort(key=lambda p: -sizes[p])  # largest first: workers finish together
-            for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers, config.strict):
+            for path, meta in _run_parsers(todo, fragments_root, config.resolved_workers):
                 key = path_key(path)
                 old = manifest.get(key)
                 status = meta["status"]
@@ -368,7 +368,7 @@ def _content_changed(old: dict[str, dict], new: dict[str, dict]) -> bool:
                                            for p in new)
 
 
-def _run_parsers(todo: list[Path], fragments_root: str, workers: int, strict: bool):
+def _run_parsers(todo: list[Path], fragments_root: str, workers: int):
     """Yield (path, meta) as files finish; a process pool when it pays off. A parser process that
     dies (killed, out of memory) fails the file it was parsing, not the ingest: the files in
     flight then are parsed again one at a time, and the one that kills its process again is

@@ -265,7 +265,7 @@ class _Profiler:
                 if all(rstates):
                     self.advance(len(indices), f"{label} rank {rank} (done earlier)")
                     continue
-                self._run_rank(dataset, report, identity, (c, k, b), ci, active, rank, indices, files, label)
+                self._run_rank(dataset, identity, (c, k, b), ci, active, rank, indices, files, label)
             to_merge.append(((c, k, b), active))
             report.measured_configs.append((c, k, b))
         barrier()
@@ -287,8 +287,8 @@ class _Profiler:
             raise CtrlError(msg)
         return self.runtime.preprocess(image, sample.question, max_crops)
 
-    def _run_rank(self, dataset: VqaDataset, report: DatasetReport, identity: dict, knob: Config, config_index: int,
-                  active: list[int], rank: int, indices: list[int], files: list[Path], label: str) -> None:
+    def _run_rank(self, dataset: VqaDataset, identity: dict, knob: Config, config_index: int, active: list[int],
+                  rank: int, indices: list[int], files: list[Path], label: str) -> None:
         cfg, runtime, timer = self.config, self.runtime, self.timer
         c, k, b = knob
         started = time.perf_counter()

@@ -81,7 +81,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         CPU, ``ImageFeatures.global_crop``) from the same vision pass, else None (None too
         without an image)."""
 
-    def _precision(self) -> AbstractContextManager:
+    def precision_context(self) -> AbstractContextManager:
         """The context of every forward: products rounded to the storage dtype (``runtime.precision``)."""
         return compute_context(self.dtype)
 
@@ -114,7 +114,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
     def forward_logits(self, inputs: ModelInputs, extra_ids: Sequence[int] = ()) -> torch.Tensor:
         """float32 logits (seq_len, vocab) of one full forward without cache, under the current knobs;
         ``extra_ids`` are appended after the prompt (e.g. tokens generated so far)."""
-        with torch.inference_mode(), self._precision(), self._run_active_blocks():
+        with torch.inference_mode(), self.precision_context(), self._run_active_blocks():
             embeds, _ = self._embed(inputs, extra_ids)
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
@@ -123,7 +123,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
     def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
-        with torch.inference_mode(), self._precision(), self._run_active_blocks():
+        with torch.inference_mode(), self.precision_context(), self._run_active_blocks():
             # one slot per layer, indexed by each attention's original layer_idx
             cache = DynamicCache(config=self.decoder.config)
             mask = inputs.attention_mask.to(self.device)
@@ -150,7 +150,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         return float(weight.detach().float().pow(2).mean().sqrt())
 
     @contextmanager
-    def _layers(self, indices: Sequence[int], final_norm: bool = True) -> Iterator[None]:
+    def running_layers(self, indices: Sequence[int], final_norm: bool = True) -> Iterator[None]:
         """Run exactly these decoder layers (and the final norm or not) inside the block.
 
         ``OlmoeModel.forward`` is reused as is (mask, rotary positions, cache writes): only its
@@ -179,7 +179,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
         p = self._check_insertion(insertion_position, lowest=0 if extra_embedding is None else 1)
-        with torch.no_grad(), self._precision():
+        with torch.no_grad(), self.precision_context():
             embeds, image_feature = self._embed(inputs, image_feature=True)
             if extra_embedding is not None:
                 token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
@@ -187,7 +187,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
             cache = DynamicCache(config=self.decoder.config)
             hidden = embeds
             if p:
-                with self._layers(range(p), final_norm=False):
+                with self.running_layers(range(p), final_norm=False):
                     mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
                     out = self.decoder.model(inputs_embeds=embeds, attention_mask=mask, **with_cache(cache),
                                              use_cache=True)
@@ -197,7 +197,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
 
     def latency_token(self, embeds: torch.Tensor, insertion_position: int) -> torch.Tensor:
         p = self._check_insertion(insertion_position)
-        with torch.enable_grad(), self._precision(), self._layers(range(p), final_norm=False):
+        with torch.enable_grad(), self.precision_context(), self.running_layers(range(p), final_norm=False):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
             out = self.decoder.model(inputs_embeds=embeds.to(self.device), attention_mask=mask, use_cache=False)
         return out.last_hidden_state[0, -1]
@@ -218,9 +218,9 @@ class OlmoeDecoderRuntime(ModelRuntime):
         mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
         # a fresh cache: the members of a group must not write into the shared prefix's cache
         cache = DynamicCache(config=self.decoder.config)
-        with torch.no_grad(), self._precision():
+        with torch.no_grad(), self.precision_context():
             if suffix:
-                with self._layers(suffix):
+                with self.running_layers(suffix):
                     positions = torch.arange(seq, device=self.device)[None]
                     out = self.decoder.model(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
                                              **with_cache(cache), use_cache=True)
@@ -235,7 +235,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
 
     def decode_step(self, state: DecodeState, token: int) -> None:
         state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
-        with torch.no_grad(), self._precision(), self._layers(state.active_blocks):
+        with torch.no_grad(), self.precision_context(), self.running_layers(state.active_blocks):
             out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),
                                attention_mask=state.attention_mask, **with_cache(state.cache), use_cache=True,
                                logits_to_keep=1)

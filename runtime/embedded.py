@@ -151,7 +151,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
         global_crop = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         with_image = [i for i, item in enumerate(batch) if item.images is not None]
         if with_image:
-            with torch.inference_mode(), self._precision():
+            with torch.inference_mode(), self.precision_context():
                 tokens = self._image_tokens(torch.cat([batch[i].images for i in with_image]))
                 sizes = [batch[i].images.shape[0] for i in with_image]
                 for i, chunk in zip(with_image, torch.split(tokens, sizes)):

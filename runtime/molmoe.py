@@ -243,7 +243,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         crop counts differ between requests."""
         all_tokens = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         global_crop = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
-        with torch.inference_mode(), self._precision():
+        with torch.inference_mode(), self.precision_context():
             for i, item in enumerate(batch):
                 if item.images is None:
                     continue

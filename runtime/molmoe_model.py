@@ -342,12 +342,12 @@ class MolmoVisionBackbone(nn.Module):
         states = self.image_vit(flat)
         feats = torch.cat([states[i] for i in a.vit_layers], dim=-1)[:, 1:] * real
         feats = feats.reshape(batch, arrays, num_patches, -1)
-        tokens = self._pool_and_project(feats, image_masks)
+        tokens = self.pool_and_project(feats, image_masks)
         if self.pad_embed is None or global_masks is None or torch.equal(global_masks, image_masks[:, 0]):
             return tokens, tokens[:, 0]
-        return tokens, self._pool_and_project(feats[:, :1], global_masks[:, None])[:, 0]
+        return tokens, self.pool_and_project(feats[:, :1], global_masks[:, None])[:, 0]
 
-    def _pool_and_project(self, feats: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
+    def pool_and_project(self, feats: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
         """ViT features (batch, arrays, patches, width) -> tokens (batch, arrays, tokens, d_model):
         padding embeddings, 2x2 attention pooling, projector."""
         a = self.arch

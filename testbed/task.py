@@ -302,7 +302,7 @@ def generate_dataset(root: str | Path, num_samples: int, seed: int = 0, split: s
     if not overwrite and (root / "dataset.json").exists():
         try:
             existing = read_dataset(root)
-        except Exception:  # noqa: BLE001 - a foreign or broken file is regenerated
+        except Exception:  # a foreign or broken file is regenerated
             existing = None
         if (existing is not None and existing.name == name and existing.split == split
                 and [s.example_id for s in existing.samples] == ids

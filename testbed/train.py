@@ -119,7 +119,7 @@ def _batch_loss(runtime: EmbeddedRuntime, items: Sequence[tuple[Image.Image, str
     is_image = ids == runtime.image_patch_id
     # image features replace the placeholders, row-major over (example, position) as the arrays were stacked
     embeds = embeds.masked_scatter(is_image[..., None], tokens.to(embeds.dtype))
-    with runtime._layers(blocks):
+    with runtime.running_layers(blocks):
         logits = runtime.decoder(inputs_embeds=embeds, use_cache=False).logits
     losses = []
     for i, (start, target) in enumerate(answer_spans):

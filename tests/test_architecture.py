@@ -139,6 +139,21 @@ def test_functions_import_project_modules_only_in_the_cli(graph):
     assert local == []
 
 
+def test_no_private_name_is_imported_across_modules():
+    """A name one module shares with another is public: ``from pkg.mod import _name`` of a project
+    module appears in no project module, benchmark or data script."""
+    modules = project_modules()
+    scripts = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "data").glob("*.py"))
+    found = []
+    for path in [*modules.values(), *scripts]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and package_of(node.module) in ALLOWED:
+                found += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_")]
+    assert found == []
+
+
 def test_the_checker_sees_imports_of_every_kind(tmp_path):
     source = tmp_path / "sample.py"
     source.write_text("import pipeline.knobs\nfrom trainer import runs\nfrom runtime.base import ModelRuntime\n"

@@ -31,7 +31,7 @@ def _rank_main(rank: int, world: int, port: int, env: dict[str, str], fault_dir:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True", **env)
     torch.set_num_threads(1)
-    faults = open(Path(fault_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 - open until the process ends
+    faults = open(Path(fault_dir, f"rank{rank}.log"), "w")  # open until the process ends
     faulthandler.enable(faults, all_threads=True)
     fn(rank, *args)
     if torch.distributed.is_initialized():

@@ -17,8 +17,8 @@ import torch
 
 from trainer.data import Action, ActionSpace, OfflineData
 
-__all__ = ["Decider", "FamilyLookupTableDecider", "LargestDecider", "LookupTableDecider", "OracleDecider",
-           "RandomDecider", "budget_vector"]
+__all__ = ["Decider", "DeterministicDecider", "FamilyLookupTableDecider", "LargestDecider", "LookupTableDecider",
+           "OracleDecider", "RandomDecider", "best_candidate", "budget_vector", "require_allowed_actions"]
 
 
 @runtime_checkable
@@ -47,14 +47,16 @@ def budget_vector(budget_ms: torch.Tensor | float, n: int) -> torch.Tensor:
     return b
 
 
-def _require_allowed(data: OfflineData) -> None:
+def require_allowed_actions(data: OfflineData) -> None:
+    """A ValueError when a sample of ``data`` has no allowed action (nothing can be decided for it)."""
     empty = int((~data.mask.any(dim=1)).sum())
     if empty:
         msg = f"{empty} samples have no allowed action in `mask`; nothing can be decided for them"
         raise ValueError(msg)
 
 
-def _pick(cand: torch.Tensor, primary: torch.Tensor, secondary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def best_candidate(cand: torch.Tensor, primary: torch.Tensor,
+                   secondary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, among ``cand`` (bool (N, A)) the highest ``primary``, ties -> lowest ``secondary``
     (then the lowest index). Returns (index (N,), row has a candidate (N,))."""
     inf = torch.tensor(float("inf"))
@@ -67,11 +69,13 @@ def _pick(cand: torch.Tensor, primary: torch.Tensor, secondary: torch.Tensor) ->
 
 def _fastest_allowed(data: OfflineData) -> torch.Tensor:
     """Per sample, the allowed action with the lowest recorded latency."""
-    idx, _ = _pick(data.mask, -data.latency_ms, torch.zeros_like(data.latency_ms))
+    idx, _ = best_candidate(data.mask, -data.latency_ms, torch.zeros_like(data.latency_ms))
     return idx
 
 
-class _Deterministic:
+class DeterministicDecider:
+    """A decider with one decision per (sample, budget): its ``action_probs`` are that decision, one-hot."""
+
     name: str
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
@@ -82,7 +86,7 @@ class _Deterministic:
         return torch.nn.functional.one_hot(self.decide(data, budget_ms), len(data.action_space)).float()
 
 
-class OracleDecider(_Deterministic):
+class OracleDecider(DeterministicDecider):
     """Per sample, with hindsight: the allowed action with the best recorded score among
     those whose recorded latency fits the budget (ties -> lower latency); if none fits,
     the fastest allowed action. An upper bound no deployable decider reaches."""
@@ -90,14 +94,14 @@ class OracleDecider(_Deterministic):
     name = "oracle"
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        _require_allowed(data)
+        require_allowed_actions(data)
         b = budget_vector(budget_ms, len(data))
         fits = data.mask & (data.latency_ms <= b[:, None])
-        best, found = _pick(fits, data.score, data.latency_ms)
+        best, found = best_candidate(fits, data.score, data.latency_ms)
         return torch.where(found, best, _fastest_allowed(data))
 
 
-class LookupTableDecider(_Deterministic):
+class LookupTableDecider(DeterministicDecider):
     """Static lookup table chosen on training data (docs/origin_format.md §7.9, on one latency definition).
 
     Per configuration, from ``train`` (pass ``data.subset("train")``; its allowed entries only):
@@ -182,22 +186,22 @@ class LookupTableDecider(_Deterministic):
         allowed = seen.expand(len(budget), num_actions) if mask is None else mask & seen
         stat = self.latency_stat_ms.float()[None, :].expand(len(budget), num_actions)
         fits = allowed & (stat <= budget[:, None] * (1.0 + self.tolerance))
-        best, found = _pick(fits, self.mean_score.float()[None, :].expand_as(stat), stat)
+        best, found = best_candidate(fits, self.mean_score.float()[None, :].expand_as(stat), stat)
         # fallback by the TRAIN statistic (never the decided-for data's latencies); actions
         # unseen in train rank last but stay possible so that the choice is inside the mask
         base = allowed if mask is None else mask
-        fallback, _ = _pick(base, -torch.nan_to_num(stat, nan=1e30), torch.zeros_like(stat))
+        fallback, _ = best_candidate(base, -torch.nan_to_num(stat, nan=1e30), torch.zeros_like(stat))
         return torch.where(found, best, fallback)
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
         if data.action_space != self.action_space:
             msg = "the data's action space differs from the lookup table's (built on other data)"
             raise ValueError(msg)
-        _require_allowed(data)
+        require_allowed_actions(data)
         return self.choose(budget_vector(budget_ms, len(data)), data.mask)
 
 
-class FamilyLookupTableDecider(_Deterministic):
+class FamilyLookupTableDecider(DeterministicDecider):
     """:class:`LookupTableDecider`'s rule fitted per question family (``"lut_by_family"``).
 
     From ``train`` (pass ``data.subset("train")``): one table per family on that family's
@@ -265,7 +269,7 @@ class FamilyLookupTableDecider(_Deterministic):
         if data.action_space != self.action_space:
             msg = "the data's action space differs from the lookup tables' (built on other data)"
             raise ValueError(msg)
-        _require_allowed(data)
+        require_allowed_actions(data)
         return self.choose(budget_vector(budget_ms, len(data)), data.family, data.mask)
 
 
@@ -278,17 +282,17 @@ def _rows_by_family(family: Sequence[str | None] | None) -> dict[str, list[int]]
     return rows
 
 
-class LargestDecider(_Deterministic):
+class LargestDecider(DeterministicDecider):
     """The allowed action with the most crops, then top_k, then blocks (lexicographic)."""
 
     name = "largest"
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        _require_allowed(data)
+        require_allowed_actions(data)
         budget_vector(budget_ms, len(data))  # validates the shape; the choice ignores the budget
         # actions are sorted lexicographically, so the largest is the highest allowed index
         rank = torch.arange(len(data.action_space), dtype=torch.float32).expand_as(data.score)
-        idx, _ = _pick(data.mask, rank, torch.zeros_like(rank))
+        idx, _ = best_candidate(data.mask, rank, torch.zeros_like(rank))
         return idx
 
 
@@ -305,12 +309,12 @@ class RandomDecider:
         self.seed = int(seed)
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        _require_allowed(data)
+        require_allowed_actions(data)
         budget_vector(budget_ms, len(data))
         generator = torch.Generator().manual_seed(self.seed)
         return torch.multinomial(data.mask.float(), 1, generator=generator).flatten()
 
     def action_probs(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        _require_allowed(data)
+        require_allowed_actions(data)
         allowed = data.mask.float()
         return allowed / allowed.sum(dim=1, keepdim=True)

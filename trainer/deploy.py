@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace, write_bytes_atomic
-from trainer.baselines import LookupTableDecider, _pick
+from trainer.baselines import LookupTableDecider, best_candidate
 from trainer.fallback import TableFallback, read_fallback
 from trainer.greedy import greedy_crops, greedy_within_crops
 from trainer.policy import ControllerPolicy
@@ -413,9 +413,10 @@ def table_steps(table: LookupTableDecider) -> tuple[Tensor, Tensor]:
     choices = []
     for j in range(len(thresholds) + 1):
         fits = (seen & (stat <= thresholds[j - 1])) if j else torch.zeros_like(seen)
-        best, found = _pick(fits[None, :], score[None, :], stat[None, :])
+        best, found = best_candidate(fits[None, :], score[None, :], stat[None, :])
         if not bool(found[0]):  # nothing fits: the lowest statistic
-            best, _ = _pick(seen[None, :], -torch.nan_to_num(stat, nan=1e30)[None, :], torch.zeros_like(stat)[None, :])
+            best, _ = best_candidate(seen[None, :], -torch.nan_to_num(stat, nan=1e30)[None, :],
+                                     torch.zeros_like(stat)[None, :])
         choices.append(int(best[0]))
     return thresholds.contiguous(), torch.tensor(choices, dtype=torch.long)
 

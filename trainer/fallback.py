@@ -49,12 +49,12 @@ from trainer.data import OfflineData
 from trainer.greedy import policy_greedy
 from trainer.policy import (
     ControllerPolicy,
-    _aligned,
-    _aligned_tilings,
     check_fingerprint,
     check_image_feature,
     data_log_probs,
+    mask_in_policy_space,
     read_checkpoint,
+    tilings_in_policy_space,
 )
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import atomic_torch_save
@@ -182,10 +182,11 @@ class PolicyDecider:
         if use is not None and not bool(use.any()):
             return self._table.decide(data, budget)
         self._check_model(data)
-        mask, to_data = _aligned(self.policy, data)  # data_log_probs' view of the data in the policy's space
+        # data_log_probs' view of the data in the policy's space
+        mask, to_data = mask_in_policy_space(self.policy, data)
         with self._evaluating():
             chosen = policy_greedy(self.policy, data.image_features, data.image_present, data.lang_features, budget,
-                                   mask, tiling_crops=_aligned_tilings(self.policy, data))
+                                   mask, tiling_crops=tilings_in_policy_space(self.policy, data))
         if to_data is not None:
             chosen = to_data[chosen]
         if use is None or bool(use.all()):

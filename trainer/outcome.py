@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.baselines import _Deterministic, _pick, _require_allowed, budget_vector
+from trainer.baselines import DeterministicDecider, best_candidate, budget_vector, require_allowed_actions
 from trainer.data import ActionSpace, OfflineData
 from trainer.runs import atomic_torch_save
 
@@ -219,7 +219,7 @@ def _fit_head(head: nn.Module, loss_fn: Loss, fit: tuple[torch.Tensor, torch.Ten
     head.eval()
 
 
-class OutcomeDecider(_Deterministic):
+class OutcomeDecider(DeterministicDecider):
     """The outcome model's choice (``"outcome"``): per sample, among the allowed configurations
     whose predicted latency quantile fits the budget, the highest predicted score (ties -> lower
     predicted latency); when none fits, the lowest predicted latency."""
@@ -229,10 +229,10 @@ class OutcomeDecider(_Deterministic):
         self.action_space = model.action_space
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        _require_allowed(data)
+        require_allowed_actions(data)
         score, latency = self.model.predict(data)
         budget = budget_vector(budget_ms, len(data))
         fits = data.mask & (latency <= budget[:, None])
-        best, found = _pick(fits, score, latency)
-        fastest, _ = _pick(data.mask, -latency, torch.zeros_like(latency))
+        best, found = best_candidate(fits, score, latency)
+        fastest, _ = best_candidate(data.mask, -latency, torch.zeros_like(latency))
         return torch.where(found, best, fastest)

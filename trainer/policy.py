@@ -558,7 +558,7 @@ def check_image_feature(policy: ControllerPolicy, data: OfflineData, where: str 
         raise CacheMismatchError(msg)
 
 
-def _aligned(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tensor | None]:
+def mask_in_policy_space(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tensor | None]:
     """``data.mask`` mapped into the policy's action space, and the policy->data index map (None = same)."""
     if tuple(policy.action_space.actions) == tuple(data.action_space.actions):
         return data.mask, None
@@ -572,7 +572,7 @@ def _aligned(policy: ControllerPolicy, data: OfflineData) -> tuple[Tensor, Tenso
     return mask, to_data
 
 
-def _aligned_tilings(policy: ControllerPolicy, data: OfflineData) -> Tensor | None:
+def tilings_in_policy_space(policy: ControllerPolicy, data: OfflineData) -> Tensor | None:
     """``data.tiling_crops`` with one column per crops value of the policy (NaN where the data has none)."""
     tilings = getattr(data, "tiling_crops", None)
     ours, theirs = policy.action_space.max_crops_values, data.action_space.max_crops_values
@@ -588,9 +588,9 @@ def _aligned_tilings(policy: ControllerPolicy, data: OfflineData) -> Tensor | No
 def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
     """log pi over ``data.action_space`` (N, A_data) under ``data.mask``; -inf elsewhere."""
     check_image_feature(policy, data)
-    mask, to_data = _aligned(policy, data)
+    mask, to_data = mask_in_policy_space(policy, data)
     lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask,
-                          tiling_crops=_aligned_tilings(policy, data))
+                          tiling_crops=tilings_in_policy_space(policy, data))
     if to_data is None:
         return lp
     out = torch.full((len(data), len(data.action_space.actions)), float("-inf"))

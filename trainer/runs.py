@@ -188,7 +188,7 @@ class RunDir:
         except FileNotFoundError:
             msg = f"{self.last_checkpoint}: missing: the run has no finished epoch to resume from"
             raise CtrlError(msg) from None
-        except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        except Exception as err:  # torch raises many kinds for a damaged file
             msg = (f"{self.last_checkpoint}: cannot read the checkpoint ({describe(err)})\n"
                    f"Hint: start the run again under a new --run-id (or delete {self.path}).")
             raise CtrlError(msg) from None
