@@ -264,7 +264,8 @@ def _check_generation_table(workspace: Workspace, name: str) -> None:
         recorded = None
     if recorded is not None and file_sha256(gen / f"{name}.parquet") != recorded:
         msg = (f"{gen / f'{name}.parquet'}: content differs from what its ingest wrote (SHA-256)\n"
-               "Hint: `ctrl ingest` rebuilds it from the parse cache and the inputs.")
+               "Hint: `ctrl doctor` lists what is damaged; `ctrl ingest` rebuilds it from the parse cache and the "
+               "inputs.")
         raise QueryError(msg)
 
 

@@ -217,7 +217,9 @@ def test_ctrl_c_during_online_training_exits_130_and_resumes_from_the_checkpoint
     resumed = invoke("train", "--online", "-w", ws.root, "--resume", "cut", "--steps", "4", "--no-evaluate")
     assert resumed.exit_code == 0, resumed.output
     assert pl.read_parquet(run / "online_steps.parquet")["step"].to_list() == [1, 2, 3, 4]
-    assert sorted(p.name for p in (run / "rollouts").iterdir()) == [f"step-00000{i}.parquet" for i in (1, 2, 3, 4)]
+    steps = [f"step-00000{i}.parquet" for i in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == ["sha256.json", *steps]
+    assert sorted(json.loads((run / "rollouts" / "sha256.json").read_text())) == steps  # each file's checksum
 
 
 # -- claims 3 and 6: one vision forward per distinct image; --model embedded|testbed|PATH ----------

@@ -450,7 +450,7 @@ def test_latest_is_the_newest_offline_run_and_online_runs_are_refused(trained, t
         assert exported.exit_code == 0, exported.output
         assert f"from {newer.resolve() / 'checkpoints' / 'best.pt'}" in exported.stdout
         for args in (["predict", "--run", "o1", "--budget-ms", "200", "--out", str(tmp_path / "d.csv")],
-                     ["export", "o1", "--out", str(out)]):
+                     ["export", "o1", "--out", str(tmp_path / "c2.pt")]):
             refused = runner.invoke(app, [*args, "-w", str(ws.root)])
             assert refused.exit_code == 1 and "o1 is an online run" in refused.stderr
             assert len(refused.stderr.strip().splitlines()) == 2  # the error and its hint

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CtrlError
+from pipeline.workspace import write_bytes_atomic
 
 #: the values of ``--report-to``
 REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
@@ -218,8 +219,6 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: s
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from pipeline.workspace import write_bytes_atomic
 
     def series(column: str) -> tuple[list[float], list[float]]:
         points = [(float(r["step"]), float(r[column])) for r in rows
