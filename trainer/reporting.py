@@ -221,9 +221,11 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: s
     import matplotlib.pyplot as plt
 
     def series(column: str) -> tuple[list[float], list[float]]:
+        # an offline epoch row repeats the means of its steps: only its validation metrics are drawn
         points = [(float(r["step"]), float(r[column])) for r in rows
                   if isinstance(r.get(column), int | float) and not isinstance(r.get(column), bool)
-                  and math.isfinite(r[column]) and r.get("step") is not None]
+                  and math.isfinite(r[column]) and r.get("step") is not None
+                  and (column.startswith("val/") or r.get("kind") != "epoch")]
         return [p[0] for p in points], [p[1] for p in points]
 
     panels = [(name, [c for c in columns if series(c)[0]]) for name, columns in CURVE_PANELS]
