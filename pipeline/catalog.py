@@ -147,13 +147,9 @@ def workspace_table_paths(workspace: Workspace) -> dict[str, str | list[str]]:
 
 
 def connect(workspace: Workspace) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with the workspace's views."""
-    import duckdb  # deferred: parser worker processes import pipeline and never query
-
-    con = duckdb.connect()
-    for stmt in _workspace_ddl(workspace):
-        con.execute(stmt)
-    return con
+    """An in-memory DuckDB connection with the workspace's views (:func:`connect_read_only` without
+    the guard): the views read Arrow datasets, so any path works, whatever DuckDB makes of it."""
+    return connect_read_only(workspace, guard=False)
 
 
 def _workspace_ddl(workspace: Workspace) -> list[str]:
@@ -169,9 +165,20 @@ def view_names(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
 
 
-def build_catalog(workspace: Workspace) -> Path:
-    """(Re)write ``ctrl.duckdb`` with views over the live generation; atomic replace."""
+def catalog_supported(workspace: Workspace) -> bool:
+    """DuckDB reads a backslash in a path as a separator, so a workspace whose path holds one gets no
+    ``ctrl.duckdb`` (``ctrl query`` and every command work all the same)."""
+    return "\\" not in str(workspace.root.resolve())
+
+
+def build_catalog(workspace: Workspace) -> Path | None:
+    """(Re)write ``ctrl.duckdb`` with views over the live generation; atomic replace. None (and no
+    catalog) where :func:`catalog_supported` says DuckDB cannot open the workspace's paths."""
     import duckdb  # deferred, as in connect()
+
+    if not catalog_supported(workspace):
+        workspace.catalog_path.unlink(missing_ok=True)
+        return None
 
     tmp = workspace.root / f".{workspace.catalog_path.name}.{uuid.uuid4().hex}.tmp"
     con = duckdb.connect(str(tmp))
@@ -194,9 +201,10 @@ QUERY_GUARD = ("SET enable_external_access = false", "SET autoinstall_known_exte
                "SET autoload_known_extensions = false", "SET lock_configuration = true")
 
 
-def connect_read_only(workspace: Workspace) -> duckdb.DuckDBPyConnection:
+def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the workspace's views, which no statement can make
-    write a file, read one outside the workspace's tables, or reach the network (:data:`QUERY_GUARD`)."""
+    write a file, read one outside the workspace's tables, or reach the network (:data:`QUERY_GUARD`;
+    ``guard=False``: the same views, for the project's own queries)."""
     import duckdb  # deferred, as in connect()
     import pyarrow as pa
     import pyarrow.dataset as ds
@@ -229,7 +237,7 @@ def connect_read_only(workspace: Workspace) -> duckdb.DuckDBPyConnection:
         if log is not None:
             con.register("_arrow_requests", log)
             con.execute("CREATE VIEW requests AS SELECT * FROM _arrow_requests")
-        for statement in QUERY_GUARD:
+        for statement in QUERY_GUARD if guard else ():
             con.execute(statement)
     except BaseException:
         con.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.catalog import catalog_supported
 from pipeline.errors import CtrlError, describe
 from pipeline.parse import PARSER_VERSION
 from pipeline.schema import FEATURE_TABLES, TABLES
@@ -121,7 +122,7 @@ def catalog_problem(workspace: Workspace) -> str | None:
 
     gen = workspace.current_generation()
     path = workspace.catalog_path
-    if gen is None:
+    if gen is None or not catalog_supported(workspace):
         return None
     if not path.exists():
         return "missing"

@@ -173,3 +173,15 @@ def test_key_columns_are_not_nullable_in_the_written_schema():
     fields = {f.name: f.nullable for f in TABLES["samples"].arrow_schema()}
     key = (fields["dataset"], fields["sample_key"], fields["key_source"])
     assert key == (False, False, False) and fields["split"] is True
+
+
+def test_a_backslash_in_the_workspace_path_works_without_a_catalog(small_tree, tmp_path):
+    from pipeline import Workspace
+    from pipeline.health import check_workspace
+
+    ws = Workspace(tmp_path / "ws\\back")
+    for _ in range(2):  # the second ingest too: nothing is left half-built
+        run_ingest([small_tree], ws)
+    assert run_query(ws, "SELECT count(*) AS n FROM measurements").to_pylist()[0]["n"] > 0
+    assert not ws.catalog_path.exists() and check_workspace(ws) == []
+    assert not (tmp_path / "ws").exists()  # nothing written where DuckDB would have read the path
