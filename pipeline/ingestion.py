@@ -151,15 +151,20 @@ def discover(paths: Iterable[Path], exclude: Path | None = None) -> list[Path]:
     return sorted(found)
 
 
+#: control characters (a newline in a file name would split a one-line message) -> their \\xNN escape
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+
+
 def path_key(path: Path) -> str:
-    """The ``files.path`` of a file: its path as text; bytes that are not UTF-8 (a name written
-    in another encoding) are shown as ``\\xNN`` escapes instead of failing the whole ingest."""
+    """The ``files.path`` of a file, as every message shows it: its path as text; bytes that are
+    not UTF-8 (a name written in another encoding) and control characters are shown as ``\\xNN``
+    escapes instead of failing the whole ingest or breaking a line."""
     text = str(path)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return os.fsencode(path).decode("utf-8", "backslashreplace")
-    return text
+        text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text.translate(_CONTROL_ESCAPES)
 
 
 def _write_arrow(table: pa.Table, path: Path) -> None:
@@ -206,7 +211,9 @@ def _parse_to_fragment(path_str: str, fragments_root: str) -> dict:
                 "tables": {}}
         tables = {"measurements": parsed.measurements, "samples": parsed.samples, "summaries": parsed.summaries}
     except IngestError as err:
-        meta = {"status": "error", "error": str(err), "rows": 0, "duplicate_rows": 0, "tables": {}}
+        where = f"{name}: {err.field}: " if err.field else f"{name}: "  # the escaped name, as everywhere
+        meta = {"status": "error", "error": where + err.reason.translate(_CONTROL_ESCAPES), "rows": 0,
+                "duplicate_rows": 0, "tables": {}}
         tables = {}
     except NotResultsFile as err:
         meta = {"status": "skipped", "error": f"{name}: {err}", "rows": 0, "duplicate_rows": 0, "tables": {}}

@@ -571,3 +571,20 @@ def test_a_parser_process_killed_mid_ingest_fails_no_run(small_tree, tmp_path):
     report = outcome["report"]
     assert all(f.status == "ok" for f in report.files), [f.error for f in report.errors]
     assert len(report.files) == 15
+
+
+def test_a_file_name_with_control_characters_is_escaped_in_every_message(small_tree, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    odd = small_tree / "bad" / "two\nlines\t.json"
+    odd.parent.mkdir(parents=True, exist_ok=True)
+    odd.write_text("{not json")
+    report = run_ingest([small_tree], Workspace(tmp_path / "ws"))
+    [error] = report.errors
+    assert error.path.endswith("two\\x0alines\\x09.json") and "\n" not in error.error
+    assert error.error.startswith("two\\x0alines\\x09.json: invalid JSON")
+    result = CliRunner().invoke(app, ["ingest", str(small_tree), "-w", str(tmp_path / "ws2")])
+    bad_lines = [line for line in result.stderr.splitlines() if "two" in line]
+    assert len(bad_lines) == 1 and "two\\x0alines\\x09.json" in bad_lines[0]
