@@ -212,7 +212,8 @@ def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDB
 
     con = duckdb.connect()
     try:
-        for name, files in sorted(workspace_table_files(workspace).items()):
+        tables = workspace_table_files(workspace)
+        for name, files in sorted(tables.items()):
             if name in RUN_VIEWS:  # a damaged run's file leaves that run out, never the other runs
                 files = [f for f in files if _intact_run_file(f)]
                 if not files:
@@ -231,7 +232,7 @@ def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDB
             source = f"_arrow_{name}"
             con.register(source, ds.dataset([str(f) for f in files], format="parquet", schema=schema))
             con.execute(f"CREATE VIEW {quote_ident(name)} AS SELECT * FROM {quote_ident(source)}")
-        if {"measurements", "configs"} <= set(workspace_table_files(workspace)):
+        if {"measurements", "configs"} <= set(tables):
             con.execute(f"CREATE VIEW groups AS {GROUPS_SQL.strip()}")
         log = request_log_table(workspace)
         if log is not None:
