@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -25,8 +26,23 @@ from rich.table import Table
 if TYPE_CHECKING:
     import pyarrow as pa
 
+class _Commands(TyperGroup):
+    """ctrl's command group: an option value that does not convert is named in its error (Typer's
+    own message, "Input should be a valid integer", does not say which value was given)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as e:
+            errors = getattr(e.__cause__, "errors", None)
+            if callable(errors) and errors() and "input" in errors()[0]:
+                e.message = f"{e.message} (got {errors()[0]['input']!r})"
+            raise
+
+
 app = typer.Typer(
     name="ctrl",
+    cls=_Commands,
     help="Dataset pipeline and trainer for a latency-budget knob controller of MolmoE-1B.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

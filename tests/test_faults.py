@@ -30,11 +30,12 @@ def bad_copy(tree: Path, name: str, edit) -> Path:
     function, or the raw text to write)."""
     doc = exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True)
     path = tree / "bad" / name
-    if callable(edit):
-        write(path, edit(doc))
+    edited = edit(doc) if callable(edit) else edit
+    if not isinstance(edited, str):
+        write(path, edited)
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(edit)
+        path.write_text(edited)
     return path
 
 
@@ -48,6 +49,15 @@ def set_num_samples(doc: dict) -> dict:
     return doc
 
 
+def second_config(doc: dict) -> str:
+    """The file names ``config`` twice; a last-wins parser would take the second, other, world size."""
+    return json.dumps(doc)[:-1] + ', "config": {"world_size": 3}}'
+
+
+def repeated_pred(doc: dict) -> str:
+    return json.dumps(doc).replace('"pred": ', '"pred": "a: b", "pred": ', 1)
+
+
 def lone_surrogate_pred(doc: dict) -> str:
     doc["per_sample_predictions"][0]["pred"] = "SURROGATE"
     return json.dumps(doc).replace("SURROGATE", "\\ud800")
@@ -57,15 +67,13 @@ def lone_surrogate_pred(doc: dict) -> str:
     ("world_size", set_world_size, "config.world_size: 1000000000000 is outside 1..65536"),
     ("num_samples", set_num_samples, "summary[0].num_samples: 1000000000000 is outside 0..2147483647"),
     ("surrogate", lone_surrogate_pred, "cannot parse"),
+    ("second config", second_config, "duplicate key 'config': an object names it twice"),
+    ("repeated pred", repeated_pred, "duplicate key 'pred'"),
     ("deep", "[" * 100_000 + "]" * 100_000, ""),
 ])
 def test_one_bad_file_is_recorded_and_the_rest_ingested(small_tree, tmp_path, case, edit, reason):
     expected = clean_counts(small_tree, tmp_path)
-    if callable(edit) and case == "surrogate":
-        text = edit(exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
-        bad = bad_copy(small_tree, exp6_name(4, 4, 12), text)
-    else:
-        bad = bad_copy(small_tree, exp6_name(4, 4, 12), edit)
+    bad = bad_copy(small_tree, exp6_name(4, 4, 12), edit)
     ws = Workspace(tmp_path / "ws")
     report = run_ingest([small_tree], ws)
     assert [Path(f.path).name for f in report.errors] == [bad.name], report.errors

@@ -42,6 +42,19 @@ def test_a_budget_range_end_that_is_not_a_finite_positive_number_is_named(value)
         OfflineTrainConfig(budget_min_ms=50.0, budget_max_ms=value)
 
 
+@pytest.mark.parametrize(("args", "value"), [
+    (["train", "--seed", "1e23"], "'1e23'"),
+    (["train", "--num-epochs", "0"], "'0'"),
+    (["serve", "--port", "http"], "'http'"),
+    (["predict", "--budget-ms", "fast"], "'fast'"),
+])
+def test_an_option_value_that_does_not_convert_is_named_in_its_error(args, value):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    flat = " ".join(line.strip("│ ") for line in result.output.splitlines())
+    assert f"Invalid value for '{args[1]}'" in flat and f"(got {value})" in flat, result.output
+
+
 def test_train_with_an_infinite_budget_writes_no_run(tmp_path):
     result = runner.invoke(app, ["train", "--offline", "-w", str(tmp_path / "ws"), "--budget-min-ms", "50",
                                  "--budget-max-ms", "inf"])

@@ -237,3 +237,41 @@ def test_bad_input_gives_one_line_error_naming_file_and_field(tmp_path, build, m
         parse(path)
     text = str(info.value)
     assert "\n" not in text and text.startswith(path.name + ": ")
+
+
+def _json_text(rng, depth: int, repeat: bool) -> tuple[str, bool]:
+    """A random JSON text written by hand (keys and strings with colons, escapes, non-ASCII,
+    NaN-free numbers); with ``repeat`` some object may name a key twice. Returns the text and
+    whether it does."""
+    atoms = ['"a:b"', '"12:30:00"', '"\\u003a"', '"caf\\u00e9"', '"\\"q:\\""', '"x"', '"日本:語"', "1", "-2.5e3",
+             "true", "null", '"C:\\\\dir"']
+    if depth == 0 or rng.random() < 0.3:
+        return rng.choice(atoms), False
+    if rng.random() < 0.4:
+        items = [_json_text(rng, depth - 1, repeat) for _ in range(rng.randrange(4))]
+        return "[" + ", ".join(t for t, _ in items) + "]", any(r for _, r in items)
+    keys = rng.sample(["k", "k:1", "time:s", "ü", "\\u003akey", "pred", "config"], rng.randrange(1, 5))
+    repeated = repeat and rng.random() < 0.2
+    if repeated:
+        keys.append(rng.choice(keys))
+    members = [(key, _json_text(rng, depth - 1, repeat)) for key in keys]
+    text = "{" + " , ".join(f'"{key}" :{value}' for key, (value, _) in members) + "}"
+    return text, repeated or any(r for _, (_, r) in members)
+
+
+def test_a_key_named_twice_in_one_object_is_refused_wherever_it_is(tmp_path):
+    import random
+
+    from pipeline.parse import load_json
+
+    rng = random.Random(7)
+    seen = {True: 0, False: 0}
+    for _ in range(2000):
+        text, repeated = _json_text(rng, 4, repeat=rng.random() < 0.5)
+        seen[repeated] += 1
+        if repeated:
+            with pytest.raises(IngestError, match=r"^x\.json: duplicate key '[^']+': an object names it twice"):
+                load_json(Path("x.json"), text.encode())
+        else:
+            assert load_json(Path("x.json"), text.encode()) == json.loads(text)
+    assert min(seen.values()) > 300, seen
