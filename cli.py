@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,10 +121,12 @@ class Bar:
 
 
 @contextmanager
-def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...] = (),
+            resume: str | None = None) -> Iterator[None]:
     """The frame of every command: a ctrl error (and the exceptions in ``also``) becomes one red
     line and exit 1; Ctrl-C prints ``interrupted`` (``: <interrupted>``, what happens to the
-    work, when given) and exits 130."""
+    work, when given) and exits 130. A disk error's hint says how to go on: ``resume``, else
+    "run the command again"."""
     from pipeline.errors import CtrlError, describe
 
     try:
@@ -133,8 +135,9 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
         raise _fail(e) from None
     except OSError as e:  # a full or read-only disk, a permission: the file and the reason, not a traceback
         where = f"{e.filename}: " if e.filename else ""
-        raise _fail(CtrlError(f"{where}{e.strerror or e}\nHint: free space or fix permissions, then run the "
-                              "command again; what was finished is kept.")) from None
+        then = resume or "run the command again; what was finished is kept"
+        raise _fail(CtrlError(f"{where}{e.strerror or e}\nHint: free space or fix permissions, then: {then}.")) \
+            from None
     except Exception as e:
         # a damaged file under a reader (Parquet, Arrow IPC, DuckDB): one line, and where to look
         if type(e).__module__.split(".")[0] not in ("pyarrow", "duckdb", "_duckdb", "polars"):
@@ -148,11 +151,11 @@ def handled(*, interrupted: str | None = None, also: tuple[type[Exception], ...]
 
 @contextmanager
 def running(label: str, *, interrupted: str | None = None, also: tuple[type[Exception], ...] = (),
-            counts: bool = True, show: bool = True) -> Iterator[Bar]:
+            counts: bool = True, show: bool = True, resume: str | None = None) -> Iterator[Bar]:
     """:func:`handled` with a progress bar (``counts``: n/total; ``show``: False hides it)."""
     columns = [TextColumn(label), BarColumn(), *([MofNCompleteColumn()] if counts else []),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
-    with handled(interrupted=interrupted, also=also), \
+    with handled(interrupted=interrupted, also=also, resume=resume), \
             Progress(*columns, console=err, transient=True, disable=not show or not err.is_terminal) as progress:
         yield Bar(progress, progress.add_task(label, total=None, info=""))
 
@@ -276,6 +279,10 @@ def doctor(workspace: WorkspaceOption = None) -> None:
             msg = (f"workspace {ws.root} does not exist\n"
                    "Hint: pass the workspace with -w (or CTRL_WORKSPACE); `ctrl ingest` creates one.")
             raise WorkspaceError(msg)
+        if not any((ws.root / name).exists() for name in ("CURRENT", "tables", "fragments", "features", "runs")):
+            msg = (f"workspace {ws.root} holds nothing ctrl wrote (no tables yet): nothing to check\n"
+                   "Hint: pass the workspace with -w (or CTRL_WORKSPACE); `ctrl ingest` fills one.")
+            raise WorkspaceError(msg)
         started = time.perf_counter()
         problems = check_workspace(ws)
         took = f"{time.perf_counter() - started:.1f} s"
@@ -323,6 +330,7 @@ def extract_features(
 
     # under torchrun, rank 0 shows the progress and reports
     with running("features", interrupted="finished chunks are kept; the next run resumes",
+                 resume="the same command again resumes (finished chunks are kept)",
                  show=os.environ.get("RANK", "0") == "0") as bar:
         config = FeatureConfig(workspace=workspace, images_dir=images, image_pattern=image_pattern, model=model,
                                device=device, dtype=dtype.value, batch_size=batch_size, force=force)
@@ -419,11 +427,19 @@ def train(
     Options of the other phase are refused; with --resume only the options a resumed run may
     change are accepted (docs/cli.md)."""
     options = {k: v for k, v in locals().items() if k != "offline"}
+    import os
+
     from online.train_options import train_config
 
     phase = "offline" if offline else "online"
     with handled(also=(ValueError,)):
         config = train_config(phase, options)
+    if config.resume is None and config.run_id is None and os.environ.get("WORLD_SIZE", "1") == "1":
+        from dataclasses import replace
+
+        from trainer.runs import new_run_id
+
+        config = replace(config, run_id=new_run_id())  # named now, so that messages can say how to resume it
     if offline:
         _train_offline(config)
     else:
@@ -433,7 +449,9 @@ def train(
 def _train_offline(config: Any) -> None:
     from trainer import evaluation_title, format_evaluation_table, read_fallback, train_offline
 
-    with running("train", interrupted="resume with --resume RUN (the last finished epoch is checkpointed)",
+    run = config.resume or config.run_id
+    with running("train", interrupted=f"resume with --resume {run} (the last finished epoch is checkpointed)",
+                 resume=f"ctrl train --offline --resume {run} (the last finished epoch is checkpointed)",
                  also=(ValueError,), counts=False) as bar:
 
         def show(event: dict) -> None:
@@ -470,7 +488,9 @@ def _train_online(config: Any) -> None:
     from trainer import format_evaluation_table
 
     # under torchrun, rank 0 shows the progress and reports
-    with running("online", interrupted="continue with --online --resume RUN (from its last checkpoint)",
+    run = config.resume or config.run_id or "RUN"
+    with running("online", interrupted=f"continue with --online --resume {run} (from its last checkpoint)",
+                 resume=f"ctrl train --online --resume {run} (from its last checkpoint)",
                  also=(ValueError,), show=os.environ.get("RANK", "0") == "0") as bar:
         bar.update(total=config.steps, info="starting")
 

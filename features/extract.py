@@ -32,7 +32,7 @@ from pipeline.catalog import build_catalog
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.health import feature_chunk_problem
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
-from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256
+from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256, os_error_naming
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
@@ -410,6 +410,9 @@ def _write_chunk(out_dir: Path, index: int, tables: dict[str, pa.Table], lookup:
         hashes = {f.name: file_sha256(f) for f in sorted(tmp.glob("*.parquet"))}
         (tmp / CHECKSUM_FILE).write_text(json.dumps(hashes, indent=1) + "\n")
         os.rename(tmp, out_dir / f"chunk-{index:05d}")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise os_error_naming(e, out_dir / f"chunk-{index:05d}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

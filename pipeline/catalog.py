@@ -181,18 +181,38 @@ def build_catalog(workspace: Workspace) -> Path | None:
         return None
 
     tmp = workspace.root / f".{workspace.catalog_path.name}.{uuid.uuid4().hex}.tmp"
-    con = duckdb.connect(str(tmp))
     try:
-        for stmt in _workspace_ddl(workspace):
-            con.execute(stmt)
-        # which generation these views read: a catalog left behind by a crash is detected and rebuilt
-        con.execute(f"CREATE VIEW ctrl_generation AS SELECT {quote_literal(workspace.require_generation().name)} "
-                    "AS generation")
-        con.execute("CHECKPOINT")
+        con = duckdb.connect(str(tmp))
+        try:
+            for stmt in _workspace_ddl(workspace):
+                con.execute(stmt)
+            # which generation these views read: a catalog left behind by a crash is detected and rebuilt
+            con.execute(f"CREATE VIEW ctrl_generation AS SELECT "
+                        f"{quote_literal(workspace.require_generation().name)} AS generation")
+            con.execute("CHECKPOINT")
+        finally:
+            con.close()
+        _move_aside_a_directory(workspace.catalog_path)
+        os.replace(tmp, workspace.catalog_path)
     finally:
-        con.close()
-    os.replace(tmp, workspace.catalog_path)
+        for left in (tmp, tmp.with_name(tmp.name + ".wal")):
+            left.unlink(missing_ok=True)
     return workspace.catalog_path
+
+
+#: where :func:`build_catalog` moves a directory found in the catalog's place (it deletes nothing it did not write)
+NOT_A_CATALOG_SUFFIX = ".not-a-catalog"
+
+
+def _move_aside_a_directory(path: Path) -> None:
+    if not path.is_dir() or path.is_symlink():
+        return
+    aside = path.with_name(path.name + NOT_A_CATALOG_SUFFIX)
+    n = 1
+    while aside.exists() or aside.is_symlink():
+        n += 1
+        aside = path.with_name(f"{path.name}{NOT_A_CATALOG_SUFFIX}-{n}")
+    os.rename(path, aside)
 
 
 #: set before a query's SQL runs, then locked: DuckDB opens no file (the views read Arrow datasets

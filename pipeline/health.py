@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.catalog import catalog_supported
+from pipeline.catalog import NOT_A_CATALOG_SUFFIX, catalog_supported
 from pipeline.errors import CtrlError, describe
 from pipeline.parse import PARSER_VERSION
 from pipeline.schema import FEATURE_TABLES, TABLES
@@ -126,6 +126,9 @@ def catalog_problem(workspace: Workspace) -> str | None:
         return None
     if not path.exists():
         return "missing"
+    if path.is_dir():
+        return (f"a directory, not the catalog file (ctrl ingest moves it aside to {path.name}"
+                f"{NOT_A_CATALOG_SUFFIX}, deleting nothing, and writes the catalog)")
     try:
         con = duckdb.connect(str(path), read_only=True)
     except duckdb.Error as err:

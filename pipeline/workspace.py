@@ -58,8 +58,22 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as e:
+        raise os_error_naming(e, path) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def os_error_naming(error: OSError, path: Path) -> OSError:
+    """``error`` naming ``path`` when it names no file (Arrow's writers do not), with the reason
+    Arrow buries in its text (``... Detail: [errno 28] No space left on device``) as its own."""
+    if error.filename is not None:
+        return error
+    found = re.search(r"\[errno (\d+)\]", str(error))
+    if found:
+        code = int(found[1])
+        return OSError(code, os.strerror(code), str(path))
+    return OSError(error.errno, error.strerror or str(error), str(path))
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

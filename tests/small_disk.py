@@ -40,7 +40,7 @@ def on_small_disk(mount_point: Path, size: str, steps: list[str], timeout: float
         f"CTRL={shlex.quote(sys.executable + ' -m cli')}",
     ]
     for i, step in enumerate(steps):
-        lines += [f"echo '--- step {i}'", f"{step} 2>&1", "echo \"exit $?\""]
+        lines += [f"echo '--- step {i}'", f"{{ {step}\n}} 2>&1", "echo \"exit $?\""]
     done = subprocess.run([*_UNSHARE, "sh", "-c", "\n".join(lines)], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

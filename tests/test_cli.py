@@ -106,6 +106,14 @@ def test_doctor_of_a_workspace_that_does_not_exist_is_an_error(tmp_path):
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_doctor_of_a_directory_that_holds_no_workspace_is_an_error_not_a_clean_bill(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = invoke("doctor", "-w", str(tmp_path / "empty"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: workspace {tmp_path / 'empty'} holds nothing ctrl wrote (no tables yet)")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
 def test_csv_holds_list_columns_as_json(small_tree, tmp_path):
     ws = tmp_path / "ws"
     assert invoke("ingest", str(small_tree), "-w", str(ws)).exit_code == 0

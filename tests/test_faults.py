@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from conftest import run_ingest, shard
 from origin_files import exp6_config_doc, exp6_name, write
 from pipeline import Workspace, run_query
+from small_disk import on_small_disk, small_disk_available
 
 EXP6 = Path("exp6") / "exp6_latency_coco-2014-vqa"
 
@@ -258,9 +260,15 @@ def delete_catalog(ws: Workspace) -> None:
     ws.catalog_path.unlink()
 
 
+def directory_for_catalog(ws: Workspace) -> None:
+    ws.catalog_path.unlink()
+    ws.catalog_path.mkdir()
+    (ws.catalog_path / "notes.txt").write_text("someone's file")
+
+
 @pytest.mark.parametrize("damage", [scribble_table, delete_table, truncate_manifest, bad_state,
                                     current_names_a_missing_generation, empty_current, escaping_current,
-                                    delete_a_fragment, garbage_catalog, delete_catalog])
+                                    delete_a_fragment, garbage_catalog, delete_catalog, directory_for_catalog])
 def test_damage_is_reported_and_the_next_ingest_repairs_it(small_tree, tmp_path, damage):
     from pipeline.health import check_workspace
 
@@ -289,6 +297,11 @@ def test_damage_is_reported_and_the_next_ingest_repairs_it(small_tree, tmp_path,
     write(small_tree / "more" / exp6_name(4, 4, 12), exp6_config_doc(4, 4, 12, shard(0) + shard(1), merged=True))
     more = run_ingest([small_tree], ws)
     assert more.changed and not more.errors and not more.repaired
+    # nothing ctrl did not write is deleted, and no temporary file is left
+    assert sorted(p.name for p in ws.root.iterdir() if p.name.startswith(("ctrl.duckdb", ".ctrl"))) == (
+        ["ctrl.duckdb", "ctrl.duckdb.not-a-catalog"] if damage is directory_for_catalog else ["ctrl.duckdb"])
+    if damage is directory_for_catalog:
+        assert (ws.root / "ctrl.duckdb.not-a-catalog" / "notes.txt").read_text() == "someone's file"
 
 
 def test_a_catalog_left_on_the_old_generation_is_rebuilt(small_tree, tmp_path):
@@ -596,3 +609,19 @@ def test_a_file_name_with_control_characters_is_escaped_in_every_message(small_t
     result = CliRunner().invoke(app, ["ingest", str(small_tree), "-w", str(tmp_path / "ws2")])
     bad_lines = [line for line in result.stderr.splitlines() if "two" in line]
     assert len(bad_lines) == 1 and "two\\x0alines\\x09.json" in bad_lines[0]
+
+
+@pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")
+def test_a_real_full_disk_during_ingest_is_one_line_naming_the_file_and_the_next_run_resumes(small_tree, tmp_path):
+    ws = tmp_path / "ws"
+    ingest = f"$CTRL ingest {small_tree} -w {ws}"
+    full, left, _, again, doctor = on_small_disk(ws, "16k", [
+        ingest, f"find {ws} -type f", "grow 16m", ingest, f"$CTRL doctor -w {ws}"])
+    lines = full.splitlines()
+    assert lines[-1] == "exit 1" and "Traceback" not in full, full
+    assert re.fullmatch(rf"error: {re.escape(str(ws))}/\S+: No space left on device", lines[0]), full
+    assert lines[1].startswith("Hint: free space or fix permissions, then: run the command again")
+    assert not [p for p in left.splitlines()[:-1] if ".tmp" in p or Path(p).name.startswith(".") and
+                Path(p).name != ".lock"], left
+    assert again.splitlines()[-1] == "exit 0" and "ingested 9 files (9 ok)" in again, again
+    assert doctor.splitlines()[-1] == "exit 0", doctor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 from cli import app
 from features.extract import check_image_pattern
 from pipeline.errors import CtrlError
+from small_disk import on_small_disk, small_disk_available
 from trainer.config import OfflineTrainConfig
 
 runner = CliRunner()
@@ -141,33 +143,49 @@ def test_options_whose_memory_cannot_fit_are_refused_before_they_allocate(tmp_pa
     assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())
 
 
-def test_a_full_disk_during_training_is_one_line_leaves_no_temporary_file_and_resumes(tmp_path, embedded_runtime,
-                                                                                     monkeypatch):
-    import errno
-
-    import torch
-
+@pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")
+def test_a_full_disk_during_training_is_one_line_leaves_no_temporary_file_and_resumes(tmp_path, embedded_runtime):
     from conftest import build_feature_workspace
     from synthetic import SyntheticSpec
 
     _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
-    real_save = torch.save
-    calls = {"n": 0}
+    # 4 MiB holds the first epoch (outcome model, last.pt 2.4 MB with the optimizer, best.pt 0.6 MB) but
+    # not the second last.pt beside the first until the rename
+    train = (f"$CTRL train --offline -w {ws.root} --num-epochs 3 --cross-fit-folds 0 --no-table-fallback "
+             "--warm-start-steps 5 --run-id full")
+    full, left, _, resumed = on_small_disk(ws.runs_dir, "4m", [
+        train, f"find {ws.runs_dir / 'full'}", "grow 64m", f"$CTRL train --offline -w {ws.root} --resume full"])
+    lines = full.splitlines()
+    assert lines[-1] == "exit 1" and "Traceback" not in full, full
+    assert re.fullmatch(r"error: \S+/runs/full/checkpoints/last\.pt: No space left on device", lines[0]), full
+    assert lines[1] == ("Hint: free space or fix permissions, then: ctrl train --offline --resume full (the last "
+                        "finished epoch is checkpointed)."), full
+    names = [Path(p).name for p in left.splitlines()[:-1]]
+    assert "last.pt" in names and not [n for n in names if n.startswith(".") or "tmp" in n], left
+    assert resumed.splitlines()[-1] == "exit 0", resumed
+    assert "run full: best epoch" in resumed, resumed
 
-    def full_after_two(obj, f, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_after_two)
-    args = ["train", "--offline", "-w", str(ws.root), "--num-epochs", "3", "--cross-fit-folds", "0",
-            "--no-table-fallback", "--warm-start-steps", "5", "--run-id", "full"]
-    result = runner.invoke(app, args)
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert "No space left on device" in result.stderr.strip().splitlines()[0]
-    run = ws.runs_dir / "full"
-    assert not [p for p in run.rglob("*") if p.name.startswith(".") or ".tmp" in p.name]
-    monkeypatch.setattr(torch, "save", real_save)
-    resumed = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--resume", "full"])
-    assert resumed.exit_code == 0, resumed.output
+@pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")
+def test_a_full_disk_during_extraction_is_one_line_leaves_no_temporary_file_and_resumes(tmp_path):
+    from conftest import run_ingest
+    from pipeline import Workspace
+    from synthetic import SyntheticSpec, generate_tree
+
+    # 300 samples are two chunks (256 + 44); 128 KiB holds the first chunk's files (116 KiB in pages), not both
+    tree = generate_tree(SyntheticSpec(datasets=("coco_2014_vqa",), num_samples=300, max_crops=(2, 10),
+                                       top_k=(4, 12), num_active_blocks=(12, 16)), tmp_path / "data")
+    ws = Workspace(tmp_path / "ws")
+    assert run_ingest([tree.exp5_dir, tree.exp6_dir], ws).exit_code == 0
+    extract = f"$CTRL extract-features -w {ws.root} --images {tree.images_dir}"
+    full, left, _, resumed = on_small_disk(ws.features_dir, "128k", [
+        extract, f"find {ws.features_dir} -mindepth 2", "grow 16m", extract])
+    lines = full.splitlines()
+    assert lines[-1] == "exit 1" and "Traceback" not in full, full
+    assert re.fullmatch(r"error: \S+/features/[0-9a-f]+/chunk-00001: .*No space left on device", lines[0]), full
+    assert lines[1].startswith("Hint: free space")
+    assert sorted(Path(p).name for p in left.splitlines()[:-1]) == [
+        "chunk-00000", "image_features.parquet", "image_tilings.parquet", "lang_features.parquet", "lookup.json",
+        "sha256.json"], left
+    assert resumed.splitlines()[-1] == "exit 0", resumed
+    assert "features for 300 samples" in resumed and "44 computed, 256 already cached" in resumed, resumed

@@ -34,7 +34,7 @@ import torch
 
 from pipeline.errors import CtrlError, describe
 from pipeline.schema import RUNS, TableSchema
-from pipeline.workspace import Workspace, atomic_path, record_checksum, write_bytes_atomic
+from pipeline.workspace import Workspace, atomic_path, os_error_naming, record_checksum, write_bytes_atomic
 
 Phase = Literal["offline", "online"]
 CONFIG_FILE = "config.json"
@@ -61,10 +61,18 @@ def new_run_id() -> str:
 def atomic_torch_save(obj: object, path: Path) -> Path:
     """``torch.save`` to a temporary file, fsync, then rename: a crash never leaves half a checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except RuntimeError as e:
+        # a write that fails inside torch.save (a full disk) surfaces as the zip writer's
+        # RuntimeError about file positions; the OSError behind it is the real reason
+        cause = e.__context__
+        if isinstance(cause, OSError):
+            raise os_error_naming(cause, path) from None
+        raise
     return path
 
 
