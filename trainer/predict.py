@@ -83,7 +83,8 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     """
     budgets = [float(b) for b in budgets_ms]
     if not budgets or min(budgets) <= 0 or not all(np.isfinite(budgets)):
-        msg = f"budgets must be a non-empty list of finite numbers of milliseconds > 0, got {budgets_ms!r}\nHint: --budget-ms 250"
+        msg = (f"budgets must be a non-empty list of finite numbers of milliseconds > 0, got {budgets_ms!r}\n"
+               "Hint: --budget-ms 250")
         raise CtrlError(msg)
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     if out is not None and ws.owns(out):
