@@ -323,8 +323,8 @@ class Engine:
         }
         if job.request_id.startswith("warmup-"):
             return row
-        if self.log is not None:
-            self.log.append(row)
+        if self.log is not None and not self.log.append(row):
+            self.metrics.log_failures.inc()
         self.metrics.observe(row)
         self.served += 1
         return row

@@ -12,6 +12,7 @@ ctrl_overhead_reserve_seconds          the reserve for work outside the profiled
                                        request read it
 ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
                                        insertion_position)
+ctrl_request_log_failures_total        answered requests the request log could not record (a full disk)
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class ServeMetrics:
         self.reserve = Gauge("ctrl_overhead_reserve_seconds", "Reserve for the work outside the profiled path",
                              registry=self.registry)
         self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
+        self.log_failures = Counter("ctrl_request_log_failures", "Answered requests the request log could not "
+                                    "record (a full disk)", registry=self.registry)
 
     def observe(self, row: dict[str, Any]) -> None:
         """Count one finished request from its ``requests`` row."""

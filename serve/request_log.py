@@ -11,8 +11,11 @@ even a torn tail from a crashed file system costs that line alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,30 +26,65 @@ from pipeline.workspace import Workspace
 
 
 class RequestLog:
-    """Append-only JSON-lines writer; safe to call from several threads."""
+    """Append-only JSON-lines writer; safe to call from several threads.
 
-    def __init__(self, workspace: Workspace) -> None:
-        directory = workspace.requests_dir
-        directory.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        self.path: Path = directory / f"{stamp}-{os.getpid()}.jsonl"
+    A write that fails (a full disk) does not fail the request: :meth:`append` returns False, the
+    first failure of a run of them and the recovery after it are reported through ``warn``
+    (stderr by default), and a line cut short by the failure is ended before the next record,
+    so the damage stays one line that the reader skips."""
+
+    def __init__(self, workspace: Workspace, *, path: Path | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        if path is None:
+            directory = workspace.requests_dir
+            directory.mkdir(parents=True, exist_ok=True)
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+            path = directory / f"{stamp}-{os.getpid()}.jsonl"
+        self.path: Path = path
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
+        self._warn = warn or _to_stderr
+        #: records that could not be written since the log was opened
+        self.failures = 0
+        self._failing_since: int | None = None  # failures count when the current run of failures began
+        self._torn = False  # the last write stopped inside a line
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line (one ``write`` call)."""
+    def append(self, record: dict[str, Any]) -> bool:
+        """Write one record as one line (one ``write`` call); False when it could not be written."""
         line = orjson.dumps(record, option=orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z) + b"\n"
         with self._lock:
             if self._fd is None:
                 msg = f"request log {self.path} is closed"
                 raise RuntimeError(msg)
-            written = os.write(self._fd, line)
-            while written < len(line):  # a regular file takes the whole line; a short write is finished, not lost
-                written += os.write(self._fd, line[written:])
+            if self._torn:
+                line = b"\n" + line
+            written = 0
+            try:
+                while written < len(line):  # a regular file takes the whole line; a short write is finished
+                    written += os.write(self._fd, line[written:])
+            except OSError as e:
+                if written:  # the file now ends inside this line, unless only its leading newline got out
+                    self._torn = not (written == 1 and line.startswith(b"\n"))
+                self.failures += 1
+                if self._failing_since is None:
+                    self._failing_since = self.failures - 1
+                    self._warn(f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
+                               "not recorded until writing works again (ctrl_request_log_failures_total counts them)")
+                return False
+            self._torn = False
+            if self._failing_since is not None:
+                lost, self._failing_since = self.failures - self._failing_since, None
+                self._warn(f"request log {self.path}: recording again ({lost} request(s) were not recorded)")
+            return True
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                os.fsync(self._fd)
+                with contextlib.suppress(OSError):  # a full disk or a device: what was written stays
+                    os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = None
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

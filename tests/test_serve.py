@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from conftest import build_feature_workspace
+from small_disk import on_small_disk, small_disk_available
 from synthetic import SyntheticSpec
 
 openai = pytest.importorskip("openai")
@@ -522,6 +523,68 @@ def test_stage_1_reads_the_budget_less_the_time_already_waited(embedded_runtime,
     assert (row["max_crops"], row["top_k"], row["num_active_blocks"]) == (2, 2, 3)
     assert row["latency_total_ms"] >= 250.0 and row["waited_ms"] >= 250.0
     assert row["met"] == (row["latency_total_ms"] <= 900.0)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_request_the_log_cannot_record_is_still_answered_and_counted(embedded_runtime, tmp_path):
+    from pipeline.workspace import Workspace
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    warnings: list[str] = []
+    # /dev/full fails every write with ENOSPC: a disk that is full for the whole test
+    log = RequestLog(Workspace(tmp_path / "ws"), path=Path("/dev/full"), warn=warnings.append)
+    engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=1, default_budget_ms=None,
+                    threads=1, request_log=log)
+    request_ = ChatRequest("embedded", "What color?", Image.new("RGB", (64, 64)), 2, 900.0)
+    for _ in range(2):
+        result = engine.execute(new_job(request_, engine, time.perf_counter(), datetime.now(UTC), 0.0))
+        assert result.record["status"] == "ok" and result.record["answer"] is not None
+    engine.stop()
+    assert engine.metrics.registry.get_sample_value("ctrl_request_log_failures_total") == 2
+    assert log.failures == 2
+    assert warnings == ["warning: request log /dev/full: No space left on device; requests are answered but not "
+                        "recorded until writing works again (ctrl_request_log_failures_total counts them)"]
+
+
+_FILL_AND_GROW = """
+import json, subprocess, sys
+from pipeline.workspace import Workspace
+from serve.request_log import RequestLog
+
+ws = Workspace(sys.argv[1])
+warnings = []
+log = RequestLog(ws, warn=warnings.append)
+results = [log.append({"request_id": f"r{i}", "pad": "x" * 700}) for i in range(12)]
+subprocess.run(["mount", "-o", "remount,size=1m", str(ws.requests_dir)], check=True)
+results += [log.append({"request_id": f"r{i}", "pad": "x" * 700}) for i in range(12, 15)]
+log.close()
+print(json.dumps({"results": results, "warnings": warnings, "text": log.path.read_text()}))
+"""
+
+
+@pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")
+def test_a_full_disk_cuts_one_request_log_line_at_most_and_recording_resumes(tmp_path):
+    ws = tmp_path / "ws"
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL_AND_GROW)
+    (out,) = on_small_disk(ws / "requests", "4k", [f"{sys.executable} {script} {ws}"])
+    assert out.splitlines()[-1] == "exit 0", out
+    got = json.loads(out.splitlines()[0])
+    # a record is 731 bytes: five fit in a 4 KiB page, the sixth is cut short, then nothing until the disk grows
+    assert got["results"] == [True] * 5 + [False] * 7 + [True] * 3
+    assert len(got["warnings"]) == 2 and "No space left on device" in got["warnings"][0]
+    assert got["warnings"][1].endswith("recording again (7 request(s) were not recorded)")
+
+    def request_id(line: str) -> str | None:
+        try:
+            return json.loads(line)["request_id"]
+        except ValueError:
+            return None
+
+    assert [request_id(line) for line in got["text"].splitlines()] == ["r0", "r1", "r2", "r3", "r4", None, "r12",
+                                                                       "r13", "r14"]
 
 
 # -- options: written once --------------------------------------------------------------------
