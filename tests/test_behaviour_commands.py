@@ -157,7 +157,7 @@ def test_ctrl_c_during_feature_extraction_exits_130_and_keeps_finished_chunks(tm
 
 
 def test_ctrl_c_during_offline_training_exits_130_and_the_finished_epoch_resumes(features_ws, tmp_path, monkeypatch):
-    """Claim: exit 130 on Ctrl-C with the line "resume with --resume RUN (the last finished epoch is
+    """Claim: exit 130 on Ctrl-C with the line "resume with --resume <run id> (the last finished epoch is
     checkpointed)": interrupted in epoch 2, the run is recorded as interrupted after epoch 1 and
     `--resume` trains epoch 2 only."""
     import trainer.offline
@@ -178,7 +178,7 @@ def test_ctrl_c_during_offline_training_exits_130_and_the_finished_epoch_resumes
     result = invoke("train", "--offline", "-w", ws.root, "--num-epochs", "2", "--cross-fit-folds", "0",
                     "--warm-start-steps", "0", "--no-table-fallback", "--run-id", "cut")
     assert result.exit_code == 130 and result.stdout == ""
-    assert result.stderr == "interrupted: resume with --resume RUN (the last finished epoch is checkpointed)\n"
+    assert result.stderr == "interrupted: resume with --resume cut (the last finished epoch is checkpointed)\n"
     run = ws.runs_dir / "cut"
     row = pl.read_parquet(run / "run.parquet").row(0, named=True)
     assert (row["status"], row["epochs_done"]) == ("interrupted", 1)
@@ -192,7 +192,7 @@ def test_ctrl_c_during_offline_training_exits_130_and_the_finished_epoch_resumes
 
 
 def test_ctrl_c_during_online_training_exits_130_and_resumes_from_the_checkpoint(features_ws, tmp_path, monkeypatch):
-    """Claim: exit 130 on Ctrl-C with the line "continue with --online --resume RUN (from its last
+    """Claim: exit 130 on Ctrl-C with the line "continue with --online --resume <run id> (from its last
     checkpoint)": interrupted in step 3 with a checkpoint every step, the resumed run redoes step
     3 and ends with steps 1-4."""
     from online.train import OnlineTrainer
@@ -209,7 +209,7 @@ def test_ctrl_c_during_online_training_exits_130_and_resumes_from_the_checkpoint
     args = ("train", "--online", "-w", ws.root, "--steps", "4", "--run-id", "cut", *ONLINE)
     result = invoke(*args)
     assert result.exit_code == 130 and result.stdout == ""
-    assert result.stderr == "interrupted: continue with --online --resume RUN (from its last checkpoint)\n"
+    assert result.stderr == "interrupted: continue with --online --resume cut (from its last checkpoint)\n"
     monkeypatch.undo()
     run = ws.runs_dir / "cut"
     assert pl.read_parquet(run / "run.parquet").row(0, named=True)["status"] == "interrupted"
