@@ -26,6 +26,7 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     import pyarrow as pa
 
+
 class _Commands(TyperGroup):
     """ctrl's command group: an option value that does not convert is named in its error (Typer's
     own message, "Input should be a valid integer", does not say which value was given)."""
