@@ -198,3 +198,28 @@ def test_a_full_disk_during_extraction_is_one_line_leaves_no_temporary_file_and_
         "sha256.json"], left
     assert resumed.splitlines()[-1] == "exit 0", resumed
     assert "features for 300 samples" in resumed and "44 computed, 256 already cached" in resumed, resumed
+
+
+@pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")
+def test_a_full_disk_during_online_training_is_one_line_and_the_resumed_run_records_each_step_once(
+        tmp_path, embedded_runtime):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    tree, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    # 3 MiB holds step 1 (last.pt 2.2 MB, a rollout file) but not step 2's last.pt beside it until the rename
+    train = (f"$CTRL train --online -w {ws.root} --images {tree.images_dir} --steps 3 --run-id full "
+             "--samples-per-step 2 --group-size 3 --max-new-tokens 3 --budget-min-ms 30 --budget-max-ms 300 "
+             "--checkpoint-every 1 --no-evaluate --reward-mode soft --seed 7 --fresh")
+    steps = "SELECT step, count(*) AS n FROM rollouts WHERE run_id = 'full' GROUP BY step ORDER BY step"
+    full, _, resumed, counted = on_small_disk(ws.runs_dir, "3m", [
+        train, "grow 64m", f"$CTRL train --online -w {ws.root} --resume full",
+        f'$CTRL query "{steps}" -w {ws.root} --format csv'])
+    lines = full.splitlines()
+    assert lines[-1] == "exit 1" and "Traceback" not in full, full
+    assert re.fullmatch(r"error: \S+/runs/full/checkpoints/last\.pt: No space left on device", lines[0]), full
+    assert lines[1] == ("Hint: free space or fix permissions, then: ctrl train --online --resume full (from its "
+                        "last checkpoint)."), full
+    assert resumed.splitlines()[-1] == "exit 0" and "online run full: 3 steps" in resumed, resumed
+    # step 2 ran twice (its checkpoint failed the first time): its rollouts are there once
+    assert counted.splitlines() == ['"step","n"', "1,6", "2,6", "3,6", "exit 0"], counted
