@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runtime.precision import check_dtype_name
 from trainer.config import TrainingConfig, check_int, option
 from trainer.reward import RewardConfig
 
@@ -93,6 +92,8 @@ class OnlineTrainConfig(TrainingConfig):
         if (self.budget_min_ms is None) != (self.budget_max_ms is None):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
             raise ValueError(msg)
+        from runtime.precision import check_dtype_name  # torch: not for `ctrl --help`, which reads these fields
+
         check_dtype_name(self.dtype)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)

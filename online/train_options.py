@@ -24,7 +24,6 @@ from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from trainer.config import OfflineTrainConfig, TrainingConfig, option_default, option_help
 from trainer.reward import RewardConfig
-from trainer.runs import RunDir
 
 PHASES: dict[str, type[TrainingConfig]] = {"offline": OfflineTrainConfig, "online": OnlineTrainConfig}
 
@@ -144,6 +143,8 @@ def train_config(phase: str, given: Mapping[str, Any]) -> TrainingConfig:
 
 def _resumed(phase: str, values: dict[str, Any]) -> TrainingConfig:
     """The saved config of the run to resume, with the given options it may change."""
+    from trainer.runs import RunDir  # torch: `ctrl --help` imports this module for the options' help
+
     run = RunDir.resolve(Workspace(values.get("workspace")), values["resume"])
     if run.phase != phase:
         msg = (f"--resume {run.run_id}: an {run.phase} run, resumed with `ctrl train --{run.phase} --resume`\n"

@@ -2,44 +2,63 @@
 
 Reads the workspace through ``pipeline``'s public readers (views ``groups``, ``lang_features``,
 ``image_features``) and writes runs to ``workspace/runs/<run_id>/`` (``trainer.runs``). Imports
-torch: ``cli.py`` imports this package inside the command bodies that need it.
+torch when a name of it is first used (``trainer.config`` alone does not).
 """
 
-from trainer.baselines import (
-    Decider,
-    FamilyLookupTableDecider,
-    LargestDecider,
-    LookupTableDecider,
-    OracleDecider,
-    RandomDecider,
-)
-from trainer.config import OfflineTrainConfig, TrainingConfig
-from trainer.data import (
-    Action,
-    ActionSpace,
-    OfflineData,
-    budget_grid,
-    default_budget_range,
-    load_offline_data,
-    split_of,
-)
-from trainer.evaluate import (
-    EVALUATION_COLUMNS,
-    default_budget_grid,
-    evaluate_deciders,
-    evaluate_run,
-    evaluation_title,
-    format_evaluation_table,
-    write_evaluation,
-)
-from trainer.fallback import PolicyDecider, TableFallback, fit_table_fallback, read_fallback
-from trainer.grpo import GroupSamples, LossOutput, group_advantages, pairwise_objective, policy_loss, sample_groups
-from trainer.offline import OfflineTrainer, train_offline
-from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range, expected_reward
-from trainer.predict import PREDICTION_COLUMNS, predict
-from trainer.reward import REWARD_PARTS, RewardConfig, compute_reward
-from trainer.run_record import RunResult
-from trainer.runs import RunDir, latest_run, resolve_checkpoint
+from importlib import import_module
+from typing import Any
+
+#: public name -> its module; imported on first use, so that reading a config (``ctrl --help``
+#: reads the options' help from ``trainer.config``) does not load torch
+_EXPORTS = {
+    "Decider": "trainer.baselines",
+    "FamilyLookupTableDecider": "trainer.baselines",
+    "LargestDecider": "trainer.baselines",
+    "LookupTableDecider": "trainer.baselines",
+    "OracleDecider": "trainer.baselines",
+    "RandomDecider": "trainer.baselines",
+    "OfflineTrainConfig": "trainer.config",
+    "TrainingConfig": "trainer.config",
+    "Action": "trainer.data",
+    "ActionSpace": "trainer.data",
+    "OfflineData": "trainer.data",
+    "budget_grid": "trainer.data",
+    "default_budget_range": "trainer.data",
+    "load_offline_data": "trainer.data",
+    "split_of": "trainer.data",
+    "EVALUATION_COLUMNS": "trainer.evaluate",
+    "default_budget_grid": "trainer.evaluate",
+    "evaluate_deciders": "trainer.evaluate",
+    "evaluate_run": "trainer.evaluate",
+    "evaluation_title": "trainer.evaluate",
+    "format_evaluation_table": "trainer.evaluate",
+    "write_evaluation": "trainer.evaluate",
+    "PolicyDecider": "trainer.fallback",
+    "TableFallback": "trainer.fallback",
+    "fit_table_fallback": "trainer.fallback",
+    "read_fallback": "trainer.fallback",
+    "GroupSamples": "trainer.grpo",
+    "LossOutput": "trainer.grpo",
+    "group_advantages": "trainer.grpo",
+    "pairwise_objective": "trainer.grpo",
+    "policy_loss": "trainer.grpo",
+    "sample_groups": "trainer.grpo",
+    "OfflineTrainer": "trainer.offline",
+    "train_offline": "trainer.offline",
+    "ControllerPolicy": "trainer.policy",
+    "PolicyConfig": "trainer.policy",
+    "budget_normalization_range": "trainer.policy",
+    "expected_reward": "trainer.policy",
+    "PREDICTION_COLUMNS": "trainer.predict",
+    "predict": "trainer.predict",
+    "REWARD_PARTS": "trainer.reward",
+    "RewardConfig": "trainer.reward",
+    "compute_reward": "trainer.reward",
+    "RunResult": "trainer.run_record",
+    "RunDir": "trainer.runs",
+    "latest_run": "trainer.runs",
+    "resolve_checkpoint": "trainer.runs",
+}
 
 __all__ = [
     # configs
@@ -97,3 +116,10 @@ __all__ = [
     "default_budget_grid",
     "EVALUATION_COLUMNS",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        msg = f"module 'trainer' has no attribute {name!r}"
+        raise AttributeError(msg)
+    return getattr(import_module(_EXPORTS[name]), name)

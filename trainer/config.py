@@ -16,7 +16,6 @@ from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from trainer.reporting import REPORT_TO
 from trainer.reward import RewardConfig
-from trainer.runs import RunDir
 
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_REWARDS: tuple[ScaleRewards, ...] = ("group", "batch", "none")
@@ -419,6 +418,8 @@ class OfflineTrainConfig(TrainingConfig):
     @classmethod
     def from_run(cls, run: str | Path, workspace: str | Path | None = None, **overrides: Any) -> OfflineTrainConfig:
         """The saved config of a run, set up to resume it (``overrides``, e.g. ``num_epochs``)."""
+        from trainer.runs import RunDir  # torch: not for `ctrl --help`, which reads these fields
+
         run_dir = RunDir.resolve(Workspace(workspace), run)
         try:
             return cls.from_json({**run_dir.read_config(), "resume": str(run_dir.path), **overrides})

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.knobs import NUM_TOTAL_BLOCKS
 from pipeline.schema import REWARD_TERMS
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["REWARD_PARTS", "RewardConfig", "compute_reward"]
 
@@ -100,6 +101,7 @@ def compute_reward(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: tor
     hard mode lat_pen, complexity and bonus are 0 and viol_pen is the drop from alpha*score
     to ``hard_violation_reward`` on a violation. NaN inputs (unrecorded) give NaN rewards.
     """
+    import torch  # here, not at the top: RewardConfig is read by `ctrl --help`, which must not load torch
     score = torch.as_tensor(score, dtype=torch.float32)
     latency = torch.as_tensor(latency_ms, dtype=torch.float32)
     budget = torch.as_tensor(budget_ms, dtype=torch.float32)
@@ -135,5 +137,7 @@ def compute_reward(score: torch.Tensor, latency_ms: torch.Tensor, budget_ms: tor
 
 def _broadcast(parts: dict[str, torch.Tensor], knobs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Give every part the same shape (knob_values may add dimensions to score/latency/budget)."""
+    import torch
+
     shape = torch.broadcast_shapes(*(p.shape for p in parts.values()), knobs.shape[:-1])
     return {k: v if v.shape == shape else v.expand(shape).clone() for k, v in parts.items()}
