@@ -569,7 +569,7 @@ def predict(
 ) -> None:
     """One knob decision per (sample, budget) for the workspace's samples."""
     from pipeline import CtrlError
-    from trainer import predict as run_predict
+    from trainer.predict import predict as run_predict
 
     if (run is None) == (checkpoint is None):
         raise _fail(CtrlError("give exactly one of --run RUN and --checkpoint PATH"))

@@ -184,11 +184,10 @@ def agreement(workspace: str, run: str) -> str:
     import torch
 
     from pipeline import Workspace
-    from trainer import predict
     from trainer.deploy import export_controller, load_deployed
     from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy
-    from trainer.predict import read_prediction_inputs
+    from trainer.predict import predict, read_prediction_inputs
     from trainer.runs import resolve_checkpoint
 
     ws = Workspace(workspace)

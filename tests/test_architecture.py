@@ -144,6 +144,18 @@ def test_functions_import_project_modules_only_in_the_cli(graph):
     assert local == []
 
 
+@pytest.mark.parametrize("package", ["pipeline", "trainer", "online"])
+def test_no_name_a_package_exports_is_also_one_of_its_modules(package):
+    """A package's names load on first use; one named like a module would be that module once the
+    module is imported."""
+    import importlib
+    import pkgutil
+
+    imported = importlib.import_module(package)
+    assert all(hasattr(imported, name) for name in imported.__all__)
+    assert set(imported.__all__) & {m.name for m in pkgutil.iter_modules(imported.__path__)} == set()
+
+
 def test_ctrl_help_loads_no_torch():
     import subprocess
     import sys

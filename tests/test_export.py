@@ -349,8 +349,8 @@ for name, decide in (("torchscript", torch.jit.load({str(out)!r}).decide),
 
 
 def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_path):
-    from trainer import predict
     from trainer.fallback import read_fallback
+    from trainer.predict import predict
 
     ws, _, mixed = trained
     policy, f = _inputs(ws, mixed)

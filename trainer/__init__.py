@@ -9,7 +9,8 @@ from importlib import import_module
 from typing import Any
 
 #: public name -> its module; imported on first use, so that reading a config (``ctrl --help``
-#: reads the options' help from ``trainer.config``) does not load torch
+#: reads the options' help from ``trainer.config``) does not load torch. ``predict`` is not here:
+#: its module has its name (``from trainer.predict import predict``)
 _EXPORTS = {
     "Decider": "trainer.baselines",
     "FamilyLookupTableDecider": "trainer.baselines",
@@ -50,7 +51,6 @@ _EXPORTS = {
     "budget_normalization_range": "trainer.policy",
     "expected_reward": "trainer.policy",
     "PREDICTION_COLUMNS": "trainer.predict",
-    "predict": "trainer.predict",
     "REWARD_PARTS": "trainer.reward",
     "RewardConfig": "trainer.reward",
     "compute_reward": "trainer.reward",
@@ -72,7 +72,6 @@ __all__ = [
     "RunResult",
     "evaluate_run",
     "evaluation_title",
-    "predict",
     "PREDICTION_COLUMNS",
     # runs on disk
     "RunDir",
