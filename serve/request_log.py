@@ -46,12 +46,13 @@ class RequestLog:
         self._warn = warn or _to_stderr
         #: records that could not be written since the log was opened
         self.failures = 0
-        self._failing_since: int | None = None  # failures count when the current run of failures began
+        self._unrecorded = 0  # records lost since the last one written
         self._torn = False  # the last write stopped inside a line
 
     def append(self, record: dict[str, Any]) -> bool:
         """Write one record as one line (one ``write`` call); False when it could not be written."""
         line = orjson.dumps(record, option=orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z) + b"\n"
+        warning = None
         with self._lock:
             if self._fd is None:
                 msg = f"request log {self.path} is closed"
@@ -66,16 +67,21 @@ class RequestLog:
                 if written:  # the file now ends inside this line, unless only its leading newline got out
                     self._torn = not (written == 1 and line.startswith(b"\n"))
                 self.failures += 1
-                if self._failing_since is None:
-                    self._failing_since = self.failures - 1
-                    self._warn(f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
+                self._unrecorded += 1
+                if self._unrecorded == 1:
+                    warning = (f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
                                "not recorded until writing works again (ctrl_request_log_failures_total counts them)")
-                return False
-            self._torn = False
-            if self._failing_since is not None:
-                lost, self._failing_since = self.failures - self._failing_since, None
-                self._warn(f"request log {self.path}: recording again ({lost} request(s) were not recorded)")
-            return True
+            else:
+                self._torn = False
+                if self._unrecorded:
+                    warning = (f"request log {self.path}: recording again ({self._unrecorded} request(s) were "
+                               "not recorded)")
+                    self._unrecorded = 0
+        # outside the lock; a warning that cannot be written (stderr on the full disk) is dropped
+        if warning is not None:
+            with contextlib.suppress(OSError):
+                self._warn(warning)
+        return written == len(line)
 
     def close(self) -> None:
         with self._lock:

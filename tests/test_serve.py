@@ -548,6 +548,20 @@ def test_a_request_the_log_cannot_record_is_still_answered_and_counted(embedded_
                         "recorded until writing works again (ctrl_request_log_failures_total counts them)"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_warning_that_cannot_be_written_does_not_fail_the_append(tmp_path):
+    from pipeline.workspace import Workspace
+    from serve.request_log import RequestLog
+
+    def stderr_on_the_full_disk(message: str) -> None:
+        with open("/dev/full", "w") as full:
+            print(message, file=full, flush=True)
+
+    log = RequestLog(Workspace(tmp_path / "ws"), path=Path("/dev/full"), warn=stderr_on_the_full_disk)
+    assert [log.append({"request_id": f"r{i}"}) for i in range(3)] == [False, False, False]
+    assert log.failures == 3
+
+
 _FILL_AND_GROW = """
 import json, subprocess, sys
 from pipeline.workspace import Workspace
