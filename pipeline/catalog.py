@@ -233,12 +233,15 @@ def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDB
     con = duckdb.connect()
     try:
         tables = workspace_table_files(workspace)
+        # a damaged run file leaves its run out of every view that reads it (`measurements` reads the
+        # rollouts too), never the other runs; each is checked once
+        run_files = {f for name in RUN_VIEWS for f in tables.get(name, ())}
+        damaged = {f for f in run_files if not _intact_run_file(f)}
         for name, files in sorted(tables.items()):
-            if name in RUN_VIEWS:  # a damaged run's file leaves that run out, never the other runs
-                files = [f for f in files if _intact_run_file(f)]
-                if not files:
-                    continue
-            elif name in TABLES:
+            files = [f for f in files if f not in damaged]
+            if not files:
+                continue
+            if name in TABLES:
                 _check_generation_table(workspace, name)
             schemas = []
             for f in files:

@@ -513,6 +513,17 @@ def test_a_damaged_run_file_leaves_that_run_out_of_the_views_not_the_others(smal
         (ws.runs_dir / "bad", "metrics.parquet differs from what was written (SHA-256)")]
 
 
+def test_a_garbage_rollout_file_leaves_the_measurements_and_every_other_view_readable(small_tree, tmp_path):
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    expected = run_query(ws, "SELECT count(*) AS n FROM measurements").to_pylist()
+    garbage = ws.runs_dir / "r1" / "rollouts" / "step-000001.parquet"
+    garbage.parent.mkdir(parents=True)
+    garbage.write_bytes(os.urandom(4096))
+    assert run_query(ws, "SELECT count(*) AS n FROM measurements").to_pylist() == expected
+    assert run_query(ws, "SELECT count(*) AS n FROM samples").to_pylist()[0]["n"] > 0
+
+
 def test_an_oversized_file_is_refused_before_it_is_read(small_tree, tmp_path, monkeypatch):
     import pipeline.ingestion as ingestion
 
