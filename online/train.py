@@ -53,7 +53,7 @@ from runtime.timing import cpu_threads
 from trainer.data import ActionSpace
 from trainer.grpo import group_advantages
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
-from trainer.reporting import make_reporter, plot_training_curves
+from trainer.reporting import check_report_to, make_reporter, plot_training_curves
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, new_run_id, resolve_checkpoint, rows_frame, write_table_atomic
 from trainer.two_stage import TwoStageConfig, TwoStageController, set_budget_range
@@ -181,6 +181,7 @@ class OnlineTrainer:
                    f"{self.dist.world_size} ranks without work\nHint: raise --samples-per-step or --group-size.")
             raise CtrlError(msg)
         self.workspace = Workspace(config.workspace)
+        check_report_to(config.report_to)  # before the run directory: a missing package leaves no run
         state = None
         if config.resume is not None:
             config, self.run, state = self._resume(config)

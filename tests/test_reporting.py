@@ -70,6 +70,21 @@ def test_backends_are_checked_before_training(monkeypatch):
     assert type(make_reporter("none", "r1", "unused", "unused", {})) is Reporter
 
 
+def test_a_backend_that_is_not_installed_leaves_no_run(tmp_path, embedded_runtime, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed
+    result = CliRunner().invoke(app, ["train", "--offline", "-w", str(ws.root), "--report-to", "mlflow",
+                                      "--run-id", "r1", "--cross-fit-folds", "0"])
+    assert result.exit_code == 1 and result.stderr.startswith("error: --report-to mlflow needs the mlflow package")
+    assert not (ws.runs_dir / "r1").exists()
+
+
 def test_training_curves_png(tmp_path):
     path = plot_training_curves(ROWS, tmp_path / "training_curves.png", title="run r1")
     with Image.open(path) as image:

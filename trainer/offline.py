@@ -51,7 +51,7 @@ from trainer.fallback import attach_fallback, fit_table_fallback
 from trainer.grpo import policy_loss, sample_groups
 from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, expected_reward
-from trainer.reporting import Reporter, make_reporter, plot_training_curves
+from trainer.reporting import Reporter, check_report_to, make_reporter, plot_training_curves
 from trainer.run_record import Progress, RunResult, check_resume, epoch_summary, resolve_config, run_row
 from trainer.runs import RunDir, rows_frame, write_table_atomic
 from trainer.warm_start import build_policy, warm_start
@@ -86,6 +86,7 @@ class OfflineTrainer:
         train, val = nonempty_split(trained_on, "train"), nonempty_split(trained_on, "val")
         config = resolve_config(config, self.data)
         self.config = check_resume(resume, config) if resume is not None else config
+        check_report_to(self.config.report_to)  # before the run directory: a missing package leaves no run
         if resume is not None:
             self.run = resume
         elif run_dir is not None:  # a fold of a cross-fit: its parent run owns the directory
