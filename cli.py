@@ -450,7 +450,7 @@ def train(
 def _train_offline(config: Any) -> None:
     from trainer import evaluation_title, format_evaluation_table, read_fallback, train_offline
 
-    run = config.resume or config.run_id
+    run = config.resume or config.run_id or "RUN"
     with running("train", interrupted=f"resume with --resume {run} (the last finished epoch is checkpointed)",
                  resume=f"ctrl train --offline --resume {run} (the last finished epoch is checkpointed)",
                  also=(ValueError,), counts=False) as bar:

@@ -270,7 +270,7 @@ def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDB
 
 
 def _intact_run_file(path: Path) -> bool:
-    """A run file whose content is what its writer recorded (or predates the record) and whose footer reads."""
+    """A run file whose content is what its writer recorded (or has no recorded hash) and whose footer reads."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

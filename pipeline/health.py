@@ -169,7 +169,7 @@ def feature_chunk_problem(chunk: Path) -> str | None:
 
 def checksum_problem(directory: Path) -> str | None:
     """Which file of ``directory`` differs from the SHA-256 its writer recorded in ``sha256.json``
-    (None: all equal, or nothing recorded: written before checksums existed)."""
+    (None: all equal, or no hash recorded)."""
     try:
         recorded = json.loads((directory / CHECKSUM_FILE).read_text())
     except FileNotFoundError:

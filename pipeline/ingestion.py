@@ -85,7 +85,7 @@ class IngestConfig:
             raise CtrlError(msg)
         if self.num_workers > MAX_WORKERS:
             msg = (f"--num-workers {self.num_workers} is more parser processes than ctrl starts (at most "
-                   f"{MAX_WORKERS}: 4 per core of this machine); 0 picks one per core")
+                   f"{MAX_WORKERS}: 4 per core of this machine); 0 picks one per core, at most 4")
             raise CtrlError(msg)
 
     @property

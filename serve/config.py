@@ -73,7 +73,8 @@ class ServeConfig:
     served_model_name: str | None = field(default=None, metadata=_help(
         "The model name requests must use and /v1/models lists (default: the --model value)."))
     warmup: bool = field(default=True, metadata=_help(
-        "Run every crops choice once before accepting requests, so first requests do not pay one-time costs."))
+        "Before accepting requests, run the fastest and the slowest configuration of every crops choice (twice "
+        "when the latency scale is measured), so first requests do not pay one-time costs."))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -169,8 +169,8 @@ class FixedKnobs:
 
 
 def reference_latencies(deployed: Any) -> dict[tuple[int, int, int], float]:
-    """The deployed controller's median training latency per configuration (empty for a file written
-    before it recorded them, or a controller without a table fallback)."""
+    """The deployed controller's median training latency per configuration (empty for a file without
+    ``reference_latency_ms``, or a controller without a table fallback)."""
     reference = getattr(deployed, "reference_latency_ms", None)
     if reference is None or reference.numel() == 0:
         return {}

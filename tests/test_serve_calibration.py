@@ -69,5 +69,5 @@ def test_reference_latencies_of_a_deployed_controller():
     assert reference_latencies(Deployed()) == {(2, 4, 12): 20.0, (10, 8, 16): 80.0}
     Deployed.reference_latency_ms = torch.zeros(0, dtype=torch.float64)  # no table fallback
     assert reference_latencies(Deployed()) == {}
-    del Deployed.reference_latency_ms  # a file exported before the buffer existed
+    del Deployed.reference_latency_ms  # a controller file without the buffer
     assert reference_latencies(Deployed()) == {}

@@ -455,7 +455,7 @@ def test_lookup_table_chooses_on_train_only(data):
                                                                 rel=1e-6)
     state = lut.state()
     assert LookupTableDecider.from_state(state).latency_median_ms.tolist() == lut.latency_median_ms.tolist()
-    del state["latency_median_ms"]  # a checkpoint of an older version
+    del state["latency_median_ms"]  # a state without latency_median_ms
     assert LookupTableDecider.from_state(state).latency_median_ms is None
     mean5 = LookupTableDecider(train, statistic="mean", tolerance=0.05)
     assert mean5.name == "lut_mean5" and mean5.latency_stat_ms[0] == pytest.approx(

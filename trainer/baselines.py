@@ -171,7 +171,7 @@ class LookupTableDecider(DeterministicDecider):
         table.num_samples = torch.tensor(state["num_samples"], dtype=torch.long)
         table.mean_score = torch.tensor(state["mean_score"], dtype=torch.float64)
         table.latency_stat_ms = torch.tensor(state["latency_stat_ms"], dtype=torch.float64)
-        median = state.get("latency_median_ms")  # absent from checkpoints of older versions
+        median = state.get("latency_median_ms")  # absent from a checkpoint written without it
         table.latency_median_ms = None if median is None else torch.tensor(median, dtype=torch.float64)
         return table
 

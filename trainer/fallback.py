@@ -136,7 +136,7 @@ class TableFallback:
     def from_json(cls, d: dict[str, Any]) -> TableFallback:
         d = dict(d)
         n = len(d.get("grid_ms", []))
-        for key in ("reward_difference_se", "table_violation_upper"):  # absent from checkpoints of older versions
+        for key in ("reward_difference_se", "table_violation_upper"):  # absent from a checkpoint written without them
             d.setdefault(key, [math.nan] * n)
         d.setdefault("confidence", math.nan)
         return cls(**d)
