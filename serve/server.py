@@ -43,7 +43,8 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
         log(f"latency scale fixed at {scale.fixed:g}")
     elif not scale.reference_ms:
         log("latency scale 1: the controller records no latencies per configuration (an online run, an offline "
-            "run trained without a table fallback, or an exported file without them), so budgets are read as the controller's milliseconds")
+            "run trained without a table fallback, or an exported file without them), so budgets are read as the "
+            "controller's milliseconds")
     if config.warmup:
         runs = warm_up(engine)
         measured = f"; latency scale {scale.value:.2f}" if scale.calibrates else ""
