@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_ingest, shard
 from origin_files import exp6_config_doc, exp6_name, write
-from pipeline import Workspace, run_query
+from pipeline import QueryError, Workspace, run_query
 from small_disk import on_small_disk, small_disk_available
 
 EXP6 = Path("exp6") / "exp6_latency_coco-2014-vqa"
@@ -479,7 +479,7 @@ def test_a_same_size_edit_of_a_table_or_a_cached_parse_is_found_by_its_checksum(
     problems = check_workspace(ws)
     assert [(p.path, p.problem) for p in problems] == [
         (table, "content differs from what its ingest wrote (SHA-256)")]
-    with pytest.raises(Exception, match=r"content differs from what its ingest wrote \(SHA-256\)\nHint: `ctrl doctor`"):
+    with pytest.raises(QueryError, match=r"content differs from what its ingest wrote \(SHA-256\)\nHint: `ctrl doctor`"):
         run_query(ws, "SELECT count(*) FROM measurements")
     report = run_ingest([small_tree], ws)
     assert report.repaired and not report.errors

@@ -162,8 +162,12 @@ def test_a_full_disk_during_training_is_one_line_leaves_no_temporary_file_and_re
     # not the second last.pt beside the first until the rename
     train = (f"$CTRL train --offline -w {ws.root} --num-epochs 3 --cross-fit-folds 0 --no-table-fallback "
              "--warm-start-steps 5 --run-id full")
-    full, left, _, resumed = on_small_disk(ws.runs_dir, "4m", [
-        train, f"find {ws.runs_dir / 'full'}", "grow 64m", f"$CTRL train --offline -w {ws.root} --resume full"])
+    epochs = ("SELECT epoch, count(*) AS n FROM metrics WHERE run_id = 'full' AND kind = 'epoch' GROUP BY 1 "
+              "ORDER BY 1")
+    full, left, _, resumed, counted, done = on_small_disk(ws.runs_dir, "4m", [
+        train, f"find {ws.runs_dir / 'full'}", "grow 64m", f"$CTRL train --offline -w {ws.root} --resume full",
+        f'$CTRL query "{epochs}" -w {ws.root} --format csv',
+        f'$CTRL query "SELECT status, epochs_done FROM runs WHERE run_id = \'full\'" -w {ws.root} --format csv'])
     lines = full.splitlines()
     assert lines[-1] == "exit 1" and "Traceback" not in full, full
     assert re.fullmatch(r"error: \S+/runs/full/checkpoints/last\.pt: No space left on device", lines[0]), full
@@ -173,6 +177,9 @@ def test_a_full_disk_during_training_is_one_line_leaves_no_temporary_file_and_re
     assert "last.pt" in names and not [n for n in names if n.startswith(".") or "tmp" in n], left
     assert resumed.splitlines()[-1] == "exit 0", resumed
     assert "run full: best epoch" in resumed, resumed
+    # the resume trained epochs 2 and 3 only: each epoch (0: the policy before training) is recorded once
+    assert counted.splitlines() == ['"epoch","n"', "0,1", "1,1", "2,1", "3,1", "exit 0"], counted
+    assert done.splitlines() == ['"status","epochs_done"', '"completed",3', "exit 0"], done
 
 
 @pytest.mark.skipif(not small_disk_available(), reason="cannot mount a tmpfs in a private namespace here")

@@ -39,16 +39,16 @@ def test_every_train_option_takes_help_and_default_from_its_config_field():
 
 
 def test_the_online_lr_is_the_online_configs(monkeypatch, tmp_path):
-    built = {}
-    monkeypatch.setattr(cli, "_train_online", lambda config: built.setdefault("online", config))
-    monkeypatch.setattr(cli, "_train_offline", lambda config: built.setdefault("offline", config))
+    built = []  # (phase, config) of every call, in order
+    monkeypatch.setattr(cli, "_train_online", lambda config: built.append(("online", config)))
+    monkeypatch.setattr(cli, "_train_offline", lambda config: built.append(("offline", config)))
     for phase in ("--online", "--offline"):
         result = runner.invoke(app, ["train", phase, "-w", str(tmp_path)])
         assert result.exit_code == 0, result.output
-    assert built["online"].lr == 3e-4 and built["offline"].lr == 1e-3
+    assert [(phase, config.lr) for phase, config in built] == [("online", 3e-4), ("offline", 1e-3)]
     assert OnlineTrainConfig().lr == 3e-4 and OfflineTrainConfig().lr == 1e-3
     given = runner.invoke(app, ["train", "--online", "-w", str(tmp_path), "--lr", "0.02"])
-    assert given.exit_code == 0 and built["online"].lr == 3e-4  # the first call's config kept
+    assert given.exit_code == 0 and built[-1][0] == "online" and built[-1][1].lr == 0.02
     assert train_config("online", {"lr": 0.02}).lr == 0.02
 
 
@@ -77,7 +77,7 @@ def test_converted_options():
     assert (online.evaluate, str(online.images_dir), online.from_run, online.reward) == (False, "imgs", "r1", None)
     with pytest.raises(ValueError, match="`report_to` must be one of none, tensorboard, mlflow, wandb"):
         train_config("offline", {"report_to": "tb"})
-    with pytest.raises(CtrlError):
+    with pytest.raises(CtrlError, match=r"^--num-epochs applies to `ctrl train --offline` only, not --online\n"):
         train_config("online", {"num_epochs": 3})
 
 
