@@ -479,7 +479,8 @@ def test_a_same_size_edit_of_a_table_or_a_cached_parse_is_found_by_its_checksum(
     problems = check_workspace(ws)
     assert [(p.path, p.problem) for p in problems] == [
         (table, "content differs from what its ingest wrote (SHA-256)")]
-    with pytest.raises(QueryError, match=r"content differs from what its ingest wrote \(SHA-256\)\nHint: `ctrl doctor`"):
+    with pytest.raises(QueryError,
+                       match=r"content differs from what its ingest wrote \(SHA-256\)\nHint: `ctrl doctor`"):
         run_query(ws, "SELECT count(*) FROM measurements")
     report = run_ingest([small_tree], ws)
     assert report.repaired and not report.errors
