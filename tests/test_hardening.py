@@ -135,6 +135,25 @@ def test_more_folds_than_samples_is_refused_before_training(tmp_path, embedded_r
     assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())
 
 
+def test_folds_that_the_hash_leaves_empty_are_refused_before_training(tmp_path, embedded_runtime):
+    from conftest import build_feature_workspace
+    from pipeline import run_query
+    from synthetic import SyntheticSpec
+    from trainer.crossfit import fold_of
+
+    _, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
+    samples = [(r["dataset"], r["sample_key"]) for r in run_query(ws, "SELECT dataset, sample_key FROM samples")
+               .to_pylist()]
+    # the fewest folds, no more than the samples, of which the hash leaves one empty
+    folds = next(k for k in range(2, len(samples) + 1) if len({fold_of(d, key, k) for d, key in samples}) < k)
+    empty = sorted(set(range(folds)) - {fold_of(d, key, folds) for d, key in samples})
+    result = runner.invoke(app, ["train", "--offline", "-w", str(ws.root), "--cross-fit-folds", str(folds)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: --cross-fit-folds {folds}: fold(s) {', '.join(map(str, empty))} of the "
+                                    f"{len(samples)} samples would hold no sample"), result.stderr
+    assert not ws.runs_dir.exists() or not any(ws.runs_dir.iterdir())
+
+
 @pytest.mark.parametrize("option", [("--hidden-dim", "100000000"), ("--batch-size", "1000000000"),
                                     ("--group-size", "10000000")])
 def test_options_whose_memory_cannot_fit_are_refused_before_they_allocate(tmp_path, embedded_runtime, option):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import CtrlError
 from trainer.baselines import Decider, LookupTableDecider
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
@@ -53,6 +54,18 @@ def fold_of(dataset: str, sample_key: str, folds: int) -> int:
 def folds_of(data: OfflineData, folds: int) -> torch.Tensor:
     """(N,) int64: every sample's fold."""
     return torch.tensor([fold_of(d, k, folds) for d, k in zip(data.dataset, data.sample_key)], dtype=torch.long)
+
+
+def check_folds(data: OfflineData, folds: int) -> None:
+    """CtrlError naming the folds that hold no sample of ``data``: each fold's network is judged on
+    its own samples, and the assignment is a hash, so even ``folds`` <= samples can leave one empty."""
+    counts = torch.bincount(folds_of(data, folds), minlength=folds).tolist()
+    empty = [k for k, n in enumerate(counts) if n == 0]
+    if empty:
+        msg = (f"--cross-fit-folds {folds}: fold(s) {', '.join(map(str, empty))} of the {len(data)} samples "
+               "would hold no sample (samples are assigned to folds by a hash of their key)\n"
+               "Hint: use fewer folds, or 0 for one split.")
+        raise CtrlError(msg)
 
 
 def fold_data(data: OfflineData, fold: int, folds: int) -> OfflineData:

@@ -44,7 +44,7 @@ from pipeline.workspace import Workspace
 from trainer.baselines import LookupTableDecider
 from trainer.config import OfflineTrainConfig, check_training_memory
 from trainer.constraint import ViolationConstraint
-from trainer.crossfit import deployed_data, fit_cross_fitted_fallback, load_folds, train_folds
+from trainer.crossfit import check_folds, deployed_data, fit_cross_fitted_fallback, load_folds, train_folds
 from trainer.data import OfflineData, budget_grid, load_offline_data, nonempty_split, training_targets
 from trainer.evaluate import evaluate_run
 from trainer.fallback import attach_fallback, fit_table_fallback
@@ -81,8 +81,10 @@ class OfflineTrainer:
                               self.data.lang_features.shape[1] + self.data.image_features.shape[1])
         if config.cross_fit_folds > len(trained_on):  # each fold must hold out at least one sample
             msg = (f"--cross-fit-folds {config.cross_fit_folds} is more folds than the {len(trained_on)} samples "
-                   "the networks train on\nHint: use at most that many (5 is the default), or 0 for one split.")
+                   "the networks train on\nHint: use at most that many, or 0 for one split.")
             raise CtrlError(msg)
+        if config.cross_fit_folds:
+            check_folds(trained_on, config.cross_fit_folds)
         train, val = nonempty_split(trained_on, "train"), nonempty_split(trained_on, "val")
         config = resolve_config(config, self.data)
         self.config = check_resume(resume, config) if resume is not None else config
