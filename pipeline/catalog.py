@@ -310,21 +310,44 @@ def request_log_table(workspace: Workspace) -> pa.Table | None:
     if not files:
         return None
     schema = REQUESTS.arrow_schema()
+    return pa.concat_tables([_log_file_table(path, schema) for path in files])
+
+
+def _log_file_table(path: Path, schema: pa.Schema) -> pa.Table:
+    """One request log: Arrow's JSON reader for a clean file (C++, every command's connection reads
+    the logs), line by line in Python for a file with a line it cannot take."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    try:
+        read = pj.read_json(path, parse_options=pj.ParseOptions(explicit_schema=schema,
+                                                                unexpected_field_behavior="ignore"))
+    except (OSError, pa.ArrowInvalid, pa.ArrowTypeError):
+        return _log_file_table_by_line(path, schema)
+    columns = [read.column(name) if name in read.column_names else pa.nulls(read.num_rows, schema.field(name).type)
+               for name in schema.names]
+    table = pa.Table.from_arrays(columns, schema=schema)
+    return table.filter(pc.is_valid(table["request_id"]))
+
+
+def _log_file_table_by_line(path: Path, schema: pa.Schema) -> pa.Table:
+    import pyarrow as pa
+
     rows = []
-    for path in files:
-        for line in path.read_bytes().splitlines():
+    for line in path.read_bytes().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or row.get("request_id") is None:
+            continue
+        if isinstance(row.get("time"), str):
             try:
-                row = json.loads(line)
+                row["time"] = datetime.fromisoformat(row["time"])
             except ValueError:
-                continue
-            if not isinstance(row, dict) or row.get("request_id") is None:
-                continue
-            if isinstance(row.get("time"), str):
-                try:
-                    row["time"] = datetime.fromisoformat(row["time"])
-                except ValueError:
-                    row["time"] = None
-            rows.append({c: row.get(c) for c in schema.names})
+                row["time"] = None
+        rows.append({c: row.get(c) for c in schema.names})
     try:
         return pa.Table.from_pylist(rows, schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # a line of other types: keep every line that converts

@@ -185,3 +185,26 @@ def test_a_backslash_in_the_workspace_path_works_without_a_catalog(small_tree, t
     assert run_query(ws, "SELECT count(*) AS n FROM measurements").to_pylist()[0]["n"] > 0
     assert not ws.catalog_path.exists() and check_workspace(ws) == []
     assert not (tmp_path / "ws").exists()  # nothing written where DuckDB would have read the path
+
+
+def test_the_requests_view_reads_clean_logs_and_skips_a_torn_or_foreign_line(small_tree, tmp_path):
+    from pipeline import Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    assert not run_ingest([small_tree], ws).errors
+    ws.requests_dir.mkdir()
+    (ws.requests_dir / "a.jsonl").write_text(
+        '{"request_id": "a1", "time": "2026-01-02T03:04:05.5Z", "status": "ok", "budget_ms": 50.0, "unknown": 1}\n'
+        '{"request_id": "a2", "status": "error"}\n')
+    (ws.requests_dir / "b.jsonl").write_text(
+        '{"request_id": "b1", "status": "ok", "budget_ms": 70.0}\n'
+        '{"request_id": "b2", "status": "ok", "budget_ms": "fast"}\n'  # a line of other types
+        '[1, 2]\n'
+        '{"request_id": "b3", "sta')  # a torn tail
+    rows = run_query(ws, "SELECT request_id, status, budget_ms, strftime(time, '%Y-%m-%d %H:%M:%S.%f') AS t "
+                         "FROM requests ORDER BY request_id").to_pylist()
+    assert rows == [
+        {"request_id": "a1", "status": "ok", "budget_ms": 50.0, "t": "2026-01-02 03:04:05.500000"},
+        {"request_id": "a2", "status": "error", "budget_ms": None, "t": None},
+        {"request_id": "b1", "status": "ok", "budget_ms": 70.0, "t": None},
+    ]
