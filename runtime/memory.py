@@ -9,48 +9,16 @@ the chosen dtype, what is free, and the ``--dtype`` that would fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from pipeline.resources import host_available_bytes
 from runtime.base import ModelLoadError
 from runtime.precision import dtype_name
 
 #: memory a loaded model needs besides its weights: activations, KV cache, the runtime itself
 HEADROOM_BYTES = 1 << 30
 _GIB = float(1 << 30)
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def host_available_bytes() -> int | None:
-    """Host memory a process can still take: ``MemAvailable`` of /proc/meminfo, lowered to the
-    room left under the process's cgroup (v2) limit when there is one; None where unknown."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        entry = Path("/proc/self/cgroup").read_text().splitlines()
-        group = next(line.split(":", 2)[2] for line in entry if line.startswith("0::"))
-    except (OSError, StopIteration, IndexError):
-        return available
-    root = Path("/sys/fs/cgroup") / group.lstrip("/")
-    limit, current = _read_int(root / "memory.max"), _read_int(root / "memory.current")
-    if limit is not None and current is not None:
-        room = max(limit - current, 0)
-        available = room if available is None else min(available, room)
-    return available
 
 
 def device_available_bytes(device: torch.device) -> int | None:

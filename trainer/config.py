@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pipeline.errors import CtrlError
+from pipeline.resources import host_available_bytes
 from pipeline.workspace import Workspace
 from trainer.reporting import REPORT_TO
 from trainer.reward import RewardConfig
@@ -85,17 +86,6 @@ def _field(cls: type, name: str) -> Any:
     raise KeyError(msg)
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the system can still give (``MemAvailable`` on Linux; None when unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def offline_training_bytes(config: OfflineTrainConfig, num_actions: int, feature_dim: int) -> int:
     """A rough upper estimate of what one offline training step holds in memory: the policy's
     weights with their gradients and Adam moments (about a dozen hidden x hidden layers), and the
@@ -109,7 +99,7 @@ def offline_training_bytes(config: OfflineTrainConfig, num_actions: int, feature
 
 def check_training_memory(config: OfflineTrainConfig, num_actions: int, feature_dim: int) -> None:
     """Refuse, before anything is allocated, options whose step cannot fit in the memory left."""
-    need, free = offline_training_bytes(config, num_actions, feature_dim), available_memory_bytes()
+    need, free = offline_training_bytes(config, num_actions, feature_dim), host_available_bytes()
     if free is not None and need > free:
         msg = (f"these options need about {need / 2**30:,.1f} GiB per training step (hidden_dim {config.hidden_dim}, "
                f"batch_size {config.batch_size} x num_budgets_per_sample {config.num_budgets_per_sample} groups of "
