@@ -23,8 +23,8 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 
-#: knob values (max_crops, top_k, num_active_blocks)
-Knobs = tuple[int, int, int]
+from pipeline.knobs import Config
+from serve.config import LATENCY_SCALE_WINDOW, option_default
 
 
 class LatencyScale:
@@ -35,8 +35,9 @@ class LatencyScale:
     ``quantile`` of the recorded ratios, and 1.0 before the first.
     """
 
-    def __init__(self, reference_ms: Mapping[Knobs, float], *, fixed: float | None = None, quantile: float = 0.5,
-                 window: int = 32) -> None:
+    def __init__(self, reference_ms: Mapping[Config, float], *, fixed: float | None = None,
+                 quantile: float = option_default("latency_scale_quantile"),
+                 window: int = LATENCY_SCALE_WINDOW) -> None:
         if fixed is not None and not (math.isfinite(fixed) and fixed > 0):
             msg = f"the latency scale must be a positive number, got {fixed!r}"
             raise ValueError(msg)
@@ -64,10 +65,7 @@ class LatencyScale:
         """Whether served requests can move the scale (not pinned, and reference latencies exist)."""
         return self.fixed is None and bool(self.reference_ms)
 
-    def reference(self, knobs: Knobs) -> float | None:
-        return self.reference_ms.get(knobs)
-
-    def observe(self, knobs: Knobs, model_ms: float) -> float | None:
+    def observe(self, knobs: Config, model_ms: float) -> float | None:
         """Record one served request's model time; its ratio, or None when it cannot count (no
         reference for its configuration, a pinned scale, a non-positive time)."""
         reference = self.reference_ms.get(knobs)

@@ -16,6 +16,8 @@ from typing import Any
 
 #: the values of --dtype (runtime.precision.DTYPE_CHOICES)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: how many of the latest requests the measured latency scale is a quantile over
+LATENCY_SCALE_WINDOW = 32
 #: host names that always mean loopback
 LOOPBACK_NAMES = {"localhost"}
 
@@ -60,8 +62,8 @@ class ServeConfig:
         "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds (default: "
         "measured on the requests served, warm-up included; docs/serving.md#latency-calibration)."))
     latency_scale_quantile: float = field(default=0.75, metadata=_help(
-        "The measured latency scale is this quantile of the last 32 requests' ratios of served model time to "
-        "the configuration's median training latency (higher: more careful decisions)."))
+        f"The measured latency scale is this quantile of the last {LATENCY_SCALE_WINDOW} requests' ratios of served "
+        "model time to the configuration's median training latency (higher: more careful decisions)."))
     default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
     max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(

@@ -38,7 +38,7 @@ def test_requests_that_cannot_be_compared_do_not_count():
     assert scale.observe((2, 4, 12), 0.0) is None
     assert scale.observe((2, 4, 12), math.nan) is None
     assert scale.source == "none" and scale.value == 1.0
-    assert scale.reference((6, 4, 12)) is None and scale.reference((10, 8, 16)) == 80.0
+    assert scale.reference_ms.get((6, 4, 12)) is None and scale.reference_ms.get((10, 8, 16)) == 80.0
     assert not LatencyScale({}).calibrates
 
 
