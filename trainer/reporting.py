@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CtrlError
-from pipeline.workspace import write_bytes_atomic
+from pipeline.workspace import atomic_path
 
 #: the values of ``--report-to``
 REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
@@ -215,10 +215,9 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: s
     A panel per :data:`CURVE_PANELS` entry with data; ``reward`` is drawn with its standard
     deviation band where ``reward_std`` exists. Returns the path, or None without any step rows.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure with its own Agg canvas, not pyplot: the caller's matplotlib backend stays as it is
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     def series(column: str) -> tuple[list[float], list[float]]:
         # an offline epoch row repeats the means of its steps: only its validation metrics are drawn
@@ -232,7 +231,9 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: s
     panels = [(name, columns) for name, columns in panels if columns]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.6 * len(panels), 3.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (name, columns) in zip(axes[0], panels):
         for column in columns:
             x, y = series(column)
@@ -249,10 +250,6 @@ def plot_training_curves(rows: Sequence[Mapping[str, Any]], path: Path, title: s
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    import io
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    write_bytes_atomic(Path(path), buffer.getvalue())
+    with atomic_path(Path(path), suffix=".png") as tmp:  # matplotlib picks the format from the name
+        fig.savefig(tmp, dpi=100)
     return Path(path)
