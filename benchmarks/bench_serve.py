@@ -22,7 +22,7 @@ Phase "front" (empty queue). Every configuration of the action space (the 27 bal
 the same ``--front-requests`` requests (40), one request at a time, configurations interleaved (a
 shuffled round per request) so that the machine's drift hits all alike. Per configuration: the median
 client latency (send to last byte), the median server total and model time from the reply's ``ctrl``
-object (vision + prefill + decode), the profile's median latency and mean accuracy of that
+object (``latency_ms.model``: the vision pass, prefill and decode, what ``ctrl profile`` times), the profile's median latency and mean accuracy of that
 configuration (the workspace's exp6 measurements: 600 held-out samples) and the ratio of the two
 latencies. The served Pareto front (median served latency against held-out accuracy) is printed and
 saved (``<out>.front.json``); ``--phase all`` and ``--phase load`` reuse it when its settings match.
@@ -384,7 +384,7 @@ class Outcome:
     score: float
     knobs: str | None = None
     server_ms: float | None = None  # ctrl.latency_ms.total
-    model_ms: float | None = None  # ctrl.latency_ms: vision + prefill + decode
+    model_ms: float | None = None  # ctrl.latency_ms.model: the generate the profile times
     scale: float | None = None
     decided_by: str | None = None
 
@@ -430,8 +430,10 @@ def send(port: int, body: bytes, t0: float, sched_s: float, request: BenchReques
         score, _ = score_answer(dataset, reply["choices"][0]["message"]["content"] or "", request.answers)
     except (ValueError, KeyError, IndexError, TypeError):  # a reply without an answer: an error, missed and wrong
         return Outcome(0, sched_s, done, 0.0)
-    parts = [lat.get(k) for k in ("vision", "prefill", "decode")]
-    model_ms = sum(parts) if all(p is not None for p in parts) else None
+    model_ms = lat.get("model")  # what the profile times as one generate (the latency scale's numerator)
+    if model_ms is None:  # a server without it: its parts (the input embedding left out)
+        parts = [lat.get(k) for k in ("vision", "prefill", "decode")]
+        model_ms = sum(parts) if all(p is not None for p in parts) else None
     return Outcome(200, sched_s, done, float(score), config_name([knobs[k] for k in KNOB_NAMES]) if knobs else None,
                    lat.get("total"), model_ms, info.get("latency_scale"), info.get("decided_by"))
 

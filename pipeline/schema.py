@@ -472,6 +472,8 @@ REQUESTS = TableSchema(
             ("prefill", "decoder blocks of the prefill (both parts)"),
             ("stage2", "the controller's stage 2"),
             ("decode", "decode steps after the first token"),
+            ("model", "the vision pass, the prefill and the decode steps: what ctrl profile times as one generate "
+                      "(the latency scale compares it with the profile)"),
             ("total", "arrival to the answer's text, as the client waits for it"))),
         Column("met", _B, "latency_total_ms <= budget_ms"),
         Column("answer", _S, "the generated text"),

@@ -120,7 +120,8 @@ _DECODER = {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4
 _PROJECTOR_HIDDEN = 128
 _TOKENIZER_VOCAB = 1024
 # init gains (std = gain / sqrt(fan_in)); chosen so top_k 2 vs 8 and dropping blocks visibly move logits
-_GAINS = (("embed_tokens", None), ("mlp.gate.weight", 4.0), ("experts.down_proj", 4.0), ("lm_head", 2.0))
+ROUTER_INIT_GAIN = 4.0
+_GAINS = (("embed_tokens", None), ("mlp.gate.weight", ROUTER_INIT_GAIN), ("experts.down_proj", 4.0), ("lm_head", 2.0))
 
 
 class ImageProjector(nn.Module):
@@ -238,8 +239,13 @@ def _seeded_init(model: nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * (gain / math.sqrt(fan_in)))
 
 
-def write_embedded_model(directory: Path, seed: int = 0) -> None:
-    """Build the seeded model and save it into ``directory`` (which must exist and be empty)."""
+def write_embedded_model(directory: Path, seed: int = 0, *, pool: int = EmbeddedSpec.pool) -> None:
+    """Build the seeded model and save it into ``directory`` (which must exist and be empty).
+
+    ``pool``: the side of the mean-pooling window over the ViT's patch grid (2: 16 image tokens per
+    crop, the embedded default; 1: all 64 patches, four times the decoder's image tokens). Only the
+    geometry changes: every weight is drawn as for the default, so a parameter that exists in both
+    has the same values."""
     from transformers import (  # deferred, as in _build_tokenizer()
         CLIPVisionConfig,
         CLIPVisionModel,
@@ -247,7 +253,11 @@ def write_embedded_model(directory: Path, seed: int = 0) -> None:
         OlmoeForCausalLM,
     )
 
-    spec = EmbeddedSpec(seed=seed)
+    side = EmbeddedSpec.crop_px // EmbeddedSpec.patch_px
+    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 or side % pool:
+        msg = f"pool must be a positive integer that divides the {side}-patch grid, got {pool!r}"
+        raise ValueError(msg)
+    spec = EmbeddedSpec(seed=seed, pool=pool)
     tokenizer = _build_tokenizer()
     vision_cfg = CLIPVisionConfig(image_size=spec.crop_px, patch_size=spec.patch_px, **_VISION)
     decoder_cfg = OlmoeConfig(
@@ -267,9 +277,9 @@ def write_embedded_model(directory: Path, seed: int = 0) -> None:
 
 
 def save_embedded_model(directory: Path, spec: EmbeddedSpec, vision: nn.Module, decoder: nn.Module, tokenizer: object,
-                        projector: ImageProjector, extra_files: dict[str, str] | None = None) -> None:
-    """Write the directory format (module docstring) into ``directory``; ``extra_files`` (name -> text)
-    are written before the marker, which goes last: a directory with a marker is complete."""
+                        projector: ImageProjector, extra_files: dict[str, str | bytes] | None = None) -> None:
+    """Write the directory format (module docstring) into ``directory``; ``extra_files`` (name -> text
+    or bytes) are written before the marker, which goes last: a directory with a marker is complete."""
     from safetensors.torch import save_file  # deferred with transformers: saving needs both
 
     # the decoder in its in-memory layout (experts fused per block), not the per-expert layout
@@ -285,8 +295,11 @@ def save_embedded_model(directory: Path, spec: EmbeddedSpec, vision: nn.Module, 
     proj_cfg = {"in_dim": projector.w1.in_features, "hidden_dim": projector.w1.out_features,
                 "out_dim": projector.w2.out_features}
     (directory / "projector" / "projector.json").write_text(json.dumps(proj_cfg, indent=2, sort_keys=True) + "\n")
-    for name, text in (extra_files or {}).items():
-        (directory / name).write_text(text)
+    for name, content in (extra_files or {}).items():
+        if isinstance(content, bytes):
+            (directory / name).write_bytes(content)
+        else:
+            (directory / name).write_text(content)
     (directory / MARKER_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
 
 

@@ -161,6 +161,7 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
             "decided_by": row.get("decided_by"), "controller_run": row.get("controller_run"),
             "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
             "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
-            "latency_ms": {k[len("latency_"):-len("_ms")]: v for k, v in row.items() if k.startswith("latency_")},
+            "latency_ms": {k[len("latency_"):-len("_ms")]: v for k, v in row.items()
+                           if k.startswith("latency_") and k.endswith("_ms")},
         },
     }

@@ -277,7 +277,7 @@ class Engine:
             "parse": job.parse_ms, "queue": queue_ms, "stage1": seg["stage1"].wall_ms,
             "preprocess": seg["preprocess"].wall_ms, "vision": seg["prefix"].vision_ms,
             "prefill": (seg["prefix"].blocks_ms or 0.0) + (seg["suffix"].blocks_ms or 0.0),
-            "stage2": seg["stage2"].wall_ms, "decode": decode_ms, "total": total_ms,
+            "stage2": seg["stage2"].wall_ms, "decode": decode_ms, "model": model_ms, "total": total_ms,
         }
         finish = "stop" if tokens and tokens[-1] == runtime.eos_id else "length"
         prompt_tokens = int(inputs.input_ids.shape[1])
@@ -318,7 +318,8 @@ class Engine:
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
             **{f"latency_{k}_ms": latency.get(k) for k in
-               ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "total")},
+               ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model",
+                "total")},
             "met": met, "answer": answer, "error": error,
         }
         if job.request_id.startswith("warmup-"):

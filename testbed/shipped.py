@@ -1,14 +1,21 @@
 """The trained testbed's weights as shipped with the package: the recipe's result without the training.
 
-A testbed trained with ``train_experts=False`` differs from the seeded embedded model only in its
-~0.65 M non-expert parameters (ViT, projector, attention, router, norms, embeddings, LM head),
-rounded to float16 at the end of training. This file holds exactly those values, so the seed
-model plus this file rebuilds the trained directory byte for byte (:func:`materialise`), in
-seconds instead of the training's minutes.
+A testbed trained with ``train_experts=False`` differs from the seeded embedded model (its
+non-expert parameters rounded to float16 values) only in
 
-Format: an xz-compressed safetensors file (float16 tensors named ``vision.*``, ``projector.*``
-and ``decoder.*`` as in the runtime's modules) whose metadata records the format, the recipe hash
-it was trained with and the trained directory's ``testbed.json`` text.
+* the non-expert parameters the recipe trained (ViT, projector, attention queries and keys,
+  routers, norms; the parts in ``TestbedRecipe.frozen`` stay as seeded), rounded to float16 at the
+  end of training, and
+* the low-rank updates of the expert weights (``testbed.lowrank``; float16 factors, merged
+  elementwise).
+
+This file holds exactly those values, so the seed model plus this file rebuilds the trained
+directory byte for byte (:func:`materialise`), in seconds instead of the training's minutes.
+
+Format: an xz-compressed safetensors file (float16 tensors named ``vision.*``, ``projector.*`` and
+``decoder.*`` as in the runtime's modules, ``lora.layers.<i>.<weight>.u|v`` for the expert
+updates) whose metadata records the format, the recipe hash it was trained with and the trained
+directory's ``testbed.json`` text (whose config gives the seed and the image pooling).
 
 Maintainers re-pack after changing the recipe (``python -m testbed.shipped MODEL_DIR``); the
 pack step rebuilds the directory from the file it wrote and refuses to keep a file that does
@@ -27,8 +34,9 @@ from pathlib import Path
 import torch
 
 from runtime.embedded import EmbeddedRuntime
-from runtime.embedded_model import save_embedded_model, write_embedded_model
+from runtime.embedded_model import EmbeddedSpec, save_embedded_model, write_embedded_model
 from runtime.registry import RECIPE_FILE
+from testbed.lowrank import LORA_FILE, apply_low_rank_factors
 
 SHIPPED_FORMAT = "ctrl-testbed-weights"
 #: the weights shipped with the package (lookup by recipe hash: :func:`shipped_recipe_hash`)
@@ -39,8 +47,20 @@ class ShippedWeightsError(ValueError):
     """A shipped-weights file that cannot be read or does not fit the model."""
 
 
+#: shipped-name prefix of the expert update factors
+_LORA_PREFIX = "lora."
+
+
+def serialize_factors(factors: dict[str, torch.Tensor]) -> bytes:
+    """The bytes of a trained directory's :data:`testbed.lowrank.LORA_FILE`."""
+    from safetensors.torch import save
+
+    return save({name: factors[name].contiguous() for name in sorted(factors)})
+
+
 def trained_parameters(runtime: EmbeddedRuntime) -> dict[str, torch.nn.Parameter]:
-    """The parameters a ``train_experts=False`` recipe trains, by shipped name (experts excluded)."""
+    """The non-expert parameters (those a ``train_experts=False`` recipe may train and rounds to
+    float16), by shipped name."""
     named = {}
     for prefix, module in (("vision", runtime.vision), ("projector", runtime.projector), ("decoder", runtime.decoder)):
         for name, param in module.named_parameters():
@@ -86,14 +106,21 @@ def pack(model_dir: Path, out: Path = SHIPPED_WEIGHTS) -> int:
     if recipe.get("config", {}).get("train_experts", True):
         msg = f"{model_dir}: its experts were trained; only a train_experts=False testbed can be shipped"
         raise ShippedWeightsError(msg)
+    from safetensors.torch import load
+
     runtime = EmbeddedRuntime(model_dir, dtype="float32")
+    seeded = trained_parameters(_seed_runtime(recipe["config"]))
     tensors = {}
     for name, param in trained_parameters(runtime).items():
         half = param.detach().half()
         if not torch.equal(half.float(), param.detach()):
             msg = f"{model_dir}: parameter {name} is not float16-exact (trained with an older recipe?)"
             raise ShippedWeightsError(msg)
-        tensors[name] = half.contiguous()
+        if not torch.equal(half, seeded[name].detach().half()):  # the untrained ones come from the seed
+            tensors[name] = half.contiguous()
+    if (model_dir / LORA_FILE).is_file():
+        for name, factor in load((model_dir / LORA_FILE).read_bytes()).items():
+            tensors[_LORA_PREFIX + name] = factor.contiguous()
     metadata = {"format": SHIPPED_FORMAT, "recipe_hash": recipe["recipe_hash"], "recipe_file": recipe_text}
     data = lzma.compress(save(tensors, metadata=metadata), preset=9 | lzma.PRESET_EXTREME)
     tmp = out.with_name(out.name + ".tmp")
@@ -101,7 +128,7 @@ def pack(model_dir: Path, out: Path = SHIPPED_WEIGHTS) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         rebuilt = Path(scratch) / "model"
         rebuilt.mkdir()
-        materialise(rebuilt, tmp, base_seed=recipe["config"]["base_seed"])
+        materialise(rebuilt, tmp)
         different = [p.relative_to(rebuilt).as_posix() for p in sorted(rebuilt.rglob("*")) if p.is_file()
                      and p.read_bytes() != (model_dir / p.relative_to(rebuilt)).read_bytes()]
     if different:
@@ -112,30 +139,49 @@ def pack(model_dir: Path, out: Path = SHIPPED_WEIGHTS) -> int:
     return len(data)
 
 
-def materialise(directory: Path, path: Path = SHIPPED_WEIGHTS, base_seed: int = 0) -> dict:
+def _seed_runtime(config: dict) -> EmbeddedRuntime:
+    """The seeded embedded model a recipe (``testbed.json``'s config) starts from."""
+    with tempfile.TemporaryDirectory() as scratch:
+        write_embedded_model(Path(scratch), seed=config.get("base_seed", 0),
+                             pool=config.get("image_pool", EmbeddedSpec.pool))
+        return EmbeddedRuntime(Path(scratch), dtype="float32")
+
+
+def materialise(directory: Path, path: Path = SHIPPED_WEIGHTS) -> dict:
     """Write the trained testbed of the shipped file into the empty ``directory``: the seeded embedded
-    model with the shipped parameters put in. Returns the recipe record (``testbed.json``)."""
+    model (non-expert parameters rounded to float16) with the shipped parameters put in and the
+    expert updates merged. Returns the recipe record (``testbed.json``)."""
     from safetensors.torch import load
 
     metadata, payload = _read(path)
     tensors = load(payload)
-    with tempfile.TemporaryDirectory() as scratch:
-        write_embedded_model(Path(scratch), seed=base_seed)
-        runtime = EmbeddedRuntime(Path(scratch), dtype="float32")
+    record = json.loads(metadata["recipe_file"])
+    runtime = _seed_runtime(record.get("config", {}))
     params = trained_parameters(runtime)
-    if set(tensors) != set(params):
-        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        msg = f"{path}: does not fit the embedded model (missing {missing[:3]}, unexpected {extra[:3]})"
+    factors = {name[len(_LORA_PREFIX):]: t for name, t in tensors.items() if name.startswith(_LORA_PREFIX)}
+    unexpected = sorted(n for n in tensors if not n.startswith(_LORA_PREFIX) and n not in params)
+    if unexpected:
+        msg = f"{path}: does not fit the embedded model (unexpected {unexpected[:3]})"
         raise ShippedWeightsError(msg)
     with torch.no_grad():
         for name, param in params.items():
-            if tensors[name].shape != param.shape:
-                msg = f"{path}: {name} has shape {tuple(tensors[name].shape)}, the model {tuple(param.shape)}"
+            value = tensors.get(name, param.detach().half())
+            if value.shape != param.shape:
+                msg = f"{path}: {name} has shape {tuple(value.shape)}, the model {tuple(param.shape)}"
                 raise ShippedWeightsError(msg)
-            param.copy_(tensors[name].float())
+            param.copy_(value.float())
+        if factors:
+            try:
+                apply_low_rank_factors(runtime.decoder_layers, factors)
+            except (KeyError, RuntimeError) as exc:
+                msg = f"{path}: its expert updates do not fit the embedded model ({exc})"
+                raise ShippedWeightsError(msg) from exc
+    extra: dict[str, str | bytes] = {RECIPE_FILE: metadata["recipe_file"]}
+    if factors:
+        extra[LORA_FILE] = serialize_factors(factors)
     save_embedded_model(directory, runtime.spec, runtime.vision, runtime.decoder, runtime.tokenizer, runtime.projector,
-                        extra_files={RECIPE_FILE: metadata["recipe_file"]})
-    return json.loads(metadata["recipe_file"])
+                        extra_files=extra)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:

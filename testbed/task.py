@@ -14,16 +14,19 @@ family        question                              what it needs
                                                     stripes or checks (mean-preserving): the
                                                     112-px global view averages it away, only
                                                     crops show it
-``relation``  What color is the shape on the left?  two attributes combined (position ->
-                                                    colour) between two shapes: more decoder
-                                                    depth / experts
+``mix``       What color is the background mixed    a fact held in the weights: a made-up
+              with blue?                            table of 64 (background, colour) pairs
+                                                    (:func:`mix_of`), which only the decoder's
+                                                    experts can hold: more experts and blocks
+                                                    answer it better
 ============  ====================================  ==========================================
 
-More families can be drawn (``TaskSpec(families=...)``): ``dot`` (What color is the small
-dot? one dot of 2-4 px radius), ``speck`` (Is there a small dot?), ``count`` (How many small
-dots are there? 1-4) and ``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled
-x2-x3). Training runs of minutes on 2 CPU cores did not get beyond their answer priors, so
-they are not in the default mix.
+More families can be drawn (``TaskSpec(families=...)``): ``relation`` (What color is the shape
+on the left? two shapes), ``dot`` (What color is the small dot? one dot of 2-4 px radius),
+``speck`` (Is there a small dot?), ``count`` (How many small dots are there? 1-4) and
+``digit`` (What digit is on the label? a 3x5-pixel-font digit scaled x2-x3). They are not in
+the default mix: the last four did not get beyond their answer priors in training runs of
+minutes on 2 CPU cores, and ``relation`` gave its training time to ``mix`` (docs/decisions.md).
 
 Answers are single short words or digits (colours, ``yes``/``no``, digits), stored ten times
 as the ``answers`` list (like the ten human answers of VQA v2, so the VQA score of a correct
@@ -36,6 +39,7 @@ encoding is deterministic): sample ``i`` is drawn from its own generator seeded 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import random
@@ -49,7 +53,7 @@ from PIL import Image, ImageDraw
 
 from testbed.dataset import VqaSample, read_dataset, write_dataset
 
-__all__ = ["COLORS", "DIGITS", "EXTRA_FAMILIES", "FAMILIES", "TaskSpec", "generate_dataset", "make_sample"]
+__all__ = ["COLORS", "DIGITS", "EXTRA_FAMILIES", "FAMILIES", "TaskSpec", "generate_dataset", "make_sample", "mix_of"]
 
 #: the palette: name -> RGB (names are single tokens of the embedded tokenizer)
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -60,10 +64,10 @@ SHAPES = ("circle", "square", "triangle")
 #: digits the ``digit`` family prints (visually distinct in the 3x5 font)
 DIGITS = "1478"
 #: the default families (a generated set cycles through them)
-FAMILIES = ("color", "presence", "texture", "relation")
+FAMILIES = ("color", "presence", "texture", "mix")
 #: further families the generator can draw (``TaskSpec(families=...)``); the default training
 #: recipe does not learn them (see the module docstring)
-EXTRA_FAMILIES = ("dot", "speck", "count", "digit")
+EXTRA_FAMILIES = ("relation", "dot", "speck", "count", "digit")
 #: the ``texture`` family's patterns (the answers: "plain" 2 tokens, the others 4 with the embedded tokenizer)
 TEXTURES = ("plain", "lines", "grid")
 #: per-channel +- of a pattern around the background colour (less where the colour is near 0 or 255)
@@ -212,6 +216,28 @@ def _digit(rng, image, w, h, bg):
     return "What digit is on the label?", digit
 
 
+def mix_of(background: str, color: str) -> str:
+    """The answer of a ``mix`` question: a made-up mixing table over the palette (seeded, fixed),
+    each (background, colour) pair to a palette colour drawn uniformly, so that neither colour
+    alone tells the answer: a table of 64 entries the decoder has to hold."""
+    return _mix_table()[(background, color)]
+
+
+@functools.cache
+def _mix_table() -> dict[tuple[str, str], str]:
+    names = list(COLORS)
+    draw = random.Random(20261126)
+    return {(a, b): draw.choice(names) for a in names for b in names}
+
+
+def _mix(rng, image, w, h, bg):
+    draw = ImageDraw.Draw(image)
+    taken: list = []
+    _clutter(rng, draw, w, h, bg, taken, rng.randint(1, 3))
+    color = rng.choice(list(COLORS))
+    return f"What color is the background mixed with {color}?", mix_of(bg, color)
+
+
 def _texture_step(side: int) -> int:
     """Stripe / check width in pixels along a side: 1 below 336 px, 2 from 336 px. Either way a
     period is <= 1.3 px in the 112-px global view (averaged away by the resize filter) and
@@ -254,7 +280,8 @@ def _relation(rng, image, w, h, bg):
 
 
 _MAKERS: dict[str, Callable] = {"color": _color, "presence": _presence, "dot": _dot, "speck": _speck,
-                                "relation": _relation, "texture": _texture, "count": _count, "digit": _digit}
+                                "relation": _relation, "texture": _texture, "count": _count, "digit": _digit,
+                                "mix": _mix}
 
 
 def _sample_rng(seed: int, index: int) -> random.Random:

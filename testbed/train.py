@@ -50,12 +50,13 @@ from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALAN
 from runtime import load_runtime
 from runtime.cache import cache_tmp_dir
 from runtime.embedded import EmbeddedRuntime
-from runtime.embedded_model import publish_model_dir, save_embedded_model, write_embedded_model
+from runtime.embedded_model import ROUTER_INIT_GAIN, publish_model_dir, save_embedded_model, write_embedded_model
 from runtime.registry import RECIPE_FILE, TESTBED_VERSION, TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from runtime.scoring import score_answer
 from testbed.dataset import VqaDataset, read_dataset
-from testbed.shipped import SHIPPED_WEIGHTS, materialise, shipped_recipe_hash, trained_parameters
-from testbed.task import FAMILIES, generate_dataset
+from testbed.lowrank import LORA_FILE, add_low_rank_updates, merge_low_rank_updates
+from testbed.shipped import SHIPPED_WEIGHTS, materialise, serialize_factors, shipped_recipe_hash, trained_parameters
+from testbed.task import FAMILIES, TaskSpec, generate_dataset
 
 
 @dataclass
@@ -243,6 +244,10 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TestbedReci
     if not config.train_experts:
         for layer in runtime.decoder_layers:
             layer.mlp.experts.requires_grad_(False)
+    if config.expert_lora_rank:
+        add_low_rank_updates(runtime.decoder_layers, config.expert_lora_rank, seed=config.seed + 7)
+    for module in frozen_modules(runtime, config.frozen):
+        module.requires_grad_(False)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     groups = []
     for module, lr in ((runtime.vision_backbone, config.vision_peak_lr), (runtime.decoder, config.lr)):
@@ -292,11 +297,47 @@ def train_model(runtime: EmbeddedRuntime, dataset_dir: Path, config: TestbedReci
     return losses
 
 
-def save_trained(runtime: EmbeddedRuntime, directory: Path, recipe: dict) -> None:
-    """Save the runtime's modules in the embedded directory format plus the recipe file."""
+#: the parts a recipe can leave at their starting values (``TestbedRecipe.frozen``)
+FREEZABLE_PARTS = ("embeddings", "lm_head", "attention_values", "vision")
+
+
+def frozen_modules(runtime: EmbeddedRuntime, parts: Sequence[str]) -> list[torch.nn.Module]:
+    """The modules of the named parts (:data:`FREEZABLE_PARTS`)."""
+    unknown = sorted(set(parts) - set(FREEZABLE_PARTS))
+    if unknown:
+        msg = f"frozen: unknown parts {unknown}; known: {', '.join(FREEZABLE_PARTS)}"
+        raise ValueError(msg)
+    modules: list[torch.nn.Module] = []
+    if "embeddings" in parts:
+        modules.append(runtime.decoder.get_input_embeddings())
+    if "lm_head" in parts:
+        modules.append(runtime.decoder.get_output_embeddings())
+    if "attention_values" in parts:
+        modules += [m for layer in runtime.decoder_layers for m in (layer.self_attn.v_proj, layer.self_attn.o_proj)]
+    if "vision" in parts:
+        modules.append(runtime.vision_backbone)
+    return modules
+
+
+def _init_router(runtime: EmbeddedRuntime, config: TestbedRecipe) -> None:
+    """Rescale every router's weight to std ``router_init_gain / sqrt(fan_in)``."""
+    if config.router_init_gain is None:
+        return
+    with torch.no_grad():
+        for layer in runtime.decoder_layers:
+            layer.mlp.gate.weight.mul_(config.router_init_gain / ROUTER_INIT_GAIN)
+
+
+def save_trained(runtime: EmbeddedRuntime, directory: Path, recipe: dict,
+                 lora_factors: dict[str, torch.Tensor] | None = None) -> None:
+    """Save the runtime's modules in the embedded directory format plus the recipe file (and the
+    float16 expert update factors, when the recipe trained them)."""
     _set_top_k(runtime, runtime.default_top_k)
+    extra: dict[str, str | bytes] = {RECIPE_FILE: json.dumps(recipe, indent=2, sort_keys=True) + "\n"}
+    if lora_factors:
+        extra[LORA_FILE] = serialize_factors(lora_factors)
     save_embedded_model(directory, runtime.spec, runtime.vision, runtime.decoder, runtime.tokenizer, runtime.projector,
-                        extra_files={RECIPE_FILE: json.dumps(recipe, indent=2, sort_keys=True) + "\n"})
+                        extra_files=extra)
 
 
 def round_trained_parameters(runtime: EmbeddedRuntime, config: TestbedRecipe) -> None:
@@ -334,21 +375,24 @@ def train_testbed(config: TestbedRecipe = TestbedRecipe(), cache_dir: str | Path
         base.mkdir()
         model_dir.mkdir()
         if use_shipped:
-            materialise(model_dir, shipped, base_seed=config.base_seed)
+            materialise(model_dir, shipped)
             publish_model_dir(model_dir, target)
             return TrainReport(target, trained=False, from_shipped=True)
         with _deterministic(config.threads):
-            write_embedded_model(base, seed=config.base_seed)
-            generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train")
+            write_embedded_model(base, seed=config.base_seed, pool=config.image_pool)
+            generate_dataset(data_dir, config.num_train_samples, seed=config.seed, split="train",
+                             spec=TaskSpec(families=config.families))
             runtime = EmbeddedRuntime(base, dtype="float32")  # trained in float32 whatever the device
             _init_vision(runtime, config)
+            _init_router(runtime, config)
             start = time.perf_counter()
             losses = train_model(runtime, data_dir, config, progress, pretrain_progress)
             round_trained_parameters(runtime, config)
+            factors = merge_low_rank_updates(runtime.decoder_layers) if config.expert_lora_rank else None
             seconds = time.perf_counter() - start
             recipe = {"format": "ctrl-testbed", "testbed_version": TESTBED_VERSION, "recipe_hash": config.recipe_hash(),
                       "config": asdict(config), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
-            save_trained(runtime, model_dir, recipe)
+            save_trained(runtime, model_dir, recipe, factors)
         publish_model_dir(model_dir, target, replace=force)  # a stale (no marker) one is replaced too
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

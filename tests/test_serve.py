@@ -205,8 +205,12 @@ def test_openai_client_text_request_gets_an_answer_with_the_knobs_and_latencies(
     assert extra["knobs"]["insertion_position"] == 0  # an offline controller decides before block 0
     assert extra["budget_source"] == "default" and extra["budget_ms"] > 0
     latency = extra["latency_ms"]
+    assert set(latency) == {"parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode",
+                            "model", "total"}
     assert latency["vision"] is None  # no image, no vision pass
     assert latency["total"] >= latency["stage1"] + latency["prefill"] + latency["decode"] > 0
+    # the model time holds the prefill and the decode steps, and the rest of the request is outside it
+    assert latency["prefill"] + latency["decode"] <= latency["model"] <= latency["total"] - latency["stage1"]
     assert extra["met"] == (latency["total"] <= extra["budget_ms"])
 
 

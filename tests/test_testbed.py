@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from runtime.registry import RECIPE_FILE, TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from testbed.dataset import read_dataset
+from testbed.lowrank import LORA_FILE
 from testbed.task import (
     COLORS,
     DIGITS,
@@ -53,7 +54,7 @@ def test_generator_is_deterministic_and_readable(tmp_path):
             assert 224 <= img.width <= 448 and 224 <= img.height <= 448
         assert len(s.answers) == NUM_ANSWERS and len(set(s.answers)) == 1
         answer = s.answers[0]
-        expected = {"color": set(COLORS), "relation": set(COLORS), "presence": {"yes", "no"},
+        expected = {"color": set(COLORS), "mix": set(COLORS), "presence": {"yes", "no"},
                     "texture": set(TEXTURES)}[s.family]
         assert answer in expected, (s.family, answer)
         assert s.metadata()["family"] == s.family
@@ -63,11 +64,29 @@ def test_extra_families(tmp_path):
     ds = read_dataset(generate_dataset(tmp_path / "x", 3 * len(EXTRA_FAMILIES), seed=5,
                                        spec=TaskSpec(families=EXTRA_FAMILIES)))
     assert [s.family for s in ds.samples] == list(EXTRA_FAMILIES) * 3
-    expected = {"count": {"1", "2", "3", "4"}, "digit": set(DIGITS), "dot": set(COLORS), "speck": {"yes", "no"}}
+    expected = {"count": {"1", "2", "3", "4"}, "digit": set(DIGITS), "dot": set(COLORS), "speck": {"yes", "no"},
+                "relation": set(COLORS)}
     for s in ds.samples:
         assert s.answers[0] in expected[s.family]
     with pytest.raises(ValueError, match="unknown"):
         TaskSpec(families=("nope",))
+
+
+def test_mix_answers_follow_the_fixed_table_and_need_both_colours(tmp_path):
+    """A mix answer is the table's entry for (background, asked colour); the table is fixed by its
+    seed and neither colour alone decides the answer."""
+    from testbed.task import mix_of
+
+    ds = read_dataset(generate_dataset(tmp_path / "m", 12, seed=2, spec=TaskSpec(families=("mix",))))
+    for s in ds.samples:
+        asked = s.question.removeprefix("What color is the background mixed with ").removesuffix("?")
+        with Image.open(ds.image_path(s)) as img:
+            corner = img.convert("RGB").getpixel((0, 0))  # clutter keeps off the corners' pixel
+        background = min(COLORS, key=lambda c: sum(abs(a - b) for a, b in zip(COLORS[c], corner)))
+        assert s.answers[0] == mix_of(background, asked)
+    assert (mix_of("red", "blue"), mix_of("blue", "red"), mix_of("black", "black")) == ("red", "orange", "purple")
+    for first in COLORS:
+        assert len({mix_of(first, c) for c in COLORS}) > 1 and len({mix_of(c, first) for c in COLORS}) > 1
 
 
 def test_texture_patterns_keep_the_mean_colour_and_vanish_in_the_global_view():
@@ -167,17 +186,49 @@ def test_training_changes_the_weights(tiny_models, tmp_path):
     original = load_file(str(base / "decoder" / "model.safetensors"))
     assert trained.keys() == original.keys()
     changed = {k for k in trained if not (trained[k] == original[k]).all()}
-    # the routers, the attention, the embeddings and the head get gradients; the experts keep the seed's weights
+    # the routers and the attention's queries get gradients; the frozen parts (embeddings, head,
+    # attention values and outputs) keep the seed's values up to the float16 rounding
     assert any(".mlp.gate." in k for k in changed) and any("q_proj" in k for k in changed)
-    assert any("lm_head" in k for k in changed) and any("embed_tokens" in k for k in changed)
+    for k in trained:
+        if any(part in k for part in ("lm_head", "embed_tokens", "v_proj", "o_proj")):
+            assert torch.equal(trained[k], original[k].half().float()), k
+    # every trained non-expert value is a float16 value (what the shipped weights store)
+    assert all(torch.equal(trained[k].half().float(), trained[k]) for k in changed if ".mlp.experts." not in k)
+    # the experts: the seed's weights plus the low-rank update of the stored float16 factors, exactly
+    factors = load_file(str(tiny_models[0].model_dir / LORA_FILE))
+    assert factors["layers.3.down_proj.u"].shape == (64, 64, TINY.expert_lora_rank)
+    assert factors["layers.3.down_proj.u"].dtype == torch.float16
     experts = {k for k in trained if ".mlp.experts." in k}
-    assert len(experts) == 16 * 2 and not experts & changed  # fused per block: gate_up_proj, down_proj
-    # every trained value is a float16 value (what the shipped weights store)
-    assert all(torch.equal(trained[k].half().float(), trained[k]) for k in changed)
+    assert len(experts) == 16 * 2 and experts <= changed  # fused per block: gate_up_proj, down_proj
+    name = "model.layers.3.mlp.experts.down_proj"
+    u, v = factors["layers.3.down_proj.u"].float(), factors["layers.3.down_proj.v"].float()
+    expected = original[name] + sum(u[:, :, j:j + 1] * v[:, j:j + 1, :] for j in range(u.shape[-1]))
+    assert torch.allclose(trained[name], expected, atol=1e-6)
+    assert not torch.equal(trained[name], original[name])
 
-    with_experts = train_testbed(dataclasses.replace(TINY, train_experts=True), cache_dir=tmp_path / "cache")
+    with_experts = train_testbed(dataclasses.replace(TINY, train_experts=True, expert_lora_rank=0),
+                                 cache_dir=tmp_path / "cache")
     trained = load_file(str(with_experts.model_dir / "decoder" / "model.safetensors"))
     assert all(not torch.equal(trained[k], original[k]) for k in experts)
+    assert not (with_experts.model_dir / LORA_FILE).exists()
+
+
+def test_recipe_parts_and_frozen_modules_are_checked(tmp_path):
+    from runtime.embedded import EmbeddedRuntime
+    from runtime.embedded_model import write_embedded_model
+    from testbed.train import frozen_modules
+
+    base = tmp_path / "base"
+    base.mkdir()
+    write_embedded_model(base, seed=0, pool=1)
+    runtime = EmbeddedRuntime(base)
+    assert runtime.spec.pool == 1
+    modules = frozen_modules(runtime, ("attention_values",))
+    assert len(modules) == 2 * 16 and modules[0] is runtime.decoder_layers[0].self_attn.v_proj
+    with pytest.raises(ValueError, match="frozen: unknown parts \\['keys'\\]"):
+        frozen_modules(runtime, ("keys",))
+    with pytest.raises(ValueError, match="pool must be a positive integer that divides the 8-patch grid"):
+        write_embedded_model(tmp_path / "other", pool=3)
 
 
 def test_vision_learning_rate_applies_to_the_vision_path_only(tmp_path):
@@ -306,7 +357,7 @@ def test_shipped_weights_rebuild_the_trained_directory_byte_for_byte(tiny_models
     shipped = tmp_path / "weights.safetensors.xz"
     size = pack(tiny_models[0].model_dir, shipped)
     assert shipped.stat().st_size == size
-    assert 0.5e6 < size < 1.5e6  # ~0.65 M float16 values, hardly compressible
+    assert 0.5e6 < size < 3e6  # ~1 M float16 values (trained parameters, expert factors), hardly compressible
     assert shipped_recipe_hash(shipped) == TINY.recipe_hash()
 
     report = train_testbed(TINY, cache_dir=tmp_path / "cache", shipped=shipped)
@@ -348,7 +399,8 @@ def test_damaged_or_unfit_shipped_weights_are_refused_by_name(tiny_models, tmp_p
     with pytest.raises(ShippedWeightsError, match="unfit.xz: does not fit the embedded model"):
         materialise(tmp_path / "out", unfit)
 
-    experts_trained = train_testbed(dataclasses.replace(TINY, train_experts=True), cache_dir=tmp_path / "c")
+    experts_trained = train_testbed(dataclasses.replace(TINY, train_experts=True, expert_lora_rank=0),
+                                    cache_dir=tmp_path / "c")
     with pytest.raises(ShippedWeightsError, match="its experts were trained"):
         pack(experts_trained.model_dir, tmp_path / "x.xz")
     assert not (tmp_path / "x.xz").exists()
