@@ -22,10 +22,11 @@ Phase "front" (empty queue). Every configuration of the action space (the 27 bal
 the same ``--front-requests`` requests (40), one request at a time, configurations interleaved (a
 shuffled round per request) so that the machine's drift hits all alike. Per configuration: the median
 client latency (send to last byte), the median server total and model time from the reply's ``ctrl``
-object (``latency_ms.model``: the vision pass, prefill and decode, what ``ctrl profile`` times), the profile's median latency and mean accuracy of that
-configuration (the workspace's exp6 measurements: 600 held-out samples) and the ratio of the two
-latencies. The served Pareto front (median served latency against held-out accuracy) is printed and
-saved (``<out>.front.json``); ``--phase all`` and ``--phase load`` reuse it when its settings match.
+object (``latency_ms.model``: vision pass, prefill and decode, what ``ctrl profile`` times), the
+profile's median latency and mean accuracy of that configuration (the workspace's exp6 measurements:
+600 held-out samples) and the ratio of the two latencies. The served Pareto front (median served
+latency against held-out accuracy) is printed and saved (``<out>.front.json``); ``--phase all`` and
+``--phase load`` reuse it when its settings match.
 
 Phase "load". Budgets in served ms (``--budget-multiples`` of the cheapest configuration's served
 median, or ``--budgets-ms``); loads as fractions of the capacity (requests/s of one client sending
@@ -520,7 +521,7 @@ def phase_front(server: Server, dataset: str, requests: list[BenchRequest], n: i
 
 def print_front(result: dict[str, Any]) -> None:
     rows = sorted(result["configs"], key=lambda r: r["client_ms"])
-    print("\n| config | served client p50 ms | server total p50 | model p50 (vision+prefill+decode) | profile p50 "
+    print("\n| config | served client p50 ms | server total p50 | model p50 | profile p50 "
           "| model / profile | held-out accuracy | served accuracy | front |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
