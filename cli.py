@@ -651,6 +651,8 @@ def serve(
                                                         show_default=False)] = None,
     latency_scale_quantile: Annotated[float, typer.Option("--latency-scale-quantile", help=_serve_help(
         "latency_scale_quantile"))] = _serve_default("latency_scale_quantile"),
+    queue_aware: Annotated[bool, typer.Option("--queue-aware/--no-queue-aware", help=_serve_help(
+        "queue_aware"))] = _serve_default("queue_aware"),
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", help=_serve_help(
         "default_max_tokens"))] = _serve_default("default_max_tokens"),
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", help=_serve_help(
@@ -678,7 +680,8 @@ def serve(
                              allow_remote=allow_remote, api_key=api_key, device=device, dtype=dtype.value,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
-                             default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
+                             queue_aware=queue_aware, default_max_tokens=default_max_tokens,
+                             max_tokens_limit=max_tokens_limit,
                              max_body_bytes=max_body_bytes, max_image_pixels=max_image_pixels,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup)
         run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))

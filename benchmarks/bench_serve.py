@@ -39,7 +39,10 @@ the load) are sent open loop (a request leaves at its time whether or not earlie
 answered; latency runs from the scheduled time to the last byte; a 503 or an error is missed and
 wrong) once for each of:
 
-* "controller": the request's ``latency_budget_ms`` is the budget, no knobs (one run per budget);
+* "controller": the request's ``latency_budget_ms`` is the budget, no knobs (one run per budget), on a
+  server with its queue-aware budgets (docs/serving.md#queue-aware-budgets);
+* "controller (own budget)": the same on a server started with ``--no-queue-aware`` (the controller
+  reads each request's own budget left only): the runs of ``--no-queue-aware``, which runs nothing else;
 * "family table": ``trainer.baselines.FamilyLookupTableDecider`` fitted on the run's training split
   (the split its fallback table was fitted on), told each request's family, fixed knobs per request
   (one run per budget): an upper reference, no server knows the family;
@@ -333,13 +336,14 @@ def free_port() -> int:
 class Server:
     """``ctrl serve`` in a subprocess (one model thread, as the profile was measured)."""
 
-    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int) -> None:
+    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int, queue_aware: bool = True) -> None:
         self.port = free_port()
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log.open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", run_id, "-w", str(ws),
-             "--port", str(self.port), "--threads", "1", "--max-queue", str(max_queue)],
+             "--port", str(self.port), "--threads", "1", "--max-queue", str(max_queue),
+             "--queue-aware" if queue_aware else "--no-queue-aware"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -654,7 +658,7 @@ def budgets_of(args: argparse.Namespace, front: dict[str, Any]) -> list[float]:
 def knobs_function(spec: RunSpec, tables: RunTables, scale: float, reserve_ms: float,
                    families: set[str]) -> Callable[[BenchRequest], Config | None]:
     """The knobs a run's requests fix (None: the controller decides)."""
-    if spec.decider == "controller":
+    if spec.decider in ("controller", OWN_BUDGET):
         return lambda request: None
     if spec.decider == "oracle":
         return lambda request: oracle_knobs(request, spec.budget_ms or math.inf)
@@ -684,9 +688,13 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
                                                                                                     settings_id)}
     plan: list[tuple[float, RunSpec]] = []
     for load in loads:
-        specs = [RunSpec("controller", b, None) for b in budgets] + [RunSpec("family table", b, None) for b in budgets]
-        specs += [RunSpec("static", None, c) for c in statics]
-        specs += [RunSpec("oracle", b, None) for b in budgets] if oracle else []
+        if args.no_queue_aware:  # only the controller depends on the server's queue cap
+            specs = [RunSpec(OWN_BUDGET, b, None) for b in budgets]
+        else:
+            specs = [RunSpec("controller", b, None) for b in budgets]
+            specs += [RunSpec("family table", b, None) for b in budgets]
+            specs += [RunSpec("static", None, c) for c in statics]
+            specs += [RunSpec("oracle", b, None) for b in budgets] if oracle else []
         rng = np.random.default_rng([args.seed, 5, round(load * 1000)])
         plan += [(load, specs[int(i)]) for i in rng.permutation(len(specs)) if (load, specs[int(i)].key) not in done]
     capacity = calibration["capacity_rps"]
@@ -721,6 +729,10 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
 # -- cells, tables, plot, targets -------------------------------------------------------------------------------
 
 
+#: the decider name of controller runs on a server that gives the controller each request's own budget
+OWN_BUDGET = "controller (own budget)"
+
+
 def build_cells(records: list[dict[str, Any]], calibration: dict[str, Any], front: dict[str, Any],
                 args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (load, budget, decider) cell with its unpaired figures and the paired difference to the
@@ -739,6 +751,8 @@ def build_cells(records: list[dict[str, Any]], calibration: dict[str, Any], fron
             ctrl_outs = outcomes_of(ctrl_run) if ctrl_run else None
             rows: list[tuple[str, str | None, dict[str, Any] | None]] = [
                 ("controller", None, ctrl_run),
+                # the same controller on a server without the queue cap (``--no-queue-aware``)
+                (OWN_BUDGET, None, by_key.get((load, OWN_BUDGET, budget, None))),
                 ("family table", None, by_key.get((load, "family table", budget, None))),
                 ("oracle", None, by_key.get((load, "oracle", budget, None))),
                 ("p95 table", picks[str(budget)], by_key.get((load, "static", None, picks[str(budget)])))]
@@ -841,7 +855,9 @@ def plot(cells: list[dict[str, Any]], path: Path, capacity: float) -> None:
             x = [c["load"] + (i - (len(deciders) - 1) / 2) * dodge for c in sel]  # error bars side by side
             for row, (key, ci) in enumerate((("within", "within_ci"), ("accuracy", "accuracy_ci"))):
                 y = [c[key] for c in sel]
-                err = [[v - c[ci][0] for v, c in zip(y, sel)], [c[ci][1] - v for v, c in zip(y, sel)]]
+                # clamped: a Wilson bound can sit a rounding error past the value (0 of n)
+                err = [[max(0.0, v - c[ci][0]) for v, c in zip(y, sel)],
+                       [max(0.0, c[ci][1] - v) for v, c in zip(y, sel)]]
                 axes[row][j].errorbar(x, y, yerr=err, marker="o", capsize=3, label=decider, **style)
         axes[0][j].axhline(0.95, color="grey", linewidth=0.8)
         axes[0][j].set_title(f"budget {budget:g} ms")
@@ -928,6 +944,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steady-min-excess", type=float, default=1.0,
                         help="a run is not steady only if its last tenth also holds this many more requests")
     parser.add_argument("--oracle", action="store_true", help="the oracle decider (a hook: skipped)")
+    parser.add_argument("--no-queue-aware", action="store_true",
+                        help=f"serve with --no-queue-aware and run only the controller, recorded as {OWN_BUDGET!r}")
     parser.add_argument("--seed", type=int, default=0, help="request orders, arrivals, bootstrap")
     parser.add_argument("--out", type=Path, default=CACHE / "bench_serve.jsonl")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "serve_bench.png")
@@ -970,7 +988,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"fresh set: {len(requests)} requests (seed {args.bench_seed}), families {dict(families)}", flush=True)
     tables = run_tables(args.workspace, args.run_id)
     profile = profile_by_config(args.workspace)
-    server = Server(args.workspace, args.run_id, path_with(args.out, ".server.log"), args.max_queue)
+    server = Server(args.workspace, args.run_id, path_with(args.out, ".server.log"), args.max_queue,
+                    queue_aware=not args.no_queue_aware)
     try:
         # warm the client's and the server's paths at the server's default budget
         pool = np.random.default_rng([args.seed, 6]).permutation(len(requests))[:10]

@@ -452,9 +452,12 @@ REQUESTS = TableSchema(
         Column("reserve_ms", _D, "reserve for the work after stage 1 outside the model's profiled path "
                                  "(preprocessing, stage 2, detokenisation): p90 of recent requests", "ms"),
         Column("budget_left_ms", _D, "budget_ms less the time spent before stage 1 and the reserve", "ms"),
+        Column("queue_cap_ms", _D, "the most this request could take so that the requests waiting behind it could "
+                                   "still meet their budgets at the cheapest configuration (docs/serving.md#"
+                                   "queue-aware-budgets); null when nothing capped it", "ms"),
         Column("latency_scale", _D, "this machine's model time per ms of the controller's training latencies "
-                                    "(docs/serving.md#latency-calibration): both stages read budget_left_ms / "
-                                    "latency_scale"),
+                                    "(docs/serving.md#latency-calibration): both stages read min(budget_left_ms, "
+                                    "queue_cap_ms - reserve_ms) / latency_scale"),
         Column("decided_by", _S, "controller | table (the run's table fallback) | request (fixed knobs)"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),

@@ -61,9 +61,12 @@ class ServeConfig:
         "This machine's model time per millisecond of the latencies the controller was trained on; budgets are "
         "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds (default: "
         "measured on the requests served, warm-up included; docs/serving.md#latency-calibration)."))
-    latency_scale_quantile: float = field(default=0.75, metadata=_help(
+    latency_scale_quantile: float = field(default=0.5, metadata=_help(
         f"The measured latency scale is this quantile of the last {LATENCY_SCALE_WINDOW} requests' ratios of served "
         "model time to the configuration's median training latency (higher: more careful decisions)."))
+    queue_aware: bool = field(default=True, metadata=_help(
+        "Cap the budget the controller reads by what the requests waiting behind a request still need to meet "
+        "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets)."))
     default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
     max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(

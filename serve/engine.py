@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -55,6 +56,20 @@ from serve.request_log import RequestLog
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
 MAX_CROPS_LIMIT = 15
+
+
+def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | None:
+    """The most the request starting now may take (served ms, end to end) so that each request
+    waiting behind it can still meet its budget at the cheapest configuration.
+
+    ``time_left_ms``: the waiting requests' budget not yet spent, in queue order; the i-th (from 1)
+    also waits for the i - 1 before it, each taken at ``cheapest_ms`` (the least a request takes),
+    and then runs itself, so it needs ``t + i * cheapest_ms <= time_left_ms[i - 1]``. A waiting
+    request that cannot make it even when this one takes the cheapest configuration does not cap
+    it (it is lost either way). None when nothing caps."""
+    caps = [left - i * cheapest_ms for i, left in enumerate(time_left_ms, start=1)]
+    feasible = [cap for cap in caps if cap >= cheapest_ms]
+    return min(feasible) if feasible else None
 
 
 class Cancelled(Exception):
@@ -119,8 +134,10 @@ class Engine:
 
     def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
-                 metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None) -> None:
+                 metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
+                 queue_aware: bool = True) -> None:
         self.runtime, self.decider = runtime, decider
+        self.queue_aware = bool(queue_aware)
         self.model_name = model_name
         self.max_queue = int(max_queue)
         self.default_budget_ms = float(default_budget_ms if default_budget_ms is not None
@@ -163,6 +180,18 @@ class Engine:
             return 0.0
         ordered = sorted(self._overheads)
         return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+    def _queue_cap_ms(self, now: float, scale: float, reserve_ms: float) -> float | None:
+        """:func:`queue_cap_ms` over the requests waiting now (None: nothing waits, or not queue-aware)."""
+        if not self.queue_aware or not self.latency_scale.reference_ms:
+            return None
+        with self._jobs.mutex:  # a snapshot: the handler threads append while this reads
+            waiting = [j for j in self._jobs.queue if j is not None]
+        if not waiting:
+            return None
+        cheapest_ms = min(self.latency_scale.reference_ms.values()) * scale + reserve_ms
+        left = [j.budget_ms - (now - j.arrival) * 1000.0 for j in waiting]
+        return queue_cap_ms(left, cheapest_ms)
 
     @property
     def pending(self) -> int:
@@ -221,11 +250,14 @@ class Engine:
                 with self.timer.segment("stage1", stages):
                     lang = runtime.lang_features([req.question])[0]
                     tiling = _tiling(runtime, req.image, decider.max_crops_values)
-                    spent_ms = (time.perf_counter() - job.arrival) * 1000.0
+                    now = time.perf_counter()
+                    spent_ms = (now - job.arrival) * 1000.0
                     reserve_ms = self.overhead_reserve_ms()
                     budget_left_ms = job.budget_ms - spent_ms - reserve_ms
                     scale = self.latency_scale.value
-                    controller_budget_ms = budget_left_ms / scale  # in the controller's units
+                    cap_ms = self._queue_cap_ms(now, scale, reserve_ms) if req.knobs is None else None
+                    decided_ms = budget_left_ms if cap_ms is None else min(budget_left_ms, cap_ms - reserve_ms)
+                    controller_budget_ms = decided_ms / scale  # in the controller's units
                     choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)
                 with self.timer.segment("preprocess", stages):
@@ -283,7 +315,8 @@ class Engine:
         prompt_tokens = int(inputs.input_ids.shape[1])
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
-                                     budget_left_ms=budget_left_ms, reserve_ms=reserve_ms, latency_scale=scale,
+                                     budget_left_ms=budget_left_ms, queue_cap_ms=cap_ms, reserve_ms=reserve_ms,
+                                     latency_scale=scale,
                                      decided_by=choice.decided_by, latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      stages=stages) if record else {}
@@ -294,7 +327,8 @@ class Engine:
             raise Cancelled
 
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
-                budget_left_ms: float | None = None, reserve_ms: float | None = None,
+                budget_left_ms: float | None = None, queue_cap_ms: float | None = None,
+                reserve_ms: float | None = None,
                 latency_scale: float | None = None,
                 knobs: dict[str, int] | None = None, decided_by: str | None = None,
                 latency: dict[str, float | None] | None = None, num_crops: int | None = None,
@@ -313,6 +347,7 @@ class Engine:
             "controller_phase": decider.phase if decider else "request",
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
             "waited_ms": waited_ms, "reserve_ms": reserve_ms, "budget_left_ms": budget_left_ms,
+            "queue_cap_ms": queue_cap_ms,
             "latency_scale": latency_scale,
             "decided_by": decided_by,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},

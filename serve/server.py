@@ -34,7 +34,7 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
                          quantile=config.latency_scale_quantile)
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
                     default_budget_ms=config.default_budget_ms, threads=config.threads,
-                    request_log=RequestLog(workspace), latency_scale=scale)
+                    request_log=RequestLog(workspace), latency_scale=scale, queue_aware=config.queue_aware)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)
     log(f"controller {decider.controller_run} ({decider.phase}); default budget {engine.default_budget_ms:.1f} ms; "

@@ -708,3 +708,45 @@ def test_warm_up_runs_each_crops_choice_fastest_and_slowest_and_seeds_the_scale(
     assert warmup_configs(plain) == [(1, 8, 16), (2, 8, 16)]
     assert warm_up(plain, max_tokens=2) == 2 and plain.latency_scale.source == "none"
     plain.stop()
+
+
+def test_queue_cap_leaves_each_waiting_request_room_for_the_cheapest_configuration():
+    from serve.engine import queue_cap_ms
+
+    assert queue_cap_ms([], 30.0) is None
+    # one waiting with 100 ms left: this one may take 100 - 30 = 70 ms
+    assert queue_cap_ms([100.0], 30.0) == 70.0
+    # the second waits for the first too: 150 - 2 x 30 = 90; the tighter first one decides
+    assert queue_cap_ms([100.0, 150.0], 30.0) == 70.0
+    assert queue_cap_ms([200.0, 110.0], 30.0) == 50.0
+    # a waiting request that misses even when this one is the cheapest caps nothing (40 - 30 < 30)
+    assert queue_cap_ms([40.0], 30.0) is None
+    assert queue_cap_ms([40.0, 130.0], 30.0) == 70.0
+
+
+def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded_runtime, tmp_path):
+    """Two requests wait behind the one deciding; the controller's budget leaves them room."""
+    from serve.calibration import LatencyScale
+    from serve.engine import new_job
+    from serve.protocol import ChatRequest
+
+    decider = RecordingDecider({(2, 2, 3): 10.0, (1, 2, 3): 8.0})  # cheapest reference: 8 ms
+    engine = in_process_engine(embedded_runtime, decider, tmp_path, LatencyScale(decider.reference_latency_ms,
+                                                                                 fixed=2.0))
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+    now = time.perf_counter()
+    for budget in (300.0, 100.0):  # queued, never started (the worker thread is not running)
+        engine.submit(new_job(ChatRequest("embedded", "What color?", image, 2, budget), engine, now,
+                              datetime.now(UTC), 0.0))
+    row = engine.execute(new_job(ChatRequest("embedded", "What color?", image, 2, 900.0), engine, now,
+                                 datetime.now(UTC), 0.0)).record
+    # cheapest served = 8 x 2 + reserve (0: nothing served before); the second waiting: 100 - 2 x 16 = 68
+    # (less the few ms since the jobs arrived), below the first's 300 - 16 and this request's own 900
+    assert row["reserve_ms"] == 0.0
+    assert 60.0 < row["queue_cap_ms"] <= 68.0
+    assert decider.budgets[0] == pytest.approx(row["queue_cap_ms"] / 2.0)
+    assert row["budget_left_ms"] > 800.0  # its own budget, uncapped, is still recorded
+    engine.queue_aware = False
+    second = serve_once(engine)
+    assert second["queue_cap_ms"] is None and decider.budgets[1] == pytest.approx(second["budget_left_ms"] / 2.0)
+    engine.stop()
