@@ -78,7 +78,7 @@ class TestbedRecipe:
     router_init_gain: float | None = 0.5
     #: rank of a trained low-rank update of every expert weight (0: the experts keep the seeded
     #: weights). Low rank keeps what ships small (``testbed.shipped``) while the experts learn
-    #: the task's hard part; merged into the weights at the end (:func:`testbed.train.merge_low_rank`)
+    #: the task's hard part; merged into the weights at the end (``testbed.lowrank.merge_low_rank``)
     expert_lora_rank: int = 4
     #: parts left at their starting values in the main phase: ``embeddings``, ``lm_head``,
     #: ``attention_values`` (v_proj, o_proj), ``vision`` (after its pretraining). With the linear
@@ -108,6 +108,15 @@ class TestbedRecipe:
     #: intra-op threads (part of the recipe: float sums depend on it). One thread is also the
     #: fastest on a shared 2-core machine: OpenMP workers spin-wait when the cores are oversubscribed
     threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.train_experts and self.expert_lora_rank:
+            msg = ("train_experts and expert_lora_rank exclude each other: the low-rank update trains on "
+                   "fixed expert weights (set expert_lora_rank=0 to train the experts whole)")
+            raise ValueError(msg)
+        if self.expert_lora_rank < 0:
+            msg = f"expert_lora_rank must be >= 0, got {self.expert_lora_rank}"
+            raise ValueError(msg)
 
     @property
     def vision_peak_lr(self) -> float:

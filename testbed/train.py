@@ -1,23 +1,25 @@
 """Train the embedded model on the testbed task (CPU, minutes, deterministic) and evaluate its knob trade-off.
 
-Recipe (``TestbedRecipe``): start from ``write_embedded_model(seed=base_seed)`` (same architecture,
-tokenizer and directory format as the embedded default), set fixed periodic filters in the ViT's
-patch embedding (``vision_init``), train the vision path alone with a temporary answer head
-(``vision_pretrain_steps``, :func:`pretrain_vision`), then AdamW (vision path at ``vision_lr``) on the teacher-forced
-next-token loss of the answer tokens (answer + EOS) after ``runtime.format_prompt(question)``,
-the image going through ``runtime.preprocess``. The experts keep the seeded weights unless
-``train_experts``, and the trained parameters end rounded to float16 values
-(:func:`round_trained_parameters`), so that the result ships compactly (``testbed.shipped``).
-Every optimizer step draws one knob setting for its whole batch, so that the model degrades
-gracefully under the knobs:
+Recipe (``TestbedRecipe``): start from ``write_embedded_model(seed=base_seed, pool=image_pool)``
+(the embedded default's architecture, tokenizer and directory format; ``image_pool`` sets the image
+tokens per crop), rescale the routers (``router_init_gain``), set fixed periodic filters in the
+ViT's patch embedding (``vision_init``), train the vision path alone with a temporary answer head
+(``vision_pretrain_steps``, :func:`pretrain_vision`), then AdamW (vision path at ``vision_lr``) on
+the teacher-forced next-token loss of the answer tokens (answer + EOS) after
+``runtime.format_prompt(question)``, the image going through ``runtime.preprocess``. The parts in
+``frozen`` keep their starting values (:func:`frozen_modules`); the experts keep the seeded weights
+plus, with ``expert_lora_rank``, a trained low-rank update (``testbed.lowrank``), or train whole
+with ``train_experts``. The trained parameters and update factors end rounded to float16 values
+(:func:`round_trained_parameters`, ``merge_low_rank_updates``), so that the result ships compactly
+(``testbed.shipped``). Every optimizer step draws one knob setting for its whole batch:
 
 * ``max_crops`` from ``crops_choices`` (the preprocessing of that step),
 * the MoE top-K of every layer from ``top_k_choices`` (``layer.mlp.gate.top_k``),
 * the number of active blocks n from ``min_blocks..16``, the blocks being
-  ``runtime.blocks_for(n)`` (the importance rule used at inference; block 0 always runs), i.e.
-  LayerSkip-style random depth restricted to the subsets inference uses. With probability
-  ``full_prob``, and always during the first ``full_warmup`` share of the steps (a curriculum),
-  the step runs the full model instead (the largest top-K, all blocks).
+  ``runtime.blocks_for(n)`` (the importance rule used at inference; block 0 always runs). With
+  probability ``full_prob``, and always during the first ``full_warmup`` share of the steps, the
+  step runs the full model instead (the largest top-K, all blocks). The default recipe draws one
+  top-K and 16 blocks only: trained at one setting, the model pays for a lower one at inference.
 
 The experts run through transformers' ``grouped_mm`` implementation (its CPU fallback has an
 autograd formula; checked against ``eager``). Deterministic for a config: one seeded

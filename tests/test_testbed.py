@@ -214,6 +214,10 @@ def test_training_changes_the_weights(tiny_models, tmp_path):
 
 
 def test_recipe_parts_and_frozen_modules_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="train_experts and expert_lora_rank exclude each other"):
+        TestbedRecipe(train_experts=True)  # the default rank is 4
+    with pytest.raises(ValueError, match="expert_lora_rank must be >= 0, got -1"):
+        TestbedRecipe(expert_lora_rank=-1)
     from runtime.embedded import EmbeddedRuntime
     from runtime.embedded_model import write_embedded_model
     from testbed.train import frozen_modules
