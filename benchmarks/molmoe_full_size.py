@@ -26,7 +26,6 @@ and tokenizer. Needs ~15 GB of disk and ~16 GiB of free memory.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -40,34 +39,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from molmoe_common import (  # noqa: E402  (beside this script)
+    GIB,
+    ChildFailed,
+    child_env,
+    ctrl_measured,
+    last_json,
+    run_child,
+    stage_reference_files,
+    write_checkpoint,
+)
+
 DEFAULT_OUT = ROOT / "benchmarks" / ".cache" / "molmoe-1b-random-bf16"
-GIB = float(1 << 30)
 SEED = 0
-
-LOAD_SCRIPT = r"""
-import json, sys, time
-from pathlib import Path
-import safetensors, transformers  # imported before the timer: not the load's cost
-from runtime import ModelLoadError
-from runtime.molmoe import MolmoERuntime
-
-def status(key):
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
-
-before = status("VmRSS")
-started = time.perf_counter()
-try:
-    runtime = MolmoERuntime(sys.argv[1], dtype=sys.argv[2])
-except ModelLoadError as exc:
-    print(json.dumps({"refused": str(exc), "seconds": time.perf_counter() - started}))
-    sys.exit(0)
-seconds = time.perf_counter() - started
-weights = sum(p.numel() * p.element_size() for m in (runtime.vision_backbone, runtime.decoder) for p in m.parameters())
-print(json.dumps({"seconds": seconds, "weights_bytes": weights, "rss_before_bytes": before,
-                  "peak_rss_bytes": status("VmHWM"), "rss_after_bytes": status("VmRSS"),
-                  "fingerprint": runtime.fingerprint}))
-"""
 
 
 def reference_files() -> Path:
@@ -77,52 +61,33 @@ def reference_files() -> Path:
     ref = reference_dir()
     if ref is None:
         sys.exit("the MolmoE reference (../shared/molmoe_reference or $CTRL_MOLMOE_REFERENCE) is needed")
-    staged = ROOT / "benchmarks" / ".cache" / "molmoe-1b-config"
-    staged.mkdir(parents=True, exist_ok=True)
-    for source in [*(ref / "origin/configs/tokenizer").iterdir(), *(ref / "origin/configs/model").iterdir()]:
-        shutil.copyfile(source, staged / source.name)
-    return staged
+    return stage_reference_files(ref, ROOT / "benchmarks" / ".cache" / "molmoe-1b-config")
 
 
 def step_write(out: Path, results: dict) -> None:
-    import torch
-
-    from synthetic.molmoe_checkpoint import write_random_checkpoint
-
     source = reference_files()
     config = json.loads((source / "config.json").read_text())
-    stamp = hashlib.sha256(json.dumps([config, SEED, "bf16", 5_000_000_000]).encode()).hexdigest()[:16]
-    if (out / ".stamp").is_file() and (out / ".stamp").read_text() == stamp:
+    written = write_checkpoint(out, config, source, seed=SEED)
+    if written["reused"]:
         print(f"write: {out} is there")
         return
-    started = time.perf_counter()
-    last = [0.0]
-
-    def progress(done: int, total: int) -> None:
-        if time.perf_counter() - last[0] > 10 or done == total:
-            last[0] = time.perf_counter()
-            print(f"  wrote {done / 1e9:.1f} of {total / 1e9:.1f} GB", flush=True)
-
-    write_random_checkpoint(out, config, source, dtype=torch.bfloat16, seed=SEED, progress=progress)
-    (out / ".stamp").write_text(stamp)
-    files = sorted(p.name for p in out.glob("*.safetensors"))
-    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    results["write"] = {"seconds": time.perf_counter() - started, "files": files, "bytes": size}
-    print(f"write: {len(files)} shards, {size / 1e9:.2f} GB in {results['write']['seconds']:.0f}s")
+    results["write"] = {k: written[k] for k in ("seconds", "files", "bytes")}
+    print(f"write: {len(written['files'])} shards, {written['bytes'] / 1e9:.2f} GB in {written['seconds']:.0f}s")
 
 
-def run_python(script: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=ROOT)
-    if out.returncode != 0:
-        sys.exit(f"failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def load_measured(out: Path, dtype: str) -> dict:
+    try:
+        done = run_child([sys.executable, ROOT / "benchmarks" / "molmoe_common.py", "load", out, dtype],
+                         env=child_env(), what=f"load {dtype}")
+    except ChildFailed as exc:
+        sys.exit(f"failed:\n{exc}")
+    return last_json(done.output)
 
 
 def step_load(out: Path, results: dict) -> None:
-    first = run_python(LOAD_SCRIPT, str(out), "bfloat16")
-    second = run_python(LOAD_SCRIPT, str(out), "bfloat16")  # the fingerprint is known now, the pages cached
-    refused = run_python(LOAD_SCRIPT, str(out), "float32")
+    first = load_measured(out, "bfloat16")
+    second = load_measured(out, "bfloat16")  # the fingerprint is known now, the pages cached
+    refused = load_measured(out, "float32")
     results["load"] = {"bfloat16_first": first, "bfloat16_again": second, "float32": refused}
     for label, r in (("first load", first), ("second load", second)):
         print(f"load ({label}): {r['seconds']:.1f}s, peak RSS {r['peak_rss_bytes'] / GIB:.2f} GiB "
@@ -175,33 +140,14 @@ def step_knobs(out: Path, results: dict, max_new_tokens: int) -> None:
     results["knobs"] = {"threads": torch.get_num_threads(), "max_new_tokens": max_new_tokens, "requests": rows}
 
 
-CTRL_SCRIPT = r"""
-import atexit, os, sys
-from pathlib import Path
-
-def peak():  # the process's own high-water mark, written where the caller reads it
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-    Path(os.environ["PEAK_FILE"]).write_text(str(int(line.split()[1]) * 1024))
-
-atexit.register(peak)
-sys.argv = ["ctrl", *sys.argv[1:]]
-from cli import app
-app()
-"""
-
-
-def ctrl_measured(*args: str) -> dict:
-    """``ctrl ARGS`` in a child process: wall time, its peak resident memory, its last lines of output."""
-    peak_file = ROOT / "benchmarks" / ".cache" / f"peak-{os.getpid()}"
-    started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CTRL_SCRIPT, *args], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "PEAK_FILE": str(peak_file)})
-    seconds = time.perf_counter() - started
-    if out.returncode != 0:
-        sys.exit(f"ctrl {' '.join(args)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    peak = int(peak_file.read_text())
-    peak_file.unlink()
-    return {"seconds": seconds, "peak_rss_bytes": peak, "stdout": out.stdout.strip().splitlines()[-3:]}
+def ctrl_run(*args: str) -> dict:
+    """``ctrl ARGS`` measured (molmoe_common.ctrl_measured); a failure ends the benchmark with its output."""
+    try:
+        measured = ctrl_measured(*args)
+    except ChildFailed as exc:
+        sys.exit(str(exc))
+    measured.pop("output")
+    return measured
 
 
 def step_cli(out: Path, results: dict) -> None:
@@ -212,16 +158,16 @@ def step_cli(out: Path, results: dict) -> None:
     dataset, ws = work / "dataset", work / "ws"
     generate_dataset(dataset, num_samples=2, seed=11)
     # the workspace's two samples come from a quick profile of the embedded model
-    ctrl_measured("profile", "--model", "embedded", "--dataset", str(dataset), "--configs", "2/8/16",
-                  "--max-new-tokens", "2", "--out", str(work / "embedded-profile"))
-    ctrl_measured("ingest", str(work / "embedded-profile"), "-w", str(ws))
-    features = ctrl_measured("extract-features", "--model", str(out), "--dtype", "bfloat16", "--images",
-                             str(dataset / "images"), "-w", str(ws), "--batch-size", "2")
+    ctrl_run("profile", "--model", "embedded", "--dataset", str(dataset), "--configs", "2/8/16",
+             "--max-new-tokens", "2", "--out", str(work / "embedded-profile"))
+    ctrl_run("ingest", str(work / "embedded-profile"), "-w", str(ws))
+    features = ctrl_run("extract-features", "--model", str(out), "--dtype", "bfloat16", "--images",
+                        str(dataset / "images"), "-w", str(ws), "--batch-size", "2")
     print(f"cli: extract-features (2 samples): {features['seconds']:.0f}s, peak RSS "
           f"{features['peak_rss_bytes'] / GIB:.2f} GiB: {features['stdout'][-1]}")
-    profile = ctrl_measured("profile", "--model", str(out), "--dtype", "bfloat16", "--dataset", str(dataset),
-                            "--num-samples", "1", "--configs", "2/8/16,2/1/8", "--max-new-tokens", "8",
-                            "--out", str(work / "profile"))
+    profile = ctrl_run("profile", "--model", str(out), "--dtype", "bfloat16", "--dataset", str(dataset),
+                       "--num-samples", "1", "--configs", "2/8/16,2/1/8", "--max-new-tokens", "8",
+                       "--out", str(work / "profile"))
     print(f"cli: profile (1 sample x 2 configurations): {profile['seconds']:.0f}s, peak RSS "
           f"{profile['peak_rss_bytes'] / GIB:.2f} GiB: {profile['stdout'][-1]}")
     records = []

@@ -9,6 +9,11 @@ source directory. Each tensor is drawn from its own seeded generator and written
 is drawn, so memory stays at one tensor whatever the model's size: the real MolmoE-1B config
 gives a 14.4 GB bfloat16 checkpoint on a machine that could not hold it twice.
 
+The values are drawn on the CPU by default: the same arguments give the same bytes on every
+machine. ``draw_device="cuda"`` draws them with a CUDA generator instead (7.2 B normal values take
+a GPU well under a second, a CPU core minutes): the same arguments then give the same bytes on
+the same GPU model and torch version, but not the CPU's values.
+
 The weights are scaled like a trained network, not like the tiny reference checkpoints (whose
 gains make every knob matter and every rounding explode): matrices with std 1/sqrt(fan_in), the
 residual branches' output projections further by 1/sqrt(2 * layers) (GPT-2's initialisation),
@@ -49,12 +54,13 @@ def checkpoint_tensors(arch: MolmoEArchitecture) -> dict[str, tuple[int, ...]]:
 
 def random_tensor(name: str, shape: tuple[int, ...], arch: MolmoEArchitecture,
                   generator: torch.Generator) -> torch.Tensor:
-    """One tensor's float32 values by the rule of the module docstring."""
+    """One tensor's float32 values by the rule of the module docstring, on the generator's device."""
+    device = generator.device
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
     if len(shape) == 1 and name.endswith(".weight"):
-        return torch.ones(shape)  # every 1-D weight of MolmoE is a norm scale
-    values = torch.randn(shape, generator=generator)
+        return torch.ones(shape, device=device)  # every 1-D weight of MolmoE is a norm scale
+    values = torch.randn(shape, generator=generator, device=device)
     if any(name.endswith(t) for t in _TABLES):
         return values
     std = 1.0 / math.sqrt(shape[-1])
@@ -92,12 +98,15 @@ def _header(names: list[str], tensors: dict[str, tuple[int, ...]], dtype: torch.
 
 def write_random_checkpoint(out: Path, config: dict, source_dir: Path, *, dtype: torch.dtype = torch.bfloat16,
                             seed: int = 0, max_shard_bytes: int = 5_000_000_000,
-                            progress: Callable[[int, int], None] | None = None) -> Path:
+                            progress: Callable[[int, int], None] | None = None,
+                            draw_device: str | torch.device = "cpu") -> Path:
     """Write a random-weight checkpoint of ``config`` (a MolmoE ``config.json`` mapping) to ``out``.
 
     ``source_dir`` supplies the tokenizer and the other configs (:data:`CHECKPOINT_FILES`).
     The directory appears complete or not at all (written beside it, then renamed). Same
     arguments, same bytes. ``progress(bytes_written, total_bytes)`` after every tensor.
+    ``draw_device``: where the values are drawn (see the module docstring); the file is the same
+    layout either way.
     """
     arch = MolmoEArchitecture.from_config(config)
     tensors = checkpoint_tensors(arch)
@@ -117,8 +126,8 @@ def write_random_checkpoint(out: Path, config: dict, source_dir: Path, *, dtype:
             with (tmp / file).open("wb") as fh:
                 fh.write(_header(shard, tensors, dtype))
                 for name in shard:
-                    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-                    values = random_tensor(name, tensors[name], arch, generator).to(dtype)
+                    generator = torch.Generator(device=draw_device).manual_seed(seed * 1_000_003 + index)
+                    values = random_tensor(name, tensors[name], arch, generator).to(dtype).cpu()
                     fh.write(memoryview(values.reshape(-1).view(torch.uint8).numpy()))
                     written += values.numel() * dtype.itemsize
                     index += 1
