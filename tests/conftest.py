@@ -44,10 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: test files by their share of the suite's time, longest first (measured on two workers)
-LONGEST_FIRST = ("test_online.py", "test_molmoe_native.py", "test_export.py", "test_behaviour_commands.py",
-                 "test_trainer_cli.py", "test_trainer_policy.py", "test_molmoe_commands.py", "test_features.py",
-                 "test_model_runtime.py", "test_testbed.py", "test_faults.py", "test_sample_data.py",
-                 "test_profile.py", "test_molmoe_processor.py", "test_trainer_data.py", "test_ingest.py")
+LONGEST_FIRST = ("test_gpu_check.py", "test_online.py", "test_molmoe_native.py", "test_export.py",
+                 "test_behaviour_commands.py", "test_trainer_cli.py", "test_trainer_policy.py",
+                 "test_molmoe_commands.py", "test_features.py", "test_model_runtime.py", "test_testbed.py",
+                 "test_faults.py", "test_sample_data.py", "test_profile.py", "test_molmoe_processor.py",
+                 "test_trainer_data.py", "test_ingest.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
