@@ -653,12 +653,16 @@ def serve(
         "latency_scale_quantile"))] = _serve_default("latency_scale_quantile"),
     queue_aware: Annotated[bool, typer.Option("--queue-aware/--no-queue-aware", help=_serve_help(
         "queue_aware"))] = _serve_default("queue_aware"),
+    met_target: Annotated[float, typer.Option("--met-target", help=_serve_help("met_target"))] = _serve_default(
+        "met_target"),
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", help=_serve_help(
         "default_max_tokens"))] = _serve_default("default_max_tokens"),
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", help=_serve_help(
         "max_tokens_limit"))] = _serve_default("max_tokens_limit"),
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help=_serve_help(
         "max_body_bytes"))] = _serve_default("max_body_bytes"),
+    max_prompt_chars: Annotated[int, typer.Option("--max-prompt-chars", help=_serve_help(
+        "max_prompt_chars"))] = _serve_default("max_prompt_chars"),
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", help=_serve_help(
         "max_image_pixels"))] = _serve_default("max_image_pixels"),
     local_images: Annotated[Path | None, typer.Option("--local-images", help=_serve_help("local_images"),
@@ -680,9 +684,11 @@ def serve(
                              allow_remote=allow_remote, api_key=api_key, device=device, dtype=dtype.value,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
-                             queue_aware=queue_aware, default_max_tokens=default_max_tokens,
+                             queue_aware=queue_aware, met_target=met_target,
+                             default_max_tokens=default_max_tokens,
                              max_tokens_limit=max_tokens_limit,
-                             max_body_bytes=max_body_bytes, max_image_pixels=max_image_pixels,
+                             max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                             max_image_pixels=max_image_pixels,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup)
         run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
 

@@ -82,16 +82,45 @@ def load_json(path: Path, data: bytes) -> Any:
     with NaN/Infinity (which orjson rejects) go through the stdlib parser, which sees every key.
     """
     try:
+        return loads_unique_keys(data)
+    except RepeatedKeyError as e:
+        msg = (f"duplicate key {e.key!r}: an object names it twice, and which value is meant is "
+               "ambiguous (fix the file, keeping one)")
+        raise IngestError(path, msg) from None
+    except (ValueError, RecursionError) as e:
+        raise IngestError(path, f"invalid JSON: {e}" if isinstance(e, orjson.JSONDecodeError) else "invalid JSON"
+                          ) from None
+
+
+class RepeatedKeyError(ValueError):
+    """A JSON object names ``key`` twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def loads_unique_keys(data: bytes) -> Any:
+    """The JSON value of ``data``, refusing an object that names a key twice (:class:`RepeatedKeyError`).
+
+    Other failures: ``orjson.JSONDecodeError`` (a ``ValueError``) where both parsers refuse the
+    text, ``RecursionError`` where orjson read it and the stdlib parser, asked to find a repeated
+    key, cannot go as deep. NaN and Infinity literals are accepted (through the stdlib parser).
+    """
+    try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as fast_err:
-        return _load_json_checking_keys(path, data, f"invalid JSON: {fast_err}")
+        try:
+            return json.loads(data, object_pairs_hook=_refuse_repeated_keys)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise fast_err from None
     if b"\\u003" not in data:
         try:
             if data.count(b":") == orjson.dumps(doc).count(b":"):
                 return doc
         except orjson.JSONEncodeError:
             pass
-    return _load_json_checking_keys(path, data, "invalid JSON")
+    return json.loads(data, object_pairs_hook=_refuse_repeated_keys)
 
 
 def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -100,25 +129,9 @@ def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _RepeatedKey(key)
+                raise RepeatedKeyError(key)
             seen.add(key)
     return obj
-
-
-class _RepeatedKey(Exception):
-    pass
-
-
-def _load_json_checking_keys(path: Path, data: bytes, invalid: str) -> Any:
-    try:
-        return json.loads(data, object_pairs_hook=_refuse_repeated_keys)
-    except _RepeatedKey as e:
-        key = e.args[0]
-        msg = (f"duplicate key {key!r}: an object names it twice, and which value is meant is "
-               "ambiguous (fix the file, keeping one)")
-        raise IngestError(path, msg) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise IngestError(path, invalid) from None
 
 
 def parse_file(path: Path, data: bytes) -> ParsedFile:

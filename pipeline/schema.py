@@ -457,8 +457,11 @@ REQUESTS = TableSchema(
                                    "queue-aware-budgets); null when nothing capped it", "ms"),
         Column("latency_scale", _D, "this machine's model time per ms of the controller's training latencies "
                                     "(docs/serving.md#latency-calibration): both stages read min(budget_left_ms, "
-                                    "queue_cap_ms - reserve_ms) / latency_scale"),
-        Column("decided_by", _S, "controller | table (the run's table fallback) | request (fixed knobs)"),
+                                    "queue_cap_ms - reserve_ms) x budget_margin / latency_scale"),
+        Column("budget_margin", _D, "the share of the budget left the controller read, kept so that --met-target "
+                                    "of requests meet their budget (docs/serving.md#met-target); 1 for fixed knobs"),
+        Column("decided_by", _S, "controller | table (the run's table fallback) | cheapest (the budget read was "
+                                 "below every configuration's reference latency) | request (fixed knobs)"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
         Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),

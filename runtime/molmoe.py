@@ -100,6 +100,11 @@ def check_checkpoint_dir(path: Path) -> None:
         msg = (f"{config}: not a MolmoE config (expected Molmo's d_model, n_layers, moe_num_experts and "
                "vision_backbone); the directory is neither an embedded model nor a MolmoE checkpoint")
         raise ModelLoadError(msg)
+    odd = sorted(p.name for pattern in ("*.safetensors", "pytorch_model*.bin", "*.json") for p in path.glob(pattern)
+                 if not p.is_file())
+    if odd:  # reading a FIFO would wait forever, a directory fails late
+        msg = f"{path}: {', '.join(odd)}: not a regular file (a FIFO, socket, device or directory)"
+        raise ModelLoadError(msg)
     missing = []
     if not any(any(path.glob(p)) for p in ("*.safetensors", "pytorch_model*.bin")):
         missing.append("weights (*.safetensors or pytorch_model*.bin)")
@@ -132,6 +137,9 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.arch, _ = read_architecture(self.path)
+        # before any module exists: a config.json whose sizes cannot fit is refused in a moment
+        check_fits(str(self.path), lambda dtype: self.arch.parameters_at_least() * dtype.itemsize, self.dtype,
+                   self.device)
         self.tokenizer = load_molmo_tokenizer(self.path)
         self.image_config = MolmoImageConfig.from_dir(self.path)
         self._check_geometry()

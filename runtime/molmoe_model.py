@@ -24,6 +24,7 @@ by :meth:`MolmoEArchitecture.from_config` with the field's name, rather than run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,6 +69,23 @@ _REQUIRED: dict[str, tuple[tuple[Any, ...], str]] = {
     "image_projector": (("mlp",), "the SwiGLU image projector"),
     "image_padding_embed": (("pad_and_partial_pad", None, ""), "the padding embeddings"),
 }
+
+
+_ABSENT = object()
+
+
+def _integer(cfg: Mapping[str, Any], key: str, default: Any = _ABSENT) -> Any:
+    """``cfg[key]`` as a JSON integer (``default`` when absent or null); a string, a fraction or a
+    boolean is refused rather than converted, so a typo cannot become a size."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"{key} must be an integer, got {value!r}"
+        raise ValueError(msg)
+    return value
 
 
 @dataclass(frozen=True)
@@ -135,25 +153,25 @@ class MolmoEArchitecture:
             msg = f"{source}: vision_backbone.image_model_type={vb.get('image_model_type')!r} is not supported"
             raise ModelLoadError(msg)
         try:
-            d_model, n_heads = int(cfg["d_model"]), int(cfg["n_heads"])
-            n_kv = int(cfg.get("n_kv_heads") or n_heads)
-            mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4)) * d_model
+            d_model, n_heads = _integer(cfg, "d_model"), _integer(cfg, "n_heads")
+            n_kv = _integer(cfg, "n_kv_heads", n_heads)
+            mlp = _integer(cfg, "mlp_hidden_size", _integer(cfg, "mlp_ratio", 4) * d_model)
             crop = vb.get("image_default_input_size", [336, 336])
             arch = cls(
-                d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv, n_layers=int(cfg["n_layers"]),
-                num_experts=int(cfg["moe_num_experts"]), top_k=int(cfg["moe_top_k"]), expert_hidden=int(mlp) // 2,
-                vocab_size=int(cfg.get("embedding_size") or cfg["vocab_size"]),
-                additional_vocab_size=int(cfg.get("additional_vocab_size") or 0),
+                d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv, n_layers=_integer(cfg, "n_layers"),
+                num_experts=_integer(cfg, "moe_num_experts"), top_k=_integer(cfg, "moe_top_k"), expert_hidden=mlp // 2,
+                vocab_size=_integer(cfg, "embedding_size", None) or _integer(cfg, "vocab_size"),
+                additional_vocab_size=_integer(cfg, "additional_vocab_size", 0),
                 layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings") or cfg.get("max_sequence_length")
-                                            or 4096),
-                vit_width=int(vb["image_emb_dim"]), vit_heads=int(vb["image_num_heads"]),
-                vit_kv_heads=int(vb.get("image_num_key_value_heads") or vb["image_num_heads"]),
-                vit_head_dim=int(vb["image_head_dim"]), vit_mlp_dim=int(vb["image_mlp_dim"]),
-                vit_layers_total=int(vb["image_num_layers"]), vit_norm_eps=float(vb.get("image_norm_eps", 1e-5)),
-                vit_num_pos=int(vb.get("image_num_pos", 577)), patch_px=int(vb.get("image_patch_size", 14)),
+                max_position_embeddings=_integer(cfg, "max_position_embeddings", None)
+                or _integer(cfg, "max_sequence_length", 4096),
+                vit_width=_integer(vb, "image_emb_dim"), vit_heads=_integer(vb, "image_num_heads"),
+                vit_kv_heads=_integer(vb, "image_num_key_value_heads", None) or _integer(vb, "image_num_heads"),
+                vit_head_dim=_integer(vb, "image_head_dim"), vit_mlp_dim=_integer(vb, "image_mlp_dim"),
+                vit_layers_total=_integer(vb, "image_num_layers"), vit_norm_eps=float(vb.get("image_norm_eps", 1e-5)),
+                vit_num_pos=_integer(vb, "image_num_pos", 577), patch_px=_integer(vb, "image_patch_size", 14),
                 crop_px=int(crop[0]), vit_layers=tuple(int(i) for i in (cfg.get("vit_layers") or [-1])),
-                pool_h=int(cfg.get("image_pooling_h", 2)), pool_w=int(cfg.get("image_pooling_w", 2)),
+                pool_h=_integer(cfg, "image_pooling_h", 2), pool_w=_integer(cfg, "image_pooling_w", 2),
                 pad_embed=bool(cfg.get("image_padding_embed")), float32_attention=bool(cfg.get("float32_attention",
                                                                                              True)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -162,8 +180,27 @@ class MolmoEArchitecture:
         arch._check(source)
         return arch
 
+    def parameters_at_least(self) -> int:
+        """A lower bound on the checkpoint's parameter count, from the sizes alone (expert and
+        attention matrices, the input embedding, the ViT's matrices): what the memory check reads
+        before any module is built, so that a config with absurd sizes is refused at once."""
+        head_dim = self.d_model // self.n_heads
+        attention = self.d_model * (self.n_heads + 2 * self.n_kv_heads) * head_dim + self.d_model * self.d_model
+        experts = self.num_experts * 3 * self.d_model * self.expert_hidden
+        vit_attention = self.vit_width * (self.vit_heads + 2 * self.vit_kv_heads) * self.vit_head_dim * 2
+        vit = self.vit_layers_total * (vit_attention + 2 * self.vit_width * self.vit_mlp_dim)
+        return (self.n_layers * (attention + experts) + (self.vocab_size + self.additional_vocab_size) * self.d_model
+                + vit)
+
     def _check(self, source: str) -> None:
         problems = []
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), int) and not isinstance(getattr(self, f.name), bool)}
+        not_positive = [f"{name}={value}" for name, value in sizes.items()
+                        if value < (0 if name == "additional_vocab_size" else 1)]
+        if not_positive:
+            msg = f"{source}: MolmoE sizes must be positive: {', '.join(not_positive)}"
+            raise ModelLoadError(msg)
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             problems.append(f"d_model {self.d_model} / n_heads {self.n_heads} / n_kv_heads {self.n_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:

@@ -19,24 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine import Engine, Overloaded, Result, new_job
-from serve.protocol import Limits, RequestError, parse_chat_request
+from serve.engine import LATENCY_PARTS, Engine, Overloaded, Result, new_job
+from serve.protocol import Limits, RequestError, parse_chat_request, parse_json_body
 
 #: how often a waiting handler checks whether its client is still connected
 DISCONNECT_POLL_S = 0.05
+#: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)
+DECODE_SLOTS = 2
 
 
 def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None) -> FastAPI:
@@ -53,6 +54,11 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
 
     app = FastAPI(title="ctrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
+
+    def parse_bounded(data: Any) -> Any:
+        with decode_slots:  # decoded images are what a burst of requests holds in memory
+            return parse_chat_request(data, limits)
 
     def error(exc: RequestError) -> JSONResponse:
         if exc.status != 503:
@@ -90,6 +96,7 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
                  "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
                  "latency_scale_source": engine.latency_scale.source,
+                 "budget_margin": engine.budget_margin.value, "met_target": engine.budget_margin.target,
                  "overhead_reserve_ms": engine.overhead_reserve_ms()}
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
                                             "owned_by": "ctrl", "ctrl": about}]}
@@ -104,14 +111,9 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
         authorize(request)
         body = await _read_body(request, max_body_bytes)
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            try:  # NaN and Infinity literals: parsed, so that the field's own check names the value
-                data = json.loads(body)
-            except ValueError:
-                raise RequestError(400, f"the request body is not valid JSON ({exc})", None, "invalid_json") from None
-        chat = await run_in_threadpool(parse_chat_request, data, limits)  # image decoding off the event loop
+        engine.check_room()  # a full queue refuses before the image is decoded, not after
+        data = await run_in_threadpool(parse_json_body, body)
+        chat = await run_in_threadpool(parse_bounded, data)  # image decoding off the event loop
         if chat.model != engine.model_name:
             raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
                                     f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
@@ -161,7 +163,7 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
             "decided_by": row.get("decided_by"), "controller_run": row.get("controller_run"),
             "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
             "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
-            "latency_ms": {k[len("latency_"):-len("_ms")]: v for k, v in row.items()
-                           if k.startswith("latency_") and k.endswith("_ms")},
+            "budget_margin": row.get("budget_margin"),
+            "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
         },
     }

@@ -86,3 +86,55 @@ class LatencyScale:
             return 1.0
         # the sorted ratio at rank floor(quantile * n), without interpolation
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+
+#: how far one request moves the budget margin (log scale, per unit of met - target)
+MARGIN_STEP = 0.1
+#: the budget margin's range: at most this much tighter / looser than the budget left
+MARGIN_BOUNDS = (0.2, 1.5)
+
+
+class BudgetMargin:
+    """The share of the budget left that the controller reads, adjusted on the requests served so
+    that a ``target`` share of them is answered within budget.
+
+    The controller's latencies and the latency scale describe one request on a free model; what
+    a request takes on a loaded server also depends on the queue and on everything the latency
+    scale's median does not see. Instead of modelling that, the margin tracks the outcome the
+    budget is about: after each request the controller decided, ``log(margin)`` moves by
+    ``step * (met - target)``: down by ``step * target`` after a miss, up by
+    ``step * (1 - target)`` after a request within budget. Its fixed point is the margin at which
+    a ``target`` share meets (a stochastic-approximation quantile tracker): under load it falls, the
+    controller picks cheaper configurations and the queue shortens; where the controller is more
+    careful than it needs to be it rises above 1. ``target`` None pins the margin at 1.
+    """
+
+    def __init__(self, target: float | None, *, step: float = MARGIN_STEP,
+                 bounds: tuple[float, float] = MARGIN_BOUNDS) -> None:
+        if target is not None and not (math.isfinite(target) and 0.0 < target < 1.0):
+            msg = f"the met target must be in (0, 1), got {target!r}"
+            raise ValueError(msg)
+        if not (math.isfinite(step) and step > 0):
+            msg = f"the margin step must be a positive number, got {step!r}"
+            raise ValueError(msg)
+        low, high = bounds
+        if not 0 < low <= 1.0 <= high:
+            msg = f"the margin bounds must hold 1 and be positive, got {bounds!r}"
+            raise ValueError(msg)
+        self.target, self.step, self.bounds = target, float(step), (float(low), float(high))
+        self._log = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> float:
+        return math.exp(self._log)
+
+    def observe(self, met: bool) -> float:
+        """Record whether one controller-decided request was answered within its budget; the new margin."""
+        if self.target is None:
+            return 1.0
+        low, high = self.bounds
+        with self._lock:
+            moved = self._log + self.step * (float(met) - self.target)
+            self._log = min(math.log(high), max(math.log(low), moved))
+            return math.exp(self._log)

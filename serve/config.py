@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,18 @@ class ServeConfig:
     queue_aware: bool = field(default=True, metadata=_help(
         "Cap the budget the controller reads by what the requests waiting behind a request still need to meet "
         "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets)."))
+    met_target: float = field(default=0.95, metadata=_help(
+        "The share of controller-decided requests to answer within their budget: the budget the controller reads "
+        "is multiplied by a margin that falls after each request that missed and rises after each that met, so "
+        "that this share is met under the server's own load (0 turns the margin off; docs/serving.md#met-target)."))
     default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
     max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(
-        "The largest request body accepted, in bytes (413 above)."))
+        "The largest request body accepted, in bytes (413 above); also the largest image file read from "
+        "--local-images."))
+    max_prompt_chars: int = field(default=8000, metadata=_help(
+        "The most characters of question text a request may send (400 above): the prefill's time grows "
+        "with the prompt, quadratically, and holds the one model thread."))
     max_image_pixels: int = field(default=25_000_000, metadata=_help(
         "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
     local_images: Path | None = field(default=None, metadata=_help(
@@ -85,7 +94,8 @@ class ServeConfig:
         if self.dtype not in DTYPES:
             msg = f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             raise ValueError(msg)
-        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_body_bytes", "max_image_pixels"):
+        for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_body_bytes", "max_prompt_chars",
+                     "max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
@@ -110,9 +120,19 @@ class ServeConfig:
         if not (math.isfinite(self.latency_scale_quantile) and 0 <= self.latency_scale_quantile <= 1):
             msg = f"--latency-scale-quantile must be in [0, 1], got {self.latency_scale_quantile!r}"
             raise ValueError(msg)
+        if not (math.isfinite(self.met_target) and 0 <= self.met_target < 1):
+            msg = f"--met-target must be in [0, 1) (0: no margin), got {self.met_target!r}"
+            raise ValueError(msg)
         if not self.allow_remote and not is_loopback(self.host):
             msg = (f"--host {self.host!r} is not a loopback address: the server would answer other machines\n"
                    "Hint: add --allow-remote (and --api-key) to serve on the network, or bind to 127.0.0.1.")
+            raise ValueError(msg)
+        if not is_loopback(self.host) and self.api_key is None:
+            msg = (f"--host {self.host!r} without --api-key would let anyone who reaches this machine use the model: "
+                   "set --api-key (or CTRL_API_KEY)")
+            raise ValueError(msg)
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            msg = f"--device must be cpu, cuda or cuda:N, got {self.device!r}"
             raise ValueError(msg)
         if self.local_images is not None and not Path(self.local_images).is_dir():
             msg = f"--local-images {str(self.local_images)!r} is not a directory"

@@ -43,7 +43,7 @@ class Stage1Choice:
     max_crops: int
     insertion_position: int  # decoder blocks 0..p-1 run before stage 2 (0: stage 2 before block 0)
     budget_token: torch.Tensor | None
-    decided_by: str  # controller | table | request
+    decided_by: str  # controller | table | cheapest | request
     state: Any = None  # what the decider's stage 2 reuses
 
 
@@ -166,6 +166,29 @@ class FixedKnobs:
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.knobs["top_k"], self.knobs["num_active_blocks"]
+
+
+class CheapestConfig:
+    """The configuration with the smallest reference latency, for a budget below all of them: no
+    configuration is expected to fit, so the request takes the one that misses by the least. The
+    controller is never asked: below its training range its choices are extrapolation."""
+
+    phase = "offline"
+
+    def __init__(self, decider: Decider) -> None:
+        reference = decider.reference_latency_ms
+        self.config = min(reference, key=lambda c: (reference[c], c))
+        self.controller_run = decider.controller_run
+        self.max_crops_values = (self.config[0],)
+        self.budget_range_ms = decider.budget_range_ms
+        self.reference_latency_ms = reference
+        self.below_ms = reference[self.config]
+
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+        return Stage1Choice(self.config[0], 0, None, "cheapest")
+
+    def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
+        return self.config[1], self.config[2]
 
 
 def reference_latencies(deployed: Any) -> dict[tuple[int, int, int], float]:

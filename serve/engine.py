@@ -21,7 +21,12 @@ Stage 1 and stage 2 read the budget left: the request's budget less the time spe
 less a reserve for the parts after stage 1 that the controller's latencies (profiled vision,
 prefill and decode) do not include (:meth:`Engine.overhead_reserve_ms`), divided by the latency
 scale (:mod:`serve.calibration`): this machine's model time per millisecond of the controller's
-training latencies, measured on the requests served.
+training latencies, measured on the requests served. Under load they read less: the budget
+left is capped so that the requests waiting behind can still meet theirs (:func:`queue_cap_ms`)
+and multiplied by a margin kept on the outcomes, so that a target share of requests meets its
+budget (:class:`serve.calibration.BudgetMargin`). Where what is left is below every
+configuration's reference latency, the request takes the fastest configuration without asking
+the controller (:class:`serve.deciders.CheapestConfig`).
 
 ``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
 the response's serialisation and transfer. A cancelled request (its client disconnected)
@@ -48,14 +53,16 @@ from PIL import Image
 from runtime import ModelRuntime
 from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
-from serve.calibration import LatencyScale
-from serve.deciders import Decider, FixedKnobs, Stage2Inputs
+from serve.calibration import BudgetMargin, LatencyScale
+from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
 from serve.request_log import RequestLog
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
 MAX_CROPS_LIMIT = 15
+#: the measured parts of a request (request-log columns ``latency_<part>_ms``, the reply's ``ctrl.latency_ms``)
+LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
 
 
 def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | None:
@@ -100,7 +107,9 @@ class Job:
 
         def deliver() -> None:
             if self.future is not None and not self.future.done():
-                if isinstance(outcome, BaseException):
+                if self.cancelled.is_set():  # its handler has answered 499 and left: no one would read an exception
+                    self.future.cancel()
+                elif isinstance(outcome, BaseException):
                     self.future.set_exception(outcome)
                 else:
                     self.future.set_result(outcome)
@@ -135,7 +144,7 @@ class Engine:
     def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
-                 queue_aware: bool = True) -> None:
+                 queue_aware: bool = True, budget_margin: BudgetMargin | None = None) -> None:
         self.runtime, self.decider = runtime, decider
         self.queue_aware = bool(queue_aware)
         self.model_name = model_name
@@ -147,6 +156,9 @@ class Engine:
         self.metrics = metrics if metrics is not None else ServeMetrics()
         self.latency_scale = latency_scale if latency_scale is not None else LatencyScale(
             decider.reference_latency_ms)
+        self.budget_margin = budget_margin if budget_margin is not None else BudgetMargin(None)
+        # below every configuration's reference latency the controller would extrapolate
+        self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._pending = 0  # waiting + running
@@ -203,6 +215,14 @@ class Engine:
             return request.budget_ms, "request"
         return self.default_budget_ms, "default"
 
+    def check_room(self) -> None:
+        """Raise :class:`Overloaded` when the queue is full now (before a request's image is decoded)."""
+        with self._lock:
+            pending = self._pending
+        if pending >= self.max_queue + 1:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise Overloaded(self._retry_after(pending))
+
     def submit(self, job: Job) -> None:
         """Queue a job or raise :class:`Overloaded` when ``max_queue`` requests already wait."""
         with self._lock:
@@ -226,15 +246,17 @@ class Engine:
                 if job is None:
                     return
                 started = time.perf_counter()
+                outcome: Result | BaseException
                 try:
-                    job.finish(self.execute(job))
+                    outcome = self.execute(job)
                 except BaseException as exc:  # every failure goes back to its request, the worker lives on
-                    job.finish(exc)
-                finally:
+                    outcome = exc
+                finally:  # the slot is free before the answer leaves: a client's next request finds room
                     self._service_s.append(time.perf_counter() - started)
                     with self._lock:
                         self._pending -= 1
                         self.metrics.queue_length.set(self._pending)
+                job.finish(outcome)
 
     def execute(self, job: Job, *, record: bool = True) -> Result:
         """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
@@ -257,7 +279,10 @@ class Engine:
                     scale = self.latency_scale.value
                     cap_ms = self._queue_cap_ms(now, scale, reserve_ms) if req.knobs is None else None
                     decided_ms = budget_left_ms if cap_ms is None else min(budget_left_ms, cap_ms - reserve_ms)
-                    controller_budget_ms = decided_ms / scale  # in the controller's units
+                    margin = self.budget_margin.value if req.knobs is None else 1.0
+                    controller_budget_ms = decided_ms * margin / scale  # in the controller's units
+                    if req.knobs is None and self.cheapest and controller_budget_ms < self.cheapest.below_ms:
+                        decider = self.cheapest
                     choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)
                 with self.timer.segment("preprocess", stages):
@@ -316,7 +341,7 @@ class Engine:
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
                                      budget_left_ms=budget_left_ms, queue_cap_ms=cap_ms, reserve_ms=reserve_ms,
-                                     latency_scale=scale,
+                                     latency_scale=scale, budget_margin=margin,
                                      decided_by=choice.decided_by, latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      stages=stages) if record else {}
@@ -329,7 +354,7 @@ class Engine:
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
                 budget_left_ms: float | None = None, queue_cap_ms: float | None = None,
                 reserve_ms: float | None = None,
-                latency_scale: float | None = None,
+                latency_scale: float | None = None, budget_margin: float | None = None,
                 knobs: dict[str, int] | None = None, decided_by: str | None = None,
                 latency: dict[str, float | None] | None = None, num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
@@ -348,17 +373,17 @@ class Engine:
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
             "waited_ms": waited_ms, "reserve_ms": reserve_ms, "budget_left_ms": budget_left_ms,
             "queue_cap_ms": queue_cap_ms,
-            "latency_scale": latency_scale,
+            "latency_scale": latency_scale, "budget_margin": budget_margin,
             "decided_by": decided_by,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
-            **{f"latency_{k}_ms": latency.get(k) for k in
-               ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model",
-                "total")},
+            **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},
             "met": met, "answer": answer, "error": error,
         }
         if job.request_id.startswith("warmup-"):
             return row
+        if status == "ok" and decider is not None and met is not None:
+            self.budget_margin.observe(met)
         if self.log is not None and not self.log.append(row):
             self.metrics.log_failures.inc()
         self.metrics.observe(row)

@@ -8,6 +8,8 @@ ctrl_stage_latency_seconds{stage}      histogram per stage: parse, queue, stage1
 ctrl_queue_length                      requests waiting or running
 ctrl_latency_scale                     model time per ms of the controller's training latencies, as the
                                        last request read it
+ctrl_budget_margin                     the share of the budget left the controller read
+                                       (docs/serving.md#met-target), as the last request read it
 ctrl_overhead_reserve_seconds          the reserve for work outside the profiled path, as the last
                                        request read it
 ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
@@ -40,6 +42,8 @@ class ServeMetrics:
         self.queue_length = Gauge("ctrl_queue_length", "Requests waiting or running", registry=self.registry)
         self.latency_scale = Gauge("ctrl_latency_scale", "Model time per ms of the controller's training "
                                    "latencies (budgets are divided by it)", registry=self.registry)
+        self.budget_margin = Gauge("ctrl_budget_margin", "Share of the budget left the controller reads "
+                                   "(the met target's margin)", registry=self.registry)
         self.reserve = Gauge("ctrl_overhead_reserve_seconds", "Reserve for the work outside the profiled path",
                              registry=self.registry)
         self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
@@ -55,6 +59,8 @@ class ServeMetrics:
         self.latency.observe(row["latency_total_ms"] / 1000.0)
         if row.get("latency_scale") is not None:
             self.latency_scale.set(row["latency_scale"])
+        if row.get("budget_margin") is not None:
+            self.budget_margin.set(row["budget_margin"])
         if row.get("reserve_ms") is not None:
             self.reserve.set(row["reserve_ms"] / 1000.0)
         for stage in STAGES:

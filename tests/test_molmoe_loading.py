@@ -262,3 +262,32 @@ def test_a_gpu_profile_record_names_its_dtype(tiny_molmoe_dir, tmp_path):
     block = json.loads(rank_file.read_text())["config"]["ctrl_profile"]
     assert block["device"] == "cuda" and block["dtype"] in ("bfloat16", "float16")
     assert block["model_fingerprint"] == report.model_fingerprint
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("n_layers", 1_000_000, "the weights need"),  # refused by the memory check, before any module is built
+    ("moe_num_experts", 1_000_000, "the weights need"),
+    ("d_model", 1_000_000_000, "the weights need"),
+    ("d_model", -32, "MolmoE sizes must be positive: d_model=-32"),
+    ("d_model", "32", "d_model must be an integer, got '32'"),
+    ("n_layers", 32.5, "n_layers must be an integer, got 32.5"),
+])
+def test_a_config_with_impossible_sizes_is_refused_before_the_model_is_built(tiny_molmoe_dir, tmp_path, field,
+                                                                               value, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_molmoe_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):
+        MolmoERuntime(broken)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_among_the_weights_is_refused_without_reading_it(tiny_molmoe_dir, tmp_path):
+    broken = tmp_path / "fifo"
+    shutil.copytree(tiny_molmoe_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    os.mkfifo(broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.safetensors: not a regular file"):
+        MolmoERuntime(broken)

@@ -12,6 +12,7 @@ import base64
 import http.client
 import io
 import json
+import math
 import os
 import signal
 import socket
@@ -293,6 +294,22 @@ BAD_CASES = {
     "system prompt": (json.dumps({"model": "embedded", "messages": [{"role": "system", "content": "Be brief."},
                                                                     {"role": "user", "content": "What?"}]}).encode(),
                       400, "exactly one user message"),
+    "a key named twice": (b'{"model": "embedded", "messages": [{"role": "system", "content": "Be brief."}], '
+                          b'"messages": [{"role": "user", "content": "What?"}]}', 400,
+                          "names 'messages' twice in one object"),
+    "a budget beyond any float": (b'{"model": "embedded", "messages": [{"role": "user", "content": "What?"}], '
+                                  b'"latency_budget_ms": 1' + b"0" * 400 + b"}", 400,
+                                  "`latency_budget_ms` must be a positive, finite number"),
+    "a temperature beyond any float": (b'{"model": "embedded", "messages": [{"role": "user", "content": "What?"}], '
+                                       b'"temperature": 1' + b"0" * 400 + b"}", 400, "`temperature` must be 0"),
+    "a lone surrogate": (b'{"model": "embedded", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+                         "not valid Unicode text: a lone surrogate"),
+    "nested 100,000 deep": (b'{"model": "embedded", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+                            "not valid JSON"),
+    "not UTF-8": (b'{"model": "embedded", "messages": [{"role": "user", "content": "\xff"}]}', 400,
+                  "not valid UTF-8 (byte 64"),
+    "a prompt over the limit": (chat_body("What? " * 1500), 400, "9,000 characters of text, more than the server's "
+                                                                 "limit of 8,000 (--max-prompt-chars)"),
 }
 
 
@@ -302,6 +319,7 @@ def test_bad_requests_get_one_clear_4xx_and_the_server_keeps_serving(server_a, c
     status, reply = request(server_a, "POST", "/v1/chat/completions", body)
     assert status == want_status, reply
     assert want_text in one_line_error(reply)
+    assert " object at 0x" not in one_line_error(reply)  # no Python object's repr in a message
     assert_serving(server_a)
 
 
@@ -638,19 +656,25 @@ def test_config_refuses_bad_values_with_one_line():
                          ({"api_key": " "}, "--api-key must not be empty"),
                          ({"latency_scale": 0.0}, "--latency-scale must be a positive number, got 0.0"),
                          ({"latency_scale": float("inf")}, "--latency-scale must be a positive number, got inf"),
-                         ({"latency_scale_quantile": 1.2}, r"--latency-scale-quantile must be in \[0, 1\], got 1.2")):
+                         ({"latency_scale_quantile": 1.2}, r"--latency-scale-quantile must be in \[0, 1\], got 1.2"),
+                         ({"met_target": 1.0}, r"--met-target must be in \[0, 1\) \(0: no margin\), got 1.0")):
         with pytest.raises(ValueError, match=text):
             ServeConfig(**kwargs)
-    assert ServeConfig(host="::1").host == "::1" and ServeConfig(host="10.1.2.3", allow_remote=True)
+    assert ServeConfig(host="::1").host == "::1" and ServeConfig(host="10.1.2.3", allow_remote=True, api_key="k")
+    with pytest.raises(ValueError, match="without --api-key would let anyone"):
+        ServeConfig(host="0.0.0.0", allow_remote=True)
+    with pytest.raises(ValueError, match="--device must be cpu, cuda or cuda:N, got 'tpu'"):
+        ServeConfig(device="tpu")
+    assert ServeConfig(device="cuda:1").device == "cuda:1"
 
 
-def in_process_engine(runtime, decider, tmp_path, scale=None):
+def in_process_engine(runtime, decider, tmp_path, scale=None, margin=None):
     from pipeline.workspace import Workspace
     from serve.engine import Engine
     from serve.request_log import RequestLog
 
     return Engine(runtime, decider, model_name="embedded", max_queue=1, default_budget_ms=None, threads=1,
-                  request_log=RequestLog(Workspace(tmp_path / "ws")), latency_scale=scale)
+                  request_log=RequestLog(Workspace(tmp_path / "ws")), latency_scale=scale, budget_margin=margin)
 
 
 def serve_once(engine, budget_ms: float = 900.0) -> dict:
@@ -692,6 +716,64 @@ def test_a_fixed_latency_scale_is_applied_and_never_measured(embedded_runtime, t
     engine.stop()
     assert [r["latency_scale"] for r in rows] == [2.0, 2.0] and engine.latency_scale.source == "fixed"
     assert decider.budgets == [pytest.approx(r["budget_left_ms"] / 2.0, rel=1e-12) for r in rows]
+
+
+def test_the_budget_margin_tracks_a_met_share():
+    import math
+
+    from serve.calibration import BudgetMargin
+
+    margin = BudgetMargin(0.9, step=0.1, bounds=(0.5, 1.2))
+    assert margin.value == 1.0
+    assert margin.observe(False) == pytest.approx(math.exp(-0.09))  # a miss: down by step x target
+    assert margin.observe(True) == pytest.approx(math.exp(-0.08))  # within budget: up by step x (1 - target)
+    for _ in range(100):
+        margin.observe(True)
+    assert margin.value == pytest.approx(1.2)  # held at the upper bound
+    for _ in range(100):
+        margin.observe(False)
+    assert margin.value == pytest.approx(0.5)
+    # misses at the target rate leave it where it was: 9 met and 1 missed per 10 requests
+    steady = BudgetMargin(0.9, step=0.1)
+    for _ in range(5):
+        for met in [True] * 9 + [False]:
+            steady.observe(met)
+    assert steady.value == pytest.approx(1.0)
+    off = BudgetMargin(None)
+    assert off.observe(False) == 1.0 and off.value == 1.0
+    for bad in (0.0, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="the met target must be in"):
+            BudgetMargin(bad)
+
+
+def test_a_missed_budget_shrinks_the_budget_the_controller_reads_next(embedded_runtime, tmp_path):
+    import math
+
+    from serve.calibration import BudgetMargin, LatencyScale
+
+    decider = RecordingDecider({(2, 2, 3): 10.0})
+    margin = BudgetMargin(0.95, step=0.1)
+    engine = in_process_engine(embedded_runtime, decider, tmp_path,
+                               LatencyScale(decider.reference_latency_ms, fixed=1.0), margin)
+    missed = serve_once(engine, 1.0)  # 1 ms: no request makes it
+    assert missed["met"] is False and missed["budget_margin"] == 1.0
+    met = serve_once(engine, 5000.0)
+    assert met["met"] is True and met["budget_margin"] == pytest.approx(math.exp(-0.095))
+    assert missed["decided_by"] == "cheapest" and met["decided_by"] == "controller"
+    assert decider.budgets == [pytest.approx(met["budget_left_ms"] * math.exp(-0.095), rel=1e-12)]
+    fixed = engine.execute(new_fixed_job(engine)).record  # fixed knobs: neither read nor moved
+    assert fixed["budget_margin"] == 1.0
+    assert margin.value == pytest.approx(math.exp(-0.095 + 0.005))
+    engine.stop()
+
+
+def new_fixed_job(engine):
+    from serve.engine import new_job
+    from serve.protocol import ChatRequest
+
+    request_ = ChatRequest("embedded", "What color?", Image.new("RGB", (640, 320), (200, 20, 20)), 2, 1.0,
+                           knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3})
+    return new_job(request_, engine, time.perf_counter(), datetime.now(UTC), 0.0)
 
 
 def test_warm_up_runs_each_crops_choice_fastest_and_slowest_and_seeds_the_scale(embedded_runtime, tmp_path):
@@ -749,4 +831,111 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
     engine.queue_aware = False
     second = serve_once(engine)
     assert second["queue_cap_ms"] is None and decider.budgets[1] == pytest.approx(second["budget_left_ms"] / 2.0)
+    engine.stop()
+
+
+def test_a_model_that_needs_an_image_refuses_a_question_without_one(embedded_runtime, tmp_path):
+    from runtime.embedded_model import RECIPE_FILE
+    from serve.protocol import Limits, RequestError, parse_chat_request
+
+    text_only = {"model": "testbed", "messages": [{"role": "user", "content": "What color is the background?"}]}
+    image_only = Limits(default_max_tokens=4, max_tokens_limit=8, max_image_pixels=10_000, image_required=True)
+    with pytest.raises(RequestError) as refused:
+        parse_chat_request(text_only, image_only)
+    assert refused.value.status == 400 and refused.value.param == "messages[0].content"
+    assert refused.value.code == "image_required" and "'testbed'" in str(refused.value)
+    uri = png_data_uri(Image.new("RGB", (32, 32), (0, 0, 200)))
+    with_image = {**text_only, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What color is the background?"}, {"type": "image_url", "image_url": {"url": uri}}]}]}
+    assert parse_chat_request(with_image, image_only).image is not None
+    anything = Limits(default_max_tokens=4, max_tokens_limit=8, max_image_pixels=10_000)
+    assert parse_chat_request(text_only, anything).image is None
+    # the embedded model answers text; a directory that records a testbed recipe is the trained testbed
+    assert embedded_runtime.answers_without_image is True
+    assert not (embedded_runtime.path / RECIPE_FILE).exists()
+
+
+def test_a_budget_below_every_reference_latency_takes_the_cheapest_configuration(embedded_runtime, tmp_path):
+    from serve.calibration import LatencyScale
+
+    decider = RecordingDecider({(2, 2, 3): 10.0, (1, 2, 3): 5.0, (1, 4, 4): 7.0})
+    engine = in_process_engine(embedded_runtime, decider, tmp_path,
+                               LatencyScale(decider.reference_latency_ms, fixed=2.0))
+    tight = serve_once(engine, 9.0)  # at most 9 ms left, read as 4.5 profile ms: under the cheapest 5 ms
+    assert tight["decided_by"] == "cheapest" and decider.budgets == []  # the controller was not asked
+    assert (tight["max_crops"], tight["top_k"], tight["num_active_blocks"]) == (1, 2, 3)
+    assert tight["controller_run"] == "recording"  # still the controller's request, not a fixed-knobs one
+    roomy = serve_once(engine, 900.0)
+    assert roomy["decided_by"] == "controller" and len(decider.budgets) == 1
+    engine.stop()
+
+
+def test_an_image_path_the_file_system_refuses_is_a_400_naming_the_field(tmp_path):
+    from serve.protocol import Limits, RequestError, load_image
+
+    limits = Limits(default_max_tokens=4, max_tokens_limit=8, max_image_pixels=10_000, local_images=tmp_path,
+                    max_image_file_bytes=100)
+    (tmp_path / "big.png").write_bytes(b"\x89PNG" + b"0" * 200)
+    for path, text in ((str(tmp_path / "a\x00b.png"), "must not contain a NUL character"),
+                       (str(tmp_path / ("x" * 300 + ".png")), "cannot read the image file (File name too long)"),
+                       (str(tmp_path / "big.png"), "the image file has 204 bytes, more than the server's limit")):
+        with pytest.raises(RequestError) as refused:
+            load_image(path, limits, "messages[0].content[1].image_url.url")
+        assert refused.value.status == 400 and text in refused.value.message
+        assert refused.value.param == "messages[0].content[1].image_url.url"
+
+
+def test_a_taken_port_is_refused_before_the_model_loads():
+    from serve.server import check_port_free
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)  # any free port: nothing to check
+
+
+def test_a_repeated_key_is_named_by_the_shared_json_reader():
+    from pipeline.parse import RepeatedKeyError, loads_unique_keys
+
+    assert loads_unique_keys(b'{"a": {"b": 1, "c": 2}}') == {"a": {"b": 1, "c": 2}}
+    with pytest.raises(RepeatedKeyError) as repeated:
+        loads_unique_keys(b'{"a": {"b": 1, "b": 2}}')
+    assert repeated.value.key == "b"
+    assert math.isnan(loads_unique_keys(b'{"x": NaN}')["x"])  # the stdlib parser's literal, accepted
+
+
+def test_a_left_requests_outcome_is_not_left_as_an_exception_no_one_reads():
+    import asyncio
+
+    from serve.engine import Cancelled, Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [Job(None, 1.0, "request", 0.0, datetime.now(UTC), 0.0, 0) for _ in range(2)]
+        for job in jobs:
+            job.loop, job.future = loop, loop.create_future()
+        jobs[0].cancelled.set()  # its client went away: the handler answered 499 and returned
+        for job in jobs:
+            job.finish(Cancelled())
+        loop.run_until_complete(asyncio.sleep(0))
+        assert jobs[0].future.cancelled()  # nothing for asyncio to report as "never retrieved"
+        assert isinstance(jobs[1].future.exception(), Cancelled)  # a waiting handler still gets the error
+    finally:
+        loop.close()
+
+
+def test_a_full_queue_refuses_before_the_body_is_parsed(embedded_runtime, tmp_path):
+    from serve.engine import Overloaded, new_job
+    from serve.protocol import ChatRequest
+
+    engine = in_process_engine(embedded_runtime, RecordingDecider(), tmp_path)  # max_queue 1, no worker
+    engine.check_room()
+    for _ in range(2):  # one running, one waiting
+        engine.submit(new_job(ChatRequest("embedded", "What?", None, 2, 100.0), engine, time.perf_counter(),
+                              datetime.now(UTC), 0.0))
+    with pytest.raises(Overloaded):
+        engine.check_room()
     engine.stop()
