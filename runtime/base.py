@@ -218,6 +218,9 @@ class ModelRuntime(ABC):
     fingerprint: str
     #: the dtype the weights are held in (``runtime.precision``)
     dtype: torch.dtype = torch.float32
+    #: whether a question without an image gets a meaningful answer (False for a model trained on image
+    #: questions only: the testbed); ``ctrl serve`` refuses image-less requests to such a model
+    answers_without_image: bool = True
     num_layers: int
     num_experts: int
     default_top_k: int

@@ -27,6 +27,7 @@ from runtime.embedded_model import (
     CLIP_MEAN,
     CLIP_STD,
     MARKER_FILE,
+    RECIPE_FILE,
     EmbeddedSpec,
     ImageProjector,
     VisionBackbone,
@@ -83,6 +84,8 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
 
         self._init_decoder(self.decoder)
         self.fingerprint = qualify_fingerprint(directory_fingerprint(self.path), self.dtype)
+        # a trained testbed has only seen questions about an image: without one it answers noise
+        self.answers_without_image = not (self.path / RECIPE_FILE).is_file()
         if not all(isinstance(getattr(layer.mlp.gate, "top_k", None), int) for layer in self._all_layers):
             # transformers < 5 keeps top_k on the MoE block and a plain Linear as gate
             msg = "the embedded runtime needs transformers >= 5 (OLMoE router with a top_k)"

@@ -67,6 +67,8 @@ EMBEDDED_FORMAT = "ctrl-embedded-vlm"
 #: bump when the build recipe changes: it names the cache directory and enters the fingerprint
 EMBEDDED_VERSION = 1
 MARKER_FILE = "ctrl_embedded.json"
+#: the file in a trained testbed directory that records its recipe and training log
+RECIPE_FILE = "testbed.json"
 
 PAD_TOKEN, EOS_TOKEN = "<pad>", "<|endoftext|>"
 IMAGE_PATCH_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN = "<im_patch>", "<im_start>", "<im_end>"

@@ -26,15 +26,18 @@ from pipeline import knobs
 from runtime.base import ModelLoadError, ModelRuntime
 from runtime.cache import default_cache_root
 from runtime.embedded import EmbeddedRuntime
-from runtime.embedded_model import EMBEDDED_VERSION, build_embedded_model, directory_fingerprint, is_embedded_dir
+from runtime.embedded_model import (
+    EMBEDDED_VERSION,
+    build_embedded_model,
+    directory_fingerprint,
+    is_embedded_dir,
+)
 from runtime.hub import is_hub_id, resolve_hub_id
 from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint
 from runtime.precision import qualify_fingerprint, resolve_dtype
 
 #: bump when the testbed training code changes in a way the recipe fields do not capture
 TESTBED_VERSION = 5
-#: the file in a trained testbed directory that records its recipe and training log
-RECIPE_FILE = "testbed.json"
 
 
 @dataclass(frozen=True)

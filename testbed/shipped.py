@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from runtime.embedded import EmbeddedRuntime
-from runtime.embedded_model import EmbeddedSpec, save_embedded_model, write_embedded_model
-from runtime.registry import RECIPE_FILE
+from runtime.embedded_model import RECIPE_FILE, EmbeddedSpec, save_embedded_model, write_embedded_model
 from testbed.lowrank import LORA_FILE, apply_low_rank_factors
 
 SHIPPED_FORMAT = "ctrl-testbed-weights"

@@ -52,8 +52,14 @@ from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALAN
 from runtime import load_runtime
 from runtime.cache import cache_tmp_dir
 from runtime.embedded import EmbeddedRuntime
-from runtime.embedded_model import ROUTER_INIT_GAIN, publish_model_dir, save_embedded_model, write_embedded_model
-from runtime.registry import RECIPE_FILE, TESTBED_VERSION, TestbedRecipe, cached_testbed_dir, testbed_model_dir
+from runtime.embedded_model import (
+    RECIPE_FILE,
+    ROUTER_INIT_GAIN,
+    publish_model_dir,
+    save_embedded_model,
+    write_embedded_model,
+)
+from runtime.registry import TESTBED_VERSION, TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from runtime.scoring import score_answer
 from testbed.dataset import VqaDataset, read_dataset
 from testbed.lowrank import LORA_FILE, add_low_rank_updates, merge_low_rank_updates

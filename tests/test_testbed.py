@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from runtime.registry import RECIPE_FILE, TestbedRecipe, cached_testbed_dir, testbed_model_dir
+from runtime.embedded_model import RECIPE_FILE
+from runtime.registry import TestbedRecipe, cached_testbed_dir, testbed_model_dir
 from testbed.dataset import read_dataset
 from testbed.lowrank import LORA_FILE
 from testbed.task import (
