@@ -16,7 +16,10 @@ data ingested, features extracted, ``ctrl train --offline --run-id RUN``. A fres
 cached under benchmarks/.cache) provides the requests: none of them was seen by the testbed model
 (seed 0), the profile (seed 2026) or the controller. A request is the question and the image as a
 data URI; the client knows its family and references and scores the answer with the dataset's metric.
-One ``ctrl serve --model testbed --controller RUN --threads 1`` subprocess serves every request.
+One ``ctrl serve --model testbed --controller RUN --threads 1`` subprocess serves the requests; it is
+started afresh before each run of a controller, so that the state the server keeps from the requests
+it served (the latency scale, the reserve, the met target's margin) comes from that run's own warm-up,
+not from the run before it at another budget or load.
 
 Phase "front" (empty queue). Every configuration of the action space (the 27 balanced ones) answers
 the same ``--front-requests`` requests (40), one request at a time, configurations interleaved (a
@@ -40,9 +43,13 @@ answered; latency runs from the scheduled time to the last byte; a 503 or an err
 wrong) once for each of:
 
 * "controller": the request's ``latency_budget_ms`` is the budget, no knobs (one run per budget), on a
-  server with its queue-aware budgets (docs/serving.md#queue-aware-budgets);
-* "controller (own budget)": the same on a server started with ``--no-queue-aware`` (the controller
-  reads each request's own budget left only): the runs of ``--no-queue-aware``, which runs nothing else;
+  server with its defaults: queue-aware budgets and the met target's margin
+  (docs/serving.md#queue-aware-budgets, docs/serving.md#met-target);
+* "controller (no margin)": the same on a server started with ``--met-target 0``: the runs of
+  ``--no-margin``, which runs nothing else;
+* "controller (own budget)": the same on a server started with ``--no-queue-aware --met-target 0``
+  (the controller reads each request's own budget left only): the runs of ``--no-queue-aware``,
+  which runs nothing else;
 * "family table": ``trainer.baselines.FamilyLookupTableDecider`` fitted on the run's training split
   (the split its fallback table was fitted on), told each request's family, fixed knobs per request
   (one run per budget): an upper reference, no server knows the family;
@@ -336,14 +343,26 @@ def free_port() -> int:
 class Server:
     """``ctrl serve`` in a subprocess (one model thread, as the profile was measured)."""
 
-    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int, queue_aware: bool = True) -> None:
+    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int, flags: Sequence[str] = ()) -> None:
+        self.ws, self.run_id, self.log_path, self.max_queue, self.flags = ws, run_id, log, max_queue, tuple(flags)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_bytes(b"")  # one log per benchmark process; restarts append to it
+        self._start()
+
+    def restart(self) -> None:
+        """A fresh process with the same options: nothing learned from earlier requests."""
+        self.stop()
+        self._start()
+
+    def _start(self) -> None:
+        log = self.log_path
         self.port = free_port()
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log.open("wb")
+        self.log = log.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", run_id, "-w", str(ws),
-             "--port", str(self.port), "--threads", "1", "--max-queue", str(max_queue),
-             "--queue-aware" if queue_aware else "--no-queue-aware"],
+            [sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", self.run_id, "-w",
+             str(self.ws), "--port", str(self.port), "--threads", "1", "--max-queue", str(self.max_queue),
+             *self.flags],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -392,6 +411,7 @@ class Outcome:
     model_ms: float | None = None  # ctrl.latency_ms.model: the generate the profile times
     scale: float | None = None
     decided_by: str | None = None
+    margin: float | None = None  # ctrl.budget_margin (None: a server without the met target)
 
     @property
     def latency_ms(self) -> float:
@@ -440,7 +460,8 @@ def send(port: int, body: bytes, t0: float, sched_s: float, request: BenchReques
         parts = [lat.get(k) for k in ("vision", "prefill", "decode")]
         model_ms = sum(parts) if all(p is not None for p in parts) else None
     return Outcome(200, sched_s, done, float(score), config_name([knobs[k] for k in KNOB_NAMES]) if knobs else None,
-                   lat.get("total"), model_ms, info.get("latency_scale"), info.get("decided_by"))
+                   lat.get("total"), model_ms, info.get("latency_scale"), info.get("decided_by"),
+                   info.get("budget_margin"))
 
 
 def run_back_to_back(port: int, dataset: str, items: Sequence[tuple[BenchRequest, float | None, Config | None]]
@@ -579,7 +600,8 @@ def read_runs(path: Path, settings_id: str) -> list[dict[str, Any]]:
 
 def outcomes_of(record: dict[str, Any]) -> list[Outcome]:
     columns = record["outcomes"]
-    return [Outcome(*values) for values in zip(*(columns[f] for f in OUTCOME_FIELDS))]
+    n = len(columns["status"])  # runs recorded before a field existed lack its column
+    return [Outcome(*values) for values in zip(*(columns.get(f, [None] * n) for f in OUTCOME_FIELDS))]
 
 
 def cell_stats(outs: Sequence[Outcome], budget_ms: float, warmup: int) -> dict[str, Any]:
@@ -601,7 +623,9 @@ def cell_stats(outs: Sequence[Outcome], budget_ms: float, warmup: int) -> dict[s
             "configs": dict(sorted(histogram.items(), key=lambda kv: -kv[1])),
             "decided_by": dict(Counter(o.decided_by for o in answered if o.decided_by)),
             # the scale the server divided the budgets by, as the replies report it
-            "scale_median": median_or_nan([o.scale for o in answered if o.scale is not None])}
+            "scale_median": median_or_nan([o.scale for o in answered if o.scale is not None]),
+            # the share of the budget left the controller read (the met target's margin)
+            "margin_median": median_or_nan([o.margin for o in answered if o.margin is not None])}
 
 
 def paired_stats(ctrl_outs: Sequence[Outcome], other: Sequence[Outcome], budget_ms: float, warmup: int, *,
@@ -658,7 +682,7 @@ def budgets_of(args: argparse.Namespace, front: dict[str, Any]) -> list[float]:
 def knobs_function(spec: RunSpec, tables: RunTables, scale: float, reserve_ms: float,
                    families: set[str]) -> Callable[[BenchRequest], Config | None]:
     """The knobs a run's requests fix (None: the controller decides)."""
-    if spec.decider in ("controller", OWN_BUDGET):
+    if spec.decider in CONTROLLERS:
         return lambda request: None
     if spec.decider == "oracle":
         return lambda request: oracle_knobs(request, spec.budget_ms or math.inf)
@@ -675,6 +699,7 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
                front: dict[str, Any], tables: RunTables, settings_id: str, calibration: dict[str, Any]) -> None:
     budgets = calibration["budgets_ms"]
     loads = [float(v) for v in args.loads.split(",")]
+    variant = variant_of(args)
     picks = calibration["p95_picks"]
     statics = list(dict.fromkeys([*front["front"], *picks.values()]))
     oracle = False
@@ -688,8 +713,8 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
                                                                                                     settings_id)}
     plan: list[tuple[float, RunSpec]] = []
     for load in loads:
-        if args.no_queue_aware:  # only the controller depends on the server's queue cap
-            specs = [RunSpec(OWN_BUDGET, b, None) for b in budgets]
+        if variant != "controller":  # only the controller depends on the server's options
+            specs = [RunSpec(variant, b, None) for b in budgets]
         else:
             specs = [RunSpec("controller", b, None) for b in budgets]
             specs += [RunSpec("family table", b, None) for b in budgets]
@@ -704,6 +729,8 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
           flush=True)
     scale, reserve = calibration["latency_scale"], calibration["reserve_ms"]
     for k, (load, spec) in enumerate(plan):
+        if spec.decider in CONTROLLERS:
+            server.restart()
         index, unit_arrivals = load_sequence(args.requests, load, args.seed, len(requests))
         rate = load * capacity
         sequence = [requests[int(i)] for i in index]
@@ -731,6 +758,12 @@ def phase_load(server: Server, args: argparse.Namespace, dataset: str, requests:
 
 #: the decider name of controller runs on a server that gives the controller each request's own budget
 OWN_BUDGET = "controller (own budget)"
+#: the decider name of controller runs on a server without the met target's margin (``--met-target 0``)
+NO_MARGIN = "controller (no margin)"
+CONTROLLERS = ("controller", NO_MARGIN, OWN_BUDGET)
+#: the server options of each controller variant
+SERVER_FLAGS = {"controller": (), NO_MARGIN: ("--met-target", "0"),
+                OWN_BUDGET: ("--no-queue-aware", "--met-target", "0")}
 
 
 def build_cells(records: list[dict[str, Any]], calibration: dict[str, Any], front: dict[str, Any],
@@ -752,6 +785,7 @@ def build_cells(records: list[dict[str, Any]], calibration: dict[str, Any], fron
             rows: list[tuple[str, str | None, dict[str, Any] | None]] = [
                 ("controller", None, ctrl_run),
                 # the same controller on a server without the queue cap (``--no-queue-aware``)
+                (NO_MARGIN, None, by_key.get((load, NO_MARGIN, budget, None))),
                 (OWN_BUDGET, None, by_key.get((load, OWN_BUDGET, budget, None))),
                 ("family table", None, by_key.get((load, "family table", budget, None))),
                 ("oracle", None, by_key.get((load, "oracle", budget, None))),
@@ -809,8 +843,13 @@ def check_targets(cells: list[dict[str, Any]], cheapest_ms: float, *, min_multip
     for c in (c for c in region if c["decider"] == "controller"):
         good = c["within"] >= within_target
         ok &= good
+        # what the static configurations reached at the same load and budget: the bar any decider faces
+        best = max((s for s in region if s["load"] == c["load"] and s["budget_ms"] == c["budget_ms"]
+                    and s["decider"].startswith("static")), key=lambda s: s["within"], default=None)
+        reach = "" if good or best is None else (f"; the best static configuration, {best['config']}, "
+                                                 f"{best['within']:.3f}")
         lines.append(f"{'PASS' if good else 'FAIL'} load {c['load']:g}, budget {c['budget_ms']:g} ms: controller "
-                     f"within budget {c['within']:.3f} (target >= {within_target})")
+                     f"within budget {c['within']:.3f} (target >= {within_target}){reach}")
     statics = [c for c in region if c["decider"].startswith("static") and "diff_correct" in c]
     for load, config in sorted({(c["load"], c["config"]) for c in statics}):
         ctrl_within = {c["budget_ms"]: c["within"] for c in region
@@ -882,7 +921,9 @@ def report(args: argparse.Namespace, settings_id: str, front: dict[str, Any], ca
         if c["decider"] in ("controller", "family table"):
             shown = ", ".join(f"{k}: {v}" for k, v in list(c["configs"].items())[:6])
             print(f"load {c['load']:g}, {c['budget_ms']:g} ms, {c['decider']}: {shown}"
-                  f"{'' if len(c['configs']) <= 6 else ', ...'}; decided by {c['decided_by']}")
+                  f"{'' if len(c['configs']) <= 6 else ', ...'}; decided by {c['decided_by']}"
+                  + ("" if math.isnan(c.get("margin_median", math.nan)) else
+                     f"; budget margin median {c['margin_median']:.2f}"))
     unsteady = sorted({(c["load"], c["decider"], c["config"] or c["budget_ms"]) for c in cells if not c["steady"]})
     if unsteady:
         print(f"not steady (the last tenth of the run held more than twice the second's requests): {unsteady}")
@@ -921,6 +962,14 @@ def load_settings_of(args: argparse.Namespace, front: dict[str, Any]) -> tuple[d
                        "budgets_ms", "budget_multiples", front=front["front"], cheapest_ms=front["cheapest_ms"])
 
 
+def variant_of(args: argparse.Namespace) -> str:
+    """The controller variant a run of these options measures (``controller`` runs every decider)."""
+    if args.no_queue_aware and args.no_margin:
+        msg = "--no-queue-aware and --no-margin are two runs: give one of them"
+        raise SystemExit(msg)
+    return OWN_BUDGET if args.no_queue_aware else NO_MARGIN if args.no_margin else "controller"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -945,7 +994,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="a run is not steady only if its last tenth also holds this many more requests")
     parser.add_argument("--oracle", action="store_true", help="the oracle decider (a hook: skipped)")
     parser.add_argument("--no-queue-aware", action="store_true",
-                        help=f"serve with --no-queue-aware and run only the controller, recorded as {OWN_BUDGET!r}")
+                        help=f"serve with --no-queue-aware --met-target 0 and run only the controller, recorded as "
+                             f"{OWN_BUDGET!r}")
+    parser.add_argument("--no-margin", action="store_true",
+                        help=f"serve with --met-target 0 and run only the controller, recorded as {NO_MARGIN!r}")
     parser.add_argument("--seed", type=int, default=0, help="request orders, arrivals, bootstrap")
     parser.add_argument("--out", type=Path, default=CACHE / "bench_serve.jsonl")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "serve_bench.png")
@@ -989,7 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tables = run_tables(args.workspace, args.run_id)
     profile = profile_by_config(args.workspace)
     server = Server(args.workspace, args.run_id, path_with(args.out, ".server.log"), args.max_queue,
-                    queue_aware=not args.no_queue_aware)
+                    SERVER_FLAGS[variant_of(args)])
     try:
         # warm the client's and the server's paths at the server's default budget
         pool = np.random.default_rng([args.seed, 6]).permutation(len(requests))[:10]

@@ -120,3 +120,7 @@ def test_check_targets(bench):
     cells[3].update(diff_correct=-8, diff_correct_ci=(-15, -1))  # below 0 beyond its interval at one budget
     ok, lines = bench.check_targets(cells, cheapest_ms=50.0)
     assert not ok and any(line.startswith("FAIL") and "2/8/12" in line for line in lines)
+    cells[0]["within"] = 0.90  # short of the target: the line says what the best static configuration reached
+    ok, lines = bench.check_targets(cells, cheapest_ms=50.0)
+    assert not ok and ("FAIL load 0.5, budget 100 ms: controller within budget 0.900 (target >= 0.95); the best "
+                       "static configuration, 2/8/12, 0.980") in lines
