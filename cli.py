@@ -638,6 +638,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help=_serve_help("host"))] = _serve_default("host"),
     port: Annotated[int, typer.Option("--port", help=_serve_help("port"))] = _serve_default("port"),
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help=_serve_help("allow_remote"))] = False,
+    auth_by_proxy: Annotated[bool, typer.Option("--auth-by-proxy", help=_serve_help("auth_by_proxy"))] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="CTRL_API_KEY", help=_serve_help("api_key"),
                                                 show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help=_serve_help("device"))] = _serve_default("device"),
@@ -681,7 +682,8 @@ def serve(
 
     with handled(also=(ValueError,)):
         config = ServeConfig(model=model, controller=controller, workspace=workspace, host=host, port=port,
-                             allow_remote=allow_remote, api_key=api_key, device=device, dtype=dtype.value,
+                             allow_remote=allow_remote, auth_by_proxy=auth_by_proxy,
+                             api_key=api_key, device=device, dtype=dtype.value,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
                              queue_aware=queue_aware, met_target=met_target,

@@ -107,7 +107,7 @@ def requests_view_ddl(log_glob: str) -> str:
 
 def _requests_glob(workspace: Workspace) -> str | None:
     directory = workspace.requests_dir
-    return duckdb_glob(directory, "*.jsonl") if any(directory.glob("*.jsonl")) else None
+    return duckdb_glob(directory, "*.jsonl") if any(p.is_file() for p in directory.glob("*.jsonl")) else None
 
 
 def _globbed_tables(workspace: Workspace) -> dict[str, tuple[Path, str]]:
@@ -306,7 +306,7 @@ def request_log_table(workspace: Workspace) -> pa.Table | None:
     torn tail after a crash) or hold no request are left out. None without any log."""
     import pyarrow as pa
 
-    files = sorted(workspace.requests_dir.glob("*.jsonl"))
+    files = sorted(p for p in workspace.requests_dir.glob("*.jsonl") if p.is_file())  # not a directory so named
     if not files:
         return None
     schema = REQUESTS.arrow_schema()

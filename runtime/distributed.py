@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import CtrlError
+from runtime.base import ModelLoadError
 
 __all__ = ["Dist", "RankFailedError", "current_dist", "init_distributed_from_env", "local_device"]
 
@@ -95,9 +96,15 @@ def current_dist() -> Dist:
 
 
 def local_device(device: str) -> str:
-    """This process's own GPU under torchrun: ``cuda`` becomes ``cuda:LOCAL_RANK``; anything else is kept."""
+    """This process's own GPU under torchrun: ``cuda`` becomes ``cuda:LOCAL_RANK``; anything else is
+    kept. A fixed ``cuda:N`` with several ranks is refused: every rank would share one GPU, which
+    nccl does not allow."""
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    if device.startswith("cuda:") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        msg = (f"--device {device} under torchrun with {os.environ['WORLD_SIZE']} ranks would put every rank on "
+               "one GPU: give --device cuda (each rank takes the GPU of its LOCAL_RANK)")
+        raise ModelLoadError(msg)
     return device
 
 

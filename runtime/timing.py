@@ -39,18 +39,21 @@ class Clock:
     """Marks on a timeline: perf_counter floats on CPU, recorded CUDA events on GPU."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def mark(self) -> object:
         if self.cuda:
+            # the model's own GPU's stream, not the current device's: cuda:1 in a process whose
+            # current device is cuda:0 would otherwise time an idle stream
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
     def synchronize(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def ms(self, start: object, end: object) -> float:
         """Milliseconds from ``start`` to ``end`` (call :meth:`synchronize` first on CUDA)."""

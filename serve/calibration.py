@@ -110,7 +110,7 @@ class BudgetMargin:
     """
 
     def __init__(self, target: float | None, *, step: float = MARGIN_STEP,
-                 bounds: tuple[float, float] = MARGIN_BOUNDS) -> None:
+                 bounds: tuple[float, float] = MARGIN_BOUNDS, initial: float = 1.0) -> None:
         if target is not None and not (math.isfinite(target) and 0.0 < target < 1.0):
             msg = f"the met target must be in (0, 1), got {target!r}"
             raise ValueError(msg)
@@ -121,8 +121,11 @@ class BudgetMargin:
         if not 0 < low <= 1.0 <= high:
             msg = f"the margin bounds must hold 1 and be positive, got {bounds!r}"
             raise ValueError(msg)
+        if not low <= initial <= high:
+            msg = f"the initial margin must be within the bounds {bounds!r}, got {initial!r}"
+            raise ValueError(msg)
         self.target, self.step, self.bounds = target, float(step), (float(low), float(high))
-        self._log = 0.0
+        self._log = math.log(initial)
         self._lock = threading.Lock()
 
     @property

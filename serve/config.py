@@ -45,6 +45,9 @@ class ServeConfig:
     port: int = field(default=8000, metadata=_help("TCP port to listen on (0 = any free port, printed at start)."))
     allow_remote: bool = field(default=False, metadata=_help(
         "Allow binding to a non-loopback address (then also set --api-key)."))
+    auth_by_proxy: bool = field(default=False, metadata=_help(
+        "Allow a non-loopback address without --api-key because an authenticating proxy in front of the server "
+        "checks every request."))
     api_key: str | None = field(default=None, metadata=_help(
         "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY)."))
     device: str = field(default="cpu", metadata=_help("cpu or cuda."))
@@ -127,9 +130,9 @@ class ServeConfig:
             msg = (f"--host {self.host!r} is not a loopback address: the server would answer other machines\n"
                    "Hint: add --allow-remote (and --api-key) to serve on the network, or bind to 127.0.0.1.")
             raise ValueError(msg)
-        if not is_loopback(self.host) and self.api_key is None:
+        if not is_loopback(self.host) and self.api_key is None and not self.auth_by_proxy:
             msg = (f"--host {self.host!r} without --api-key would let anyone who reaches this machine use the model: "
-                   "set --api-key (or CTRL_API_KEY)")
+                   "set --api-key (or CTRL_API_KEY), or --auth-by-proxy behind a proxy that checks every request")
             raise ValueError(msg)
         if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             msg = f"--device must be cpu, cuda or cuda:N, got {self.device!r}"

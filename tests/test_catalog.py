@@ -201,6 +201,7 @@ def test_the_requests_view_reads_clean_logs_and_skips_a_torn_or_foreign_line(sma
         '{"request_id": "b2", "status": "ok", "budget_ms": "fast"}\n'  # a line of other types
         '[1, 2]\n'
         '{"request_id": "b3", "sta')  # a torn tail
+    (ws.requests_dir / "c.jsonl").mkdir()  # a directory with a log's name is no log (and breaks no query)
     rows = run_query(ws, "SELECT request_id, status, budget_ms, strftime(time, '%Y-%m-%d %H:%M:%S.%f') AS t "
                          "FROM requests ORDER BY request_id").to_pylist()
     assert rows == [

@@ -371,3 +371,17 @@ def test_feature_devices_accepted_without_a_gpu(device):
     from features import FeatureConfig
 
     assert FeatureConfig(device=device, batch_size=4, chunk_size=4).device == device
+
+
+def test_each_torchrun_rank_takes_its_own_gpu(monkeypatch):
+    from runtime import ModelLoadError
+    from runtime.distributed import local_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert local_device("cuda") == "cuda" and local_device("cuda:1") == "cuda:1"  # one process: as given
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_device("cuda") == "cuda:1" and local_device("cpu") == "cpu"
+    with pytest.raises(ModelLoadError, match="--device cuda:0 under torchrun with 2 ranks would put every rank"):
+        local_device("cuda:0")

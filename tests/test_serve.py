@@ -663,6 +663,7 @@ def test_config_refuses_bad_values_with_one_line():
     assert ServeConfig(host="::1").host == "::1" and ServeConfig(host="10.1.2.3", allow_remote=True, api_key="k")
     with pytest.raises(ValueError, match="without --api-key would let anyone"):
         ServeConfig(host="0.0.0.0", allow_remote=True)
+    assert ServeConfig(host="0.0.0.0", allow_remote=True, auth_by_proxy=True).api_key is None
     with pytest.raises(ValueError, match="--device must be cpu, cuda or cuda:N, got 'tpu'"):
         ServeConfig(device="tpu")
     assert ServeConfig(device="cuda:1").device == "cuda:1"
@@ -938,4 +939,28 @@ def test_a_full_queue_refuses_before_the_body_is_parsed(embedded_runtime, tmp_pa
                               datetime.now(UTC), 0.0))
     with pytest.raises(Overloaded):
         engine.check_room()
+    engine.stop()
+
+
+def test_the_budget_a_served_request_reads_is_its_budget_less_the_time_spent_and_the_reserve(
+        embedded_runtime, tmp_path):
+    """Budget 900 ms, 100 ms spent before stage 1, a reserve of 50 ms (the p90 of the recorded
+    overheads), latency scale 2, margin 0.8: the controller reads (900 - 100 - 50) x 0.8 / 2 = 300 ms,
+    less the few ms stage 1 itself takes before it decides."""
+    from serve.calibration import BudgetMargin, LatencyScale
+    from serve.engine import new_job
+    from serve.protocol import ChatRequest
+
+    decider = RecordingDecider({(2, 2, 3): 10.0, (1, 2, 3): 5.0})
+    margin = BudgetMargin(0.95, initial=0.8)
+    engine = in_process_engine(embedded_runtime, decider, tmp_path,
+                               LatencyScale(decider.reference_latency_ms, fixed=2.0), margin)
+    engine._overheads.extend([10.0] * 5 + [50.0] * 5)  # p90 of ten: the tenth smallest but one, 50 ms
+    request_ = ChatRequest("embedded", "What color?", Image.new("RGB", (640, 320), (200, 20, 20)), 2, 900.0)
+    row = engine.execute(new_job(request_, engine, time.perf_counter() - 0.100, datetime.now(UTC), 0.0)).record
+    assert row["reserve_ms"] == 50.0 and row["latency_scale"] == 2.0 and row["budget_margin"] == pytest.approx(0.8)
+    stage1_ms = 15.0  # generous: stage 1 of the embedded model takes a few ms before the decision
+    assert 750.0 - stage1_ms < row["budget_left_ms"] <= 750.0
+    assert 300.0 - stage1_ms * 0.4 < decider.budgets[0] <= 300.0
+    assert decider.budgets[0] == pytest.approx(row["budget_left_ms"] * 0.8 / 2.0, rel=1e-12)
     engine.stop()
