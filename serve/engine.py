@@ -195,13 +195,13 @@ class Engine:
 
     def _queue_cap_ms(self, now: float, scale: float, reserve_ms: float) -> float | None:
         """:func:`queue_cap_ms` over the requests waiting now (None: nothing waits, or not queue-aware)."""
-        if not self.queue_aware or not self.latency_scale.reference_ms:
+        if not self.queue_aware or self.cheapest is None:
             return None
         with self._jobs.mutex:  # a snapshot: the handler threads append while this reads
             waiting = [j for j in self._jobs.queue if j is not None]
         if not waiting:
             return None
-        cheapest_ms = min(self.latency_scale.reference_ms.values()) * scale + reserve_ms
+        cheapest_ms = self.cheapest.below_ms * scale + reserve_ms
         left = [j.budget_ms - (now - j.arrival) * 1000.0 for j in waiting]
         return queue_cap_ms(left, cheapest_ms)
 
@@ -218,21 +218,22 @@ class Engine:
     def check_room(self) -> None:
         """Raise :class:`Overloaded` when the queue is full now (before a request's image is decoded)."""
         with self._lock:
-            pending = self._pending
-        if pending >= self.max_queue + 1:
-            self.metrics.requests.labels(status="rejected").inc()
-            raise Overloaded(self._retry_after(pending))
+            self._refuse_if_full()
 
     def submit(self, job: Job) -> None:
         """Queue a job or raise :class:`Overloaded` when ``max_queue`` requests already wait."""
         with self._lock:
-            if self._pending >= self.max_queue + 1:
-                self.metrics.requests.labels(status="rejected").inc()
-                raise Overloaded(self._retry_after(self._pending))
+            self._refuse_if_full()
             self._pending += 1
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
         self._jobs.put(job)
+
+    def _refuse_if_full(self) -> None:
+        """(under ``_lock``) :class:`Overloaded` when one request runs and ``max_queue`` wait."""
+        if self._pending >= self.max_queue + 1:
+            self.metrics.requests.labels(status="rejected").inc()
+            raise Overloaded(self._retry_after(self._pending))
 
     def _retry_after(self, pending: int) -> int:
         typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 1.0

@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlparse
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.parse import RepeatedKeyError, loads_unique_keys
+from serve.config import option_default
 
 #: knob names a request may fix in ``knobs``
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
@@ -69,9 +70,9 @@ class Limits:
     #: the served model answers only questions about an image (``ModelRuntime.answers_without_image``)
     image_required: bool = False
     #: the most characters of question text (the prefill's cost grows with it, quadratically)
-    max_prompt_chars: int = 8000
+    max_prompt_chars: int = option_default("max_prompt_chars")
     #: the largest image file read from ``local_images`` (a data: URI meets the body's limit instead)
-    max_image_file_bytes: int = 16 * 1024 * 1024
+    max_image_file_bytes: int = option_default("max_body_bytes")
 
 
 def _refuse(message: str, param: str | None = None, code: str | None = "invalid_value") -> NoReturn:
@@ -84,10 +85,6 @@ def parse_json_body(body: bytes) -> Any:
     not JSON, nested too deeply, or that names a key twice in one object (which value is meant
     would be a guess: a second ``messages`` would silently replace the first)."""
     try:
-        body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        _refuse(f"the request body is not valid UTF-8 (byte {exc.start}: {exc.reason})", None, "invalid_json")
-    try:
         return loads_unique_keys(body)
     except RepeatedKeyError as exc:
         _refuse(f"the request body names {_shown(exc.key)} twice in one object: which value is meant is "
@@ -95,6 +92,10 @@ def parse_json_body(body: bytes) -> Any:
     except RecursionError:
         _refuse("the request body is nested too deeply to be a chat request", None, "invalid_json")
     except ValueError as exc:
+        try:  # the parsers' own words for bad UTF-8 ("surrogates not allowed") mislead: name the byte
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            _refuse(f"the request body is not valid UTF-8 (byte {bad.start}: {bad.reason})", None, "invalid_json")
         _refuse(f"the request body is not valid JSON ({exc})", None, "invalid_json")
 
 
