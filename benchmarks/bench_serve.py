@@ -355,10 +355,8 @@ class Server:
         self._start()
 
     def _start(self) -> None:
-        log = self.log_path
         self.port = free_port()
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log.open("ab")
+        self.log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", self.run_id, "-w",
              str(self.ws), "--port", str(self.port), "--threads", "1", "--max-queue", str(self.max_queue),
@@ -367,7 +365,7 @@ class Server:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                msg = f"ctrl serve exited: {log.read_text()[-2000:]}"
+                msg = f"ctrl serve exited: {self.log_path.read_text()[-2000:]}"
                 raise SystemExit(msg)
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
@@ -784,7 +782,7 @@ def build_cells(records: list[dict[str, Any]], calibration: dict[str, Any], fron
             ctrl_outs = outcomes_of(ctrl_run) if ctrl_run else None
             rows: list[tuple[str, str | None, dict[str, Any] | None]] = [
                 ("controller", None, ctrl_run),
-                # the same controller on a server without the queue cap (``--no-queue-aware``)
+                # the same controller on servers without the margin, and without the queue cap either
                 (NO_MARGIN, None, by_key.get((load, NO_MARGIN, budget, None))),
                 (OWN_BUDGET, None, by_key.get((load, OWN_BUDGET, budget, None))),
                 ("family table", None, by_key.get((load, "family table", budget, None))),
