@@ -291,3 +291,21 @@ def test_a_fifo_among_the_weights_is_refused_without_reading_it(tiny_molmoe_dir,
     os.mkfifo(broken / "model.safetensors")
     with pytest.raises(ModelLoadError, match="model.safetensors: not a regular file"):
         MolmoERuntime(broken)
+
+
+def test_the_early_size_estimate_never_exceeds_what_the_checkpoint_holds(tiny_molmoe_dir):
+    """The estimate refuses a config before any module exists, so it must be a lower bound: for the
+    released MolmoE-1B config (7.22 B parameters in its weight layout) and for a tiny checkpoint."""
+    from molmoe_origin import SKIP_REASON, reference_dir
+
+    from runtime.molmoe_model import MolmoEArchitecture, weight_targets
+
+    reference = reference_dir()
+    if reference is None:
+        pytest.skip(SKIP_REASON)
+    released = json.loads((reference / "origin/configs/model/config.json").read_text())
+    for config, tight in ((released, 0.95), (json.loads((tiny_molmoe_dir / "config.json").read_text()), 0.5)):
+        arch = MolmoEArchitecture.from_config(config)
+        held = sum(t.numel for t in weight_targets(arch).values())
+        assert tight * held <= arch.parameters_at_least() <= held  # the experts dominate at full size
+    assert 7.2e9 < sum(t.numel for t in weight_targets(MolmoEArchitecture.from_config(released)).values()) < 7.3e9
