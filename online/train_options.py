@@ -93,7 +93,10 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("violation_target", "violation_target", lambda v: v or None),
     TrainOption("no_table_fallback", "disable_table_fallback"),
     TrainOption("fallback_confidence", "fallback_confidence"),
+    TrainOption("fallback_prefers", "fallback_prefers"),
+    TrainOption("latency_jitter", "latency_jitter"),
     TrainOption("cross_fit_folds", "cross_fit_folds"),
+    TrainOption("holdout_dataset", "holdout_dataset"),
     TrainOption("use_tilings", "use_tilings"),
     TrainOption("hidden_dim", "hidden_dim"),
     # online

@@ -69,7 +69,8 @@ GROUPS_COLUMNS = {
 
 #: view name -> file (glob) inside workspace/runs/<run_id>/
 RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations": "evaluation.parquet",
-             "online_steps": "online_steps.parquet", "rollouts": "rollouts/step-*.parquet"}
+             "evaluation_groups": "evaluation_groups.parquet", "online_steps": "online_steps.parquet",
+             "rollouts": "rollouts/step-*.parquet"}
 
 
 def duckdb_glob(root: Path, pattern: str = "") -> str:

@@ -347,8 +347,8 @@ EVALUATIONS = TableSchema(
     primary_key=("run_id", "decider", "budget_ms"),
     columns=(
         _RUN_ID,
-        Column("decider", _S, "controller | policy | outcome | oracle | lut_p95 | lut_by_family | lut_mean5 | largest "
-                              "| random (offline); controller | offline_start (online)"),
+        Column("decider", _S, "controller | policy | outcome | oracle | clairvoyant | lut_p95 | lut_by_family | "
+                              "lut_mean5 | largest | random (offline); controller | offline_start (online)"),
         Column("budget_ms", _F, "latency budget", "ms"),
         Column("num_samples", _L, "test samples"),
         Column("accuracy", _F, "mean recorded score of the chosen configurations"),
@@ -365,6 +365,26 @@ EVALUATIONS = TableSchema(
         Column("accuracy_vs_table", _F, "mean per-sample score difference to lut_p95's choice (paired); "
                                         "null without a lut_p95 row"),
         Column("accuracy_vs_table_se", _F, "standard error of accuracy_vs_table"),
+    ),
+)
+
+EVALUATION_GROUPS = TableSchema(
+    name="evaluation_groups",
+    description="An offline evaluation broken down per dataset and per question family: one row per (run, decider, "
+                "budget, group), on the samples of evaluation.parquet (runs/<run_id>/evaluation_groups.parquet).",
+    primary_key=("run_id", "decider", "budget_ms", "group_by", "group"),
+    columns=(
+        _RUN_ID,
+        Column("decider", _S, "as in evaluations"),
+        Column("budget_ms", _F, "latency budget", "ms"),
+        Column("group_by", _S, "dataset | family"),
+        Column("group", _S, "the dataset's name, or the question family ((none): samples without one)"),
+        Column("num_samples", _L, "samples of the group"),
+        Column("accuracy", _F, "mean recorded score of the chosen configurations"),
+        Column("accuracy_se", _F, "standard error of accuracy over the group's samples"),
+        Column("violation_rate", _F, "share of the group's samples with latency > budget"),
+        Column("accuracy_within_budget", _F, "mean score counting answers over budget as 0"),
+        Column("config_histogram", _S, "JSON {\"C/K/B\": count} of the chosen configurations"),
     ),
 )
 
@@ -427,7 +447,8 @@ ONLINE_STEPS = TableSchema(
     ),
 )
 
-RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS, ONLINE_STEPS, ROLLOUTS)}
+RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS, EVALUATION_GROUPS, ONLINE_STEPS,
+                                                           ROLLOUTS)}
 
 # -- the request log, written by `ctrl serve` under workspace/requests/ (one JSON line per request)
 _D = pa.float64()

@@ -72,6 +72,7 @@ from synthetic.json_text import HOLE, JsonText, Raw, fill
 from synthetic.truth import SUPPORTED_DATASETS, DatasetTruth, build_dataset, stream
 
 __all__ = ["GENERATOR_VERSION", "GeneratedTree", "SampleTruth", "SyntheticSpec", "build_truth", "exp5_batch_size",
+           "expected_scores_by_key",
            "generate_tree", "image_filename", "rank_shards", "samples_of", "spec_fingerprint"]
 
 #: bump when the output for an unchanged spec changes (invalidates data/.generated)
@@ -179,6 +180,20 @@ def samples_of(dataset: str, t: DatasetTruth) -> list[SampleTruth]:
 def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
     """The hidden per-dataset truth of a spec without writing anything."""
     return {ds: build_dataset(ds, spec.num_samples, spec.seed) for ds in spec.datasets}
+
+
+def expected_scores_by_key(spec: SyntheticSpec, configs: list[Config]) -> dict[tuple[str, str], np.ndarray]:
+    """Per (dataset, sample_key as ingest builds it), the hidden expected score (exp6) of each of
+    ``configs``: what a decision on that sample is worth without outcome noise."""
+    from pipeline.keys import build_sample_key
+
+    truth = build_truth(spec)
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for ds in spec.datasets:
+        scores = np.stack([truth[ds].expected_score(*c, experiment="exp6") for c in configs], axis=1)
+        for s in samples_of(ds, truth[ds]):
+            out[(ds, build_sample_key(ds, s.metadata)[0])] = scores[s.index]
+    return out
 
 
 # -- distributed emulation ------------------------------------------------------------

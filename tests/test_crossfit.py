@@ -138,8 +138,9 @@ def test_fallback_rule_on_one_sample_and_at_the_violation_ceiling():
     with pytest.raises(ValueError, match=r"^`val` has no samples: the fallback needs held-out data$"):
         compare_with_table(Constant(0), Constant(1), val.select([]), [100.0], RewardConfig(mode="hard"), {})
     # a 1 ms budget: both deciders violate on the one sample, the table's rate and bound are 1;
-    # a ceiling of 1 holds both, and one paired sample has no standard error: the table stays
-    fallback = compare_with_table(Constant(0), Constant(1), val, [1.0], RewardConfig(mode="hard"), {},
-                                  max_violation_rate=1.0)
-    assert fallback.table_violation_upper == [1.0] and fallback.controller_violation_rate == [1.0]
-    assert fallback.reward_difference_se == [float("inf")] and fallback.use_controller == [False]
+    # a ceiling of 1 holds both, and one paired sample has no standard error: the preferred one stays
+    for prefers, kept in (("table", False), ("controller", True)):
+        fallback = compare_with_table(Constant(0), Constant(1), val, [1.0], RewardConfig(mode="hard"), {},
+                                      max_violation_rate=1.0, prefers=prefers)
+        assert fallback.table_violation_upper == [1.0] and fallback.controller_violation_rate == [1.0]
+        assert fallback.reward_difference_se == [float("inf")] and fallback.use_controller == [kept]

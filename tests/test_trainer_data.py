@@ -27,6 +27,7 @@ from pipeline import (
 )
 from synthetic import SyntheticSpec
 from trainer.baselines import (
+    ClairvoyantDecider,
     LargestDecider,
     LookupTableDecider,
     OracleDecider,
@@ -359,13 +360,13 @@ def test_reward_does_not_increase_with_latency_past_the_budget(score, budget, ov
 # -- baselines ------------------------------------------------------------------------------
 
 def all_deciders(train: OfflineData) -> list:
-    return [OracleDecider(), LookupTableDecider(train), LookupTableDecider(train, statistic="mean", tolerance=0.05),
-            LargestDecider(), RandomDecider(seed=3)]
+    return [OracleDecider(), ClairvoyantDecider(), LookupTableDecider(train),
+            LookupTableDecider(train, statistic="mean", tolerance=0.05), LargestDecider(), RandomDecider(seed=3)]
 
 
 def test_decisions_always_inside_the_mask(data):
     deciders = all_deciders(data.subset("train"))
-    assert [d.name for d in deciders] == ["oracle", "lut_p95", "lut_mean5", "largest", "random"]
+    assert [d.name for d in deciders] == ["oracle", "clairvoyant", "lut_p95", "lut_mean5", "largest", "random"]
     for budget in (1.0, 150.0, 220.0, 300.0, 1e6):
         per_sample = torch.linspace(100, 400, len(data))
         for d in deciders:

@@ -350,6 +350,53 @@ def test_sampled_groups_report_violations_exactly():
     torch.testing.assert_close(groups.expected_violation, (probs * over).sum(-1))
 
 
+def test_sampled_groups_are_judged_by_the_latencies_given():
+    data = make_data(n=6, full_mask=True)
+    policy = make_policy(data)
+    index, budgets = torch.arange(6), torch.full((6,), 220.0)
+    # every configuration of even samples 300 ms, of odd samples 100 ms, whatever was recorded
+    latency = torch.where(index[:, None] % 2 == 0, 300.0, 100.0).expand(6, len(data.action_space)).clone()
+    groups = sample_groups(policy, data, index, budgets, 4, RewardConfig(mode="hard"),
+                           torch.Generator().manual_seed(0), latency_ms=latency)
+    assert groups.violated.tolist() == [[True] * 4, [False] * 4] * 3
+    assert groups.expected_violation.tolist() == pytest.approx([1.0, 0.0] * 3)
+    # hard reward: -1 where late, the score where in time
+    scores = data.score[index[:, None], groups.actions]
+    expected = torch.where(torch.tensor([[True], [False]] * 3), -1.0, scores)
+    torch.testing.assert_close(groups.rewards, expected)
+
+
+def test_training_jitters_the_recorded_latencies(tmp_path):
+    from trainer.offline import OfflineTrainer
+
+    data = make_data(n=24, full_mask=True)
+    data.split = ["train"] * 16 + ["val"] * 4 + ["test"] * 4
+    trainer = OfflineTrainer(OfflineTrainConfig(workspace=tmp_path, num_epochs=1, warm_start_steps=0, batch_size=4,
+                                                cross_fit_folds=0, budget_min_ms=150.0, budget_max_ms=350.0,
+                                                latency_jitter=0.05, seed=1), data=data)
+    seen = []
+
+    def record(*args, latency_ms=None, **kwargs):
+        seen.append(latency_ms)
+        return real(*args, latency_ms=latency_ms, **kwargs)
+
+    import trainer.offline as offline
+
+    real = offline.sample_groups
+    trainer.policy = make_policy(trainer.train_split)
+    trainer._optimisation()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offline, "sample_groups", record)
+        trainer.step(torch.arange(4), torch.full((4,), 250.0))
+        trainer.config.latency_jitter = 0.0
+        trainer.step(torch.arange(4), torch.full((4,), 250.0))
+    recorded = trainer.train_split.latency_ms[:4]
+    ratio = (seen[0] / recorded).log()
+    # one lognormal factor per (sample, configuration): spread about 0.05, never all the same
+    assert 0.02 < float(ratio.std()) < 0.1 and len(set(ratio.flatten().tolist())) == ratio.numel()
+    assert torch.equal(seen[1], recorded)  # 0 turns it off
+
+
 def test_sampled_groups_stay_inside_the_mask():
     data = make_data(n=20)
     policy = make_policy(data)
@@ -430,8 +477,8 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     # the synthetic tree records each question's template family, so the per-family table is scored
     # too; the run's outcome model (outcome.pt) is a decider of its own
     assert (result.run_dir / "outcome.pt").exists()
-    assert {"controller", "policy", "outcome", "oracle", "lut_p95", "lut_by_family", "lut_mean5", "largest",
-            "random"} == set(evaluation["decider"])
+    assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "lut_p95", "lut_by_family", "lut_mean5",
+            "largest", "random"} == set(evaluation["decider"])
     from trainer.data import budget_grid
     from trainer.fallback import read_fallback
 
@@ -575,8 +622,9 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
     table, network = LookupTableDecider(train), PolicyDecider(policy)
     rows, knobs = torch.arange(len(val)), val.action_space.knob_values().float()
     cases = set()
-    for confidence, z in ((0.5, 0.0), (0.8, 0.8416), (0.95, 1.6449)):
-        fallback = fit_table_fallback(policy, train, val, grid, reward, confidence=confidence)
+    for (confidence, z), prefers in itertools.product(((0.5, 0.0), (0.8, 0.8416), (0.95, 1.6449)),
+                                                      ("table", "controller")):
+        fallback = fit_table_fallback(policy, train, val, grid, reward, confidence=confidence, prefers=prefers)
         assert fallback.grid_ms == sorted(grid) and fallback.confidence == confidence
         for i, budget in enumerate(fallback.grid_ms):
             r = compute_reward(val.score, val.latency_ms, torch.full((len(val), 1), budget), knobs[None],
@@ -596,20 +644,24 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
             assert ((fallback.controller_violation_rate[i], fallback.table_violation_rate[i])
                     == pytest.approx((v_ctrl, v_table)))
             assert fallback.table_violation_upper[i] == pytest.approx(v_upper) and v_upper >= v_table
-            if v_ctrl <= 0.05 and v_upper <= 0.05:  # both within the goal: the controller must win the paired test
+            if v_ctrl <= 0.05 and v_upper <= 0.05 and prefers == "table":  # the controller must win the test
                 expected, case = float(difference.mean()) > z * se, "reward"
+            elif v_ctrl <= 0.05 and v_upper <= 0.05:  # the table must win the paired test
+                expected, case = float(difference.mean()) >= -z * se, "reward, controller preferred"
             elif v_ctrl <= 0.05 or v_upper <= 0.05:  # only one within: that one
                 expected, case = v_ctrl <= 0.05, "violation"
             else:
                 expected, case = v_ctrl <= v_table, "neither"
-            assert fallback.use_controller[i] == expected, (confidence, budget)
+            assert fallback.use_controller[i] == expected, (confidence, prefers, budget)
             cases.add((case, expected, float(difference.mean()) > 0))
-        if confidence < 0.95:
+        if confidence < 0.95 and prefers == "table":
             assert True in fallback.use_controller and False in fallback.use_controller  # this seed exercises both
     assert len(cases) >= 4, cases
     assert ("reward", False, True) in cases  # a better mean that is not significant keeps the table
-    fallback = fit_table_fallback(policy, train, val, grid, reward)  # the default level: 0.95
-    assert fallback.confidence == 0.95
+    # preferred, the controller keeps a budget where it is behind, but not significantly
+    assert ("reward, controller preferred", True, False) in cases
+    fallback = fit_table_fallback(policy, train, val, grid, reward)  # the defaults: 0.95, the controller preferred
+    assert fallback.confidence == 0.95 and fallback.prefers == "controller"
 
     deployed = PolicyDecider(policy, fallback)
     for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
@@ -644,20 +696,25 @@ def test_table_fallback_refuses_inconsistent_fields():
     with pytest.raises(ValueError, match="ascending"):
         make([2.0, 1.0], 2)
     assert make([1.0, 2.0], 2).fallback_budgets_ms == []
-    assert make([1.0, 2.0], 2).describe() == ("table fallback (95% confidence): controller at 1.0, 2.0 ms; "
-                                              "lut_p95 table at none")
+    assert make([1.0, 2.0], 2).describe() == ("table fallback (95% confidence, controller preferred): controller at "
+                                              "1.0, 2.0 ms; lut_p95 table at none")
     unrated = make([1.0, 2.0], 2)
     unrated.confidence = math.nan  # a fallback stored before the confidence rule
     assert unrated.describe() == "table fallback: controller at 1.0, 2.0 ms; lut_p95 table at none"
     mixed = make([100.0, 150.5], 2)
     mixed.use_controller = [False, True]
-    assert mixed.describe() == "table fallback (95% confidence): controller at 150.5 ms; lut_p95 table at 100.0 ms"
+    mixed.prefers = "table"
+    assert mixed.describe() == ("table fallback (95% confidence, table preferred): controller at 150.5 ms; "
+                                "lut_p95 table at 100.0 ms")
+    with pytest.raises(ValueError, match="`prefers` must be one of"):
+        TableFallback.from_json({**mixed.to_json(), "prefers": "oracle"})
     # a fallback stored before the confidence rule (no bound, no SE) still loads; its choices stand
     stored = make([1.0, 2.0], 2).to_json()
-    for key in ("reward_difference_se", "table_violation_upper", "confidence"):
+    for key in ("reward_difference_se", "table_violation_upper", "confidence", "prefers"):
         del stored[key]
     old = TableFallback.from_json(stored)
     assert old.use_controller == [True, True] and all(math.isnan(x) for x in old.table_violation_upper)
+    assert old.prefers == "table"  # the only rule there was
 
 
 def test_wilson_upper_bound_solves_the_score_equation():

@@ -260,13 +260,23 @@ class OfflineTrainConfig(TrainingConfig):
     clip_epsilon: PPO clip range ε of the ratio against the sampling policy (float in (0, 1);
         None = off).
     kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0; 0 = off).
-        The initial policy is the warm-started one.
+        The initial policy is the warm-started one. The default keeps the controller near the
+        outcome model's per-sample choice: with a weaker anchor, GRPO on single recorded
+        outcomes moved whole question families to cheaper configurations that new samples
+        then answered worse (docs/results.md).
+
+    latency_jitter: each time a sample's group is drawn, its recorded latencies are multiplied by
+        exp(``latency_jitter`` x N(0, 1)), one draw per configuration (float >= 0; 0 = off). A
+        recorded latency is one run: without the jitter the network learns which training samples
+        happened to run fast and takes configurations near the budget for them, which new samples
+        of the same kind then exceed. The default is the run-to-run spread of one sample's
+        end-to-end latency (lognormal sigma 0.05, docs/training.md).
 
     > The violation constraint (per budget: E[latency > budget] <= target; ``trainer.constraint``)
     violation_target: the share of decisions over budget allowed at each budget (float in (0, 1);
         None = off, reward shaping only). Its default sits below the 5 % goal because the
-        multipliers see the train split, whose per-sample latencies the policy can learn: new
-        samples violate more. A multiplier lambda(b) >= 0 per point of the validation budget
+        multipliers see the train split, whose per-sample latencies the policy can partly learn
+        even through ``latency_jitter``: new samples violate more. A multiplier lambda(b) >= 0 per point of the validation budget
         grid (linear in between) is subtracted from the reward of every violating
         configuration; after each step it moves by ``violation_lr`` times (the sampling
         policy's exact violation probability near b - target).
@@ -293,11 +303,21 @@ class OfflineTrainConfig(TrainingConfig):
         controller does not win with confidence (safe policy improvement; the rule:
         ``trainer.fallback``). The network alone is evaluated too, as decider ``policy``.
     fallback_confidence: level of that comparison (float in [0.5, 1)): the
-        table's violation rate counts by its upper bound at this level, and the controller's
-        reward must beat the table's in a one-sided paired test at this level (0.5: plain
-        point estimates, any positive difference).
+        table's violation rate counts by its upper bound at this level, and the reward test
+        of ``fallback_prefers`` is a one-sided paired test at this level (0.5: plain point
+        estimates, any positive difference).
+    fallback_prefers: where both keep the violation goal, the decider that answers unless the
+        other's reward beats it in that test: ``"controller"`` (the table answers only where it
+        is better with confidence) or ``"table"`` (safe policy improvement: the controller
+        answers only where it is better with confidence). The default follows the measurement
+        on unseen generated worlds in docs/results.md: where the two are close, the controller
+        tracks the per-family choice and the budget-only table does not.
 
     > Evaluation
+    holdout_dataset: a dataset left out of everything the run learns from (network, outcome model,
+        fallback and tables) and evaluated alone: how the controller does on questions of a kind
+        it never saw (None = off). Its question families are unseen too, so ``lut_by_family``
+        answers it with the global table.
     num_val_budgets: budgets (evenly spaced over the budget range, ends included) at which the
         validation expected reward is computed each epoch (int).
     eval_budgets: budgets (ms) of the final test evaluation (None = the validation grid,
@@ -328,9 +348,11 @@ class OfflineTrainConfig(TrainingConfig):
     loss_type: Literal["grpo", "pairwise"] = option(
         "grpo", help="grpo or pairwise (the origin's ranking loss, docs/origin_format.md §7.6).")
     clip_epsilon: float | None = option(None, help="PPO clip range of the ratio to the sampling policy (None = off).")
-    kl_beta: float = option(0.1, help="KL weight to the initial (warm-started) policy.")
+    kl_beta: float = option(1.0, help="KL weight to the initial (warm-started) policy.")
+    latency_jitter: float = option(0.05, help="Training judges each recorded latency by fresh draws around it: "
+                                              "recorded x exp(jitter x N(0, 1)) (0 = off).")
     violation_target: float | None = option(
-        0.01, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier "
+        0.03, help="Allowed share of decisions over budget at each budget: a per-budget Lagrange multiplier "
                    "prices violations (0 or None = off).")
     violation_lr: float = option(1.0, help="Step size of the violation multipliers.")
     violation_max_multiplier: float = option(10.0, help="Cap of a violation multiplier.")
@@ -347,6 +369,11 @@ class OfflineTrainConfig(TrainingConfig):
     fallback_confidence: float = option(
         0.95, help="Confidence of the fallback comparison: the table's violation bound and the controller's reward "
                    "test (0.5 = point estimates).")
+    holdout_dataset: str | None = option(None, help="Train without this dataset's samples, then evaluate on "
+                                                    "them alone (generalisation to an unseen dataset).")
+    fallback_prefers: Literal["controller", "table"] = option(
+        "controller", help="Where both keep the violation goal, who answers unless the other wins the reward test: "
+                           "controller or table (safe policy improvement).")
     num_val_budgets: int = option(8, help="Budgets of the validation grid.")
     eval_budgets: list[float] | None = option(None, help="Budgets (ms) of the final evaluation.",
                                               shown_default="the validation grid")
@@ -360,7 +387,7 @@ class OfflineTrainConfig(TrainingConfig):
                           ("hidden_dim", 1), ("num_val_budgets", 1), ("warm_start_steps", 0),
                           ("cross_fit_folds", 0)):
             check_int(name, getattr(self, name), low)
-        for name in ("kl_beta", "budget_margin"):
+        for name in ("kl_beta", "budget_margin", "latency_jitter"):
             check_number(name, getattr(self, name))
         for name in ("violation_lr", "violation_max_multiplier"):
             check_number(name, getattr(self, name), positive=True)
@@ -396,6 +423,9 @@ class OfflineTrainConfig(TrainingConfig):
             raise ValueError(msg)
         if self.score_target not in ("mean", "recorded"):
             msg = f"`score_target` must be 'mean' or 'recorded', got {self.score_target!r}"
+            raise ValueError(msg)
+        if self.fallback_prefers not in ("controller", "table"):
+            msg = f"`fallback_prefers` must be 'controller' or 'table', got {self.fallback_prefers!r}"
             raise ValueError(msg)
         if self.loss_type not in ("grpo", "pairwise"):
             msg = f"`loss_type` must be 'grpo' or 'pairwise', got {self.loss_type!r}"

@@ -134,9 +134,10 @@ def train_folds(run_dir: Path, config: OfflineTrainConfig, data: OfflineData, tr
     run's options but no cross-fit, table fallback or evaluation of their own. ``notify`` hears
     ``phase="fold"`` events (fold, num_folds, epoch)."""
     k_total = config.cross_fit_folds
+    # ``data`` is what the run learns from: a held-out dataset is already out of it
     fold_config = OfflineTrainConfig.from_json({**config.to_json(), "cross_fit_folds": 0, "run_id": None,
                                                 "resume": None, "disable_table_fallback": True,
-                                                "disable_evaluation": True})
+                                                "disable_evaluation": True, "holdout_dataset": None})
     for k in range(k_total):
         target = fold_run_dir(run_dir, k)
         if (target / "metrics.parquet").exists() and RunDir(target).best_checkpoint.exists():
@@ -177,10 +178,12 @@ def load_folds(run_dir: Path, data: OfflineData, folds: int) -> FoldModels:
 
 
 def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms: list[float], reward: RewardConfig,
-                              deployed_table: LookupTableDecider, confidence: float) -> TableFallback:
+                              deployed_table: LookupTableDecider, confidence: float,
+                              prefers: str = "controller") -> TableFallback:
     """The fallback rule on every sample, out of fold: fold k's network against fold k's table on
     the samples of fold k, pooled over the folds (``targets``: all samples with the training
     scores). The deployed fallback answers with ``deployed_table``."""
     network = models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k]))
     table = models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k]))
-    return compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(), confidence=confidence)
+    return compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(), confidence=confidence,
+                              prefers=prefers)

@@ -51,8 +51,8 @@ IMAGE_FEATURE_COLUMNS = (GLOBAL_IMAGE_FEATURE, REFERENCE_IMAGE_FEATURE)
 
 __all__ = ["FAMILY_KEYS", "GLOBAL_IMAGE_FEATURE", "IMAGE_FEATURE_COLUMNS", "REFERENCE_IMAGE_FEATURE", "SPLITS",
            "Action", "ActionSpace", "OfflineData", "budget_grid", "check_image_feature_column", "default_budget_range",
-           "SampleFeatures", "family_of", "load_offline_data", "nonempty_split", "read_sample_features",
-           "resolve_feature_model", "split_of", "training_targets"]
+           "SampleFeatures", "family_of", "hold_out_dataset", "load_offline_data", "nonempty_split",
+           "read_sample_features", "resolve_feature_model", "split_of", "training_targets"]
 
 
 # -- the action space ---------------------------------------------------------------------
@@ -316,6 +316,18 @@ def nonempty_split(data: OfflineData, name: str) -> OfflineData:
                "Hint: the split is 80/10/10 by sample; ingest more samples.")
         raise CtrlError(msg)
     return part
+
+
+def hold_out_dataset(data: OfflineData, dataset: str) -> tuple[OfflineData, OfflineData]:
+    """(the samples of ``dataset``, every other sample); a CtrlError naming the datasets there are
+    when ``dataset`` has no samples, or when it is the only one (nothing would be left to train on)."""
+    held = [i for i, d in enumerate(data.dataset) if d == dataset]
+    if not held or len(held) == len(data):
+        names = ", ".join(sorted(set(data.dataset)))
+        reason = "has no samples" if not held else "is the only dataset: nothing would be left to train on"
+        msg = f"--holdout-dataset {dataset}: the dataset {reason} (datasets: {names})"
+        raise CtrlError(msg)
+    return data.select(held), data.select([i for i, d in enumerate(data.dataset) if d != dataset])
 
 
 def training_targets(data: OfflineData, score_target: str = "mean") -> OfflineData:

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from pipeline.workspace import Workspace, atomic_path, record_checksum
 from trainer.baselines import (
+    ClairvoyantDecider,
     Decider,
     FamilyLookupTableDecider,
     LargestDecider,
@@ -46,8 +47,15 @@ from trainer.baselines import (
 )
 from trainer.config import OfflineTrainConfig
 from trainer.constraint import VIOLATION_TARGET
-from trainer.crossfit import FoldModels, fold_run_dir, load_folds
-from trainer.data import OfflineData, budget_grid, default_budget_range, load_offline_data, nonempty_split
+from trainer.crossfit import FoldModels, deployed_data, fold_run_dir, load_folds
+from trainer.data import (
+    OfflineData,
+    budget_grid,
+    default_budget_range,
+    hold_out_dataset,
+    load_offline_data,
+    nonempty_split,
+)
 from trainer.fallback import PolicyDecider, TableFallback, read_fallback
 from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
 from trainer.policy import ControllerPolicy
@@ -57,14 +65,17 @@ from trainer.runs import RunDir, resolve_checkpoint
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["EVALUATION_COLUMNS", "VIOLATION_TARGET", "baseline_deciders", "default_budget_grid", "evaluate_deciders",
-           "evaluate_run", "evaluation_title", "format_evaluation_table", "write_evaluation"]
+__all__ = ["EVALUATION_COLUMNS", "GROUPS_FILE", "GROUP_COLUMNS", "VIOLATION_TARGET", "baseline_deciders",
+           "default_budget_grid", "evaluate_deciders", "evaluate_deciders_by_group", "evaluate_run", "evaluation_title",
+           "format_evaluation_table", "format_group_table", "write_evaluation"]
 
 EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
                       "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram",
                       "accuracy_se", "accuracy_vs_table", "accuracy_vs_table_se")
 #: the decider the paired differences are taken against
 TABLE_DECIDER = "lut_p95"
+#: the per-dataset and per-family breakdown of an offline evaluation, beside evaluation.parquet
+GROUPS_FILE = "evaluation_groups.parquet"
 
 
 def default_budget_grid(data: OfflineData, num: int = 8) -> list[float]:
@@ -118,6 +129,13 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     Raises ValueError when a decider chooses an action outside ``test.mask`` (its outcome
     was never recorded, so no metric could be computed honestly).
     """
+    return evaluate_deciders_by_group(test, deciders, budgets_ms, reward)[0]
+
+
+def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
+                               reward: RewardConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """:func:`evaluate_deciders`'s frame, and the same decisions broken down per dataset and per
+    question family (``GROUP_COLUMNS``: one row per (decider, budget_ms, group_by, group))."""
     if len(test) == 0:
         msg = "`test` has no samples"
         raise ValueError(msg)
@@ -129,7 +147,9 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     rows_idx = torch.arange(n)
     knob_values = test.action_space.knob_values()  # (A, 3)
     labels = [test.action_space.label(i) for i in range(len(test.action_space))]
+    groups = _groups(test)
     rows: list[dict[str, Any]] = []
+    group_rows: list[dict[str, Any]] = []
     for budget_ms in budgets_ms:
         budget = budget_vector(float(budget_ms), n)
         # rewards of every action at this budget: the decisions' rewards and the expected reward
@@ -150,40 +170,92 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
         for decider in deciders:
             chosen = decisions[decider.name]
             score = test.score[rows_idx, chosen]
+            latency = test.latency_ms[rows_idx, chosen]
             paired = None if table is None else (score - test.score[rows_idx, table]).double()
-            counts = torch.bincount(chosen, minlength=len(labels)).tolist()
             rows.append({
                 "decider": decider.name,
                 "budget_ms": float(budget_ms),
                 "num_samples": n,
-                **outcome_metrics(test.score[rows_idx, chosen], test.latency_ms[rows_idx, chosen], float(budget_ms)),
+                **outcome_metrics(score, latency, float(budget_ms)),
                 "reward_mean": float(all_rewards[rows_idx, chosen].double().mean()),
                 "expected_reward": _expected_reward(decider, test, budget, all_rewards),
-                "config_histogram": json.dumps({labels[i]: c for i, c in enumerate(counts) if c}),
+                "config_histogram": _histogram(chosen, labels),
                 "accuracy_se": _standard_error(score),
                 "accuracy_vs_table": None if paired is None else float(paired.mean()),
                 "accuracy_vs_table_se": None if paired is None else _standard_error(paired),
             })
+            for group_by, group, index in groups:
+                over = latency[index].double() > float(budget_ms)
+                group_score = score[index].double()
+                group_rows.append({
+                    "decider": decider.name, "budget_ms": float(budget_ms), "group_by": group_by, "group": group,
+                    "num_samples": len(index), "accuracy": float(group_score.mean()),
+                    "accuracy_se": _standard_error(group_score), "violation_rate": float(over.double().mean()),
+                    "accuracy_within_budget": float(torch.where(over, 0.0, group_score).mean()),
+                    "config_histogram": _histogram(chosen[index], labels)})
     order = {name: i for i, name in enumerate(names)}
     rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
-    return evaluation_frame(rows)
+    group_rows.sort(key=lambda r: (order[r["decider"]], r["group_by"], r["group"]))  # stable: budgets in order
+    return evaluation_frame(rows), group_frame(group_rows)
 
 
-def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: str | None = None) -> tuple[Path, Path]:
+#: the columns of the per-group breakdown (``evaluation_groups.parquet``, view ``evaluation_groups``)
+GROUP_COLUMNS = ("decider", "budget_ms", "group_by", "group", "num_samples", "accuracy", "accuracy_se",
+                 "violation_rate", "accuracy_within_budget", "config_histogram")
+#: the group of samples without a question family
+NO_FAMILY = "(none)"
+
+
+def _groups(data: OfflineData) -> list[tuple[str, str, torch.Tensor]]:
+    """(group_by, group, row indices) per dataset and, where recorded, per question family."""
+    out = []
+    for group_by, labels in (("dataset", data.dataset), ("family", data.family)):
+        if labels is None:
+            continue
+        rows: dict[str, list[int]] = {}
+        for i, label in enumerate(labels):
+            rows.setdefault(NO_FAMILY if label is None else label, []).append(i)
+        out += [(group_by, label, torch.tensor(index)) for label, index in sorted(rows.items())]
+    return out
+
+
+def _histogram(chosen: torch.Tensor, labels: list[str]) -> str:
+    counts = torch.bincount(chosen, minlength=len(labels)).tolist()
+    return json.dumps({labels[i]: c for i, c in enumerate(counts) if c})
+
+
+def group_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Per-group rows as a frame with ``GROUP_COLUMNS`` and their dtypes."""
+    dtypes = {"decider": pl.String, "group_by": pl.String, "group": pl.String, "num_samples": pl.Int64,
+              "config_histogram": pl.String}
+    return pl.DataFrame([{c: row.get(c) for c in GROUP_COLUMNS} for row in rows],
+                        schema={c: dtypes.get(c, pl.Float64) for c in GROUP_COLUMNS})
+
+
+def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: str | None = None,
+                     groups: pl.DataFrame | None = None) -> tuple[Path, Path]:
     """Write ``run_dir/evaluation.parquet`` (with a leading ``run_id`` column, default the
-    directory name) and ``run_dir/evaluation.png``; both appear atomically. Returns the paths."""
+    directory name) and ``run_dir/evaluation.png``, and with ``groups`` (:data:`GROUP_COLUMNS`)
+    ``run_dir/evaluation_groups.parquet``; each appears atomically. Returns the first two paths."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id if run_id is not None else run_dir.name
-    missing = [c for c in EVALUATION_COLUMNS if c not in frame.columns]
-    if missing:
-        msg = f"evaluation frame lacks columns {missing!r}"
-        raise ValueError(msg)
-    out = frame.drop("run_id", strict=False).select(pl.lit(run_id, dtype=pl.String).alias("run_id"), pl.all())
+    for name, part, columns in (("evaluation", frame, EVALUATION_COLUMNS),
+                                ("evaluation groups", groups, GROUP_COLUMNS)):
+        missing = [] if part is None else [c for c in columns if c not in part.columns]
+        if missing:
+            msg = f"{name} frame lacks columns {missing!r}"
+            raise ValueError(msg)
+
+    def with_run_id(part: pl.DataFrame) -> pl.DataFrame:
+        return part.drop("run_id", strict=False).select(pl.lit(run_id, dtype=pl.String).alias("run_id"), pl.all())
+
     parquet_path, png_path = run_dir / "evaluation.parquet", run_dir / "evaluation.png"
-    with atomic_path(parquet_path) as tmp:
-        out.write_parquet(tmp)
-    record_checksum(parquet_path)
+    written = [(parquet_path, frame)] + ([] if groups is None else [(run_dir / GROUPS_FILE, groups)])
+    for path, part in written:
+        with atomic_path(path) as tmp:
+            with_run_id(part).write_parquet(tmp)
+        record_checksum(path)
     with atomic_path(png_path, suffix=".png") as tmp:  # matplotlib picks the format from the name
         _plot(frame, run_id).savefig(tmp, dpi=120)
     return parquet_path, png_path
@@ -196,7 +268,7 @@ Fitted = Callable[[str, Callable[[OfflineData], Decider]], Decider]
 
 
 def baseline_deciders(fitted: Fitted, *, family: bool, seed: int) -> list[Decider]:
-    """The baselines of every evaluation, in their order: oracle, lut_p95, lut_by_family (where
+    """The baselines of every evaluation, in their order: oracle, clairvoyant, lut_p95, lut_by_family (where
     the samples record a question family), lut_mean5 (the origin's table, docs/origin_format.md
     §7.9: mean latency within budget x 1.05), largest, random. ``fitted`` builds the ones fitted
     on training samples: on the train split, or out of fold in a cross-fitted run."""
@@ -204,7 +276,7 @@ def baseline_deciders(fitted: Fitted, *, family: bool, seed: int) -> list[Decide
     if family:
         tables.append(fitted("lut_by_family", FamilyLookupTableDecider))
     mean5 = fitted("lut_mean5", lambda train: LookupTableDecider(train, statistic="mean", tolerance=0.05))
-    return [OracleDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
+    return [OracleDecider(), ClairvoyantDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
 
 
 def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
@@ -212,10 +284,13 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     """``ctrl evaluate RUN``: the run's controller vs the outcome model (``trainer.outcome``) and
     the baselines (:func:`baseline_deciders`).
 
-    A cross-fitted run (``cross_fit_folds`` >= 2) is evaluated on every sample, each decided out
+    A run with a ``holdout_dataset`` is evaluated on every sample of that dataset, by the
+    deployed controller and by tables fitted on the samples it learned from. Otherwise a
+    cross-fitted run (``cross_fit_folds`` >= 2) is evaluated on every sample, each decided out
     of fold by the networks, outcome models and tables of the fold that did not train on it;
-    otherwise the best checkpoint on the test split. Writes ``evaluation.parquet`` (with
-    ``run_id``) and ``evaluation.png`` into the run directory and returns the frame (without
+    and any other run by its best checkpoint on the test split. Writes ``evaluation.parquet``
+    (with ``run_id``), ``evaluation.png`` and the per-dataset and per-family breakdown
+    ``evaluation_groups.parquet`` into the run directory and returns the first frame (without
     ``run_id``).
     """
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
@@ -226,7 +301,15 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     checkpoint = resolve_checkpoint(ws, run_dir.path)
     fallback = read_fallback(checkpoint)
     budgets = [float(b) for b in (budgets_ms or config.eval_budgets)]
-    if config.cross_fit_folds:
+    if config.holdout_dataset:
+        # the deployed controller and tables of everything the run learned from, on the dataset it never saw
+        evaluated, rest = hold_out_dataset(data, config.holdout_dataset)
+        own = _deployed_deciders(run_dir.path, checkpoint, fallback, data.model_fingerprint)
+        learned_from = nonempty_split(deployed_data(rest) if config.cross_fit_folds else rest, "train")
+
+        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+            return make(learned_from)
+    elif config.cross_fit_folds:
         models = load_folds(run_dir.path, data, config.cross_fit_folds)
         evaluated = data
         own = _cross_fitted_controllers(run_dir.path, models, fallback)
@@ -234,27 +317,40 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
         def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
             return models.out_of_fold(name, lambda k: make(models.train[k]))
     else:
-        policy = ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint)
         train, evaluated = nonempty_split(data, "train"), nonempty_split(data, "test")
-        # PolicyDecider exposes action_probs, so its rows get the exact expected reward
-        own = [PolicyDecider(policy, fallback)] + ([PolicyDecider(policy, name="policy")] if fallback else [])
-        outcome_file = run_dir.path / OUTCOME_FILE
-        own += [OutcomeDecider(OutcomeModel.load(outcome_file))] if outcome_file.exists() else []
+        own = _deployed_deciders(run_dir.path, checkpoint, fallback, data.model_fingerprint)
 
         def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
             return make(train)
     deciders = [*own, *baseline_deciders(fitted, family=data.family is not None, seed=config.seed)]
-    frame = evaluate_deciders(evaluated, deciders, budgets, config.reward)
-    write_evaluation(run_dir.path, frame)
+    frame, groups = evaluate_deciders_by_group(evaluated, deciders, budgets, config.reward)
+    write_evaluation(run_dir.path, frame, groups=groups)
     return frame
+
+
+def _deployed_deciders(run_path: Path, checkpoint: Path, fallback: TableFallback | None,
+                       fingerprint: str) -> list[Decider]:
+    """The run's deployed controller (best checkpoint and fallback), its network alone where a
+    fallback exists, and its outcome model where it saved one."""
+    policy = ControllerPolicy.load(checkpoint, model_fingerprint=fingerprint)
+    # PolicyDecider exposes action_probs, so its rows get the exact expected reward
+    own: list[Decider] = [PolicyDecider(policy, fallback)]
+    own += [PolicyDecider(policy, name="policy")] if fallback else []
+    outcome_file = run_path / OUTCOME_FILE
+    own += [OutcomeDecider(OutcomeModel.load(outcome_file))] if outcome_file.exists() else []
+    return own
 
 
 def evaluation_title(run_dir: Path) -> str:
     """The heading of a run's evaluation table: which samples it was computed on."""
     try:
-        folds = int(RunDir(Path(run_dir)).read_config().get("cross_fit_folds") or 0)
+        config = RunDir(Path(run_dir)).read_config()
+        folds = int(config.get("cross_fit_folds") or 0)
+        holdout = config.get("holdout_dataset")
     except (OSError, ValueError, TypeError):
-        folds = 0
+        folds, holdout = 0, None
+    if holdout:
+        return f"evaluation (every sample of {holdout}, a dataset left out of training)"
     return (f"evaluation (every sample, out of fold: {folds}-fold cross-fit)" if folds
             else "evaluation (test split)")
 
@@ -329,5 +425,30 @@ def format_evaluation_table(frame: pl.DataFrame, title: str = "evaluation (test 
                       f"{row['latency_ms_p95']:.1f}", violation, f"{row['accuracy_within_budget']:.3f}",
                       f"{row['reward_mean']:.3f}",
                       "" if expected is None or math.isnan(expected) else f"{expected:.3f}", top_text)
+    return table
+
+
+def format_group_table(groups: pl.DataFrame, group_by: str,
+                       deciders: Sequence[str] = ("controller", "lut_p95", "lut_by_family", "clairvoyant")) -> Table:
+    """A terminal table of ``evaluation_groups`` rows: per (group, budget), the accuracy of each of
+    ``deciders`` present, and the controller's violation rate and most frequent configuration."""
+    part = groups.filter(pl.col("group_by") == group_by)
+    present = [d for d in deciders if d in set(part["decider"].to_list())]
+    table = Table(title=f"per {group_by}: accuracy")
+    for header in (group_by, "samples", "budget ms", *present, "controller violation", "controller top configuration"):
+        table.add_column(header, justify="left" if header in (group_by, "controller top configuration") else "right")
+    by = {(r["decider"], r["group"], r["budget_ms"]): r for r in part.iter_rows(named=True)}
+    keys = sorted({(r["group"], r["budget_ms"]) for r in part.iter_rows(named=True)})
+    for group, budget in keys:
+        cells = [f"{by[(d, group, budget)]['accuracy']:.3f}" if (d, group, budget) in by else "" for d in present]
+        ctrl = by.get(("controller", group, budget))
+        violation, top = "", ""
+        if ctrl is not None:
+            violation = f"{ctrl['violation_rate']:.1%}"
+            hist = json.loads(ctrl["config_histogram"])
+            label, count = max(hist.items(), key=lambda kv: kv[1])
+            top = f"{label} ({count / ctrl['num_samples']:.0%})"
+        n = next(by[(d, group, budget)]["num_samples"] for d in present if (d, group, budget) in by) if present else 0
+        table.add_row(group, str(n), f"{budget:.1f}", *cells, violation, top)
     return table
 # pragma: no mutate end

@@ -105,11 +105,13 @@ def _rows(data: OfflineData, index: Tensor) -> OfflineData:
 
 
 def lookup_rewards(data: OfflineData, sample_index: Tensor, actions: Tensor, budget_ms: Tensor,
-                   reward: RewardConfig) -> dict[str, Tensor]:
-    """Recorded outcomes of ``actions`` (M, G) for rows ``sample_index`` (M,) -> reward parts (M, G)."""
+                   reward: RewardConfig, latency_ms: Tensor | None = None) -> dict[str, Tensor]:
+    """Recorded outcomes of ``actions`` (M, G) for rows ``sample_index`` (M,) -> reward parts (M, G);
+    ``latency_ms`` (M, A) replaces the rows' recorded latencies where given."""
     rows = sample_index[:, None]
     score = data.score[rows, actions]
-    latency_ms = data.latency_ms[rows, actions]
+    latencies = data.latency_ms[sample_index] if latency_ms is None else latency_ms
+    latency_ms = latencies.gather(1, actions)
     if not bool(data.mask[rows, actions].all()):
         msg = "sampled a configuration outside the sample's mask (not recorded): this is a bug"
         raise AssertionError(msg)
@@ -119,10 +121,13 @@ def lookup_rewards(data: OfflineData, sample_index: Tensor, actions: Tensor, bud
 
 @torch.no_grad()
 def sample_groups(policy: ControllerPolicy, data: OfflineData, sample_index: Tensor, budget_ms: Tensor,
-                  group_size: int, reward: RewardConfig, generator: torch.Generator | None = None) -> GroupSamples:
+                  group_size: int, reward: RewardConfig, generator: torch.Generator | None = None,
+                  latency_ms: Tensor | None = None) -> GroupSamples:
     """Draw ``group_size`` configurations (i.i.d., with replacement) per (sample, budget) from pi.
 
     The sampling policy runs in eval mode; its log-probs are the "old" policy of the clipped ratio.
+    ``latency_ms`` (M, A): the latencies the rewards and violations are judged by, in place of the
+    rows' recorded ones (the trainer's jittered draws).
     """
     was_training = policy.training
     policy.eval()
@@ -132,8 +137,9 @@ def sample_groups(policy: ControllerPolicy, data: OfflineData, sample_index: Ten
         policy.train(was_training)
     probs = log_probs.exp()
     actions = torch.multinomial(probs, group_size, replacement=True, generator=generator)
-    parts = lookup_rewards(data, sample_index, actions, budget_ms, reward)
-    over = data.latency_ms[sample_index] > budget_ms.float()[:, None]  # (M, A); NaN (unrecorded) compares False
+    latencies = data.latency_ms[sample_index] if latency_ms is None else latency_ms
+    parts = lookup_rewards(data, sample_index, actions, budget_ms, reward, latencies)
+    over = latencies > budget_ms.float()[:, None]  # (M, A); NaN (unrecorded) compares False
     return GroupSamples(sample_index=sample_index, budget_ms=budget_ms, actions=actions,
                         old_log_probs=log_probs.gather(1, actions), rewards=parts["reward"], parts=parts,
                         violated=over.gather(1, actions), expected_violation=(probs * over).sum(-1))

@@ -45,7 +45,14 @@ from trainer.baselines import LookupTableDecider
 from trainer.config import OfflineTrainConfig, check_training_memory
 from trainer.constraint import ViolationConstraint
 from trainer.crossfit import check_folds, deployed_data, fit_cross_fitted_fallback, load_folds, train_folds
-from trainer.data import OfflineData, budget_grid, load_offline_data, nonempty_split, training_targets
+from trainer.data import (
+    OfflineData,
+    budget_grid,
+    hold_out_dataset,
+    load_offline_data,
+    nonempty_split,
+    training_targets,
+)
 from trainer.evaluate import evaluate_run
 from trainer.fallback import attach_fallback, fit_table_fallback
 from trainer.grpo import policy_loss, sample_groups
@@ -73,7 +80,10 @@ class OfflineTrainer:
         self.workspace = Workspace(config.workspace)
         self.notify = progress or (lambda event: None)
         resume = RunDir.resolve(self.workspace, config.resume) if config.resume else None
-        self.data = data if data is not None else load_offline_data(self.workspace, config.model_fingerprint)
+        # with a held-out dataset the run learns from the others, and is evaluated on it
+        self.full_data = data if data is not None else load_offline_data(self.workspace, config.model_fingerprint)
+        self.data = (hold_out_dataset(self.full_data, config.holdout_dataset)[1] if config.holdout_dataset
+                     else self.full_data)
         nonempty_split(self.data, "test")  # cross-fitted or not, the data must have held-out samples
         # cross-fitted: the deployed network also learns from the test split (the folds judge it)
         trained_on = deployed_data(self.data) if config.cross_fit_folds else self.data
@@ -188,7 +198,7 @@ class OfflineTrainer:
             if not self.config.disable_evaluation:
                 num_epochs = self.config.num_epochs
                 self.notify({"phase": "evaluate", "epoch": num_epochs, "num_epochs": num_epochs})
-                evaluation = evaluate_run(self.workspace, self.run.path, data=self.data)
+                evaluation = evaluate_run(self.workspace, self.run.path, data=self.full_data)
                 if evaluation is not None:  # a test may stand in for the evaluation
                     self.reporter.log_evaluation(evaluation.to_dicts())
         except BaseException as err:  # record why the run stopped, then let the error through
@@ -235,8 +245,14 @@ class OfflineTrainer:
     def step(self, index: torch.Tensor, budgets: torch.Tensor) -> dict[str, float]:
         """Sample one batch of groups, take ``num_iterations`` gradient steps on it; the step's metrics."""
         config = self.config
+        latency = self.train_split.latency_ms[index]
+        if config.latency_jitter > 0:
+            # a recorded latency is one run's draw: judged against fresh draws around it, a sample
+            # that happened to run fast cannot be learned as a fast sample
+            noise = torch.randn(latency.shape, generator=self.generator, dtype=latency.dtype)
+            latency = latency * torch.exp(config.latency_jitter * noise)
         groups = sample_groups(self.policy, self.train_split, index, budgets, config.group_size, config.reward,
-                               self.generator)
+                               self.generator, latency_ms=latency)
         if self.constraint.target is not None:
             # the multiplier's price of a violation joins the reward (and its logged violation term)
             extra = self.constraint.penalty(budgets)[:, None] * groups.violated.float()
@@ -302,11 +318,12 @@ class OfflineTrainer:
             fallback = fit_cross_fitted_fallback(models, training_targets(self.data, self.config.score_target),
                                                  self.val_budgets, self.config.reward,
                                                  LookupTableDecider(self.train_recorded),
-                                                 self.config.fallback_confidence)
+                                                 self.config.fallback_confidence, self.config.fallback_prefers)
         else:
             best = ControllerPolicy.load(self.run.best_checkpoint)
             fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
-                                          self.config.reward, confidence=self.config.fallback_confidence)
+                                          self.config.reward, confidence=self.config.fallback_confidence,
+                                          prefers=self.config.fallback_prefers)
         attach_fallback(self.run.best_checkpoint, fallback)
 
     def _write_run_row(self, **changes: Any) -> None:
