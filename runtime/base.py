@@ -325,6 +325,31 @@ class ModelRuntime(ABC):
         except ValueError as exc:
             raise KnobError(str(exc)) from exc
 
+    # -- limits and cancellation
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was built for (its position range), None where unknown."""
+        return None
+
+    def prompt_token_count(self, question: str) -> int:
+        """Tokens of the question's formatted prompt, as :meth:`preprocess` tokenizes it (no image tokens)."""
+        return int(self.preprocess(None, question, 1).num_text_tokens)
+
+    @contextmanager
+    def between_blocks(self, check: Callable[[int], None]) -> Iterator[None]:
+        """Call ``check(i)`` before decoder block i runs, in every forward inside the ``with`` block.
+
+        An exception ``check`` raises stops the forward there: a prefill whose request is no longer
+        wanted ends within one block's time instead of running every block (the runtimes restore
+        their knobs and layer lists on the way out)."""
+        handles = [layer.register_forward_pre_hook(lambda _module, _args, i=i: check(i))
+                   for i, layer in enumerate(self.decoder_layers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     # -- generation
     #: the end-of-sequence token id (generation stops after it)
     eos_id: int

@@ -81,6 +81,10 @@ class OlmoeDecoderRuntime(ModelRuntime):
         CPU, ``ImageFeatures.global_crop``) from the same vision pass, else None (None too
         without an image)."""
 
+    @property
+    def context_length(self) -> int | None:
+        return int(self.decoder.config.max_position_embeddings)
+
     def precision_context(self) -> AbstractContextManager:
         """The context of every forward: products rounded to the storage dtype (``runtime.precision``)."""
         return compute_context(self.dtype)

@@ -119,7 +119,8 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
         if image is None:
             ids = torch.tensor([text_ids], dtype=torch.long)
             return ModelInputs(ids, torch.ones_like(ids), None, None, None, prompt, len(text_ids))
-        image = image.convert("RGB")
+        if image.mode != "RGB":  # convert() copies even an RGB image: a large one would be held twice
+            image = image.convert("RGB")
         rows, cols = self.tiling(image.width, image.height, max_crops)
         crop, win, margin = self.spec.crop_px, self.spec.window_px, self.spec.total_margin_px
         resized = image.resize((cols * win + margin, rows * win + margin), Image.Resampling.BICUBIC)

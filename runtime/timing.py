@@ -129,6 +129,11 @@ class StageTimer(HookTimer):
         for layer in decoder_layers:
             self._hook(layer, self._block_pre, self._block_post)
 
+    @property
+    def current_segment(self) -> str | None:
+        """The name of the open segment, None outside one."""
+        return None if self._current is None else self._current.name
+
     # hooks: cheap (an attribute check and a mark)
     def _vision_pre(self, module, args) -> None:
         seg = self._current
