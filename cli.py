@@ -642,7 +642,9 @@ def serve(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="CTRL_API_KEY", help=_serve_help("api_key"),
                                                 show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help=_serve_help("device"))] = _serve_default("device"),
-    dtype: DtypeOption = Dtype.auto,
+    # a plain string, checked by ServeConfig: a bad value is one line and exit 1, as for --device
+    dtype: Annotated[str, typer.Option("--dtype", metavar="<auto|bfloat16|float16|float32>", help=_serve_help(
+        "dtype"))] = _serve_default("dtype"),
     threads: Annotated[int, typer.Option("--threads", help=_serve_help("threads"))] = _serve_default("threads"),
     max_queue: Annotated[int, typer.Option("--max-queue", help=_serve_help("max_queue"))] = _serve_default(
         "max_queue"),
@@ -664,6 +666,10 @@ def serve(
         "max_body_bytes"))] = _serve_default("max_body_bytes"),
     max_prompt_chars: Annotated[int, typer.Option("--max-prompt-chars", help=_serve_help(
         "max_prompt_chars"))] = _serve_default("max_prompt_chars"),
+    max_prompt_tokens: Annotated[int | None, typer.Option("--max-prompt-tokens", help=_serve_help(
+        "max_prompt_tokens"), show_default=False)] = None,
+    queue_deadline: Annotated[float, typer.Option("--queue-deadline", help=_serve_help(
+        "queue_deadline"))] = _serve_default("queue_deadline"),
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", help=_serve_help(
         "max_image_pixels"))] = _serve_default("max_image_pixels"),
     local_images: Annotated[Path | None, typer.Option("--local-images", help=_serve_help("local_images"),
@@ -676,23 +682,26 @@ def serve(
 ) -> None:
     """Serve the model over HTTP (OpenAI chat completions) with the controller choosing each request's
     knobs within its latency budget; every request is recorded in the workspace (view `requests`).
-    SIGTERM or Ctrl-C drains the requests in flight and exits 0."""
+    SIGTERM or Ctrl-C drains the requests in flight and exits 0; a second one stops at once and exits 1."""
     from serve.config import ServeConfig
     from serve.server import serve as run_server
 
     with handled(also=(ValueError,)):
         config = ServeConfig(model=model, controller=controller, workspace=workspace, host=host, port=port,
                              allow_remote=allow_remote, auth_by_proxy=auth_by_proxy,
-                             api_key=api_key, device=device, dtype=dtype.value,
+                             api_key=api_key, device=device, dtype=dtype,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
                              queue_aware=queue_aware, met_target=met_target,
                              default_max_tokens=default_max_tokens,
                              max_tokens_limit=max_tokens_limit,
                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                             max_prompt_tokens=max_prompt_tokens, queue_deadline=queue_deadline,
                              max_image_pixels=max_image_pixels,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup)
-        run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
+        drained = run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
+    if not drained:
+        raise typer.Exit(1)
 
 
 # -- profiling ---------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ Endpoints (docs/serving.md#http-api):
 
 Every error is an OpenAI error object with one clear message; 4xx for the client's mistakes
 (400 bad request, 401 no or wrong key, 404 unknown model or path, 413 body too large), 503 with
-Retry-After when the queue is full. With an API key, every endpoint but ``/health`` requires
+Retry-After when the queue is full, 504 for a request dropped from the queue after its budget had
+long passed, and 500 (counted as ``error``, the details in the server's log, never in the reply)
+for anything unexpected. With an API key, every endpoint but ``/health`` requires
 ``Authorization: Bearer KEY``.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -31,13 +34,22 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine import LATENCY_PARTS, Engine, Overloaded, Result, new_job
-from serve.protocol import Limits, RequestError, parse_chat_request, parse_json_body
+from serve.engine import LATENCY_PARTS, Cancelled, Engine, Overloaded, Result, new_job
+from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
 
 #: how often a waiting handler checks whether its client is still connected
 DISCONNECT_POLL_S = 0.05
 #: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)
 DECODE_SLOTS = 2
+
+logger = logging.getLogger("uvicorn.error")
+
+
+def internal_error(request_id: str | None = None) -> RequestError:
+    """The 500 of an unexpected failure: one line, no exception text (it may hold paths or object reprs)."""
+    ref = f" (request {request_id})" if request_id else ""
+    return RequestError(500, f"the server failed to answer this request{ref}; the server's log has the details",
+                        None, "internal_error")
 
 
 def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None) -> FastAPI:
@@ -58,10 +70,13 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
 
     def parse_bounded(data: Any) -> Any:
         with decode_slots:  # decoded images are what a burst of requests holds in memory
-            return parse_chat_request(data, limits)
+            chat = parse_chat_request(data, limits)
+        # tokenized here, before the request is queued: a prompt too long never waits for the model
+        check_prompt_tokens(engine.runtime.prompt_token_count(chat.question), limits)
+        return chat
 
     def error(exc: RequestError) -> JSONResponse:
-        if exc.status != 503:
+        if 400 <= exc.status < 500:  # 503s, 504s and 500s are counted where they arise
             engine.metrics.requests.labels(status="invalid").inc()
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
         if exc.status == 401:
@@ -71,6 +86,12 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
         return error(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises it after this answer, so the traceback still reaches the server's log
+        engine.metrics.requests.labels(status="error").inc()
+        return error(internal_error())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -128,7 +149,16 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
             if await request.is_disconnected():
                 job.cancelled.set()  # the worker stops at the next stage or token
                 return JSONResponse({}, status_code=499)
-        result: Result = job.future.result()
+        try:
+            result: Result = job.future.result()
+        except RequestError:
+            raise
+        except Cancelled:  # the server was stopped at once (a gone client's handler has left already)
+            return error(RequestError(503, "the server was stopped before it answered this request", None,
+                                      "server_stopped"))
+        except Exception as exc:  # the engine has recorded and counted it as an error
+            logger.error("request %s failed: %s: %s", job.request_id, type(exc).__name__, exc, exc_info=exc)
+            return error(internal_error(job.request_id))
         return JSONResponse(_completion(job.request_id, engine.model_name, result))
 
     return app

@@ -19,6 +19,8 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: how many of the latest requests the measured latency scale is a quantile over
 LATENCY_SCALE_WINDOW = 32
+#: the prompt-token limit of a model whose runtime does not say its context length
+FALLBACK_MAX_PROMPT_TOKENS = 4096
 #: host names that always mean loopback
 LOOPBACK_NAMES = {"localhost"}
 
@@ -83,6 +85,15 @@ class ServeConfig:
     max_prompt_chars: int = field(default=8000, metadata=_help(
         "The most characters of question text a request may send (400 above): the prefill's time grows "
         "with the prompt, quadratically, and holds the one model thread."))
+    max_prompt_tokens: int | None = field(default=None, metadata=_help(
+        "The most tokens the question's formatted prompt may have, as the model's tokenizer counts them before "
+        "the request is queued (400 above; the image's tokens come on top, bounded by the crops). Default: the "
+        "model's context length (2048 for the embedded model and the testbed, 4096 for MolmoE-1B), "
+        f"{FALLBACK_MAX_PROMPT_TOKENS} where the runtime does not know it."))
+    queue_deadline: float = field(default=4.0, metadata=_help(
+        "A request that has spent this many times its latency budget since it arrived when the model could "
+        "start it is dropped instead of run (504, deadline_exceeded): its answer would come far too late, and "
+        "running it would delay every request behind it (0: never drop)."))
     max_image_pixels: int = field(default=25_000_000, metadata=_help(
         "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
     local_images: Path | None = field(default=None, metadata=_help(
@@ -98,8 +109,10 @@ class ServeConfig:
             msg = f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             raise ValueError(msg)
         for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_body_bytes", "max_prompt_chars",
-                     "max_image_pixels"):
+                     "max_prompt_tokens", "max_image_pixels"):
             value = getattr(self, name)
+            if value is None and name == "max_prompt_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 raise ValueError(msg)
@@ -122,6 +135,10 @@ class ServeConfig:
             raise ValueError(msg)
         if not (math.isfinite(self.latency_scale_quantile) and 0 <= self.latency_scale_quantile <= 1):
             msg = f"--latency-scale-quantile must be in [0, 1], got {self.latency_scale_quantile!r}"
+            raise ValueError(msg)
+        if isinstance(self.queue_deadline, bool) or not (math.isfinite(self.queue_deadline)
+                                                          and self.queue_deadline >= 0):
+            msg = f"--queue-deadline must be a number >= 0 (times the budget; 0: never), got {self.queue_deadline!r}"
             raise ValueError(msg)
         if not (math.isfinite(self.met_target) and 0 <= self.met_target < 1):
             msg = f"--met-target must be in [0, 1) (0: no margin), got {self.met_target!r}"

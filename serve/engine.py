@@ -29,8 +29,11 @@ configuration's reference latency, the request takes the fastest configuration w
 the controller (:class:`serve.deciders.CheapestConfig`).
 
 ``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
-the response's serialisation and transfer. A cancelled request (its client disconnected)
-stops at the next stage or token.
+the response's serialisation and transfer. A cancelled request (its client disconnected, or the
+server was told to stop at once: :meth:`Engine.abort`) stops before the next decoder block,
+stage or token: the prefill of a long prompt is cut within one block's time. A request that has
+spent ``queue_deadline`` times its budget when the worker takes it from the queue is dropped
+(:class:`DeadlineExceeded`) rather than run.
 """
 
 from __future__ import annotations
@@ -80,7 +83,16 @@ def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | N
 
 
 class Cancelled(Exception):
-    """The client went away: the request stops where it is."""
+    """The client went away, or the server stops at once: the request stops where it is (the message says where)."""
+
+
+class DeadlineExceeded(RequestError):
+    """A request dropped from the queue: its budget had long passed before the model could start it."""
+
+    def __init__(self, spent_ms: float, budget_ms: float, factor: float) -> None:
+        super().__init__(504, f"the request waited {spent_ms:,.0f} ms for the model, more than {factor:g} x its "
+                              f"latency budget of {budget_ms:,.0f} ms: dropped instead of answered that late",
+                         "latency_budget_ms", "deadline_exceeded")
 
 
 @dataclass
@@ -144,8 +156,10 @@ class Engine:
     def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
-                 queue_aware: bool = True, budget_margin: BudgetMargin | None = None) -> None:
+                 queue_aware: bool = True, budget_margin: BudgetMargin | None = None,
+                 queue_deadline: float = 0.0) -> None:
         self.runtime, self.decider = runtime, decider
+        self.queue_deadline = float(queue_deadline)
         self.queue_aware = bool(queue_aware)
         self.model_name = model_name
         self.max_queue = int(max_queue)
@@ -166,6 +180,7 @@ class Engine:
         self._service_s: deque[float] = deque(maxlen=50)
         self._overheads: deque[float] = deque(maxlen=64)
         self._worker: threading.Thread | None = None
+        self._aborting = threading.Event()
         self.served = 0
 
     # -- lifecycle
@@ -173,8 +188,13 @@ class Engine:
         self._worker = threading.Thread(target=self._run, name="ctrl-serve-worker", daemon=True)
         self._worker.start()
 
+    def abort(self) -> None:
+        """Stop at once: the running request stops before its next decoder block, the queued ones are
+        not run (each recorded as cancelled); :meth:`stop` then returns within one block's time."""
+        self._aborting.set()
+
     def stop(self) -> None:
-        """Finish the queued requests, then stop the worker and close the log."""
+        """Finish the queued requests (or, after :meth:`abort`, cancel them), then stop the worker and close the log."""
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join()
@@ -249,7 +269,7 @@ class Engine:
                 started = time.perf_counter()
                 outcome: Result | BaseException
                 try:
-                    outcome = self.execute(job)
+                    outcome = self._expired(job) or self.execute(job)
                 except BaseException as exc:  # every failure goes back to its request, the worker lives on
                     outcome = exc
                 finally:  # the slot is free before the answer leaves: a client's next request finds room
@@ -258,6 +278,17 @@ class Engine:
                         self._pending -= 1
                         self.metrics.queue_length.set(self._pending)
                 job.finish(outcome)
+
+    def _expired(self, job: Job) -> DeadlineExceeded | None:
+        """The job's :class:`DeadlineExceeded` (recorded as ``dropped``) when it has spent more than
+        ``queue_deadline`` times its budget; None when it is still worth running."""
+        spent_ms = (time.perf_counter() - job.arrival) * 1000.0
+        if not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
+            return None
+        queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
+        dropped = DeadlineExceeded(spent_ms, job.budget_ms, self.queue_deadline)
+        self._record(job, "dropped", queue_ms=queue_ms, waited_ms=spent_ms, error=dropped.message)
+        return dropped
 
     def execute(self, job: Job, *, record: bool = True) -> Result:
         """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
@@ -269,7 +300,7 @@ class Engine:
         try:
             self._check(job)
             waited_ms = (time.perf_counter() - job.arrival) * 1000.0
-            with torch.inference_mode():
+            with torch.inference_mode(), runtime.between_blocks(lambda block: self._check(job, block)):
                 with self.timer.segment("stage1", stages):
                     lang = runtime.lang_features([req.question])[0]
                     tiling = _tiling(runtime, req.image, decider.max_crops_values)
@@ -311,9 +342,9 @@ class Engine:
                     tokens = greedy_decode(int(state.logits.argmax()), next_token, runtime.eos_id, req.max_tokens)
                 text = runtime.decode_text(tokens)
             total_ms = (time.perf_counter() - job.arrival) * 1000.0
-        except Cancelled:
+        except Cancelled as stopped:
             if record:
-                self._record(job, "cancelled", queue_ms=queue_ms)
+                self._record(job, "cancelled", queue_ms=queue_ms, error=str(stopped))
             raise
         except RequestError:
             raise
@@ -348,9 +379,16 @@ class Engine:
                                      stages=stages) if record else {}
         return result
 
-    def _check(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            raise Cancelled
+    def _check(self, job: Job, block: int | None = None) -> None:
+        """Raise :class:`Cancelled` (saying why and where) when the job's client has gone or the server aborts."""
+        if not (job.cancelled.is_set() or self._aborting.is_set()):
+            return
+        why = "the client disconnected" if job.cancelled.is_set() else "the server was stopped at once"
+        stage = self.timer.current_segment
+        where = f" during {_STAGE_NAMES.get(stage, stage)}" if stage else ""
+        before = f", before decoder block {block}" if block is not None else ""
+        msg = f"{why}{where}{before}"
+        raise Cancelled(msg)
 
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
                 budget_left_ms: float | None = None, queue_cap_ms: float | None = None,
@@ -390,6 +428,10 @@ class Engine:
         self.metrics.observe(row)
         self.served += 1
         return row
+
+
+#: what a cancelled request's record calls the segment it stopped in
+_STAGE_NAMES = {"prefix": "the vision pass and the prefill", "suffix": "the prefill", "decode": "decoding"}
 
 
 def _tiling(runtime: ModelRuntime, image: Image.Image | None, max_crops_values: tuple[int, ...]) -> torch.Tensor:

@@ -40,7 +40,8 @@ class RequestError(Exception):
     @property
     def error_type(self) -> str:
         return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "server_overloaded"}.get(self.status, "invalid_request_error")
+                429: "rate_limit_error", 500: "server_error", 503: "server_overloaded",
+                504: "timeout_error"}.get(self.status, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
@@ -71,6 +72,8 @@ class Limits:
     image_required: bool = False
     #: the most characters of question text (the prefill's cost grows with it, quadratically)
     max_prompt_chars: int = option_default("max_prompt_chars")
+    #: the most tokens of the formatted prompt (None: no limit; the server sets the model's context length)
+    max_prompt_tokens: int | None = None
     #: the largest image file read from ``local_images`` (a data: URI meets the body's limit instead)
     max_image_file_bytes: int = option_default("max_body_bytes")
 
@@ -238,6 +241,13 @@ def _question(text: str, where: str, limits: Limits) -> str:
     return _unicode(text, where)
 
 
+def check_prompt_tokens(count: int, limits: Limits) -> None:
+    """A 400 naming the count and the limit when the prompt has more than ``limits.max_prompt_tokens`` tokens."""
+    if limits.max_prompt_tokens is not None and count > limits.max_prompt_tokens:
+        _refuse(f"`messages[0].content` makes a prompt of {count:,} tokens, more than the server's limit of "
+                f"{limits.max_prompt_tokens:,} (--max-prompt-tokens)", "messages[0].content", "prompt_too_long")
+
+
 def load_image(url: str, limits: Limits, where: str) -> Image.Image:
     """The RGB image of a ``data:`` URI (or of a file under ``limits.local_images``)."""
     if url.startswith("data:"):
@@ -299,7 +309,9 @@ def decode_image(data: bytes, max_pixels: int, where: str) -> Image.Image:
                     msg = (f"`{where}`: the image declares {width} x {height} = {width * height:,} pixels, more than "
                            f"the server's limit of {max_pixels:,} pixels")
                     _refuse(msg, where, "image_too_large")
-                return img.convert("RGB")
+                img.load()
+                # an RGB image as decoded: convert() would copy it, and a burst holds one per request
+                return img if img.mode == "RGB" else img.convert("RGB")
     except RequestError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

@@ -2,12 +2,15 @@
 
 uvicorn runs the app: on SIGTERM (or SIGINT) it stops accepting connections, lets the requests
 in flight finish, then the app's lifespan stops the engine (the queue drains) and the process
-exits 0.
+exits 0. A second SIGTERM (or SIGINT) stops at once: the request running stops before its next
+decoder block, the queued ones are not run (each recorded as cancelled) and the process exits 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import signal
 import socket
 import threading
@@ -18,7 +21,7 @@ from pipeline.workspace import Workspace
 from runtime import load_runtime
 from serve.app import create_app
 from serve.calibration import BudgetMargin, LatencyScale
-from serve.config import ServeConfig
+from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.deciders import load_decider
 from serve.engine import Engine, warm_up
 from serve.protocol import Limits, warm_image_decoding
@@ -36,7 +39,7 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
                     default_budget_ms=config.default_budget_ms, threads=config.threads,
                     request_log=RequestLog(workspace), latency_scale=scale, queue_aware=config.queue_aware,
-                    budget_margin=BudgetMargin(config.met_target or None))
+                    budget_margin=BudgetMargin(config.met_target or None), queue_deadline=config.queue_deadline)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)
     log(f"controller {decider.controller_run} ({decider.phase}); default budget {engine.default_budget_ms:.1f} ms; "
@@ -55,11 +58,36 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     return engine
 
 
+def max_prompt_tokens(config: ServeConfig, engine: Engine) -> int:
+    """``--max-prompt-tokens``, else the model's context length, else a fixed default."""
+    return int(config.max_prompt_tokens or engine.runtime.context_length or FALLBACK_MAX_PROMPT_TOKENS)
+
+
 def limits_of(config: ServeConfig, engine: Engine) -> Limits:
     return Limits(default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit,
                   max_image_pixels=config.max_image_pixels, local_images=config.local_images,
                   image_required=not engine.runtime.answers_without_image,
-                  max_prompt_chars=config.max_prompt_chars, max_image_file_bytes=config.max_body_bytes)
+                  max_prompt_chars=config.max_prompt_chars, max_prompt_tokens=max_prompt_tokens(config, engine),
+                  max_image_file_bytes=config.max_body_bytes)
+
+
+#: glibc's mallopt parameter: the allocation size from which memory is mapped on its own
+_M_MMAP_THRESHOLD = -3
+#: allocations of this size and more (decoded images, their crops, long prompts' activations) are mapped
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def map_large_allocations() -> None:
+    """Have glibc map every allocation of ``MMAP_THRESHOLD_BYTES`` or more on its own, so that its
+    memory goes back to the system when freed. By default glibc raises that threshold to the size of
+    the largest buffer freed (up to 32 MiB) and then keeps such buffers in per-thread heaps: a burst
+    of large images, decoded on several threads, left the server holding gigabytes it no longer used.
+    A no-op where the C library has no mallopt."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -77,16 +105,22 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(msg) from None
 
 
-def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> None:
-    """Run the server in this process until it is told to stop."""
+def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> bool:
+    """Run the server in this process until it is told to stop. False when a second signal stopped
+    it at once (the requests it cut short are recorded as cancelled), True when it drained."""
     import uvicorn  # deferred: only this command needs it
 
     check_port_free(config.host, config.port)  # before the model loads: a taken port is found in a second
+    map_large_allocations()
     engine = build_engine(config, log)
     app = create_app(engine, limits_of(config, engine), max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     server = _draining_server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                            access_log=False, lifespan="on"))
+                                            access_log=False, lifespan="on"), engine)
     server.run()
+    if server.force_exit:  # uvicorn skips the lifespan's shutdown then: the worker ends within one block
+        engine.stop()
+        log("stopped at once by a second signal: the requests in flight were cancelled (recorded as such)")
+    return not server.force_exit
 
 
 def _draining_server_class() -> type:
@@ -94,7 +128,20 @@ def _draining_server_class() -> type:
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server, but a SIGTERM / SIGINT that drained the requests ends the process with
-        exit code 0 (uvicorn re-raises the signal once shut down, which makes the exit code -15)."""
+        exit code 0 (uvicorn re-raises the signal once shut down, which makes the exit code -15), and
+        a second SIGTERM, not only a second SIGINT, stops at once: the engine aborts the request
+        running between two decoder blocks rather than finishing a long prefill."""
+
+        def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if self.should_exit:
+                self.force_exit = True
+                self.engine.abort()
+            else:
+                self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
