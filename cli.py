@@ -85,6 +85,11 @@ class OutputFormat(str, Enum):
     json = "json"
 
 
+class GroupBy(str, Enum):
+    dataset = "dataset"
+    family = "family"
+
+
 def _print(text: str) -> None:
     """A result line on stdout, printed as is."""
     out.print(text, highlight=False, markup=False)
@@ -403,7 +408,10 @@ def train(
                                                          rich_help_panel=REWARD)] = None,
     fallback_confidence: Annotated[float | None, _train_opt("fallback_confidence", min=0.5, max=0.999,
                                                             rich_help_panel=REWARD)] = None,
+    fallback_prefers: Annotated[str | None, _train_opt("fallback_prefers", rich_help_panel=REWARD)] = None,
+    latency_jitter: Annotated[float | None, _train_opt("latency_jitter", min=0.0, rich_help_panel=REWARD)] = None,
     cross_fit_folds: Annotated[int | None, _train_opt("cross_fit_folds", min=0, rich_help_panel=REWARD)] = None,
+    holdout_dataset: Annotated[str | None, _train_opt("holdout_dataset")] = None,
     use_tilings: Annotated[bool | None, _train_opt("use_tilings", "--use-tilings/--no-tilings")] = None,
     hidden_dim: Annotated[int | None, _train_opt("hidden_dim", min=8)] = None,
     run_id: Annotated[str | None, _train_opt("run_id")] = None,
@@ -535,11 +543,14 @@ def evaluate(
                                                           "default: the run's grid).")] = None,
     max_samples: Annotated[int | None, typer.Option("--max-samples", min=1, help="Online runs: test samples to run "
                                                     "(default: all).")] = None,
+    by: Annotated[GroupBy | None, typer.Option("--by", help="Offline runs: also print the accuracy per dataset or "
+                                               "per question family (all in evaluation_groups.parquet).")] = None,
 ) -> None:
     """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
     the baselines on the recorded outcomes, an online run against its offline start with the model."""
     from pipeline import Workspace
     from trainer import RunDir, evaluate_run, evaluation_title, format_evaluation_table
+    from trainer.evaluate import GROUPS_FILE, format_group_table
 
     with handled(also=(ValueError,)):
         run_dir = RunDir.resolve(Workspace(workspace), run, ("offline", "online"))
@@ -553,7 +564,16 @@ def evaluate(
         with handled(also=(ValueError,)):
             frame = evaluate_run(workspace, run_dir.path, budget_ms or None)
     out.print(format_evaluation_table(frame, evaluation_title(run_dir.path)))
-    _print(f"written: {run_dir.path / 'evaluation.parquet'}, {run_dir.path / 'evaluation.png'}")
+    written = [run_dir.path / name for name in ("evaluation.parquet", "evaluation.png", GROUPS_FILE)]
+    if by is not None:
+        if not written[2].is_file():
+            from pipeline.errors import CtrlError
+
+            raise _fail(CtrlError(f"{written[2]}: no per-group evaluation (online runs have none)"))
+        import polars as pl
+
+        out.print(format_group_table(pl.read_parquet(written[2]), by.value))
+    _print("written: " + ", ".join(str(p) for p in written if p.is_file()))
 
 
 @app.command()

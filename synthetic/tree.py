@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from pipeline.keys import build_sample_key
 from pipeline.knobs import (
     BALANCED_MAX_CROPS,
     BALANCED_NUM_ACTIVE_BLOCKS,
@@ -185,8 +186,6 @@ def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
 def expected_scores_by_key(spec: SyntheticSpec, configs: list[Config]) -> dict[tuple[str, str], np.ndarray]:
     """Per (dataset, sample_key as ingest builds it), the hidden expected score (exp6) of each of
     ``configs``: what a decision on that sample is worth without outcome noise."""
-    from pipeline.keys import build_sample_key
-
     truth = build_truth(spec)
     out: dict[tuple[str, str], np.ndarray] = {}
     for ds in spec.datasets:

@@ -276,8 +276,8 @@ class OfflineTrainConfig(TrainingConfig):
     violation_target: the share of decisions over budget allowed at each budget (float in (0, 1);
         None = off, reward shaping only). Its default sits below the 5 % goal because the
         multipliers see the train split, whose per-sample latencies the policy can partly learn
-        even through ``latency_jitter``: new samples violate more. A multiplier lambda(b) >= 0 per point of the validation budget
-        grid (linear in between) is subtracted from the reward of every violating
+        even through ``latency_jitter``: new samples violate more. A multiplier lambda(b) >= 0
+        per point of the validation budget grid (linear in between) is subtracted from the reward of every violating
         configuration; after each step it moves by ``violation_lr`` times (the sampling
         policy's exact violation probability near b - target).
     violation_lr: dual step size (float > 0).
