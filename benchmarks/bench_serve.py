@@ -39,8 +39,8 @@ served budget into the profile's ms for the tables, as the server does: (budget 
 Capacity, scale and reserve are saved (``<out>.calibration.json``) so that a resumed run uses the
 same arrival times. Per load one request sequence and one Poisson arrival sequence (both seeded by
 the load) are sent open loop (a request leaves at its time whether or not earlier ones are
-answered; latency runs from the scheduled time to the last byte; a 503 or an error is missed and
-wrong) once for each of:
+answered; latency runs from the scheduled time to the last byte; a 503, a 504 (the server's queue
+deadline) or an error is missed and wrong) once for each of:
 
 * "controller": the request's ``latency_budget_ms`` is the budget, no knobs (one run per budget), on a
   server with its defaults: queue-aware budgets and the met target's margin
@@ -617,7 +617,9 @@ def cell_stats(outs: Sequence[Outcome], budget_ms: float, warmup: int) -> dict[s
             **{f"p{q}_ms": percentile(latencies, q) for q in (50, 95, 99)},
             "throughput_rps": len(answered) / span if span > 0 else math.nan,
             "rejected_503": sum(o.status == 503 for o in measured),
-            "errors": sum(o.status not in (200, 503) for o in measured),
+            # the server's queue deadline dropped it (docs/serving.md): missed, not an error
+            "dropped_504": sum(o.status == 504 for o in measured),
+            "errors": sum(o.status not in (200, 503, 504) for o in measured),
             "configs": dict(sorted(histogram.items(), key=lambda kv: -kv[1])),
             "decided_by": dict(Counter(o.decided_by for o in answered if o.decided_by)),
             # the scale the server divided the budgets by, as the replies report it
