@@ -262,8 +262,8 @@ class OfflineTrainConfig(TrainingConfig):
     kl_beta: weight β of the exact KL(pi || initial policy) (float >= 0; 0 = off).
         The initial policy is the warm-started one. The default keeps the controller near the
         outcome model's per-sample choice: with a weaker anchor, GRPO on single recorded
-        outcomes moved whole question families to cheaper configurations that new samples
-        then answered worse (docs/results.md).
+        outcomes moved it to cheaper configurations that new samples then answered worse
+        (docs/results.md).
 
     latency_jitter: each time a sample's group is drawn, its recorded latencies are multiplied by
         exp(``latency_jitter`` x N(0, 1)), one draw per configuration (float >= 0; 0 = off). A

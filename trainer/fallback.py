@@ -20,9 +20,9 @@ violations first, then reward:
   confidence. ``prefers="table"``: the controller answers only where it is better with
   confidence (safe policy improvement: Thomas et al. 2015, "High-confidence off-policy
   evaluation"; Laroche et al. 2019, SPIBB). Measured on unseen generated worlds, the table
-  at the budgets where the two are close cost up to 3 points against the per-family table,
-  which the controller follows there; the controller at those budgets costs at most about
-  1.5 points against the p95 table (docs/results.md);
+  at the budgets where the two are close cost up to 2.4 points against the per-family table,
+  which the controller follows there; the controller at those budgets costs up to about
+  2 points against the p95 table (docs/results.md);
 * only one keeps it: that one; neither: the lower violation rate (the controller on a tie).
 
 At the other budgets the deployed controller answers with the table's configuration. A
