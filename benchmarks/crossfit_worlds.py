@@ -31,12 +31,13 @@ SYNTHETIC_WORLDS = (("syn-coco-text-0", ("coco_2014_vqa", "text_vqa"), 0),
                     ("syn-coco-text-2", ("coco_2014_vqa", "text_vqa"), 2))
 
 
-def synthetic_workspace(name: str, datasets: tuple[str, ...], seed: int, samples: int) -> Path:
+def build_world(root: Path, datasets: tuple[str, ...], seed: int, samples: int) -> Path:
+    """The workspace ``root/ws`` of a generated tree in ``root/tree``, ingested with embedded-model
+    features: built once (``root/.ready`` marks it done), reused afterwards."""
     from features import FeatureConfig, extract_features
     from pipeline.ingestion import IngestConfig, ingest
     from synthetic import SyntheticSpec, generate_tree
 
-    root = CACHE / f"{name}-{samples}"
     ws = root / "ws"
     if (root / ".ready").exists():
         return ws
@@ -46,6 +47,10 @@ def synthetic_workspace(name: str, datasets: tuple[str, ...], seed: int, samples
     extract_features(FeatureConfig(workspace=ws, images_dir=root / "tree" / "images"))
     (root / ".ready").write_text("ok\n")
     return ws
+
+
+def synthetic_workspace(name: str, datasets: tuple[str, ...], seed: int, samples: int) -> Path:
+    return build_world(CACHE / f"{name}-{samples}", datasets, seed, samples)
 
 
 def summarize(frame) -> dict[str, float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import sys
@@ -62,35 +61,23 @@ WORLDS = {
 }
 
 
-def world_workspace(datasets: tuple[str, ...], samples: int, seed: int) -> tuple[Path, Path]:
-    """(workspace, tree directory) of one generated tree, ingested with embedded-model features."""
-    from features import FeatureConfig, extract_features
-    from pipeline.ingestion import IngestConfig, ingest
-    from synthetic import SyntheticSpec, generate_tree
+def world_workspace(datasets: tuple[str, ...], samples: int, seed: int) -> Path:
+    """The workspace of one generated tree, ingested with embedded-model features (cached)."""
+    from crossfit_worlds import build_world
 
-    root = CACHE / f"{'+'.join(datasets)}-{samples}-s{seed}"
-    ws, tree = root / "ws", root / "tree"
-    if (root / ".ready").exists():
-        return ws, tree
-    shutil.rmtree(root, ignore_errors=True)
-    generate_tree(SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed), tree)
-    ingest(IngestConfig(paths=[tree / "exp5", tree / "exp6"], workspace=ws))
-    extract_features(FeatureConfig(workspace=ws, images_dir=tree / "images"))
-    (root / ".ready").write_text("ok\n")
-    return ws, tree
+    return build_world(CACHE / f"{'+'.join(datasets)}-{samples}-s{seed}", datasets, seed, samples)
 
 
 def truth_scores(data, datasets: tuple[str, ...], samples: int, seed: int):
     """``data`` with ``score`` (and ``mean_score``) replaced by the hidden expected score of every
     (sample, configuration) of the world generated from (datasets, samples, seed)."""
-    import numpy as np
     import torch
 
-    from synthetic import SyntheticSpec, expected_scores_by_key
+    from synthetic import SyntheticSpec, expected_score_matrix
 
     configs = [tuple(int(v) for v in k) for k in data.action_space.knob_values().tolist()]
-    expected = expected_scores_by_key(SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed), configs)
-    score = torch.from_numpy(np.stack([expected[(ds, key)] for ds, key in zip(data.dataset, data.sample_key)])).float()
+    spec = SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed)
+    score = torch.from_numpy(expected_score_matrix(spec, data.dataset, data.sample_key, configs))
     score = torch.where(data.mask, score, float("nan"))
     return replace(data, score=score, mean_score=score)
 
@@ -106,8 +93,8 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
     from trainer.policy import ControllerPolicy
     from trainer.runs import RunDir, resolve_checkpoint
 
-    train_ws, _ = world_workspace(world.datasets, world.samples, world.train_seed)
-    test_ws, _ = world_workspace(world.datasets, world.samples, world.test_seed)
+    train_ws = world_workspace(world.datasets, world.samples, world.train_seed)
+    test_ws = world_workspace(world.datasets, world.samples, world.test_seed)
     settings = {**overrides, **({} if folds is None else {"cross_fit_folds": folds})}
     named = "-".join(f"{k}{json.dumps(v, sort_keys=True)}" for k, v in sorted(settings.items())) or "defaults"
     run_id = "transfer-" + re.sub(r"[^A-Za-z0-9._-]+", "", named)[:100]
@@ -136,26 +123,12 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
                 FamilyLookupTableDecider(train_data), ClairvoyantDecider()]
     budgets = [round(b, 1) for b in saved.eval_budgets]
     frame = evaluate_deciders(test, deciders, budgets, saved.reward)
-    rows = []
-    fam = {b: torch.tensor(0.0) for b in budgets}
-    by = {(r["decider"], r["budget_ms"]): r for r in frame.iter_rows(named=True)}
-    n = len(test)
-    rows_idx = torch.arange(n)
-    for budget in budgets:
-        family_choice = deciders[4].decide(test, budget)
-        fam[budget] = test.score[rows_idx, family_choice].double()
-    for d in deciders:
-        for budget in budgets:
-            r = by[(d.name, budget)]
-            chosen = d.decide(test, budget)
-            diff = test.score[rows_idx, chosen].double() - fam[budget]
-            rows.append({"world": world.name, "decider": d.name, "budget_ms": budget, "accuracy": r["accuracy"],
-                         "se": r["accuracy_se"], "vs_family": float(diff.mean()),
-                         "vs_family_se": float(diff.std() / math.sqrt(n)), "violation": r["violation_rate"],
-                         "n": n, "train_s": seconds, "fallback": None if fallback is None else
-                         fallback.use_controller[min(range(len(fallback.grid_ms)),
-                                                     key=lambda i: abs(fallback.grid_ms[i] - budget))]})
-    return rows
+    # the fallback's choice per budget: False where the table answers for the controller
+    kept = None if fallback is None else fallback.controller_at(torch.tensor(budgets)).tolist()
+    return [{"world": world.name, "decider": r["decider"], "budget_ms": r["budget_ms"], "accuracy": r["accuracy"],
+             "se": r["accuracy_se"], "violation": r["violation_rate"], "n": r["num_samples"], "train_s": seconds,
+             "fallback": None if kept is None else kept[budgets.index(r["budget_ms"])]}
+            for r in frame.iter_rows(named=True)]
 
 
 def print_world(rows: list[dict]) -> dict:

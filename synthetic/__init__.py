@@ -13,7 +13,7 @@ from synthetic.tree import (
     SyntheticSpec,
     build_truth,
     exp5_batch_size,
-    expected_scores_by_key,
+    expected_score_matrix,
     generate_tree,
     image_filename,
     rank_shards,
@@ -32,7 +32,7 @@ __all__ = [
     # the hidden truth
     "SampleTruth",
     "build_truth",
-    "expected_scores_by_key",
+    "expected_score_matrix",
     "samples_of",
     "SUPPORTED_DATASETS",
     # the origin's batching and sharding, emulated

@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -73,7 +74,7 @@ from synthetic.json_text import HOLE, JsonText, Raw, fill
 from synthetic.truth import SUPPORTED_DATASETS, DatasetTruth, build_dataset, stream
 
 __all__ = ["GENERATOR_VERSION", "GeneratedTree", "SampleTruth", "SyntheticSpec", "build_truth", "exp5_batch_size",
-           "expected_scores_by_key",
+           "expected_score_matrix",
            "generate_tree", "image_filename", "rank_shards", "samples_of", "spec_fingerprint"]
 
 #: bump when the output for an unchanged spec changes (invalidates data/.generated)
@@ -183,16 +184,18 @@ def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
     return {ds: build_dataset(ds, spec.num_samples, spec.seed) for ds in spec.datasets}
 
 
-def expected_scores_by_key(spec: SyntheticSpec, configs: list[Config]) -> dict[tuple[str, str], np.ndarray]:
-    """Per (dataset, sample_key as ingest builds it), the hidden expected score (exp6) of each of
-    ``configs``: what a decision on that sample is worth without outcome noise."""
+def expected_score_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_keys: Sequence[str],
+                          configs: Sequence[Config]) -> np.ndarray:
+    """(N, C) float32: the hidden expected score (exp6) of sample i, named by ``datasets[i]`` and
+    ``sample_keys[i]`` as ingest keys it, under each of ``configs``: what a decision on that sample
+    is worth without outcome noise. A KeyError names a sample the spec does not generate."""
     truth = build_truth(spec)
-    out: dict[tuple[str, str], np.ndarray] = {}
+    rows: dict[tuple[str, str], np.ndarray] = {}
     for ds in spec.datasets:
         scores = np.stack([truth[ds].expected_score(*c, experiment="exp6") for c in configs], axis=1)
         for s in samples_of(ds, truth[ds]):
-            out[(ds, build_sample_key(ds, s.metadata)[0])] = scores[s.index]
-    return out
+            rows[(ds, build_sample_key(ds, s.metadata)[0])] = scores[s.index]
+    return np.stack([rows[(ds, key)] for ds, key in zip(datasets, sample_keys)]).astype(np.float32)
 
 
 # -- distributed emulation ------------------------------------------------------------

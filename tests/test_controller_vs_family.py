@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import build_feature_workspace
-from synthetic import SyntheticSpec, expected_scores_by_key
+from synthetic import SyntheticSpec, expected_score_matrix
 from trainer.baselines import FamilyLookupTableDecider, LookupTableDecider
 from trainer.config import OfflineTrainConfig
 from trainer.data import load_offline_data
@@ -38,8 +37,7 @@ DIFFERENT = 0.05
 
 def truth_scored(data, spec: SyntheticSpec):
     configs = [tuple(int(v) for v in k) for k in data.action_space.knob_values().tolist()]
-    expected = expected_scores_by_key(spec, configs)
-    score = torch.from_numpy(np.stack([expected[(ds, key)] for ds, key in zip(data.dataset, data.sample_key)])).float()
+    score = torch.from_numpy(expected_score_matrix(spec, data.dataset, data.sample_key, configs))
     score = torch.where(data.mask, score, float("nan"))
     return replace(data, score=score, mean_score=score)
 

@@ -93,16 +93,18 @@ class OracleDecider(DeterministicDecider):
     the fastest allowed action. An upper bound no deployable decider reaches."""
 
     name = "oracle"
+    #: the scores it chooses by (``OfflineData.scores``)
+    score_kind = "recorded"
 
     def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
         require_allowed_actions(data)
         b = budget_vector(budget_ms, len(data))
         fits = data.mask & (data.latency_ms <= b[:, None])
-        best, found = best_candidate(fits, data.score, data.latency_ms)
+        best, found = best_candidate(fits, data.scores(self.score_kind), data.latency_ms)
         return torch.where(found, best, _fastest_allowed(data))
 
 
-class ClairvoyantDecider(DeterministicDecider):
+class ClairvoyantDecider(OracleDecider):
     """Per sample, the allowed action with the best *expected* score among those whose recorded
     latency fits the budget (ties -> lower latency); if none fits, the fastest allowed action.
 
@@ -115,13 +117,7 @@ class ClairvoyantDecider(DeterministicDecider):
     """
 
     name = "clairvoyant"
-
-    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
-        require_allowed_actions(data)
-        b = budget_vector(budget_ms, len(data))
-        fits = data.mask & (data.latency_ms <= b[:, None])
-        best, found = best_candidate(fits, data.scores("mean"), data.latency_ms)
-        return torch.where(found, best, _fastest_allowed(data))
+    score_kind = "mean"
 
 
 class LookupTableDecider(DeterministicDecider):

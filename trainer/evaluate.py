@@ -185,13 +185,10 @@ def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[Decider], b
                 "accuracy_vs_table_se": None if paired is None else _standard_error(paired),
             })
             for group_by, group, index in groups:
-                over = latency[index].double() > float(budget_ms)
-                group_score = score[index].double()
                 group_rows.append({
                     "decider": decider.name, "budget_ms": float(budget_ms), "group_by": group_by, "group": group,
-                    "num_samples": len(index), "accuracy": float(group_score.mean()),
-                    "accuracy_se": _standard_error(group_score), "violation_rate": float(over.double().mean()),
-                    "accuracy_within_budget": float(torch.where(over, 0.0, group_score).mean()),
+                    "num_samples": len(index), **outcome_metrics(score[index], latency[index], float(budget_ms)),
+                    "accuracy_se": _standard_error(score[index]),
                     "config_histogram": _histogram(chosen[index], labels)})
     order = {name: i for i, name in enumerate(names)}
     rows.sort(key=lambda r: order[r["decider"]])  # stable: budgets keep their order within a decider
