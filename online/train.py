@@ -114,6 +114,8 @@ def build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: M
     else:
         controller = TwoStageController(_fresh_policy(config, runtime, samples, budget_range), two_stage)
     set_budget_range(controller.policy, *budget_normalization_range(*budget_range))
+    # the calibration runs this controller before the trainer would move it
+    controller.to(runtime.device)
     return controller, reward or RewardConfig(mode="hard"), None if parent is None else parent.run_id
 
 

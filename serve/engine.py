@@ -465,18 +465,21 @@ def warmup_configs(engine: Engine) -> list[tuple[int, int, int]]:
     return configs
 
 
-def warm_up(engine: Engine, max_tokens: int = 4) -> int:
-    """Run the :func:`warmup_configs` (an image request each), unrecorded; twice where they seed the
-    latency scale. Returns the number of requests run."""
+def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
+    """Run the :func:`warmup_configs` (an image request each, ``max_tokens`` long), unrecorded; twice
+    where they seed the latency scale. Returns the requests' results.
+
+    The seeded ratios are only as right as ``max_tokens`` is typical: the server passes what a
+    request without ``max_tokens`` generates, since a shorter warm-up reads the machine as faster
+    than it serves."""
     image = Image.new("RGB", (640, 480), (120, 110, 100))
     rounds = 2 if engine.latency_scale.calibrates else 1
-    runs = 0
+    results: list[Result] = []
     for _ in range(rounds):
         for max_crops, top_k, blocks in warmup_configs(engine):
             knobs = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks}
             request = ChatRequest(engine.model_name, "What is in the image?", image, max_tokens, None, knobs)
-            job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{runs}")
+            job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{len(results)}")
             with cpu_threads(engine.threads, engine.runtime.device):
-                engine.execute(job, record=False)
-            runs += 1
-    return runs
+                results.append(engine.execute(job, record=False))
+    return results

@@ -781,13 +781,16 @@ def test_warm_up_runs_each_crops_choice_fastest_and_slowest_and_seeds_the_scale(
     reference = {(1, 2, 3): 5.0, (1, 4, 4): 9.0, (1, 3, 3): 7.0, (2, 2, 3): 10.0, (6, 8, 16): 80.0}
     engine = in_process_engine(embedded_runtime, RecordingDecider(reference), tmp_path)
     assert warmup_configs(engine) == [(1, 2, 3), (1, 4, 4), (2, 2, 3)]  # crops 6 is not a choice of this controller
-    assert warm_up(engine, max_tokens=2) == 6  # twice: it seeds the latency scale
+    results = warm_up(engine, max_tokens=3)
+    assert len(results) == 6  # twice: it seeds the latency scale
+    # as long as asked: a shorter warm-up than the requests served seeds too small a scale
+    assert [r.num_output_tokens for r in results] == [3] * 6
     assert engine.latency_scale.source == "measured" and engine.latency_scale.value > 0
     assert engine.served == 0 and engine.log.path.stat().st_size == 0  # unrecorded
     engine.stop()
     plain = in_process_engine(embedded_runtime, RecordingDecider(), tmp_path)  # no references: model defaults, once
     assert warmup_configs(plain) == [(1, 8, 16), (2, 8, 16)]
-    assert warm_up(plain, max_tokens=2) == 2 and plain.latency_scale.source == "none"
+    assert len(warm_up(plain, max_tokens=2)) == 2 and plain.latency_scale.source == "none"
     plain.stop()
 
 
