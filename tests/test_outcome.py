@@ -150,3 +150,32 @@ def test_a_model_saved_before_tilings_were_read_still_loads(tmp_path):
     assert loaded.config.use_tilings is False
     test = make_data(["text", "scene"], "test", seed=3)
     assert torch.equal(loaded.predict(test)[1], model.predict(test)[1])
+
+
+def make_spread_data(families: list[str], split: str, seed: int) -> OfflineData:
+    """"text" and "scene" features, the same scores and median latencies for both, but the
+    latency noise is +-1 % for "text" and +-20 % for "scene"."""
+    data = make_data(families, split, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    width = torch.tensor([0.01 if f == "text" else 0.20 for f in families])[:, None]
+    noise = 1 + width * (2 * torch.rand(len(families), 3, generator=g) - 1)
+    data.latency_ms = (torch.tensor([100.0, 150.0, 160.0]) * noise).float()
+    data.score = (torch.rand(len(families), 3, generator=g) < torch.tensor([0.3, 0.9, 0.5])).float()
+    return data
+
+
+def test_neighbour_latency_holds_each_question_type_to_its_own_spread(tmp_path):
+    train = make_spread_data(["text", "scene"] * 150, "train", seed=1)
+    val = make_spread_data(["text", "scene"] * 25, "val", seed=2)
+    test = make_spread_data(["text", "scene"], "test", seed=3)
+    model = fit_outcome_model(train, val, OutcomeConfig(seed=0, latency_neighbours=30))
+    _, latency = model.predict(test)
+    # the p95 of 150 ms +-1 % is 151.4 ms, of 150 ms +-20 % is 177 ms
+    assert 149.0 < float(latency[0, EXPERTS]) < 154.0
+    assert 168.0 < float(latency[1, EXPERTS]) < 186.0
+    # at 155 ms the tight question keeps EXPERTS (0.9); the spread one falls back to FAST
+    assert OutcomeDecider(model).decide(test, 155.0).tolist() == [EXPERTS, FAST]
+    loaded = OutcomeModel.load(model.save(tmp_path / "outcome.pt"))
+    assert torch.equal(loaded.predict(test)[1], latency) and loaded.config.latency_neighbours == 30
+    with pytest.raises(ValueError, match="`latency_neighbours` must be an integer >= 0"):
+        OutcomeConfig(latency_neighbours=-1)

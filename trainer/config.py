@@ -252,6 +252,9 @@ class OfflineTrainConfig(TrainingConfig):
         the evaluation decider ``outcome``) and saved as ``outcome.pt``.
     outcome_tilings: the outcome model also reads each image's tiling (crops per max_crops
         choice, ``image_tilings``; bool).
+    outcome_latency_neighbours: 0: the outcome model's latency head predicts the quantile; k > 0:
+        it predicts the median, and the quantile is that median times the quantile of latency /
+        median among the k training samples nearest in the features (int >= 0).
 
     > The loss
     loss_type: ``"grpo"`` or ``"pairwise"``.
@@ -345,6 +348,9 @@ class OfflineTrainConfig(TrainingConfig):
     warm_start_weight: float = option(0.7, help="The warm-start decider's share of the warm-start target.")
     outcome_quantile: float = option(0.95, help="Latency quantile the outcome model predicts and keeps in budget.")
     outcome_tilings: bool = option(True, help="The outcome model also reads each image's tiling.")
+    outcome_latency_neighbours: int = option(0, help=(
+        "0: the outcome model predicts the latency quantile directly; k: it predicts the median and takes "
+        "the quantile of latency / median among the k nearest training samples."))
     loss_type: Literal["grpo", "pairwise"] = option(
         "grpo", help="grpo or pairwise (the origin's ranking loss, docs/origin_format.md §7.6).")
     clip_epsilon: float | None = option(None, help="PPO clip range of the ratio to the sampling policy (None = off).")
@@ -403,6 +409,9 @@ class OfflineTrainConfig(TrainingConfig):
             ("warm_start_weight", 0.0 < self.warm_start_weight <= 1.0, "in (0, 1]"),
             ("outcome_quantile", isinstance(self.outcome_quantile, (int, float))
              and 0.0 < self.outcome_quantile < 1.0, "in (0, 1)"),
+            ("outcome_latency_neighbours", isinstance(self.outcome_latency_neighbours, int)
+             and not isinstance(self.outcome_latency_neighbours, bool) and self.outcome_latency_neighbours >= 0,
+             "an integer >= 0"),
             ("fallback_confidence", isinstance(self.fallback_confidence, (int, float))
              and 0.5 <= self.fallback_confidence < 1.0, "in [0.5, 1)"),
         )

@@ -126,7 +126,8 @@ class OfflineTrainer:
         config = self.config
         outcome = fit_outcome_model(self.train_split, self.val_split,
                                     OutcomeConfig(quantile=config.outcome_quantile, seed=config.seed,
-                                                  use_tilings=config.outcome_tilings))
+                                                  use_tilings=config.outcome_tilings,
+                                                  latency_neighbours=config.outcome_latency_neighbours))
         outcome.save(self.run.path / OUTCOME_FILE)
         return outcome
 

@@ -55,6 +55,11 @@ class OutcomeConfig:
         loss (default 300, 20) and keeps its best epoch.
     seed: initialisation and batch order (int, default 0).
     use_tilings: read the image tilings (bool, default True; the data's ``tiling_crops``).
+    latency_neighbours: 0 (default): the latency head predicts the quantile. k > 0: a median
+        head predicts each configuration's median, and the quantile is that median times the
+        ``quantile`` of the recorded/predicted ratios of the k training samples nearest in the
+        inputs, so that a question type whose latency is tight is held to its own spread, not
+        to the pooled one.
     """
 
     quantile: float = 0.95
@@ -66,6 +71,7 @@ class OutcomeConfig:
     patience: int = 20
     seed: int = 0
     use_tilings: bool = True
+    latency_neighbours: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile < 1.0:
@@ -79,6 +85,10 @@ class OutcomeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"`{name}` must be an integer >= 1, got {value!r}"
                 raise ValueError(msg)
+        k = self.latency_neighbours
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            msg = f"`latency_neighbours` must be an integer >= 0, got {k!r}"
+            raise ValueError(msg)
 
 
 def _inputs(data: OfflineData, use_tilings: bool) -> torch.Tensor:
@@ -104,6 +114,10 @@ class OutcomeModel(nn.Module):
         self.register_buffer("latency_scale_ms", torch.ones(()))
         self.score_head = nn.Sequential(nn.Linear(input_dim, h), nn.GELU(), nn.Linear(h, a))
         self.latency_head = nn.Sequential(nn.Linear(input_dim, h), nn.GELU(), nn.Linear(h, a))
+        if config.latency_neighbours:
+            # filled by the fit: the training inputs (standardised) and latency / predicted median
+            self.register_buffer("neighbour_inputs", torch.zeros(0, input_dim))
+            self.register_buffer("neighbour_ratios", torch.zeros(0, a))
 
     def _standardized(self, data: OfflineData) -> torch.Tensor:
         # an unknown tiling (NaN) reads as the training mean
@@ -116,7 +130,22 @@ class OutcomeModel(nn.Module):
             msg = "the data's action space differs from the outcome model's (fitted on other data)"
             raise ValueError(msg)
         x = self._standardized(data)
-        return torch.sigmoid(self.score_head(x)), self.latency_head(x) * self.latency_scale_ms
+        latency = self.latency_head(x) * self.latency_scale_ms
+        if self.config.latency_neighbours:
+            latency = latency * self._neighbour_ratio_quantile(x)
+        return torch.sigmoid(self.score_head(x)), latency
+
+    def _neighbour_ratio_quantile(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, A): per configuration, the ``quantile`` of latency / predicted median among the
+        ``latency_neighbours`` nearest training samples (all of them where none recorded it)."""
+        pooled = torch.nanquantile(self.neighbour_ratios, self.config.quantile, dim=0)  # (A,)
+        k = min(self.config.latency_neighbours, len(self.neighbour_inputs))
+        out = []
+        for start in range(0, len(x), 1024):  # bounds the (rows, training samples) distance block
+            nearest = torch.cdist(x[start:start + 1024], self.neighbour_inputs).topk(k, largest=False).indices
+            local = torch.nanquantile(self.neighbour_ratios[nearest], self.config.quantile, dim=1)
+            out.append(torch.where(local.isnan(), pooled, local))
+        return torch.cat(out) if out else torch.ones(0, self.neighbour_ratios.shape[1])
 
     def save(self, path: Path) -> Path:
         return atomic_torch_save({"input_dim": int(self.input_mean.numel()),
@@ -128,6 +157,9 @@ class OutcomeModel(nn.Module):
         state = torch.load(path, weights_only=True)
         config = OutcomeConfig(**{"use_tilings": False, **state["config"]})  # files written before tilings were read
         model = cls(state["input_dim"], ActionSpace.from_json(state["action_space"]), config)
+        if config.latency_neighbours:  # the neighbour buffers' sizes are the fit's
+            model.neighbour_inputs = state["state_dict"]["neighbour_inputs"]
+            model.neighbour_ratios = state["state_dict"]["neighbour_ratios"]
         model.load_state_dict(state["state_dict"])
         return model.eval()
 
@@ -153,7 +185,8 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
     latency = train.latency_ms[train.mask]
     model.latency_scale_ms.fill_(float(latency.median()) if latency.numel() else 1.0)
     scale = float(model.latency_scale_ms)
-    q = config.quantile
+    # with neighbours the head learns the median; the quantile comes from the neighbours' ratios
+    q = 0.5 if config.latency_neighbours else config.quantile
 
     def score_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         loss = nn.functional.binary_cross_entropy_with_logits(pred, target, reduction="none")
@@ -182,6 +215,11 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
     fit_targets, val_targets = targets(train), targets(val)
     for head, loss_fn, key in ((model.score_head, score_loss, "score"), (model.latency_head, latency_loss, "latency")):
         _fit_head(head, loss_fn, (x_fit, *fit_targets[key]), (x_val, *val_targets[key]), config, generator)
+    if config.latency_neighbours:
+        with torch.no_grad():
+            median = model.latency_head(x_fit) * scale
+        model.neighbour_inputs = x_fit.clone()
+        model.neighbour_ratios = torch.where(train.mask, train.latency_ms / median.clamp(min=1e-6), torch.nan)
     return model.eval()
 
 
