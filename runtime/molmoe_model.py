@@ -424,11 +424,21 @@ class MolmoEExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        # (experts, top_k, tokens): which token sent which of its k slots to each expert
-        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        tokens = top_k_index.shape[0]
+        # every (slot, token) pair grouped by expert, slot-major within an expert: the rows and the
+        # row order the origin's per-expert torch.where gives, with one host sync per block (the
+        # counts) instead of one per expert, so a GPU is not left idle between the experts
+        flat = top_k_index.t().reshape(-1)  # position = slot * tokens + token
+        order = torch.argsort(flat, stable=True)
+        slots, rows = order // tokens, order % tokens
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         inter = self.intermediate
-        for expert in mask.sum(dim=(1, 2)).nonzero().flatten().tolist():
-            slot, token = torch.where(mask[expert])
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            slot, token = slots[start:start + count], rows[start:start + count]
+            start += count
             x = hidden_states[token]
             w = self.gate_up_proj[expert]
             h = F.silu(F.linear(x, w[:inter])) * F.linear(x, w[inter:])

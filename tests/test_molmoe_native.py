@@ -239,3 +239,39 @@ def test_decoded_text_is_cleaned_up_as_the_origin_tokenizer_did(native):
     when the origin decoded an answer (transformers 5 skips it for BPE tokenizers)."""
     ids = native.tokenizer.encode(" yes . It 's a cat , isn't it ?", add_special_tokens=False)
     assert native.decode_text([*ids, native.eos_id]) == " yes. It's a cat, isn't it?"
+
+
+def per_expert_where(experts, hidden: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The origin's loop: per used expert in ascending order, its (slot, token) pairs from torch.where."""
+    out = torch.zeros_like(hidden)
+    inter = experts.intermediate
+    mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
+    for expert in range(experts.num_experts):
+        slot, token = torch.where(mask[expert])
+        if not len(token):
+            continue
+        x, w = hidden[token], experts.gate_up_proj[expert]
+        h = torch.nn.functional.silu(x @ w[:inter].t()) * (x @ w[inter:].t())
+        h = (h @ experts.down_proj[expert].t()) * weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_the_experts_equal_the_per_expert_loop_bit_for_bit(dtype, tokens):
+    from runtime.molmoe_model import MolmoEExperts
+
+    g = torch.Generator().manual_seed(tokens)
+    experts = MolmoEExperts(num_experts=16, hidden=24, intermediate=12)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(16, 24, 24, generator=g))
+        experts.down_proj.copy_(torch.randn(16, 24, 12, generator=g))
+    experts = experts.to(dtype)
+    hidden = torch.randn(tokens, 24, generator=g).to(dtype)
+    # top-4 of 16 without repeats per token; some experts get no token at all
+    top_k_index = torch.stack([torch.randperm(10, generator=g)[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, generator=g).to(dtype)
+    with torch.no_grad():
+        expected = per_expert_where(experts, hidden, top_k_index, weights)
+        assert torch.equal(experts(hidden, top_k_index, weights), expected)
