@@ -13,8 +13,8 @@ are scored by the hidden expected score and the recorded latency, beside ``lut_p
 --offline`` would evaluate. Variants:
 
 * ``head``: the defaults (a p95 latency head);
-* ``neighbours40``: ``latency_neighbours=40`` (a median head times the p95 of latency / median
-  among the 40 nearest training samples);
+* ``neighbours40``: ``latency_neighbours=40`` (a median head times the p95 of latency / median,
+  predicted out of fold, among the 40 nearest training samples);
 * ``ensemble5``: the mean of five seeds' predictions (both heads);
 * ``family_latency``: the p95 head's latency replaced, wherever a (question family, crops of the
   image at that configuration) group of the first tree holds at least 20 samples, by that

@@ -254,7 +254,8 @@ class OfflineTrainConfig(TrainingConfig):
         choice, ``image_tilings``; bool).
     outcome_latency_neighbours: 0: the outcome model's latency head predicts the quantile; k > 0:
         it predicts the median, and the quantile is that median times the quantile of latency /
-        median among the k training samples nearest in the features (int >= 0).
+        median (predicted out of fold) among the k training samples nearest in the features
+        (int >= 0).
 
     > The loss
     loss_type: ``"grpo"`` or ``"pairwise"``.

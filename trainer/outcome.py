@@ -41,6 +41,8 @@ __all__ = ["OUTCOME_FILE", "OutcomeConfig", "OutcomeDecider", "OutcomeModel", "f
 
 #: the fitted outcome model, in the run directory
 OUTCOME_FILE = "outcome.pt"
+#: with ``latency_neighbours``, the folds the training latencies are predicted out of
+NEIGHBOUR_FOLDS = 5
 
 
 @dataclass
@@ -57,9 +59,9 @@ class OutcomeConfig:
     use_tilings: read the image tilings (bool, default True; the data's ``tiling_crops``).
     latency_neighbours: 0 (default): the latency head predicts the quantile. k > 0: a median
         head predicts each configuration's median, and the quantile is that median times the
-        ``quantile`` of the recorded/predicted ratios of the k training samples nearest in the
-        inputs, so that a question type whose latency is tight is held to its own spread, not
-        to the pooled one.
+        ``quantile`` of recorded / predicted latency among the k training samples nearest in
+        the inputs (predicted out of fold, :data:`NEIGHBOUR_FOLDS` folds), so that a question
+        type whose latency is tight is held to its own spread, not to the pooled one.
     """
 
     quantile: float = 0.95
@@ -213,11 +215,23 @@ def fit_outcome_model(train: OfflineData, val: OfflineData, config: OutcomeConfi
     x_val = model._standardized(val)
     x_fit = model._standardized(train)
     fit_targets, val_targets = targets(train), targets(val)
+    initial_latency_head = copy.deepcopy(model.latency_head)
     for head, loss_fn, key in ((model.score_head, score_loss, "score"), (model.latency_head, latency_loss, "latency")):
         _fit_head(head, loss_fn, (x_fit, *fit_targets[key]), (x_val, *val_targets[key]), config, generator)
     if config.latency_neighbours:
-        with torch.no_grad():
-            median = model.latency_head(x_fit) * scale
+        # out of fold: a head's error on the samples it fitted understates its error on new ones,
+        # and the ratios must hold both that error and the latency's own spread
+        median = torch.empty_like(train.latency_ms)
+        fold_of = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)) % NEIGHBOUR_FOLDS
+        for fold in range(NEIGHBOUR_FOLDS):
+            held, kept = fold_of == fold, fold_of != fold
+            if not held.any() or not kept.any():
+                continue
+            head = copy.deepcopy(initial_latency_head)
+            _fit_head(head, latency_loss, (x_fit[kept], *(t[kept] for t in fit_targets["latency"])),
+                      (x_val, *val_targets["latency"]), config, generator)
+            with torch.no_grad():
+                median[held] = head(x_fit[held]) * scale
         model.neighbour_inputs = x_fit.clone()
         model.neighbour_ratios = torch.where(train.mask, train.latency_ms / median.clamp(min=1e-6), torch.nan)
     return model.eval()
