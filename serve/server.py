@@ -52,9 +52,9 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
             "controller's milliseconds")
     if config.warmup:
         warm_image_decoding()
-        runs = warm_up(engine, config.default_max_tokens)
+        results = warm_up(engine, config.default_max_tokens)
         measured = f"; latency scale {scale.value:.2f}" if scale.calibrates else ""
-        log(f"warm-up: {len(runs)} requests of {config.default_max_tokens} tokens{measured}")
+        log(f"warm-up: {len(results)} requests of {config.default_max_tokens} tokens{measured}")
     return engine
 
 
