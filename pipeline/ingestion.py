@@ -416,11 +416,7 @@ def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in sorted(done, key=lambda f: pending[f]):
-                try:
-                    meta = fut.result()
-                except BrokenProcessPool:
-                    in_flight = sorted(pending.values())
-                    return [p for p in paths if p not in finished], in_flight
+                meta = fut.result()
                 path = pending.pop(fut)
                 finished.add(path)
                 yield path, meta
@@ -428,8 +424,22 @@ def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
                 if nxt is not None:
                     pending[pool.submit(_parse_to_fragment, str(nxt), fragments_root)] = nxt
         return [], []
+    except BrokenProcessPool:  # from a result, or from a submit once the pool has seen the death
+        _kill_surviving_workers(pool)
+        return [p for p in paths if p not in finished], sorted(pending.values())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_surviving_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers of a broken pool. The pool terminates its workers itself, but a worker
+    it was starting while another died can escape that (CPython's executor marks itself broken
+    without the lock ``submit`` spawns under) and would then wait for work forever, and the
+    pool's shutdown with it. Every submit has returned when the broken future is seen here, so
+    the pool's process table is complete."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        if process.is_alive():
+            process.kill()
 
 
 def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: IngestReport) -> dict:
