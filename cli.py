@@ -409,6 +409,7 @@ def train(
     fallback_confidence: Annotated[float | None, _train_opt("fallback_confidence", min=0.5, max=0.999,
                                                             rich_help_panel=REWARD)] = None,
     fallback_prefers: Annotated[str | None, _train_opt("fallback_prefers", rich_help_panel=REWARD)] = None,
+    fallback_table: Annotated[str | None, _train_opt("fallback_table", rich_help_panel=REWARD)] = None,
     latency_jitter: Annotated[float | None, _train_opt("latency_jitter", min=0.0, rich_help_panel=REWARD)] = None,
     cross_fit_folds: Annotated[int | None, _train_opt("cross_fit_folds", min=0, rich_help_panel=REWARD)] = None,
     holdout_dataset: Annotated[str | None, _train_opt("holdout_dataset")] = None,

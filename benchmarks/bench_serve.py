@@ -55,9 +55,9 @@ deadline) or an error is missed and wrong) once for each of:
   (one run per budget): an upper reference, no server knows the family;
 * "static C/K/B": every configuration on the served front, fixed knobs, one run per load judged
   against every budget (its latencies do not depend on the budget);
-* "p95 table": the run's fallback table (p95 latency within the budget, profile ms) picks one
-  configuration per budget: that configuration's static run (run once per load too when it is not
-  on the front);
+* "p95 table": the run's lut_p95 table (the fallback's budget-only table: p95 latency within the
+  budget, profile ms) picks one configuration per budget: that configuration's static run (run
+  once per load too when it is not on the front);
 * "oracle" (``--oracle``): a hook, not implemented (:func:`oracle_knobs`).
 
 Runs of a load go in a seeded random order, so that drift does not line up with the deciders.
@@ -282,7 +282,7 @@ def profile_by_config(ws: Path) -> dict[str, dict[str, float]]:
 
 @dataclass
 class RunTables:
-    """The run's tables, in the profile's ms: the p95 fallback table, the per-family table fitted on the
+    """The run's tables, in the profile's ms: the fallback's lut_p95 table, the per-family table fitted on the
     same training split, and each configuration's reference (median training) latency."""
 
     p95: Any  # trainer.baselines.LookupTableDecider
@@ -304,11 +304,11 @@ def run_tables(ws: Path, run_id: str) -> RunTables:
     if fallback is None:
         msg = f"run {run_id} has no table fallback to take the p95 table from"
         raise SystemExit(msg)
-    p95 = fallback.lookup_table()
-    # the trainer's own constructor (it reads the data and writes nothing) gives the split its fallback
+    p95 = fallback.budget_table()
+    # the trainer's own constructor (it reads the data and writes nothing) gives the samples its fallback
     # table was fitted on: the per-family table is fitted on the same samples
     config = OfflineTrainConfig.from_json({**RunDir(run_dir).read_config(), "workspace": str(ws)})
-    train = OfflineTrainer(config, run_dir=run_dir).train_recorded
+    train = OfflineTrainer(config, run_dir=run_dir).table_data
     by_family = FamilyLookupTableDecider(train)
     if not torch.equal(torch.nan_to_num(by_family.global_table.latency_stat_ms, nan=-1.0),
                        torch.nan_to_num(p95.latency_stat_ms, nan=-1.0)):

@@ -348,7 +348,8 @@ EVALUATIONS = TableSchema(
     columns=(
         _RUN_ID,
         Column("decider", _S, "controller | policy | outcome | oracle | clairvoyant | lut_p95 | lut_by_family | "
-                              "lut_mean5 | largest | random (offline); controller | offline_start (online)"),
+                              "lut_by_question | lut_mean5 | largest | random (offline); controller | offline_start "
+                              "(online)"),
         Column("budget_ms", _F, "latency budget", "ms"),
         Column("num_samples", _L, "test samples"),
         Column("accuracy", _F, "mean recorded score of the chosen configurations"),

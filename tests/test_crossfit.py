@@ -110,6 +110,13 @@ def test_cross_fitted_run_scores_every_sample_out_of_fold_and_resumes_a_fold(cro
     # the deployed network learnt from every sample outside the val split
     run = pl.read_parquet(ws.runs_dir / "cf" / "run.parquet").row(0, named=True)
     assert run["num_train_samples"] == sum(s != "val" for s in data.split)
+    # the deployed table reads the family from the question and was fitted on every sample (the folds'
+    # tables judged it): each configuration counts every sample that recorded it
+    from trainer.fallback import read_fallback
+
+    table = read_fallback(result.best_checkpoint).lookup_table()
+    assert table.name == "lut_by_question" and set(table.families) == {f for f in data.family if f is not None}
+    assert table.global_table.num_samples.tolist() == data.mask.sum(0).tolist()
     frame = result.evaluation
     assert set(frame["num_samples"].to_list()) == {len(data)}
     assert {"controller", "policy", "lut_p95", "oracle"} <= set(frame["decider"].to_list())

@@ -69,6 +69,15 @@ def _expected_network(policy, image, present, lang, budget, tilings, crops=None)
     return score.masked_fill(knobs[None, :, 0] != crops[:, None], float("-inf")).argmax(-1)
 
 
+def _table_choice(table, budget, lang):
+    """The training-time table's choice (N,) for budgets (N,): per question where it reads the family."""
+    from trainer.baselines import QuestionFamilyTableDecider
+
+    if isinstance(table, QuestionFamilyTableDecider):
+        return table.choose(budget, lang, None)
+    return table.choose(budget, None)
+
+
 def _budgets(grid: list[float]) -> list[float]:
     """Grid points, the points halfway between them, and budgets below and above the range."""
     between = [(a + b) / 2 + 0.3 for a, b in zip(grid, grid[1:])]
@@ -77,7 +86,8 @@ def _budgets(grid: list[float]) -> list[float]:
 
 def test_decisions_equal_the_policy_and_its_table_fallback(trained):
     """Expected: the training-time network's sequential greedy choice over the whole action space where
-    the nearest grid budget keeps the controller, else the lut_p95 table's choice for the budget."""
+    the nearest grid budget keeps the controller, else the fallback table's choice for the budget and
+    the question (lut_by_question: the data records question families)."""
     from trainer.deploy import DeployedController
     from trainer.fallback import read_fallback
 
@@ -94,6 +104,7 @@ def test_decisions_equal_the_policy_and_its_table_fallback(trained):
     some_unknown = f["tiling_crops"].clone()
     some_unknown[::3] = float("nan")
     sources = set()
+    table_varies = False  # the question-family table gives samples of one budget different configurations
     for tilings in (f["tiling_crops"], some_unknown, None):
         for budget in _budgets(fallback.grid_ms):
             b = torch.full((n,), budget, dtype=torch.float64)
@@ -104,13 +115,15 @@ def test_decisions_equal_the_policy_and_its_table_fallback(trained):
                                       rtol=1e-4, atol=1e-6)
             network = _expected_network(policy, image, present, f["lang"], budget, tilings)
             use = fallback.controller_at(b)
-            expected = torch.where(use, network, table.choose(torch.full((n,), budget), None))
+            by_table = _table_choice(table, torch.full((n,), budget), f["lang"])
+            table_varies |= len(set(by_table.tolist())) > 1
+            expected = torch.where(use, network, by_table)
             with torch.inference_mode():
                 actions, by_network = deployed.decide_actions(f["lang"], image, present, b, tilings)
             assert torch.equal(by_network, use), budget
             assert torch.equal(actions, expected), budget
             sources.update(use.tolist())
-    assert sources == {True, False}
+    assert sources == {True, False} and table_varies
 
 
 def test_the_exported_file_carries_the_median_training_latency_per_configuration(trained, tmp_path):
@@ -180,7 +193,7 @@ def test_the_exported_files_two_stages_are_the_sequential_decision_and_the_evalu
         for budget in _budgets(fallback.grid_ms):
             b = torch.full((n,), budget)
             use = fallback.controller_at(b)
-            table_action = actions[table.choose(b, None)]
+            table_action = actions[_table_choice(table, b, lang)]
             with torch.inference_mode():
                 crops_lp = policy.crops_log_probs(lang, budget, tiling_crops=tilings)
                 crops = exported.stage1(lang, b, tilings)
@@ -237,7 +250,8 @@ def test_every_tensor_the_module_makes_follows_its_device(trained, with_fallback
             actions, by_network = deployed.decide_actions(*args)
             assert actions.device.type == by_network.device.type == "meta"
         else:
-            assert deployed._table_choice(args[3]).device.type == deployed._use_network(args[3]).device.type == "meta"
+            table_device = deployed._table_choice(args[0], args[3]).device.type
+            assert table_device == deployed._use_network(args[3]).device.type == "meta"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -366,8 +380,10 @@ def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_pa
     assert first["probability"].to_list() == pytest.approx(probs.gather(1, chosen[:, None])[:, 0].tolist(), rel=1e-5)
     second = frame.filter(pl.col("budget_ms") == budgets[1])
     assert second["source"].unique().to_list() == ["table"] and second["probability"].unique().to_list() == [1.0]
-    table_action = fallback.lookup_table().lookup(budgets[1])
-    assert set(second.select("max_crops", "top_k", "num_active_blocks").rows()) == {table_action}
+    by_table = _table_choice(fallback.lookup_table(), torch.full((len(f["lang"]),), budgets[1]), f["lang"])
+    expected = {key: policy.action_space.actions[i] for key, i in zip(f["sample_key"], by_table.tolist())}
+    assert {row[0]: tuple(row[1:]) for row in second.select("sample_key", "max_crops", "top_k",
+                                                            "num_active_blocks").rows()} == expected
 
 
 def test_export_errors_are_one_line(trained, tmp_path):

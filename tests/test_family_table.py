@@ -208,3 +208,92 @@ def test_families_load_from_the_metadata_in_order(small_tree, tmp_path, embedded
 def test_no_family_recorded_gives_none(small_tree, tmp_path, embedded_runtime):
     data = _load(small_tree, tmp_path / "ws-plain", embedded_runtime)
     assert len(data) == 5 and data.family is None
+
+
+# -- the family read from the question (lut_by_question) ---------------------------------------
+
+def with_questions(data: OfflineData, lang: list[list[float]]) -> OfflineData:
+    from dataclasses import replace
+
+    return replace(data, lang_features=torch.tensor(lang, dtype=torch.float32))
+
+
+# the training questions: text ones point along x, scene ones along y, the unlabelled one between
+TRAIN_QUESTIONS = [[1.0, 0.1], [1.0, 0.0], [0.9, 0.1], [1.0, 0.2], [0.1, 1.0], [0.0, 1.0], [0.2, 0.9], [0.1, 0.8],
+                   [1.0, 1.0]]
+
+
+def test_the_family_comes_from_the_question_not_the_label(train, test_data):
+    from trainer.baselines import QuestionFamilyTableDecider
+
+    table = QuestionFamilyTableDecider(with_questions(train, TRAIN_QUESTIONS), neighbours=3)
+    assert table.name == "lut_by_question" and table.families == ("scene", "text")
+    # labels text, scene, other, None; the questions read as scene, text, text, scene
+    unseen = with_questions(test_data, [[0.0, 2.0], [3.0, 0.1], [0.8, 0.3], [0.3, 0.7]])
+    assert table.read_family(unseen.lang_features) == ["scene", "text", "text", "scene"]
+    assert table.decide(unseen, 200.0).tolist() == [EXPERTS, CROPS, CROPS, EXPERTS]
+    assert table.decide(unseen, 120.0).tolist() == [FAST] * 4
+    # the label-reading table answers by the labels instead
+    assert FamilyLookupTableDecider(train).decide(unseen, 200.0).tolist() == [CROPS, EXPERTS, EXPERTS, EXPERTS]
+
+
+def test_the_nearest_questions_vote_and_a_tie_goes_to_the_first_family():
+    from trainer.baselines import nearest_family
+
+    references = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]]), dim=1)
+    family = torch.tensor([0, 0, 1])
+    query = torch.tensor([[0.1, 1.0]])  # nearest: [0, 1] (family 1), then [0.8, 0.6], then [1, 0]
+    assert nearest_family(query, references, family, 2, 1).tolist() == [1]
+    assert nearest_family(query, references, family, 2, 2).tolist() == [0]  # one vote each: the first family
+    assert nearest_family(query, references, family, 2, 3).tolist() == [0]  # two votes to one
+    assert nearest_family(query, references, family, 2, 50).tolist() == [0]  # more neighbours than references
+
+
+def test_references_are_spread_over_each_family_and_capped(train):
+    from trainer.baselines import QuestionFamilyTableDecider
+
+    table = QuestionFamilyTableDecider(with_questions(train, TRAIN_QUESTIONS), references_per_family=2)
+    # scene rows 4..7 and text rows 0..3: the first and the last of each; the unlabelled row never
+    expected = torch.nn.functional.normalize(torch.tensor([TRAIN_QUESTIONS[i] for i in (4, 7, 0, 3)]), dim=1)
+    assert torch.allclose(table.reference_features, expected)
+    assert table.reference_family.tolist() == [0, 0, 1, 1]
+
+
+def test_question_table_state_round_trip_and_no_families(train, test_data):
+    from trainer.baselines import QuestionFamilyTableDecider, table_from_state
+
+    table = QuestionFamilyTableDecider(with_questions(train, TRAIN_QUESTIONS), neighbours=3)
+    unseen = with_questions(test_data, [[0.0, 2.0], [3.0, 0.1], [0.8, 0.3], [0.3, 0.7]])
+    rebuilt = table_from_state(table.state())
+    assert isinstance(rebuilt, QuestionFamilyTableDecider) and rebuilt.neighbours == 3
+    for budget in (50.0, 120.0, 200.0, 300.0):
+        assert torch.equal(rebuilt.decide(unseen, budget), table.decide(unseen, budget))
+    assert isinstance(table_from_state(LookupTableDecider(train).state()), LookupTableDecider)
+    unlabelled = QuestionFamilyTableDecider(make_data(None, "train", rows=TRAIN_FAMILIES))
+    assert not unlabelled.has_families
+    assert unlabelled.decide(unseen, 200.0).tolist() == [EXPERTS] * 4  # the global table
+
+
+def test_the_fallback_table_is_the_question_table_where_families_exist(train):
+    from trainer.baselines import QuestionFamilyTableDecider
+    from trainer.fallback import fallback_table
+
+    assert isinstance(fallback_table(train), QuestionFamilyTableDecider)
+    assert fallback_table(train, "p95").name == "lut_p95"
+    assert fallback_table(make_data(None, "train", rows=TRAIN_FAMILIES)).name == "lut_p95"
+    with pytest.raises(ValueError, match="fallback table must be one of"):
+        fallback_table(train, "median")
+
+
+def test_auto_prefers_the_question_table_and_the_controller_over_lut_p95(train):
+    from trainer.baselines import QuestionFamilyTableDecider
+    from trainer.fallback import resolve_prefers
+
+    question = QuestionFamilyTableDecider(with_questions(train, TRAIN_QUESTIONS))
+    assert resolve_prefers("auto", question) == "table"
+    assert resolve_prefers("auto", LookupTableDecider(train)) == "controller"
+    assert resolve_prefers("auto", QuestionFamilyTableDecider(make_data(None, "train", rows=TRAIN_FAMILIES))) == \
+        "controller"  # no families: the table is the global one
+    assert resolve_prefers("controller", question) == "controller"
+    with pytest.raises(ValueError, match="`prefers` must be one of"):
+        resolve_prefers("oracle", question)

@@ -42,7 +42,9 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert ControllerPolicy.load(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt").lang_proj[0].out_features == 48
     fallback = read_fallback(ws.runs_dir / "cli-run" / "checkpoints" / "best.pt")
     assert fallback.confidence == 0.8
-    assert fallback.describe() in trained.stdout and "(80% confidence, controller preferred)" in trained.stdout
+    # "auto": the table is preferred where it reads the question's family (the sample data records families)
+    assert fallback.describe() in trained.stdout and "(80% confidence, table preferred)" in trained.stdout
+    assert "lut_by_question table at" in trained.stdout
 
     evaluated = runner.invoke(app, ["evaluate", "latest", "-w", w, "--budget-ms", "250", "--budget-ms", "400"])
     assert evaluated.exit_code == 0, evaluated.output

@@ -477,8 +477,8 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     # the synthetic tree records each question's template family, so the per-family table is scored
     # too; the run's outcome model (outcome.pt) is a decider of its own
     assert (result.run_dir / "outcome.pt").exists()
-    assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "lut_p95", "lut_by_family", "lut_mean5",
-            "largest", "random"} == set(evaluation["decider"])
+    assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "lut_p95", "lut_by_family", "lut_by_question",
+            "lut_mean5", "largest", "random"} == set(evaluation["decider"])
     from trainer.data import budget_grid
     from trainer.fallback import read_fallback
 
@@ -538,7 +538,7 @@ def test_resume_equals_uninterrupted(trained_ws):
 
 
 def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
-    from trainer.predict import PREDICTION_COLUMNS, predict
+    from trainer.predict import PREDICTION_COLUMNS, predict, read_prediction_inputs
 
     result = train_offline(run_config(trained_ws, num_epochs=1))
     frame = predict(trained_ws.root, result.run_id, [170.0, 300.0], tmp_path / "out.csv")
@@ -551,10 +551,15 @@ def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
         rows = frame.filter(pl.col("budget_ms") == budget)
         if bool(fallback.controller_at(torch.tensor(budget))):
             assert set(rows["source"]) == {"controller"}
-        else:  # the table answers: its configuration for every sample, deterministically
+        else:  # the table answers: the configuration of the family each question reads as, deterministically
             assert set(rows["source"]) == {"table"} and (rows["probability"] == 1.0).all()
-            assert set(zip(rows["max_crops"], rows["top_k"], rows["num_active_blocks"])) == {
-                fallback.lookup_table().lookup(budget)}
+            table = fallback.lookup_table()
+            assert table.name == "lut_by_question"  # the sample data records question families
+            inputs = read_prediction_inputs(trained_ws, ControllerPolicy.load(result.best_checkpoint))
+            chosen = table.choose(torch.full((len(inputs["lang"]),), budget), inputs["lang"])
+            expected = {key: table.action_space.actions[i] for key, i in zip(inputs["sample_key"], chosen.tolist())}
+            assert {row[0]: tuple(row[1:]) for row in rows.select("sample_key", "max_crops", "top_k",
+                                                                  "num_active_blocks").rows()} == expected
     assert pl.read_csv(tmp_path / "out.csv").height == frame.height
     by_dir = predict(trained_ws.root, result.run_dir, [170.0, 300.0], tmp_path / "out.parquet")
     assert by_dir.equals(pl.read_parquet(tmp_path / "out.parquet")) and by_dir.equals(frame)
@@ -660,7 +665,8 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
     assert ("reward", False, True) in cases  # a better mean that is not significant keeps the table
     # preferred, the controller keeps a budget where it is behind, but not significantly
     assert ("reward, controller preferred", True, False) in cases
-    fallback = fit_table_fallback(policy, train, val, grid, reward)  # the defaults: 0.95, the controller preferred
+    # the defaults: 0.95, and "auto" prefers the controller where the table is lut_p95 (no family labels here)
+    fallback = fit_table_fallback(policy, train, val, grid, reward)
     assert fallback.confidence == 0.95 and fallback.prefers == "controller"
 
     deployed = PolicyDecider(policy, fallback)

@@ -1,5 +1,5 @@
-"""Baseline deciders: per-sample oracle and clairvoyant choice, static lookup tables (global and
-per question family), always-largest, random.
+"""Baseline deciders: per-sample oracle and clairvoyant choice, static lookup tables (global, per
+question family, and per family as the question reads), always-largest, random.
 
 A decider maps (samples, budget) to one action per sample. Every decider here chooses
 inside ``data.mask`` (the configurations recorded for the sample); when nothing fits the
@@ -18,8 +18,8 @@ import torch
 from trainer.data import Action, ActionSpace, OfflineData
 
 __all__ = ["ClairvoyantDecider", "Decider", "DeterministicDecider", "FamilyLookupTableDecider", "LargestDecider",
-           "LookupTableDecider", "OracleDecider", "RandomDecider", "best_candidate", "budget_vector",
-           "require_allowed_actions"]
+           "LookupTableDecider", "OracleDecider", "QuestionFamilyTableDecider", "RandomDecider", "best_candidate",
+           "budget_vector", "nearest_family", "require_allowed_actions", "table_from_state"]
 
 
 @runtime_checkable
@@ -299,6 +299,111 @@ def _rows_by_family(family: Sequence[str | None] | None) -> dict[str, list[int]]
         if label is not None:
             rows.setdefault(label, []).append(i)
     return rows
+
+
+def nearest_family(lang: torch.Tensor, reference_features: torch.Tensor, reference_family: torch.Tensor,
+                   num_families: int, neighbours: int) -> torch.Tensor:
+    """(N,) family indices: for each row of ``lang`` (N, L), the family that most of its ``neighbours``
+    nearest reference questions belong to (cosine similarity; a tie goes to the lower index).
+    ``reference_features`` (R, L) are unit rows, ``reference_family`` (R,) int64 in [0, num_families).
+    TorchScript-compatible: the deployed controller reads the family with this function."""
+    query = torch.nn.functional.normalize(lang.float(), dim=1)
+    k = min(neighbours, reference_features.shape[0])
+    near = torch.mm(query, reference_features.t()).topk(k, dim=1).indices
+    votes = torch.zeros(lang.shape[0], num_families, dtype=torch.float32, device=lang.device)
+    votes.scatter_add_(1, reference_family.index_select(0, near.flatten()).view(near.shape),
+                       torch.ones(near.shape, dtype=torch.float32, device=lang.device))
+    return votes.argmax(1)
+
+
+class QuestionFamilyTableDecider(DeterministicDecider):
+    """:class:`FamilyLookupTableDecider`'s per-family tables, each sample's family read from its
+    question rather than from a label (``"lut_by_question"``): a table a server can run.
+
+    The family a question reads as is the one most of its ``neighbours`` nearest reference
+    questions carry (:func:`nearest_family` on the language features); the references are up to
+    ``references_per_family`` training questions of every labelled family, evenly spaced over its
+    rows (a bounded size, and a small family votes as loudly as a large one). Training data without
+    family labels gives the global ``lut_p95`` table for every sample (``has_families`` False).
+    """
+
+    def __init__(self, train: OfflineData, neighbours: int = 15, references_per_family: int = 32,
+                 name: str = "lut_by_question") -> None:
+        if neighbours < 1 or references_per_family < 1:
+            msg = (f"`neighbours` and `references_per_family` must be >= 1, got {neighbours!r} and "
+                   f"{references_per_family!r}")
+            raise ValueError(msg)
+        self.name, self.neighbours = name, int(neighbours)
+        self.tables = FamilyLookupTableDecider(train, name=name)
+        self.action_space = self.tables.action_space
+        rows = _rows_by_family(train.family)
+        keep: list[int] = []
+        family_index: list[int] = []
+        for j, family in enumerate(self.tables.families):
+            index = rows[family]
+            picks = torch.linspace(0, len(index) - 1, min(references_per_family, len(index))).round().long()
+            keep.extend(index[int(p)] for p in picks)
+            family_index.extend([j] * len(picks))
+        dim = train.lang_features.shape[1]
+        self.reference_features = (torch.nn.functional.normalize(train.lang_features[keep].float(), dim=1)
+                                   if keep else torch.zeros(0, dim))
+        self.reference_family = torch.tensor(family_index, dtype=torch.long)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return self.tables.families
+
+    @property
+    def has_families(self) -> bool:
+        return bool(self.families)
+
+    @property
+    def global_table(self) -> LookupTableDecider:
+        return self.tables.global_table
+
+    def read_family(self, lang: torch.Tensor) -> list[str | None]:
+        """The family each row of language features (N, L) reads as (None for all without families)."""
+        if not self.has_families:
+            return [None] * len(lang)
+        index = nearest_family(lang, self.reference_features, self.reference_family, len(self.families),
+                               self.neighbours)
+        return [self.families[int(j)] for j in index]
+
+    def choose(self, budget: torch.Tensor, lang: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) action indices for (N,) budgets in ms and (N, L) language features."""
+        return self.tables.choose(budget, self.read_family(lang), mask)
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        if data.action_space != self.action_space:
+            msg = "the data's action space differs from the lookup tables' (built on other data)"
+            raise ValueError(msg)
+        require_allowed_actions(data)
+        return self.choose(budget_vector(budget_ms, len(data)), data.lang_features, data.mask)
+
+    def state(self) -> dict:
+        """The tables and reference questions as plain values (checkpoints): :meth:`from_state` rebuilds
+        the decider without the data."""
+        return {"kind": "question_family", "name": self.name, "neighbours": self.neighbours,
+                "tables": self.tables.state(), "reference_features": self.reference_features.tolist(),
+                "reference_family": self.reference_family.tolist(), "lang_dim": int(self.reference_features.shape[1])}
+
+    @classmethod
+    def from_state(cls, state: dict) -> QuestionFamilyTableDecider:
+        decider = cls.__new__(cls)
+        decider.name, decider.neighbours = state["name"], int(state["neighbours"])
+        decider.tables = FamilyLookupTableDecider.from_state(state["tables"])
+        decider.action_space = decider.tables.action_space
+        decider.reference_features = torch.tensor(state["reference_features"], dtype=torch.float32).reshape(
+            -1, int(state["lang_dim"]))
+        decider.reference_family = torch.tensor(state["reference_family"], dtype=torch.long)
+        return decider
+
+
+def table_from_state(state: dict) -> LookupTableDecider | QuestionFamilyTableDecider:
+    """The table a stored state describes: a question-family table (``kind``) or a global one."""
+    if state.get("kind") == "question_family":
+        return QuestionFamilyTableDecider.from_state(state)
+    return LookupTableDecider.from_state(state)
 
 
 class LargestDecider(DeterministicDecider):

@@ -312,10 +312,17 @@ class OfflineTrainConfig(TrainingConfig):
         estimates, any positive difference).
     fallback_prefers: where both keep the violation goal, the decider that answers unless the
         other's reward beats it in that test: ``"controller"`` (the table answers only where it
-        is better with confidence) or ``"table"`` (safe policy improvement: the controller
-        answers only where it is better with confidence). The default follows the measurement
-        on unseen generated worlds in docs/results.md: where the two are close, the controller
-        tracks the per-family choice and the budget-only table does not.
+        is better with confidence), ``"table"`` (safe policy improvement: the controller
+        answers only where it is better with confidence) or ``"auto"``: the table where it is
+        ``lut_by_question``, the controller where it is ``lut_p95``. That default follows the
+        measurements on unseen generated worlds in docs/results.md: the question-family table
+        preferred keeps the deployed controller within one standard error of the per-family
+        table; where only the budget-only table is at hand, the controller tracks the
+        per-family choice better than it.
+    fallback_table: the table that answers where the fallback does not keep the controller:
+        ``"family"`` (``lut_by_question``: one table per question family, each question's family
+        read from its 15 nearest training questions; ``lut_p95`` where the data has no family
+        labels) or ``"p95"`` (``lut_p95``: one configuration per budget).
 
     > Evaluation
     holdout_dataset: a dataset left out of everything the run learns from (network, outcome model,
@@ -371,16 +378,20 @@ class OfflineTrainConfig(TrainingConfig):
     cross_fit_folds: int = option(5, help="K-fold cross-fitting: K more networks, each without one fold, decide the "
                                           "fallback and the evaluation on every sample out of fold (0 = off).")
     disable_table_fallback: bool = option(
-        False, help="Deploy the network alone, without the lut_p95 table answering at the budgets where the "
+        False, help="Deploy the network alone, without the fallback table answering at the budgets where the "
                     "controller does not beat it on the validation split.")
     fallback_confidence: float = option(
         0.95, help="Confidence of the fallback comparison: the table's violation bound and the controller's reward "
                    "test (0.5 = point estimates).")
     holdout_dataset: str | None = option(None, help="Train without this dataset's samples, then evaluate on "
                                                     "them alone (generalisation to an unseen dataset).")
-    fallback_prefers: Literal["controller", "table"] = option(
-        "controller", help="Where both keep the violation goal, who answers unless the other wins the reward test: "
-                           "controller or table (safe policy improvement).")
+    fallback_prefers: Literal["auto", "controller", "table"] = option(
+        "auto", help="Where both keep the violation goal, who answers unless the other wins the reward test: "
+                     "controller, table (safe policy improvement), or auto (table for lut_by_question, controller "
+                     "for lut_p95).")
+    fallback_table: Literal["family", "p95"] = option(
+        "family", help="The table the fallback answers with: family (lut_by_question, one table per question "
+                       "family, read from the question; lut_p95 without family labels) or p95 (lut_p95).")
     num_val_budgets: int = option(8, help="Budgets of the validation grid.")
     eval_budgets: list[float] | None = option(None, help="Budgets (ms) of the final evaluation.",
                                               shown_default="the validation grid")
@@ -434,8 +445,11 @@ class OfflineTrainConfig(TrainingConfig):
         if self.score_target not in ("mean", "recorded"):
             msg = f"`score_target` must be 'mean' or 'recorded', got {self.score_target!r}"
             raise ValueError(msg)
-        if self.fallback_prefers not in ("controller", "table"):
-            msg = f"`fallback_prefers` must be 'controller' or 'table', got {self.fallback_prefers!r}"
+        if self.fallback_prefers not in ("auto", "controller", "table"):
+            msg = f"`fallback_prefers` must be 'auto', 'controller' or 'table', got {self.fallback_prefers!r}"
+            raise ValueError(msg)
+        if self.fallback_table not in ("family", "p95"):
+            msg = f"`fallback_table` must be 'family' or 'p95', got {self.fallback_table!r}"
             raise ValueError(msg)
         if self.loss_type not in ("grpo", "pairwise"):
             msg = f"`loss_type` must be 'grpo' or 'pairwise', got {self.loss_type!r}"

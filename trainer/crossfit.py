@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CtrlError
-from trainer.baselines import Decider, LookupTableDecider
+from trainer.baselines import Decider, LookupTableDecider, QuestionFamilyTableDecider
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
-from trainer.fallback import PolicyDecider, TableFallback, compare_with_table
+from trainer.fallback import PolicyDecider, TableFallback, compare_with_table, fallback_table, resolve_prefers
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig
 from trainer.runs import RunDir
@@ -178,12 +178,13 @@ def load_folds(run_dir: Path, data: OfflineData, folds: int) -> FoldModels:
 
 
 def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms: list[float], reward: RewardConfig,
-                              deployed_table: LookupTableDecider, confidence: float,
-                              prefers: str = "controller") -> TableFallback:
-    """The fallback rule on every sample, out of fold: fold k's network against fold k's table on
-    the samples of fold k, pooled over the folds (``targets``: all samples with the training
-    scores). The deployed fallback answers with ``deployed_table``."""
+                              deployed_table: LookupTableDecider | QuestionFamilyTableDecider, confidence: float,
+                              prefers: str = "auto") -> TableFallback:
+    """The fallback rule on every sample, out of fold: fold k's network against fold k's table (of
+    ``deployed_table``'s kind) on the samples of fold k, pooled over the folds (``targets``: all
+    samples with the training scores). The deployed fallback answers with ``deployed_table``."""
+    kind = "family" if isinstance(deployed_table, QuestionFamilyTableDecider) else "p95"
     network = models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k]))
-    table = models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k]))
+    table = models.out_of_fold(deployed_table.name, lambda k: fallback_table(models.train[k], kind))
     return compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(), confidence=confidence,
-                              prefers=prefers)
+                              prefers=resolve_prefers(prefers, deployed_table))

@@ -15,9 +15,11 @@ vision pass at those crops). ``decide`` is the two in sequence: the greedy decis
 * the stage-2 choice embedding goes through its ``Linear`` once, at build time, and stage 2 runs
   at the chosen crops only; its two heads run as one pair of matmuls, and over a full product of
   knob values the best top_k and blocks are two separate argmaxes;
-* the table fallback becomes two sorted lookups: the nearest validation-grid budget says
-  whether the network or the table answers, and the table's choice is a step function of
-  the budget (it changes only where a configuration's p95 latency starts to fit);
+* the table fallback becomes lookups: the nearest validation-grid budget says whether the
+  network or the table answers, and the table's choice is a step function of the budget (it
+  changes only where a configuration's p95 latency starts to fit), one per question family
+  where the table is ``lut_by_question`` (the family read by a vote of the nearest reference
+  questions: one small matmul);
 * where every row of a batch is answered by the table, the network is not run.
 
 The module is TorchScript-compatible and is what ``ctrl export`` writes
@@ -41,14 +43,14 @@ from torch import Tensor, nn
 
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace, write_bytes_atomic
-from trainer.baselines import LookupTableDecider, best_candidate
+from trainer.baselines import LookupTableDecider, QuestionFamilyTableDecider, best_candidate, nearest_family
 from trainer.fallback import TableFallback, read_fallback
 from trainer.greedy import greedy_crops, greedy_within_crops
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint
 
 __all__ = ["DeployedController", "ExportReport", "compile_device", "export_controller", "load_compiled",
-           "load_deployed", "save_compiled", "save_deployed", "step_lookup", "table_steps"]
+           "load_deployed", "save_compiled", "save_deployed", "step_lookup", "table_rows", "table_steps"]
 
 
 def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
@@ -176,29 +178,41 @@ class DeployedController(nn.Module):
         # latencies the budgets are in: a server measures its own against them (serve.calibration)
         reference = torch.zeros(0, dtype=torch.float64)
         table = None if fallback is None else fallback.lookup_table()
-        if table is not None and table.latency_median_ms is not None:
-            median = dict(zip(table.action_space.actions, table.latency_median_ms.tolist()))
+        budget_table = None if fallback is None else fallback.budget_table()
+        if budget_table is not None and budget_table.latency_median_ms is not None:
+            median = dict(zip(budget_table.action_space.actions, budget_table.latency_median_ms.tolist()))
             reference = torch.tensor([median.get(tuple(a), math.nan) for a in self.actions.tolist()],
                                      dtype=torch.float64)
         self.register_buffer("reference_latency_ms", reference)
         # a fallback that keeps the controller at every budget is no fallback
         self.has_fallback = fallback is not None and not all(fallback.use_controller)
+        # the question-family tables: each row's family is read from its nearest reference questions
+        # (none: one table for every row)
+        self.family_neighbours = 1
+        self.register_buffer("family_references", torch.zeros(0, self.lang_dim))
+        self.register_buffer("family_of_reference", torch.zeros(0, dtype=torch.long))
         if fallback is None or not self.has_fallback:
             self.register_buffer("grid_midpoints", torch.zeros(0, dtype=torch.float64))
             self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
-            self.register_buffer("table_thresholds", torch.zeros(0))
-            self.register_buffer("table_choices", torch.zeros(1, dtype=torch.long))
+            self.register_buffer("table_thresholds", torch.zeros(1, 0))
+            self.register_buffer("table_choices", torch.zeros(1, 1, dtype=torch.long))
             self.table_tolerance = 0.0
             return
-        table = fallback.lookup_table()
         grid = torch.tensor(fallback.grid_ms, dtype=torch.float64)
         # the nearest grid point (the lower one on a tie) is the number of midpoints below the budget
         self.register_buffer("grid_midpoints", (grid[:-1] + grid[1:]) / 2)
         self.register_buffer("use_controller", torch.tensor(fallback.use_controller, dtype=torch.bool))
-        thresholds, choices = table_steps(table)
+        tables = [budget_table]
+        if isinstance(table, QuestionFamilyTableDecider) and table.has_families:
+            # row 0: the global table; row j + 1: family j's
+            tables += [table.tables.table_for(family) for family in table.families]
+            self.family_neighbours = table.neighbours
+            self.family_references = table.reference_features.clone()
+            self.family_of_reference = table.reference_family.clone()
+        thresholds, choices = table_rows([table_steps(t) for t in tables])
         self.register_buffer("table_thresholds", thresholds)
         self.register_buffer("table_choices", choices)
-        self.table_tolerance = float(table.tolerance)
+        self.table_tolerance = float(budget_table.tolerance)
 
     # -- pieces, written for TorchScript (no Python containers of modules, explicit types); weight
     # matrices are stored transposed, (in, out), for addmm: F.linear would transpose them per call
@@ -300,8 +314,17 @@ class DeployedController(nn.Module):
                 + top_k.flatten(1).index_select(1, self.top_k_index)
                 + blocks.flatten(1).index_select(1, self.blocks_index))
 
-    def _table_choice(self, budget_ms: Tensor) -> Tensor:
-        return step_lookup(self.table_thresholds, self.table_choices, budget_ms, self.table_tolerance)
+    def _table_choice(self, lang: Tensor, budget_ms: Tensor) -> Tensor:
+        """The fallback table's action (B,): the global table's, or the table of the family each
+        question reads as."""
+        row = torch.zeros(budget_ms.shape[0], dtype=torch.long, device=budget_ms.device)
+        if self.family_of_reference.shape[0] > 0:
+            row = 1 + nearest_family(lang, self.family_references, self.family_of_reference,
+                                     self.table_thresholds.shape[0] - 1, self.family_neighbours)
+        # the thresholds at or below the budget, counted per row (the padding is +inf)
+        scaled = budget_ms.float() * (1.0 + self.table_tolerance)
+        steps = (self.table_thresholds.index_select(0, row) <= scaled[:, None]).sum(1, keepdim=True)
+        return self.table_choices.index_select(0, row).gather(1, steps).squeeze(1)
 
     def _use_network(self, budget_ms: Tensor) -> Tensor:
         nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
@@ -333,7 +356,7 @@ class DeployedController(nn.Module):
         use = self._use_network(budget_ms)
         if bool(use.all()):
             return self._network_actions(lang, image, image_present, budget_ms, tiling_crops), use
-        table = self._table_choice(budget_ms)
+        table = self._table_choice(lang, budget_ms)
         if not bool(use.any()):
             return table, use
         return torch.where(use, self._network_actions(lang, image, image_present, budget_ms, tiling_crops), table), use
@@ -346,7 +369,7 @@ class DeployedController(nn.Module):
         use = self._use_network(budget_ms)
         if bool(use.all()):
             return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
-        table = self.actions.index_select(0, self._table_choice(budget_ms)).select(1, 0)
+        table = self.actions.index_select(0, self._table_choice(lang, budget_ms)).select(1, 0)
         if not bool(use.any()):
             return table
         network = self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
@@ -365,7 +388,7 @@ class DeployedController(nn.Module):
             if bool(use.all()):
                 action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
             else:
-                action = self._table_choice(budget_ms)
+                action = self._table_choice(lang, budget_ms)
                 if bool(use.any()):
                     network = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
                     action = torch.where(use, network, action)
@@ -398,6 +421,20 @@ def step_lookup(thresholds: Tensor, choices: Tensor, budget_ms: Tensor, toleranc
     as the table compares)."""
     steps = torch.searchsorted(thresholds, budget_ms.float() * (1.0 + tolerance), right=True)
     return choices.index_select(0, steps)
+
+
+def table_rows(steps: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Several tables' steps (:func:`table_steps`) as rows of two tensors: thresholds (R, T), padded
+    with +inf, and choices (R, T + 1), padded with each row's last choice; row r's choice for a
+    budget is ``choices[r, number of thresholds[r] at or below it]``."""
+    width = max(len(thresholds) for thresholds, _ in steps)
+    thresholds = torch.full((len(steps), width), math.inf)
+    choices = torch.zeros(len(steps), width + 1, dtype=torch.long)
+    for r, (t, c) in enumerate(steps):
+        thresholds[r, :len(t)] = t
+        choices[r] = c[-1]
+        choices[r, :len(c)] = c
+    return thresholds, choices
 
 
 def table_steps(table: LookupTableDecider) -> tuple[Tensor, Tensor]:
@@ -454,7 +491,7 @@ class _BranchFree(nn.Module):
         d = self.deployed
         action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops)
         if d.has_fallback:
-            action = torch.where(d._use_network(budget_ms), action, d._table_choice(budget_ms))
+            action = torch.where(d._use_network(budget_ms), action, d._table_choice(lang, budget_ms))
         max_crops, top_k, num_active_blocks = d.actions.index_select(0, action).unbind(1)
         return max_crops, top_k, num_active_blocks
 

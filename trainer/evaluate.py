@@ -42,6 +42,7 @@ from trainer.baselines import (
     LargestDecider,
     LookupTableDecider,
     OracleDecider,
+    QuestionFamilyTableDecider,
     RandomDecider,
     budget_vector,
 )
@@ -56,7 +57,7 @@ from trainer.data import (
     load_offline_data,
     nonempty_split,
 )
-from trainer.fallback import PolicyDecider, TableFallback, read_fallback
+from trainer.fallback import PolicyDecider, TableFallback, fallback_table, read_fallback
 from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig, compute_reward
@@ -265,13 +266,16 @@ Fitted = Callable[[str, Callable[[OfflineData], Decider]], Decider]
 
 
 def baseline_deciders(fitted: Fitted, *, family: bool, seed: int) -> list[Decider]:
-    """The baselines of every evaluation, in their order: oracle, clairvoyant, lut_p95, lut_by_family (where
-    the samples record a question family), lut_mean5 (the origin's table, docs/origin_format.md
-    §7.9: mean latency within budget x 1.05), largest, random. ``fitted`` builds the ones fitted
-    on training samples: on the train split, or out of fold in a cross-fitted run."""
+    """The baselines of every evaluation, in their order: oracle, clairvoyant, lut_p95, lut_by_family and
+    lut_by_question (where the samples record a question family: the per-family tables by the label,
+    and by the family the question reads as, as a server would run them), lut_mean5 (the origin's
+    table, docs/origin_format.md §7.9: mean latency within budget x 1.05), largest, random. ``fitted``
+    builds the ones fitted on training samples: on the train split, or out of fold in a cross-fitted
+    run."""
     tables = [fitted("lut_p95", LookupTableDecider)]
     if family:
         tables.append(fitted("lut_by_family", FamilyLookupTableDecider))
+        tables.append(fitted("lut_by_question", QuestionFamilyTableDecider))
     mean5 = fitted("lut_mean5", lambda train: LookupTableDecider(train, statistic="mean", tolerance=0.05))
     return [OracleDecider(), ClairvoyantDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
 
@@ -358,7 +362,8 @@ def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: Tabl
     and fold k's outcome model where every fold saved one."""
 
     def controller(k: int) -> PolicyDecider:
-        own = None if fallback is None else replace(fallback, table=LookupTableDecider(models.train[k]).state())
+        own = (None if fallback is None
+               else replace(fallback, table=fallback_table(models.train[k], fallback.table_kind).state()))
         return PolicyDecider(models.policies[k], own)
 
     deciders: list[Decider] = [models.out_of_fold("controller", controller)]

@@ -2,9 +2,12 @@
 breaking the violation goal, or losing to the table with confidence.
 
 After training, :func:`fit_table_fallback` compares,
-at every budget of the validation grid, the controller's greedy decisions with the ``lut_p95``
-table's — exactly, since every configuration's outcome is recorded — and picks per budget,
-violations first, then reward:
+at every budget of the validation grid, the controller's greedy decisions with a lookup table's
+(:func:`fallback_table`: by default ``lut_by_question``, the per-family tables with each
+question's family read from its nearest training questions, so that the deployed controller
+answers at least as a per-family table would; ``lut_p95``, the budget alone, where the data has
+no family labels) — exactly, since every configuration's outcome is recorded — and picks per
+budget, violations first, then reward:
 
 * the table keeps the violation target if the one-sided upper ``confidence`` bound (Wilson)
   of its violation rate on train + validation is within ``max_violation_rate`` (the 5 %
@@ -16,13 +19,15 @@ violations first, then reward:
 * both keep it: the preferred decider (``prefers``) answers unless the other one's mean
   validation reward beats it by more than z * SE of the paired per-sample differences (a
   one-sided test at ``confidence``): a difference of one or two samples is no evidence.
-  ``prefers="controller"`` (the default): the table answers only where it is better with
-  confidence. ``prefers="table"``: the controller answers only where it is better with
-  confidence (safe policy improvement: Thomas et al. 2015, "High-confidence off-policy
-  evaluation"; Laroche et al. 2019, SPIBB). Measured on unseen generated worlds, the table
-  at the budgets where the two are close cost up to 2.4 points against the per-family table,
-  which the controller follows there; the controller at those budgets costs up to about
-  2 points against the p95 table (docs/results.md);
+  ``prefers="controller"``: the table answers only where it is better with confidence.
+  ``prefers="table"``: the controller answers only where it is better with confidence (safe
+  policy improvement: Thomas et al. 2015, "High-confidence off-policy evaluation"; Laroche et
+  al. 2019, SPIBB). ``prefers="auto"`` (the default, :func:`resolve_prefers`): the table where
+  it is ``lut_by_question``, the controller where it is ``lut_p95``. Measured on unseen generated
+  worlds (docs/results.md): the budget-only table at the budgets where the two are close cost up
+  to 2.4 points against the per-family table, which the controller follows there; but against
+  the question-family table, preferring the controller fell below the per-family table by more
+  than its standard error in four of seven worlds, preferring the table in one;
 * only one keeps it: that one; neither: the lower violation rate (the controller on a tie).
 
 At the other budgets the deployed controller answers with the table's configuration. A
@@ -46,7 +51,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.baselines import Decider, LookupTableDecider, budget_vector
+from trainer.baselines import (
+    Decider,
+    LookupTableDecider,
+    QuestionFamilyTableDecider,
+    budget_vector,
+    table_from_state,
+)
 from trainer.constraint import VIOLATION_TARGET
 from trainer.data import OfflineData
 from trainer.greedy import policy_greedy
@@ -64,9 +75,14 @@ from trainer.runs import atomic_torch_save
 
 #: the deciders a fallback may prefer where neither wins the reward test
 FALLBACK_PREFERS = ("controller", "table")
+#: what a caller may ask for: one of them, or ``"auto"`` (:func:`resolve_prefers`)
+PREFERS_CHOICES = ("auto", *FALLBACK_PREFERS)
+#: the tables a fallback may answer with (:func:`fallback_table`)
+FALLBACK_TABLES = ("family", "p95")
 
-__all__ = ["FALLBACK_PREFERS", "PolicyDecider", "TableFallback", "attach_fallback", "fit_table_fallback",
-           "read_fallback", "wilson_upper_bound"]
+__all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "PolicyDecider", "TableFallback", "attach_fallback",
+           "PREFERS_CHOICES", "fallback_table", "fit_table_fallback", "read_fallback", "resolve_prefers",
+           "wilson_upper_bound"]
 
 
 @dataclass
@@ -83,7 +99,8 @@ class TableFallback:
         validation, and its upper ``confidence`` bound (the evidence, kept for inspection).
     max_violation_rate: the violation rate a decider must keep to be preferred on reward.
     confidence: the level of the violation bound and of the reward test.
-    table: ``LookupTableDecider.state()`` of the ``lut_p95`` table of the train split.
+    table: the ``state()`` of the table that answers, fitted on the train split
+        (:func:`fallback_table`): ``lut_by_question`` or ``lut_p95``.
     prefers: the decider that answers where both keep the violation goal and the other does
         not win the reward test (``"controller"`` or ``"table"``).
     """
@@ -123,8 +140,19 @@ class TableFallback:
         nearest = (b[..., None] - grid).abs().argmin(-1)
         return torch.tensor(self.use_controller, dtype=torch.bool)[nearest]
 
-    def lookup_table(self) -> LookupTableDecider:
-        return LookupTableDecider.from_state(self.table)
+    def lookup_table(self) -> LookupTableDecider | QuestionFamilyTableDecider:
+        return table_from_state(self.table)
+
+    def budget_table(self) -> LookupTableDecider:
+        """The fallback's ``lut_p95`` table (a question-family table's global one): one configuration
+        per budget, and the median latencies a server calibrates against."""
+        table = self.lookup_table()
+        return table.global_table if isinstance(table, QuestionFamilyTableDecider) else table
+
+    @property
+    def table_kind(self) -> str:
+        """``"family"`` or ``"p95"``: the :func:`fallback_table` kind the answering table was fitted as."""
+        return "family" if self.table.get("kind") == "question_family" else "p95"
 
     @property
     def fallback_budgets_ms(self) -> list[float]:
@@ -139,7 +167,8 @@ class TableFallback:
         level = "" if math.isnan(self.confidence) else f" ({self.confidence:.0%} confidence, {self.prefers} preferred)"
         kept = [b for b, keep in zip(self.grid_ms, self.use_controller) if keep]
         table = budgets(self.fallback_budgets_ms)
-        return f"table fallback{level}: controller at {budgets(kept)}; lut_p95 table at {table}"
+        name = self.table.get("name", "lut_p95")
+        return f"table fallback{level}: controller at {budgets(kept)}; {name} table at {table}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -235,20 +264,46 @@ def wilson_upper_bound(successes: int, trials: int, confidence: float) -> float:
 
 
 @torch.no_grad()
+def fallback_table(train: OfflineData, kind: str = "family") -> LookupTableDecider | QuestionFamilyTableDecider:
+    """The table a fallback answers with, fitted on ``train``: ``"family"``, the per-family tables
+    deciding by the family each question reads as (``lut_by_question``; ``lut_p95`` where ``train``
+    has no family labels), or ``"p95"``, the budget-only ``lut_p95`` table."""
+    if kind not in FALLBACK_TABLES:
+        msg = f"the fallback table must be one of {FALLBACK_TABLES}, got {kind!r}"
+        raise ValueError(msg)
+    if kind == "family":
+        table = QuestionFamilyTableDecider(train)
+        if table.has_families:
+            return table
+    return LookupTableDecider(train)
+
+
+def resolve_prefers(prefers: str, table: Decider) -> str:
+    """``prefers`` with ``"auto"`` made concrete: ``"table"`` where ``table`` reads the question's
+    family (:class:`QuestionFamilyTableDecider` with families), else ``"controller"``."""
+    if prefers not in PREFERS_CHOICES:
+        msg = f"`prefers` must be one of {PREFERS_CHOICES}, got {prefers!r}"
+        raise ValueError(msg)
+    if prefers != "auto":
+        return prefers
+    return "table" if isinstance(table, QuestionFamilyTableDecider) and table.has_families else "controller"
+
+
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
                        reward: RewardConfig, max_violation_rate: float = VIOLATION_TARGET,
-                       confidence: float = 0.95, prefers: str = "controller") -> TableFallback:
-    """Choose, per budget of ``grid_ms``, between the controller and the ``lut_p95`` table.
+                       confidence: float = 0.95, prefers: str = "auto", table: str = "family") -> TableFallback:
+    """Choose, per budget of ``grid_ms``, between the controller and the table ``table``
+    (:func:`fallback_table`).
 
     ``train`` builds the table (as in the evaluation) and, with ``val``, counts its
     violations; ``val`` carries the scores the rewards are computed from (the training
     targets, so the comparison sees the same, less noisy, scores as the model selection)
     and the controller's violations. The rule is in the module docstring.
     """
-    table = LookupTableDecider(train)
-    return compare_with_table(PolicyDecider(policy), table, val, grid_ms, reward, table.state(),
+    answering = fallback_table(train, table)
+    return compare_with_table(PolicyDecider(policy), answering, val, grid_ms, reward, answering.state(),
                               also_count_table_on=train, max_violation_rate=max_violation_rate, confidence=confidence,
-                              prefers=prefers)
+                              prefers=resolve_prefers(prefers, answering))
 
 
 def compare_with_table(network: Decider, table: Decider, val: OfflineData, grid_ms: list[float], reward: RewardConfig,
