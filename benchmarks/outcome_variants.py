@@ -19,7 +19,15 @@ are scored by the hidden expected score and the recorded latency, beside ``lut_p
 * ``family_latency``: the p95 head's latency replaced, wherever a (question family, crops of the
   image at that configuration) group of the first tree holds at least 20 samples, by that
   group's p95 latency. The controller never reads the family labels: this is an upper bound on
-  what a better latency model alone could give.
+  what a better latency model alone could give;
+* ``table30``, ``table60``, ``table120``: not the outcome model but the lookup-table statistics
+  of each question's k nearest samples of the first tree (cosine of the question feature): the
+  mean score and the p95 latency of every configuration;
+* ``family_from_question`` (``_cap32``, ``_cap64``): ``lut_by_question``
+  (``trainer.baselines.QuestionFamilyTableDecider``, the deployed fallback table) fitted on the
+  first tree: ``lut_by_family`` deciding by the family most of a question's 15 nearest
+  first-tree questions carry, not by its label (every question of a family a reference, or at
+  most 32 or 64, evenly spaced; 32 is the default).
 
 Prints per variant and world the worst budget against ``lut_by_family`` (in that table's
 standard errors), the largest violation rate and the mean gain over ``lut_p95`` (the family
@@ -41,14 +49,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from transfer_worlds import WORLDS, truth_scores, world_workspace  # noqa: E402
 
-from trainer.baselines import FamilyLookupTableDecider, LookupTableDecider  # noqa: E402
+from trainer.baselines import FamilyLookupTableDecider, LookupTableDecider, QuestionFamilyTableDecider  # noqa: E402
 from trainer.config import OfflineTrainConfig  # noqa: E402
 from trainer.data import ActionSpace, OfflineData, load_offline_data  # noqa: E402
 from trainer.evaluate import evaluate_deciders  # noqa: E402
 from trainer.outcome import OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model  # noqa: E402
 from trainer.run_record import resolve_config  # noqa: E402
 
-VARIANTS = ("head", "neighbours40", "ensemble5", "family_latency")
+VARIANTS = ("head", "neighbours40", "ensemble5", "family_latency", "table30", "table60", "table120",
+            "family_from_question", "family_from_question_cap32", "family_from_question_cap64")
 #: the smallest (family, crops) group whose p95 latency ``family_latency`` uses
 MIN_GROUP = 20
 
@@ -97,6 +106,30 @@ class FamilyLatencyModel:
         return self._cached[1], self._cached[2]
 
 
+class NeighbourTableModel:
+    """Per sample, the lookup-table statistics of its k nearest reference samples by question
+    feature (cosine): the mean recorded score and the p95 latency of each configuration."""
+
+    def __init__(self, reference: OfflineData, k: int, quantile: float = 0.95) -> None:
+        self.reference, self.k, self.quantile = reference, k, quantile
+        self.action_space = reference.action_space
+        self._cached: tuple[OfflineData, torch.Tensor, torch.Tensor] | None = None
+
+    def predict(self, data: OfflineData) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cached is not None and self._cached[0] is data:
+            return self._cached[1], self._cached[2]
+        ref = self.reference
+        a = torch.nn.functional.normalize(data.lang_features, dim=1)
+        b = torch.nn.functional.normalize(ref.lang_features, dim=1)
+        near = (a @ b.T).topk(min(self.k, len(ref)), dim=1).indices  # (N, k)
+        score = torch.where(ref.mask, ref.scores("mean"), torch.nan)[near]  # (N, k, A)
+        latency = torch.where(ref.mask, ref.latency_ms, torch.nan)[near]
+        mean_score = score.nanmean(1).nan_to_num(-1.0)
+        p95 = latency.nanquantile(self.quantile, dim=1).nan_to_num(float("inf"))
+        self._cached = (data, mean_score, p95)
+        return mean_score, p95
+
+
 def variant_model(name: str, train: OfflineData, val: OfflineData, reference: OfflineData):
     if name == "head":
         return fit_outcome_model(train, val, OutcomeConfig())
@@ -106,6 +139,8 @@ def variant_model(name: str, train: OfflineData, val: OfflineData, reference: Of
         return EnsembleModel([fit_outcome_model(train, val, OutcomeConfig(seed=s)) for s in range(5)])
     if name == "family_latency":
         return FamilyLatencyModel(fit_outcome_model(train, val, OutcomeConfig()), reference)
+    if name.startswith("table"):
+        return NeighbourTableModel(reference, int(name.removeprefix("table")))
     msg = f"unknown variant {name!r}; one of {', '.join(VARIANTS)}"
     raise ValueError(msg)
 
@@ -127,7 +162,11 @@ def main() -> None:
         train, val = first.subset("train"), first.subset("val")
         tables = [LookupTableDecider(first), FamilyLookupTableDecider(first)]
         for variant in variants:
-            decider = OutcomeDecider(variant_model(variant, train, val, first), name=variant)
+            if variant.startswith("family_from_question"):
+                cap = int(variant.split("_cap")[1]) if "_cap" in variant else len(first)
+                decider = QuestionFamilyTableDecider(first, references_per_family=cap, name=variant)
+            else:
+                decider = OutcomeDecider(variant_model(variant, train, val, first), name=variant)
             frame = evaluate_deciders(test, [*tables, decider], config.eval_budgets, config.reward)
             by = {(r["decider"], r["budget_ms"]): r for r in frame.iter_rows(named=True)}
             budgets = config.eval_budgets

@@ -2,6 +2,7 @@
 
     python benchmarks/transfer_worlds.py                         # the worlds that chose the defaults
     python benchmarks/transfer_worlds.py --worlds check          # the worlds kept for checking them
+    python benchmarks/transfer_worlds.py --worlds fresh          # worlds no choice has seen
     python benchmarks/transfer_worlds.py --set violation_target=0.02 --out rows.jsonl
     python benchmarks/transfer_worlds.py --worlds all --render rows.jsonl   # the tables again, no training
 
@@ -45,7 +46,8 @@ class World:
     test_seed: int
 
 
-#: worlds that chose the defaults (``tune``) and worlds kept out of that choice (``check``)
+#: worlds that chose the defaults (``tune``), worlds kept out of the first choices of them (``check``;
+#: docs/results.md says which choices they saw later) and worlds no choice has seen (``fresh``)
 WORLDS = {
     "tune": (
         World("coco-text", ("coco_2014_vqa", "text_vqa"), 400, 10, 110),  # tests/test_controller_vs_family.py
@@ -57,6 +59,11 @@ WORLDS = {
         World("okvqa-tally-st", ("okvqa", "tally_qa", "st_qa"), 300, 21, 121),
         World("five-mix-large", ("coco_2014_vqa", "text_vqa", "okvqa", "doc_qa", "science_qa_img"), 1000, 22, 122),
         World("coco-text-300", ("coco_2014_vqa", "text_vqa"), 300, 31, 131),
+    ),
+    "fresh": (
+        World("text-okvqa-small", ("text_vqa", "okvqa"), 200, 41, 141),
+        World("coco-okvqa-doc", ("coco_2014_vqa", "okvqa", "doc_qa"), 300, 42, 142),
+        World("tally-st-science", ("tally_qa", "st_qa", "science_qa_img"), 250, 43, 143),
     ),
 }
 
