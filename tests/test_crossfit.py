@@ -151,3 +151,23 @@ def test_fallback_rule_on_one_sample_and_at_the_violation_ceiling():
                                       max_violation_rate=1.0, prefers=prefers)
         assert fallback.table_violation_upper == [1.0] and fallback.controller_violation_rate == [1.0]
         assert fallback.reward_difference_se == [float("inf")] and fallback.use_controller == [kept]
+
+
+def test_out_of_fold_the_table_is_judged_by_its_violation_rate_in_sample_by_its_bound():
+    """One late answer in 25 is a 4 % rate within the 5 % goal, and a one-sided 95 % Wilson bound of
+    about 17 %: counted out of fold (no in-sample counts) the table keeps the goal and, preferred,
+    answers; counted also on its own samples it is judged by the bound and the controller answers."""
+    from test_family_table import CROPS, FAST
+    from test_family_table import make_data as family_data
+
+    from trainer.fallback import compare_with_table
+
+    val = family_data(None, "val", rows=["text"] * 24 + ["scene"])  # CROPS runs 160 ms, 240 for the scene row
+    rule = {"max_violation_rate": 0.05, "prefers": "table"}
+    out_of_fold = compare_with_table(Constant(FAST), Constant(CROPS), val, [200.0], RewardConfig(mode="hard"), {},
+                                     **rule)
+    assert out_of_fold.table_violation_rate == [pytest.approx(0.04)] and out_of_fold.table_violation_upper[0] > 0.15
+    assert out_of_fold.use_controller == [False]
+    in_sample = compare_with_table(Constant(FAST), Constant(CROPS), val, [200.0], RewardConfig(mode="hard"), {},
+                                   also_count_table_on=val, **rule)
+    assert in_sample.table_violation_rate == [pytest.approx(0.04)] and in_sample.use_controller == [True]
