@@ -200,13 +200,22 @@ class PrefixState:
 
 @dataclass
 class DecodeState:
-    """One rollout after its prefill: cache with every active block, the active blocks, the
-    attention mask so far and the logits of the last position (float32, (vocab,))."""
+    """One rollout after its prefill: cache with every active block (a ``FastSession`` on the fast
+    path), the active blocks, the attention mask so far and the logits of the last position
+    (float32, (vocab,))."""
 
     cache: object
     active_blocks: tuple[int, ...]
-    attention_mask: torch.Tensor
+    #: the eager path's mask over the positions so far (None on the fast path, whose cache counts them)
+    attention_mask: torch.Tensor | None
     logits: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        """Positions in the cache so far: the prompt's and one per decode step."""
+        if self.attention_mask is None:
+            return int(self.cache.position)  # type: ignore[attr-defined]
+        return int(self.attention_mask.shape[1])
 
 
 class ModelRuntime(ABC):

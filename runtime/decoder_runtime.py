@@ -37,6 +37,7 @@ from runtime.base import (
     validate_active_blocks,
     validate_top_k,
 )
+from runtime.fast_decoder import FastDecoder, FastPrefixCache, FastSession, default_compile
 from runtime.precision import compute_context
 
 if TYPE_CHECKING:
@@ -63,15 +64,37 @@ class OlmoeDecoderRuntime(ModelRuntime):
     decoder: OlmoeForCausalLM
     #: the full layer list, restored after every forward that runs a subset
     _all_layers: nn.ModuleList
+    #: the fast path (``runtime.fast_decoder``) when it is on, else None (the eager path)
+    fast: FastDecoder | None = None
 
-    def _init_decoder(self, decoder: OlmoeForCausalLM) -> None:
-        """Adopt ``decoder`` (already on the device, eval, frozen) and read the knob ranges from it."""
+    def _init_decoder(self, decoder: OlmoeForCausalLM, compile: bool | None = None,
+                      float32_attention: bool = False) -> None:
+        """Adopt ``decoder`` (already on the device, eval, frozen), read the knob ranges from it
+        and choose the execution path (:meth:`set_execution`)."""
         self.decoder = decoder
         cfg = decoder.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_experts = int(cfg.num_experts)
         self.default_top_k = int(cfg.num_experts_per_tok)
         self._all_layers = decoder.model.layers
+        self.set_execution(compile, float32_attention)
+
+    def set_execution(self, compile: bool | None = None, float32_attention: bool = False) -> None:
+        """The fast path (``compile``: True), the eager reference (False) or the device's default
+        (None: ``runtime.fast_decoder.default_compile``); ``float32_attention``: the fast path
+        attends in float32, as the origin does, instead of the storage dtype."""
+        enabled = default_compile(self.device) if compile is None else bool(compile)
+        self.fast = FastDecoder(self.decoder, self._all_layers, self.device,
+                                float32_attention=float32_attention) if enabled else None
+
+    @property
+    def execution(self) -> dict[str, object]:
+        """The execution path as recorded beside measured latencies: ``compiled`` (the fast path),
+        ``cuda_graphs`` and the attention dtype."""
+        fast = self.fast
+        attention = "float32" if fast is None else str(fast.attention_dtype).removeprefix("torch.")
+        return {"compiled": fast is not None, "cuda_graphs": bool(fast is not None and fast.use_graphs),
+                "attention_dtype": attention}
 
     @abstractmethod
     def _embed(self, inputs: ModelInputs, extra_ids: Sequence[int] = (),
@@ -125,6 +148,8 @@ class OlmoeDecoderRuntime(ModelRuntime):
             return out.logits[0].float().cpu()
 
     def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
+        if self.fast is not None:
+            return self._generate_fast(inputs, max_new_tokens)
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
 
         with torch.inference_mode(), self.precision_context(), self._run_active_blocks():
@@ -143,6 +168,25 @@ class OlmoeDecoderRuntime(ModelRuntime):
 
             tokens = greedy_decode(int(out.logits[0, -1].argmax()), next_token, self.eos_id, max_new_tokens)
         return GenerationResult(tokens, self.decode_text(tokens))
+
+    def _generate_fast(self, inputs: ModelInputs, max_new_tokens: int) -> GenerationResult:
+        fast = self.fast
+        blocks = self._active or tuple(range(self.num_layers))
+        with torch.inference_mode(), self.precision_context():
+            embeds = self._embed(inputs)[0][0]
+            hidden = fast.prefill(embeds, blocks, reserve=max_new_tokens)
+            session = fast.session(blocks, embeds.shape[0])
+            first = int(fast.logits(hidden[-1:]).argmax())
+            tokens = greedy_decode(first, lambda token: fast.greedy_step(session, token), self.eos_id, max_new_tokens)
+        return GenerationResult(tokens, self.decode_text(tokens))
+
+    def capture_decode(self, blocks: Sequence[int], positions: int) -> None:
+        """Capture the decode step of ``blocks`` at the current top-K for requests of up to
+        ``positions`` positions now, rather than at its first use (a server's warm-up; nothing
+        without CUDA graphs)."""
+        if self.fast is not None:
+            with torch.inference_mode(), self.precision_context():
+                self.fast.capture(blocks, positions)
 
     # -- two-stage execution (online phase)
     @property
@@ -188,6 +232,12 @@ class OlmoeDecoderRuntime(ModelRuntime):
             if extra_embedding is not None:
                 token = extra_embedding.detach().to(self.device, embeds.dtype).reshape(1, 1, -1)
                 embeds = torch.cat([embeds, token], dim=1)
+            extra = 0 if extra_embedding is None else 1
+            if self.fast is not None:
+                seq = embeds.shape[1] - extra
+                hidden = self.fast.prefill(embeds[0], range(p))[None] if p else embeds
+                return PrefixState(inputs, p, embeds, hidden, self.fast.keep_prefix(range(p), seq),
+                                   extra_tokens=extra, image_feature=image_feature)
             cache = DynamicCache(config=self.decoder.config)
             hidden = embeds
             if p:
@@ -219,6 +269,8 @@ class OlmoeDecoderRuntime(ModelRuntime):
         # position leaves exactly the prompt's states
         seq = prefix.seq_len - prefix.extra_tokens
         hidden = prefix.hidden[:, :seq]
+        if isinstance(prefix.cache, FastPrefixCache):
+            return self._suffix_fast(prefix, active, suffix, hidden[0])
         mask = torch.ones((1, seq), dtype=torch.long, device=self.device)
         # a fresh cache: the members of a group must not write into the shared prefix's cache
         cache = DynamicCache(config=self.decoder.config)
@@ -237,7 +289,23 @@ class OlmoeDecoderRuntime(ModelRuntime):
                 cache.update(layer.keys[:, :, :seq], layer.values[:, :, :seq], i)
         return DecodeState(cache, active, mask, logits)
 
+    def _suffix_fast(self, prefix: PrefixState, active: tuple[int, ...], suffix: list[int],
+                     hidden: torch.Tensor) -> DecodeState:
+        if self.fast is None:
+            msg = "a prefix state of the fast path needs the fast path (it was turned off since)"
+            raise RuntimeError(msg)
+        with torch.no_grad(), self.precision_context():
+            self.fast.restore_prefix(prefix.cache)
+            if suffix:
+                hidden = self.fast.prefill(hidden, suffix)
+            logits = self.fast.logits(hidden[-1:])
+        return DecodeState(self.fast.session(active, hidden.shape[0]), active, None, logits)
+
     def decode_step(self, state: DecodeState, token: int) -> None:
+        if isinstance(state.cache, FastSession):
+            with torch.no_grad(), self.precision_context():
+                state.logits = self.fast.step(state.cache, token)
+            return
         state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
         with torch.no_grad(), self.precision_context(), self.running_layers(state.active_blocks):
             out = self.decoder(input_ids=torch.tensor([[int(token)]], device=self.device),

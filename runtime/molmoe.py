@@ -131,7 +131,8 @@ class MolmoERuntime(OlmoeDecoderRuntime):
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
                  importance_scores: str | Path | Mapping[int, float] | None = None,
-                 dtype: str | torch.dtype = "auto") -> None:
+                 dtype: str | torch.dtype = "auto", compile: bool | None = None,
+                 float32_attention: bool = False) -> None:
         self.path = Path(path)
         check_checkpoint_dir(self.path)
         self.device = resolve_device(device)
@@ -153,7 +154,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
             module.eval()
             module.requires_grad_(False)
         self.vision_backbone = vision
-        self._init_decoder(decoder)
+        self._init_decoder(decoder, compile, float32_attention)
         if len(self.tokenizer) > self.arch.vocab_size + self.arch.additional_vocab_size:
             msg = (f"{self.path}: the tokenizer has {len(self.tokenizer)} tokens, more than the "
                    f"{self.arch.vocab_size + self.arch.additional_vocab_size} embeddings of the model")

@@ -415,6 +415,9 @@ class MolmoEExperts(nn.Module):
     ascending order, results added per token. transformers' one fused gate/up matmul rounds
     differently, and with 64 experts a 1e-6 difference flips a near-tied routing a few blocks later."""
 
+    #: the fast path (``runtime.fast_decoder``) keeps gate and up apart where it must round as this module does
+    split_gate_up = True
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate = num_experts, intermediate

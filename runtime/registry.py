@@ -166,18 +166,19 @@ def resolve_model(model: str) -> tuple[str, Path]:
 
 
 def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None,
-                 dtype: str = "auto") -> ModelRuntime:
+                 dtype: str = "auto", compile: bool | None = None, float32_attention: bool = False) -> ModelRuntime:
     """A ready runtime for a ``--model`` value (see the module docstring) holding its weights in
     ``dtype`` (``runtime.precision``).
 
     ``importance_scores``: an importance file (docs/origin_format.md §6) used by ``blocks_for`` /
     ``knobs(num_active_blocks=...)``;
     without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
+    ``compile`` and ``float32_attention``: the execution path (``OlmoeDecoderRuntime.set_execution``).
     """
     kind, path = resolve_model(model)
-    if kind == "embedded":
-        return EmbeddedRuntime(path, device=device, importance_scores=importance_scores, dtype=dtype)
-    return MolmoERuntime(path, device=device, importance_scores=importance_scores, dtype=dtype)
+    runtime_class = EmbeddedRuntime if kind == "embedded" else MolmoERuntime
+    return runtime_class(path, device=device, importance_scores=importance_scores, dtype=dtype, compile=compile,
+                         float32_attention=float32_attention)
 
 
 def model_fingerprint(model: str = "embedded", dtype: str = "auto", device: str = "cpu") -> str | None:

@@ -183,6 +183,17 @@ def test_embedded_prompt_format_and_global_image_first(embedded):
 # -- knobs on the execution path ----------------------------------------------------------------
 
 def test_router_uses_k_experts_where_set_and_default_elsewhere(rt, image_inputs):
+    """On the eager path, whose experts module is called with the routing (the fast path's own
+    routing is counted in tests/test_fast_decoder.py)."""
+    saved = rt.fast
+    rt.set_execution(False)
+    try:
+        _router_uses_k_experts(rt, image_inputs)
+    finally:
+        rt.fast = saved
+
+
+def _router_uses_k_experts(rt, image_inputs):
     special = {1: 2, 5: 12, 9: 4}
     with rt.knobs(top_k=special), count_experts_per_token(rt) as per_layer:
         rt.generate(image_inputs, max_new_tokens=2)

@@ -13,6 +13,7 @@ import torch
 
 from conftest import build_feature_workspace
 from pipeline import knobs
+from runtime.fast_decoder import FastPrefixCache
 from synthetic import SyntheticSpec
 
 
@@ -141,7 +142,7 @@ def test_budget_token_is_read_by_stage_2_and_leaves_the_answer_alone(embedded_ru
     for _ in range(3):
         rt.decode_step(state, generated[-1])
         generated.append(int(state.logits.argmax()))
-    assert state.attention_mask.shape[1] == inputs.input_ids.shape[1] + 3  # prompt + generated tokens
+    assert state.positions == inputs.input_ids.shape[1] + 3  # prompt + generated tokens
     reference = rt.generate(inputs, max_new_tokens=4).token_ids  # stops at EOS; the loop above does not
     assert reference and generated[:len(reference)] == reference
     with torch.no_grad():
@@ -171,15 +172,27 @@ def test_stage_2_reads_the_cached_global_feature_which_the_request_computes_itse
     assert len(seen) == 1 and torch.equal(seen[0][0].cpu(), samples.image[s])
 
 
-def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor):
+def _prefix_keys(prefix, block: int) -> torch.Tensor:
+    """The keys a prefix state holds for one of its blocks, on either execution path."""
+    cache = prefix.cache
+    return cache.keys[block] if isinstance(cache, FastPrefixCache) else cache.layers[block].keys
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor, compile):
     rt = embedded_runtime
-    prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 3)
-    keys = [prefix.cache.layers[i].keys.clone() for i in range(3)]
-    first = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
-    rt.decode_step(first, int(first.logits.argmax()))
-    second = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
-    assert all(torch.equal(prefix.cache.layers[i].keys, k) for i, k in enumerate(keys))
-    assert torch.equal(torch.cat([second.logits]), rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3)).logits)
+    saved = rt.fast
+    rt.set_execution(compile)
+    try:
+        prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 3)
+        keys = [_prefix_keys(prefix, i).clone() for i in range(3)]
+        first = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
+        rt.decode_step(first, int(first.logits.argmax()))
+        second = rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3))
+        assert all(torch.equal(_prefix_keys(prefix, i), k) for i, k in enumerate(keys))
+        assert torch.equal(second.logits, rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3)).logits)
+    finally:
+        rt.fast = saved
 
 
 def test_latency_token_recompute_carries_gradient_to_the_budget_token(embedded_runtime, executor):
@@ -195,17 +208,24 @@ def test_latency_token_recompute_carries_gradient_to_the_budget_token(embedded_r
     assert torch.allclose(again.latency_token, latency.detach(), atol=1e-5)
 
 
-def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor):
+@pytest.mark.parametrize("compile", [False, True])
+def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor, compile):
     """Crops through the preprocessor (crops + 1 image arrays), top-K only after the insertion
-    position (block 0 keeps the default), skipped blocks never run."""
+    position (block 0 keeps the default: each router's top-K as its block runs), skipped blocks
+    never run; on both execution paths (the fast one calls the blocks' hooks itself)."""
     rt, ctrl = embedded_runtime, executor.controller
     s = _image_sample(executor.samples)
     seen = {"images": [], "calls": [], "top_k": {}}
+    saved = rt.fast
+    rt.set_execution(compile)
+
+    def block_runs(module, _args, i: int) -> None:
+        seen["calls"].append(i)
+        seen["top_k"].setdefault(i, set()).add(int(module.mlp.gate.top_k))
+
     handles = [rt.vision_module.register_forward_pre_hook(lambda m, a: seen["images"].append(a[0].shape[0]))]
     for i, layer in enumerate(rt.decoder_layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: seen["calls"].append(i)))
-        handles.append(layer.mlp.gate.register_forward_pre_hook(
-            lambda m, a, i=i: seen["top_k"].setdefault(i, set()).add(int(m.top_k))))
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: block_runs(m, a, i)))
     try:
         c = ctrl.max_crops_values.index(10)
         pi = ctrl.insertion_positions.index(2)
@@ -217,6 +237,7 @@ def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor):
     finally:
         for h in handles:
             h.remove()
+        rt.fast = saved
     assert (rollout.max_crops, rollout.insertion_position, rollout.top_k, rollout.num_active_blocks) == (10, 2, 4, 14)
     assert seen["images"] == [rollout.num_crops + 1] and 1 < rollout.num_crops <= 10
     active = rt.blocks_for(14, first_kept=2)

@@ -1,0 +1,288 @@
+"""The fast path (``runtime.fast_decoder``) against the eager reference, on the CPU.
+
+The eager path is the one tested against the origin code (tests/test_molmoe_native.py); here the
+fast path must give its greedy tokens for every knob setting, its prefill logits bit for bit on
+MolmoE in float32, and decode steps that a CUDA graph can capture: no operation that waits for the
+device, the same operations on the same shapes at every position, a bounded number of operations
+per block, and the knobs still cutting work (top-K experts read, skipped blocks absent).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from test_model_runtime import QUESTION, make_image
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runtime.fast_decoder import FastSession, bucket_for
+from runtime.molmoe import MolmoERuntime
+from runtime.timing import GenerateTimer
+
+#: operations that read a device value on the host (a CUDA graph cannot contain them, and on a GPU
+#: each one stalls the host until the device catches up)
+HOST_SYNC_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
+                 "aten.nonzero_static.default", "aten.masked_select.default", "aten.unique_consecutive.default",
+                 "aten._unique2.default", "aten.bincount.default", "aten.repeat_interleave.Tensor",
+                 "aten.is_nonzero.default", "aten.equal.default", "aten.masked_scatter.default"}
+#: aten operations (views included) a decode step may dispatch per active block: measured 96-98
+#: on the tiny checkpoint; the eager path's step dispatched 160-180 (and waited once per block)
+OPS_PER_BLOCK_MAX = 100
+
+
+class OpTrace(TorchDispatchMode):
+    """Every aten operation dispatched inside the ``with`` block, with its output shapes, and the
+    ones that read device values on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+        self.syncs: list[str] = []
+        self.grouped_offsets: list[torch.Tensor] = []
+        self.topk: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        out = func(*args, **kwargs)
+        if name in HOST_SYNC_OPS:
+            self.syncs.append(name)
+        # indexing with a boolean mask has a data-dependent shape (nonzero underneath)
+        if name.startswith("aten.index.") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            self.syncs.append(name + " (boolean mask)")
+        if name == "aten._grouped_mm.default":
+            self.grouped_offsets.append(kwargs.get("offs", args[2] if len(args) > 2 else None).clone())
+        if name == "aten.topk.default":
+            self.topk.append(int(args[1]))
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        self.calls.append((name, tuple(tuple(o.shape) for o in outputs if isinstance(o, torch.Tensor))))
+        return out
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_molmoe_dir) -> MolmoERuntime:
+    return MolmoERuntime(tiny_molmoe_dir, compile=False)
+
+
+@pytest.fixture(scope="module")
+def fast(tiny_molmoe_dir) -> MolmoERuntime:
+    return MolmoERuntime(tiny_molmoe_dir, compile=True)
+
+
+@contextmanager
+def execution(runtime, compile: bool) -> Iterator:
+    """The runtime on one path for the block, its own path restored after."""
+    saved = runtime.fast
+    runtime.set_execution(compile)
+    try:
+        yield runtime
+    finally:
+        runtime.fast = saved
+
+
+#: (image size or None, max_crops, knobs): the default, top-K 1, blocks skipped, both, text only
+GENERATE_CASES = [((320, 240), 4, {}), ((640, 480), 12, {"top_k": 1}), ((50, 700), 6, {"num_active_blocks": 12}),
+                  ((1000, 300), 9, {"top_k": 2, "active_blocks": [0, 3, 4, 7, 11, 15]}),
+                  (None, 3, {"top_k": {0: 8, 4: 2, 15: 1}, "num_active_blocks": 10})]
+
+
+def inputs_for(runtime, size, max_crops: int):
+    return runtime.preprocess(None if size is None else make_image(*size, seed=max_crops), QUESTION, max_crops)
+
+
+@pytest.mark.parametrize(("size", "max_crops", "knobs"), GENERATE_CASES)
+def test_greedy_tokens_equal_the_eager_path(eager, fast, size, max_crops, knobs):
+    inputs = inputs_for(eager, size, max_crops)
+    with eager.knobs(**knobs):
+        expected = eager.generate(inputs, max_new_tokens=12).token_ids
+    with fast.knobs(**knobs):
+        got = fast.generate(inputs, max_new_tokens=12).token_ids
+    assert len(expected) == 12 and got == expected
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 1, "num_active_blocks": 12}])
+def test_embedded_greedy_tokens_equal_the_eager_path(embedded_runtime, knobs):
+    inputs = inputs_for(embedded_runtime, (400, 300), 6)
+    with execution(embedded_runtime, False), embedded_runtime.knobs(**knobs):
+        expected = embedded_runtime.generate(inputs, max_new_tokens=10).token_ids
+    with execution(embedded_runtime, True), embedded_runtime.knobs(**knobs):
+        got = embedded_runtime.generate(inputs, max_new_tokens=10).token_ids
+    assert got == expected
+
+
+def two_stage(runtime, inputs, p: int, top_k: int, blocks: int, steps: int) -> list[torch.Tensor]:
+    """The logits of the prefill and of ``steps`` greedy decode steps through the two-stage calls."""
+    prefix = runtime.prefill_prefix(inputs, p)
+    with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
+        state = runtime.prefill_suffix(prefix, runtime.blocks_for(blocks, first_kept=max(p, 1)))
+        logits = [state.logits.clone()]
+        for _ in range(steps):
+            runtime.decode_step(state, int(state.logits.argmax()))
+            logits.append(state.logits.clone())
+    return logits
+
+
+@pytest.mark.parametrize(("p", "top_k", "blocks"), [(0, 8, 16), (2, 1, 16), (3, 4, 12)])
+def test_two_stage_prefill_is_bit_identical_and_decoding_agrees(eager, fast, p, top_k, blocks):
+    inputs = inputs_for(eager, (640, 480), 6)
+    expected = two_stage(eager, inputs, p, top_k, blocks, steps=6)
+    got = two_stage(fast, inputs, p, top_k, blocks, steps=6)
+    # the prefill computes what the eager path computes, in the same order
+    assert torch.equal(got[0], expected[0])
+    # decode steps attend over a fixed window with a mask: the softmax sums in another order, and
+    # the reference builder's gains amplify that rounding (measured: at most 1.5e-4 relative)
+    for a, b in zip(got[1:], expected[1:]):
+        assert float((a - b).norm() / b.norm()) <= 1e-3
+        assert int(a.argmax()) == int(b.argmax())
+
+
+def test_a_prefix_with_the_budget_token_keeps_the_prompt_only(eager, fast):
+    inputs = inputs_for(eager, (320, 240), 4)
+    token = torch.randn(eager.hidden_size, generator=torch.Generator().manual_seed(1))
+    results = []
+    for runtime in (eager, fast):
+        prefix = runtime.prefill_prefix(inputs, 2, token)
+        state = runtime.prefill_suffix(prefix, tuple(range(16)))
+        results.append((prefix.hidden, state.logits))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
+    assert torch.equal(results[1][1], results[0][1])
+
+
+def decode_trace(runtime, inputs, knobs: dict, steps: int = 2) -> tuple[list[OpTrace], FastSession]:
+    """One op trace per decode step after a prefill (the first step outside any trace)."""
+    prefix = runtime.prefill_prefix(inputs, 0)
+    traces = []
+    with runtime.knobs(**knobs):
+        state = runtime.prefill_suffix(prefix, tuple(runtime.current_active_blocks()))
+        runtime.decode_step(state, int(state.logits.argmax()))
+        for _ in range(steps):
+            token = int(state.logits.argmax())
+            with torch.no_grad(), OpTrace() as trace:
+                runtime.decode_step(state, token)
+            traces.append(trace)
+    return traces, state.cache
+
+
+def test_the_sync_detector_sees_host_reads():
+    with OpTrace() as trace:
+        x = torch.tensor([0.0, 2.0, 3.0])
+        x.sum().item()
+        x.nonzero()
+        x[x > 1]
+    assert trace.syncs == ["aten._local_scalar_dense.default", "aten.nonzero.default",
+                           "aten.index.Tensor (boolean mask)"]
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 1, "num_active_blocks": 12}])
+def test_a_decode_step_never_reads_the_device_and_keeps_its_shapes(fast, knobs):
+    inputs = inputs_for(fast, (320, 240), 4)
+    (first, second), session = decode_trace(fast, inputs, knobs)
+    assert first.syncs == [] and second.syncs == []
+    # the next position, same window: the same operations on the same shapes (what a graph replays)
+    assert bucket_for(session.position - 1) == bucket_for(session.position)
+    assert first.calls == second.calls
+    blocks = len(session.blocks)
+    assert len(first.calls) / blocks <= OPS_PER_BLOCK_MAX, f"{len(first.calls) / blocks:.1f} ops per block"
+
+
+def test_the_eager_decode_step_reads_the_device(eager):
+    """The contrast the fast path exists for: the eager step's experts read the expert counts."""
+    inputs = inputs_for(eager, (320, 240), 4)
+    (trace,), _ = decode_trace(eager, inputs, {}, steps=1)
+    assert sum(name == "aten.bincount.default" for name in trace.syncs) == 16  # once per block
+    assert len(trace.calls) / 16 > OPS_PER_BLOCK_MAX
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_top_k_reads_only_k_experts_and_skipped_blocks_do_no_work(fast, top_k):
+    inputs = inputs_for(fast, (320, 240), 4)
+    for blocks in (16, 8):
+        (trace,), _ = decode_trace(fast, inputs, {"top_k": top_k, "num_active_blocks": blocks}, steps=1)
+        assert trace.topk == [top_k] * blocks
+        # per block: the gate and up products and the down product, over the experts chosen
+        assert len(trace.grouped_offsets) == 3 * blocks
+        for offsets in trace.grouped_offsets:
+            rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
+            assert int((rows > 0).sum()) == top_k and int(offsets[-1]) == top_k
+        # the attention products (q, k, v, o), the router per active block, and the output head
+        assert sum(name == "aten.mm.default" for name, _ in trace.calls) == 5 * blocks + 1
+
+
+def test_prefill_calls_every_active_blocks_hooks_and_a_step_calls_them_once(fast):
+    inputs = inputs_for(fast, (320, 240), 4)
+    active = (0, 2, 5, 15)
+    seen: list[int] = []
+    with fast.knobs(active_blocks=list(active)), fast.between_blocks(seen.append):
+        result = fast.generate(inputs, max_new_tokens=5)
+    assert len(result.token_ids) == 5
+    # the prefill: before each active block; each of the 4 decode steps: every active block's, before it
+    assert seen == list(active) * 5
+    with GenerateTimer(fast) as timer, timer.request() as marks:
+        result = fast.generate(inputs, max_new_tokens=6)
+    timing = timer.resolve(marks)
+    assert timing.num_passes == len(result.token_ids) == 6 and len(timing.decode_steps_ms) == 5
+    assert timing.prefill_ms > 0 and all(step > 0 for step in timing.decode_steps_ms)
+
+
+def test_a_check_that_raises_stops_the_prefill_at_that_block(fast):
+    inputs = inputs_for(fast, (320, 240), 4)
+    ran: Counter = Counter()
+    handles = [layer.register_forward_hook(lambda *_, i=i: ran.update([i]))
+               for i, layer in enumerate(fast.decoder_layers)]
+
+    def check(block: int) -> None:
+        if block == 3:
+            msg = "stop here"
+            raise RuntimeError(msg)
+
+    try:
+        with pytest.raises(RuntimeError, match="stop here"), fast.between_blocks(check):
+            fast.generate(inputs, max_new_tokens=4)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert sorted(ran) == [0, 1, 2]
+
+
+def test_a_decode_state_of_an_earlier_request_is_refused(fast):
+    inputs = inputs_for(fast, (320, 240), 4)
+    state = fast.prefill_suffix(fast.prefill_prefix(inputs, 0), tuple(range(16)))
+    fast.generate(inputs, max_new_tokens=2)  # another request takes the cache
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        fast.decode_step(state, int(state.logits.argmax()))
+
+
+def test_the_cache_grows_mid_generation_and_keeps_what_it_holds(embedded_runtime):
+    inputs = embedded_runtime.preprocess(make_image(200, 200), QUESTION, 1)
+    prompt = int(inputs.input_ids.shape[1])
+    new = 130 - prompt  # the decode crosses the 64- and 128-position windows
+    with execution(embedded_runtime, False):
+        expected = embedded_runtime.generate(inputs, max_new_tokens=new).token_ids
+    with execution(embedded_runtime, True):
+        embedded_runtime.fast.ensure_capacity(prompt)
+        assert embedded_runtime.fast.capacity == bucket_for(prompt) < 130
+        got = embedded_runtime.generate(inputs, max_new_tokens=new).token_ids
+        assert embedded_runtime.fast.capacity >= 130
+    assert got == expected
+
+
+def test_windows_are_powers_of_two():
+    assert [bucket_for(n) for n in (1, 64, 65, 600, 1024, 1025, 4000)] == [64, 64, 128, 1024, 1024, 2048, 4096]
+
+
+def test_bfloat16_prefill_is_bit_identical_on_the_cpu(tiny_molmoe_dir):
+    """On a CPU the fast path keeps the precision rule's products (float32 attention, the
+    block's own experts for a prefill), so bfloat16 weights give the eager path's prefill too."""
+    eager_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", compile=False)
+    fast_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", compile=True)
+    assert fast_bf16.fast.attention_dtype == torch.float32
+    inputs = inputs_for(eager_bf16, (320, 240), 4)
+    expected = two_stage(eager_bf16, inputs, 0, 4, 12, steps=3)
+    got = two_stage(fast_bf16, inputs, 0, 4, 12, steps=3)
+    assert torch.equal(got[0], expected[0])
+    for a, b in zip(got[1:], expected[1:]):
+        assert int(a.argmax()) == int(b.argmax())
