@@ -431,6 +431,10 @@ def train(
                                                        rich_help_panel=ONLINE)] = None,
     eval_max_samples: Annotated[int | None, _train_opt("eval_max_samples", min=1, rich_help_panel=ONLINE)] = None,
     threads: Annotated[int | None, _train_opt("threads", min=0, rich_help_panel=ONLINE)] = None,
+    compile: Annotated[bool | None, _train_opt("compile", "--compile/--no-compile", rich_help_panel=ONLINE)] = None,
+    float32_attention: Annotated[bool | None, _train_opt("float32_attention",
+                                                         "--float32-attention/--no-float32-attention",
+                                                         rich_help_panel=ONLINE)] = None,
 ) -> None:
     """Train the knob controller with GRPO: --offline on the recorded configuration groups (then
     evaluate), or --online with the model in the loop (hook-measured latency, scored answers).
@@ -697,6 +701,10 @@ def serve(
                                                       file_okay=False, show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help=_serve_help(
         "served_model_name"), show_default=False)] = None,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile", help=_serve_help("compile"))] = _serve_default(
+        "compile"),
+    float32_attention: Annotated[bool, typer.Option("--float32-attention/--no-float32-attention", help=_serve_help(
+        "float32_attention"))] = _serve_default("float32_attention"),
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help=_serve_help("warmup"))] = _serve_default(
         "warmup"),
     workspace: WorkspaceOption = None,
@@ -719,7 +727,8 @@ def serve(
                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                              max_prompt_tokens=max_prompt_tokens, queue_deadline=queue_deadline,
                              max_image_pixels=max_image_pixels,
-                             local_images=local_images, served_model_name=served_model_name, warmup=warmup)
+                             local_images=local_images, served_model_name=served_model_name, warmup=warmup,
+                             compile=compile, float32_attention=float32_attention)
         drained = run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
     if not drained:
         raise typer.Exit(1)
@@ -748,6 +757,15 @@ def profile(
                                         "(per rank).")] = 1,
     threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 "
                                          "keeps latencies stable on a shared CPU.")] = 1,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="The fast path: a static KV cache and "
+                                          "decode steps of fixed shapes with no host synchronisation, the experts "
+                                          "as grouped matmuls, each configuration's step captured once as a CUDA "
+                                          "graph on a GPU (--no-compile: the eager reference path); recorded in "
+                                          "every "
+                                          "file: profiles of the two paths never mix.")] = True,
+    float32_attention: Annotated[bool, typer.Option("--float32-attention/--no-float32-attention", help=(
+        "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a GPU; a CPU "
+        "always attends in float32)."))] = False,
 ) -> None:
     """Measure the knob sweep of a model on VQA datasets and write exp5/exp6 result trees (read them with
     `ctrl ingest`)."""
@@ -758,7 +776,8 @@ def profile(
             as bar:
         config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
                                world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
-                               dtype=dtype.value, warmup=warmup, threads=threads)
+                               dtype=dtype.value, warmup=warmup, threads=threads, compile=compile,
+                               float32_attention=float32_attention)
         bar.update(info="loading the model")
         report = profile_model(config, progress=lambda n, label: bar.advance(n, info=label), on_total=bar.total)
     if current_dist().rank != 0:  # under torchrun, rank 0 merged and reports

@@ -16,6 +16,11 @@ the exit code is 1 when any failed:
   against the weights (target: at most 1.15x), the process's peak resident memory (target: at
   most 4 GiB), where the parameters are, the memory check's reading and refusal there, one
   generation;
+* ``speed``: the fast path against the eager one on the checkpoint (``benchmarks/bench_speed.py``):
+  per configuration of :data:`SPEED_CONFIGS`, vision, prefill, decode step, host time per step,
+  the whole 8-token request, GPU memory; the knob table on the fast path (every knob must cost
+  latency); the fast path's bfloat16 logits against the eager path's. Targets at the default
+  knobs and 4 crops (about 600 prompt tokens), on a GPU at full size: :data:`SPEED_TARGETS`;
 * ``parity``: bf16 on the device against the CPU path on the tiny real-layout checkpoint, by the
   rule of tests/test_molmoe_precision.py (logits of four requests, image features);
 * ``profile``: ``ctrl profile`` of a generated testbed set, :data:`NUM_SAMPLES` samples x the
@@ -78,6 +83,12 @@ NUM_REQUESTS = 50
 GPU_OVER_WEIGHTS_MAX = 1.15
 HOST_PEAK_MAX_BYTES = 4 << 30
 OFFLINE_RUN, ONLINE_RUN = "gpu-check-offline", "gpu-check-online"
+#: the speed step's configurations (max_crops/top_k/blocks): the default knobs at 4 crops (the targets'),
+#: each knob moved alone from there, and the profile's corners
+SPEED_CONFIGS = "4/8/16,4/4/16,4/1/16,4/8/12,1/8/16,12/8/16,2/4/12,10/8/16"
+SPEED_TARGET_CONFIG = (4, 8, 16)
+#: the fast path's targets at SPEED_TARGET_CONFIG, full size, bfloat16, batch 1, 8 new tokens (ms)
+SPEED_TARGETS = {"decode_step_ms": 3.0, "prefill_ms": 25.0, "vision_ms": 15.0, "total_ms": 80.0}
 SERVED_NAME = "gpu-check"
 
 
@@ -99,6 +110,7 @@ STEPS = (
     Step("install", (), (), 120, 120),
     Step("write", (), (), 240, 120),
     Step("load", (), ("write",), 150, 240),
+    Step("speed", (), ("write",), 180, 400),
     Step("parity", (), (), 120, 300),
     Step("profile", (), ("write",), 180, 300),
     Step("ingest", ("duckdb", "orjson"), ("profile",), 60, 180),
@@ -350,6 +362,32 @@ class Check:
                               + (f"GPU peak {gpu_ratio:.3f}x the weights, " if cuda else "")
                               + f"host peak {figures['peak_rss_bytes'] / GIB:.2f} GiB; generate "
                               f"{figures['generate']['total_ms']:.0f} ms for {figures['generate']['tokens']} tokens")
+        if problems:
+            raise Finding("; ".join(problems), figures)
+        return figures
+
+    def step_speed(self, limit: float) -> dict:
+        figures = self.child("speed", {"checkpoint": str(self.model), "device": self.device,
+                                       "configs": SPEED_CONFIGS, "rounds": 3}, timeout=limit)
+        row = next(r for r in figures["rows"]
+                   if (r["max_crops"], r["top_k"], r["num_active_blocks"]) == SPEED_TARGET_CONFIG)
+        applies = self.device == "cuda" and not self.tiny
+        figures["targets"] = {name: {"value": row["fast"][name], "max": limit_ms, "applies": applies}
+                              for name, limit_ms in SPEED_TARGETS.items()}
+        problems = [f"{name} {t['value']:.1f} ms (target {t['max']:g})" for name, t in figures["targets"].items()
+                    if t["applies"] and (t["value"] is None or t["value"] > t["max"])]
+        costs = figures["knob_costs"]["fast"]
+        if applies and costs["violations"]:  # a tiny model's differences are within a shared CPU's noise
+            problems.append("on the fast path a knob costs no latency: " + "; ".join(costs["violations"]))
+        if figures.get("graph_error"):
+            problems.append(f"CUDA graphs failed: {figures['graph_error']}")
+        fast, eager = row["fast"], row["eager"]
+        figures["summary"] = (f"{SPEED_TARGET_CONFIG[0]}/{SPEED_TARGET_CONFIG[1]}/{SPEED_TARGET_CONFIG[2]} "
+                              f"({row['prompt_tokens']} tokens): fast {fast['total_ms']:.1f} ms (eager "
+                              f"{eager['total_ms']:.1f}), vision {fast['vision_ms'] or 0:.1f}, prefill "
+                              f"{fast['prefill_ms']:.1f}, step {fast['decode_step_ms'] or 0:.2f} ms; "
+                              f"{figures['graphs']} graphs; knob table "
+                              + ("ok" if not costs["violations"] else f"{len(costs['violations'])} violations"))
         if problems:
             raise Finding("; ".join(problems), figures)
         return figures

@@ -10,6 +10,8 @@ prints a JSON object of figures on its last line. NAME is one of:
 * ``load``: the bfloat16 load onto the device with its memory (``molmoe_common.measure_load``),
   where the parameters ended up, the memory check's reading and refusal on that device, and one
   generation;
+* ``speed``: the fast path against the eager one (``bench_speed.measure``) on the device, and how
+  far the fast path's bfloat16 logits are from the eager path's;
 * ``parity``: bf16 on the device against the CPU path, by the rule of tests/test_molmoe_precision.py;
 * ``client``: requests through the openai client to a running ``ctrl serve``.
 
@@ -168,6 +170,41 @@ def parity(args: dict) -> dict:
     return {"device": device, "cases": cases, "broken": broken, "holds": not broken}
 
 
+def speed(args: dict) -> dict:
+    """``bench_speed.measure`` of the checkpoint in bfloat16 on the device, then per parity case the
+    fast path's first-token logits against the eager path's (largest and mean difference, relative
+    to the largest logit) and whether their 8 greedy tokens agree."""
+    import torch
+    from bench_speed import measure, parse_configs
+
+    from runtime.molmoe import MolmoERuntime
+
+    runtime = MolmoERuntime(Path(args["checkpoint"]), args["device"], dtype="bfloat16", compile=True)
+    result = measure(runtime, parse_configs(args["configs"]), rounds=args.get("rounds", 3), warmup=2,
+                     max_new_tokens=8, log=lambda line: print(line, flush=True))
+    fast, compared = runtime.fast, []
+    for size, max_crops in PARITY_CASES:
+        image = None if size is None else random_image(*size, seed=3)
+        inputs = runtime.preprocess(image, QUESTION, max_crops)
+        outputs = {}
+        for path in ("eager", "fast"):
+            runtime.fast = fast if path == "fast" else None
+            with torch.inference_mode():
+                state = runtime.prefill_suffix(runtime.prefill_prefix(inputs, 0), tuple(range(runtime.num_layers)))
+                logits = state.logits.float().cpu()
+            outputs[path] = (logits, runtime.generate(inputs, max_new_tokens=8).token_ids)
+        runtime.fast = fast
+        (eager_logits, eager_tokens), (fast_logits, fast_tokens) = outputs["eager"], outputs["fast"]
+        scale = float(eager_logits.abs().max())
+        compared.append({"case": f"{'text only' if size is None else f'{size[0]}x{size[1]}'} crops {max_crops}",
+                         "max_abs_diff": float((fast_logits - eager_logits).abs().max()),
+                         "mean_abs_diff": float((fast_logits - eager_logits).abs().mean()), "logit_scale": scale,
+                         "same_first_token": int(fast_logits.argmax()) == int(eager_logits.argmax()),
+                         "same_greedy_tokens": list(fast_tokens) == list(eager_tokens)})
+    result["fast_vs_eager"] = compared
+    return result
+
+
 def client(args: dict) -> dict:
     """``num_requests`` requests one after another, the budgets in turn, the dataset's samples in turn."""
     import openai
@@ -197,7 +234,8 @@ def client(args: dict) -> dict:
 
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    steps = {"imports": check_imports, "write": write, "load": load, "parity": parity, "client": client}
+    steps = {"imports": check_imports, "write": write, "load": load, "speed": speed, "parity": parity,
+             "client": client}
     result = steps[name](args)
     print(json.dumps(result, default=str))
 

@@ -43,6 +43,8 @@ class OnlineTrainConfig(TrainingConfig):
     warmup: run each configuration once unmeasured before its first measured run.
     threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
+    compile, float32_attention: the execution path of the model (``OlmoeDecoderRuntime.set_execution``);
+        like the device, a resumed run may change them.
 
     > Runs
     evaluate: after the last step, evaluate the run with the model on the test split against its
@@ -77,12 +79,20 @@ class OnlineTrainConfig(TrainingConfig):
                                                "range).")
     warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
     threads: int = option(1, help="CPU threads per request (0 = torch's default).")
+    compile: bool = option(True, help="The fast path: a static KV cache and decode steps of fixed shapes with no "
+                                      "host synchronisation, the experts as grouped matmuls, each configuration's "
+                                      "step captured once as a CUDA graph on a GPU (--no-compile: the eager "
+                                      "reference path).")
+    float32_attention: bool = option(False, help="On the fast path, attend in float32 as the origin does "
+                                                 "(default: in the weights' dtype on a GPU; a CPU always attends "
+                                                 "in float32).")
     evaluate: bool = option(True, help="Evaluate with the model on the test split at the end.")
     eval_max_samples: int | None = option(None, help="Test samples of the final evaluation.", shown_default="all")
     checkpoint_every: int = option(5, help="Steps between checkpoints.")
 
     #: what a resumed run takes from the call instead of the run's config.json (not part of the experiment)
-    PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to")
+    PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to",
+                                           "compile", "float32_attention")
 
     def __post_init__(self) -> None:
         super().__post_init__()

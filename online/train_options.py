@@ -9,7 +9,8 @@ one call from the options given:
 * an option of the other phase only is refused with one line (``--online --hidden-dim 32``);
 * with ``--resume``, the run's saved options apply; an option given with it is applied when a
   resumed run may change it (offline: ``--num-epochs``; online: ``--steps``, ``--device``,
-  ``--threads``, ``--evaluate``, ``--eval-max-samples``; both: ``--report-to``), accepted when it
+  ``--threads``, ``--compile``, ``--float32-attention``, ``--evaluate``, ``--eval-max-samples``; both:
+  ``--report-to``), accepted when it
   equals the run's value, and refused with one line otherwise.
 """
 
@@ -115,6 +116,8 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("online_evaluate", "evaluate"),
     TrainOption("eval_max_samples", "eval_max_samples"),
     TrainOption("threads", "threads"),
+    TrainOption("compile", "compile"),
+    TrainOption("float32_attention", "float32_attention"),
 )}
 
 

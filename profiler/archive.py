@@ -218,6 +218,8 @@ def unpack_profile(archive: str | Path, out_dir: str | Path,
         ordered = [by_index[i] for i in sorted(by_index)]
         writer = _writer(out, name, entries[0]["writer"], tuple(tuple(e["knob"]) for e in ordered))
         identity = {key: entries[0]["block"][key] for key in IDENTITY_KEYS}
+        if "execution" in entries[0]["block"]:
+            identity["execution"] = entries[0]["block"]["execution"]
         for e in ordered:
             writer.merge(identity, tuple(e["knob"]), e["active"])
         writer.final(identity)

@@ -147,6 +147,10 @@ class ProfileConfig:
     #: torch intra-op threads while profiling on CPU (0 = leave torch's setting). 1 by default:
     #: on a shared CPU, several spinning threads per op make single requests up to 10x slower and noisy
     threads: int = 1
+    #: the execution path (``OlmoeDecoderRuntime.set_execution``): the fast path, or the eager reference;
+    #: recorded in every file, and a file of another path is another run's
+    compile: bool = True
+    float32_attention: bool = False
     #: filled by __post_init__ from ``configs``
     combinations: list[Config] = field(default_factory=list, init=False)
     strategy: str = field(default="", init=False)
@@ -213,7 +217,8 @@ class _Profiler:
 
     # -- identity of a run: what makes an existing file reusable
     def identity(self, dataset: VqaDataset, n: int) -> dict:
-        """What makes an existing file reusable (keys: ``IDENTITY_KEYS``, in that order)."""
+        """What makes an existing file reusable (keys: ``IDENTITY_KEYS``, in that order, then the
+        execution path: ``profiler.tree.execution_of``)."""
         ids = [s.example_id for s in dataset.samples[:n]]
         identity = {
             "model": self.config.model, "model_kind": self.runtime.kind, "model_fingerprint": self.runtime.fingerprint,
@@ -222,11 +227,13 @@ class _Profiler:
             "max_new_tokens": self.config.max_new_tokens, "device": self.runtime.device.type,
             "dtype": dtype_name(self.runtime.dtype),
         }
-        return {key: identity[key] for key in IDENTITY_KEYS}
+        execution = {k: v for k, v in self.runtime.execution.items() if k != "cuda_graphs"}
+        return {**{key: identity[key] for key in IDENTITY_KEYS}, "execution": execution}
 
     def _foreign(self, path: Path, identity: dict) -> CtrlError:
         return CtrlError(f"{path}: written by a different profiling run (other model, samples, max_new_tokens, "
-                         f"device, dtype or world size than model {identity['model_fingerprint'][:12]}, "
+                         f"device, dtype, execution path or world size than model "
+                         f"{identity['model_fingerprint'][:12]}, "
                          f"{identity['num_samples']} samples); use another --out or delete that directory")
 
     # -- one dataset
@@ -337,6 +344,7 @@ class _Profiler:
         fmt = "%Y-%m-%d %H:%M:%S"
         block = {**identity, "world_size": cfg.world_size, "rank": rank, "warmup": cfg.warmup,
                  "threads": torch.get_num_threads() if runtime.device.type == "cpu" else None,
+                 "cuda_graphs": runtime.execution["cuda_graphs"],
                  "dataset_indices": indices, "torch": torch.__version__, "complete": True}
         self._writer(dataset).write_rank(files, knob, rank, active, config_index, block, latencies, predictions,
                                          duration, start_time.strftime(fmt), datetime.now().strftime(fmt))
@@ -404,7 +412,8 @@ def profile_model(config: ProfileConfig, runtime: ModelRuntime | None = None,
             raise CtrlError(msg)
         config.world_size = dist.world_size
     if runtime is None:
-        runtime = load_runtime(config.model, device=config.device, dtype=config.dtype)
+        runtime = load_runtime(config.model, device=config.device, dtype=config.dtype, compile=config.compile,
+                               float32_attention=config.float32_attention)
     _check_knobs(config.combinations, runtime)
     if on_total is not None:
         share = sum(len(rank_indices(n, config.world_size, dist.rank)) for n in sizes) if dist.active else sum(sizes)

@@ -35,6 +35,16 @@ IDENTITY_KEYS = ("model", "model_kind", "model_fingerprint", "dataset_dir", "num
                  "max_new_tokens", "device", "dtype")
 
 
+#: the execution path recorded in a file's ``ctrl_profile`` block (``ModelRuntime.execution`` less
+#: ``cuda_graphs``); files written before it was recorded ran the eager reference path
+EAGER_EXECUTION = {"compiled": False, "attention_dtype": "float32"}
+
+
+def execution_of(block: dict) -> dict:
+    """The execution path a ``ctrl_profile`` block records (:data:`EAGER_EXECUTION` where it records none)."""
+    return block.get("execution", EAGER_EXECUTION)
+
+
 #: one-line JSON by the C encoder (the standard library encodes with indentation in Python, 3x slower)
 _ONE_LINE = json.JSONEncoder(allow_nan=False)
 
@@ -80,6 +90,7 @@ def is_complete(doc: dict | None, identity: dict, extra: dict) -> bool | None:
         return False
     keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device", "dtype")
     same = all(block.get(k) == identity[k] for k in keys) and all(block.get(k) == v for k, v in extra.items())
+    same = same and execution_of(block) == identity.get("execution", EAGER_EXECUTION)
     return same and block.get("complete") is True
 
 

@@ -334,6 +334,12 @@ class ModelRuntime(ABC):
         except ValueError as exc:
             raise KnobError(str(exc)) from exc
 
+    @property
+    def execution(self) -> dict[str, object]:
+        """The execution path, as recorded beside measured latencies (``compiled``: the fast path,
+        ``cuda_graphs``, ``attention_dtype``); a runtime without a fast path runs the eager one."""
+        return {"compiled": False, "cuda_graphs": False, "attention_dtype": "float32"}
+
     # -- limits and cancellation
     @property
     def context_length(self) -> int | None:

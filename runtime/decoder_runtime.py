@@ -180,6 +180,11 @@ class OlmoeDecoderRuntime(ModelRuntime):
             tokens = greedy_decode(first, lambda token: fast.greedy_step(session, token), self.eos_id, max_new_tokens)
         return GenerationResult(tokens, self.decode_text(tokens))
 
+    @property
+    def captured_graphs(self) -> int:
+        """Decode steps held as CUDA graphs (0 on the eager path and on a CPU)."""
+        return 0 if self.fast is None else self.fast.stats.graphs
+
     def capture_decode(self, blocks: Sequence[int], positions: int) -> None:
         """Capture the decode step of ``blocks`` at the current top-K for requests of up to
         ``positions`` positions now, rather than at its first use (a server's warm-up; nothing

@@ -100,6 +100,14 @@ class ServeConfig:
         "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only)."))
     served_model_name: str | None = field(default=None, metadata=_help(
         "The model name requests must use and /v1/models lists (default: the --model value)."))
+    compile: bool = field(default=True, metadata=_help(
+        "The fast path: a static KV cache and decode steps of fixed shapes with no host synchronisation, the "
+        "experts as grouped matmuls, each configuration's step captured once as a CUDA graph on a GPU "
+        "(--no-compile: the eager reference path); the warm-up captures the steps of the configurations the "
+        "controller can choose."))
+    float32_attention: bool = field(default=False, metadata=_help(
+        "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a GPU; a CPU "
+        "always attends in float32)."))
     warmup: bool = field(default=True, metadata=_help(
         "Before accepting requests, run the fastest and the slowest configuration of every crops choice (twice "
         "when the latency scale is measured), so first requests do not pay one-time costs."))

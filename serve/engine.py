@@ -465,6 +465,43 @@ def warmup_configs(engine: Engine) -> list[tuple[int, int, int]]:
     return configs
 
 
+def decode_configs(engine: Engine) -> list[tuple[int, int, int, int]]:
+    """The configurations (max_crops, insertion position, top-K, blocks) the controller can choose:
+    those of its reference latencies, else the value grids of an online controller, else the
+    warm-up's."""
+    reference = engine.decider.reference_latency_ms
+    if reference:
+        return [(c, 0, k, b) for c, k, b in sorted(reference)]
+    controller = getattr(engine.decider, "controller", None)
+    if controller is not None:
+        return [(c, p, k, b) for c in controller.max_crops_values for p in controller.insertion_positions
+                for k in controller.top_k_values for b in controller.num_active_blocks_values]
+    return [(c, 0, k, b) for c, k, b in warmup_configs(engine)]
+
+
+def capture_decode_steps(engine: Engine, max_tokens: int, time_limit_s: float = 120.0) -> tuple[int, float]:
+    """Capture the decode steps of :func:`decode_configs` as CUDA graphs before serving (a prompt
+    of the warm-up image at each crops choice, up to ``max_tokens`` tokens): first requests do not
+    pay the capture. Stops after ``time_limit_s`` (the rest are captured at first use). Returns
+    (graphs held, seconds); (0, 0) without CUDA graphs."""
+    runtime = engine.runtime
+    if not runtime.execution["cuda_graphs"]:
+        return 0, 0.0
+    started = time.perf_counter()
+    image = Image.new("RGB", (640, 480), (120, 110, 100))
+    lengths: dict[int, int] = {}
+    for max_crops, p, top_k, blocks in decode_configs(engine):
+        if time.perf_counter() - started > time_limit_s:
+            break
+        if max_crops not in lengths:
+            lengths[max_crops] = int(runtime.preprocess(image, "What is in the image?", max_crops).input_ids.shape[1])
+        active = runtime.blocks_for(blocks, first_kept=max(p, 1))
+        with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
+            for positions in (lengths[max_crops] + 1, lengths[max_crops] + max_tokens):  # first and last window
+                runtime.capture_decode(active, positions)
+    return runtime.captured_graphs, time.perf_counter() - started
+
+
 def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
     """Run the :func:`warmup_configs` (an image request each, ``max_tokens`` long), unrecorded; twice
     where they seed the latency scale. Returns the requests' results.

@@ -23,7 +23,7 @@ from serve.app import create_app
 from serve.calibration import BudgetMargin, LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.deciders import load_decider
-from serve.engine import Engine, warm_up
+from serve.engine import Engine, capture_decode_steps, warm_up
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
 
@@ -31,8 +31,10 @@ from serve.request_log import RequestLog
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:
     """The model, the controller and the request log of ``config`` (no thread started yet)."""
     workspace = Workspace(config.workspace)
-    log(f"loading model {config.model!r} ({config.device}, dtype {config.dtype})")
-    runtime = load_runtime(config.model, config.device, None, config.dtype)
+    log(f"loading model {config.model!r} ({config.device}, dtype {config.dtype}, "
+        f"{'fast path' if config.compile else 'eager path'})")
+    runtime = load_runtime(config.model, config.device, None, config.dtype, compile=config.compile,
+                           float32_attention=config.float32_attention)
     decider = load_decider(workspace, config.controller, runtime.fingerprint)
     scale = LatencyScale(decider.reference_latency_ms, fixed=config.latency_scale,
                          quantile=config.latency_scale_quantile)
@@ -55,6 +57,11 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
         results = warm_up(engine, config.default_max_tokens)
         measured = f"; latency scale {scale.value:.2f}" if scale.calibrates else ""
         log(f"warm-up: {len(results)} requests of {config.default_max_tokens} tokens{measured}")
+        graphs, seconds = capture_decode_steps(engine, config.default_max_tokens)
+        if graphs:
+            memory = engine.runtime.fast.memory_bytes()
+            log(f"warm-up: {graphs} decode steps captured as CUDA graphs in {seconds:.1f}s (graph pool "
+                f"{memory['graph_pool'] / 2**20:.0f} MiB, KV cache {memory['kv_cache'] / 2**20:.0f} MiB)")
     return engine
 
 

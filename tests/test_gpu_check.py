@@ -82,6 +82,24 @@ def test_the_load_figures(dry_run):
     assert not load["targets"]["gpu_peak_over_weights"]["applies"]  # a tiny model on a CPU
 
 
+def test_the_speed_figures_cover_every_configuration_on_both_paths(dry_run):
+    speed = dry_run["json"]["steps"]["speed"]
+    assert [f"{r['max_crops']}/{r['top_k']}/{r['num_active_blocks']}" for r in speed["rows"]] == \
+        gpu_check.SPEED_CONFIGS.split(",")
+    for row in speed["rows"]:
+        for path in ("eager", "fast"):
+            figures = row[path]
+            assert figures["total_ms"] > figures["prefill_ms"] > 0 and figures["vision_ms"] > 0
+            assert figures["host_step_ms"] > 0 and figures["tokens"] >= 1
+            assert figures["gpu_peak_over_weights_bytes"] is None  # no GPU
+    # one request per image case of the parity check, the two paths' logits compared
+    assert len(speed["fast_vs_eager"]) == len(gpu_check_child.PARITY_CASES)
+    assert all(c["max_abs_diff"] < c["logit_scale"] for c in speed["fast_vs_eager"])
+    assert speed["graphs"] == 0 and speed["fast_memory_bytes"]["kv_cache"] > 0  # a CPU captures nothing
+    assert not any(t["applies"] for t in speed["targets"].values())  # a tiny model on a CPU
+    assert set(speed["knob_costs"]) == {"eager", "fast"}
+
+
 def test_the_parity_rule_holds_with_the_cpu_as_its_own_device(dry_run):
     parity = dry_run["json"]["steps"]["parity"]
     assert parity["holds"] and parity["broken"] == []

@@ -1,0 +1,213 @@
+"""The fast path against the eager path, per configuration, in one run on one loaded model.
+
+    python benchmarks/bench_speed.py --model testbed                      # the CPU, 1 thread
+    python benchmarks/bench_speed.py --model /path/to/molmoe --dtype bfloat16 --device cuda --json out.json
+
+One model is loaded and switched between the two paths (``runtime.set_execution``), so both read
+the same weights and the full-size model fits once. Per configuration (max_crops/top_k/blocks;
+a 640x480 image, which MolmoE tiles into ``max_crops`` crops: 4 crops = about 600 prompt tokens)
+each path generates ``--warmup`` times unmeasured (a CUDA graph is captured there), then the
+paths alternate for ``--rounds`` rounds, each round timed with the hooks ``ctrl profile`` uses
+(``runtime.timing.GenerateTimer``): vision, prefill, the median decode step, the whole request.
+Besides: the host-side time of a decode step (the call alone, no synchronisation after it: what
+the host spends before it may launch the next step), the GPU's peak memory above the weights
+while the path ran, the fast path's KV cache and graph pool, and whether the greedy tokens agree.
+
+The knob table checks the trade-off: every pair of configurations that differ in one knob only
+must cost more at the higher setting (by the median total), on each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QUESTION = "What is the dominant color of the object in the center of the picture?"
+#: the default configurations: the profile's corners and the default knobs at 4 crops (~600 tokens on MolmoE)
+DEFAULT_CONFIGS = "2/4/12,2/8/16,10/4/12,10/8/16,4/8/16"
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in item.split("/")) for item in text.split(",") if item.strip()]  # type: ignore[misc]
+
+
+def test_image(width: int = 640, height: int = 480):
+    """A smooth deterministic image with a few blocks (what the runtime tests use)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    arr = np.stack([x / width, y / height, (x + y) / (width + height)], axis=-1) * 200
+    for _ in range(4):
+        x0, y0 = rng.randint(0, width // 2), rng.randint(0, height // 2)
+        arr[y0:y0 + height // 3, x0:x0 + width // 3] = rng.randint(0, 255, size=3)
+    return Image.fromarray(arr.clip(0, 255).astype(np.uint8))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _host_step_ms(runtime, inputs, steps: int) -> list[float]:
+    """Wall time of each decode-step call alone (the host's share: no synchronisation after it)."""
+    import torch
+
+    with torch.inference_mode():
+        state = runtime.prefill_suffix(runtime.prefill_prefix(inputs, 0), tuple(runtime.current_active_blocks()))
+        token = int(state.logits.argmax())
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            runtime.decode_step(state, token)
+            times.append((time.perf_counter() - started) * 1000.0)
+            token = int(state.logits.argmax())
+    return times
+
+
+def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, warmup: int = 2,
+            max_new_tokens: int = 8, paths: tuple[str, ...] = ("eager", "fast"), log=print) -> dict:
+    """Every figure of the module docstring for ``runtime`` (both paths), as one JSON-able dict."""
+    import torch
+
+    from runtime.timing import GenerateTimer
+
+    cuda = runtime.device.type == "cuda"
+    image = test_image()
+    weights = sum(p.numel() * p.element_size() for p in runtime.decoder.parameters()) + sum(
+        p.numel() * p.element_size() for p in runtime.vision_module.parameters())
+    rows: list[dict] = []
+    saved = runtime.fast
+    fast_path = runtime.fast if runtime.fast is not None else None
+    try:
+        for max_crops, top_k, blocks in configs:
+            inputs = runtime.preprocess(image, QUESTION, max_crops)
+            tokens: dict[str, list[int]] = {}
+            timed: dict[str, list] = {p: [] for p in paths}
+            host: dict[str, list[float]] = {}
+            peak: dict[str, int | None] = {}
+            with runtime.knobs(top_k=top_k, num_active_blocks=blocks), GenerateTimer(runtime) as timer:
+                for path in paths:  # warm-up (graphs captured), the tokens, the host time of a step
+                    if path == "fast":
+                        runtime.fast = fast_path
+                        if runtime.fast is None:
+                            runtime.set_execution(True)
+                            fast_path = runtime.fast
+                    else:
+                        runtime.fast = None
+                    for _ in range(warmup):
+                        tokens[path] = runtime.generate(inputs, max_new_tokens).token_ids
+                    host[path] = _host_step_ms(runtime, inputs, max(4, max_new_tokens))
+                for _ in range(rounds):
+                    for path in paths:
+                        runtime.fast = fast_path if path == "fast" else None
+                        if cuda:
+                            torch.cuda.synchronize(runtime.device)
+                            torch.cuda.reset_peak_memory_stats(runtime.device)
+                        with timer.request() as marks:
+                            runtime.generate(inputs, max_new_tokens)
+                        timed[path].append(timer.resolve(marks))
+                        if cuda:
+                            peak[path] = max(peak.get(path) or 0, torch.cuda.max_memory_allocated(runtime.device))
+            row = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks,
+                   "prompt_tokens": int(inputs.input_ids.shape[1]), "crops": inputs.num_crops,
+                   "same_tokens": len({tuple(t) for t in tokens.values()}) == 1}
+            for path in paths:
+                runs = timed[path]
+                row[path] = {
+                    "total_ms": _median([t.total_ms for t in runs]),
+                    "vision_ms": _median([t.vision_ms for t in runs if t.vision_ms is not None]),
+                    "prefill_ms": _median([t.prefill_ms for t in runs]),
+                    "decode_step_ms": _median([s for t in runs for s in t.decode_steps_ms]),
+                    "host_step_ms": _median(host[path]),
+                    "tokens": len(tokens[path]),
+                    "gpu_peak_over_weights_bytes": None if not cuda else peak[path] - weights}
+            rows.append(row)
+            log(format_row(row, paths))
+    finally:
+        runtime.fast = saved
+    memory = fast_path.memory_bytes() if fast_path is not None else {}
+    result = {"rows": rows, "paths": list(paths), "rounds": rounds, "max_new_tokens": max_new_tokens,
+              "device": str(runtime.device), "dtype": str(runtime.dtype).removeprefix("torch."),
+              "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+              "weights_bytes": weights, "fast_memory_bytes": memory,
+              "graphs": 0 if fast_path is None else fast_path.stats.graphs,
+              "graph_capture_s": 0.0 if fast_path is None else fast_path.stats.capture_s,
+              "graph_error": None if fast_path is None else fast_path.graph_error,
+              "knob_costs": {path: knob_costs(rows, path) for path in paths}}
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name(runtime.device)
+    return result
+
+
+def knob_costs(rows: list[dict], path: str) -> dict:
+    """Pairs of configurations differing in one knob: the higher setting must take longer (median total)."""
+    keys = ("max_crops", "top_k", "num_active_blocks")
+    pairs, violations = 0, []
+    for a in rows:
+        for b in rows:
+            differ = [k for k in keys if a[k] != b[k]]
+            if len(differ) != 1 or a[differ[0]] >= b[differ[0]]:
+                continue
+            pairs += 1
+            cheap, dear = a[path]["total_ms"], b[path]["total_ms"]
+            if not dear > cheap:
+                violations.append(f"{differ[0]} {a[differ[0]]} -> {b[differ[0]]}: {cheap:.1f} -> {dear:.1f} ms")
+    return {"pairs": pairs, "violations": violations}
+
+
+def format_row(row: dict, paths: tuple[str, ...]) -> str:
+    head = f"{row['max_crops']}/{row['top_k']}/{row['num_active_blocks']} ({row['prompt_tokens']} tokens)"
+    parts = []
+    for path in paths:
+        r = row[path]
+        parts.append(f"{path}: total {r['total_ms']:.1f} vision {r['vision_ms'] or 0:.1f} prefill "
+                     f"{r['prefill_ms']:.1f} step {r['decode_step_ms'] or 0:.2f} host {r['host_step_ms']:.2f} ms")
+    return f"{head:28s} " + " | ".join(parts) + ("" if row["same_tokens"] else "  (tokens differ)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="testbed")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="max_crops/top_k/blocks, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (0: torch's default)")
+    parser.add_argument("--paths", default="eager,fast")
+    parser.add_argument("--float32-attention", action="store_true")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    import torch
+
+    from runtime import load_runtime
+
+    if args.threads and args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    runtime = load_runtime(args.model, device=args.device, dtype=args.dtype, compile=True,
+                           float32_attention=args.float32_attention)
+    result = measure(runtime, parse_configs(args.configs), rounds=args.rounds, warmup=args.warmup,
+                     max_new_tokens=args.max_new_tokens, paths=tuple(args.paths.split(",")))
+    print(f"{result['device']} ({result.get('gpu') or result['cpu']}), {result['dtype']}, {result['threads']} "
+          f"thread(s), torch {torch.__version__}; medians of {args.rounds} alternating rounds; "
+          f"graphs {result['graphs']} ({result['graph_capture_s']:.1f}s to capture); fast-path memory "
+          f"{ {k: round(v / 2**20, 1) for k, v in result['fast_memory_bytes'].items()} } MiB")
+    for path, costs in result["knob_costs"].items():
+        print(f"knob table, {path}: {costs['pairs']} one-knob pairs, "
+              + ("every knob costs latency" if not costs["violations"] else "; ".join(costs["violations"])))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
