@@ -173,6 +173,10 @@ class FastDecoder:
         self.float32_attention = bool(float32_attention)
         self.grouped = grouped_mm_supported(self.device, weight.dtype)
         self.use_graphs = bool(graphs) and self.device.type == "cuda"
+        #: decode steps that never read a device value on the host (what a graph captures): always on
+        #: a GPU; a CPU, where reading costs nothing, loops over a token's chosen experts instead
+        #: (torch's grouped_mm on a CPU multiplies every expert's group, empty or not)
+        self.sync_free = self.device.type != "cpu"
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self._owner = 0
@@ -274,6 +278,8 @@ class FastDecoder:
         weights = weights.to(logits.dtype)
         experts = layer.mlp.experts
         rows = index.numel()
+        if index.shape[0] == 1 and not self.sync_free:
+            return x + self._looped_experts(experts, h, index, weights)
         if self.grouped and not (self.device.type == "cpu" and self.weight_dtype != torch.float32 and rows > 8):
             return x + self._grouped_experts(experts, h, index, weights)
         if index.shape[0] == 1:
@@ -306,6 +312,27 @@ class FastDecoder:
         out = F.grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offsets).float()
         out = out * weights[rows, slots, None]
         return torch.zeros_like(h).index_add_(0, rows, out.to(h.dtype))
+
+    def _looped_experts(self, experts: nn.Module, h: torch.Tensor, index: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+        """One token's K experts one after the other in ascending order (the eager path's products
+        and sum), their ids read on the host: a CPU's decode step."""
+        chosen, order = torch.sort(index[0])
+        slot_weights = weights[0].index_select(0, order)
+        w, down = experts.gate_up_proj, experts.down_proj
+        inter = w.shape[1] // 2
+        split = getattr(experts, "split_gate_up", False)
+        x = self._round(h)
+        out = torch.zeros_like(h)
+        for j, expert in enumerate(chosen.tolist()):
+            if split:
+                gate, up = F.linear(x, w[expert, :inter]).float(), F.linear(x, w[expert, inter:]).float()
+            else:
+                gate_up = F.linear(x, w[expert]).float()
+                gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            act = self._round(F.silu(gate) * up)
+            out += (F.linear(act, down[expert]).float() * slot_weights[j]).to(h.dtype)
+        return out
 
     def _gathered_experts(self, experts: nn.Module, h: torch.Tensor, index: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,17 @@ def fast(tiny_molmoe_dir) -> MolmoERuntime:
     return MolmoERuntime(tiny_molmoe_dir, compile=True)
 
 
+@pytest.fixture
+def sync_free(fast) -> Iterator[MolmoERuntime]:
+    """The fast runtime with the decode step a GPU captures (a CPU's own step reads the chosen
+    experts' ids on the host, which costs nothing there)."""
+    fast.fast.sync_free = True
+    try:
+        yield fast
+    finally:
+        fast.fast.sync_free = False
+
+
 @contextmanager
 def execution(runtime, compile: bool) -> Iterator:
     """The runtime on one path for the block, its own path restored after."""
@@ -178,15 +189,30 @@ def test_the_sync_detector_sees_host_reads():
 
 
 @pytest.mark.parametrize("knobs", [{}, {"top_k": 1, "num_active_blocks": 12}])
-def test_a_decode_step_never_reads_the_device_and_keeps_its_shapes(fast, knobs):
-    inputs = inputs_for(fast, (320, 240), 4)
-    (first, second), session = decode_trace(fast, inputs, knobs)
+def test_a_decode_step_never_reads_the_device_and_keeps_its_shapes(sync_free, knobs):
+    inputs = inputs_for(sync_free, (320, 240), 4)
+    (first, second), session = decode_trace(sync_free, inputs, knobs)
     assert first.syncs == [] and second.syncs == []
     # the next position, same window: the same operations on the same shapes (what a graph replays)
     assert bucket_for(session.position - 1) == bucket_for(session.position)
     assert first.calls == second.calls
     blocks = len(session.blocks)
     assert len(first.calls) / blocks <= OPS_PER_BLOCK_MAX, f"{len(first.calls) / blocks:.1f} ops per block"
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 1, "num_active_blocks": 12}])
+def test_the_cpus_decode_step_computes_what_the_captured_one_does(fast, knobs):
+    """A CPU loops over the chosen experts (ids read on the host); the step a GPU captures uses
+    grouped products over all experts: the same products, the same sum, the same logits."""
+    inputs = inputs_for(fast, (640, 480), 6)
+    looped = two_stage(fast, inputs, 0, knobs.get("top_k", 8), knobs.get("num_active_blocks", 16), steps=4)
+    fast.fast.sync_free = True
+    try:
+        grouped = two_stage(fast, inputs, 0, knobs.get("top_k", 8), knobs.get("num_active_blocks", 16), steps=4)
+    finally:
+        fast.fast.sync_free = False
+    for a, b in zip(looped, grouped):
+        assert torch.equal(a, b)
 
 
 def test_the_eager_decode_step_reads_the_device(eager):
@@ -198,10 +224,10 @@ def test_the_eager_decode_step_reads_the_device(eager):
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 8])
-def test_top_k_reads_only_k_experts_and_skipped_blocks_do_no_work(fast, top_k):
-    inputs = inputs_for(fast, (320, 240), 4)
+def test_top_k_reads_only_k_experts_and_skipped_blocks_do_no_work(sync_free, top_k):
+    inputs = inputs_for(sync_free, (320, 240), 4)
     for blocks in (16, 8):
-        (trace,), _ = decode_trace(fast, inputs, {"top_k": top_k, "num_active_blocks": blocks}, steps=1)
+        (trace,), _ = decode_trace(sync_free, inputs, {"top_k": top_k, "num_active_blocks": blocks}, steps=1)
         assert trace.topk == [top_k] * blocks
         # per block: the gate and up products and the down product, over the experts chosen
         assert len(trace.grouped_offsets) == 3 * blocks
