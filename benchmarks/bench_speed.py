@@ -13,6 +13,12 @@ Besides: the host-side time of a decode step (the call alone, no synchronisation
 the host spends before it may launch the next step), the GPU's peak memory above the weights
 while the path ran, the fast path's KV cache and graph pool, and whether the greedy tokens agree.
 
+``--decoder-only`` times the decoder alone, where the two paths differ (the vision tower is the
+same code on both): per path one prefix (vision and embeddings) per configuration, then per
+round the prefill (every active block, the first token's logits) and ``--max-new-tokens - 1``
+greedy decode steps. On a CPU at MolmoE-1B's size a whole request takes 10-20 s, most of it
+vision, so this is how enough rounds fit.
+
 The knob table checks the trade-off: every pair of configurations that differ in one knob only
 must cost more at the higher setting (by the median total), on each path.
 """
@@ -148,6 +154,61 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
     return result
 
 
+def measure_decoder(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, max_new_tokens: int = 8,
+                    log=print) -> dict:
+    """The decoder alone per configuration and path (``--decoder-only`` in the module docstring)."""
+    import torch
+
+    from runtime.timing import Clock
+
+    clock = Clock(runtime.device)
+    image = test_image()
+    fast_path = runtime.fast
+    rows = []
+    try:
+        for max_crops, top_k, blocks in configs:
+            inputs = runtime.preprocess(image, QUESTION, max_crops)
+            times: dict[str, dict[str, list[float]]] = {p: {"prefill": [], "step": []} for p in ("eager", "fast")}
+            tokens: dict[str, list[int]] = {}
+            with torch.inference_mode(), runtime.knobs(top_k=top_k, num_active_blocks=blocks):
+                active = tuple(runtime.current_active_blocks())
+                prefixes = {}
+                for path in ("eager", "fast"):
+                    runtime.fast = fast_path if path == "fast" else None
+                    prefixes[path] = runtime.prefill_prefix(inputs, 0)
+                for _ in range(rounds):
+                    for path in ("eager", "fast"):
+                        runtime.fast = fast_path if path == "fast" else None
+                        clock.synchronize()
+                        start = clock.mark()
+                        state = runtime.prefill_suffix(prefixes[path], active)
+                        token = int(state.logits.argmax())
+                        marks, generated = [clock.mark()], [token]
+                        for _ in range(max_new_tokens - 1):
+                            runtime.decode_step(state, token)
+                            token = int(state.logits.argmax())
+                            marks.append(clock.mark())
+                            generated.append(token)
+                        clock.synchronize()
+                        times[path]["prefill"].append(clock.ms(start, marks[0]))
+                        times[path]["step"] += [clock.ms(a, b) for a, b in zip(marks, marks[1:])]
+                        tokens[path] = generated
+            row = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks,
+                   "prompt_tokens": int(inputs.input_ids.shape[1]), "same_tokens": tokens["eager"] == tokens["fast"]}
+            for path in ("eager", "fast"):
+                row[path] = {"prefill_ms": _median(times[path]["prefill"]),
+                             "decode_step_ms": _median(times[path]["step"])}
+            rows.append(row)
+            log(f"{max_crops}/{top_k}/{blocks} ({row['prompt_tokens']} tokens) " + " | ".join(
+                f"{p}: prefill {row[p]['prefill_ms']:.1f} step {row[p]['decode_step_ms']:.2f} ms"
+                for p in ("eager", "fast")) + ("" if row["same_tokens"] else "  (tokens differ)"))
+    finally:
+        runtime.fast = fast_path
+    return {"rows": rows, "rounds": rounds, "max_new_tokens": max_new_tokens, "device": str(runtime.device),
+            "dtype": str(runtime.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "decoder_only": True}
+
+
 def knob_costs(rows: list[dict], path: str) -> dict:
     """Pairs of configurations differing in one knob: the higher setting must take longer (median total)."""
     keys = ("max_crops", "top_k", "num_active_blocks")
@@ -186,6 +247,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (0: torch's default)")
     parser.add_argument("--paths", default="eager,fast")
     parser.add_argument("--float32-attention", action="store_true")
+    parser.add_argument("--decoder-only", action="store_true", help="time the decoder alone (see the docstring)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     import torch
@@ -196,6 +258,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     runtime = load_runtime(args.model, device=args.device, dtype=args.dtype, compile=True,
                            float32_attention=args.float32_attention)
+    if args.decoder_only:
+        result = measure_decoder(runtime, parse_configs(args.configs), rounds=args.rounds,
+                                 max_new_tokens=args.max_new_tokens)
+        print(f"{result['device']} ({result['cpu']}), {result['dtype']}, {result['threads']} thread(s), torch "
+              f"{torch.__version__}; decoder only, medians of {args.rounds} alternating rounds")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return
     result = measure(runtime, parse_configs(args.configs), rounds=args.rounds, warmup=args.warmup,
                      max_new_tokens=args.max_new_tokens, paths=tuple(args.paths.split(",")))
     print(f"{result['device']} ({result.get('gpu') or result['cpu']}), {result['dtype']}, {result['threads']} "

@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from torch import nn
 
 #: the smallest attention window of a decode step (positions); windows are powers of two from here
 MIN_BUCKET = 64
+#: captured decode steps kept at once; beyond, the least recently replayed is dropped (its pool memory
+#: is shared with the others, so this bounds the graphs' own executable state, not the pool)
+MAX_GRAPHS = 512
 
 
 def bucket_for(positions: int) -> int:
@@ -137,12 +140,11 @@ class _Graph:
 
 @dataclass
 class GraphStats:
-    """What the captured decode steps hold: how many graphs, and the memory of their shared pool."""
+    """The captured decode steps: how many are held, how many captures ran and how long they took."""
 
     graphs: int = 0
     captures: int = 0
     capture_s: float = 0.0
-    keys: list[tuple] = field(default_factory=list)
 
 
 class FastDecoder:
@@ -214,7 +216,6 @@ class FastDecoder:
         self.keys, self.values = keys, values
         self._graphs.clear()
         self.stats.graphs = 0
-        self.stats.keys.clear()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the cache and (on a GPU) reserved by the graphs' shared pool."""
@@ -222,8 +223,8 @@ class FastDecoder:
         pool = 0
         if self._pool is not None and self.device.type == "cuda":
             for segment in torch.cuda.memory_snapshot():
-                if tuple(segment.get("segment_pool_id", ())) == tuple(self._pool):
-                    pool += int(segment["total_size"])
+                if tuple(segment.get("segment_pool_id") or ()) == tuple(self._pool):
+                    pool += int(segment.get("total_size", 0))
         return {"kv_cache": cache, "graph_pool": pool}
 
     # -- the blocks
@@ -455,8 +456,11 @@ class FastDecoder:
         it is not yet; None when a capture fails (graphs are then off for this decoder)."""
         key = (blocks, top_k, window)
         captured = self._graphs.get(key)
-        if captured is not None or not self.use_graphs:
+        if captured is not None:
+            self._graphs[key] = self._graphs.pop(key)  # the most recently used last
             return captured
+        if not self.use_graphs:
+            return None
         try:
             captured = self._capture(blocks, window)
         except RuntimeError as exc:  # a kernel that cannot be captured
@@ -466,8 +470,9 @@ class FastDecoder:
                           RuntimeWarning, stacklevel=3)
             return None
         self._graphs[key] = captured
+        while len(self._graphs) > MAX_GRAPHS:
+            del self._graphs[next(iter(self._graphs))]
         self.stats.graphs = len(self._graphs)
-        self.stats.keys.append(key)
         return captured
 
     def _capture(self, blocks: Sequence[int], window: int) -> _Graph:

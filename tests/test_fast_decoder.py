@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from test_model_runtime import QUESTION, make_image
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.fast_decoder import FastSession, bucket_for
@@ -28,9 +29,26 @@ HOST_SYNC_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.
                  "aten.nonzero_static.default", "aten.masked_select.default", "aten.unique_consecutive.default",
                  "aten._unique2.default", "aten.bincount.default", "aten.repeat_interleave.Tensor",
                  "aten.is_nonzero.default", "aten.equal.default", "aten.masked_scatter.default"}
+#: tensor methods that hand a tensor's values to Python (on a CPU tensor ``tolist`` dispatches no aten
+#: operation, so only the Python call shows it)
+HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__bool__,
+                     torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
 #: aten operations (views included) a decode step may dispatch per active block: measured 96-98
 #: on the tiny checkpoint; the eager path's step dispatched 160-180 (and waited once per block)
 OPS_PER_BLOCK_MAX = 100
+
+
+class HostReads(TorchFunctionMode):
+    """The tensor methods inside the ``with`` block that read values into Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READ_METHODS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 class OpTrace(TorchDispatchMode):
@@ -172,20 +190,23 @@ def decode_trace(runtime, inputs, knobs: dict, steps: int = 2) -> tuple[list[OpT
         runtime.decode_step(state, int(state.logits.argmax()))
         for _ in range(steps):
             token = int(state.logits.argmax())
-            with torch.no_grad(), OpTrace() as trace:
+            with torch.no_grad(), HostReads() as reads, OpTrace() as trace:
                 runtime.decode_step(state, token)
+            trace.syncs += reads.reads
             traces.append(trace)
     return traces, state.cache
 
 
 def test_the_sync_detector_sees_host_reads():
-    with OpTrace() as trace:
+    with HostReads() as reads, OpTrace() as trace:
         x = torch.tensor([0.0, 2.0, 3.0])
         x.sum().item()
         x.nonzero()
         x[x > 1]
+        x.tolist()
     assert trace.syncs == ["aten._local_scalar_dense.default", "aten.nonzero.default",
                            "aten.index.Tensor (boolean mask)"]
+    assert reads.reads == ["item", "tolist"]
 
 
 @pytest.mark.parametrize("knobs", [{}, {"top_k": 1, "num_active_blocks": 12}])

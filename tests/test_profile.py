@@ -171,6 +171,36 @@ def test_resume_skips_complete_configurations(profiled, embedded_runtime, tmp_pa
         run(dataset, out, embedded_runtime, world_size=2, num_samples=2)
 
 
+def test_the_execution_path_is_part_of_a_profiles_identity(profiled, embedded_runtime, tmp_path):
+    import shutil
+
+    from pipeline.errors import CtrlError
+
+    root, dataset, _, _ = profiled
+    out = tmp_path / "paths"
+    shutil.copytree(root / "w1", out)
+    exp6 = out / "exp6_latency_tiny-vqa"
+    merged = load(exp6 / "exp6_latency_crops2_topk4_blocks12.json")["config"]["ctrl_profile"]
+    assert merged["execution"] == {"compiled": True, "attention_dtype": "float32"}  # the fast path on a CPU
+    rank = load(exp6 / "exp6_latency_crops2_topk4_blocks12_rank0.json")["config"]["ctrl_profile"]
+    assert rank["cuda_graphs"] is False
+    saved = embedded_runtime.fast
+    embedded_runtime.set_execution(False)
+    try:
+        with pytest.raises(CtrlError, match="execution path"):  # not resumed into by the eager path
+            run(dataset, out, embedded_runtime)
+        # files that record no path were written before it was recorded, by the eager path
+        for path in out.rglob("*.json"):
+            doc = load(path)
+            block = doc.get("config", {}).get("ctrl_profile") if isinstance(doc.get("config"), dict) else None
+            if isinstance(block, dict):
+                block.pop("execution", None)
+                path.write_text(json.dumps(doc))
+        assert run(dataset, out, embedded_runtime).measured == 0
+    finally:
+        embedded_runtime.fast = saved
+
+
 def test_parse_configs():
     from pipeline.errors import CtrlError
     from profiler.sweep import parse_configs
