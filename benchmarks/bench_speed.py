@@ -91,8 +91,12 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
     weights = sum(p.numel() * p.element_size() for p in runtime.decoder.parameters()) + sum(
         p.numel() * p.element_size() for p in runtime.vision_module.parameters())
     rows: list[dict] = []
-    saved = runtime.fast
-    fast_path = runtime.fast if runtime.fast is not None else None
+    saved = runtime.fast is not None
+    attention32 = bool(runtime.fast is not None and runtime.fast.float32_attention)
+
+    def use(path: str) -> None:  # the runtime keeps each path's state (graphs, cache) across switches
+        runtime.set_execution(path == "fast", float32_attention=attention32)
+
     try:
         for max_crops, top_k, blocks in configs:
             inputs = runtime.preprocess(image, QUESTION, max_crops)
@@ -102,19 +106,13 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
             peak: dict[str, int | None] = {}
             with runtime.knobs(top_k=top_k, num_active_blocks=blocks), GenerateTimer(runtime) as timer:
                 for path in paths:  # warm-up (graphs captured), the tokens, the host time of a step
-                    if path == "fast":
-                        runtime.fast = fast_path
-                        if runtime.fast is None:
-                            runtime.set_execution(True)
-                            fast_path = runtime.fast
-                    else:
-                        runtime.fast = None
+                    use(path)
                     for _ in range(warmup):
                         tokens[path] = runtime.generate(inputs, max_new_tokens).token_ids
                     host[path] = _host_step_ms(runtime, inputs, max(4, max_new_tokens))
                 for _ in range(rounds):
                     for path in paths:
-                        runtime.fast = fast_path if path == "fast" else None
+                        use(path)
                         if cuda:
                             torch.cuda.synchronize(runtime.device)
                             torch.cuda.reset_peak_memory_stats(runtime.device)
@@ -138,16 +136,17 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
                     "gpu_peak_over_weights_bytes": None if not cuda else peak[path] - weights}
             rows.append(row)
             log(format_row(row, paths))
+        use("fast")
+        fast_path = runtime.fast
     finally:
-        runtime.fast = saved
-    memory = fast_path.memory_bytes() if fast_path is not None else {}
+        runtime.set_execution(saved, float32_attention=attention32)
+    memory = fast_path.memory_bytes()
     result = {"rows": rows, "paths": list(paths), "rounds": rounds, "max_new_tokens": max_new_tokens,
               "device": str(runtime.device), "dtype": str(runtime.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "weights_bytes": weights, "fast_memory_bytes": memory,
-              "graphs": 0 if fast_path is None else fast_path.stats.graphs,
-              "graph_capture_s": 0.0 if fast_path is None else fast_path.stats.capture_s,
-              "graph_error": None if fast_path is None else fast_path.graph_error,
+              "graphs": fast_path.stats.graphs, "graph_capture_s": fast_path.stats.capture_s,
+              "graph_error": fast_path.graph_error, "vision_graphs": vision_graphs(runtime),
               "knob_costs": {path: knob_costs(rows, path) for path in paths}}
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(runtime.device)
@@ -163,7 +162,7 @@ def measure_decoder(runtime, configs: list[tuple[int, int, int]], *, rounds: int
 
     clock = Clock(runtime.device)
     image = test_image()
-    fast_path = runtime.fast
+    saved = runtime.fast is not None
     rows = []
     try:
         for max_crops, top_k, blocks in configs:
@@ -174,11 +173,11 @@ def measure_decoder(runtime, configs: list[tuple[int, int, int]], *, rounds: int
                 active = tuple(runtime.current_active_blocks())
                 prefixes = {}
                 for path in ("eager", "fast"):
-                    runtime.fast = fast_path if path == "fast" else None
+                    runtime.set_execution(path == "fast")
                     prefixes[path] = runtime.prefill_prefix(inputs, 0)
                 for _ in range(rounds):
                     for path in ("eager", "fast"):
-                        runtime.fast = fast_path if path == "fast" else None
+                        runtime.set_execution(path == "fast")
                         clock.synchronize()
                         start = clock.mark()
                         state = runtime.prefill_suffix(prefixes[path], active)
@@ -203,10 +202,16 @@ def measure_decoder(runtime, configs: list[tuple[int, int, int]], *, rounds: int
                 f"{p}: prefill {row[p]['prefill_ms']:.1f} step {row[p]['decode_step_ms']:.2f} ms"
                 for p in ("eager", "fast")) + ("" if row["same_tokens"] else "  (tokens differ)"))
     finally:
-        runtime.fast = fast_path
+        runtime.set_execution(saved)
     return {"rows": rows, "rounds": rounds, "max_new_tokens": max_new_tokens, "device": str(runtime.device),
             "dtype": str(runtime.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "decoder_only": True}
+
+
+def vision_graphs(runtime) -> dict | None:
+    """The ViT's captured shapes and any capture error (MolmoE on a GPU's fast path), else None."""
+    runner = getattr(getattr(runtime, "vision_backbone", None), "vit_runner", None)
+    return None if runner is None else {"graphs": runner.graphs, "error": runner.error}
 
 
 def knob_costs(rows: list[dict], path: str) -> dict:

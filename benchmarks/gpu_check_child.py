@@ -182,18 +182,17 @@ def speed(args: dict) -> dict:
     runtime = MolmoERuntime(Path(args["checkpoint"]), args["device"], dtype="bfloat16", compile=True)
     result = measure(runtime, parse_configs(args["configs"]), rounds=args.get("rounds", 3), warmup=2,
                      max_new_tokens=8, log=lambda line: print(line, flush=True))
-    fast, compared = runtime.fast, []
+    compared = []
     for size, max_crops in PARITY_CASES:
         image = None if size is None else random_image(*size, seed=3)
         inputs = runtime.preprocess(image, QUESTION, max_crops)
         outputs = {}
         for path in ("eager", "fast"):
-            runtime.fast = fast if path == "fast" else None
+            runtime.set_execution(path == "fast")
             with torch.inference_mode():
                 state = runtime.prefill_suffix(runtime.prefill_prefix(inputs, 0), tuple(range(runtime.num_layers)))
                 logits = state.logits.float().cpu()
             outputs[path] = (logits, runtime.generate(inputs, max_new_tokens=8).token_ids)
-        runtime.fast = fast
         (eager_logits, eager_tokens), (fast_logits, fast_tokens) = outputs["eager"], outputs["fast"]
         scale = float(eager_logits.abs().max())
         compared.append({"case": f"{'text only' if size is None else f'{size[0]}x{size[1]}'} crops {max_crops}",

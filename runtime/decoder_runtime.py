@@ -84,8 +84,15 @@ class OlmoeDecoderRuntime(ModelRuntime):
         (None: ``runtime.fast_decoder.default_compile``); ``float32_attention``: the fast path
         attends in float32, as the origin does, instead of the storage dtype."""
         enabled = default_compile(self.device) if compile is None else bool(compile)
-        self.fast = FastDecoder(self.decoder, self._all_layers, self.device,
-                                float32_attention=float32_attention) if enabled else None
+        if not enabled:
+            self.fast = None
+            return
+        # kept per attention dtype: switching back and forth keeps the cache and the captured graphs
+        built = self.__dict__.setdefault("_fast_decoders", {})
+        if bool(float32_attention) not in built:
+            built[bool(float32_attention)] = FastDecoder(self.decoder, self._all_layers, self.device,
+                                                         float32_attention=float32_attention)
+        self.fast = built[bool(float32_attention)]
 
     @property
     def execution(self) -> dict[str, object]:

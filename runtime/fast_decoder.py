@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +216,14 @@ class FastDecoder:
         self.keys, self.values = keys, values
         self._graphs.clear()
         self.stats.graphs = 0
+
+    def release(self) -> None:
+        """Drop the KV cache and the captured graphs (their memory goes back to the allocator);
+        the next request allocates and captures again."""
+        self.keys = self.values = None
+        self._graphs.clear()
+        self.stats.graphs = 0
+        self._owner += 1
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the cache and (on a GPU) reserved by the graphs' shared pool."""
@@ -506,3 +514,60 @@ class FastDecoder:
         self.ensure_capacity(positions)
         blocks = tuple(int(b) for b in blocks)
         self._graph(blocks, tuple(int(self.layers[i].mlp.gate.top_k) for i in blocks), bucket_for(positions))
+
+
+class GraphedFunction:
+    """``fn`` of one tensor, captured as a CUDA graph per input shape and replayed (the vision
+    tower's ViT on the fast path): the same kernels on the same inputs, so the same output bit for
+    bit, without the per-operation launches. The input is copied into the graph's own buffer and
+    the output cloned out of it. At most ``max_graphs`` shapes are kept (the least recently used
+    goes); a capture that fails turns the graphs off with a warning, and ``fn`` runs as it is.
+    Used without autograd only: with gradients enabled ``fn`` runs as it is."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 max_graphs: int = 16) -> None:
+        self.fn, self.device, self.max_graphs = fn, torch.device(device), int(max_graphs)
+        self._graphs: dict[tuple, tuple[torch.Tensor, object, torch.Tensor]] = {}
+        self._pool = None
+        #: why the graphs were turned off (a capture that failed), None while they work
+        self.error: str | None = None
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None or torch.is_grad_enabled() or x.device.type != "cuda":
+            return self.fn(x)
+        key = (tuple(x.shape), x.dtype)
+        entry = self._graphs.pop(key, None)
+        if entry is None:
+            try:
+                entry = self._capture(x)
+            except RuntimeError as exc:
+                self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                warnings.warn(f"CUDA graph capture failed, the function runs uncaptured: {self.error}",
+                              RuntimeWarning, stacklevel=2)
+                return self.fn(x)
+        self._graphs[key] = entry  # the most recently used last
+        while len(self._graphs) > self.max_graphs:
+            del self._graphs[next(iter(self._graphs))]
+        static_input, graph, static_output = entry
+        static_input.copy_(x)
+        graph.replay()
+        return static_output.clone()
+
+    def _capture(self, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(False):
+            static_input = x.detach().clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.fn(static_input)  # kernels chosen and workspaces allocated outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_output = self.fn(static_input)
+        return static_input, graph, static_output

@@ -47,6 +47,7 @@ from runtime.base import (
     resolve_importance_scores,
 )
 from runtime.decoder_runtime import OlmoeDecoderRuntime
+from runtime.fast_decoder import GraphedFunction
 from runtime.memory import check_fits
 from runtime.molmoe_model import (
     MolmoVisionBackbone,
@@ -176,6 +177,18 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         for prefix, module in (("vision.", vision), ("decoder.", decoder)):
             assign_weights(module, {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}, self.path)
         return digests
+
+    def set_execution(self, compile: bool | None = None, float32_attention: bool = False) -> None:
+        """The decoder's path (``OlmoeDecoderRuntime.set_execution``); on the fast path on a GPU the
+        vision tower's ViT also runs as a CUDA graph per number of image arrays (the same kernels:
+        the image features do not change)."""
+        super().set_execution(compile, float32_attention)
+        if self.fast is None or not self.fast.use_graphs:
+            self.vision_backbone.vit_runner = None
+            return
+        if getattr(self, "_vit_graphs", None) is None:  # kept: switching paths keeps the captured graphs
+            self._vit_graphs = GraphedFunction(self.vision_backbone.vit_features, self.device)
+        self.vision_backbone.vit_runner = self._vit_graphs
 
     def _check_geometry(self) -> None:
         ic, a = self.image_config, self.arch

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -349,7 +349,10 @@ class MolmoImageProjector(nn.Module):
 
 class MolmoVisionBackbone(nn.Module):
     """Origin ``MolmoPretrainedVisionBackbone``: ViT -> padding embeddings -> 2x2 attention
-    pooling (mean query) -> projector; a forward hook on it brackets the whole vision path."""
+    pooling (mean query) -> projector; a forward hook on it brackets the whole vision path.
+    ``vit_runner``: what runs :meth:`vit_features` (the fast path's CUDA graphs; None: called as is)."""
+
+    vit_runner: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, arch: MolmoEArchitecture) -> None:
         super().__init__()
@@ -371,18 +374,23 @@ class MolmoVisionBackbone(nn.Module):
         own): only the padding, pooling and projector run again for that one array, from the
         same ViT states, and only where the padding differs. Without them the global tokens
         are array 0's."""
-        a = self.arch
         batch, arrays, num_patches, pixels = images.shape
         flat = images.reshape(batch * arrays, num_patches, pixels)
         # arrays that are all -1 are batch padding: their features are zeroed
         real = torch.all(flat != -1, dim=(1, 2), keepdim=True)
-        states = self.image_vit(flat)
-        feats = torch.cat([states[i] for i in a.vit_layers], dim=-1)[:, 1:] * real
+        run = self.vit_features if self.vit_runner is None else self.vit_runner
+        feats = run(flat) * real
         feats = feats.reshape(batch, arrays, num_patches, -1)
         tokens = self.pool_and_project(feats, image_masks)
         if self.pad_embed is None or global_masks is None or torch.equal(global_masks, image_masks[:, 0]):
             return tokens, tokens[:, 0]
         return tokens, self.pool_and_project(feats[:, :1], global_masks[:, None])[:, 0]
+
+    def vit_features(self, patches: torch.Tensor) -> torch.Tensor:
+        """(n, patches, pixels) -> the ViT's hidden states at ``vit_layers``, concatenated, without
+        the CLS position: (n, patches, 2 * vit_width)."""
+        states = self.image_vit(patches)
+        return torch.cat([states[i] for i in self.arch.vit_layers], dim=-1)[:, 1:]
 
     def pool_and_project(self, feats: torch.Tensor, image_masks: torch.Tensor | None) -> torch.Tensor:
         """ViT features (batch, arrays, patches, width) -> tokens (batch, arrays, tokens, d_model):

@@ -19,7 +19,7 @@ from test_model_runtime import QUESTION, make_image
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.fast_decoder import FastSession, bucket_for
+from runtime.fast_decoder import FastSession, GraphedFunction, bucket_for
 from runtime.molmoe import MolmoERuntime
 from runtime.timing import GenerateTimer
 
@@ -105,12 +105,12 @@ def sync_free(fast) -> Iterator[MolmoERuntime]:
 @contextmanager
 def execution(runtime, compile: bool) -> Iterator:
     """The runtime on one path for the block, its own path restored after."""
-    saved = runtime.fast
+    saved = runtime.fast is not None
     runtime.set_execution(compile)
     try:
         yield runtime
     finally:
-        runtime.fast = saved
+        runtime.set_execution(saved)
 
 
 #: (image size or None, max_crops, knobs): the default, top-K 1, blocks skipped, both, text only
@@ -310,6 +310,7 @@ def test_the_cache_grows_mid_generation_and_keeps_what_it_holds(embedded_runtime
     with execution(embedded_runtime, False):
         expected = embedded_runtime.generate(inputs, max_new_tokens=new).token_ids
     with execution(embedded_runtime, True):
+        embedded_runtime.fast.release()  # earlier tests' requests grew it
         embedded_runtime.fast.ensure_capacity(prompt)
         assert embedded_runtime.fast.capacity == bucket_for(prompt) < 130
         got = embedded_runtime.generate(inputs, max_new_tokens=new).token_ids
@@ -333,3 +334,22 @@ def test_bfloat16_prefill_is_bit_identical_on_the_cpu(tiny_molmoe_dir):
     assert torch.equal(got[0], expected[0])
     for a, b in zip(got[1:], expected[1:]):
         assert int(a.argmax()) == int(b.argmax())
+
+
+def test_switching_paths_keeps_the_fast_paths_state(tiny_molmoe_dir):
+    runtime = MolmoERuntime(tiny_molmoe_dir, compile=True)
+    fast = runtime.fast
+    inputs = inputs_for(runtime, (320, 240), 4)
+    runtime.generate(inputs, max_new_tokens=2)
+    capacity = fast.capacity
+    runtime.set_execution(False)
+    assert runtime.fast is None and runtime.execution["compiled"] is False
+    runtime.set_execution(True)
+    assert runtime.fast is fast and fast.capacity == capacity  # the same cache (and graphs, on a GPU)
+    runtime.set_execution(True, float32_attention=True)
+    assert runtime.fast is not fast and runtime.fast.float32_attention
+    # a CPU captures nothing: the ViT runs as it is, and a graphed function just calls through
+    assert runtime.vision_backbone.vit_runner is None
+    calls = []
+    graphed = GraphedFunction(lambda x: calls.append(x) or x * 2, torch.device("cpu"))
+    assert torch.equal(graphed(torch.ones(3)), torch.full((3,), 2.0)) and len(calls) == 1 and graphed.graphs == 0

@@ -185,12 +185,12 @@ def test_embedded_prompt_format_and_global_image_first(embedded):
 def test_router_uses_k_experts_where_set_and_default_elsewhere(rt, image_inputs):
     """On the eager path, whose experts module is called with the routing (the fast path's own
     routing is counted in tests/test_fast_decoder.py)."""
-    saved = rt.fast
+    saved = rt.fast is not None
     rt.set_execution(False)
     try:
         _router_uses_k_experts(rt, image_inputs)
     finally:
-        rt.fast = saved
+        rt.set_execution(saved)
 
 
 def _router_uses_k_experts(rt, image_inputs):

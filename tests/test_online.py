@@ -181,7 +181,7 @@ def _prefix_keys(prefix, block: int) -> torch.Tensor:
 @pytest.mark.parametrize("compile", [False, True])
 def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor, compile):
     rt = embedded_runtime
-    saved = rt.fast
+    saved = rt.fast is not None
     rt.set_execution(compile)
     try:
         prefix = rt.prefill_prefix(executor._model_inputs(_image_sample(executor.samples), 2), 3)
@@ -192,7 +192,7 @@ def test_prefix_is_shared_and_not_modified_by_members(embedded_runtime, executor
         assert all(torch.equal(_prefix_keys(prefix, i), k) for i, k in enumerate(keys))
         assert torch.equal(second.logits, rt.prefill_suffix(prefix, rt.blocks_for(14, first_kept=3)).logits)
     finally:
-        rt.fast = saved
+        rt.set_execution(saved)
 
 
 def test_latency_token_recompute_carries_gradient_to_the_budget_token(embedded_runtime, executor):
@@ -216,7 +216,7 @@ def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor, com
     rt, ctrl = embedded_runtime, executor.controller
     s = _image_sample(executor.samples)
     seen = {"images": [], "calls": [], "top_k": {}}
-    saved = rt.fast
+    saved = rt.fast is not None
     rt.set_execution(compile)
 
     def block_runs(module, _args, i: int) -> None:
@@ -237,7 +237,7 @@ def test_knobs_are_applied_on_the_execution_path(embedded_runtime, executor, com
     finally:
         for h in handles:
             h.remove()
-        rt.fast = saved
+        rt.set_execution(saved)
     assert (rollout.max_crops, rollout.insertion_position, rollout.top_k, rollout.num_active_blocks) == (10, 2, 4, 14)
     assert seen["images"] == [rollout.num_crops + 1] and 1 < rollout.num_crops <= 10
     active = rt.blocks_for(14, first_kept=2)

@@ -184,7 +184,7 @@ def test_the_execution_path_is_part_of_a_profiles_identity(profiled, embedded_ru
     assert merged["execution"] == {"compiled": True, "attention_dtype": "float32"}  # the fast path on a CPU
     rank = load(exp6 / "exp6_latency_crops2_topk4_blocks12_rank0.json")["config"]["ctrl_profile"]
     assert rank["cuda_graphs"] is False
-    saved = embedded_runtime.fast
+    saved = embedded_runtime.fast is not None
     embedded_runtime.set_execution(False)
     try:
         with pytest.raises(CtrlError, match="execution path"):  # not resumed into by the eager path
@@ -198,7 +198,7 @@ def test_the_execution_path_is_part_of_a_profiles_identity(profiled, embedded_ru
                 path.write_text(json.dumps(doc))
         assert run(dataset, out, embedded_runtime).measured == 0
     finally:
-        embedded_runtime.fast = saved
+        embedded_runtime.set_execution(saved)
 
 
 def test_parse_configs():
