@@ -248,7 +248,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
             if self.fast is not None:
                 seq = embeds.shape[1] - extra
                 hidden = self.fast.prefill(embeds[0], range(p))[None] if p else embeds
-                return PrefixState(inputs, p, embeds, hidden, self.fast.keep_prefix(range(p), seq),
+                return PrefixState(inputs, p, embeds, hidden, self.fast.keep_prefix(p, seq),
                                    extra_tokens=extra, image_feature=image_feature)
             cache = DynamicCache(config=self.decoder.config)
             hidden = embeds

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: torch's grouped product (public from torch 2.9 on; the private op before), None where it is missing
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 #: the smallest attention window of a decode step (positions); windows are powers of two from here
 MIN_BUCKET = 64
 #: captured decode steps kept at once; beyond, the least recently replayed is dropped (its pool memory
@@ -67,9 +69,9 @@ def default_compile(device: torch.device | str) -> bool:
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.nn.functional.grouped_mm`` runs for weights of ``dtype`` on ``device``: on a
+    """Whether :data:`grouped_mm` runs for weights of ``dtype`` on ``device``: on a
     CPU for every dtype; on a GPU for bfloat16 from SM80 on (what torch's kernels cover)."""
-    if not hasattr(F, "grouped_mm"):
+    if grouped_mm is None:
         return False
     if device.type == "cpu":
         return True
@@ -80,7 +82,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     try:  # a kernel can still be missing from a build: one tiny call tells
         a = torch.zeros(2, 16, dtype=dtype, device=device)
         b = torch.zeros(2, 16, 16, dtype=dtype, device=device)
-        F.grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+        grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -312,13 +314,13 @@ class FastDecoder:
         inter = w.shape[1] // 2
         if self.device.type == "cpu" and getattr(experts, "split_gate_up", False):
             # the eager module's two products (the origin's rounding), bit for bit on a CPU
-            gate = F.grouped_mm(inputs, w[:, :inter].transpose(1, 2), offs=offsets).float()
-            up = F.grouped_mm(inputs, w[:, inter:].transpose(1, 2), offs=offsets).float()
+            gate = grouped_mm(inputs, w[:, :inter].transpose(1, 2), offs=offsets).float()
+            up = grouped_mm(inputs, w[:, inter:].transpose(1, 2), offs=offsets).float()
         else:  # gate and up as one product
-            gate_up = F.grouped_mm(inputs, w.transpose(1, 2), offs=offsets).float()
+            gate_up = grouped_mm(inputs, w.transpose(1, 2), offs=offsets).float()
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
         act = self._round(F.silu(gate) * up)
-        out = F.grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offsets).float()
+        out = grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offsets).float()
         out = out * weights[rows, slots, None]
         return torch.zeros_like(h).index_add_(0, rows, out.to(h.dtype))
 
@@ -386,13 +388,11 @@ class FastDecoder:
             call_post_hooks(layer)
         return x
 
-    def keep_prefix(self, blocks: Sequence[int], tokens: int) -> FastPrefixCache:
-        """A copy of the K/V of ``blocks`` (0..p-1) at positions 0..tokens-1 (the prefix's, which a
-        later request may overwrite in the cache)."""
+    def keep_prefix(self, blocks: int, tokens: int) -> FastPrefixCache:
+        """A copy of the K/V of blocks 0..``blocks``-1 at positions 0..tokens-1 (the prefix's, which
+        a later request may overwrite in the cache)."""
         self.ensure_capacity(tokens)
-        index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        return FastPrefixCache(self.keys.index_select(0, index)[:, :, :tokens].clone(),
-                               self.values.index_select(0, index)[:, :, :tokens].clone())
+        return FastPrefixCache(self.keys[:blocks, :, :tokens].clone(), self.values[:blocks, :, :tokens].clone())
 
     def restore_prefix(self, prefix: FastPrefixCache, reserve: int = 0) -> None:
         """Put a kept prefix's K/V back at blocks 0..p-1, positions 0..tokens-1."""
