@@ -77,6 +77,8 @@ class OlmoeDecoderRuntime(ModelRuntime):
         self.num_experts = int(cfg.num_experts)
         self.default_top_k = int(cfg.num_experts_per_tok)
         self._all_layers = decoder.model.layers
+        # one fast path per attention dtype, kept: switching paths keeps the cache and the captured graphs
+        self._fast_decoders: dict[bool, FastDecoder] = {}
         self.set_execution(compile, float32_attention)
 
     def set_execution(self, compile: bool | None = None, float32_attention: bool = False) -> None:
@@ -87,12 +89,10 @@ class OlmoeDecoderRuntime(ModelRuntime):
         if not enabled:
             self.fast = None
             return
-        # kept per attention dtype: switching back and forth keeps the cache and the captured graphs
-        built = self.__dict__.setdefault("_fast_decoders", {})
-        if bool(float32_attention) not in built:
-            built[bool(float32_attention)] = FastDecoder(self.decoder, self._all_layers, self.device,
-                                                         float32_attention=float32_attention)
-        self.fast = built[bool(float32_attention)]
+        key = bool(float32_attention)
+        if key not in self._fast_decoders:
+            self._fast_decoders[key] = FastDecoder(self.decoder, self._all_layers, self.device, float32_attention=key)
+        self.fast = self._fast_decoders[key]
 
     @property
     def execution(self) -> dict[str, object]:
