@@ -118,7 +118,8 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                  "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
                  "latency_scale_source": engine.latency_scale.source,
                  "budget_margin": engine.budget_margin.value, "met_target": engine.budget_margin.target,
-                 "overhead_reserve_ms": engine.overhead_reserve_ms()}
+                 "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
+                 "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
                                             "owned_by": "ctrl", "ctrl": about}]}
 
