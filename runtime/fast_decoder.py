@@ -101,10 +101,7 @@ def call_post_hooks(module: nn.Module) -> None:
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """``OlmoeRMSNorm`` of a float32 ``x``: on a CPU the same operations in the same order (its
-    rounding), on a GPU torch's fused kernel (one launch instead of five)."""
-    if x.device.type == "cuda":
-        return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=norm.variance_epsilon)
+    """``OlmoeRMSNorm`` of a float32 ``x``: the same operations in the same order (its rounding)."""
     variance = x.pow(2).mean(-1, keepdim=True)
     return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
 
@@ -181,6 +178,14 @@ class FastDecoder:
         #: a GPU; a CPU, where reading costs nothing, loops over a token's chosen experts instead
         #: (torch's grouped_mm on a CPU multiplies every expert's group, empty or not)
         self.sync_free = self.device.type != "cpu"
+        #: fewer, larger kernels where a step is made of launches (a GPU): torch's fused RMS norm, one
+        #: product for q, k and v (a copy of their weights, made at first use), the rotary embedding
+        #: of q and k at once, the attention's bfloat16 output straight into its projection, a
+        #: decode step's experts summed without a scatter. It rounds differently from the eager
+        #: path, so a CPU keeps the eager path's formulation (tests turn this on there too)
+        self.fused = self.device.type == "cuda"
+        self._qkv: dict[int, torch.Tensor] = {}
+        self._float_weights: dict[int, torch.Tensor] = {}
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self._owner = 0
@@ -220,22 +225,25 @@ class FastDecoder:
         self.stats.graphs = 0
 
     def release(self) -> None:
-        """Drop the KV cache and the captured graphs (their memory goes back to the allocator);
-        the next request allocates and captures again."""
+        """Drop the KV cache, the captured graphs and the fused weight copies (their memory goes
+        back to the allocator); the next request allocates and captures again."""
         self.keys = self.values = None
         self._graphs.clear()
+        self._qkv.clear()
+        self._float_weights.clear()
         self.stats.graphs = 0
         self._owner += 1
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by the cache and (on a GPU) reserved by the graphs' shared pool."""
         cache = 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+        fused = sum(w.numel() * w.element_size() for w in self._qkv.values())
         pool = 0
         if self._pool is not None and self.device.type == "cuda":
             for segment in torch.cuda.memory_snapshot():
                 if tuple(segment.get("segment_pool_id") or ()) == tuple(self._pool):
                     pool += int(segment.get("total_size", 0))
-        return {"kv_cache": cache, "graph_pool": pool}
+        return {"kv_cache": cache, "graph_pool": pool, "fused_weights": fused}
 
     # -- the blocks
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +289,7 @@ class FastDecoder:
 
     def _moe(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The MoE half of a block on float32 (tokens, d) ``x``, with the router's own top-K."""
-        h = _rms(x, layer.post_attention_layernorm)
+        h = (self._norm if self.fused else _rms)(x, layer.post_attention_layernorm)
         gate = layer.mlp.gate
         logits = F.linear(h, gate.weight)
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
@@ -364,12 +372,87 @@ class FastDecoder:
     def _block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         layer = self.layers[index]
+        if self.fused:
+            x = self._attention_fused(index, layer, x, cos, sin, mask)
+            return self._moe_fused(layer, x) if x.shape[0] == 1 and self.grouped else self._moe(layer, x)
         x = self._attention(index, layer, x, cos, sin, mask)
         return self._moe(layer, x)
 
+    # -- the fused formulation (``fused``)
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """An RMS norm in one kernel (its scale kept in float32 beside a half-precision weight)."""
+        weight = norm.weight
+        if weight.dtype != torch.float32:
+            weight = self._float_weights.get(id(norm.weight))
+            if weight is None:
+                with torch.inference_mode(False):
+                    weight = self._float_weights[id(norm.weight)] = norm.weight.detach().float()
+        return F.rms_norm(x, (x.shape[-1],), weight, norm.variance_epsilon)
+
+    def _qkv_weight(self, index: int, attn: nn.Module) -> torch.Tensor:
+        weight = self._qkv.get(index)
+        if weight is None:
+            with torch.inference_mode(False):
+                weight = self._qkv[index] = torch.cat(
+                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+        return weight
+
+    def _attention_fused(self, index: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_attention` with fewer kernels (see ``fused``)."""
+        attn = layer.self_attn
+        tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.kv_heads, self.head_dim
+        qkv = F.linear(self._norm(x, layer.input_layernorm), self._qkv_weight(index, attn))
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
+        q = self._norm(qkv[:, :q_end], attn.q_norm).view(tokens, heads, dim)
+        k = self._norm(qkv[:, q_end:k_end], attn.k_norm).view(tokens, kv_heads, dim)
+        qk = torch.cat((q, k), dim=1).transpose(0, 1)  # (heads + kv_heads, tokens, dim): one rotation
+        adt = self.attention_dtype
+        qk = (qk * cos + _rotate_half(qk) * sin).to(adt)
+        q, k = qk[:heads], qk[heads:]
+        v = qkv[:, k_end:].view(tokens, kv_heads, dim).transpose(0, 1).to(adt)
+        if mask is None:
+            self.keys[index, :, :tokens] = k
+            self.values[index, :, :tokens] = v
+            keys, values, causal = k, v, tokens > 1
+        else:
+            window = mask.shape[-1]
+            self.keys[index].index_copy_(1, self._position, k)
+            self.values[index].index_copy_(1, self._position, v)
+            keys, values = self.keys[index, :, :window], self.values[index, :, :window]
+            causal = False
+        if kv_heads != heads:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+            values = values.repeat_interleave(heads // kv_heads, dim=0)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                             scale=self.scaling)[0]
+        # in the attention's dtype straight into the projection, which rounds its input to it anyway
+        out = out.transpose(0, 1).reshape(tokens, heads * dim)
+        return x + attn.o_proj(out).to(x.dtype)
+
+    def _moe_fused(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The MoE half of a decode step (one token) with fewer kernels (see ``fused``): its K
+        chosen experts sorted, their rows one copy of the token, their outputs summed."""
+        h = self._round(self._norm(x, layer.post_attention_layernorm))
+        gate = layer.mlp.gate
+        probs = F.softmax(F.linear(h, gate.weight), dim=-1, dtype=torch.float)
+        weights, index = torch.topk(probs, int(gate.top_k), dim=-1)
+        chosen, order = torch.sort(index[0])
+        offsets = torch.searchsorted(chosen, self._expert_ids, right=True).to(torch.int32)
+        experts = layer.mlp.experts
+        w = experts.gate_up_proj
+        inter = w.shape[1] // 2
+        rows = h.expand(chosen.shape[0], -1).contiguous()
+        gate_up = grouped_mm(rows, w.transpose(1, 2), offs=offsets).float()
+        act = self._round(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        out = grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offsets).float()
+        return x + (out * weights[0].index_select(0, order)[:, None]).sum(0, keepdim=True)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (vocab,) of a (1, d) hidden state after the last block (final norm, head)."""
-        return self.decoder.lm_head(_rms(hidden, self.decoder.model.norm)).float()[0]
+        norm = self._norm if self.fused else _rms
+        return self.decoder.lm_head(norm(hidden, self.decoder.model.norm)).float()[0]
 
     # -- prefill
     def prefill(self, hidden: torch.Tensor, blocks: Sequence[int], *, reserve: int = 0) -> torch.Tensor:

@@ -92,6 +92,16 @@ def fast(tiny_molmoe_dir) -> MolmoERuntime:
 
 
 @pytest.fixture
+def fused(fast) -> Iterator[MolmoERuntime]:
+    """The fast runtime in a GPU's formulation: the sync-free step with fewer, larger kernels."""
+    fast.fast.sync_free = fast.fast.fused = True
+    try:
+        yield fast
+    finally:
+        fast.fast.sync_free = fast.fast.fused = False
+
+
+@pytest.fixture
 def sync_free(fast) -> Iterator[MolmoERuntime]:
     """The fast runtime with the decode step a GPU captures (a CPU's own step reads the chosen
     experts' ids on the host, which costs nothing there)."""
@@ -353,3 +363,28 @@ def test_switching_paths_keeps_the_fast_paths_state(tiny_molmoe_dir):
     calls = []
     graphed = GraphedFunction(lambda x: calls.append(x) or x * 2, torch.device("cpu"))
     assert torch.equal(graphed(torch.ones(3)), torch.full((3,), 2.0)) and len(calls) == 1 and graphed.graphs == 0
+
+
+@pytest.mark.parametrize(("size", "max_crops", "knobs"), GENERATE_CASES)
+def test_a_gpus_fused_formulation_gives_the_eager_tokens(eager, fused, size, max_crops, knobs):
+    inputs = inputs_for(eager, size, max_crops)
+    with eager.knobs(**knobs):
+        expected = eager.generate(inputs, max_new_tokens=12).token_ids
+    with fused.knobs(**knobs):
+        assert fused.generate(inputs, max_new_tokens=12).token_ids == expected
+
+
+def test_a_gpus_fused_decode_step_reads_nothing_and_launches_less(fast, fused):
+    inputs = inputs_for(fused, (320, 240), 4)
+    expected = two_stage(fast.__class__(fast.path, compile=False), inputs, 0, 4, 12, steps=4)
+    got = two_stage(fused, inputs, 0, 4, 12, steps=4)
+    for a, b in zip(got, expected):
+        assert float((a - b).norm() / b.norm()) <= 1e-3 and int(a.argmax()) == int(b.argmax())
+    (first, second), session = decode_trace(fused, inputs, {})
+    assert first.syncs == [] and first.calls == second.calls
+    names = [name for name, _ in first.calls]
+    # per block one product for q, k and v, the output projection and the router; the head once
+    assert names.count("aten.mm.default") == 3 * len(session.blocks) + 1
+    # per block the gate and up products as one, then the down product
+    assert names.count("aten._grouped_mm.default") == 2 * len(session.blocks)
+    assert "aten.index_add_.default" not in names and "aten.sort.stable" not in names  # no scatter, one sort
