@@ -314,9 +314,9 @@ class OlmoeDecoderRuntime(ModelRuntime):
         return DecodeState(self.fast.session(active, hidden.shape[0]), active, None, logits)
 
     def decode_step(self, state: DecodeState, token: int) -> None:
-        if isinstance(state.cache, FastSession):
+        if isinstance(state.cache, FastSession):  # decoded by the fast path that prefilled it
             with torch.no_grad(), self.precision_context():
-                state.logits = self.fast.step(state.cache, token)
+                state.logits = state.cache.decoder.step(state.cache, token)
             return
         state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones((1, 1))], dim=1)
         with torch.no_grad(), self.precision_context(), self.running_layers(state.active_blocks):

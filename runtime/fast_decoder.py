@@ -122,13 +122,14 @@ class FastPrefixCache:
 
 @dataclass
 class FastSession:
-    """One request's decoding on the fast path (``DecodeState.cache``): its blocks and top-K, and
-    the next position to write. The cache is the runtime's, so only the latest session is live."""
+    """One request's decoding on the fast path (``DecodeState.cache``): its blocks and top-K, the
+    next position to write and the decoder whose cache holds it (only its latest session is live)."""
 
     blocks: tuple[int, ...]
     top_k: tuple[int, ...]
     position: int
     owner: int
+    decoder: FastDecoder
 
 
 @dataclass
@@ -489,7 +490,7 @@ class FastDecoder:
     def session(self, blocks: Sequence[int], position: int) -> FastSession:
         """The decoding of the request whose prefill just ran: the next token goes at ``position``."""
         top_k = tuple(int(self.layers[i].mlp.gate.top_k) for i in blocks)
-        return FastSession(tuple(int(b) for b in blocks), top_k, int(position), self._owner)
+        return FastSession(tuple(int(b) for b in blocks), top_k, int(position), self._owner, self)
 
     def step(self, session: FastSession, token: int) -> torch.Tensor:
         """One decode step: ``token`` at the session's position through its blocks; returns the
