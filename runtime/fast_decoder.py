@@ -269,7 +269,17 @@ class FastDecoder:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         adt = self.attention_dtype
-        k, v = k.to(adt), v.to(adt)
+        out = self._attend(index, q.to(adt), k.to(adt), v.to(adt), mask)
+        out = out.transpose(0, 1).reshape(tokens, self.num_heads * self.head_dim).to(x.dtype)
+        return x + attn.o_proj(out)
+
+    def _attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Write block ``index``'s K/V (kv_heads, tokens, dim) into the cache and attend with q
+        (heads, tokens, dim), all in the attention dtype: a prefill's K/V at 0..tokens-1, causal
+        over themselves (``mask`` None), or one decode token's at ``self._position`` over the
+        window ``mask`` spans. Returns (heads, tokens, dim)."""
+        tokens = q.shape[1]
         if mask is None:
             self.keys[index, :, :tokens] = k
             self.values[index, :, :tokens] = v
@@ -283,10 +293,8 @@ class FastDecoder:
         if self.kv_heads != self.num_heads:
             keys = keys.repeat_interleave(self.num_heads // self.kv_heads, dim=0)
             values = values.repeat_interleave(self.num_heads // self.kv_heads, dim=0)
-        out = F.scaled_dot_product_attention(q.to(adt)[None], keys[None], values[None], attn_mask=mask,
-                                             is_causal=causal, scale=self.scaling)[0]
-        out = out.transpose(0, 1).reshape(tokens, self.num_heads * self.head_dim).to(x.dtype)
-        return x + attn.o_proj(out)
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                              scale=self.scaling)[0]
 
     def _moe(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The MoE half of a block on float32 (tokens, d) ``x``, with the router's own top-K."""
@@ -413,21 +421,7 @@ class FastDecoder:
         qk = (qk * cos + _rotate_half(qk) * sin).to(adt)
         q, k = qk[:heads], qk[heads:]
         v = qkv[:, k_end:].view(tokens, kv_heads, dim).transpose(0, 1).to(adt)
-        if mask is None:
-            self.keys[index, :, :tokens] = k
-            self.values[index, :, :tokens] = v
-            keys, values, causal = k, v, tokens > 1
-        else:
-            window = mask.shape[-1]
-            self.keys[index].index_copy_(1, self._position, k)
-            self.values[index].index_copy_(1, self._position, v)
-            keys, values = self.keys[index, :, :window], self.values[index, :, :window]
-            causal = False
-        if kv_heads != heads:
-            keys = keys.repeat_interleave(heads // kv_heads, dim=0)
-            values = values.repeat_interleave(heads // kv_heads, dim=0)
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                             scale=self.scaling)[0]
+        out = self._attend(index, q, k, v, mask)
         # in the attention's dtype straight into the projection, which rounds its input to it anyway
         out = out.transpose(0, 1).reshape(tokens, heads * dim)
         return x + attn.o_proj(out).to(x.dtype)
