@@ -88,6 +88,7 @@ class OutputFormat(str, Enum):
 class GroupBy(str, Enum):
     dataset = "dataset"
     family = "family"
+    cluster = "cluster"
 
 
 def _print(text: str) -> None:
@@ -410,6 +411,8 @@ def train(
                                                             rich_help_panel=REWARD)] = None,
     fallback_prefers: Annotated[str | None, _train_opt("fallback_prefers", rich_help_panel=REWARD)] = None,
     fallback_table: Annotated[str | None, _train_opt("fallback_table", rich_help_panel=REWARD)] = None,
+    ignore_family_labels: Annotated[bool | None, _train_opt("ignore_family_labels", "--ignore-family-labels",
+                                                            rich_help_panel=REWARD)] = None,
     latency_jitter: Annotated[float | None, _train_opt("latency_jitter", min=0.0, rich_help_panel=REWARD)] = None,
     cross_fit_folds: Annotated[int | None, _train_opt("cross_fit_folds", min=0, rich_help_panel=REWARD)] = None,
     holdout_dataset: Annotated[str | None, _train_opt("holdout_dataset")] = None,
@@ -461,7 +464,7 @@ def train(
 
 
 def _train_offline(config: Any) -> None:
-    from trainer import evaluation_title, format_evaluation_table, read_fallback, train_offline
+    from trainer import evaluation_title, read_fallback, train_offline
 
     run = config.resume or config.run_id or "RUN"
     with running("train", interrupted=f"resume with --resume {run} (the last finished epoch is checkpointed)",
@@ -488,8 +491,11 @@ def _train_offline(config: Any) -> None:
     if fallback is not None:
         _print(fallback.describe())
     if result.evaluation is not None:
-        out.print(format_evaluation_table(result.evaluation, evaluation_title(result.run_dir)))
-        _print(f"plot: {result.run_dir / 'evaluation.png'}")
+        from trainer.evaluate import format_summary_table, summarize_evaluation
+
+        title = evaluation_title(result.run_dir).replace("evaluation", "summary", 1)
+        out.print(format_summary_table(summarize_evaluation(result.evaluation, fallback), title))
+        _print(f"every decider: `ctrl evaluate {result.run_id}`; plot: {result.run_dir / 'evaluation.png'}")
     _print(f"next: `ctrl predict --run {result.run_id} --budget-ms 200 --out decisions.parquet`, or "
            f"`ctrl query \"FROM evaluations WHERE run_id = '{result.run_id}'\"`")
 
@@ -548,14 +554,18 @@ def evaluate(
                                                           "default: the run's grid).")] = None,
     max_samples: Annotated[int | None, typer.Option("--max-samples", min=1, help="Online runs: test samples to run "
                                                     "(default: all).")] = None,
-    by: Annotated[GroupBy | None, typer.Option("--by", help="Offline runs: also print the accuracy per dataset or "
-                                               "per question family (all in evaluation_groups.parquet).")] = None,
+    by: Annotated[GroupBy | None, typer.Option("--by", help="Offline runs: also print the accuracy per dataset, "
+                                               "per labelled question family, or per question cluster (the group "
+                                               "the deployed table reads; all in evaluation_groups.parquet).")
+                  ] = None,
 ) -> None:
     """Evaluate a run's controller on the test split (table, Parquet, PNG): an offline run against
-    the baselines on the recorded outcomes, an online run against its offline start with the model."""
+    the baselines on the recorded outcomes, an online run against its offline start with the model.
+    An offline run's evaluation at other budgets (--budget-ms) goes beside its own, under
+    evaluations/."""
     from pipeline import Workspace
     from trainer import RunDir, evaluate_run, evaluation_title, format_evaluation_table
-    from trainer.evaluate import GROUPS_FILE, format_group_table
+    from trainer.evaluate import GROUPS_FILE, evaluation_dir, format_group_table
 
     with handled(also=(ValueError,)):
         run_dir = RunDir.resolve(Workspace(workspace), run, ("offline", "online"))
@@ -569,7 +579,8 @@ def evaluate(
         with handled(also=(ValueError,)):
             frame = evaluate_run(workspace, run_dir.path, budget_ms or None)
     out.print(format_evaluation_table(frame, evaluation_title(run_dir.path)))
-    written = [run_dir.path / name for name in ("evaluation.parquet", "evaluation.png", GROUPS_FILE)]
+    target = run_dir.path if run_dir.phase == "online" else evaluation_dir(run_dir.path, budget_ms or None)
+    written = [target / name for name in ("evaluation.parquet", "evaluation.png", GROUPS_FILE)]
     if by is not None:
         if not written[2].is_file():
             from pipeline.errors import CtrlError

@@ -31,9 +31,10 @@ SYNTHETIC_WORLDS = (("syn-coco-text-0", ("coco_2014_vqa", "text_vqa"), 0),
                     ("syn-coco-text-2", ("coco_2014_vqa", "text_vqa"), 2))
 
 
-def build_world(root: Path, datasets: tuple[str, ...], seed: int, samples: int) -> Path:
+def build_world(root: Path, datasets: tuple[str, ...], seed: int, samples: int, **spec_options) -> Path:
     """The workspace ``root/ws`` of a generated tree in ``root/tree``, ingested with embedded-model
-    features: built once (``root/.ready`` marks it done), reused afterwards."""
+    features: built once (``root/.ready`` marks it done), reused afterwards. ``spec_options``: more
+    ``SyntheticSpec`` fields (family weights, unlabelled families)."""
     from features import FeatureConfig, extract_features
     from pipeline.ingestion import IngestConfig, ingest
     from synthetic import SyntheticSpec, generate_tree
@@ -42,7 +43,7 @@ def build_world(root: Path, datasets: tuple[str, ...], seed: int, samples: int) 
     if (root / ".ready").exists():
         return ws
     shutil.rmtree(root, ignore_errors=True)
-    generate_tree(SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed), root / "tree")
+    generate_tree(SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed, **spec_options), root / "tree")
     ingest(IngestConfig(paths=[root / "tree" / "exp5", root / "tree" / "exp6"], workspace=ws))
     extract_features(FeatureConfig(workspace=ws, images_dir=root / "tree" / "images"))
     (root / ".ready").write_text("ok\n")

@@ -16,7 +16,9 @@ world's hidden expected score of the chosen configuration (no outcome noise) and
 latency fits). Prints per world a table of accuracy (violation rate) per decider and budget,
 then the checks of the controller's targets: its worst budget against the family table in that
 table's standard errors, its largest violation rate, both mean gains over the p95 table and
-the gap to the clairvoyant choice.
+the gap to the clairvoyant choice. ``lut_by_cluster`` is the table of questions clustered without
+labels (``trainer.clusters``) on every sample of the first world. ``--set ignore_family_labels=true``
+trains as on data without labels; the family table (the labels known) stays the reference.
 
 Worlds are cached in benchmarks/.cache/transfer (ingest + embedded-model features).
 """
@@ -44,6 +46,15 @@ class World:
     samples: int  # per dataset, in each of the two trees
     train_seed: int
     test_seed: int
+    # question template family weights of the training tree and of the unseen one (None: the training
+    # tree's); families without labels (``labels=False``) show only in the question's words
+    family_weights: tuple[tuple[str, float], ...] = ()
+    test_family_weights: tuple[tuple[str, float], ...] | None = None
+    labels: bool = True
+
+    def spec_options(self, test: bool) -> dict:
+        weights = self.test_family_weights if test and self.test_family_weights is not None else self.family_weights
+        return {"family_weights": weights, "write_family": self.labels}
 
 
 #: worlds that chose the defaults (``tune``), worlds kept out of the first choices of them (``check``,
@@ -69,17 +80,32 @@ WORLDS = {
         World("coco-tally-doc", ("coco_2014_vqa", "tally_qa", "doc_qa"), 200, 51, 151),
         World("st-okvqa-science", ("st_qa", "okvqa", "science_qa_img"), 200, 52, 152),
     ),
+    # made after every choice of the label-free tables: no family labels anywhere (the family shows
+    # only in the question's words), families of unequal size, a family only in the unseen tree
+    "unlabelled": (
+        World("coco-text-unequal", ("coco_2014_vqa", "text_vqa"), 400, 61, 161, labels=False,
+              family_weights=(("count", 4.0), ("color", 0.3), ("written_text", 3.0), ("clock_time", 0.3))),
+        World("text-okvqa-new-family", ("text_vqa", "okvqa"), 400, 62, 162, labels=False,
+              family_weights=(("decade", 0.0),), test_family_weights=(("decade", 2.0),)),
+        World("coco-okvqa-doc-unequal", ("coco_2014_vqa", "okvqa", "doc_qa"), 300, 63, 163, labels=False,
+              family_weights=(("presence", 5.0), ("sport", 0.2), ("use", 3.0), ("animal_family", 0.3))),
+    ),
 }
 
 
-def world_workspace(datasets: tuple[str, ...], samples: int, seed: int) -> Path:
+def world_workspace(datasets: tuple[str, ...], samples: int, seed: int, **spec_options) -> Path:
     """The workspace of one generated tree, ingested with embedded-model features (cached)."""
     from crossfit_worlds import build_world
 
-    return build_world(CACHE / f"{'+'.join(datasets)}-{samples}-s{seed}", datasets, seed, samples)
+    tag = ""
+    if spec_options.get("family_weights") or spec_options.get("write_family") is False:
+        weights = "".join(f"{f}{w:g}" for f, w in spec_options.get("family_weights", ()))
+        tag = f"-w{weights}" + ("-unlabelled" if spec_options.get("write_family") is False else "")
+    return build_world(CACHE / f"{'+'.join(datasets)}-{samples}-s{seed}{tag}", datasets, seed, samples,
+                       **spec_options)
 
 
-def truth_scores(data, datasets: tuple[str, ...], samples: int, seed: int):
+def truth_scores(data, datasets: tuple[str, ...], samples: int, seed: int, **spec_options):
     """``data`` with ``score`` (and ``mean_score``) replaced by the hidden expected score of every
     (sample, configuration) of the world generated from (datasets, samples, seed)."""
     import torch
@@ -87,10 +113,24 @@ def truth_scores(data, datasets: tuple[str, ...], samples: int, seed: int):
     from synthetic import SyntheticSpec, expected_score_matrix
 
     configs = [tuple(int(v) for v in k) for k in data.action_space.knob_values().tolist()]
-    spec = SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed)
+    spec = SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed, **spec_options)
     score = torch.from_numpy(expected_score_matrix(spec, data.dataset, data.sample_key, configs))
     score = torch.where(data.mask, score, float("nan"))
     return replace(data, score=score, mean_score=score)
+
+
+def truth_families(data, datasets: tuple[str, ...], samples: int, seed: int, **spec_options):
+    """``data`` with every sample's question family as the generator drew it (the family table's labels
+    where the world's files carry none)."""
+    from pipeline.keys import build_sample_key
+    from synthetic import SyntheticSpec, build_truth, samples_of
+
+    spec = SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed,
+                         **{**spec_options, "write_family": True})
+    truth = build_truth(spec)
+    family = {(ds, build_sample_key(ds, s.metadata)[0]): s.metadata["family"]
+              for ds in datasets for s in samples_of(ds, truth[ds])}
+    return replace(data, family=[family[(d, k)] for d, k in zip(data.dataset, data.sample_key)])
 
 
 def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool) -> list[dict]:
@@ -104,8 +144,8 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
     from trainer.policy import ControllerPolicy
     from trainer.runs import RunDir, resolve_checkpoint
 
-    train_ws = world_workspace(world.datasets, world.samples, world.train_seed)
-    test_ws = world_workspace(world.datasets, world.samples, world.test_seed)
+    train_ws = world_workspace(world.datasets, world.samples, world.train_seed, **world.spec_options(test=False))
+    test_ws = world_workspace(world.datasets, world.samples, world.test_seed, **world.spec_options(test=True))
     settings = {**overrides, **({} if folds is None else {"cross_fit_folds": folds})}
     named = "-".join(f"{k}{json.dumps(v, sort_keys=True)}" for k, v in sorted(settings.items())) or "defaults"
     run_id = "transfer-" + re.sub(r"[^A-Za-z0-9._-]+", "", named)[:100]
@@ -125,20 +165,32 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
     fallback = read_fallback(checkpoint)
     train_data = load_offline_data(train_ws)
     test_data = load_offline_data(test_ws)
-    test = truth_scores(test_data, world.datasets, world.samples, world.test_seed)
+    if not world.labels:  # the reference tables know the families the files do not record
+        train_data = truth_families(train_data, world.datasets, world.samples, world.train_seed,
+                                    **world.spec_options(test=False))
+        test_data = truth_families(test_data, world.datasets, world.samples, world.test_seed,
+                                   **world.spec_options(test=True))
+    test = truth_scores(test_data, world.datasets, world.samples, world.test_seed, **world.spec_options(test=True))
     policy = ControllerPolicy.load(checkpoint, model_fingerprint=test.model_fingerprint)
     from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
 
+    budgets = [round(b, 1) for b in saved.eval_budgets]
+    from trainer.clusters import cluster_table
+
+    clusters = cluster_table(train_data.without_family_labels(), budgets, saved.reward, seed=saved.seed)
     deciders = [PolicyDecider(policy, fallback), PolicyDecider(policy, name="policy"),
                 OutcomeDecider(OutcomeModel.load(run.path / OUTCOME_FILE)), LookupTableDecider(train_data),
-                FamilyLookupTableDecider(train_data), ClairvoyantDecider()]
-    budgets = [round(b, 1) for b in saved.eval_budgets]
+                FamilyLookupTableDecider(train_data), clusters, ClairvoyantDecider()]
     frame = evaluate_deciders(test, deciders, budgets, saved.reward)
     # the fallback's choice per budget: False where the table answers for the controller
     kept = None if fallback is None else fallback.controller_at(torch.tensor(budgets)).tolist()
     return [{"world": world.name, "decider": r["decider"], "budget_ms": r["budget_ms"], "accuracy": r["accuracy"],
              "se": r["accuracy_se"], "violation": r["violation_rate"], "n": r["num_samples"], "train_s": seconds,
-             "fallback": None if kept is None else kept[budgets.index(r["budget_ms"])]}
+             "fallback": None if kept is None else kept[budgets.index(r["budget_ms"])],
+             "fallback_table": None if fallback is None else fallback.table.get("name", "lut_p95"),
+             "groups": len(fallback.lookup_table().families) if fallback is not None and hasattr(
+                 fallback.lookup_table(), "families") else 0,
+             "clusters": len(clusters.families)}
             for r in frame.iter_rows(named=True)]
 
 
@@ -147,7 +199,9 @@ def print_world(rows: list[dict]) -> dict:
     budgets = sorted({r["budget_ms"] for r in rows})
     deciders = list(dict.fromkeys(r["decider"] for r in rows))
     by = {(r["decider"], r["budget_ms"]): r for r in rows}
-    print(f"\n### {world} ({rows[0]['n']} unseen samples, trained in {rows[0]['train_s']:.0f} s)\n")
+    print(f"\n### {world} ({rows[0]['n']} unseen samples, trained in {rows[0]['train_s']:.0f} s; fallback table "
+          f"{rows[0].get('fallback_table')} with {rows[0].get('groups', 0)} groups; lut_by_cluster "
+          f"{rows[0].get('clusters', 0)} clusters)\n")
     print("| decider | " + " | ".join(f"{b:.0f}" for b in budgets) + " | mean |")
     print("|---|" + "---:|" * (len(budgets) + 1))
     for d in deciders:

@@ -96,6 +96,7 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("fallback_confidence", "fallback_confidence"),
     TrainOption("fallback_prefers", "fallback_prefers"),
     TrainOption("fallback_table", "fallback_table"),
+    TrainOption("ignore_family_labels", "ignore_family_labels"),
     TrainOption("latency_jitter", "latency_jitter"),
     TrainOption("cross_fit_folds", "cross_fit_folds"),
     TrainOption("holdout_dataset", "holdout_dataset"),

@@ -347,9 +347,9 @@ EVALUATIONS = TableSchema(
     primary_key=("run_id", "decider", "budget_ms"),
     columns=(
         _RUN_ID,
-        Column("decider", _S, "controller | policy | outcome | oracle | clairvoyant | lut_p95 | lut_by_family | "
-                              "lut_by_question | lut_mean5 | largest | random (offline); controller | offline_start "
-                              "(online)"),
+        Column("decider", _S, "controller | policy | outcome | oracle | clairvoyant | best_static | lut_p95 | "
+                              "lut_by_family | lut_by_question | lut_by_cluster | lut_mean5 | largest | random "
+                              "(offline); controller | offline_start (online)"),
         Column("budget_ms", _F, "latency budget", "ms"),
         Column("num_samples", _L, "test samples"),
         Column("accuracy", _F, "mean recorded score of the chosen configurations"),
@@ -371,15 +371,17 @@ EVALUATIONS = TableSchema(
 
 EVALUATION_GROUPS = TableSchema(
     name="evaluation_groups",
-    description="An offline evaluation broken down per dataset and per question family: one row per (run, decider, "
+    description="An offline evaluation broken down per dataset, per question family and per question cluster: one "
+                "row per (run, decider, "
                 "budget, group), on the samples of evaluation.parquet (runs/<run_id>/evaluation_groups.parquet).",
     primary_key=("run_id", "decider", "budget_ms", "group_by", "group"),
     columns=(
         _RUN_ID,
         Column("decider", _S, "as in evaluations"),
         Column("budget_ms", _F, "latency budget", "ms"),
-        Column("group_by", _S, "dataset | family"),
-        Column("group", _S, "the dataset's name, or the question family ((none): samples without one)"),
+        Column("group_by", _S, "dataset | family | cluster"),
+        Column("group", _S, "the dataset's name, the labelled question family ((none): samples without one), or the "
+                            "family or cluster the question reads as under the deployed table"),
         Column("num_samples", _L, "samples of the group"),
         Column("accuracy", _F, "mean recorded score of the chosen configurations"),
         Column("accuracy_se", _F, "standard error of accuracy over the group's samples"),
@@ -484,6 +486,8 @@ REQUESTS = TableSchema(
                                     "of requests meet their budget (docs/serving.md#met-target); 1 for fixed knobs"),
         Column("decided_by", _S, "controller | table (the run's table fallback) | cheapest (the budget read was "
                                  "below every configuration's reference latency) | request (fixed knobs)"),
+        Column("question_group", _S, "the question family or cluster the question reads as under the controller's "
+                                     "fallback table (a family's label, a cluster's leading words); null without one"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
         Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),

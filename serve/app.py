@@ -191,7 +191,8 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
                   "total_tokens": result.num_prompt_tokens + result.num_output_tokens},
         "ctrl": {
             "knobs": {k: row.get(k) for k in ("max_crops", "top_k", "num_active_blocks", "insertion_position")},
-            "decided_by": row.get("decided_by"), "controller_run": row.get("controller_run"),
+            "decided_by": row.get("decided_by"), "question_group": row.get("question_group"),
+            "controller_run": row.get("controller_run"),
             "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
             "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
             "budget_margin": row.get("budget_margin"),

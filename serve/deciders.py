@@ -29,7 +29,7 @@ import torch
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
 from serve.protocol import RequestError
-from trainer.deploy import DeployedController, load_deployed
+from trainer.deploy import DeployedController, group_names_of, load_deployed
 from trainer.fallback import read_fallback
 from trainer.policy import ControllerPolicy, read_checkpoint
 from trainer.runs import RunDir
@@ -45,6 +45,7 @@ class Stage1Choice:
     budget_token: torch.Tensor | None
     decided_by: str  # controller | table | cheapest | request
     state: Any = None  # what the decider's stage 2 reuses
+    question_group: str | None = None  # the family or cluster the question reads as (the fallback's table)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class OfflineDecider:
         self.budget_range_ms = (float(deployed.budget_min_ms), float(deployed.budget_max_ms))
         self.image_dim = int(deployed.image_dim)
         self.reference_latency_ms = reference_latencies(deployed)
+        self.group_names = group_names_of(deployed)
 
     def _decided_by(self, budget: torch.Tensor) -> str:
         return "controller" if bool(self.deployed.network_decides(budget)[0]) else "table"
@@ -99,7 +101,11 @@ class OfflineDecider:
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         budget = torch.tensor([float(budget_ms)])
         max_crops = int(self.deployed.stage1(lang[None].float(), budget, tiling_crops[None].float())[0])
-        return Stage1Choice(max_crops, 0, None, self._decided_by(budget))
+        group = None
+        if self.group_names:
+            index = int(self.deployed.question_group(lang[None].float())[0])
+            group = self.group_names[index] if index >= 0 else None
+        return Stage1Choice(max_crops, 0, None, self._decided_by(budget), question_group=group)
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         image, present = _image(inputs.image_feature, self.image_dim)

@@ -374,7 +374,8 @@ class Engine:
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
                                      budget_left_ms=budget_left_ms, queue_cap_ms=cap_ms, reserve_ms=reserve_ms,
                                      latency_scale=scale, budget_margin=margin,
-                                     decided_by=choice.decided_by, latency=latency, num_crops=inputs.num_crops,
+                                     decided_by=choice.decided_by, question_group=choice.question_group,
+                                     latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      stages=stages) if record else {}
         return result
@@ -395,7 +396,8 @@ class Engine:
                 reserve_ms: float | None = None,
                 latency_scale: float | None = None, budget_margin: float | None = None,
                 knobs: dict[str, int] | None = None, decided_by: str | None = None,
-                latency: dict[str, float | None] | None = None, num_crops: int | None = None,
+                question_group: str | None = None, latency: dict[str, float | None] | None = None,
+                num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
                 answer: str | None = None, error: str | None = None, stages: RequestTiming | None = None
                 ) -> dict[str, Any]:
@@ -413,7 +415,7 @@ class Engine:
             "waited_ms": waited_ms, "reserve_ms": reserve_ms, "budget_left_ms": budget_left_ms,
             "queue_cap_ms": queue_cap_ms,
             "latency_scale": latency_scale, "budget_margin": budget_margin,
-            "decided_by": decided_by,
+            "decided_by": decided_by, "question_group": question_group,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},

@@ -98,6 +98,9 @@ class SyntheticSpec:
     lost_merge_configs: tuple[tuple[int, int, int], ...] = ()  # only the rank-0 file exists
     empty_configs: tuple[tuple[int, int, int], ...] = ()  # 0 samples processed: NaN accuracy
     experiments: tuple[str, ...] = ("exp5", "exp6")
+    # relative frequency of question template families by name (a family not named weighs 1, 0 leaves it out)
+    family_weights: tuple[tuple[str, float], ...] = ()
+    write_family: bool = True  # False: the family shows only in the question's words, as in real profiles
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,11 @@ class SampleTruth:
 
 def spec_fingerprint(spec: SyntheticSpec) -> str:
     """Stable hash of a spec and the generator version (for the data/ stamp file)."""
-    payload = json.dumps({"version": GENERATOR_VERSION, **asdict(spec)}, sort_keys=True)
+    fields = asdict(spec)
+    for name, default in (("family_weights", ()), ("write_family", True)):  # the stamps of specs without them
+        if fields[name] == default:
+            fields.pop(name)
+    payload = json.dumps({"version": GENERATOR_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -181,7 +188,8 @@ def samples_of(dataset: str, t: DatasetTruth) -> list[SampleTruth]:
 
 def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
     """The hidden per-dataset truth of a spec without writing anything."""
-    return {ds: build_dataset(ds, spec.num_samples, spec.seed) for ds in spec.datasets}
+    weights = dict(spec.family_weights)
+    return {ds: build_dataset(ds, spec.num_samples, spec.seed, weights, spec.write_family) for ds in spec.datasets}
 
 
 def expected_score_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_keys: Sequence[str],

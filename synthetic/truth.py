@@ -268,11 +268,25 @@ def _pick(rng: np.random.Generator, pool: list[str], exclude: tuple[str, ...] = 
     return choices[int(rng.integers(len(choices)))]
 
 
-def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[str], float, float, str]:
+def _template(rng: np.random.Generator, name: str, family_weights: dict[str, float] | None) -> int:
+    """The index of dataset ``name``'s question template: uniform (the default stream), or drawn by
+    ``family_weights`` where they name one of its families."""
+    families = QUESTION_FAMILIES[name]
+    if not family_weights or not any(f in family_weights for f in families):
+        return int(rng.integers(len(families)))
+    weights = np.array([float(family_weights.get(f, 1.0)) for f in families])
+    if weights.sum() <= 0 or (weights < 0).any():
+        msg = f"family weights of {name} must be >= 0 and not all 0, got {dict(zip(families, weights.tolist()))}"
+        raise ValueError(msg)
+    return int(rng.choice(len(families), p=weights / weights.sum()))
+
+
+def _vqa_question(name: str, rng: np.random.Generator,
+                  family_weights: dict[str, float] | None = None) -> tuple[str, str, list[str], float, float, str]:
     """(question, answer, answer pool, detail mean, reasoning mean, template family) for open-ended VQA."""
     obj, thing = _pick(rng, OBJECTS), _pick(rng, THINGS)
     if name == "coco_2014_vqa":
-        kind = int(rng.integers(6))
+        kind = _template(rng, name, family_weights)
         q, pool, det, rea = [
             (f"What color is the {obj}?", COLORS, 0.3, 0.15),
             (f"How many {obj}s are in the picture?", NUMBERS, 0.6, 0.35),
@@ -282,7 +296,7 @@ def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[s
             ("What sport is being played?", SPORTS, 0.2, 0.3),
         ][kind]
     elif name == "text_vqa":
-        kind = int(rng.integers(5))
+        kind = _template(rng, name, family_weights)
         q, pool, det, rea = [
             (f"What brand is the {thing}?", BRANDS, 0.75, 0.2),
             (f"What is written on the {thing}?", WORDS, 0.85, 0.15),
@@ -294,7 +308,7 @@ def _vqa_question(name: str, rng: np.random.Generator) -> tuple[str, str, list[s
                                              rng.choice(["story", "guide", "diaries", "club"], 6))], 0.85, 0.2),
         ][kind]
     elif name == "okvqa":
-        kind = int(rng.integers(4))
+        kind = _template(rng, name, family_weights)
         q, pool, det, rea = [
             (f"What is this {obj} used for?", USES, 0.2, 0.7),
             ("Which country is famous for this food?", COUNTRIES, 0.25, 0.8),
@@ -364,8 +378,14 @@ def _image_id(profile: DatasetProfile, rng: np.random.Generator, k: int, last: i
     return f"{prefix}_{k:06d}"
 
 
-def build_dataset(name: str, num_samples: int, seed: int) -> DatasetTruth:
-    """Build ``num_samples`` samples of dataset ``name`` in dataset order (images grouped)."""
+def build_dataset(name: str, num_samples: int, seed: int, family_weights: dict[str, float] | None = None,
+                  write_family: bool = True) -> DatasetTruth:
+    """Build ``num_samples`` samples of dataset ``name`` in dataset order (images grouped).
+
+    ``family_weights``: relative frequencies of question template families by name (a family not
+    named weighs 1, 0 leaves it out; default: every template equally likely, the stream of
+    earlier versions). ``write_family``: record each sample's family as ``metadata.family``
+    (False: the family shows only in the question's words, as in real profiles)."""
     if name not in PROFILES:
         msg = f"unsupported synthetic dataset {name!r}; choose from {', '.join(SUPPORTED_DATASETS)}"
         raise ValueError(msg)
@@ -394,7 +414,8 @@ def build_dataset(name: str, num_samples: int, seed: int) -> DatasetTruth:
         clutter.append(float(rng.beta(2, 2)))
         lo, hi = prof.questions_per_image
         for q in range(min(int(rng.integers(lo, hi + 1)), num_samples - len(rows))):
-            rows.append(_build_sample(prof, rng, k, image_id, q, example_counter, seen_sqa))
+            rows.append(_build_sample(prof, rng, k, image_id, q, example_counter, seen_sqa, family_weights,
+                                      write_family))
             example_counter += 1 + int(rng.integers(0, 3))
     n = len(rows)
     img_ix = np.array([r["image"] for r in rows], dtype=np.int64)
@@ -417,12 +438,13 @@ def build_dataset(name: str, num_samples: int, seed: int) -> DatasetTruth:
 
 
 def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_id, q: int,
-                  counter: int, seen_sqa: set) -> dict:
+                  counter: int, seen_sqa: set, family_weights: dict[str, float] | None = None,
+                  write_family: bool = True) -> dict:
     """One sample's texts, metadata (§4.1/§8 key order) and per-outcome pred/score table."""
     row: dict = {"image": k, "pred_idx": (-1, -1, -1), "partial": 0.0}
     name = prof.name
     if prof.metric in ("vqa_score", "anls"):
-        question, main, pool, det, rea, family = _vqa_question(name, rng)
+        question, main, pool, det, rea, family = _vqa_question(name, rng, family_weights)
         others = [x for x in pool if x != main] or ["unanswerable"]
         wrong = _pick(rng, others)
         if prof.metric == "vqa_score":
@@ -471,6 +493,7 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
         question, det, rea, family = "Caption:", 0.3, 0.2, QUESTION_FAMILIES[name][0]
         meta = {"image_id": image_id, "caption_id": 700_000 + 7 * k + int(rng.integers(0, 7)), "captions": captions}
         row.update(preds=(good, poor, poor), scores=(1.0, 0.0, 0.0), extra={"captions": captions})
-    meta["family"] = family  # last key: the origin's keys keep their order
+    if write_family:
+        meta["family"] = family  # last key: the origin's keys keep their order
     row.update(metadata=meta, det=det, rea=rea, text_tokens=count_tokens(question) + 6)
     return row

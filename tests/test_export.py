@@ -639,3 +639,64 @@ def test_a_changed_policy_layer_breaks_the_export_by_name(change):
                 "eps": r"LayerNorms have different eps"}[change]
     with pytest.raises((TypeError, ValueError), match=expected):
         DeployedController(policy, None)
+
+
+@pytest.mark.parametrize("kind", ["family", "cluster"])
+def test_a_family_or_cluster_table_answers_per_budget_with_its_groups_or_lut_p95(trained, tmp_path, kind):
+    """Expected, where the fallback answers: the family (or cluster) table's choice for the question at
+    the budgets ``family_table_at`` gives it, the global lut_p95 table's at the others; the network
+    elsewhere. The question's group is the one the table reads, in the module and in its exported file."""
+    from dataclasses import replace
+
+    from trainer.clusters import CLUSTER_TABLE, cluster_table
+    from trainer.data import load_offline_data
+    from trainer.deploy import DeployedController, group_names_of, load_deployed, save_deployed
+    from trainer.fallback import PolicyDecider, read_fallback
+    from trainer.reward import RewardConfig
+
+    ws, _, mixed = trained
+    policy, f = _inputs(ws, mixed)
+    fallback = read_fallback(mixed)
+    if kind == "cluster":
+        train = load_offline_data(ws.root).subset("train").without_family_labels()
+        table = cluster_table(train, fallback.grid_ms, RewardConfig(), num_clusters=3, min_cluster_size=5)
+        assert table.name == CLUSTER_TABLE
+        fallback = replace(fallback, table=table.state())
+    table = fallback.lookup_table()
+    assert table.has_families
+    grid = fallback.grid_ms
+    fallback = replace(fallback, use_controller=[i % 4 == 0 for i in range(len(grid))],
+                       family_table_at=[i % 2 == 1 for i in range(len(grid))])
+    deployed = DeployedController(policy, fallback)
+    n = len(f["sample_key"])
+    seen = set()
+    for budget in _budgets(grid):
+        b = torch.full((n,), budget, dtype=torch.float64)
+        use, families = fallback.controller_at(b), fallback.families_at(b)
+        by_table = torch.where(families, table.choose(torch.full((n,), budget), f["lang"], None),
+                               table.global_table.choose(torch.full((n,), budget), None))
+        network = _expected_network(policy, f["image"], f["image_present"], f["lang"], budget, f["tiling_crops"])
+        with torch.inference_mode():
+            actions, by_network = deployed.decide_actions(f["lang"], f["image"], f["image_present"], b,
+                                                          f["tiling_crops"])
+        assert torch.equal(by_network, use) and torch.equal(actions, torch.where(use, network, by_table)), budget
+        seen.update(zip(use.tolist(), families.tolist()))
+    # every source answered somewhere: the families, the global table, the network
+    assert {(False, True), (False, False)} <= seen and any(use for use, _ in seen)
+    # the evaluation's decider (PolicyDecider) follows the same per-budget switch
+    from trainer.data import load_offline_data as load
+
+    data = load(ws.root)
+    decider = PolicyDecider(policy, fallback)
+    for budget in grid:
+        b = torch.full((len(data),), budget, dtype=torch.float64)
+        expected, _ = deployed.decide_actions(data.lang_features, data.image_features, data.image_present, b,
+                                              data.tiling_crops)
+        assert torch.equal(decider.decide(data, budget), expected), budget
+    names = deployed.group_names()
+    assert names == list(table.families)
+    read = [names[j] for j in deployed.question_group(f["lang"]).tolist()]
+    assert read == table.read_family(f["lang"])
+    loaded = load_deployed(save_deployed(deployed, tmp_path / "c.pt"))
+    assert group_names_of(loaded) == names and torch.equal(loaded.question_group(f["lang"]),
+                                                           deployed.question_group(f["lang"]))

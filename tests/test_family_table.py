@@ -13,6 +13,7 @@ from features import FeatureConfig, extract_features
 from pipeline import Workspace
 from trainer.baselines import FamilyLookupTableDecider, LookupTableDecider
 from trainer.data import ActionSpace, OfflineData, family_of, load_offline_data
+from trainer.reward import RewardConfig
 
 SPACE = ActionSpace(((2, 4, 12), (2, 12, 16), (6, 4, 12)))
 FAST, EXPERTS, CROPS = 0, 1, 2  # action indices in SPACE
@@ -280,7 +281,12 @@ def test_the_fallback_table_is_the_question_table_where_families_exist(train):
 
     assert isinstance(fallback_table(train), QuestionFamilyTableDecider)
     assert fallback_table(train, "p95").name == "lut_p95"
-    assert fallback_table(make_data(None, "train", rows=TRAIN_FAMILIES)).name == "lut_p95"
+    unlabelled = make_data(None, "train", rows=TRAIN_FAMILIES)
+    assert fallback_table(unlabelled, "family").name == "lut_p95"
+    with pytest.raises(ValueError, match="needs the budget grid"):  # auto without labels: clusters
+        fallback_table(unlabelled)
+    # nine samples are too few to cluster (fewer than two per fold): the global table
+    assert fallback_table(unlabelled, "auto", [120.0, 200.0], RewardConfig()).name == "lut_p95"
     with pytest.raises(ValueError, match="fallback table must be one of"):
         fallback_table(train, "median")
 

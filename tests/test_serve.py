@@ -215,8 +215,8 @@ def test_openai_client_text_request_gets_an_answer_with_the_knobs_and_latencies(
     assert extra["met"] == (latency["total"] <= extra["budget_ms"])
 
 
-def test_openai_client_image_request_with_a_budget(server_a, serve_ws):
-    tree, _, _ = serve_ws
+def test_openai_client_image_request_with_a_budget(server_a, serve_ws, embedded_runtime):
+    tree, ws, _ = serve_ws
     client = openai.OpenAI(base_url=server_a.base_url + "/v1", api_key="unused")
     image = Image.open(sample_image(tree))
     reply = client.chat.completions.create(
@@ -228,6 +228,16 @@ def test_openai_client_image_request_with_a_budget(server_a, serve_ws):
     assert extra["latency_ms"]["vision"] > 0
     assert extra["knobs"]["max_crops"] in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
     assert extra["decided_by"] in ("controller", "table")
+    # the question's family as the run's fallback table reads it (the synthetic data labels families)
+    from trainer.deploy import DeployedController
+    from trainer.fallback import read_fallback
+    from trainer.policy import ControllerPolicy
+
+    best = ws.runs_dir / "offline-run" / "checkpoints" / "best.pt"
+    deployed = DeployedController(ControllerPolicy.load(best), read_fallback(best))
+    index = int(deployed.question_group(embedded_runtime.lang_features(["What color is the shape?"]))[0])
+    assert index >= 0
+    assert extra["question_group"] == deployed.group_names()[index]
 
 
 def test_fixed_knobs_are_applied_on_the_execution_path(server_a, serve_ws, embedded_runtime):

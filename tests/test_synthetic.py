@@ -399,3 +399,38 @@ def test_written_records_carry_the_family(tree_all) -> None:
         truth = tree_all.truth[ds].metadata
         doc = load(ds_dir(tree_all.out_dir, "exp5", ds) / "exp5_accuracy_results_crops2_topk4_blocks12.json")
         assert [s["metadata"]["family"] for s in doc["all_samples"]] == [truth[i]["family"] for i in order]
+
+
+def test_family_weights_shape_the_question_mix_and_labels_can_be_left_out() -> None:
+    from collections import Counter
+
+    default = build_dataset("coco_2014_vqa", 400, seed=5).metadata
+    # weights that name none of the dataset's families keep the default stream
+    assert build_dataset("coco_2014_vqa", 400, seed=5, family_weights={"decade": 3.0}).metadata == default
+    counts = Counter(m["family"] for m in build_dataset("coco_2014_vqa", 400, seed=5,
+                                                        family_weights={"count": 10.0, "sport": 0.0}).metadata)
+    assert counts["sport"] == 0 and counts["count"] > 0.5 * 400  # 10 of 15 weights: about two thirds
+    unlabelled = build_dataset("coco_2014_vqa", 400, seed=5, write_family=False).metadata
+    assert all("family" not in m for m in unlabelled)
+    # the same samples otherwise: the family shows only in the question's words
+    assert [m["question"] for m in unlabelled] == [m["question"] for m in default]
+    with pytest.raises(ValueError, match="family weights of coco_2014_vqa"):
+        build_dataset("coco_2014_vqa", 10, seed=5, family_weights={f: 0.0 for f in
+                                                                   ("color", "count", "presence", "holding", "place",
+                                                                    "sport")})
+
+
+def test_the_stamp_of_a_spec_without_the_new_fields_is_unchanged() -> None:
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from synthetic import GENERATOR_VERSION, SyntheticSpec, spec_fingerprint
+
+    base = SyntheticSpec()
+    # the payload of the fields a spec had before (a workspace generated then stays up to date)
+    before = {k: v for k, v in asdict(base).items() if k not in ("family_weights", "write_family")}
+    payload = json.dumps({"version": GENERATOR_VERSION, **before}, sort_keys=True)
+    assert spec_fingerprint(base) == hashlib.sha256(payload.encode()).hexdigest()
+    assert spec_fingerprint(base) != spec_fingerprint(SyntheticSpec(write_family=False))
+    assert spec_fingerprint(base) != spec_fingerprint(SyntheticSpec(family_weights=(("count", 2.0),)))

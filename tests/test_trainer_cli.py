@@ -45,15 +45,23 @@ def test_train_evaluate_predict(ws, tmp_path):
     # "auto": the table is preferred where it reads the question's family (the sample data records families)
     assert fallback.describe() in trained.stdout and "(80% confidence, table preferred)" in trained.stdout
     assert "lut_by_question table at" in trained.stdout
+    # training ends with the short summary (per budget: who answered, the controller, the best static
+    # configuration, lut_p95, the best table); the full table of every decider is `ctrl evaluate`'s
+    assert "summary (every sample, out of fold" in trained.stdout and "best static configuration" in trained.stdout
+    assert "oracle" not in trained.stdout and "every decider: `ctrl evaluate cli-run`" in trained.stdout
 
     evaluated = runner.invoke(app, ["evaluate", "latest", "-w", w, "--budget-ms", "250", "--budget-ms", "400"])
     assert evaluated.exit_code == 0, evaluated.output
-    assert "oracle" in evaluated.stdout and "controller" in evaluated.stdout
+    assert "oracle" in evaluated.stdout and "controller" in evaluated.stdout and "best_static" in evaluated.stdout
+    beside = ws.runs_dir / "cli-run" / "evaluations" / "budgets-250-400"
+    assert f"written: {beside / 'evaluation.parquet'}" in " ".join(evaluated.stdout.split())
+    assert pl.read_parquet(beside / "evaluation.parquet")["budget_ms"].unique().sort().to_list() == [250.0, 400.0]
 
+    # the run's own record (its 8-budget grid) stays what the evaluations view shows
     views = runner.invoke(app, ["query", "-w", w, "--format", "json", """
         SELECT (SELECT count(*) FROM runs) AS runs, (SELECT count(*) FROM metrics) > 0 AS has_metrics,
                (SELECT count(DISTINCT budget_ms) FROM evaluations WHERE run_id = 'cli-run') AS budgets"""])
-    assert json.loads(views.stdout) == [{"runs": 1, "has_metrics": True, "budgets": 2}]
+    assert json.loads(views.stdout) == [{"runs": 1, "has_metrics": True, "budgets": 8}]
 
     # the run files follow their declared schemas (pipeline.schema.RUN_TABLES, documented in docs/schema.md)
     import pyarrow.parquet as pq
@@ -72,7 +80,11 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert predicted.exit_code == 0, predicted.output
     frame = pl.read_csv(out)
     assert frame.columns == ["sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k",
-                             "num_active_blocks", "probability", "source"]
+                             "num_active_blocks", "probability", "source", "answered_by", "question_group"]
+    # who answered: the network, or the fallback's table by name; the question's family as the table reads it
+    assert set(frame["answered_by"]) <= {"controller", "lut_by_question", "lut_p95"}
+    assert ((frame["source"] == "controller") == (frame["answered_by"] == "controller")).all()
+    assert frame["question_group"].null_count() == 0
     assert frame.height == 2 * 60 and frame["probability"].is_between(0, 1, closed="right").all()
 
 
@@ -175,3 +187,35 @@ def test_a_damaged_run_gives_one_line_naming_the_file(ws):
     bad_config = runner.invoke(app, ["train", "--offline", "-w", w, "--resume", "damaged"])
     assert bad_config.exit_code == 1 and "Traceback" not in bad_config.stderr
     assert bad_config.stderr.startswith(f"error: {run / 'config.json'}: not a valid offline run config")
+
+
+@pytest.fixture(scope="module")
+def unlabelled_ws(tmp_path_factory, embedded_runtime):
+    """Two datasets whose question families show only in the question's words (no family labels)."""
+    from synthetic import SyntheticSpec
+
+    spec = SyntheticSpec(datasets=("text_vqa", "okvqa"), num_samples=150, write_family=False)
+    return build_feature_workspace(tmp_path_factory.mktemp("cli-unlabelled"), embedded_runtime, spec)[1]
+
+
+def test_without_family_labels_the_questions_are_clustered(unlabelled_ws):
+    from trainer.fallback import read_fallback
+
+    w = str(unlabelled_ws.root)
+    trained = runner.invoke(app, ["train", "--offline", "-w", w, "--num-epochs", "1", "--run-id", "clusters",
+                                  "--cross-fit-folds", "2", "--hidden-dim", "32"], catch_exceptions=False)
+    assert trained.exit_code == 0, trained.output
+    fallback = read_fallback(unlabelled_ws.runs_dir / "clusters" / "checkpoints" / "best.pt")
+    table = fallback.lookup_table()
+    # "auto" without labels: the cluster table, its clusters named by their questions' leading words
+    assert table.name == "lut_by_cluster" and len(table.families) >= 2
+    assert all(name.endswith("...") or "... #" in name for name in table.families)
+    run = unlabelled_ws.runs_dir / "clusters"
+    deciders = set(pl.read_parquet(run / "evaluation.parquet")["decider"])
+    assert {"lut_by_cluster", "best_static", "lut_p95"} <= deciders and "lut_by_family" not in deciders
+    groups = pl.read_parquet(run / "evaluation_groups.parquet")
+    assert set(groups["group_by"]) == {"dataset", "cluster"}
+    assert set(groups.filter(pl.col("group_by") == "cluster")["group"]) <= set(table.families)
+    shown = runner.invoke(app, ["evaluate", "clusters", "-w", w, "--by", "cluster"])
+    assert shown.exit_code == 0, shown.output
+    assert "per cluster: accuracy" in shown.stdout

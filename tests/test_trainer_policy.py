@@ -477,8 +477,8 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     # the synthetic tree records each question's template family, so the per-family table is scored
     # too; the run's outcome model (outcome.pt) is a decider of its own
     assert (result.run_dir / "outcome.pt").exists()
-    assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "lut_p95", "lut_by_family", "lut_by_question",
-            "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+    assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "best_static", "lut_p95", "lut_by_family",
+            "lut_by_question", "lut_by_cluster", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
     from trainer.data import budget_grid
     from trainer.fallback import read_fallback
 

@@ -17,9 +17,9 @@ import torch
 
 from trainer.data import Action, ActionSpace, OfflineData
 
-__all__ = ["ClairvoyantDecider", "Decider", "DeterministicDecider", "FamilyLookupTableDecider", "LargestDecider",
-           "LookupTableDecider", "OracleDecider", "QuestionFamilyTableDecider", "RandomDecider", "best_candidate",
-           "budget_vector", "nearest_family", "require_allowed_actions", "table_from_state"]
+__all__ = ["BestStaticDecider", "ClairvoyantDecider", "Decider", "DeterministicDecider", "FamilyLookupTableDecider",
+           "LargestDecider", "LookupTableDecider", "OracleDecider", "QuestionFamilyTableDecider", "RandomDecider",
+           "best_candidate", "budget_vector", "nearest_family", "require_allowed_actions", "table_from_state"]
 
 
 @runtime_checkable
@@ -404,6 +404,46 @@ def table_from_state(state: dict) -> LookupTableDecider | QuestionFamilyTableDec
     if state.get("kind") == "question_family":
         return QuestionFamilyTableDecider.from_state(state)
     return LookupTableDecider.from_state(state)
+
+
+class BestStaticDecider(DeterministicDecider):
+    """Per budget, the one configuration that, given to every sample of the data it decides, has the
+    best mean score among those over budget on at most ``max_violation_rate`` of the samples (ties ->
+    lower mean latency); where none keeps that rate, the one over budget least often. Chosen with
+    hindsight on the decided data itself, like the oracle: the best any static setting could do
+    there, the bar a per-request decision must clear. A sample whose mask lacks the configuration
+    gets its fastest allowed action (counted in the choice too)."""
+
+    name = "best_static"
+
+    def __init__(self, max_violation_rate: float = 0.05) -> None:
+        self.max_violation_rate = float(max_violation_rate)
+
+    def choose_configuration(self, data: OfflineData, budget_ms: float) -> int:
+        """The static configuration's index at one budget (see the class docstring)."""
+        require_allowed_actions(data)
+        fastest = _fastest_allowed(data)
+        rows = torch.arange(len(data))
+        # (N, A): the outcome of giving configuration a to every sample, the fastest allowed where a is not
+        score = torch.where(data.mask, data.score, data.score[rows, fastest][:, None]).double()
+        latency = torch.where(data.mask, data.latency_ms, data.latency_ms[rows, fastest][:, None]).double()
+        over = (latency > float(budget_ms)).double().mean(0)
+        keeps = over <= self.max_violation_rate
+        if bool(keeps.any()):
+            best, _ = best_candidate(keeps[None], score.mean(0)[None], latency.mean(0)[None])
+            return int(best[0])
+        best, _ = best_candidate(torch.ones(1, len(over), dtype=torch.bool), -over[None], latency.mean(0)[None])
+        return int(best[0])
+
+    def decide(self, data: OfflineData, budget_ms: torch.Tensor | float) -> torch.Tensor:
+        budget = budget_vector(budget_ms, len(data))
+        out = torch.zeros(len(data), dtype=torch.long)
+        for value in torch.unique(budget).tolist():
+            rows = (budget == value).nonzero().flatten()
+            part = data.select(rows)
+            config = self.choose_configuration(part, value)
+            out[rows] = torch.where(part.mask[:, config], config, _fastest_allowed(part))
+        return out
 
 
 class LargestDecider(DeterministicDecider):

@@ -322,7 +322,13 @@ class OfflineTrainConfig(TrainingConfig):
     fallback_table: the table that answers where the fallback does not keep the controller:
         ``"family"`` (``lut_by_question``: one table per question family, each question's family
         read from its 15 nearest training questions; ``lut_p95`` where the data has no family
-        labels) or ``"p95"`` (``lut_p95``: one configuration per budget).
+        labels), ``"cluster"`` (``lut_by_cluster``: the same with families found without labels,
+        clusters of the language features, their number chosen out of fold; ``trainer.clusters``),
+        ``"auto"`` (``"family"`` where the data labels families, else ``"cluster"``) or ``"p95"``
+        (``lut_p95``: one configuration per budget). A family or cluster table answers at each
+        budget with its families or, where held-out data shows them no better, with ``lut_p95``.
+    ignore_family_labels: train, deploy and evaluate as if the data recorded no question family
+        (bool): how a profile without labels behaves.
 
     > Evaluation
     holdout_dataset: a dataset left out of everything the run learns from (network, outcome model,
@@ -389,9 +395,12 @@ class OfflineTrainConfig(TrainingConfig):
         "auto", help="Where both keep the violation goal, who answers unless the other wins the reward test: "
                      "controller, table (safe policy improvement), or auto (table for lut_by_question, controller "
                      "for lut_p95).")
-    fallback_table: Literal["family", "p95"] = option(
-        "family", help="The table the fallback answers with: family (lut_by_question, one table per question "
-                       "family, read from the question; lut_p95 without family labels) or p95 (lut_p95).")
+    fallback_table: Literal["auto", "family", "cluster", "p95"] = option(
+        "auto", help="The table the fallback answers with: family (lut_by_question, one table per labelled question "
+                     "family, read from the question), cluster (lut_by_cluster, families found by clustering the "
+                     "questions), auto (family where the data labels families, else cluster) or p95 (lut_p95).")
+    ignore_family_labels: bool = option(
+        False, help="Train, deploy and evaluate as if the data recorded no question family.")
     num_val_budgets: int = option(8, help="Budgets of the validation grid.")
     eval_budgets: list[float] | None = option(None, help="Budgets (ms) of the final evaluation.",
                                               shown_default="the validation grid")
@@ -448,8 +457,8 @@ class OfflineTrainConfig(TrainingConfig):
         if self.fallback_prefers not in ("auto", "controller", "table"):
             msg = f"`fallback_prefers` must be 'auto', 'controller' or 'table', got {self.fallback_prefers!r}"
             raise ValueError(msg)
-        if self.fallback_table not in ("family", "p95"):
-            msg = f"`fallback_table` must be 'family' or 'p95', got {self.fallback_table!r}"
+        if self.fallback_table not in ("auto", "family", "cluster", "p95"):
+            msg = f"`fallback_table` must be 'auto', 'family', 'cluster' or 'p95', got {self.fallback_table!r}"
             raise ValueError(msg)
         if self.loss_type not in ("grpo", "pairwise"):
             msg = f"`loss_type` must be 'grpo' or 'pairwise', got {self.loss_type!r}"

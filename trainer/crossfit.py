@@ -31,15 +31,24 @@ import torch
 
 from pipeline.errors import CtrlError
 from trainer.baselines import Decider, LookupTableDecider, QuestionFamilyTableDecider
+from trainer.clusters import CLUSTER_TABLE
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
-from trainer.fallback import PolicyDecider, TableFallback, compare_with_table, fallback_table, resolve_prefers
+from trainer.fallback import (
+    PolicyDecider,
+    TableFallback,
+    choose_family_table_at,
+    compare_with_table,
+    fallback_table,
+    resolve_prefers,
+    switched_table,
+)
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig
 from trainer.runs import RunDir
 
 __all__ = ["FOLDS_DIR", "FoldModels", "OutOfFold", "deployed_data", "fit_cross_fitted_fallback", "fold_data",
-           "fold_of", "fold_run_dir", "folds_of", "load_folds", "train_folds"]
+           "fold_of", "fold_run_dir", "folds_of", "load_folds", "table_kind", "train_folds"]
 
 #: the folds' run directories, inside the parent run's directory
 FOLDS_DIR = "folds"
@@ -179,12 +188,29 @@ def load_folds(run_dir: Path, data: OfflineData, folds: int) -> FoldModels:
 
 def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms: list[float], reward: RewardConfig,
                               deployed_table: LookupTableDecider | QuestionFamilyTableDecider, confidence: float,
-                              prefers: str = "auto") -> TableFallback:
+                              prefers: str = "auto", seed: int = 0) -> TableFallback:
     """The fallback rule on every sample, out of fold: fold k's network against fold k's table (of
-    ``deployed_table``'s kind) on the samples of fold k, pooled over the folds (``targets``: all
-    samples with the training scores). The deployed fallback answers with ``deployed_table``."""
-    kind = "family" if isinstance(deployed_table, QuestionFamilyTableDecider) else "p95"
+    ``deployed_table``'s kind; a family or cluster table with its families or its global table per
+    budget, :func:`trainer.fallback.choose_family_table_at`, also out of fold) on the samples of
+    fold k, pooled over the folds (``targets``: all samples with the training scores). The deployed
+    fallback answers with ``deployed_table``."""
+    kind = table_kind(deployed_table)
+    tables = [fallback_table(models.train[k], kind, grid_ms, reward, seed) for k in range(models.folds)]
+    family_at = None
+    if kind != "p95":
+        family_at = choose_family_table_at(models.out_of_fold(deployed_table.name, lambda k: tables[k]),
+                                           models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k])),
+                                           targets, grid_ms, reward, confidence=confidence)
     network = models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k]))
-    table = models.out_of_fold(deployed_table.name, lambda k: fallback_table(models.train[k], kind))
-    return compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(), confidence=confidence,
-                              prefers=resolve_prefers(prefers, deployed_table))
+    table = models.out_of_fold(deployed_table.name, lambda k: switched_table(tables[k], grid_ms, family_at))
+    fallback = compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(),
+                                  confidence=confidence, prefers=resolve_prefers(prefers, deployed_table))
+    return replace(fallback, family_table_at=family_at)
+
+
+def table_kind(table: LookupTableDecider | QuestionFamilyTableDecider) -> str:
+    """The :func:`trainer.fallback.fallback_table` kind that fits a table like ``table``: ``"p95"`` for a
+    global table (or a family table without families), else ``"cluster"`` or ``"family"``."""
+    if not isinstance(table, QuestionFamilyTableDecider) or not table.has_families:
+        return "p95"
+    return "cluster" if table.name == CLUSTER_TABLE else "family"

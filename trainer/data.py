@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,6 +162,8 @@ class OfflineData:
     image_feature: the ``image_features`` column ``image_features`` holds (``GLOBAL_IMAGE_FEATURE``,
         what stage 2 reads in deployment; ``REFERENCE_IMAGE_FEATURE`` only for comparisons). A
         policy records it and is applied only to data of the same feature.
+    question: per sample, its question text (``samples.question``), None where none is; None when
+        the data carries no text (in-memory data). Only names question clusters for people.
     """
 
     action_space: ActionSpace
@@ -181,6 +183,7 @@ class OfflineData:
     mean_score: torch.Tensor | None = None
     family: list[str | None] | None = None
     image_feature: str = GLOBAL_IMAGE_FEATURE
+    question: list[str | None] | None = None
 
     def __post_init__(self) -> None:
         n, a = len(self.dataset), len(self.action_space)
@@ -206,6 +209,9 @@ class OfflineData:
             _check("tiling_crops", self.tiling_crops, torch.float32, (n, len(self.action_space.max_crops_values)))
         if self.mean_score is not None:
             _check("mean_score", self.mean_score, torch.float32, (n, a))
+        if self.question is not None and len(self.question) != n:
+            msg = f"`question` has {len(self.question)} entries, `dataset` has {n}"
+            raise ValueError(msg)
         if self.family is not None:
             if len(self.family) != n:
                 msg = f"`family` has {len(self.family)} entries, `dataset` has {n}"
@@ -247,7 +253,12 @@ class OfflineData:
             mean_score=None if self.mean_score is None else self.mean_score[index],
             family=None if self.family is None else [self.family[i] for i in idx],
             image_feature=self.image_feature,
+            question=None if self.question is None else [self.question[i] for i in idx],
         )
+
+    def without_family_labels(self) -> OfflineData:
+        """The same samples with no question family recorded: how real profiles without labels look."""
+        return replace(self, family=None)
 
     def subset(self, split: str) -> OfflineData:
         """The samples of one split (``"train"``, ``"val"`` or ``"test"``)."""
@@ -531,7 +542,7 @@ class _GroupTables:
     """What :func:`load_offline_data` reads from the workspace, before it becomes tensors."""
 
     action_space: ActionSpace
-    keys: pa.Table  # dataset, sample_key, example_id, metadata_json: one row per sample, in row order
+    keys: pa.Table  # dataset, sample_key, example_id, metadata_json, question: one row per sample, in row order
     cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample
     features: SampleFeatures
 
@@ -583,6 +594,7 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
         mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(features.tiling_crops),
         mean_score=torch.from_numpy(cells["mean_score"]),
         family=family if any(f is not None for f in family) else None, image_feature=image_feature,
+        question=keys.column("question").to_pylist(),
     )
 
 
@@ -601,7 +613,7 @@ def _read_group_tables(ws: Workspace, model_fingerprint: str | None, image_featu
                    "Hint: offline training needs exp6 latencies; ingest the exp6 results too.")
             raise CtrlError(msg)
         action_space = ActionSpace(tuple(acts))
-        keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id, s.metadata_json FROM _keys k "
+        keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id, s.metadata_json, s.question FROM _keys k "
                        "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
         cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
                         "JOIN _keys k USING (dataset, sample_key) "

@@ -82,7 +82,13 @@ class DeployedController(nn.Module):
     ``reference_latency_ms`` (A,) float64, per row of ``actions``: the median latency of that
     configuration in the training split (NaN: not recorded there; empty without a table
     fallback), the scale the budgets are in.
+
+    ``question_group(lang)`` -> (B,) int64: the question family or cluster each row reads as under
+    the fallback's table, an index into the names ``group_names_text`` holds one per line (-1 where the
+    table has none; TorchScript keeps a string, not an empty list); ``group_table`` names that table
+    (``lut_by_question``, ``lut_by_cluster`` or "").
     """
+
 
     def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None) -> None:
         super().__init__()
@@ -186,14 +192,25 @@ class DeployedController(nn.Module):
         self.register_buffer("reference_latency_ms", reference)
         # a fallback that keeps the controller at every budget is no fallback
         self.has_fallback = fallback is not None and not all(fallback.use_controller)
-        # the question-family tables: each row's family is read from its nearest reference questions
-        # (none: one table for every row)
+        # the question-family (or cluster) tables: each row's family is read from its nearest reference
+        # questions (none: one table for every row); read also to name a request's question group
         self.family_neighbours = 1
+        self.num_groups = 0
+        self.group_names_text = ""
+        self.group_table = ""
         self.register_buffer("family_references", torch.zeros(0, self.lang_dim))
         self.register_buffer("family_of_reference", torch.zeros(0, dtype=torch.long))
+        if isinstance(table, QuestionFamilyTableDecider) and table.has_families:
+            self.num_groups = len(table.families)
+            self.group_names_text = "\n".join(table.families)
+            self.group_table = str(table.name)
+            self.family_neighbours = table.neighbours
+            self.family_references = table.reference_features.clone()
+            self.family_of_reference = table.reference_family.clone()
         if fallback is None or not self.has_fallback:
             self.register_buffer("grid_midpoints", torch.zeros(0, dtype=torch.float64))
             self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
+            self.register_buffer("family_table_at", torch.ones(1, dtype=torch.bool))
             self.register_buffer("table_thresholds", torch.zeros(1, 0))
             self.register_buffer("table_choices", torch.zeros(1, 1, dtype=torch.long))
             self.table_tolerance = 0.0
@@ -202,13 +219,13 @@ class DeployedController(nn.Module):
         # the nearest grid point (the lower one on a tie) is the number of midpoints below the budget
         self.register_buffer("grid_midpoints", (grid[:-1] + grid[1:]) / 2)
         self.register_buffer("use_controller", torch.tensor(fallback.use_controller, dtype=torch.bool))
+        # per grid point: the families' tables answer (True) or the global one (False)
+        family_at = fallback.family_table_at or [True] * len(fallback.grid_ms)
+        self.register_buffer("family_table_at", torch.tensor(family_at, dtype=torch.bool))
         tables = [budget_table]
-        if isinstance(table, QuestionFamilyTableDecider) and table.has_families:
+        if self.num_groups:
             # row 0: the global table; row j + 1: family j's
             tables += [table.tables.table_for(family) for family in table.families]
-            self.family_neighbours = table.neighbours
-            self.family_references = table.reference_features.clone()
-            self.family_of_reference = table.reference_family.clone()
         thresholds, choices = table_rows([table_steps(t) for t in tables])
         self.register_buffer("table_thresholds", thresholds)
         self.register_buffer("table_choices", choices)
@@ -316,15 +333,29 @@ class DeployedController(nn.Module):
 
     def _table_choice(self, lang: Tensor, budget_ms: Tensor) -> Tensor:
         """The fallback table's action (B,): the global table's, or the table of the family each
-        question reads as."""
+        question reads as where the families answer at this budget."""
         row = torch.zeros(budget_ms.shape[0], dtype=torch.long, device=budget_ms.device)
-        if self.family_of_reference.shape[0] > 0:
-            row = 1 + nearest_family(lang, self.family_references, self.family_of_reference,
-                                     self.table_thresholds.shape[0] - 1, self.family_neighbours)
+        if self.num_groups > 0:
+            nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
+            families = self.family_table_at.index_select(0, nearest)
+            row = torch.where(families, 1 + self.question_group(lang), row)
         # the thresholds at or below the budget, counted per row (the padding is +inf)
         scaled = budget_ms.float() * (1.0 + self.table_tolerance)
         steps = (self.table_thresholds.index_select(0, row) <= scaled[:, None]).sum(1, keepdim=True)
         return self.table_choices.index_select(0, row).gather(1, steps).squeeze(1)
+
+    @torch.jit.export
+    def question_group(self, lang: Tensor) -> Tensor:
+        """(B,) int64: the question family or cluster each row reads as, an index into the lines of
+        ``group_names_text`` (-1 for every row where the fallback's table has none)."""
+        if self.num_groups == 0:
+            return torch.full((lang.shape[0],), -1, dtype=torch.long, device=lang.device)
+        return nearest_family(lang, self.family_references, self.family_of_reference, self.num_groups,
+                              self.family_neighbours)
+
+    def group_names(self) -> list[str]:
+        """The names :meth:`question_group` indexes (a family's label, a cluster's leading words)."""
+        return group_names_of(self)
 
     def _use_network(self, budget_ms: Tensor) -> Tensor:
         nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
@@ -414,6 +445,13 @@ class DeployedController(nn.Module):
         policy's joint distribution (the decision is its sequential greedy choice, not its mode)."""
         scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
         return scores.softmax(-1)
+
+
+def group_names_of(module: Any) -> list[str]:
+    """The question-group names of a deployed controller: a :class:`DeployedController` or the
+    TorchScript module ``ctrl export`` wrote (which keeps them as ``group_names_text``)."""
+    text = str(getattr(module, "group_names_text", ""))
+    return text.split("\n") if text else []
 
 
 def step_lookup(thresholds: Tensor, choices: Tensor, budget_ms: Tensor, tolerance: float) -> Tensor:

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from pipeline.workspace import Workspace, atomic_path, record_checksum
 from trainer.baselines import (
+    BestStaticDecider,
     ClairvoyantDecider,
     Decider,
     FamilyLookupTableDecider,
@@ -46,6 +47,7 @@ from trainer.baselines import (
     RandomDecider,
     budget_vector,
 )
+from trainer.clusters import CLUSTER_TABLE, cluster_table
 from trainer.config import OfflineTrainConfig
 from trainer.constraint import VIOLATION_TARGET
 from trainer.crossfit import FoldModels, deployed_data, fold_run_dir, load_folds
@@ -57,7 +59,7 @@ from trainer.data import (
     load_offline_data,
     nonempty_split,
 )
-from trainer.fallback import PolicyDecider, TableFallback, fallback_table, read_fallback
+from trainer.fallback import PolicyDecider, TableFallback, answered_by, fallback_table, read_fallback
 from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig, compute_reward
@@ -66,9 +68,10 @@ from trainer.runs import RunDir, resolve_checkpoint
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["EVALUATION_COLUMNS", "GROUPS_FILE", "GROUP_COLUMNS", "VIOLATION_TARGET", "baseline_deciders",
-           "default_budget_grid", "evaluate_deciders", "evaluate_deciders_by_group", "evaluate_run", "evaluation_title",
-           "format_evaluation_table", "format_group_table", "write_evaluation"]
+__all__ = ["EVALUATION_COLUMNS", "GROUPS_FILE", "GROUP_COLUMNS", "VIOLATION_TARGET", "answered_by",
+           "baseline_deciders", "default_budget_grid", "evaluate_deciders", "evaluate_deciders_by_group",
+           "evaluate_run", "evaluation_dir", "evaluation_title", "format_evaluation_table", "format_group_table",
+           "format_summary_table", "summarize_evaluation", "write_evaluation"]
 
 EVALUATION_COLUMNS = ("decider", "budget_ms", "num_samples", "accuracy", "latency_ms_mean", "latency_ms_p95",
                       "violation_rate", "accuracy_within_budget", "reward_mean", "expected_reward", "config_histogram",
@@ -134,9 +137,11 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
 
 
 def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
-                               reward: RewardConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """:func:`evaluate_deciders`'s frame, and the same decisions broken down per dataset and per
-    question family (``GROUP_COLUMNS``: one row per (decider, budget_ms, group_by, group))."""
+                               reward: RewardConfig, clusters: Sequence[str | None] | None = None,
+                               ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """:func:`evaluate_deciders`'s frame, and the same decisions broken down per dataset, per
+    question family and, with ``clusters`` (one name per sample), per question group the deployed
+    table reads (``GROUP_COLUMNS``: one row per (decider, budget_ms, group_by, group))."""
     if len(test) == 0:
         msg = "`test` has no samples"
         raise ValueError(msg)
@@ -148,7 +153,10 @@ def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[Decider], b
     rows_idx = torch.arange(n)
     knob_values = test.action_space.knob_values()  # (A, 3)
     labels = [test.action_space.label(i) for i in range(len(test.action_space))]
-    groups = _groups(test)
+    if clusters is not None and len(clusters) != n:
+        msg = f"`clusters` has {len(clusters)} names for {n} samples"
+        raise ValueError(msg)
+    groups = _groups(test, clusters)
     rows: list[dict[str, Any]] = []
     group_rows: list[dict[str, Any]] = []
     for budget_ms in budgets_ms:
@@ -204,10 +212,10 @@ GROUP_COLUMNS = ("decider", "budget_ms", "group_by", "group", "num_samples", "ac
 NO_FAMILY = "(none)"
 
 
-def _groups(data: OfflineData) -> list[tuple[str, str, torch.Tensor]]:
-    """(group_by, group, row indices) per dataset and, where recorded, per question family."""
+def _groups(data: OfflineData, clusters: Sequence[str | None] | None = None) -> list[tuple[str, str, torch.Tensor]]:
+    """(group_by, group, row indices) per dataset and, where recorded, per question family and cluster."""
     out = []
-    for group_by, labels in (("dataset", data.dataset), ("family", data.family)):
+    for group_by, labels in (("dataset", data.dataset), ("family", data.family), ("cluster", clusters)):
         if labels is None:
             continue
         rows: dict[str, list[int]] = {}
@@ -265,19 +273,27 @@ def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: st
 Fitted = Callable[[str, Callable[[OfflineData], Decider]], Decider]
 
 
-def baseline_deciders(fitted: Fitted, *, family: bool, seed: int) -> list[Decider]:
-    """The baselines of every evaluation, in their order: oracle, clairvoyant, lut_p95, lut_by_family and
+def baseline_deciders(fitted: Fitted, *, family: bool, seed: int, grid_ms: Sequence[float] | None = None,
+                      reward: RewardConfig | None = None) -> list[Decider]:
+    """The baselines of every evaluation, in their order: oracle, clairvoyant, best_static (the best one
+    configuration per budget, with hindsight), lut_p95, lut_by_family and
     lut_by_question (where the samples record a question family: the per-family tables by the label,
-    and by the family the question reads as, as a server would run them), lut_mean5 (the origin's
-    table, docs/origin_format.md §7.9: mean latency within budget x 1.05), largest, random. ``fitted``
-    builds the ones fitted on training samples: on the train split, or out of fold in a cross-fitted
-    run."""
+    and by the family the question reads as, as a server would run them), lut_by_cluster (with
+    ``grid_ms`` and ``reward``: the per-cluster tables of questions clustered without labels,
+    ``trainer.clusters``), lut_mean5 (the origin's table, docs/origin_format.md §7.9: mean latency
+    within budget x 1.05), largest, random. ``fitted`` builds the ones fitted on training samples: on
+    the train split, or out of fold in a cross-fitted run."""
     tables = [fitted("lut_p95", LookupTableDecider)]
     if family:
         tables.append(fitted("lut_by_family", FamilyLookupTableDecider))
         tables.append(fitted("lut_by_question", QuestionFamilyTableDecider))
+    if grid_ms is not None and reward is not None:
+        grid = [float(b) for b in grid_ms]
+        tables.append(fitted(CLUSTER_TABLE, lambda train: cluster_table(train.without_family_labels(), grid, reward,
+                                                                        seed=seed)))
     mean5 = fitted("lut_mean5", lambda train: LookupTableDecider(train, statistic="mean", tolerance=0.05))
-    return [OracleDecider(), ClairvoyantDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
+    return [OracleDecider(), ClairvoyantDecider(), BestStaticDecider(), *tables, mean5, LargestDecider(),
+            RandomDecider(seed=seed)]
 
 
 def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
@@ -291,14 +307,18 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     of fold by the networks, outcome models and tables of the fold that did not train on it;
     and any other run by its best checkpoint on the test split. Writes ``evaluation.parquet``
     (with ``run_id``), ``evaluation.png`` and the per-dataset and per-family breakdown
-    ``evaluation_groups.parquet`` into the run directory and returns the first frame (without
-    ``run_id``).
+    ``evaluation_groups.parquet`` (``group_by`` dataset, family, and cluster: the question group
+    each sample reads as under the deployed table, or under a cluster table where that has none)
+    into the run directory (``budgets_ms``: into :func:`evaluation_dir` beside it) and returns the
+    first frame (without ``run_id``).
     """
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     run_dir = RunDir.resolve(ws, run)
     config = OfflineTrainConfig.from_json(run_dir.read_config())
     if data is None:
         data = load_offline_data(ws, config.model_fingerprint)
+    if config.ignore_family_labels:
+        data = data.without_family_labels()
     checkpoint = resolve_checkpoint(ws, run_dir.path)
     fallback = read_fallback(checkpoint)
     budgets = [float(b) for b in (budgets_ms or config.eval_budgets)]
@@ -313,7 +333,7 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
     elif config.cross_fit_folds:
         models = load_folds(run_dir.path, data, config.cross_fit_folds)
         evaluated = data
-        own = _cross_fitted_controllers(run_dir.path, models, fallback)
+        own = _cross_fitted_controllers(run_dir.path, models, fallback, config)
 
         def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
             return models.out_of_fold(name, lambda k: make(models.train[k]))
@@ -323,10 +343,40 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
 
         def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
             return make(train)
-    deciders = [*own, *baseline_deciders(fitted, family=data.family is not None, seed=config.seed)]
-    frame, groups = evaluate_deciders_by_group(evaluated, deciders, budgets, config.reward)
-    write_evaluation(run_dir.path, frame, groups=groups)
+    grid = [float(b) for b in config.eval_budgets]
+    deciders = [*own, *baseline_deciders(fitted, family=data.family is not None, seed=config.seed, grid_ms=grid,
+                                         reward=config.reward)]
+    clusters = _question_groups(fallback, evaluated, lambda: cluster_table(
+        (data if config.cross_fit_folds else nonempty_split(data, "train")).without_family_labels(), grid,
+        config.reward, seed=config.seed))
+    frame, groups = evaluate_deciders_by_group(evaluated, deciders, budgets, config.reward, clusters=clusters)
+    write_evaluation(evaluation_dir(run_dir.path, budgets_ms), frame, run_id=run_dir.path.name, groups=groups)
     return frame
+
+
+#: where evaluations at budgets other than the run's own grid go, inside the run's directory
+OTHER_BUDGETS_DIR = "evaluations"
+
+
+def evaluation_dir(run_dir: Path, budgets_ms: Sequence[float] | None) -> Path:
+    """Where an evaluation of the run in ``run_dir`` is written: the run's own directory for its
+    grid (``budgets_ms`` None), else ``evaluations/budgets-<b>-<b>...`` beside it, so that the run's
+    record (the ``evaluations`` view) is never replaced by one at a few other budgets."""
+    if not budgets_ms:
+        return Path(run_dir)
+    tag = "-".join(f"{float(b):g}" for b in budgets_ms)
+    return Path(run_dir) / OTHER_BUDGETS_DIR / f"budgets-{tag}"
+
+
+def _question_groups(fallback: TableFallback | None, data: OfflineData,
+                     fit_clusters: Callable[[], QuestionFamilyTableDecider]) -> list[str | None] | None:
+    """The question group every sample of ``data`` reads as: the family or cluster of the deployed
+    fallback's table where it has families, else of a cluster table (``fit_clusters``); None where
+    neither finds more than one group."""
+    table = None if fallback is None else fallback.lookup_table()
+    if not isinstance(table, QuestionFamilyTableDecider) or not table.has_families:
+        table = fit_clusters()
+    return table.read_family(data.lang_features) if table.has_families else None
 
 
 def _deployed_deciders(run_path: Path, checkpoint: Path, fallback: TableFallback | None,
@@ -356,14 +406,16 @@ def evaluation_title(run_dir: Path) -> str:
             else "evaluation (test split)")
 
 
-def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: TableFallback | None) -> list[Decider]:
+def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: TableFallback | None,
+                              config: OfflineTrainConfig) -> list[Decider]:
     """The run's own deciders, out of fold: fold k's network (with the deployed fallback's
     per-budget choice answered by fold k's table), the network alone where a fallback exists,
     and fold k's outcome model where every fold saved one."""
 
     def controller(k: int) -> PolicyDecider:
         own = (None if fallback is None
-               else replace(fallback, table=fallback_table(models.train[k], fallback.table_kind).state()))
+               else replace(fallback, table=fallback_table(models.train[k], fallback.table_kind, fallback.grid_ms,
+                                                           config.reward, config.seed).state()))
         return PolicyDecider(models.policies[k], own)
 
     deciders: list[Decider] = [models.out_of_fold("controller", controller)]
@@ -375,6 +427,29 @@ def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: Tabl
     return deciders
 
 
+#: the deciders a summary compares the deployed controller with, besides the best static configuration
+SUMMARY_TABLES = ("lut_by_family", "lut_by_question", "lut_by_cluster", "lut_mean5")
+
+
+def summarize_evaluation(frame: pl.DataFrame, fallback: TableFallback | None) -> list[dict[str, Any]]:
+    """Per budget of an evaluation ``frame``, the deployed controller beside the strongest simple
+    deciders: who answered for it (:func:`answered_by`), and ``controller``, ``best_static``,
+    ``lut_p95`` and the best table (of ``SUMMARY_TABLES``: the most accurate one within the violation
+    goal, else the one late least often), each as a row of the frame (accuracy, accuracy_se,
+    violation_rate, config_histogram). A decider the frame lacks is None."""
+    by = {(r["decider"], r["budget_ms"]): r for r in frame.iter_rows(named=True)}
+    out = []
+    for budget in sorted({r["budget_ms"] for r in frame.iter_rows(named=True)}):
+        tables = [by[(name, budget)] for name in SUMMARY_TABLES if (name, budget) in by]
+        within = [r for r in tables if r["violation_rate"] <= VIOLATION_TARGET]
+        best_table = (max(within, key=lambda r: r["accuracy"]) if within
+                      else min(tables, key=lambda r: r["violation_rate"]) if tables else None)
+        out.append({"budget_ms": budget, "answered_by": answered_by(fallback, budget),
+                    "controller": by.get(("controller", budget)), "best_static": by.get(("best_static", budget)),
+                    TABLE_DECIDER: by.get((TABLE_DECIDER, budget)), "best_table": best_table})
+    return out
+
+
 # pragma: no mutate start (presentation: the plot and the terminal table, outside the mutation score)
 def _plot(frame: pl.DataFrame, title: str) -> Figure:
     """Accuracy and violation rate against budget, one line per decider (Agg canvas, no pyplot state)."""
@@ -384,12 +459,20 @@ def _plot(frame: pl.DataFrame, title: str) -> Figure:
 
     fig = Figure(figsize=(10, 4), layout="constrained")
     FigureCanvasAgg(fig)
+    from matplotlib import colormaps
+
     ax_acc, ax_vio = fig.subplots(1, 2)
-    for name in frame["decider"].unique(maintain_order=True).to_list():
+    # tab20's dark shades first, then its light ones: 20 distinct colours (the default cycle has 10,
+    # and an evaluation shows 11 deciders or more); markers tell neighbours apart as well
+    palette = colormaps["tab20"].colors
+    colours = [palette[i] for i in range(0, 20, 2)] + [palette[i] for i in range(1, 20, 2)]
+    markers = "osD^v<>ph*"
+    for i, name in enumerate(frame["decider"].unique(maintain_order=True).to_list()):
         part = frame.filter(frame["decider"] == name).sort("budget_ms")
-        style = {"linewidth": 2.5} if name == "controller" else {"linewidth": 1.5}
-        ax_acc.plot(part["budget_ms"].to_list(), part["accuracy"].to_list(), marker="o", label=name, **style)
-        ax_vio.plot(part["budget_ms"].to_list(), part["violation_rate"].to_list(), marker="o", label=name, **style)
+        style = {"linewidth": 2.5 if name == "controller" else 1.5, "color": colours[i % len(colours)],
+                 "marker": markers[i % len(markers)]}
+        ax_acc.plot(part["budget_ms"].to_list(), part["accuracy"].to_list(), label=name, **style)
+        ax_vio.plot(part["budget_ms"].to_list(), part["violation_rate"].to_list(), label=name, **style)
     ax_vio.axhline(VIOLATION_TARGET, color="black", linestyle="--", linewidth=1, label=f"{VIOLATION_TARGET:.0%} target")
     ax_acc.set(xlabel="latency budget (ms)", ylabel="accuracy (mean recorded score)", title="accuracy")
     ax_vio.set(xlabel="latency budget (ms)", ylabel="share of samples with latency > budget",
@@ -430,8 +513,39 @@ def format_evaluation_table(frame: pl.DataFrame, title: str = "evaluation (test 
     return table
 
 
+def format_summary_table(summary: list[dict[str, Any]], title: str = "summary") -> Table:
+    """The terminal table of :func:`summarize_evaluation`: per budget, accuracy ± standard error and the
+    share late of the deployed controller (and who answered), the best static configuration, lut_p95
+    and the best table."""
+    table = Table(title=title)
+    for header in ("budget ms", "answered by", "controller", "best static configuration", "lut_p95", "best table"):
+        table.add_column(header, justify="right" if header == "budget ms" else "left")
+
+    def cell(row: dict[str, Any] | None, label: str = "") -> str:
+        if row is None:
+            return ""
+        late = f"{row['violation_rate']:.1%} late"
+        if row["violation_rate"] > VIOLATION_TARGET:
+            late = f"[red]{late}[/red]"
+        se = row.get("accuracy_se")
+        accuracy = f"{row['accuracy']:.3f}" + ("" if se is None or math.isnan(se) else f" ± {se:.3f}")
+        return f"{accuracy}, {late}" + (f" ({label})" if label else "")
+
+    for row in summary:
+        static = row["best_static"]
+        config = ""
+        if static is not None and static["config_histogram"]:
+            hist = json.loads(static["config_histogram"])
+            config = max(hist.items(), key=lambda kv: kv[1])[0]
+        best = row["best_table"]
+        table.add_row(f"{row['budget_ms']:.1f}", row["answered_by"], cell(row["controller"]), cell(static, config),
+                      cell(row[TABLE_DECIDER]), cell(best, best["decider"] if best is not None else ""))
+    return table
+
+
 def format_group_table(groups: pl.DataFrame, group_by: str,
-                       deciders: Sequence[str] = ("controller", "lut_p95", "lut_by_family", "clairvoyant")) -> Table:
+                       deciders: Sequence[str] = ("controller", "lut_p95", "lut_by_family", "lut_by_cluster",
+                                                  "clairvoyant")) -> Table:
     """A terminal table of ``evaluation_groups`` rows: per (group, budget), the accuracy of each of
     ``deciders`` present, and the controller's violation rate and most frequent configuration."""
     part = groups.filter(pl.col("group_by") == group_by)

@@ -3,11 +3,15 @@ breaking the violation goal, or losing to the table with confidence.
 
 After training, :func:`fit_table_fallback` compares,
 at every budget of the validation grid, the controller's greedy decisions with a lookup table's
-(:func:`fallback_table`: by default ``lut_by_question``, the per-family tables with each
-question's family read from its nearest training questions, so that the deployed controller
-answers at least as a per-family table would; ``lut_p95``, the budget alone, where the data has
-no family labels) — exactly, since every configuration's outcome is recorded — and picks per
-budget, violations first, then reward:
+(:func:`fallback_table`: by default, where the data labels question families, ``lut_by_question``,
+the per-family tables with each question's family read from its nearest training questions, so
+that the deployed controller answers at least as a per-family table would; where it does not,
+``lut_by_cluster``, the same with families found by clustering the questions,
+:mod:`trainer.clusters`; ``lut_p95``, the budget alone, on request) — exactly, since every
+configuration's outcome is recorded — and picks per budget, violations first, then reward.
+A family or cluster table first meets its own global ``lut_p95`` table by the same rule, the
+families preferred (:func:`choose_family_table_at`): at each budget ``lut_p95`` answers for them
+where held-out evidence favours it with confidence:
 
 * the table keeps the violation target if the one-sided upper ``confidence`` bound (Wilson)
   of its violation rate on train + validation is within ``max_violation_rate`` (the 5 %
@@ -45,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -56,11 +60,13 @@ from torch import Tensor
 
 from trainer.baselines import (
     Decider,
+    DeterministicDecider,
     LookupTableDecider,
     QuestionFamilyTableDecider,
     budget_vector,
     table_from_state,
 )
+from trainer.clusters import CLUSTER_TABLE, cluster_table
 from trainer.constraint import VIOLATION_TARGET
 from trainer.data import OfflineData
 from trainer.greedy import policy_greedy
@@ -81,11 +87,11 @@ FALLBACK_PREFERS = ("controller", "table")
 #: what a caller may ask for: one of them, or ``"auto"`` (:func:`resolve_prefers`)
 PREFERS_CHOICES = ("auto", *FALLBACK_PREFERS)
 #: the tables a fallback may answer with (:func:`fallback_table`)
-FALLBACK_TABLES = ("family", "p95")
+FALLBACK_TABLES = ("auto", "family", "cluster", "p95")
 
-__all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "PolicyDecider", "TableFallback", "attach_fallback",
-           "PREFERS_CHOICES", "fallback_table", "fit_table_fallback", "read_fallback", "resolve_prefers",
-           "wilson_upper_bound"]
+__all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "BudgetSwitchedTable", "PolicyDecider", "TableFallback",
+           "answered_by", "attach_fallback", "choose_family_table_at", "PREFERS_CHOICES", "fallback_table",
+           "fit_table_fallback", "read_fallback", "resolve_prefers", "switched_table", "wilson_upper_bound"]
 
 
 @dataclass
@@ -106,6 +112,9 @@ class TableFallback:
         (:func:`fallback_table`): ``lut_by_question`` or ``lut_p95``.
     prefers: the decider that answers where both keep the violation goal and the other does
         not win the reward test (``"controller"`` or ``"table"``).
+    family_table_at: per grid point, where ``table`` has families (``lut_by_question``,
+        ``lut_by_cluster``): True where they answer, False where its global ``lut_p95`` table does
+        (:func:`choose_family_table_at`); None: the families at every budget.
     """
 
     grid_ms: list[float]
@@ -120,9 +129,13 @@ class TableFallback:
     confidence: float
     table: dict[str, Any]
     prefers: str = "controller"
+    family_table_at: list[bool] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.grid_ms)
+        if self.family_table_at is not None and len(self.family_table_at) != n:
+            msg = f"`family_table_at` has {len(self.family_table_at)} entries for {n} grid budgets"
+            raise ValueError(msg)
         per_budget = (self.use_controller, self.controller_reward, self.table_reward, self.reward_difference_se,
                       self.controller_violation_rate, self.table_violation_rate, self.table_violation_upper)
         if n == 0 or any(len(x) != n for x in per_budget):
@@ -144,7 +157,21 @@ class TableFallback:
         return torch.tensor(self.use_controller, dtype=torch.bool)[nearest]
 
     def lookup_table(self) -> LookupTableDecider | QuestionFamilyTableDecider:
+        """The stored table itself (for a family table: its families at every budget)."""
         return table_from_state(self.table)
+
+    def answering_table(self) -> Decider:
+        """The table as the fallback answers with it: a family table's global ``lut_p95`` table at the
+        budgets ``family_table_at`` gives to it (:class:`BudgetSwitchedTable`)."""
+        return switched_table(self.lookup_table(), self.grid_ms, self.family_table_at)
+
+    def families_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
+        """bool, shape of ``budget_ms``: True where a family table answers with its families (nearest grid point)."""
+        b = torch.as_tensor(budget_ms, dtype=torch.float64)
+        if self.family_table_at is None:
+            return torch.ones(b.shape, dtype=torch.bool)
+        nearest = (b[..., None] - torch.tensor(self.grid_ms, dtype=torch.float64)).abs().argmin(-1)
+        return torch.tensor(self.family_table_at, dtype=torch.bool)[nearest]
 
     def budget_table(self) -> LookupTableDecider:
         """The fallback's ``lut_p95`` table (a question-family table's global one): one configuration
@@ -154,8 +181,11 @@ class TableFallback:
 
     @property
     def table_kind(self) -> str:
-        """``"family"`` or ``"p95"``: the :func:`fallback_table` kind the answering table was fitted as."""
-        return "family" if self.table.get("kind") == "question_family" else "p95"
+        """``"family"``, ``"cluster"`` or ``"p95"``: the :func:`fallback_table` kind the answering table was
+        fitted as."""
+        if self.table.get("kind") != "question_family":
+            return "p95"
+        return "cluster" if self.table.get("name") == CLUSTER_TABLE else "family"
 
     @property
     def fallback_budgets_ms(self) -> list[float]:
@@ -169,9 +199,14 @@ class TableFallback:
 
         level = "" if math.isnan(self.confidence) else f" ({self.confidence:.0%} confidence, {self.prefers} preferred)"
         kept = [b for b, keep in zip(self.grid_ms, self.use_controller) if keep]
-        table = budgets(self.fallback_budgets_ms)
         name = self.table.get("name", "lut_p95")
-        return f"table fallback{level}: controller at {budgets(kept)}; {name} table at {table}"
+        at = self.family_table_at or [True] * len(self.grid_ms)
+        rich = [b for b, keep, fam in zip(self.grid_ms, self.use_controller, at) if not keep and fam]
+        plain = [b for b, keep, fam in zip(self.grid_ms, self.use_controller, at) if not keep and not fam]
+        if name == "lut_p95" or not plain:
+            return f"table fallback{level}: controller at {budgets(kept)}; {name} table at {budgets(rich + plain)}"
+        return (f"table fallback{level}: controller at {budgets(kept)}; {name} table at {budgets(rich)}; "
+                f"lut_p95 table at {budgets(plain)}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,7 +219,38 @@ class TableFallback:
             d.setdefault(key, [math.nan] * n)
         d.setdefault("confidence", math.nan)
         d.setdefault("prefers", "table")  # the rule of checkpoints written before the choice existed
+        d.setdefault("family_table_at", None)
         return cls(**d)
+
+
+class BudgetSwitchedTable(DeterministicDecider):
+    """A family table that answers with its families at some budgets and with its global
+    ``lut_p95`` table at the others (nearest point of ``grid_ms``)."""
+
+    def __init__(self, table: QuestionFamilyTableDecider, grid_ms: list[float], family_at: list[bool]) -> None:
+        self.table, self.name = table, table.name
+        self.grid = torch.tensor(grid_ms, dtype=torch.float64)
+        self.family_at = torch.tensor(family_at, dtype=torch.bool)
+        self.action_space = table.action_space
+
+    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        budget = budget_vector(budget_ms, len(data))
+        use = self.family_at[(budget.double()[:, None] - self.grid).abs().argmin(-1)]
+        if bool(use.all()):
+            return self.table.decide(data, budget)
+        plain = self.table.global_table.decide(data, budget)
+        if not bool(use.any()):
+            return plain
+        return torch.where(use, self.table.decide(data, budget), plain)
+
+
+def switched_table(table: Decider, grid_ms: list[float], family_at: list[bool] | None) -> Decider:
+    """``table``, or a :class:`BudgetSwitchedTable` where it has families and ``family_at`` gives some
+    budgets to its global table."""
+    if (family_at is None or all(family_at) or not isinstance(table, QuestionFamilyTableDecider)
+            or not table.has_families):
+        return table
+    return BudgetSwitchedTable(table, grid_ms, family_at)
 
 
 class PolicyDecider:
@@ -200,7 +266,7 @@ class PolicyDecider:
     def __init__(self, policy: ControllerPolicy, fallback: TableFallback | None = None,
                  name: str = "controller") -> None:
         self.policy, self.fallback, self.name = policy, fallback, name
-        self._table = fallback.lookup_table() if fallback is not None else None
+        self._table = fallback.answering_table() if fallback is not None else None
 
     @torch.inference_mode()
     def action_probs(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
@@ -255,6 +321,18 @@ class PolicyDecider:
             self.policy.train(was_training)
 
 
+def answered_by(fallback: TableFallback | None, budget_ms: float) -> str:
+    """Who answers for the deployed controller at ``budget_ms``: ``controller`` (the network), or the
+    fallback's table there (``lut_by_question``, ``lut_by_cluster`` or ``lut_p95``)."""
+    if fallback is None:
+        return "controller"
+    budget = torch.tensor([float(budget_ms)])
+    if bool(fallback.controller_at(budget)[0]):
+        return "controller"
+    name = str(fallback.table.get("name", "lut_p95"))
+    return name if fallback.table_kind != "p95" and bool(fallback.families_at(budget)[0]) else "lut_p95"
+
+
 def wilson_upper_bound(successes: int, trials: int, confidence: float) -> float:
     """One-sided upper ``confidence`` bound of a binomial rate (Wilson score interval); 1.0 without trials."""
     if trials <= 0:
@@ -267,15 +345,33 @@ def wilson_upper_bound(successes: int, trials: int, confidence: float) -> float:
 
 
 @torch.no_grad()
-def fallback_table(train: OfflineData, kind: str = "family") -> LookupTableDecider | QuestionFamilyTableDecider:
-    """The table a fallback answers with, fitted on ``train``: ``"family"``, the per-family tables
-    deciding by the family each question reads as (``lut_by_question``; ``lut_p95`` where ``train``
-    has no family labels), or ``"p95"``, the budget-only ``lut_p95`` table."""
+def fallback_table(train: OfflineData, kind: str = "auto", grid_ms: list[float] | None = None,
+                   reward: RewardConfig | None = None,
+                   seed: int = 0) -> LookupTableDecider | QuestionFamilyTableDecider:
+    """The table a fallback answers with, fitted on ``train``:
+
+    * ``"family"``: the per-family tables deciding by the family each question reads as
+      (``lut_by_question``), ``lut_p95`` where ``train`` has no family labels;
+    * ``"cluster"``: the per-cluster tables of questions clustered without labels
+      (``lut_by_cluster``, :func:`trainer.clusters.cluster_table`; the cluster count chosen out of
+      fold over ``grid_ms`` with ``reward``, seeded by ``seed``);
+    * ``"auto"``: ``"family"`` where ``train`` has family labels, else ``"cluster"``;
+    * ``"p95"``: the budget-only ``lut_p95`` table.
+    """
     if kind not in FALLBACK_TABLES:
         msg = f"the fallback table must be one of {FALLBACK_TABLES}, got {kind!r}"
         raise ValueError(msg)
+    if kind == "auto":
+        kind = "family" if train.family is not None else "cluster"
     if kind == "family":
         table = QuestionFamilyTableDecider(train)
+        if table.has_families:
+            return table
+    if kind == "cluster":
+        if grid_ms is None or reward is None:
+            msg = "a cluster table needs the budget grid and the reward its cluster count is chosen by"
+            raise ValueError(msg)
+        table = cluster_table(train, grid_ms, reward, seed=seed)
         if table.has_families:
             return table
     return LookupTableDecider(train)
@@ -289,24 +385,47 @@ def resolve_prefers(prefers: str, table: Decider) -> str:
         raise ValueError(msg)
     if prefers != "auto":
         return prefers
-    return "table" if isinstance(table, QuestionFamilyTableDecider) and table.has_families else "controller"
+    plain = table.table if isinstance(table, BudgetSwitchedTable) else table
+    return "table" if isinstance(plain, QuestionFamilyTableDecider) and plain.has_families else "controller"
 
 
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
                        reward: RewardConfig, max_violation_rate: float = VIOLATION_TARGET,
-                       confidence: float = 0.95, prefers: str = "auto", table: str = "family") -> TableFallback:
+                       confidence: float = 0.95, prefers: str = "auto", table: str = "auto",
+                       seed: int = 0) -> TableFallback:
     """Choose, per budget of ``grid_ms``, between the controller and the table ``table``
-    (:func:`fallback_table`).
+    (:func:`fallback_table`; a family or cluster table at each budget with its families or its
+    global ``lut_p95`` table, :func:`choose_family_table_at`).
 
     ``train`` builds the table (as in the evaluation) and, with ``val``, counts its
     violations; ``val`` carries the scores the rewards are computed from (the training
     targets, so the comparison sees the same, less noisy, scores as the model selection)
     and the controller's violations. The rule is in the module docstring.
     """
-    answering = fallback_table(train, table)
-    return compare_with_table(PolicyDecider(policy), answering, val, grid_ms, reward, answering.state(),
-                              also_count_table_on=train, max_violation_rate=max_violation_rate, confidence=confidence,
-                              prefers=resolve_prefers(prefers, answering))
+    answering = fallback_table(train, table, grid_ms, reward, seed)
+    family_at = None
+    if isinstance(answering, QuestionFamilyTableDecider) and answering.has_families:
+        family_at = choose_family_table_at(answering, answering.global_table, val, grid_ms, reward,
+                                           confidence=confidence, max_violation_rate=max_violation_rate)
+    switched = switched_table(answering, grid_ms, family_at)
+    fallback = compare_with_table(PolicyDecider(policy), switched, val, grid_ms, reward, answering.state(),
+                                  also_count_table_on=train, max_violation_rate=max_violation_rate,
+                                  confidence=confidence, prefers=resolve_prefers(prefers, answering))
+    return replace(fallback, family_table_at=family_at)
+
+
+def choose_family_table_at(families: Decider, plain: Decider, val: OfflineData, grid_ms: list[float],
+                           reward: RewardConfig, *, confidence: float = 0.95,
+                           max_violation_rate: float = VIOLATION_TARGET) -> list[bool]:
+    """Per budget of ``grid_ms`` (ascending), whether a family (or cluster) table answers with its
+    families (True) or with its global ``lut_p95`` table ``plain`` (False), judged on the held-out
+    ``val`` by the rule of the module docstring with the families in the controller's place and
+    preferred: ``plain`` answers where it keeps the violation goal and the families do not, or where
+    it wins the reward test with confidence (point estimates switched on noise and cost up to 3.5
+    standard errors on unseen worlds, docs/results.md). Out of fold, both are the folds' tables."""
+    verdict = compare_with_table(families, plain, val, sorted(float(b) for b in grid_ms), reward, {},
+                                 max_violation_rate=max_violation_rate, confidence=confidence, prefers="controller")
+    return list(verdict.use_controller)
 
 
 def compare_with_table(network: Decider, table: Decider, val: OfflineData, grid_ms: list[float], reward: RewardConfig,

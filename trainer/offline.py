@@ -81,6 +81,8 @@ class OfflineTrainer:
         resume = RunDir.resolve(self.workspace, config.resume) if config.resume else None
         # with a held-out dataset the run learns from the others, and is evaluated on it
         self.full_data = data if data is not None else load_offline_data(self.workspace, config.model_fingerprint)
+        if config.ignore_family_labels:
+            self.full_data = self.full_data.without_family_labels()
         self.data = (hold_out_dataset(self.full_data, config.holdout_dataset)[1] if config.holdout_dataset
                      else self.full_data)
         nonempty_split(self.data, "test")  # cross-fitted or not, the data must have held-out samples
@@ -324,15 +326,18 @@ class OfflineTrainer:
     def _attach_fallback(self) -> None:
         if self.config.cross_fit_folds:
             models = load_folds(self.run.path, self.data, self.config.cross_fit_folds)
+            deployed_table = fallback_table(self.table_data, self.config.fallback_table, self.val_budgets,
+                                            self.config.reward, self.config.seed)
             fallback = fit_cross_fitted_fallback(models, training_targets(self.data, self.config.score_target),
-                                                 self.val_budgets, self.config.reward,
-                                                 fallback_table(self.table_data, self.config.fallback_table),
-                                                 self.config.fallback_confidence, self.config.fallback_prefers)
+                                                 self.val_budgets, self.config.reward, deployed_table,
+                                                 self.config.fallback_confidence, self.config.fallback_prefers,
+                                                 seed=self.config.seed)
         else:
             best = ControllerPolicy.load(self.run.best_checkpoint)
             fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
                                           self.config.reward, confidence=self.config.fallback_confidence,
-                                          prefers=self.config.fallback_prefers, table=self.config.fallback_table)
+                                          prefers=self.config.fallback_prefers, table=self.config.fallback_table,
+                                          seed=self.config.seed)
         attach_fallback(self.run.best_checkpoint, fallback)
 
     def _write_run_row(self, **changes: Any) -> None:

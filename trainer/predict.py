@@ -23,12 +23,12 @@ from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from trainer.data import read_sample_features, resolve_feature_model
 from trainer.deploy import DeployedController
-from trainer.fallback import read_fallback
+from trainer.fallback import answered_by, read_fallback
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint, write_frame_atomic
 
 PREDICTION_COLUMNS = ("sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k", "num_active_blocks",
-                      "probability", "source")
+                      "probability", "source", "answered_by", "question_group")
 
 #: every sample of the workspace, in (dataset, sample_key) order: the rows of the feature reader
 _SAMPLES_SQL = """
@@ -76,7 +76,10 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     ``"controller"`` (the network decided; ``probability`` = pi(decision | sample, budget) under the
     joint policy, in (0, 1]; the sequential decision need not be pi's mode) or ``"table"`` (the
     checkpoint's table fallback answers at this budget, ``trainer.fallback``; ``probability`` = 1:
-    the decision is deterministic).
+    the decision is deterministic). ``answered_by`` names who decided: ``controller``, or the table
+    that answered (``lut_by_question``, ``lut_by_cluster`` or ``lut_p95``); ``question_group`` the
+    question family or cluster the sample reads as under the fallback's table (a family's label, a
+    cluster's leading words; null where the table has none).
 
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
@@ -95,9 +98,13 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     checkpoint = resolve_checkpoint(ws, run_or_checkpoint)
     policy = ControllerPolicy.load(checkpoint, offline_only=True)
     feats = read_prediction_inputs(ws, policy)
-    deployed = DeployedController(policy, read_fallback(checkpoint))
+    fallback = read_fallback(checkpoint)
+    deployed = DeployedController(policy, fallback)
     inputs = (feats["lang"], feats["image"], feats["image_present"])
     n = len(feats["dataset"])
+    names = deployed.group_names()
+    group_index = deployed.question_group(feats["lang"]).tolist()
+    groups = [names[j] if j >= 0 else None for j in group_index]
     parts = []
     for budget in budgets:
         budget_vec = torch.full((n,), budget, dtype=torch.float64)
@@ -107,14 +114,17 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
             probs = deployed.probabilities(*inputs, budget_vec, feats["tiling_crops"])
             probability = torch.where(by_network, probs.gather(1, chosen[:, None])[:, 0].double(), probability)
         knobs = deployed.actions[chosen]
+        by_table = answered_by(fallback, budget)
         parts.append(pl.DataFrame({
             "sample_key": feats["sample_key"], "dataset": feats["dataset"], "example_id": feats["example_id"],
             "budget_ms": [budget] * n, "max_crops": knobs[:, 0].tolist(), "top_k": knobs[:, 1].tolist(),
             "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(),
             "source": ["controller" if b else "table" for b in by_network.tolist()],
+            "answered_by": ["controller" if b else by_table for b in by_network.tolist()],
+            "question_group": groups,
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
                    "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
-                   "source": pl.String}))
+                   "source": pl.String, "answered_by": pl.String, "question_group": pl.String}))
     frame = pl.concat(parts).sort("dataset", "sample_key", "budget_ms", maintain_order=True)
     if out is not None:
         write_frame_atomic(frame, Path(out))
