@@ -95,8 +95,8 @@ class OfflineDecider:
         self.reference_latency_ms = reference_latencies(deployed)
         self.group_names = group_names_of(deployed)
 
-    def _decided_by(self, budget: torch.Tensor) -> str:
-        return "controller" if bool(self.deployed.network_decides(budget)[0]) else "table"
+    def _decided_by(self, budget: torch.Tensor, lang: torch.Tensor) -> str:
+        return "controller" if bool(self.deployed.network_decides(budget, lang)[0]) else "table"
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         budget = torch.tensor([float(budget_ms)])
@@ -105,7 +105,7 @@ class OfflineDecider:
         if self.group_names:
             index = int(self.deployed.question_group(lang[None].float())[0])
             group = self.group_names[index] if index >= 0 else None
-        return Stage1Choice(max_crops, 0, None, self._decided_by(budget), question_group=group)
+        return Stage1Choice(max_crops, 0, None, self._decided_by(budget, lang[None].float()), question_group=group)
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         image, present = _image(inputs.image_feature, self.image_dim)

@@ -130,3 +130,32 @@ def test_the_clusters_answer_only_where_held_out_data_does_not_favour_lut_p95():
     # held-out "count" questions that behave like "sign" ones: the clusters' EXPERTS now loses at 200 ms
     sign_like = replace(held_out, score=torch.tensor([ROWS["sign"][0]] * len(held_out)))
     assert choose_family_table_at(table, table.global_table, sign_like, GRID, reward) == [True, False]
+
+
+def test_a_question_unlike_every_cluster_gets_the_global_table():
+    train = unlabelled(FAMILIES)
+    table = cluster_table(train, GRID, RewardConfig())
+    # the training questions lie within 0.1 of their own axis: their closest reference is far above 0.5
+    assert 0.5 < table.min_similarity < 1.0
+    new = unlabelled(["count", "sign", "count"], seed=9)
+    lang = new.lang_features.clone()
+    lang[2] = torch.zeros(8)
+    lang[2, 5] = 1.0  # a third kind of question, along an axis no cluster has
+    new = replace(new, lang_features=lang)
+    assert table.read_family(lang)[2] is None
+    # at 200 ms: the clusters' choices for the first two, lut_p95's (CROPS) for the unfamiliar one
+    assert table.decide(new, 200.0).tolist() == [EXPERTS, CROPS, CROPS]
+    state = table.state()
+    assert state["min_similarity"] == table.min_similarity
+    del state["min_similarity"]  # a table stored before the threshold: every question reads as a cluster
+    from trainer.baselines import QuestionFamilyTableDecider
+
+    assert QuestionFamilyTableDecider.from_state(state).read_family(lang)[2] is not None
+
+
+def test_auto_prefers_the_network_over_a_cluster_table():
+    from trainer.fallback import resolve_prefers
+
+    table = cluster_table(unlabelled(FAMILIES), GRID, RewardConfig())
+    assert table.has_families and resolve_prefers("auto", table) == "controller"
+    assert resolve_prefers("table", table) == "table"

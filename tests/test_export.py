@@ -251,7 +251,7 @@ def test_every_tensor_the_module_makes_follows_its_device(trained, with_fallback
             assert actions.device.type == by_network.device.type == "meta"
         else:
             table_device = deployed._table_choice(args[0], args[3]).device.type
-            assert table_device == deployed._use_network(args[3]).device.type == "meta"
+            assert table_device == deployed._use_network(args[0], args[3]).device.type == "meta"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -672,7 +672,9 @@ def test_a_family_or_cluster_table_answers_per_budget_with_its_groups_or_lut_p95
     seen = set()
     for budget in _budgets(grid):
         b = torch.full((n,), budget, dtype=torch.float64)
-        use, families = fallback.controller_at(b), fallback.families_at(b)
+        # the network never answers a question unlike every clustered one (only a cluster table guards it)
+        use = fallback.controller_at(b) & fallback.network_allowed(f["lang"])
+        families = fallback.families_at(b)
         by_table = torch.where(families, table.choose(torch.full((n,), budget), f["lang"], None),
                                table.global_table.choose(torch.full((n,), budget), None))
         network = _expected_network(policy, f["image"], f["image_present"], f["lang"], budget, f["tiling_crops"])
@@ -693,9 +695,20 @@ def test_a_family_or_cluster_table_answers_per_budget_with_its_groups_or_lut_p95
         expected, _ = deployed.decide_actions(data.lang_features, data.image_features, data.image_present, b,
                                               data.tiling_crops)
         assert torch.equal(decider.decide(data, budget), expected), budget
+    if kind == "cluster":  # a question unlike every clustered one goes to lut_p95, never to the network
+        odd = -f["lang"][:1]
+        first = torch.tensor([grid[0]], dtype=torch.float64)  # a budget the network keeps
+        assert not bool(fallback.network_allowed(odd)[0]) and bool(deployed.network_decides(first)[0])
+        assert not bool(deployed.network_decides(first, odd)[0])
+        with torch.inference_mode():
+            actions, by_network = deployed.decide_actions(odd, f["image"][:1], f["image_present"][:1], first,
+                                                          f["tiling_crops"][:1])
+        assert not bool(by_network[0])
+        assert int(actions[0]) == int(table.global_table.choose(first.float(), None)[0])
+        assert int(deployed.question_group(odd)[0]) == -1
     names = deployed.group_names()
     assert names == list(table.families)
-    read = [names[j] for j in deployed.question_group(f["lang"]).tolist()]
+    read = [names[j] if j >= 0 else None for j in deployed.question_group(f["lang"]).tolist()]
     assert read == table.read_family(f["lang"])
     loaded = load_deployed(save_deployed(deployed, tmp_path / "c.pt"))
     assert group_names_of(loaded) == names and torch.equal(loaded.question_group(f["lang"]),

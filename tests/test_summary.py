@@ -96,3 +96,16 @@ def test_the_summary_names_who_answered_and_the_best_table_within_the_goal():
     assert [c.header for c in text] == ["budget ms", "answered by", "controller", "best static configuration",
                                         "lut_p95", "best table"]
     assert list(text[3].cells)[0] == "0.500 ± 0.010, 0.0% late (6/4/12)"
+
+
+def test_a_cluster_fallback_keeps_unfamiliar_questions_from_the_network():
+    fallback = cluster_fallback(use_controller=[True, True, True], family_table_at=[True, True, True])
+    assert fallback.guards_network
+    lang = torch.zeros(3, 8)
+    lang[0, 0], lang[1, 1], lang[2, 5] = 1.0, 1.0, 1.0  # "sign", "count", and a kind no cluster has
+    assert fallback.network_allowed(lang).tolist() == [True, True, False]
+    # a labelled family table sets no threshold: every question may go to the network
+    from dataclasses import replace
+
+    labelled = replace(fallback, table={**fallback.table, "name": "lut_by_question", "min_similarity": -2.0})
+    assert not labelled.guards_network and labelled.network_allowed(lang).tolist() == [True] * 3

@@ -19,7 +19,8 @@ from trainer.data import Action, ActionSpace, OfflineData
 
 __all__ = ["BestStaticDecider", "ClairvoyantDecider", "Decider", "DeterministicDecider", "FamilyLookupTableDecider",
            "LargestDecider", "LookupTableDecider", "OracleDecider", "QuestionFamilyTableDecider", "RandomDecider",
-           "best_candidate", "budget_vector", "nearest_family", "require_allowed_actions", "table_from_state"]
+           "UNFAMILIAR_QUANTILE", "best_candidate", "budget_vector", "closest_similarity", "nearest_family",
+           "require_allowed_actions", "table_from_state"]
 
 
 @runtime_checkable
@@ -316,6 +317,20 @@ def nearest_family(lang: torch.Tensor, reference_features: torch.Tensor, referen
     return votes.argmax(1)
 
 
+def closest_similarity(lang: torch.Tensor, reference_features: torch.Tensor) -> torch.Tensor:
+    """(N,) float32: each row's cosine similarity to its most similar reference question (-1.0 without
+    references). TorchScript-compatible: the deployed controller tells unfamiliar questions by it."""
+    if reference_features.shape[0] == 0:
+        return torch.full((lang.shape[0],), -1.0, dtype=torch.float32, device=lang.device)
+    query = torch.nn.functional.normalize(lang.float(), dim=1)
+    return torch.mm(query, reference_features.t()).amax(1)
+
+
+#: the low quantile of the training questions' similarity to their closest reference that sets how
+#: unlike them a question must be to read as no family (``QuestionFamilyTableDecider.min_similarity``)
+UNFAMILIAR_QUANTILE = 0.01
+
+
 class QuestionFamilyTableDecider(DeterministicDecider):
     """:class:`FamilyLookupTableDecider`'s per-family tables, each sample's family read from its
     question rather than from a label (``"lut_by_question"``): a table a server can run.
@@ -325,10 +340,20 @@ class QuestionFamilyTableDecider(DeterministicDecider):
     ``references_per_family`` training questions of every labelled family, evenly spaced over its
     rows (a bounded size, and a small family votes as loudly as a large one). Training data without
     family labels gives the global ``lut_p95`` table for every sample (``has_families`` False).
+
+    A question less similar to every reference than ``min_similarity`` reads as no family and gets
+    the global table, as ``lut_by_family`` gives an unseen family: a kind of question the training
+    never saw would otherwise take the tables of whatever family it is least unlike. The threshold
+    is the ``unfamiliar_quantile`` quantile of the training questions' similarity to their closest
+    reference (a reference's own row counting its second closest), lowered by its distance to their
+    median: a question must be clearly less similar than almost every training question (the
+    quantile alone sent about one familiar question in a hundred to the global table). None (the
+    default, and the labelled table's): every question reads as a family; the cluster table
+    (:mod:`trainer.clusters`) sets ``UNFAMILIAR_QUANTILE``.
     """
 
     def __init__(self, train: OfflineData, neighbours: int = 15, references_per_family: int = 32,
-                 name: str = "lut_by_question") -> None:
+                 name: str = "lut_by_question", unfamiliar_quantile: float | None = None) -> None:
         if neighbours < 1 or references_per_family < 1:
             msg = (f"`neighbours` and `references_per_family` must be >= 1, got {neighbours!r} and "
                    f"{references_per_family!r}")
@@ -348,6 +373,18 @@ class QuestionFamilyTableDecider(DeterministicDecider):
         self.reference_features = (torch.nn.functional.normalize(train.lang_features[keep].float(), dim=1)
                                    if keep else torch.zeros(0, dim))
         self.reference_family = torch.tensor(family_index, dtype=torch.long)
+        self.min_similarity = -2.0  # below any cosine: every question reads as a family
+        labelled = [i for i, f in enumerate(train.family or ()) if f is not None]
+        if keep and unfamiliar_quantile is not None and labelled:
+            query = torch.nn.functional.normalize(train.lang_features[labelled].float(), dim=1)
+            top = torch.mm(query, self.reference_features.t()).topk(min(2, len(keep)), dim=1).values
+            is_reference = torch.zeros(len(train), dtype=torch.bool)
+            is_reference[keep] = True
+            own = is_reference[labelled] & (top.shape[1] > 1)
+            closest = torch.where(own, top[:, -1], top[:, 0])
+            low, median = torch.quantile(closest.double(), torch.tensor([float(unfamiliar_quantile), 0.5],
+                                                                        dtype=torch.float64)).tolist()
+            self.min_similarity = low - (median - low)
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -362,12 +399,14 @@ class QuestionFamilyTableDecider(DeterministicDecider):
         return self.tables.global_table
 
     def read_family(self, lang: torch.Tensor) -> list[str | None]:
-        """The family each row of language features (N, L) reads as (None for all without families)."""
+        """The family each row of language features (N, L) reads as (None for all without families, and
+        for a question less similar to every reference than ``min_similarity``)."""
         if not self.has_families:
             return [None] * len(lang)
         index = nearest_family(lang, self.reference_features, self.reference_family, len(self.families),
                                self.neighbours)
-        return [self.families[int(j)] for j in index]
+        familiar = (closest_similarity(lang, self.reference_features) >= self.min_similarity).tolist()
+        return [self.families[int(j)] if ok else None for j, ok in zip(index, familiar)]
 
     def choose(self, budget: torch.Tensor, lang: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(N,) action indices for (N,) budgets in ms and (N, L) language features."""
@@ -385,7 +424,8 @@ class QuestionFamilyTableDecider(DeterministicDecider):
         the decider without the data."""
         return {"kind": "question_family", "name": self.name, "neighbours": self.neighbours,
                 "tables": self.tables.state(), "reference_features": self.reference_features.tolist(),
-                "reference_family": self.reference_family.tolist(), "lang_dim": int(self.reference_features.shape[1])}
+                "reference_family": self.reference_family.tolist(), "lang_dim": int(self.reference_features.shape[1]),
+                "min_similarity": self.min_similarity}
 
     @classmethod
     def from_state(cls, state: dict) -> QuestionFamilyTableDecider:
@@ -396,6 +436,7 @@ class QuestionFamilyTableDecider(DeterministicDecider):
         decider.reference_features = torch.tensor(state["reference_features"], dtype=torch.float32).reshape(
             -1, int(state["lang_dim"]))
         decider.reference_family = torch.tensor(state["reference_family"], dtype=torch.long)
+        decider.min_similarity = float(state.get("min_similarity", -2.0))  # absent: stored before the threshold
         return decider
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer.baselines import LookupTableDecider, QuestionFamilyTableDecider
+from trainer.baselines import UNFAMILIAR_QUANTILE, LookupTableDecider, QuestionFamilyTableDecider
 from trainer.data import OfflineData
 from trainer.reward import RewardConfig, compute_reward
 
@@ -141,7 +141,8 @@ def cluster_names(assign: torch.Tensor, questions: Sequence[str | None] | None) 
 
 def _table(train: OfflineData, assign: torch.Tensor, names: Sequence[str]) -> QuestionFamilyTableDecider:
     labelled = replace(train, family=[names[int(j)] for j in assign])
-    return QuestionFamilyTableDecider(labelled, neighbours=READ_NEIGHBOURS, name=CLUSTER_TABLE)
+    return QuestionFamilyTableDecider(labelled, neighbours=READ_NEIGHBOURS, name=CLUSTER_TABLE,
+                                      unfamiliar_quantile=UNFAMILIAR_QUANTILE)
 
 
 @dataclass(frozen=True)

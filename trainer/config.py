@@ -314,7 +314,7 @@ class OfflineTrainConfig(TrainingConfig):
         other's reward beats it in that test: ``"controller"`` (the table answers only where it
         is better with confidence), ``"table"`` (safe policy improvement: the controller
         answers only where it is better with confidence) or ``"auto"``: the table where it is
-        ``lut_by_question``, the controller where it is ``lut_p95``. That default follows the
+        ``lut_by_question``, the controller where it is ``lut_by_cluster`` or ``lut_p95``. That default follows the
         measurements on unseen generated worlds in docs/results.md: the question-family table
         preferred keeps the deployed controller within one standard error of the per-family
         table; where only the budget-only table is at hand, the controller tracks the
@@ -394,7 +394,7 @@ class OfflineTrainConfig(TrainingConfig):
     fallback_prefers: Literal["auto", "controller", "table"] = option(
         "auto", help="Where both keep the violation goal, who answers unless the other wins the reward test: "
                      "controller, table (safe policy improvement), or auto (table for lut_by_question, controller "
-                     "for lut_p95).")
+                     "for lut_by_cluster and lut_p95).")
     fallback_table: Literal["auto", "family", "cluster", "p95"] = option(
         "auto", help="The table the fallback answers with: family (lut_by_question, one table per labelled question "
                      "family, read from the question), cluster (lut_by_cluster, families found by clustering the "

@@ -197,7 +197,7 @@ def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms:
     kind = table_kind(deployed_table)
     tables = [fallback_table(models.train[k], kind, grid_ms, reward, seed) for k in range(models.folds)]
     family_at = None
-    if kind != "p95":
+    if kind == "cluster":  # a labelled family table answers with its families at every budget
         family_at = choose_family_table_at(models.out_of_fold(deployed_table.name, lambda k: tables[k]),
                                            models.out_of_fold("lut_p95", lambda k: LookupTableDecider(models.train[k])),
                                            targets, grid_ms, reward, confidence=confidence)

@@ -43,7 +43,13 @@ from torch import Tensor, nn
 
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace, write_bytes_atomic
-from trainer.baselines import LookupTableDecider, QuestionFamilyTableDecider, best_candidate, nearest_family
+from trainer.baselines import (
+    LookupTableDecider,
+    QuestionFamilyTableDecider,
+    best_candidate,
+    closest_similarity,
+    nearest_family,
+)
 from trainer.fallback import TableFallback, read_fallback
 from trainer.greedy import greedy_crops, greedy_within_crops
 from trainer.policy import ControllerPolicy
@@ -190,8 +196,11 @@ class DeployedController(nn.Module):
             reference = torch.tensor([median.get(tuple(a), math.nan) for a in self.actions.tolist()],
                                      dtype=torch.float64)
         self.register_buffer("reference_latency_ms", reference)
-        # a fallback that keeps the controller at every budget is no fallback
-        self.has_fallback = fallback is not None and not all(fallback.use_controller)
+        # a cluster table keeps questions unlike every training question from the network, whose answers
+        # for a kind of question it never saw are a guess (TableFallback.network_allowed)
+        self.guards_network = fallback is not None and fallback.guards_network
+        # a fallback that keeps the controller at every budget (and every question) is no fallback
+        self.has_fallback = fallback is not None and (not all(fallback.use_controller) or self.guards_network)
         # the question-family (or cluster) tables: each row's family is read from its nearest reference
         # questions (none: one table for every row); read also to name a request's question group
         self.family_neighbours = 1
@@ -200,6 +209,8 @@ class DeployedController(nn.Module):
         self.group_table = ""
         self.register_buffer("family_references", torch.zeros(0, self.lang_dim))
         self.register_buffer("family_of_reference", torch.zeros(0, dtype=torch.long))
+        # a question less similar than this to every reference reads as no family (the global table)
+        self.family_min_similarity = -2.0
         if isinstance(table, QuestionFamilyTableDecider) and table.has_families:
             self.num_groups = len(table.families)
             self.group_names_text = "\n".join(table.families)
@@ -207,6 +218,7 @@ class DeployedController(nn.Module):
             self.family_neighbours = table.neighbours
             self.family_references = table.reference_features.clone()
             self.family_of_reference = table.reference_family.clone()
+            self.family_min_similarity = float(table.min_similarity)
         if fallback is None or not self.has_fallback:
             self.register_buffer("grid_midpoints", torch.zeros(0, dtype=torch.float64))
             self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
@@ -338,7 +350,8 @@ class DeployedController(nn.Module):
         if self.num_groups > 0:
             nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
             families = self.family_table_at.index_select(0, nearest)
-            row = torch.where(families, 1 + self.question_group(lang), row)
+            group = self.question_group(lang)
+            row = torch.where(families & (group >= 0), 1 + group, row)
         # the thresholds at or below the budget, counted per row (the padding is +inf)
         scaled = budget_ms.float() * (1.0 + self.table_tolerance)
         steps = (self.table_thresholds.index_select(0, row) <= scaled[:, None]).sum(1, keepdim=True)
@@ -347,19 +360,25 @@ class DeployedController(nn.Module):
     @torch.jit.export
     def question_group(self, lang: Tensor) -> Tensor:
         """(B,) int64: the question family or cluster each row reads as, an index into the lines of
-        ``group_names_text`` (-1 for every row where the fallback's table has none)."""
+        ``group_names_text``; -1 for every row where the fallback's table has none, and for a question
+        unlike every reference (the table's global choice answers it)."""
         if self.num_groups == 0:
             return torch.full((lang.shape[0],), -1, dtype=torch.long, device=lang.device)
-        return nearest_family(lang, self.family_references, self.family_of_reference, self.num_groups,
-                              self.family_neighbours)
+        group = nearest_family(lang, self.family_references, self.family_of_reference, self.num_groups,
+                               self.family_neighbours)
+        familiar = closest_similarity(lang, self.family_references) >= self.family_min_similarity
+        return torch.where(familiar, group, torch.full_like(group, -1))
 
     def group_names(self) -> list[str]:
         """The names :meth:`question_group` indexes (a family's label, a cluster's leading words)."""
         return group_names_of(self)
 
-    def _use_network(self, budget_ms: Tensor) -> Tensor:
+    def _use_network(self, lang: Tensor, budget_ms: Tensor) -> Tensor:
         nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
-        return self.use_controller.index_select(0, nearest)
+        use = self.use_controller.index_select(0, nearest)
+        if self.guards_network:
+            use = use & (closest_similarity(lang, self.family_references) >= self.family_min_similarity)
+        return use
 
     def _crops_columns(self, max_crops: Tensor) -> Tensor:
         """``max_crops`` values (B,) -> their columns in ``max_crops_values``; an error for any other value."""
@@ -371,11 +390,16 @@ class DeployedController(nn.Module):
         return columns
 
     @torch.jit.export
-    def network_decides(self, budget_ms: Tensor) -> Tensor:
-        """(B,) bool: True where the network decides at this budget, False where the table fallback does."""
+    def network_decides(self, budget_ms: Tensor, lang: Tensor | None = None) -> Tensor:
+        """(B,) bool: True where the network decides at this budget (and, with ``lang``, for this question),
+        False where the table fallback does. Without ``lang`` the budget alone: a question unlike every
+        training question goes to the table even where this says True."""
         if not self.has_fallback:
             return torch.ones(budget_ms.shape[0], dtype=torch.bool, device=budget_ms.device)
-        return self._use_network(budget_ms)
+        if lang is None:
+            nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
+            return self.use_controller.index_select(0, nearest)
+        return self._use_network(lang, budget_ms)
 
     def decide_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                        tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -384,7 +408,7 @@ class DeployedController(nn.Module):
         if not self.has_fallback:
             return (self._network_actions(lang, image, image_present, budget_ms, tiling_crops),
                     torch.ones(lang.shape[0], dtype=torch.bool, device=lang.device))
-        use = self._use_network(budget_ms)
+        use = self._use_network(lang, budget_ms)
         if bool(use.all()):
             return self._network_actions(lang, image, image_present, budget_ms, tiling_crops), use
         table = self._table_choice(lang, budget_ms)
@@ -397,7 +421,7 @@ class DeployedController(nn.Module):
         """Stage 1, before the vision tower: ``max_crops`` (B,) int64."""
         if not self.has_fallback:
             return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
-        use = self._use_network(budget_ms)
+        use = self._use_network(lang, budget_ms)
         if bool(use.all()):
             return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
         table = self.actions.index_select(0, self._table_choice(lang, budget_ms)).select(1, 0)
@@ -415,7 +439,7 @@ class DeployedController(nn.Module):
         if not self.has_fallback:
             action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
         else:
-            use = self._use_network(budget_ms)
+            use = self._use_network(lang, budget_ms)
             if bool(use.all()):
                 action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
             else:
@@ -529,7 +553,7 @@ class _BranchFree(nn.Module):
         d = self.deployed
         action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops)
         if d.has_fallback:
-            action = torch.where(d._use_network(budget_ms), action, d._table_choice(lang, budget_ms))
+            action = torch.where(d._use_network(lang, budget_ms), action, d._table_choice(lang, budget_ms))
         max_crops, top_k, num_active_blocks = d.actions.index_select(0, action).unbind(1)
         return max_crops, top_k, num_active_blocks
 

@@ -9,9 +9,10 @@ that the deployed controller answers at least as a per-family table would; where
 ``lut_by_cluster``, the same with families found by clustering the questions,
 :mod:`trainer.clusters`; ``lut_p95``, the budget alone, on request) — exactly, since every
 configuration's outcome is recorded — and picks per budget, violations first, then reward.
-A family or cluster table first meets its own global ``lut_p95`` table by the same rule, the
-families preferred (:func:`choose_family_table_at`): at each budget ``lut_p95`` answers for them
-where held-out evidence favours it with confidence:
+A cluster table first meets its own global ``lut_p95`` table by the same rule, the clusters
+preferred (:func:`choose_family_table_at`): at each budget ``lut_p95`` answers for them where
+held-out evidence favours it with confidence (a labelled family table answers with its families
+at every budget, docs/training.md):
 
 * the table keeps the violation target if the one-sided upper ``confidence`` bound (Wilson)
   of its violation rate on train + validation is within ``max_violation_rate`` (the 5 %
@@ -64,6 +65,7 @@ from trainer.baselines import (
     LookupTableDecider,
     QuestionFamilyTableDecider,
     budget_vector,
+    closest_similarity,
     table_from_state,
 )
 from trainer.clusters import CLUSTER_TABLE, cluster_table
@@ -164,6 +166,23 @@ class TableFallback:
         """The table as the fallback answers with it: a family table's global ``lut_p95`` table at the
         budgets ``family_table_at`` gives to it (:class:`BudgetSwitchedTable`)."""
         return switched_table(self.lookup_table(), self.grid_ms, self.family_table_at)
+
+    @property
+    def guards_network(self) -> bool:
+        """True where the table is a cluster table with an unfamiliar-question threshold: a question unlike
+        every training question is answered by the global table, never the network (:meth:`network_allowed`)."""
+        return (self.table.get("kind") == "question_family" and self.table.get("name") == CLUSTER_TABLE
+                and float(self.table.get("min_similarity", -2.0)) > -1.0 and bool(self.table.get("reference_family")))
+
+    def network_allowed(self, lang: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: False for a question unlike every reference question of a cluster table (its closest
+        one less similar than the table's ``min_similarity``), which the global ``lut_p95`` table answers
+        at every budget: the network never saw its kind, and was measured late on such questions
+        (docs/results.md); True for every question otherwise."""
+        if not self.guards_network:
+            return torch.ones(len(lang), dtype=torch.bool)
+        table = self.lookup_table()
+        return closest_similarity(lang, table.reference_features) >= table.min_similarity
 
     def families_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
         """bool, shape of ``budget_ms``: True where a family table answers with its families (nearest grid point)."""
@@ -278,7 +297,7 @@ class PolicyDecider:
         if self.fallback is None:
             return probs
         budget = budget_vector(budget_ms, len(data))
-        use = self.fallback.controller_at(budget)
+        use = self.fallback.controller_at(budget) & self.fallback.network_allowed(data.lang_features)
         if bool(use.all()):
             return probs
         table_choice = F.one_hot(self._table.decide(data, budget), probs.shape[1]).to(probs.dtype)
@@ -289,7 +308,8 @@ class PolicyDecider:
         """(N,) indices into ``data.action_space``, always inside ``data.mask``: the network's greedy
         decision (:func:`trainer.greedy.policy_greedy`), the table's where the fallback answers."""
         budget = budget_vector(budget_ms, len(data))
-        use = None if self.fallback is None else self.fallback.controller_at(budget)
+        use = None if self.fallback is None else (self.fallback.controller_at(budget)
+                                                  & self.fallback.network_allowed(data.lang_features))
         if use is not None and not bool(use.any()):
             return self._table.decide(data, budget)
         self._check_model(data)
@@ -379,14 +399,17 @@ def fallback_table(train: OfflineData, kind: str = "auto", grid_ms: list[float] 
 
 def resolve_prefers(prefers: str, table: Decider) -> str:
     """``prefers`` with ``"auto"`` made concrete: ``"table"`` where ``table`` reads the question's
-    family (:class:`QuestionFamilyTableDecider` with families), else ``"controller"``."""
+    labelled family (``lut_by_question``), else ``"controller"`` (``lut_p95``, and ``lut_by_cluster``:
+    preferred, the cluster table cost the deployed controller up to 2.1 points of mean accuracy on
+    unseen label-free worlds, docs/results.md)."""
     if prefers not in PREFERS_CHOICES:
         msg = f"`prefers` must be one of {PREFERS_CHOICES}, got {prefers!r}"
         raise ValueError(msg)
     if prefers != "auto":
         return prefers
     plain = table.table if isinstance(table, BudgetSwitchedTable) else table
-    return "table" if isinstance(plain, QuestionFamilyTableDecider) and plain.has_families else "controller"
+    labelled = isinstance(plain, QuestionFamilyTableDecider) and plain.has_families and plain.name != CLUSTER_TABLE
+    return "table" if labelled else "controller"
 
 
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
@@ -404,7 +427,7 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     """
     answering = fallback_table(train, table, grid_ms, reward, seed)
     family_at = None
-    if isinstance(answering, QuestionFamilyTableDecider) and answering.has_families:
+    if isinstance(answering, QuestionFamilyTableDecider) and answering.has_families and answering.name == CLUSTER_TABLE:
         family_at = choose_family_table_at(answering, answering.global_table, val, grid_ms, reward,
                                            confidence=confidence, max_violation_rate=max_violation_rate)
     switched = switched_table(answering, grid_ms, family_at)

@@ -120,7 +120,9 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
             "budget_ms": [budget] * n, "max_crops": knobs[:, 0].tolist(), "top_k": knobs[:, 1].tolist(),
             "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(),
             "source": ["controller" if b else "table" for b in by_network.tolist()],
-            "answered_by": ["controller" if b else by_table for b in by_network.tolist()],
+            # a question unlike every cluster reads as no group: the global table answered it
+            "answered_by": ["controller" if b else (by_table if g is not None else "lut_p95")
+                            for b, g in zip(by_network.tolist(), groups)],
             "question_group": groups,
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
                    "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
