@@ -31,7 +31,6 @@ import torch
 
 from pipeline.errors import CtrlError
 from trainer.baselines import Decider, LookupTableDecider, QuestionFamilyTableDecider
-from trainer.clusters import CLUSTER_TABLE
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.fallback import (
@@ -42,13 +41,14 @@ from trainer.fallback import (
     fallback_table,
     resolve_prefers,
     switched_table,
+    table_kind,
 )
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig
 from trainer.runs import RunDir
 
 __all__ = ["FOLDS_DIR", "FoldModels", "OutOfFold", "deployed_data", "fit_cross_fitted_fallback", "fold_data",
-           "fold_of", "fold_run_dir", "folds_of", "load_folds", "table_kind", "train_folds"]
+           "fold_of", "fold_run_dir", "folds_of", "load_folds", "train_folds"]
 
 #: the folds' run directories, inside the parent run's directory
 FOLDS_DIR = "folds"
@@ -207,10 +207,3 @@ def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms:
                                   confidence=confidence, prefers=resolve_prefers(prefers, deployed_table))
     return replace(fallback, family_table_at=family_at)
 
-
-def table_kind(table: LookupTableDecider | QuestionFamilyTableDecider) -> str:
-    """The :func:`trainer.fallback.fallback_table` kind that fits a table like ``table``: ``"p95"`` for a
-    global table (or a family table without families), else ``"cluster"`` or ``"family"``."""
-    if not isinstance(table, QuestionFamilyTableDecider) or not table.has_families:
-        return "p95"
-    return "cluster" if table.name == CLUSTER_TABLE else "family"

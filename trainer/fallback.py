@@ -93,7 +93,8 @@ FALLBACK_TABLES = ("auto", "family", "cluster", "p95")
 
 __all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "BudgetSwitchedTable", "PolicyDecider", "TableFallback",
            "answered_by", "attach_fallback", "choose_family_table_at", "PREFERS_CHOICES", "fallback_table",
-           "fit_table_fallback", "read_fallback", "resolve_prefers", "switched_table", "wilson_upper_bound"]
+           "fit_table_fallback", "read_fallback", "resolve_prefers", "switched_table", "table_kind",
+           "wilson_upper_bound"]
 
 
 @dataclass
@@ -159,8 +160,13 @@ class TableFallback:
         return torch.tensor(self.use_controller, dtype=torch.bool)[nearest]
 
     def lookup_table(self) -> LookupTableDecider | QuestionFamilyTableDecider:
-        """The stored table itself (for a family table: its families at every budget)."""
-        return table_from_state(self.table)
+        """The stored table itself (for a family table: its families at every budget), built once per
+        ``table`` state: :meth:`network_allowed` reads it on every decision."""
+        cached = self.__dict__.get("_lookup")
+        if cached is None or cached[0] is not self.table:
+            cached = (self.table, table_from_state(self.table))
+            self.__dict__["_lookup"] = cached
+        return cached[1]
 
     def answering_table(self) -> Decider:
         """The table as the fallback answers with it: a family table's global ``lut_p95`` table at the
@@ -397,6 +403,14 @@ def fallback_table(train: OfflineData, kind: str = "auto", grid_ms: list[float] 
     return LookupTableDecider(train)
 
 
+def table_kind(table: Decider) -> str:
+    """The :func:`fallback_table` kind that fits a table like ``table``: ``"family"`` (``lut_by_question``),
+    ``"cluster"`` (``lut_by_cluster``), or ``"p95"`` for any other (a family table without families too)."""
+    if not isinstance(table, QuestionFamilyTableDecider) or not table.has_families:
+        return "p95"
+    return "cluster" if table.name == CLUSTER_TABLE else "family"
+
+
 def resolve_prefers(prefers: str, table: Decider) -> str:
     """``prefers`` with ``"auto"`` made concrete: ``"table"`` where ``table`` reads the question's
     labelled family (``lut_by_question``), else ``"controller"`` (``lut_p95``, and ``lut_by_cluster``:
@@ -408,8 +422,7 @@ def resolve_prefers(prefers: str, table: Decider) -> str:
     if prefers != "auto":
         return prefers
     plain = table.table if isinstance(table, BudgetSwitchedTable) else table
-    labelled = isinstance(plain, QuestionFamilyTableDecider) and plain.has_families and plain.name != CLUSTER_TABLE
-    return "table" if labelled else "controller"
+    return "table" if table_kind(plain) == "family" else "controller"
 
 
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
@@ -427,7 +440,7 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     """
     answering = fallback_table(train, table, grid_ms, reward, seed)
     family_at = None
-    if isinstance(answering, QuestionFamilyTableDecider) and answering.has_families and answering.name == CLUSTER_TABLE:
+    if table_kind(answering) == "cluster":  # a labelled family table answers with its families at every budget
         family_at = choose_family_table_at(answering, answering.global_table, val, grid_ms, reward,
                                            confidence=confidence, max_violation_rate=max_violation_rate)
     switched = switched_table(answering, grid_ms, family_at)
