@@ -692,6 +692,8 @@ def serve(
         "latency_scale_quantile"))] = _serve_default("latency_scale_quantile"),
     queue_aware: Annotated[bool, typer.Option("--queue-aware/--no-queue-aware", help=_serve_help(
         "queue_aware"))] = _serve_default("queue_aware"),
+    load_aware: Annotated[bool, typer.Option("--load-aware/--no-load-aware", help=_serve_help(
+        "load_aware"))] = _serve_default("load_aware"),
     met_target: Annotated[float, typer.Option("--met-target", help=_serve_help("met_target"))] = _serve_default(
         "met_target"),
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", help=_serve_help(
@@ -732,7 +734,7 @@ def serve(
                              api_key=api_key, device=device, dtype=dtype,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
-                             queue_aware=queue_aware, met_target=met_target,
+                             queue_aware=queue_aware, load_aware=load_aware, met_target=met_target,
                              default_max_tokens=default_max_tokens,
                              max_tokens_limit=max_tokens_limit,
                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,

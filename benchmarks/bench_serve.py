@@ -343,8 +343,10 @@ def free_port() -> int:
 class Server:
     """``ctrl serve`` in a subprocess (one model thread, as the profile was measured)."""
 
-    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int, flags: Sequence[str] = ()) -> None:
+    def __init__(self, ws: Path, run_id: str, log: Path, max_queue: int, flags: Sequence[str] = (),
+                 root: Path = ROOT) -> None:
         self.ws, self.run_id, self.log_path, self.max_queue, self.flags = ws, run_id, log, max_queue, tuple(flags)
+        self.root = root  # the source tree the server runs from (another revision's checkout, for comparisons)
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_bytes(b"")  # one log per benchmark process; restarts append to it
         self._start()
@@ -361,7 +363,7 @@ class Server:
             [sys.executable, "-m", "cli", "serve", "--model", "testbed", "--controller", self.run_id, "-w",
              str(self.ws), "--port", str(self.port), "--threads", "1", "--max-queue", str(self.max_queue),
              *self.flags],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -561,7 +561,7 @@ class Check:
                                           "at_start": before.get("latency_scale"), "first_request": scales[0],
                                           "last_request": scales[-1]},
                         "controller": after.get("controller_run"), "default_budget_ms": after.get("default_budget_ms"),
-                        "budget_margin": after.get("budget_margin"),
+                        "budget_margins": after.get("budget_margins"),
                         "overhead_reserve_ms": after.get("overhead_reserve_ms"),
                         "metrics": metrics, "warmup": [x for x in log_path.read_text().splitlines() if "warm-up" in x],
                         "peak_rss_bytes": int(peak_file.read_text()) if peak_file.is_file() else None,

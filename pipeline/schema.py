@@ -473,17 +473,35 @@ REQUESTS = TableSchema(
         Column("queue_length", _L, "requests waiting or running when it arrived"),
         Column("waited_ms", _D, "arrival to stage 1 (parsing, image decoding, queue): what stage 1 subtracts "
                                 "from the budget", "ms"),
-        Column("reserve_ms", _D, "reserve for the work after stage 1 outside the model's profiled path "
-                                 "(preprocessing, stage 2, detokenisation): p90 of recent requests", "ms"),
+        Column("reserve_ms", _D, "reserve for what the request costs outside the model's profiled path after stage 1 "
+                                 "(preprocessing, stage 2, detokenisation) and after its text (the reply's "
+                                 "serialisation and write): p90 of recent requests each (docs/serving.md#budget-terms)",
+               "ms"),
+        Column("reply_reserve_ms", _D, "the reply's part of reserve_ms", "ms"),
         Column("budget_left_ms", _D, "budget_ms less the time spent before stage 1 and the reserve", "ms"),
         Column("queue_cap_ms", _D, "the most this request could take so that the requests waiting behind it could "
                                    "still meet their budgets at the cheapest configuration (docs/serving.md#"
                                    "queue-aware-budgets); null when nothing capped it", "ms"),
+        Column("arrival_rate_rps", _D, "requests per second whose cost the controller chooses, over the last "
+                                       "arrivals (docs/serving.md#load-aware-budgets); null before three", "1/s"),
+        Column("arrival_cap_ms", _D, "the most a request could take so that the requests still to come, at that "
+                                     "arrival rate, would meet a budget like this one met_target of the time (an "
+                                     "M/G/1 queue's waiting time); null when nothing capped it", "ms"),
         Column("latency_scale", _D, "this machine's model time per ms of the controller's training latencies "
-                                    "(docs/serving.md#latency-calibration): both stages read min(budget_left_ms, "
-                                    "queue_cap_ms - reserve_ms) x budget_margin / latency_scale"),
-        Column("budget_margin", _D, "the share of the budget left the controller read, kept so that --met-target "
-                                    "of requests meet their budget (docs/serving.md#met-target); 1 for fixed knobs"),
+                                    "(docs/serving.md#latency-calibration)"),
+        Column("budget_class", _S, "the budget over the cheapest configuration's expected time: <1x, 1-1.5x, "
+                                   "1.5-2x, 2-3x, 3-5x, >=5x; each class keeps its own margin"),
+        Column("budget_margin", _D, "the share of the budget left the controller read, kept per budget class so "
+                                    "that met_target of its requests meet their budget (docs/serving.md#met-target); "
+                                    "1 for fixed knobs and class <1x"),
+        Column("met_target", _D, "the share of requests the class's margin aims at: --met-target, or feasible_rate "
+                                 "where that is less; null for fixed knobs, class <1x and --met-target 0"),
+        Column("feasible_rate", _D, "the share of the recently served requests' latencies at which the cheapest "
+                                    "configuration would have met this budget, averaged over the class's recent "
+                                    "requests; null for fixed knobs"),
+        Column("controller_budget_ms", _D, "what both stages read, in the profile's ms: min(budget_left_ms, "
+                                           "queue_cap_ms - after-stage-1 reserve, arrival_cap_ms - after-stage-1 "
+                                           "reserve) x budget_margin / latency_scale", "ms"),
         Column("decided_by", _S, "controller | table (the run's table fallback) | cheapest (the budget read was "
                                  "below every configuration's reference latency) | request (fixed knobs)"),
         Column("question_group", _S, "the question family or cluster the question reads as under the controller's "

@@ -24,7 +24,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -117,7 +117,9 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
                  "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
                  "latency_scale_source": engine.latency_scale.source,
-                 "budget_margin": engine.budget_margin.value, "met_target": engine.budget_margin.target,
+                 "met_target": engine.planner.met_target, "budget_margins": engine.planner.margins(),
+                 "feasible_rates": engine.planner.feasible_rates(),
+                 "arrival_rate_rps": engine.planner.load(time.perf_counter())[0],
                  "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
                  "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
@@ -160,9 +162,25 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         except Exception as exc:  # the engine has recorded and counted it as an error
             logger.error("request %s failed: %s: %s", job.request_id, type(exc).__name__, exc, exc_info=exc)
             return error(internal_error(job.request_id))
-        return JSONResponse(_completion(job.request_id, engine.model_name, result))
+        answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
+        return TimedJSONResponse(_completion(job.request_id, engine.model_name, result),
+                                 on_sent=lambda: engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
+                                 if result.record else None)
 
     return app
+
+
+class TimedJSONResponse(JSONResponse):
+    """A JSON response that reports when its last byte was handed to the connection: the time from the
+    answer's text to then is outside the server's clock but inside the client's, so it is reserved."""
+
+    def __init__(self, content: Any, *, on_sent: Callable[[], None]) -> None:
+        super().__init__(content)
+        self._on_sent = on_sent
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send)
+        self._on_sent()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -195,7 +213,10 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
             "controller_run": row.get("controller_run"),
             "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
             "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
-            "budget_margin": row.get("budget_margin"),
+            "budget_margin": row.get("budget_margin"), "budget_class": row.get("budget_class"),
+            "met_target": row.get("met_target"), "feasible_rate": row.get("feasible_rate"),
+            "arrival_rate_rps": row.get("arrival_rate_rps"), "arrival_cap_ms": row.get("arrival_cap_ms"),
+            "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
             "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
         },
     }

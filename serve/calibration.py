@@ -76,6 +76,11 @@ class LatencyScale:
             self._ratios.append(ratio)
         return ratio
 
+    def ratios(self) -> list[float]:
+        """The ratios recorded, oldest first."""
+        with self._lock:
+            return list(self._ratios)
+
     @property
     def value(self) -> float:
         if self.fixed is not None:
@@ -132,12 +137,15 @@ class BudgetMargin:
     def value(self) -> float:
         return math.exp(self._log)
 
-    def observe(self, met: bool) -> float:
-        """Record whether one controller-decided request was answered within its budget; the new margin."""
+    def observe(self, met: bool, target: float | None = None) -> float:
+        """Record whether one controller-decided request was answered within its budget; the new margin.
+        ``target``: this request's own target (a lower one where the budget could not be met more often),
+        else the margin's."""
         if self.target is None:
             return 1.0
+        aim = self.target if target is None else min(self.target, max(0.0, float(target)))
         low, high = self.bounds
         with self._lock:
-            moved = self._log + self.step * (float(met) - self.target)
+            moved = self._log + self.step * (float(met) - aim)
             self._log = min(math.log(high), max(math.log(low), moved))
             return math.exp(self._log)

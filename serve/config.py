@@ -73,10 +73,14 @@ class ServeConfig:
     queue_aware: bool = field(default=True, metadata=_help(
         "Cap the budget the controller reads by what the requests waiting behind a request still need to meet "
         "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets)."))
+    load_aware: bool = field(default=True, metadata=_help(
+        "Cap the budget the controller reads by what the requests still to come, at the arrival rate observed, "
+        "need to meet budgets like it: an M/G/1 queue's waiting time (docs/serving.md#load-aware-budgets)."))
     met_target: float = field(default=0.95, metadata=_help(
         "The share of controller-decided requests to answer within their budget: the budget the controller reads "
         "is multiplied by a margin that falls after each request that missed and rises after each that met, so "
-        "that this share is met under the server's own load (0 turns the margin off; docs/serving.md#met-target)."))
+        "that this share is met under the server's own load; each budget class keeps its own margin and aims no "
+        "higher than the cheapest configuration can meet (0 turns the margin off; docs/serving.md#met-target)."))
     default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
     max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(

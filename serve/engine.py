@@ -17,16 +17,11 @@ A request's timeline, every part measured (``runtime.timing.StageTimer``)::
     suffix   the remaining active blocks of the prefill, first token
     decode   one segment per further token
 
-Stage 1 and stage 2 read the budget left: the request's budget less the time spent so far and
-less a reserve for the parts after stage 1 that the controller's latencies (profiled vision,
-prefill and decode) do not include (:meth:`Engine.overhead_reserve_ms`), divided by the latency
-scale (:mod:`serve.calibration`): this machine's model time per millisecond of the controller's
-training latencies, measured on the requests served. Under load they read less: the budget
-left is capped so that the requests waiting behind can still meet theirs (:func:`queue_cap_ms`)
-and multiplied by a margin kept on the outcomes, so that a target share of requests meets its
-budget (:class:`serve.calibration.BudgetMargin`). Where what is left is below every
-configuration's reference latency, the request takes the fastest configuration without asking
-the controller (:class:`serve.deciders.CheapestConfig`).
+Stage 1 and stage 2 read the budget :class:`serve.budget.BudgetPlanner` plans for the request
+(every term in its record): the budget less the time spent so far and the reserves, capped by
+the requests waiting and the arrival rate, times its budget class's margin, over the latency
+scale. Where that is below every configuration's reference latency, the request takes the
+fastest configuration without asking the controller (:class:`serve.deciders.CheapestConfig`).
 
 ``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
 the response's serialisation and transfer. A cancelled request (its client disconnected, or the
@@ -45,7 +40,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -56,7 +50,8 @@ from PIL import Image
 from runtime import ModelRuntime
 from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
-from serve.calibration import BudgetMargin, LatencyScale
+from serve.budget import BudgetPlan, BudgetPlanner
+from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
@@ -64,22 +59,12 @@ from serve.request_log import RequestLog
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
 MAX_CROPS_LIMIT = 15
+#: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
+PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",
+                "arrival_cap_ms", "latency_scale", "budget_class", "budget_margin", "met_target", "feasible_rate",
+                "controller_budget_ms")
 #: the measured parts of a request (request-log columns ``latency_<part>_ms``, the reply's ``ctrl.latency_ms``)
 LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
-
-
-def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | None:
-    """The most the request starting now may take (served ms, end to end) so that each request
-    waiting behind it can still meet its budget at the cheapest configuration.
-
-    ``time_left_ms``: the waiting requests' budget not yet spent, in queue order; the i-th (from 1)
-    also waits for the i - 1 before it, each taken at ``cheapest_ms`` (the least a request takes),
-    and then runs itself, so it needs ``t + i * cheapest_ms <= time_left_ms[i - 1]``. A waiting
-    request that cannot make it even when this one takes the cheapest configuration does not cap
-    it (it is lost either way). None when nothing caps."""
-    caps = [left - i * cheapest_ms for i, left in enumerate(time_left_ms, start=1)]
-    feasible = [cap for cap in caps if cap >= cheapest_ms]
-    return min(feasible) if feasible else None
 
 
 class Cancelled(Exception):
@@ -156,11 +141,10 @@ class Engine:
     def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
-                 queue_aware: bool = True, budget_margin: BudgetMargin | None = None,
+                 queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
                  queue_deadline: float = 0.0) -> None:
         self.runtime, self.decider = runtime, decider
         self.queue_deadline = float(queue_deadline)
-        self.queue_aware = bool(queue_aware)
         self.model_name = model_name
         self.max_queue = int(max_queue)
         self.default_budget_ms = float(default_budget_ms if default_budget_ms is not None
@@ -170,7 +154,8 @@ class Engine:
         self.metrics = metrics if metrics is not None else ServeMetrics()
         self.latency_scale = latency_scale if latency_scale is not None else LatencyScale(
             decider.reference_latency_ms)
-        self.budget_margin = budget_margin if budget_margin is not None else BudgetMargin(None)
+        self.planner = BudgetPlanner(decider.reference_latency_ms, self.latency_scale, met_target=met_target,
+                                     queue_aware=queue_aware, load_aware=load_aware)
         # below every configuration's reference latency the controller would extrapolate
         self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
@@ -178,7 +163,6 @@ class Engine:
         self._pending = 0  # waiting + running
         self._lock = threading.Lock()
         self._service_s: deque[float] = deque(maxlen=50)
-        self._overheads: deque[float] = deque(maxlen=64)
         self._worker: threading.Thread | None = None
         self._aborting = threading.Event()
         self.served = 0
@@ -205,25 +189,16 @@ class Engine:
 
     def overhead_reserve_ms(self) -> float:
         """What the rest of a request costs outside the model's profiled path (the vision pass,
-        prefill and decoding): preprocessing at the chosen crops, stage 2, detokenisation. The controller's
-        latencies were measured without it, so stage 1 reads the budget less this reserve: the
-        90th percentile of the last 64 requests (warm-up included), 0 before the first."""
-        if not self._overheads:
-            return 0.0
-        ordered = sorted(self._overheads)
-        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        prefill and decoding): preprocessing at the chosen crops, stage 2, detokenisation, and the
+        reply's serialisation and write. The controller's latencies were measured without it, so
+        stage 1 reads the budget less this reserve (:meth:`serve.budget.BudgetPlanner.reserve_ms`)."""
+        return sum(self.planner.reserve_ms())
 
-    def _queue_cap_ms(self, now: float, scale: float, reserve_ms: float) -> float | None:
-        """:func:`queue_cap_ms` over the requests waiting now (None: nothing waits, or not queue-aware)."""
-        if not self.queue_aware or self.cheapest is None:
-            return None
+    def _waiting_left_ms(self, now: float) -> list[float]:
+        """The budget not yet spent of each request waiting now, in queue order."""
         with self._jobs.mutex:  # a snapshot: the handler threads append while this reads
             waiting = [j for j in self._jobs.queue if j is not None]
-        if not waiting:
-            return None
-        cheapest_ms = self.cheapest.below_ms * scale + reserve_ms
-        left = [j.budget_ms - (now - j.arrival) * 1000.0 for j in waiting]
-        return queue_cap_ms(left, cheapest_ms)
+        return [j.budget_ms - (now - j.arrival) * 1000.0 for j in waiting]
 
     @property
     def pending(self) -> int:
@@ -247,6 +222,8 @@ class Engine:
             self._pending += 1
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
+        adjustable = job.request.knobs is None and self.planner.class_of(job.budget_ms) > 0
+        self.planner.observe_arrival(job.enqueued, adjustable)
         self._jobs.put(job)
 
     def _refuse_if_full(self) -> None:
@@ -302,18 +279,16 @@ class Engine:
             waited_ms = (time.perf_counter() - job.arrival) * 1000.0
             with torch.inference_mode(), runtime.between_blocks(lambda block: self._check(job, block)):
                 with self.timer.segment("stage1", stages):
+                    started = time.perf_counter()
                     lang = runtime.lang_features([req.question])[0]
                     tiling = _tiling(runtime, req.image, decider.max_crops_values)
                     now = time.perf_counter()
                     spent_ms = (now - job.arrival) * 1000.0
-                    reserve_ms = self.overhead_reserve_ms()
-                    budget_left_ms = job.budget_ms - spent_ms - reserve_ms
-                    scale = self.latency_scale.value
-                    cap_ms = self._queue_cap_ms(now, scale, reserve_ms) if req.knobs is None else None
-                    decided_ms = budget_left_ms if cap_ms is None else min(budget_left_ms, cap_ms - reserve_ms)
-                    margin = self.budget_margin.value if req.knobs is None else 1.0
-                    controller_budget_ms = decided_ms * margin / scale  # in the controller's units
-                    if req.knobs is None and self.cheapest and controller_budget_ms < self.cheapest.below_ms:
+                    fixed = req.knobs is not None
+                    plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
+                                             waiting_left_ms=() if fixed else self._waiting_left_ms(now))
+                    controller_budget_ms = plan.controller_budget_ms  # in the controller's units
+                    if plan.cheapest and self.cheapest:
                         decider = self.cheapest
                     choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)
@@ -357,9 +332,13 @@ class Engine:
         decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
         # what the profile timed as one generate call: the vision pass, the prefill, the decode steps
         model_ms = (seg["prefix"].wall_ms or 0.0) + (seg["suffix"].wall_ms or 0.0) + decode_ms
-        self._overheads.append(max(0.0, total_ms - spent_ms - model_ms))
+        ratio = None
         if p == 0:  # the configurations the reference latencies were recorded for
-            self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)
+            ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)
+        adjustable = not fixed and plan.budget_class != "<1x"
+        self.planner.observe_served(after_ms=total_ms - spent_ms - model_ms, adjustable=adjustable,
+                                    service_ms=(time.perf_counter() - started) * 1000.0,
+                                    model_over_reference=ratio)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
         latency = {
@@ -371,9 +350,7 @@ class Engine:
         finish = "stop" if tokens and tokens[-1] == runtime.eos_id else "length"
         prompt_tokens = int(inputs.input_ids.shape[1])
         result = Result(text, finish, prompt_tokens, len(tokens), {})
-        result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs,
-                                     budget_left_ms=budget_left_ms, queue_cap_ms=cap_ms, reserve_ms=reserve_ms,
-                                     latency_scale=scale, budget_margin=margin,
+        result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs, plan=plan,
                                      decided_by=choice.decided_by, question_group=choice.question_group,
                                      latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
@@ -392,10 +369,7 @@ class Engine:
         raise Cancelled(msg)
 
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
-                budget_left_ms: float | None = None, queue_cap_ms: float | None = None,
-                reserve_ms: float | None = None,
-                latency_scale: float | None = None, budget_margin: float | None = None,
-                knobs: dict[str, int] | None = None, decided_by: str | None = None,
+                plan: BudgetPlan | None = None, knobs: dict[str, int] | None = None, decided_by: str | None = None,
                 question_group: str | None = None, latency: dict[str, float | None] | None = None,
                 num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
@@ -412,9 +386,8 @@ class Engine:
             "controller_run": decider.controller_run if decider else "request",
             "controller_phase": decider.phase if decider else "request",
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
-            "waited_ms": waited_ms, "reserve_ms": reserve_ms, "budget_left_ms": budget_left_ms,
-            "queue_cap_ms": queue_cap_ms,
-            "latency_scale": latency_scale, "budget_margin": budget_margin,
+            "waited_ms": waited_ms,
+            **{name: getattr(plan, name, None) for name in PLAN_COLUMNS},
             "decided_by": decided_by, "question_group": question_group,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
@@ -423,8 +396,8 @@ class Engine:
         }
         if job.request_id.startswith("warmup-"):
             return row
-        if status == "ok" and decider is not None and met is not None:
-            self.budget_margin.observe(met)
+        if status == "ok" and decider is not None and met is not None and plan is not None:
+            self.planner.observe_outcome(plan, met)
         if self.log is not None and not self.log.append(row):
             self.metrics.log_failures.inc()
         self.metrics.observe(row)
@@ -521,4 +494,6 @@ def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
             job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{len(results)}")
             with cpu_threads(engine.threads, engine.runtime.device):
                 results.append(engine.execute(job, record=False))
+    if engine.latency_scale.calibrates:
+        engine.planner.seed_margin(engine.latency_scale.ratios())
     return results

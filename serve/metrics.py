@@ -9,8 +9,15 @@ ctrl_stage_latency_seconds{stage}      histogram per stage: parse, queue, stage1
 ctrl_queue_length                      requests waiting or running
 ctrl_latency_scale                     model time per ms of the controller's training latencies, as the
                                        last request read it
-ctrl_budget_margin                     the share of the budget left the controller read
-                                       (docs/serving.md#met-target), as the last request read it
+ctrl_budget_margin{budget_class}       the share of the budget left the controller read
+                                       (docs/serving.md#met-target), per budget class, as the last
+                                       request of the class read it
+ctrl_budget_target{budget_class}       the met target the class's margin aims at: --met-target, or
+                                       what the cheapest configuration meets where that is less
+ctrl_budget_unreachable_total{budget_class}  controller requests whose budget the cheapest configuration
+                                       meets less often than --met-target (class <1x: never)
+ctrl_arrival_rate                      requests per second the controller chooses the cost of, as the
+                                       last request read it (docs/serving.md#load-aware-budgets)
 ctrl_overhead_reserve_seconds          the reserve for work outside the profiled path, as the last
                                        request read it
 ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
@@ -44,7 +51,15 @@ class ServeMetrics:
         self.latency_scale = Gauge("ctrl_latency_scale", "Model time per ms of the controller's training "
                                    "latencies (budgets are divided by it)", registry=self.registry)
         self.budget_margin = Gauge("ctrl_budget_margin", "Share of the budget left the controller reads "
-                                   "(the met target's margin)", registry=self.registry)
+                                   "(the met target's margin), per budget class", ["budget_class"],
+                                   registry=self.registry)
+        self.budget_target = Gauge("ctrl_budget_target", "The met target a budget class's margin aims at",
+                                   ["budget_class"], registry=self.registry)
+        self.unreachable = Counter("ctrl_budget_unreachable", "Controller requests whose budget the cheapest "
+                                   "configuration meets less often than the met target", ["budget_class"],
+                                   registry=self.registry)
+        self.arrival_rate = Gauge("ctrl_arrival_rate", "Requests per second whose cost the controller chooses",
+                                  registry=self.registry)
         self.reserve = Gauge("ctrl_overhead_reserve_seconds", "Reserve for the work outside the profiled path",
                              registry=self.registry)
         self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
@@ -60,8 +75,17 @@ class ServeMetrics:
         self.latency.observe(row["latency_total_ms"] / 1000.0)
         if row.get("latency_scale") is not None:
             self.latency_scale.set(row["latency_scale"])
-        if row.get("budget_margin") is not None:
-            self.budget_margin.set(row["budget_margin"])
+        budget_class = row.get("budget_class")
+        if row.get("controller_phase") != "request" and budget_class is not None:
+            if row.get("budget_margin") is not None:
+                self.budget_margin.labels(budget_class=budget_class).set(row["budget_margin"])
+            target, feasible = row.get("met_target"), row.get("feasible_rate")
+            if target is not None:
+                self.budget_target.labels(budget_class=budget_class).set(target)
+            if budget_class.startswith("<") or (feasible is not None and target is not None and feasible <= target):
+                self.unreachable.labels(budget_class=budget_class).inc()
+        if row.get("arrival_rate_rps") is not None:
+            self.arrival_rate.set(row["arrival_rate_rps"])
         if row.get("reserve_ms") is not None:
             self.reserve.set(row["reserve_ms"] / 1000.0)
         for stage in STAGES:

@@ -20,7 +20,7 @@ from pipeline.catalog import build_catalog
 from pipeline.workspace import Workspace
 from runtime import load_runtime
 from serve.app import create_app
-from serve.calibration import BudgetMargin, LatencyScale
+from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.deciders import load_decider
 from serve.engine import Engine, capture_decode_steps, warm_up
@@ -41,7 +41,8 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
                     default_budget_ms=config.default_budget_ms, threads=config.threads,
                     request_log=RequestLog(workspace), latency_scale=scale, queue_aware=config.queue_aware,
-                    budget_margin=BudgetMargin(config.met_target or None), queue_deadline=config.queue_deadline)
+                    load_aware=config.load_aware, met_target=config.met_target or None,
+                    queue_deadline=config.queue_deadline)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)
     log(f"controller {decider.controller_run} ({decider.phase}); default budget {engine.default_budget_ms:.1f} ms; "
@@ -55,7 +56,8 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     if config.warmup:
         warm_image_decoding()
         results = warm_up(engine, config.default_max_tokens)
-        measured = f"; latency scale {scale.value:.2f}" if scale.calibrates else ""
+        measured = (f"; latency scale {scale.value:.2f}, margins start at {engine.planner.initial_margin:.2f}"
+                    if scale.calibrates else "")
         log(f"warm-up: {len(results)} requests of {config.default_max_tokens} tokens{measured}")
         graphs, seconds = capture_decode_steps(engine, config.default_max_tokens)
         if graphs:

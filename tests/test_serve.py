@@ -681,13 +681,13 @@ def test_config_refuses_bad_values_with_one_line():
     assert ServeConfig(device="cuda:1").device == "cuda:1"
 
 
-def in_process_engine(runtime, decider, tmp_path, scale=None, margin=None):
+def in_process_engine(runtime, decider, tmp_path, scale=None, met_target=None):
     from pipeline.workspace import Workspace
     from serve.engine import Engine
     from serve.request_log import RequestLog
 
     return Engine(runtime, decider, model_name="embedded", max_queue=1, default_budget_ms=None, threads=1,
-                  request_log=RequestLog(Workspace(tmp_path / "ws")), latency_scale=scale, budget_margin=margin)
+                  request_log=RequestLog(Workspace(tmp_path / "ws")), latency_scale=scale, met_target=met_target)
 
 
 def serve_once(engine, budget_ms: float = 900.0) -> dict:
@@ -762,21 +762,26 @@ def test_the_budget_margin_tracks_a_met_share():
 def test_a_missed_budget_shrinks_the_budget_the_controller_reads_next(embedded_runtime, tmp_path):
     import math
 
-    from serve.calibration import BudgetMargin, LatencyScale
+    from serve.calibration import LatencyScale
+    from serve.engine import new_job
+    from serve.protocol import ChatRequest
 
     decider = RecordingDecider({(2, 2, 3): 10.0})
-    margin = BudgetMargin(0.95, step=0.1)
     engine = in_process_engine(embedded_runtime, decider, tmp_path,
-                               LatencyScale(decider.reference_latency_ms, fixed=1.0), margin)
-    missed = serve_once(engine, 1.0)  # 1 ms: no request makes it
-    assert missed["met"] is False and missed["budget_margin"] == 1.0
-    met = serve_once(engine, 5000.0)
+                               LatencyScale(decider.reference_latency_ms, fixed=1.0), met_target=0.95)
+    # a budget of 500 ms (50 x the cheapest configuration's 10) that had passed before the request reached the model
+    late = ChatRequest("embedded", "What color?", Image.new("RGB", (640, 320), (200, 20, 20)), 2, 500.0)
+    missed = engine.execute(new_job(late, engine, time.perf_counter() - 1.0, datetime.now(UTC), 0.0)).record
+    assert missed["met"] is False and missed["budget_margin"] == 1.0 and missed["budget_class"] == ">=5x"
+    met = serve_once(engine, 5000.0)  # the same class
     assert met["met"] is True and met["budget_margin"] == pytest.approx(math.exp(-0.095))
     assert missed["decided_by"] == "cheapest" and met["decided_by"] == "controller"
     assert decider.budgets == [pytest.approx(met["budget_left_ms"] * math.exp(-0.095), rel=1e-12)]
     fixed = engine.execute(new_fixed_job(engine)).record  # fixed knobs: neither read nor moved
     assert fixed["budget_margin"] == 1.0
-    assert margin.value == pytest.approx(math.exp(-0.095 + 0.005))
+    impossible = serve_once(engine, 1.0)  # below the cheapest configuration: its own class, no margin moved
+    assert impossible["budget_class"] == "<1x" and impossible["met"] is False
+    assert engine.planner.margins() == {">=5x": pytest.approx(math.exp(-0.095 + 0.005))}
     engine.stop()
 
 
@@ -809,7 +814,7 @@ def test_warm_up_runs_each_crops_choice_fastest_and_slowest_and_seeds_the_scale(
 
 
 def test_queue_cap_leaves_each_waiting_request_room_for_the_cheapest_configuration():
-    from serve.engine import queue_cap_ms
+    from serve.budget import queue_cap_ms
 
     assert queue_cap_ms([], 30.0) is None
     # one waiting with 100 ms left: this one may take 100 - 30 = 70 ms
@@ -844,7 +849,7 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
     assert 60.0 < row["queue_cap_ms"] <= 68.0
     assert decider.budgets[0] == pytest.approx(row["queue_cap_ms"] / 2.0)
     assert row["budget_left_ms"] > 800.0  # its own budget, uncapped, is still recorded
-    engine.queue_aware = False
+    engine.planner.queue_aware = False
     second = serve_once(engine)
     assert second["queue_cap_ms"] is None and decider.budgets[1] == pytest.approx(second["budget_left_ms"] / 2.0)
     engine.stop()
@@ -962,15 +967,16 @@ def test_the_budget_a_served_request_reads_is_its_budget_less_the_time_spent_and
     """Budget 900 ms, 100 ms spent before stage 1, a reserve of 50 ms (the p90 of the recorded
     overheads), latency scale 2, margin 0.8: the controller reads (900 - 100 - 50) x 0.8 / 2 = 300 ms,
     less the few ms stage 1 itself takes before it decides."""
-    from serve.calibration import BudgetMargin, LatencyScale
+    from serve.calibration import LatencyScale
     from serve.engine import new_job
     from serve.protocol import ChatRequest
 
     decider = RecordingDecider({(2, 2, 3): 10.0, (1, 2, 3): 5.0})
-    margin = BudgetMargin(0.95, initial=0.8)
     engine = in_process_engine(embedded_runtime, decider, tmp_path,
-                               LatencyScale(decider.reference_latency_ms, fixed=2.0), margin)
-    engine._overheads.extend([10.0] * 5 + [50.0] * 5)  # p90 of ten: the tenth smallest but one, 50 ms
+                               LatencyScale(decider.reference_latency_ms, fixed=2.0), met_target=0.95)
+    engine.planner.initial_margin = 0.8  # as a warm-up would have seeded it
+    for after in [10.0] * 5 + [50.0] * 5:  # p90 of ten: the tenth smallest but one, 50 ms
+        engine.planner.observe_served(after_ms=after, service_ms=100.0, adjustable=False, model_over_reference=None)
     request_ = ChatRequest("embedded", "What color?", Image.new("RGB", (640, 320), (200, 20, 20)), 2, 900.0)
     row = engine.execute(new_job(request_, engine, time.perf_counter() - 0.100, datetime.now(UTC), 0.0)).record
     assert row["reserve_ms"] == 50.0 and row["latency_scale"] == 2.0 and row["budget_margin"] == pytest.approx(0.8)

@@ -1,0 +1,315 @@
+"""Budgets under load, from the first request: the controller on ``ctrl serve`` against every static
+configuration on the served front, cold (a fresh server's first requests) and in steady state, at loads
+of the default configuration's capacity and budgets of multiples of its service time; a mixed-tenant cell.
+
+Usage::
+
+    python benchmarks/bench_budgets.py                           # every cell at the defaults (hours)
+    python benchmarks/bench_budgets.py --cells grid --loads 0.7 --multiples 3 --requests 400
+    python benchmarks/bench_budgets.py --source /tmp/prev --label previous --deciders controller   # another revision
+    python benchmarks/bench_budgets.py --phase report            # tables and target checks from the saved runs
+
+What it runs. The workspace, the fresh request set (none of its requests seen by the testbed, the
+profile or the controller) and the ``ctrl serve`` subprocess are those of ``bench_serve.py``. First
+(saved in ``<out>.setup.json`` and reused):
+
+* the served front: every configuration of the action space answers ``--front-requests`` requests one
+  at a time, interleaved; per configuration its median client latency and the profile's held-out
+  accuracy; the Pareto front of the two;
+* the **default configuration's service time**: one client sends ``--capacity-requests`` requests back
+  to back without a budget (the server's default budget, the controller deciding) after a warm-up;
+  the capacity is the answered requests per second and the service time its inverse.
+
+Cells (``--cells``):
+
+* ``grid``: per load of ``--loads`` (fractions of that capacity, Poisson arrivals, open loop) and budget
+  of ``--multiples`` (x the service time): the controller (one run per budget, a fresh server each, so
+  that its first ``--cold`` requests are a cold start) and every front configuration with fixed knobs
+  (one run per load, judged against every budget);
+* ``midway``: at ``--midway-load``, the budget midway between the cheapest and the slowest front
+  configuration's median: the controller and the front configurations;
+* ``mixed``: a client at ``--tenant-multiple`` x the cheapest front configuration's median, at
+  ``--tenant-load``, alone and then beside a second client at budgets below the cheapest configuration
+  (``--impossible-multiple`` of its median) at ``--impossible-load``: the first client's figures, both
+  runs on a fresh server, the same requests and arrival times.
+
+Per cell, separately for the first ``--cold`` requests and for the rest (steady state): the rate within
+budget (client clock: scheduled send to last byte) and the accuracy with 95 % Wilson intervals, and for
+the steady part the paired difference controller minus static in correct answers and rate within
+budget (moving-block bootstrap, ``--block``). Each run is appended to ``--out`` as it finishes
+(``--label`` names the revision; a re-run skips the runs already there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _bench_serve() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "benchmarks" / "bench_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bs = _bench_serve()
+Outcome, BenchRequest = bs.Outcome, bs.BenchRequest
+
+
+def open_loop(port: int, dataset: str, items: Sequence[tuple[Any, float, float | None, Any]]) -> list[Any]:
+    """Send each (request, time s, budget ms, knobs) at its time, open loop; outcomes in item order."""
+    t0 = time.perf_counter() + 0.2
+
+    def one(item: tuple[Any, float, float | None, Any]) -> Any:
+        request, at, budget, knobs = item
+        return bs.send(port, bs.body_of(request, budget, knobs), t0, at, request, dataset)
+
+    with ThreadPoolExecutor(max_workers=256) as pool:
+        futures = []
+        for item in items:
+            delay = t0 + item[1] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(one, item))
+        return [f.result() for f in futures]
+
+
+def part_stats(outs: Sequence[Any], budget_ms: float) -> dict[str, Any]:
+    """Within-budget rate and accuracy of ``outs`` with Wilson intervals (a 503/504/error is missed and wrong)."""
+    n = len(outs)
+    within = sum(o.status == 200 and o.latency_ms <= budget_ms for o in outs)
+    correct = sum(o.score for o in outs)
+    answered = [o.latency_ms for o in outs if o.status == 200]
+    return {"n": n, "within": within / n if n else math.nan, "within_ci": bs.wilson_interval(within, n),
+            "correct": correct, "accuracy": correct / n if n else math.nan,
+            "accuracy_ci": bs.wilson_interval(correct, n), "p50_ms": bs.percentile(answered, 50),
+            "p95_ms": bs.percentile(answered, 95), "not_200": sum(o.status != 200 for o in outs),
+            "cheapest_share": (sum(o.decided_by == "cheapest" for o in outs) / n) if n else math.nan}
+
+
+def paired(a: Sequence[Any], b: Sequence[Any], budget_ms: float, block: int, seed: int) -> dict[str, Any]:
+    def met(o: Any) -> float:
+        return float(o.status == 200 and o.latency_ms <= budget_ms)
+
+    dc = bs.block_bootstrap_ci(np.array([x.score - y.score for x, y in zip(a, b)]), block=block, seed=seed)
+    dw = bs.block_bootstrap_ci(np.array([met(x) - met(y) for x, y in zip(a, b)]), block=block, seed=seed,
+                               total=False)
+    return {"diff_correct": dc[0], "diff_correct_ci": dc[1:], "diff_within": dw[0], "diff_within_ci": dw[1:]}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def outcomes(record: dict[str, Any]) -> list[Any]:
+    cols = record["outcomes"]
+    n = len(cols["status"])
+    return [Outcome(*values) for values in zip(*(cols.get(f, [None] * n) for f in bs.OUTCOME_FIELDS))]
+
+
+def setup(args: argparse.Namespace, server: Any, dataset: str, requests: list[Any]) -> dict[str, Any]:
+    """The served front and the default configuration's service time (cached in ``<out>.setup.json``)."""
+    path = bs.path_with(args.out, ".setup.json")
+    if path.exists():
+        return json.loads(path.read_text())
+    profile = bs.profile_by_config(args.workspace)
+    tables = bs.run_tables(args.workspace, args.run_id)
+    front = bs.phase_front(server, dataset, requests, args.front_requests, args.seed, profile, tables.reference_ms,
+                           0.25)
+    bs.print_front(front)
+    order = np.random.default_rng([args.seed, 4]).permutation(len(requests))
+    pick = [requests[int(i)] for i in np.resize(order, args.calibration_warmup + args.capacity_requests)]
+    bs.run_back_to_back(server.port, dataset, [(r, None, None) for r in pick[:args.calibration_warmup]])
+    outs, wall = bs.run_back_to_back(server.port, dataset, [(r, None, None) for r in pick[args.calibration_warmup:]])
+    capacity = sum(o.status == 200 for o in outs) / wall
+    front_ms = {r["config"]: r["client_ms"] for r in front["configs"]}
+    result = {"front": front, "capacity_rps": capacity, "service_ms": 1000.0 / capacity,
+              "default_configs": dict(bs.Counter(o.knobs for o in outs if o.knobs)),
+              "cheapest_ms": front["cheapest_ms"], "slowest_front_ms": max(front_ms[c] for c in front["front"])}
+    bs.write_json(path, result)
+    print(f"capacity {capacity:.2f} requests/s (service {result['service_ms']:.0f} ms, configurations "
+          f"{result['default_configs']})", flush=True)
+    return result
+
+
+def plan_runs(args: argparse.Namespace, su: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every run of the chosen cells: kind, load, budget (None: a static judged at every budget), config."""
+    cells = args.cells.split(",")
+    statics = su["front"]["front"] if "static" in args.deciders.split(",") else []
+    ctrl = "controller" in args.deciders.split(",")
+    runs: list[dict[str, Any]] = []
+    if "grid" in cells:
+        for load in (float(v) for v in args.loads.split(",")):
+            budgets = [round(float(m) * su["service_ms"], 1) for m in args.multiples.split(",")]
+            runs += [{"kind": "controller", "load": load, "budget_ms": b, "config": None} for b in budgets if ctrl]
+            runs += [{"kind": "static", "load": load, "budget_ms": None, "config": c} for c in statics]
+    if "midway" in cells:
+        budget = round((su["cheapest_ms"] + su["slowest_front_ms"]) / 2, 1)
+        load = args.midway_load
+        runs += [{"kind": "controller", "load": load, "budget_ms": budget, "config": None}] if ctrl else []
+        runs += [{"kind": "static", "load": load, "budget_ms": None, "config": c} for c in statics
+                 if not any(r["kind"] == "static" and r["load"] == load and r["config"] == c for r in runs)]
+    if "mixed" in cells and ctrl:
+        budget = round(args.tenant_multiple * su["cheapest_ms"], 1)
+        runs += [{"kind": kind, "load": args.tenant_load, "budget_ms": budget, "config": None}
+                 for kind in ("tenant alone", "tenant mixed")]
+    return runs
+
+
+def run_key(run: dict[str, Any], label: str) -> str:
+    return f"{label}|{run['kind']}|{run['load']}|{run['budget_ms']}|{run['config']}"
+
+
+def execute(args: argparse.Namespace, server: Any, dataset: str, requests: list[Any], su: dict[str, Any],
+            run: dict[str, Any]) -> dict[str, Any]:
+    rate = run["load"] * su["capacity_rps"]
+    index, unit = bs.load_sequence(args.requests, run["load"], args.seed, len(requests))
+    knobs = None if run["config"] is None else bs.parse_config(run["config"])
+    items = [(requests[int(i)], float(t) / rate, run["budget_ms"], knobs) for i, t in zip(index, unit)]
+    tenant = len(items)
+    if run["kind"] == "tenant mixed":  # the second client's requests, interleaved by time
+        rate_b = args.impossible_load * su["capacity_rps"]
+        rng = np.random.default_rng([args.seed, 7])
+        times_b = np.cumsum(rng.exponential(1.0 / rate_b, int(items[-1][1] * rate_b * 1.2) + 10))
+        times_b = times_b[times_b <= items[-1][1]]
+        impossible_ms = round(args.impossible_multiple * su["cheapest_ms"], 1)
+        other = [(requests[int(i)], float(t), impossible_ms, None)
+                 for i, t in zip(rng.permutation(len(requests))[:len(times_b)], times_b)]
+        items = items + other
+    order = sorted(range(len(items)), key=lambda i: items[i][1])
+    if run["kind"] != "static":
+        server.restart()
+    started = time.perf_counter()
+    outs_sorted = open_loop(server.port, dataset, [items[i] for i in order])
+    outs: list[Any] = [None] * len(items)
+    for pos, i in enumerate(order):
+        outs[i] = outs_sorted[pos]
+    outs = outs[:tenant]  # the measured client's requests, in its own order
+    print(f"  {run['kind']} {run['config'] or ''} load {run['load']} budget {run['budget_ms']}: "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    return {**run, "rate_rps": rate, "outcomes": {f: [getattr(o, f) for o in outs] for f in bs.OUTCOME_FIELDS}}
+
+
+def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
+    """Markdown: per cell and label, cold and steady figures; the static configurations beside, paired."""
+    records = read_records(args.out)
+    lines = [f"capacity {su['capacity_rps']:.2f} requests/s, service {su['service_ms']:.0f} ms, cheapest front "
+             f"configuration {su['front']['cheapest']} at {su['cheapest_ms']:.0f} ms; front "
+             f"{', '.join(su['front']['front'])}", ""]
+    statics = {(r["load"], r["config"]): outcomes(r) for r in records if r["kind"] == "static"}
+    cold = args.cold
+    cells = [r for r in records if r["kind"] != "static"]
+    lines.append("| load | budget ms | decider | first {0}: within [CI] | first {0}: accuracy [CI] | steady: n "
+                 "| steady: within [CI] | steady: accuracy [CI] | cheapest share | controller - decider: correct [CI] "
+                 "| within [CI] |".format(cold))
+    lines.append("|---:|---:|---|---|---|---:|---|---|---:|---|---|")
+
+    def ci(v: Sequence[float]) -> str:
+        return f"[{v[0]:.3f}, {v[1]:.3f}]"
+
+    for r in sorted(cells, key=lambda r: (r["kind"].startswith("tenant"), r["load"], r["budget_ms"], r["label"])):
+        outs = outcomes(r)
+        b = r["budget_ms"]
+        first, rest = part_stats(outs[:cold], b), part_stats(outs[cold:], b)
+        name = f"{r['kind']} ({r['label']})"
+        lines.append(f"| {r['load']} | {b:g} | **{name}** | {first['within']:.3f} {ci(first['within_ci'])} | "
+                     f"{first['accuracy']:.3f} {ci(first['accuracy_ci'])} | {rest['n']} | {rest['within']:.3f} "
+                     f"{ci(rest['within_ci'])} | {rest['accuracy']:.3f} {ci(rest['accuracy_ci'])} | "
+                     f"{rest['cheapest_share']:.2f} | | |")
+        if r["kind"] != "controller":
+            continue
+        for (load, config), souts in sorted(statics.items()):
+            if load != r["load"] or len(souts) != len(outs):
+                continue
+            f1, s1 = part_stats(souts[:cold], b), part_stats(souts[cold:], b)
+            d = paired(outs[cold:], souts[cold:], b, args.block, args.seed)
+            lines.append(f"| {load} | {b:g} | static {config} | {f1['within']:.3f} {ci(f1['within_ci'])} | "
+                         f"{f1['accuracy']:.3f} {ci(f1['accuracy_ci'])} | {s1['n']} | {s1['within']:.3f} "
+                         f"{ci(s1['within_ci'])} | {s1['accuracy']:.3f} {ci(s1['accuracy_ci'])} | | "
+                         f"{d['diff_correct']:+.0f} [{d['diff_correct_ci'][0]:+.0f}, {d['diff_correct_ci'][1]:+.0f}] | "
+                         f"{d['diff_within']:+.3f} [{d['diff_within_ci'][0]:+.3f}, {d['diff_within_ci'][1]:+.3f}] |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--phase", choices=("run", "report"), default="run")
+    p.add_argument("--cells", default="grid,midway,mixed", help="comma-separated: grid, midway, mixed")
+    p.add_argument("--deciders", default="controller,static", help="comma-separated: controller, static")
+    p.add_argument("--workspace", type=Path, default=bs.CACHE / "serve-ws")
+    p.add_argument("--run-id", default="bench-serve")
+    p.add_argument("--source", type=Path, default=ROOT, help="the source tree the server runs from")
+    p.add_argument("--label", default="this", help="the revision's name in the records and tables")
+    p.add_argument("--bench-seed", type=int, default=4242)
+    p.add_argument("--bench-samples", type=int, default=1300)
+    p.add_argument("--front-requests", type=int, default=20)
+    p.add_argument("--calibration-warmup", type=int, default=20)
+    p.add_argument("--capacity-requests", type=int, default=60)
+    p.add_argument("--loads", default="0.5,0.7,0.9")
+    p.add_argument("--multiples", default="1.5,2,3")
+    p.add_argument("--midway-load", type=float, default=0.5)
+    p.add_argument("--tenant-multiple", type=float, default=3.0)
+    p.add_argument("--tenant-load", type=float, default=0.5)
+    p.add_argument("--impossible-multiple", type=float, default=0.5,
+                   help="the second client's budgets, x the cheapest front configuration's median")
+    p.add_argument("--impossible-load", type=float, default=0.3)
+    p.add_argument("--requests", type=int, default=1100, help="requests per run (the measured client's)")
+    p.add_argument("--cold", type=int, default=100, help="the first requests of a run, reported apart")
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--block", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=bs.CACHE / "bench_budgets.jsonl")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_path = bs.path_with(args.out, ".setup.json")
+    if args.phase == "report":
+        print(report(args, json.loads(setup_path.read_text())))
+        return
+    bs.prepare_workspace(args.workspace, args.run_id)
+    dataset, requests = bs.bench_requests(bs.CACHE / f"bench-set-{args.bench_seed}", args.bench_samples,
+                                          args.bench_seed)
+    server = bs.Server(args.workspace, args.run_id, bs.path_with(args.out, f".{args.label}.server.log"),
+                       args.max_queue, root=args.source)
+    try:
+        su = setup(args, server, dataset, requests)
+        done = {run_key(r, r["label"]) for r in read_records(args.out)}
+        runs = [r for r in plan_runs(args, su) if run_key(r, args.label) not in done]
+        seconds = sum(args.requests / (r["load"] * su["capacity_rps"]) for r in runs)
+        print(f"{len(runs)} runs to go ({args.label}): about {seconds / 60:.0f} min", flush=True)
+        for run in runs:
+            record = {"label": args.label, **execute(args, server, dataset, requests, su, run)}
+            with args.out.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+    finally:
+        server.stop()
+    print(report(args, su))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""The budget arithmetic of a served request, in one place: what the controller may spend.
+
+The engine asks :meth:`BudgetPlanner.plan` once per request, at stage 1, and gets every term of
+the answer (:class:`BudgetPlan`, one request-log column each):
+
+1. **Time spent and reserved.** ``budget_left = budget - spent - reserve``: ``spent`` runs from
+   the request's arrival to stage 1 (parsing, image decoding, the queue); ``reserve`` holds back
+   what the request will still cost outside the model's profiled path: after stage 1
+   (preprocessing at the chosen crops, stage 2, detokenisation) and after the answer's text (the
+   reply's serialisation and write, outside the server's clock), each the 90th percentile of the
+   last 64 requests.
+2. **The queue cap** (:func:`queue_cap_ms`): the most this request may take so that each request
+   already waiting can still meet its budget at the cheapest configuration.
+3. **The arrival cap** (:func:`arrival_cap_ms`): the most a request may take so that the requests
+   still to come, arriving at the rate observed (:class:`ArrivalRate`), would wait little enough
+   to meet a budget like this one ``met_target`` of the time, were every request to take that
+   long: an M/G/1 queue's waiting time (Pollaczek-Khinchine mean, exponential tail). It moves the
+   controller to cheaper configurations when arrivals come faster than its choices are served,
+   before a queue forms, and back when they slow.
+4. **The latency scale** (:class:`serve.calibration.LatencyScale`): the budget is divided by it to
+   read in the profile's milliseconds.
+5. **The margin of the request's budget class** (:func:`budget_class`): each class of budgets, by
+   their ratio to the cheapest configuration's expected time, keeps its own
+   :class:`serve.calibration.BudgetMargin`, so that a stream of budgets nothing can meet moves no
+   other class. A class aims at the smaller of ``met_target`` and what the cheapest configuration
+   would meet in it (:attr:`BudgetPlan.feasible_rate`, estimated per request from the latencies
+   just served), and its margin stops where its budgets already read as the cheapest
+   configuration's (:data:`CLASS_MARGIN_FLOORS`): beyond that it would only slow its recovery.
+6. **The cheapest rule**: a budget that reads below every configuration's reference latency takes
+   the cheapest configuration, the controller not asked (it would extrapolate).
+
+Every function here takes plain numbers; tests call them with values written out by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from serve.calibration import MARGIN_BOUNDS, BudgetMargin, LatencyScale
+
+#: the lower edges of the budget classes, in multiples of the cheapest configuration's expected time
+#: (the first class holds the budgets below it: nothing is expected to meet them)
+BUDGET_CLASS_EDGES = (1.0, 1.5, 2.0, 3.0, 5.0)
+#: per class, the lowest margin: the one at which the class's budgets read as the cheapest configuration
+#: (1 / the class's upper edge), never below the margin's own bound
+CLASS_MARGIN_FLOORS = tuple(max(MARGIN_BOUNDS[0], 1.0 / upper) for upper in (*BUDGET_CLASS_EDGES[1:], math.inf))
+#: the waiting-time quantile the arrival cap keeps within budget when the margin is off
+DEFAULT_WAIT_QUANTILE = 0.95
+#: arrivals the rate is estimated over, and the oldest one counted (s): the estimate falls to 0 a
+#: horizon after the last arrival
+ARRIVAL_WINDOW, ARRIVAL_HORIZON_S = 32, 30.0
+#: requests the reserves and the feasibility estimate look back over
+OVERHEAD_WINDOW, SERVICE_WINDOW, FEASIBLE_WINDOW = 64, 64, 64
+
+
+def budget_class(budget_ms: float, cheapest_ms: float | None) -> int:
+    """The class of a budget: 0 below ``cheapest_ms`` (the cheapest configuration's expected served
+    time), then one per interval of :data:`BUDGET_CLASS_EDGES`; 1 when the cheapest time is unknown."""
+    if cheapest_ms is None or not cheapest_ms > 0:
+        return 1
+    ratio = budget_ms / cheapest_ms
+    return sum(ratio >= edge for edge in BUDGET_CLASS_EDGES)
+
+
+def class_name(index: int) -> str:
+    """``<1x``, ``1-1.5x``, ..., ``>=5x``: the budget over the cheapest configuration's expected time."""
+    edges = BUDGET_CLASS_EDGES
+    if index == 0:
+        return f"<{edges[0]:g}x"
+    if index >= len(edges):
+        return f">={edges[-1]:g}x"
+    return f"{edges[index - 1]:g}-{edges[index]:g}x"
+
+
+def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | None:
+    """The most the request starting now may take (served ms, end to end) so that each request
+    waiting behind it can still meet its budget at the cheapest configuration.
+
+    ``time_left_ms``: the waiting requests' budget not yet spent, in queue order; the i-th (from 1)
+    also waits for the i - 1 before it, each taken at ``cheapest_ms`` (the least a request takes),
+    and then runs itself, so it needs ``t + i * cheapest_ms <= time_left_ms[i - 1]``. A waiting
+    request that cannot make it even when this one takes the cheapest configuration does not cap
+    it (it is lost either way). None when nothing caps."""
+    caps = [left - i * cheapest_ms for i, left in enumerate(time_left_ms, start=1)]
+    feasible = [cap for cap in caps if cap >= cheapest_ms]
+    return min(feasible) if feasible else None
+
+
+@dataclass(frozen=True)
+class Load:
+    """What arrives and what it costs (rates per second, times in ms).
+
+    ``rate_adjustable``: requests whose cost the controller chooses; ``rate_other``: requests whose
+    cost is not its choice (fixed knobs, budgets below the cheapest configuration), which took
+    ``other_mean_ms`` on average with second moment ``other_m2_ms2``. ``service_scv``: the squared
+    coefficient of variation of the adjustable requests' service times (0: all alike)."""
+
+    rate_adjustable: float
+    rate_other: float = 0.0
+    other_mean_ms: float = 0.0
+    other_m2_ms2: float = 0.0
+    service_scv: float = 0.0
+
+
+def wait_quantile_ms(service_ms: float, load: Load, quantile: float) -> float:
+    """The ``quantile`` of an M/G/1 queue's waiting time when every adjustable request takes
+    ``service_ms``: the Pollaczek-Khinchine mean ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) /
+    (2 (1 - rho))`` with an exponential tail, ``P(wait > t) = rho exp(-t rho / W)`` (exact for M/M/1),
+    so ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests find the server
+    free) and infinite when ``rho >= 1``."""
+    per_ms_a, per_ms_o = load.rate_adjustable / 1000.0, load.rate_other / 1000.0
+    rho = per_ms_a * service_ms + per_ms_o * load.other_mean_ms
+    if rho >= 1.0:
+        return math.inf
+    if rho <= 1.0 - quantile or rho <= 0.0:
+        return 0.0
+    second_moment = per_ms_a * (1.0 + load.service_scv) * service_ms ** 2 + per_ms_o * load.other_m2_ms2
+    mean_wait = second_moment / (2.0 * (1.0 - rho))
+    return mean_wait / rho * math.log(rho / (1.0 - quantile))
+
+
+def arrival_cap_ms(budget_ms: float, load: Load, quantile: float) -> float | None:
+    """The longest service time ``s`` with ``s + wait_quantile_ms(s) <= budget_ms`` (bisection: the
+    left side grows with ``s``); None when nothing caps (no adjustable arrivals, or the whole budget
+    fits), 0 when not even an instant request would meet the budget at this load."""
+    if load.rate_adjustable <= 0 or not budget_ms > 0:
+        return None
+    if budget_ms + wait_quantile_ms(budget_ms, load, quantile) <= budget_ms:
+        return None
+    if wait_quantile_ms(0.0, load, quantile) > budget_ms:
+        return 0.0
+    low, high = 0.0, budget_ms
+    for _ in range(60):
+        mid = (low + high) / 2
+        if mid + wait_quantile_ms(mid, load, quantile) <= budget_ms:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class ArrivalRate:
+    """Requests per second over the last ``window`` arrivals no older than ``horizon_s``:
+    ``(n - 1) / (now - oldest)``; None with fewer than three arrivals in that span."""
+
+    def __init__(self, window: int = ARRIVAL_WINDOW, horizon_s: float = ARRIVAL_HORIZON_S) -> None:
+        self.horizon_s = float(horizon_s)
+        self._times: deque[float] = deque(maxlen=int(window))
+        self._lock = threading.Lock()
+
+    def observe(self, at_s: float) -> None:
+        with self._lock:
+            self._times.append(float(at_s))
+
+    def rate(self, now_s: float) -> float | None:
+        with self._lock:
+            recent = [t for t in self._times if now_s - t <= self.horizon_s]
+        if len(recent) < 3 or now_s <= recent[0]:
+            return None
+        return (len(recent) - 1) / (now_s - recent[0])
+
+
+def _p90(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """One request's budget, every term (ms unless said; None: the term did not apply)."""
+
+    budget_ms: float
+    spent_ms: float  # arrival to stage 1
+    reserve_ms: float  # after stage 1 outside the model's path, and the reply
+    reply_reserve_ms: float  # the reply's part of reserve_ms
+    budget_left_ms: float  # budget - spent - reserve
+    queue_cap_ms: float | None  # service ms, end to end
+    arrival_rate_rps: float | None
+    arrival_cap_ms: float | None  # service ms, end to end
+    latency_scale: float
+    budget_class: str
+    budget_margin: float
+    met_target: float | None  # the class's target: min(--met-target, feasible rate)
+    feasible_rate: float | None  # the share of recent latencies at which the cheapest configuration meets this budget
+    controller_budget_ms: float  # what the controller reads, in the profile's ms
+    cheapest: bool  # below every reference latency: the cheapest configuration, the controller not asked
+
+    def record(self) -> dict[str, float | str | bool | None]:
+        return asdict(self)
+
+
+class BudgetPlanner:
+    """The server's state for budgets: reserves, arrivals, service times, the latency scale and
+    the margins of the budget classes. Thread-safe: handlers record arrivals while the worker plans."""
+
+    def __init__(self, reference_ms: Mapping[tuple[int, int, int], float], latency_scale: LatencyScale, *,
+                 met_target: float | None, queue_aware: bool = True, load_aware: bool = True) -> None:
+        self.latency_scale = latency_scale
+        reference = {k: v for k, v in reference_ms.items() if math.isfinite(v) and v > 0}
+        self.cheapest_reference_ms = min(reference.values()) if reference else None
+        self.met_target = met_target
+        self.queue_aware, self.load_aware = bool(queue_aware), bool(load_aware)
+        self.initial_margin = 1.0
+        self._margins: dict[int, BudgetMargin] = {}
+        self._feasible: dict[int, deque[float]] = {}
+        self._after: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # after stage 1, outside the model's path
+        self._reply: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # serialising and writing the reply
+        self._served: deque[tuple[float, float]] = deque(maxlen=FEASIBLE_WINDOW)  # (model / reference, after)
+        self._service: dict[bool, deque[float]] = {True: deque(maxlen=SERVICE_WINDOW),
+                                                   False: deque(maxlen=SERVICE_WINDOW)}
+        self._arrivals = {True: ArrivalRate(), False: ArrivalRate()}
+        self._lock = threading.Lock()
+
+    # -- what the server measures
+    def observe_arrival(self, at_s: float, adjustable: bool) -> None:
+        """A request entered the queue (``adjustable``: the controller will choose its cost)."""
+        self._arrivals[bool(adjustable)].observe(at_s)
+
+    def observe_served(self, *, after_ms: float, service_ms: float, adjustable: bool,
+                       model_over_reference: float | None) -> None:
+        """One request's costs: the time after stage 1 outside the model's path, the worker's time on
+        it, and its model time over its configuration's reference latency (None: no reference)."""
+        with self._lock:
+            self._after.append(max(0.0, after_ms))
+            self._service[bool(adjustable)].append(max(0.0, service_ms))
+            if model_over_reference is not None and math.isfinite(model_over_reference):
+                self._served.append((model_over_reference, max(0.0, after_ms)))
+
+    def observe_reply(self, reply_ms: float) -> None:
+        """The time from the answer's text to the reply's last byte handed to the socket."""
+        with self._lock:
+            self._reply.append(max(0.0, reply_ms))
+
+    def observe_outcome(self, plan: BudgetPlan, met: bool) -> None:
+        """Move the margin of the plan's class (not the class below the cheapest configuration)."""
+        index = self._class_index(plan.budget_class)
+        if index == 0 or self.met_target is None:
+            return
+        self._margin(index).observe(met, target=plan.met_target)
+
+    def seed_margin(self, ratios: Sequence[float]) -> float:
+        """Start every class's margin from the warm-up: the median ratio of model time to reference
+        over their 90th percentile, so that a machine whose configurations are ranked as in the
+        profile starts near 1 and one where they are not starts as careful as that spread."""
+        if self.met_target is None or not ratios:
+            return self.initial_margin
+        ordered = sorted(ratios)
+        median = ordered[len(ordered) // 2]
+        high = _p90(ordered)
+        self.initial_margin = min(1.0, max(MARGIN_BOUNDS[0], median / high)) if high > 0 else 1.0
+        with self._lock:
+            self._margins.clear()
+        return self.initial_margin
+
+    # -- the state, read
+    def reserve_ms(self) -> tuple[float, float]:
+        """(after stage 1, reply): each the 90th percentile of the last requests, 0 before the first."""
+        with self._lock:
+            return _p90(list(self._after)), _p90(list(self._reply))
+
+    def cheapest_ms(self, scale: float | None = None) -> float | None:
+        """The cheapest configuration's expected served time: its reference x the scale + the reserves."""
+        if self.cheapest_reference_ms is None:
+            return None
+        after, reply = self.reserve_ms()
+        return self.cheapest_reference_ms * (self.latency_scale.value if scale is None else scale) + after + reply
+
+    def load(self, now_s: float) -> tuple[float | None, Load | None]:
+        """(the adjustable arrival rate, the :class:`Load` now); (None, None) before three arrivals."""
+        rate_a = self._arrivals[True].rate(now_s)
+        if rate_a is None:
+            return None, None
+        rate_o = self._arrivals[False].rate(now_s) or 0.0
+        with self._lock:
+            adjustable, other = list(self._service[True]), list(self._service[False])
+        scv = 0.0
+        if len(adjustable) >= 5:
+            mean = sum(adjustable) / len(adjustable)
+            var = sum((s - mean) ** 2 for s in adjustable) / len(adjustable)
+            scv = min(3.0, var / mean ** 2) if mean > 0 else 0.0
+        mean_o = sum(other) / len(other) if other else 0.0
+        m2_o = sum(s * s for s in other) / len(other) if other else 0.0
+        return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv)
+
+    def class_of(self, budget_ms: float) -> int:
+        return budget_class(budget_ms, self.cheapest_ms())
+
+    def margin_of(self, index: int) -> float:
+        return 1.0 if self.met_target is None or index == 0 else self._margin(index).value
+
+    def margins(self) -> dict[str, float]:
+        """The margin of every class that has one."""
+        with self._lock:
+            items = sorted(self._margins.items())
+        return {class_name(i): m.value for i, m in items}
+
+    def feasible_rates(self) -> dict[str, float]:
+        with self._lock:
+            items = sorted((i, list(v)) for i, v in self._feasible.items() if v)
+        return {class_name(i): sum(v) / len(v) for i, v in items}
+
+    # -- the plan
+    def plan(self, budget_ms: float, spent_ms: float, *, now_s: float, waiting_left_ms: Sequence[float] = (),
+             fixed: bool = False) -> BudgetPlan:
+        """The budget the controller reads for a request at stage 1. ``waiting_left_ms``: the budget
+        not yet spent of each request waiting behind it, in queue order; ``fixed``: its knobs are the
+        request's own (every term recorded, none applied)."""
+        after, reply = self.reserve_ms()
+        reserve = after + reply
+        scale = self.latency_scale.value
+        budget_left = budget_ms - spent_ms - reserve
+        cheapest_ms = None if self.cheapest_reference_ms is None else self.cheapest_reference_ms * scale + reserve
+        index = budget_class(budget_ms, cheapest_ms)
+        queue_cap = None
+        if self.queue_aware and cheapest_ms is not None and waiting_left_ms and not fixed:
+            queue_cap = queue_cap_ms(waiting_left_ms, cheapest_ms - reply)
+        rate, load = self.load(now_s)
+        arrival_cap = None
+        if self.load_aware and load is not None and not fixed and index > 0:
+            quantile = self.met_target or DEFAULT_WAIT_QUANTILE
+            arrival_cap = arrival_cap_ms(budget_ms - reply, load, quantile)
+        feasible = self._feasible_rate(index, budget_ms - spent_ms - reply) if not fixed else None
+        target = None if self.met_target is None or index == 0 else (
+            self.met_target if feasible is None else min(self.met_target, feasible))
+        margin = 1.0 if fixed else self.margin_of(index)
+        decided = budget_left
+        for cap in (queue_cap, arrival_cap):
+            if cap is not None:
+                decided = min(decided, cap - after)
+        controller_budget = decided * margin / scale
+        cheapest = (not fixed and self.cheapest_reference_ms is not None
+                    and controller_budget < self.cheapest_reference_ms)
+        return BudgetPlan(budget_ms, spent_ms, reserve, reply, budget_left, queue_cap, rate, arrival_cap, scale,
+                          class_name(index), margin, target, feasible, controller_budget, cheapest)
+
+    # -- internals
+    def _margin(self, index: int) -> BudgetMargin:
+        with self._lock:
+            margin = self._margins.get(index)
+            if margin is None:
+                floor = CLASS_MARGIN_FLOORS[index - 1]
+                initial = min(MARGIN_BOUNDS[1], max(floor, self.initial_margin))
+                margin = BudgetMargin(self.met_target, bounds=(floor, MARGIN_BOUNDS[1]), initial=initial)
+                self._margins[index] = margin
+            return margin
+
+    def _feasible_rate(self, index: int, left_ms: float) -> float | None:
+        """The share of the recently served requests at whose model-time ratio and after-stage-1 cost
+        the cheapest configuration would take at most ``left_ms``; averaged over the class's recent
+        requests (None before any request was served with a reference latency)."""
+        if self.cheapest_reference_ms is None:
+            return None
+        with self._lock:
+            served = list(self._served)
+            if not served:
+                return None
+            share = sum(ratio * self.cheapest_reference_ms + after <= left_ms for ratio, after in served) / len(served)
+            history = self._feasible.setdefault(index, deque(maxlen=FEASIBLE_WINDOW))
+            history.append(share)
+            return sum(history) / len(history)
+
+    @staticmethod
+    def _class_index(name: str) -> int:
+        return next(i for i in range(len(BUDGET_CLASS_EDGES) + 1) if class_name(i) == name)

@@ -1,0 +1,162 @@
+"""serve/budget.py alone: each term of a request's budget with values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from serve.budget import (
+    CLASS_MARGIN_FLOORS,
+    ArrivalRate,
+    BudgetPlanner,
+    Load,
+    arrival_cap_ms,
+    budget_class,
+    class_name,
+    queue_cap_ms,
+    wait_quantile_ms,
+)
+from serve.calibration import BudgetMargin, LatencyScale
+
+REFERENCE = {(2, 4, 12): 20.0, (6, 8, 14): 50.0}
+
+
+def test_budget_classes_by_multiples_of_the_cheapest_configuration():
+    assert [class_name(budget_class(b, 50.0)) for b in (40.0, 50.0, 74.9, 75.0, 100.0, 149.0, 150.0, 250.0)] == [
+        "<1x", "1-1.5x", "1-1.5x", "1.5-2x", "2-3x", "2-3x", "3-5x", ">=5x"]
+    assert class_name(budget_class(10.0, None)) == "1-1.5x"  # nothing known: one class for all
+    # the floor of a class reads its budgets as the cheapest configuration's: 1 / its upper edge
+    assert CLASS_MARGIN_FLOORS[:3] == pytest.approx((1 / 1.5, 0.5, 1 / 3))
+    assert CLASS_MARGIN_FLOORS[3:] == (0.2, 0.2)  # the margin's own bound
+
+
+def test_queue_cap_by_hand():
+    assert queue_cap_ms([], 30.0) is None
+    assert queue_cap_ms([100.0, 150.0], 30.0) == 70.0  # min(100 - 30, 150 - 60)
+    assert queue_cap_ms([40.0], 30.0) is None  # lost either way: it does not cap
+
+
+def test_wait_quantile_is_exact_for_an_mm1_queue():
+    # M/M/1 at 5 requests/s, mean service 100 ms (exponential: scv 1): P(wait > t) = 0.5 exp(-0.005 t),
+    # whose 95th percentile is ln(10) / 0.005 = 460.517 ms
+    assert wait_quantile_ms(100.0, Load(5.0, service_scv=1.0), 0.95) == pytest.approx(460.517, abs=1e-3)
+    assert wait_quantile_ms(100.0, Load(0.4), 0.95) == 0.0  # rho 0.04: 96 % find the server free
+    assert wait_quantile_ms(100.0, Load(10.0), 0.95) == math.inf  # rho 1: the queue grows without bound
+    # 2/s adjustable at 100 ms beside 3/s others of 50 ms (deterministic): rho 0.35, W = (0.002 * 100^2 +
+    # 0.003 * 50^2) / (2 * 0.65) = 21.154 ms, t_95 = W / 0.35 * ln(7) = 117.610 ms
+    mixed = Load(2.0, rate_other=3.0, other_mean_ms=50.0, other_m2_ms2=2500.0)
+    assert wait_quantile_ms(100.0, mixed, 0.95) == pytest.approx(117.610, abs=1e-3)
+
+
+def test_arrival_cap_by_hand():
+    # 5 requests/s of deterministic service s: s + s / (2 (1 - 0.005 s)) ln(0.1 s) = 300 at s = 95.217 ms
+    assert arrival_cap_ms(300.0, Load(5.0), 0.95) == pytest.approx(95.217, abs=1e-2)
+    assert arrival_cap_ms(300.0, Load(0.1), 0.95) is None  # rho 0.03 at the whole budget: nothing caps
+    assert arrival_cap_ms(300.0, Load(0.0), 0.95) is None
+    # others alone hold the server 99 % of the time: even an instant request waits past the budget
+    assert arrival_cap_ms(50.0, Load(1.0, rate_other=19.8, other_mean_ms=50.0, other_m2_ms2=2500.0), 0.95) == 0.0
+
+
+def test_arrival_rate_over_recent_arrivals():
+    rate = ArrivalRate(window=32, horizon_s=30.0)
+    for t in (0.0, 0.5):
+        rate.observe(t)
+    assert rate.rate(1.0) is None  # two arrivals say nothing yet
+    for t in (1.0, 1.5):
+        rate.observe(t)
+    assert rate.rate(2.0) == pytest.approx(1.5)  # (4 - 1) / (2.0 - 0.0)
+    assert rate.rate(40.0) is None  # the last arrival left the horizon: no estimate, no cap
+    short = ArrivalRate(window=3)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        short.observe(t)
+    assert short.rate(3.0) == pytest.approx(1.0)  # the last three: (3 - 1) / (3.0 - 1.0)
+
+
+def planner(met_target: float | None = 0.95, **kwargs) -> BudgetPlanner:
+    p = BudgetPlanner(REFERENCE, LatencyScale(REFERENCE, fixed=2.0), met_target=met_target, **kwargs)
+    for _ in range(10):
+        p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=None)
+        p.observe_reply(2.0)
+    return p
+
+
+def test_a_plan_without_load():
+    plan = planner().plan(200.0, 30.0, now_s=100.0)
+    assert plan.reserve_ms == 12.0 and plan.reply_reserve_ms == 2.0
+    assert plan.budget_left_ms == 158.0  # 200 - 30 - 12
+    # the cheapest configuration is expected to take 20 x 2 + 12 = 52 ms: 200 / 52 = 3.8
+    assert plan.budget_class == "3-5x" and plan.budget_margin == 1.0 and plan.met_target == 0.95
+    assert plan.queue_cap_ms is None and plan.arrival_rate_rps is None and plan.arrival_cap_ms is None
+    assert plan.feasible_rate is None  # nothing served with a reference latency yet
+    assert plan.controller_budget_ms == 79.0 and not plan.cheapest  # 158 x 1 / 2
+
+
+def test_the_queue_and_the_arrivals_cap_the_plan():
+    p = planner()
+    # one request waits with 105 ms left: it needs 52 - 2 = 50 ms after this one, so this one may take 55
+    plan = p.plan(200.0, 30.0, now_s=100.0, waiting_left_ms=[105.0])
+    assert plan.queue_cap_ms == 55.0 and plan.controller_budget_ms == 22.5  # (55 - 10) / 2
+    for i in range(11):  # ten requests a second whose cost the controller chooses
+        p.observe_arrival(100.0 + i / 10, adjustable=True)
+    plan = p.plan(200.0, 0.0, now_s=101.0)
+    assert plan.arrival_rate_rps == pytest.approx(10.0)
+    # budget less the reply's 2 ms: s + s / (2 (1 - 0.01 s)) ln(0.2 s) = 198 at s = 54.555 ms (service times
+    # alike: the ten recorded were all 60 ms)
+    assert plan.arrival_cap_ms == pytest.approx(54.555, abs=1e-2)
+    assert plan.controller_budget_ms == pytest.approx((54.555 - 10.0) / 2, abs=1e-2)
+    # requests with fixed knobs are never capped (the terms are recorded, none applied)
+    fixed = p.plan(200.0, 0.0, now_s=101.0, waiting_left_ms=[105.0], fixed=True)
+    assert fixed.queue_cap_ms is None and fixed.arrival_cap_ms is None and fixed.controller_budget_ms == 94.0
+
+
+def test_below_every_reference_the_cheapest_rule_applies():
+    plan = planner().plan(45.0, 0.0, now_s=1.0)  # (45 - 12) / 2 = 16.5 < 20
+    assert plan.cheapest and plan.budget_class == "<1x" and plan.met_target is None
+
+
+def test_each_budget_class_keeps_its_own_margin():
+    p = planner()
+    wide, tight, impossible = (p.plan(b, 0.0, now_s=1.0) for b in (200.0, 60.0, 45.0))
+    assert (wide.budget_class, tight.budget_class, impossible.budget_class) == ("3-5x", "1-1.5x", "<1x")
+    for _ in range(50):  # a stream of budgets nothing can meet, all missed
+        p.observe_outcome(impossible, met=False)
+    assert p.plan(200.0, 0.0, now_s=1.0).budget_margin == 1.0  # untouched
+    p.observe_outcome(wide, met=False)
+    assert p.plan(200.0, 0.0, now_s=1.0).budget_margin == pytest.approx(math.exp(-0.095))
+    assert p.plan(60.0, 0.0, now_s=1.0).budget_margin == 1.0
+    for _ in range(50):
+        p.observe_outcome(tight, met=False)
+    # down to where its budgets read as the cheapest configuration, not further
+    assert p.plan(60.0, 0.0, now_s=1.0).budget_margin == pytest.approx(1 / 1.5)
+    assert p.margins() == {"1-1.5x": pytest.approx(1 / 1.5), "3-5x": pytest.approx(math.exp(-0.095))}
+
+
+def test_the_target_drops_to_what_the_cheapest_configuration_meets():
+    p = planner()
+    for ratio in (1.0, 2.0, 3.0, 4.0):  # the cheapest (20 ms) at these ratios, plus 10 ms after: 30, 50, 70, 90
+        p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=ratio)
+    plan = p.plan(70.0, 0.0, now_s=1.0)  # 68 ms once the reply is taken off: two of the four fit
+    assert plan.feasible_rate == 0.5 and plan.met_target == 0.5
+    later = p.plan(100.0, 0.0, now_s=1.0)  # another class: its own history (98 ms: all four fit)
+    assert later.feasible_rate == 1.0 and later.met_target == 0.95
+    again = p.plan(72.0, 0.0, now_s=1.0)  # 70 ms: three of four; the class's mean of 0.5 and 0.75
+    assert again.feasible_rate == pytest.approx(0.625) and again.met_target == pytest.approx(0.625)
+    # a miss at a target of 0.625 moves the margin by 0.1 x 0.625 (not 0.95)
+    p.observe_outcome(again, met=False)
+    assert p.plan(72.0, 0.0, now_s=1.0).budget_margin == pytest.approx(math.exp(-0.0625))
+
+
+def test_the_warm_up_seeds_every_margin():
+    p = planner()
+    ratios = [1.0] * 9 + [1.25]  # median 1, 90th percentile 1.25
+    assert p.seed_margin(ratios) == pytest.approx(0.8)
+    assert p.plan(200.0, 0.0, now_s=1.0).budget_margin == pytest.approx(0.8)
+    off = planner(met_target=None)
+    assert off.seed_margin(ratios) == 1.0 and off.plan(200.0, 0.0, now_s=1.0).budget_margin == 1.0
+
+
+def test_a_margin_observed_at_a_lower_target():
+    margin = BudgetMargin(0.95)
+    assert margin.observe(False, target=0.5) == pytest.approx(math.exp(-0.05))
+    assert margin.observe(True, target=0.99) == pytest.approx(math.exp(-0.05 + 0.1 * 0.05))  # never above its own
