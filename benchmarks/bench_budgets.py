@@ -292,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(report(args, json.loads(setup_path.read_text())))
         return
     bs.prepare_workspace(args.workspace, args.run_id)
+    import runtime.scoring  # noqa: F401  (imported here: its first import inside the client threads stalls them all)
     dataset, requests = bs.bench_requests(bs.CACHE / f"bench-set-{args.bench_seed}", args.bench_samples,
                                           args.bench_seed)
     server = bs.Server(args.workspace, args.run_id, bs.path_with(args.out, f".{args.label}.server.log"),

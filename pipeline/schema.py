@@ -485,8 +485,8 @@ REQUESTS = TableSchema(
         Column("arrival_rate_rps", _D, "requests per second whose cost the controller chooses, over the last "
                                        "arrivals (docs/serving.md#load-aware-budgets); null before three", "1/s"),
         Column("arrival_cap_ms", _D, "the most a request could take so that the requests still to come, at that "
-                                     "arrival rate, would meet a budget like this one met_target of the time (an "
-                                     "M/G/1 queue's waiting time); null when nothing capped it", "ms"),
+                                     "arrival rate, would on average meet a budget like this one (an M/G/1 queue's "
+                                     "mean waiting time); null without an arrival rate", "ms"),
         Column("latency_scale", _D, "this machine's model time per ms of the controller's training latencies "
                                     "(docs/serving.md#latency-calibration)"),
         Column("budget_class", _S, "the budget over the cheapest configuration's expected time: <1x, 1-1.5x, "

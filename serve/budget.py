@@ -12,11 +12,11 @@ the answer (:class:`BudgetPlan`, one request-log column each):
 2. **The queue cap** (:func:`queue_cap_ms`): the most this request may take so that each request
    already waiting can still meet its budget at the cheapest configuration.
 3. **The arrival cap** (:func:`arrival_cap_ms`): the most a request may take so that the requests
-   still to come, arriving at the rate observed (:class:`ArrivalRate`), would wait little enough
-   to meet a budget like this one ``met_target`` of the time, were every request to take that
-   long: an M/G/1 queue's waiting time (Pollaczek-Khinchine mean, exponential tail). It moves the
-   controller to cheaper configurations when arrivals come faster than its choices are served,
-   before a queue forms, and back when they slow.
+   still to come, arriving at the rate observed (:class:`ArrivalRate`), would on average wait
+   little enough to meet a budget like this one, were every request to take that long: an M/G/1
+   queue's mean waiting time (Pollaczek-Khinchine). It moves the controller to cheaper
+   configurations when arrivals come faster than its choices are served, before a queue forms,
+   and back when they slow; the tail beyond the mean is the margin's to keep.
 4. **The latency scale** (:class:`serve.calibration.LatencyScale`): the budget is divided by it to
    read in the profile's milliseconds.
 5. **The margin of the request's budget class** (:func:`budget_class`): each class of budgets, by
@@ -48,11 +48,9 @@ BUDGET_CLASS_EDGES = (1.0, 1.5, 2.0, 3.0, 5.0)
 #: per class, the lowest margin: the one at which the class's budgets read as the cheapest configuration
 #: (1 / the class's upper edge), never below the margin's own bound
 CLASS_MARGIN_FLOORS = tuple(max(MARGIN_BOUNDS[0], 1.0 / upper) for upper in (*BUDGET_CLASS_EDGES[1:], math.inf))
-#: the waiting-time quantile the arrival cap keeps within budget when the margin is off
-DEFAULT_WAIT_QUANTILE = 0.95
-#: arrivals the rate is estimated over, and the oldest one counted (s): the estimate falls to 0 a
-#: horizon after the last arrival
-ARRIVAL_WINDOW, ARRIVAL_HORIZON_S = 32, 30.0
+#: arrivals the rate is estimated over, the fewest that give an estimate, and the oldest one counted
+#: (s): there is no estimate (and no cap) a horizon after the last arrival
+ARRIVAL_WINDOW, ARRIVAL_MIN, ARRIVAL_HORIZON_S = 32, 5, 30.0
 #: requests the reserves and the feasibility estimate look back over
 OVERHEAD_WINDOW, SERVICE_WINDOW, FEASIBLE_WINDOW = 64, 64, 64
 
@@ -106,37 +104,44 @@ class Load:
     service_scv: float = 0.0
 
 
+def mean_wait_ms(service_ms: float, load: Load) -> float:
+    """An M/G/1 queue's mean waiting time when every adjustable request takes ``service_ms`` (the
+    Pollaczek-Khinchine formula ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) / (2 (1 - rho))``, with
+    ``E[S_a^2] = (1 + scv) service_ms^2``); infinite when ``rho >= 1``."""
+    per_ms_a, per_ms_o = load.rate_adjustable / 1000.0, load.rate_other / 1000.0
+    rho = per_ms_a * service_ms + per_ms_o * load.other_mean_ms
+    if rho >= 1.0:
+        return math.inf
+    second_moment = per_ms_a * (1.0 + load.service_scv) * service_ms ** 2 + per_ms_o * load.other_m2_ms2
+    return second_moment / (2.0 * (1.0 - rho))
+
+
 def wait_quantile_ms(service_ms: float, load: Load, quantile: float) -> float:
-    """The ``quantile`` of an M/G/1 queue's waiting time when every adjustable request takes
-    ``service_ms``: the Pollaczek-Khinchine mean ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) /
-    (2 (1 - rho))`` with an exponential tail, ``P(wait > t) = rho exp(-t rho / W)`` (exact for M/M/1),
-    so ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests find the server
-    free) and infinite when ``rho >= 1``."""
+    """The ``quantile`` of that waiting time with an exponential tail, ``P(wait > t) = rho exp(-t rho /
+    W)`` (exact for M/M/1): ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests
+    find the server free). The cap does not use it (docs/decisions.md: it read the queue as if no cap
+    shortened it); it is here for the docs' arithmetic and for comparisons."""
     per_ms_a, per_ms_o = load.rate_adjustable / 1000.0, load.rate_other / 1000.0
     rho = per_ms_a * service_ms + per_ms_o * load.other_mean_ms
     if rho >= 1.0:
         return math.inf
     if rho <= 1.0 - quantile or rho <= 0.0:
         return 0.0
-    second_moment = per_ms_a * (1.0 + load.service_scv) * service_ms ** 2 + per_ms_o * load.other_m2_ms2
-    mean_wait = second_moment / (2.0 * (1.0 - rho))
-    return mean_wait / rho * math.log(rho / (1.0 - quantile))
+    return mean_wait_ms(service_ms, load) / rho * math.log(rho / (1.0 - quantile))
 
 
-def arrival_cap_ms(budget_ms: float, load: Load, quantile: float) -> float | None:
-    """The longest service time ``s`` with ``s + wait_quantile_ms(s) <= budget_ms`` (bisection: the
-    left side grows with ``s``); None when nothing caps (no adjustable arrivals, or the whole budget
-    fits), 0 when not even an instant request would meet the budget at this load."""
+def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
+    """The longest service time ``s`` with ``s + mean_wait_ms(s) <= budget_ms`` (bisection: the left
+    side grows with ``s``); None without adjustable arrivals, 0 when not even an instant request would
+    meet the budget at this load."""
     if load.rate_adjustable <= 0 or not budget_ms > 0:
         return None
-    if budget_ms + wait_quantile_ms(budget_ms, load, quantile) <= budget_ms:
-        return None
-    if wait_quantile_ms(0.0, load, quantile) > budget_ms:
+    if mean_wait_ms(0.0, load) > budget_ms:
         return 0.0
     low, high = 0.0, budget_ms
     for _ in range(60):
         mid = (low + high) / 2
-        if mid + wait_quantile_ms(mid, load, quantile) <= budget_ms:
+        if mid + mean_wait_ms(mid, load) <= budget_ms:
             low = mid
         else:
             high = mid
@@ -145,10 +150,11 @@ def arrival_cap_ms(budget_ms: float, load: Load, quantile: float) -> float | Non
 
 class ArrivalRate:
     """Requests per second over the last ``window`` arrivals no older than ``horizon_s``:
-    ``(n - 1) / (now - oldest)``; None with fewer than three arrivals in that span."""
+    ``(n - 1) / (now - oldest)``; None with fewer than ``minimum`` arrivals in that span."""
 
-    def __init__(self, window: int = ARRIVAL_WINDOW, horizon_s: float = ARRIVAL_HORIZON_S) -> None:
-        self.horizon_s = float(horizon_s)
+    def __init__(self, window: int = ARRIVAL_WINDOW, horizon_s: float = ARRIVAL_HORIZON_S,
+                 minimum: int = ARRIVAL_MIN) -> None:
+        self.horizon_s, self.minimum = float(horizon_s), max(2, int(minimum))
         self._times: deque[float] = deque(maxlen=int(window))
         self._lock = threading.Lock()
 
@@ -159,7 +165,7 @@ class ArrivalRate:
     def rate(self, now_s: float) -> float | None:
         with self._lock:
             recent = [t for t in self._times if now_s - t <= self.horizon_s]
-        if len(recent) < 3 or now_s <= recent[0]:
+        if len(recent) < self.minimum or now_s <= recent[0]:
             return None
         return (len(recent) - 1) / (now_s - recent[0])
 
@@ -272,7 +278,7 @@ class BudgetPlanner:
         return self.cheapest_reference_ms * (self.latency_scale.value if scale is None else scale) + after + reply
 
     def load(self, now_s: float) -> tuple[float | None, Load | None]:
-        """(the adjustable arrival rate, the :class:`Load` now); (None, None) before three arrivals."""
+        """(the adjustable arrival rate, the :class:`Load` now); (None, None) before enough arrivals."""
         rate_a = self._arrivals[True].rate(now_s)
         if rate_a is None:
             return None, None
@@ -323,8 +329,7 @@ class BudgetPlanner:
         rate, load = self.load(now_s)
         arrival_cap = None
         if self.load_aware and load is not None and not fixed and index > 0:
-            quantile = self.met_target or DEFAULT_WAIT_QUANTILE
-            arrival_cap = arrival_cap_ms(budget_ms - reply, load, quantile)
+            arrival_cap = arrival_cap_ms(budget_ms - reply, load)
         feasible = self._feasible_rate(index, budget_ms - spent_ms - reply) if not fixed else None
         target = None if self.met_target is None or index == 0 else (
             self.met_target if feasible is None else min(self.met_target, feasible))

@@ -75,7 +75,8 @@ class ServeConfig:
         "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets)."))
     load_aware: bool = field(default=True, metadata=_help(
         "Cap the budget the controller reads by what the requests still to come, at the arrival rate observed, "
-        "need to meet budgets like it: an M/G/1 queue's waiting time (docs/serving.md#load-aware-budgets)."))
+        "need to meet budgets like it on average: an M/G/1 queue's mean waiting time "
+        "(docs/serving.md#load-aware-budgets)."))
     met_target: float = field(default=0.95, metadata=_help(
         "The share of controller-decided requests to answer within their budget: the budget the controller reads "
         "is multiplied by a margin that falls after each request that missed and rises after each that met, so "

@@ -223,7 +223,7 @@ class Engine:
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
         adjustable = job.request.knobs is None and self.planner.class_of(job.budget_ms) > 0
-        self.planner.observe_arrival(job.enqueued, adjustable)
+        self.planner.observe_arrival(job.arrival, adjustable)  # when it reached the server, not when parsed
         self._jobs.put(job)
 
     def _refuse_if_full(self) -> None:

@@ -14,6 +14,7 @@ from serve.budget import (
     arrival_cap_ms,
     budget_class,
     class_name,
+    mean_wait_ms,
     queue_cap_ms,
     wait_quantile_ms,
 )
@@ -37,37 +38,41 @@ def test_queue_cap_by_hand():
     assert queue_cap_ms([40.0], 30.0) is None  # lost either way: it does not cap
 
 
-def test_wait_quantile_is_exact_for_an_mm1_queue():
-    # M/M/1 at 5 requests/s, mean service 100 ms (exponential: scv 1): P(wait > t) = 0.5 exp(-0.005 t),
-    # whose 95th percentile is ln(10) / 0.005 = 460.517 ms
+def test_waiting_times_are_exact_for_an_mm1_queue():
+    # M/M/1 at 5 requests/s, mean service 100 ms (exponential: scv 1): mean wait rho / (mu - lambda) =
+    # 0.5 / (0.01 - 0.005) = 100 ms; P(wait > t) = 0.5 exp(-0.005 t), 95th percentile ln(10) / 0.005 = 460.517 ms
+    assert mean_wait_ms(100.0, Load(5.0, service_scv=1.0)) == pytest.approx(100.0)
+    assert mean_wait_ms(100.0, Load(5.0)) == pytest.approx(50.0)  # deterministic service: half of M/M/1's
     assert wait_quantile_ms(100.0, Load(5.0, service_scv=1.0), 0.95) == pytest.approx(460.517, abs=1e-3)
     assert wait_quantile_ms(100.0, Load(0.4), 0.95) == 0.0  # rho 0.04: 96 % find the server free
     assert wait_quantile_ms(100.0, Load(10.0), 0.95) == math.inf  # rho 1: the queue grows without bound
     # 2/s adjustable at 100 ms beside 3/s others of 50 ms (deterministic): rho 0.35, W = (0.002 * 100^2 +
     # 0.003 * 50^2) / (2 * 0.65) = 21.154 ms, t_95 = W / 0.35 * ln(7) = 117.610 ms
     mixed = Load(2.0, rate_other=3.0, other_mean_ms=50.0, other_m2_ms2=2500.0)
+    assert mean_wait_ms(100.0, mixed) == pytest.approx(21.154, abs=1e-3)
     assert wait_quantile_ms(100.0, mixed, 0.95) == pytest.approx(117.610, abs=1e-3)
+    assert mean_wait_ms(100.0, Load(10.0)) == math.inf
 
 
 def test_arrival_cap_by_hand():
-    # 5 requests/s of deterministic service s: s + s / (2 (1 - 0.005 s)) ln(0.1 s) = 300 at s = 95.217 ms
-    assert arrival_cap_ms(300.0, Load(5.0), 0.95) == pytest.approx(95.217, abs=1e-2)
-    assert arrival_cap_ms(300.0, Load(0.1), 0.95) is None  # rho 0.03 at the whole budget: nothing caps
-    assert arrival_cap_ms(300.0, Load(0.0), 0.95) is None
+    # 5 requests/s of deterministic service s: s + 0.005 s^2 / (2 (1 - 0.005 s)) = 300 at s = 139.445 ms
+    assert arrival_cap_ms(300.0, Load(5.0)) == pytest.approx(139.445, abs=1e-2)
+    # 0.1 requests/s: s + 0.0001 s^2 / (2 (1 - 0.0001 s)) = 300 at s = 295.501 ms: a light load barely caps
+    assert arrival_cap_ms(300.0, Load(0.1)) == pytest.approx(295.501, abs=1e-2)
+    assert arrival_cap_ms(300.0, Load(0.0)) is None
     # others alone hold the server 99 % of the time: even an instant request waits past the budget
-    assert arrival_cap_ms(50.0, Load(1.0, rate_other=19.8, other_mean_ms=50.0, other_m2_ms2=2500.0), 0.95) == 0.0
+    assert arrival_cap_ms(50.0, Load(1.0, rate_other=19.8, other_mean_ms=50.0, other_m2_ms2=2500.0)) == 0.0
 
 
 def test_arrival_rate_over_recent_arrivals():
-    rate = ArrivalRate(window=32, horizon_s=30.0)
-    for t in (0.0, 0.5):
+    rate = ArrivalRate(window=32, horizon_s=30.0, minimum=5)
+    for t in (0.0, 0.5, 1.0, 1.5):
         rate.observe(t)
-    assert rate.rate(1.0) is None  # two arrivals say nothing yet
-    for t in (1.0, 1.5):
-        rate.observe(t)
-    assert rate.rate(2.0) == pytest.approx(1.5)  # (4 - 1) / (2.0 - 0.0)
+    assert rate.rate(2.0) is None  # four arrivals say nothing yet
+    rate.observe(2.0)
+    assert rate.rate(2.5) == pytest.approx(1.6)  # (5 - 1) / (2.5 - 0.0)
     assert rate.rate(40.0) is None  # the last arrival left the horizon: no estimate, no cap
-    short = ArrivalRate(window=3)
+    short = ArrivalRate(window=3, minimum=3)
     for t in (0.0, 1.0, 2.0, 3.0):
         short.observe(t)
     assert short.rate(3.0) == pytest.approx(1.0)  # the last three: (3 - 1) / (3.0 - 1.0)
@@ -101,10 +106,10 @@ def test_the_queue_and_the_arrivals_cap_the_plan():
         p.observe_arrival(100.0 + i / 10, adjustable=True)
     plan = p.plan(200.0, 0.0, now_s=101.0)
     assert plan.arrival_rate_rps == pytest.approx(10.0)
-    # budget less the reply's 2 ms: s + s / (2 (1 - 0.01 s)) ln(0.2 s) = 198 at s = 54.555 ms (service times
+    # budget less the reply's 2 ms: s + 0.01 s^2 / (2 (1 - 0.01 s)) = 198 at s = 76.180 ms (service times
     # alike: the ten recorded were all 60 ms)
-    assert plan.arrival_cap_ms == pytest.approx(54.555, abs=1e-2)
-    assert plan.controller_budget_ms == pytest.approx((54.555 - 10.0) / 2, abs=1e-2)
+    assert plan.arrival_cap_ms == pytest.approx(76.180, abs=1e-2)
+    assert plan.controller_budget_ms == pytest.approx((76.180 - 10.0) / 2, abs=1e-2)
     # requests with fixed knobs are never capped (the terms are recorded, none applied)
     fixed = p.plan(200.0, 0.0, now_s=101.0, waiting_left_ms=[105.0], fixed=True)
     assert fixed.queue_cap_ms is None and fixed.arrival_cap_ms is None and fixed.controller_budget_ms == 94.0
