@@ -263,6 +263,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", default="bench-serve")
     p.add_argument("--source", type=Path, default=ROOT, help="the source tree the server runs from")
     p.add_argument("--label", default="this", help="the revision's name in the records and tables")
+    p.add_argument("--server-flags", default="", help="extra `ctrl serve` options of the controller runs, e.g. "
+                   "'--no-load-aware' (give the variant its own --label)")
     p.add_argument("--bench-seed", type=int, default=4242)
     p.add_argument("--bench-samples", type=int, default=1300)
     p.add_argument("--front-requests", type=int, default=20)
@@ -295,8 +297,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import runtime.scoring  # noqa: F401  (imported here: its first import inside the client threads stalls them all)
     dataset, requests = bs.bench_requests(bs.CACHE / f"bench-set-{args.bench_seed}", args.bench_samples,
                                           args.bench_seed)
-    server = bs.Server(args.workspace, args.run_id, bs.path_with(args.out, f".{args.label}.server.log"),
-                       args.max_queue, root=args.source)
+    label_file = "".join(c if c.isalnum() else "-" for c in args.label)
+    server = bs.Server(args.workspace, args.run_id, bs.path_with(args.out, f".{label_file}.server.log"),
+                       args.max_queue, flags=args.server_flags.split(), root=args.source)
     try:
         su = setup(args, server, dataset, requests)
         done = {run_key(r, r["label"]) for r in read_records(args.out)}
