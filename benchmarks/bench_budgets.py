@@ -254,6 +254,124 @@ def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def steady_cells(args: argparse.Namespace) -> dict[tuple[str, str, float, float], tuple[dict, list[Any]]]:
+    """(label, kind, load, budget) -> (steady figures, outcomes) of every controller run; statics under
+    label "static" and kind = their configuration, one entry per budget some controller run was judged at."""
+    records = read_records(args.out)
+    runs = [r for r in records if r["kind"] != "static"]
+    out: dict[tuple[str, str, float, float], tuple[dict, list[Any]]] = {}
+    for r in runs:
+        outs = outcomes(r)
+        out[(r["label"], r["kind"], r["load"], r["budget_ms"])] = (part_stats(outs[args.cold:], r["budget_ms"]), outs)
+    for r in (r for r in records if r["kind"] == "static"):
+        outs = outcomes(r)
+        for budget in {b for (_, k, ld, b) in out if k == "controller" and ld == r["load"]}:
+            out[("static", r["config"], r["load"], budget)] = (part_stats(outs[args.cold:], budget), outs)
+    return out
+
+
+def check_targets(args: argparse.Namespace, su: dict[str, Any], label: str = "this") -> list[str]:
+    """The targets of the budgets benchmark, one line each (PASS / FAIL / MISSING)."""
+    cells = steady_cells(args)
+    lines = []
+    service = su["service_ms"]
+
+    def beats_statics(load: float, budget: float, ctrl: tuple[dict, list[Any]]) -> tuple[bool, str]:
+        stats, outs = ctrl
+        rivals = [(c, s, o) for (lab, c, ld, b), (s, o) in cells.items()
+                  if lab == "static" and ld == load and b == budget and s["within"] >= stats["within"]]
+        worst = []
+        ok = True
+        for config, _, souts in rivals:
+            d = paired(outs[args.cold:], souts[args.cold:], budget, args.block, args.seed)
+            ok &= d["diff_correct"] > 0
+            worst.append((d["diff_correct"], config, d["diff_correct_ci"]))
+        if not worst:
+            return True, "no static configuration meets budgets as often"
+        d, config, ci = min(worst)
+        return ok, (f"{len(rivals)} static configurations meet budgets as often; least gain {d:+.0f} "
+                    f"[{ci[0]:+.0f}, {ci[1]:+.0f}] correct against {config}")
+
+    def cold_stats(key: tuple[str, str, float, float]) -> dict:
+        return part_stats(cells[key][1][:args.cold], key[3])
+
+    for load, floor, cold_floor in ((0.7, 0.95, 0.95), (0.9, 0.90, None)):
+        key = (label, "controller", load, round(3 * service, 1))
+        if key not in cells:
+            lines.append(f"MISSING load {load}, budgets 3x")
+            continue
+        stats = cells[key][0]
+        ok, why = beats_statics(load, key[3], cells[key])
+        cold = cold_stats(key)["within"]
+        within_ok = stats["within"] >= floor and (cold_floor is None or cold >= cold_floor)
+        lines.append(f"{'PASS' if ok and within_ok else 'FAIL'} load {load}, budgets 3x ({key[3]:g} ms): within "
+                     f"{cold:.3f} first {args.cold}, {stats['within']:.3f} steady (>= {floor}); {why}")
+    alone = next((v for k, v in cells.items() if k[0] == label and k[1] == "tenant alone"), None)
+    mixed = next((v for k, v in cells.items() if k[0] == label and k[1] == "tenant mixed"), None)
+    if alone and mixed:
+        a, m = alone[0], mixed[0]
+        ok = (a["within_ci"][0] <= m["within"] <= a["within_ci"][1]
+              and a["accuracy_ci"][0] <= m["accuracy"] <= a["accuracy_ci"][1])
+        lines.append(f"{'PASS' if ok else 'FAIL'} mixed tenants: within {m['within']:.3f} beside the other client, "
+                     f"{a['within']:.3f} [{a['within_ci'][0]:.3f}, {a['within_ci'][1]:.3f}] alone; accuracy "
+                     f"{m['accuracy']:.3f}, {a['accuracy']:.3f} [{a['accuracy_ci'][0]:.3f}, {a['accuracy_ci'][1]:.3f}]")
+    else:
+        lines.append("MISSING mixed tenants")
+    midway = round((su["cheapest_ms"] + su["slowest_front_ms"]) / 2, 1)
+    key = (label, "controller", args.midway_load, midway)
+    cheapest = cells.get(("static", su["front"]["cheapest"], args.midway_load, midway))
+    if key in cells and cheapest:
+        stats = cells[key][0]
+        ok, why = beats_statics(args.midway_load, midway, cells[key])
+        within_ok = stats["within"] >= cheapest[0]["within"]
+        verdict = "PASS" if ok and within_ok else "FAIL"
+        lines.append(f"{verdict} midway ({midway:g} ms, load {args.midway_load}): within {stats['within']:.3f}, "
+                     f"the cheapest configuration {cheapest[0]['within']:.3f}; {why}")
+    else:
+        lines.append("MISSING midway")
+    return lines
+
+
+def plot(args: argparse.Namespace, path: Path) -> None:
+    """Per controller cell: steady within-budget rate against accuracy, the controllers of every label
+    and the static configurations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = steady_cells(args)
+    panels = sorted({(ld, b) for (lab, k, ld, b) in cells if k == "controller"})
+    if not panels:
+        return
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    markers = {"this": ("*", "tab:red", 160), "previous": ("s", "tab:blue", 60)}
+    for ax, (load, budget) in zip(axes.flat, panels):
+        for (lab, kind, ld, b), (s, _) in cells.items():
+            if (ld, b) != (load, budget):
+                continue
+            if lab == "static":
+                ax.scatter(s["within"], s["accuracy"], c="0.6", s=18)
+                ax.annotate(kind, (s["within"], s["accuracy"]), fontsize=6, color="0.4")
+            elif kind == "controller":
+                marker, color, size = markers.get(lab, ("^", "tab:green", 60))
+                ax.scatter(s["within"], s["accuracy"], marker=marker, c=color, s=size, label=f"controller ({lab})",
+                           zorder=3)
+        ax.set_title(f"load {load:g}, budget {budget:g} ms", fontsize=9)
+        ax.set_xlabel("within budget (steady)", fontsize=8)
+        ax.set_ylabel("accuracy (steady)", fontsize=8)
+        ax.axvline(0.95, color="0.8", lw=0.8, ls="--")
+        ax.tick_params(labelsize=7)
+    axes.flat[0].legend(fontsize=7, loc="lower left")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--phase", choices=("run", "report"), default="run")
@@ -284,6 +402,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=bs.CACHE / "bench_budgets.jsonl")
+    p.add_argument("--plot", type=Path, default=None, help="write the plot here (phase report)")
     return p.parse_args(argv)
 
 
@@ -291,7 +410,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     setup_path = bs.path_with(args.out, ".setup.json")
     if args.phase == "report":
-        print(report(args, json.loads(setup_path.read_text())))
+        su = json.loads(setup_path.read_text())
+        print(report(args, su))
+        print("\n".join(check_targets(args, su)))
+        if args.plot:
+            plot(args, args.plot)
         return
     bs.prepare_workspace(args.workspace, args.run_id)
     import runtime.scoring  # noqa: F401  (imported here: its first import inside the client threads stalls them all)

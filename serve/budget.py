@@ -23,8 +23,8 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    their ratio to the cheapest configuration's expected time, keeps its own
    :class:`serve.calibration.BudgetMargin`, so that a stream of budgets nothing can meet moves no
    other class. A class aims at the smaller of ``met_target`` and what the cheapest configuration
-   would meet in it (:attr:`BudgetPlan.feasible_rate`, estimated per request from the latencies
-   just served), and its margin stops where its budgets already read as the cheapest
+   would meet in it (:func:`cheapest_met_share`: the latencies just served, at the cheapest
+   configuration's reference, queued at the arrival rate observed), and its margin stops where its budgets already read as the cheapest
    configuration's (:data:`CLASS_MARGIN_FLOORS`): beyond that it would only slow its recovery.
 6. **The cheapest rule**: a budget that reads below every configuration's reference latency takes
    the cheapest configuration, the controller not asked (it would extrapolate).
@@ -148,6 +148,29 @@ def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
     return low
 
 
+def cheapest_met_share(costs_ms: Sequence[float], budget_ms: float, rate_per_s: float) -> float:
+    """The share of requests the cheapest configuration would answer within ``budget_ms`` were every
+    request served with it: each of ``costs_ms`` (what it would take, on the machine as the recently
+    served requests found it) waits in an M/G/1 queue of those costs at ``rate_per_s``,
+    ``P(wait <= t) = 1 - rho exp(-t rho / W)`` (the Pollaczek-Khinchine mean ``W``, an exponential tail);
+    the mean of ``P(wait <= budget - cost)`` over the costs. 0 where that queue is unstable."""
+    if not costs_ms:
+        return math.nan
+    per_ms = max(0.0, rate_per_s) / 1000.0
+    mean = sum(costs_ms) / len(costs_ms)
+    rho = per_ms * mean
+    if rho >= 1.0:
+        return 0.0
+    mean_wait = per_ms * sum(c * c for c in costs_ms) / len(costs_ms) / (2.0 * (1.0 - rho))
+    share = 0.0
+    for cost in costs_ms:
+        slack = budget_ms - cost
+        if slack < 0:
+            continue
+        share += 1.0 if rho == 0.0 or mean_wait == 0.0 else 1.0 - rho * math.exp(-slack * rho / mean_wait)
+    return share / len(costs_ms)
+
+
 class ArrivalRate:
     """Requests per second over the last ``window`` arrivals no older than ``horizon_s``:
     ``(n - 1) / (now - oldest)``; None with fewer than ``minimum`` arrivals in that span."""
@@ -193,7 +216,7 @@ class BudgetPlan:
     budget_class: str
     budget_margin: float
     met_target: float | None  # the class's target: min(--met-target, feasible rate)
-    feasible_rate: float | None  # the share of recent latencies at which the cheapest configuration meets this budget
+    feasible_rate: float | None  # the class's recent share the cheapest configuration would meet (cheapest_met_share)
     controller_budget_ms: float  # what the controller reads, in the profile's ms
     cheapest: bool  # below every reference latency: the cheapest configuration, the controller not asked
 
@@ -330,7 +353,8 @@ class BudgetPlanner:
         arrival_cap = None
         if self.load_aware and load is not None and not fixed and index > 0:
             arrival_cap = arrival_cap_ms(budget_ms - reply, load)
-        feasible = self._feasible_rate(index, budget_ms - spent_ms - reply) if not fixed else None
+        total_rate = 0.0 if load is None else load.rate_adjustable + load.rate_other
+        feasible = self._feasible_rate(index, budget_ms - reply, total_rate) if not fixed else None
         target = None if self.met_target is None or index == 0 else (
             self.met_target if feasible is None else min(self.met_target, feasible))
         margin = 1.0 if fixed else self.margin_of(index)
@@ -355,17 +379,18 @@ class BudgetPlanner:
                 self._margins[index] = margin
             return margin
 
-    def _feasible_rate(self, index: int, left_ms: float) -> float | None:
-        """The share of the recently served requests at whose model-time ratio and after-stage-1 cost
-        the cheapest configuration would take at most ``left_ms``; averaged over the class's recent
-        requests (None before any request was served with a reference latency)."""
+    def _feasible_rate(self, index: int, budget_ms: float, rate_per_s: float) -> float | None:
+        """:func:`cheapest_met_share` of ``budget_ms`` at the recently served requests' model-time ratios
+        and after-stage-1 costs, averaged over the class's recent requests (None before any request was
+        served with a reference latency)."""
         if self.cheapest_reference_ms is None:
             return None
         with self._lock:
             served = list(self._served)
             if not served:
                 return None
-            share = sum(ratio * self.cheapest_reference_ms + after <= left_ms for ratio, after in served) / len(served)
+            costs = [ratio * self.cheapest_reference_ms + after for ratio, after in served]
+            share = cheapest_met_share(costs, budget_ms, rate_per_s)
             history = self._feasible.setdefault(index, deque(maxlen=FEASIBLE_WINDOW))
             history.append(share)
             return sum(history) / len(history)

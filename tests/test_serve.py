@@ -370,6 +370,38 @@ def test_every_request_is_in_the_requests_view(server_a, serve_ws):
     assert by_budget.num_rows >= 2
 
 
+def test_every_budget_term_is_recorded_and_the_reply_is_reserved(server_a, serve_ws):
+    """The reply's time (outside the server's clock) is measured and reserved, and the budget the
+    controller read is the documented arithmetic of the terms in its record."""
+    from pipeline.catalog import run_query
+    from pipeline.workspace import Workspace
+
+    _, ws, _ = serve_ws
+    for _ in range(6):  # enough arrivals for a rate; every reply before the last one is timed
+        status, body = request(server_a, "POST", "/v1/chat/completions",
+                               chat_body("Which shape?", max_tokens=2, latency_budget_ms=5000))
+        assert status == 200
+    info = body["ctrl"]
+    assert info["budget_class"] in {"<1x", "1-1.5x", "1.5-2x", "2-3x", "3-5x", ">=5x"}
+    row = run_query(Workspace(ws.root), "SELECT * FROM requests WHERE status = 'ok' AND request_id = "
+                                        f"'{body['id']}'").to_pylist()[0]
+    assert row["reply_reserve_ms"] > 0 and row["reserve_ms"] > row["reply_reserve_ms"]
+    assert row["arrival_rate_rps"] > 0 and row["arrival_cap_ms"] is not None
+    assert info["reserve_ms"] == row["reserve_ms"] and info["arrival_cap_ms"] == row["arrival_cap_ms"]
+    after = row["reserve_ms"] - row["reply_reserve_ms"]
+    decided = min([row["budget_left_ms"]] + [cap - after for cap in (row["queue_cap_ms"], row["arrival_cap_ms"])
+                                             if cap is not None])
+    assert row["controller_budget_ms"] == pytest.approx(decided * row["budget_margin"] / row["latency_scale"],
+                                                        rel=1e-9)
+    status, models = request(server_a, "GET", "/v1/models")
+    about = models["data"][0]["ctrl"]
+    assert about["met_target"] == 0.95 and about["arrival_rate_rps"] > 0
+    assert about["overhead_reserve_ms"] > 0 and row["budget_class"] in about["budget_margins"]
+    status, metrics = request(server_a, "GET", "/metrics")
+    assert f'ctrl_budget_margin{{budget_class="{row["budget_class"]}"}}' in metrics["text"]
+    assert "ctrl_arrival_rate " in metrics["text"]
+
+
 def _ok_count(ws) -> int:
     lines = [json.loads(line) for path in (ws.root / "requests").glob("*.jsonl")
              for line in path.read_text().splitlines()]
@@ -852,6 +884,34 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
     engine.planner.queue_aware = False
     second = serve_once(engine)
     assert second["queue_cap_ms"] is None and decider.budgets[1] == pytest.approx(second["budget_left_ms"] / 2.0)
+    engine.stop()
+
+
+def test_arrivals_are_counted_at_the_door_apart_by_who_chooses_their_cost(embedded_runtime, tmp_path):
+    """Five controller requests that reached the server 0.1 s apart read as 10 requests/s (however late
+    they were parsed); requests with fixed knobs and budgets below the cheapest configuration are
+    counted apart, as load the controller does not choose."""
+    from pipeline.workspace import Workspace
+    from serve.calibration import LatencyScale
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider({(2, 2, 3): 10.0})
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=16, default_budget_ms=None,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")),
+                    latency_scale=LatencyScale(decider.reference_latency_ms, fixed=1.0), met_target=0.95)
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+    door = time.perf_counter() - 10.0
+    for i in range(5):
+        engine.submit(new_job(ChatRequest("embedded", "What color?", image, 2, 500.0), engine, door + 0.1 * i,
+                              datetime.now(UTC), 0.0))
+    for budget, knobs in ((500.0, {"max_crops": 1, "top_k": 2, "num_active_blocks": 3}), (5.0, None)):
+        engine.submit(new_job(ChatRequest("embedded", "What color?", image, 2, budget, knobs=knobs), engine,
+                              door + 0.2, datetime.now(UTC), 0.0))
+    rate, load = engine.planner.load(door + 0.4)
+    assert rate == pytest.approx(10.0)  # (5 - 1) / (0.4 - 0.0): the five controller arrivals only
+    assert load.rate_other == 0.0  # two others: too few for a rate of their own
     engine.stop()
 
 

@@ -13,6 +13,7 @@ from serve.budget import (
     Load,
     arrival_cap_ms,
     budget_class,
+    cheapest_met_share,
     class_name,
     mean_wait_ms,
     queue_cap_ms,
@@ -62,6 +63,17 @@ def test_arrival_cap_by_hand():
     assert arrival_cap_ms(300.0, Load(0.0)) is None
     # others alone hold the server 99 % of the time: even an instant request waits past the budget
     assert arrival_cap_ms(50.0, Load(1.0, rate_other=19.8, other_mean_ms=50.0, other_m2_ms2=2500.0)) == 0.0
+
+
+def test_what_the_cheapest_configuration_would_meet():
+    assert cheapest_met_share([30.0, 50.0, 70.0, 90.0], 68.0, 0.0) == 0.5  # no queue: two of four fit
+    # 10 requests/s of 30 ms: rho 0.3, W = 0.01 x 900 / (2 x 0.7) = 6.4286 ms; P(wait <= 68 - 30) =
+    # 1 - 0.3 exp(-38 x 0.3 / 6.4286) = 0.94907
+    assert cheapest_met_share([30.0, 30.0], 68.0, 10.0) == pytest.approx(0.94907, abs=1e-5)
+    # 30 and 50 ms: rho 0.4, W = 0.01 x 1700 / 1.2 = 14.167 ms; (0.86320 + 0.75938) / 2
+    assert cheapest_met_share([30.0, 50.0], 68.0, 10.0) == pytest.approx(0.81129, abs=1e-5)
+    assert cheapest_met_share([30.0], 68.0, 40.0) == 0.0  # rho 1.2: the queue grows without bound
+    assert math.isnan(cheapest_met_share([], 68.0, 1.0))
 
 
 def test_arrival_rate_over_recent_arrivals():
