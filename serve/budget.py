@@ -24,8 +24,9 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    :class:`serve.calibration.BudgetMargin`, so that a stream of budgets nothing can meet moves no
    other class. A class aims at the smaller of ``met_target`` and what the cheapest configuration
    would meet in it (:func:`cheapest_met_share`: the latencies just served, at the cheapest
-   configuration's reference, queued at the arrival rate observed), and its margin stops where its budgets already read as the cheapest
-   configuration's (:data:`CLASS_MARGIN_FLOORS`): beyond that it would only slow its recovery.
+   configuration's reference, queued at the arrival rate observed), and its margin stops where
+   its budgets already read as the cheapest configuration's (:data:`CLASS_MARGIN_FLOORS`): beyond
+   that it would only slow its recovery.
 6. **The cheapest rule**: a budget that reads below every configuration's reference latency takes
    the cheapest configuration, the controller not asked (it would extrapolate).
 
