@@ -694,6 +694,8 @@ def serve(
         "queue_aware"))] = _serve_default("queue_aware"),
     load_aware: Annotated[bool, typer.Option("--load-aware/--no-load-aware", help=_serve_help(
         "load_aware"))] = _serve_default("load_aware"),
+    config_guard: Annotated[bool, typer.Option("--config-guard/--no-config-guard", help=_serve_help(
+        "config_guard"))] = _serve_default("config_guard"),
     met_target: Annotated[float, typer.Option("--met-target", help=_serve_help("met_target"))] = _serve_default(
         "met_target"),
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", help=_serve_help(
@@ -734,7 +736,8 @@ def serve(
                              api_key=api_key, device=device, dtype=dtype,
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
-                             queue_aware=queue_aware, load_aware=load_aware, met_target=met_target,
+                             queue_aware=queue_aware, load_aware=load_aware, config_guard=config_guard,
+                             met_target=met_target,
                              default_max_tokens=default_max_tokens,
                              max_tokens_limit=max_tokens_limit,
                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,

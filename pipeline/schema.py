@@ -506,6 +506,9 @@ REQUESTS = TableSchema(
                                  "below every configuration's reference latency) | request (fixed knobs)"),
         Column("question_group", _S, "the question family or cluster the question reads as under the controller's "
                                      "fallback table (a family's label, a cluster's leading words); null without one"),
+        Column("guarded_from", _S, "the configuration the controller chose (max_crops/top_k/num_active_blocks) where "
+                                   "the per-configuration guard replaced it: its median on this machine exceeded the "
+                                   "budget read (docs/serving.md#budget-terms); null otherwise"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
         Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),

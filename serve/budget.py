@@ -29,6 +29,9 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    that it would only slow its recovery.
 6. **The cheapest rule**: a budget that reads below every configuration's reference latency takes
    the cheapest configuration, the controller not asked (it would extrapolate).
+7. **The per-configuration guard** (:func:`guard_config`, after stage 2): a configuration whose own
+   measured scale says its median takes more than the whole budget the controller read is replaced
+   by the largest one at the same crops that fits.
 
 Every function here takes plain numbers; tests call them with values written out by hand.
 """
@@ -38,7 +41,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from serve.calibration import MARGIN_BOUNDS, BudgetMargin, LatencyScale
@@ -54,6 +57,23 @@ CLASS_MARGIN_FLOORS = tuple(max(MARGIN_BOUNDS[0], 1.0 / upper) for upper in (*BU
 ARRIVAL_WINDOW, ARRIVAL_MIN, ARRIVAL_HORIZON_S = 32, 5, 30.0
 #: requests the reserves and the feasibility estimate look back over
 OVERHEAD_WINDOW, SERVICE_WINDOW, FEASIBLE_WINDOW = 64, 64, 64
+
+
+def guard_config(chosen: tuple[int, int, int], reference_ms: Mapping[tuple[int, int, int], float],
+                 scale_of: Callable[[tuple[int, int, int]], float], allowed_ms: float) -> tuple[int, int, int]:
+    """The configuration to run for a controller's ``chosen`` one when the budget allows the model
+    ``allowed_ms`` (served ms): ``chosen`` itself when its expected time (its reference latency times its
+    own scale) fits or it has no reference; else, among the configurations at its crops (the vision
+    pass has run at them) with a reference no larger than its own, the one with the largest reference
+    whose expected time fits (the most compute the budget affords: accuracy rises with it across the
+    profiled space), or the fastest expected one where none fits."""
+    if chosen not in reference_ms or reference_ms[chosen] * scale_of(chosen) <= allowed_ms:
+        return chosen
+    same_crops = [c for c in reference_ms if c[0] == chosen[0] and reference_ms[c] <= reference_ms[chosen]]
+    fitting = [c for c in same_crops if reference_ms[c] * scale_of(c) <= allowed_ms]
+    if fitting:
+        return max(fitting, key=lambda c: (reference_ms[c], c))
+    return min(same_crops, key=lambda c: (reference_ms[c] * scale_of(c), c))
 
 
 def budget_class(budget_ms: float, cheapest_ms: float | None) -> int:

@@ -51,6 +51,7 @@ class LatencyScale:
                              if math.isfinite(ms) and ms > 0}
         self.fixed, self.quantile = fixed, float(quantile)
         self._ratios: deque[float] = deque(maxlen=int(window))
+        self._by_config: dict[Config, deque[float]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -74,7 +75,21 @@ class LatencyScale:
         ratio = model_ms / reference
         with self._lock:
             self._ratios.append(ratio)
+            self._by_config.setdefault(tuple(knobs), deque(maxlen=CONFIG_SCALE_WINDOW)).append(ratio)
         return ratio
+
+    def of(self, knobs: Config) -> float:
+        """The scale of one configuration: the median of its own last ratios once it has
+        ``CONFIG_SCALE_MIN`` of them, else :attr:`value`. A machine unlike the profile's does not slow
+        every configuration alike (the experts' top-K and the crops move apart), which one scale
+        cannot say; pinned scales are the same for all."""
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            own = sorted(self._by_config.get(tuple(knobs), ()))
+        if len(own) < CONFIG_SCALE_MIN:
+            return self.value
+        return own[len(own) // 2]
 
     def ratios(self) -> list[float]:
         """The ratios recorded, oldest first."""
@@ -93,6 +108,8 @@ class LatencyScale:
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
 
+#: the ratios kept per configuration, and the fewest that give it a scale of its own
+CONFIG_SCALE_WINDOW, CONFIG_SCALE_MIN = 16, 5
 #: how far one request moves the budget margin (log scale, per unit of met - target)
 MARGIN_STEP = 0.1
 #: the budget margin's range: at most this much tighter / looser than the budget left

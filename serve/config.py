@@ -77,6 +77,10 @@ class ServeConfig:
         "Cap the budget the controller reads by what the requests still to come, at the arrival rate observed, "
         "need to meet budgets like it on average: an M/G/1 queue's mean waiting time "
         "(docs/serving.md#load-aware-budgets)."))
+    config_guard: bool = field(default=True, metadata=_help(
+        "After stage 2, replace a configuration whose median on this machine (its reference latency times its "
+        "own measured scale) exceeds the budget the controller read by the largest one at the same crops that "
+        "fits (docs/serving.md#budget-terms)."))
     met_target: float = field(default=0.95, metadata=_help(
         "The share of controller-decided requests to answer within their budget: the budget the controller reads "
         "is multiplied by a margin that falls after each request that missed and rises after each that met, so "

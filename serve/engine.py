@@ -50,7 +50,7 @@ from PIL import Image
 from runtime import ModelRuntime
 from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
-from serve.budget import BudgetPlan, BudgetPlanner
+from serve.budget import BudgetPlan, BudgetPlanner, guard_config
 from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.metrics import ServeMetrics
@@ -142,8 +142,9 @@ class Engine:
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
-                 queue_deadline: float = 0.0) -> None:
+                 guard: bool = True, queue_deadline: float = 0.0) -> None:
         self.runtime, self.decider = runtime, decider
+        self.guard = bool(guard)
         self.queue_deadline = float(queue_deadline)
         self.model_name = model_name
         self.max_queue = int(max_queue)
@@ -302,6 +303,13 @@ class Engine:
                     top_k, blocks = decider.stage2(choice, Stage2Inputs(
                         lang, tiling, controller_budget_ms, prefix.image_feature,
                         prefix.latency_token if p > 0 else None))
+                    guarded_from = None
+                    if p == 0 and not fixed and not plan.cheapest and self.guard:
+                        chosen = (choice.max_crops, int(top_k), int(blocks))
+                        run = guard_config(chosen, self.latency_scale.reference_ms, self.latency_scale.of,
+                                           controller_budget_ms * plan.latency_scale)
+                        if run != chosen:
+                            guarded_from, (_, top_k, blocks) = "/".join(str(v) for v in chosen), run
                     active = runtime.blocks_for(blocks, first_kept=max(p, 1))
                 self._check(job)
                 with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
@@ -352,6 +360,7 @@ class Engine:
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs, plan=plan,
                                      decided_by=choice.decided_by, question_group=choice.question_group,
+                                     guarded_from=guarded_from,
                                      latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      stages=stages) if record else {}
@@ -370,7 +379,8 @@ class Engine:
 
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
                 plan: BudgetPlan | None = None, knobs: dict[str, int] | None = None, decided_by: str | None = None,
-                question_group: str | None = None, latency: dict[str, float | None] | None = None,
+                question_group: str | None = None, guarded_from: str | None = None,
+                latency: dict[str, float | None] | None = None,
                 num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
                 answer: str | None = None, error: str | None = None, stages: RequestTiming | None = None
@@ -388,7 +398,7 @@ class Engine:
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
             "waited_ms": waited_ms,
             **{name: getattr(plan, name, None) for name in PLAN_COLUMNS},
-            "decided_by": decided_by, "question_group": question_group,
+            "decided_by": decided_by, "question_group": question_group, "guarded_from": guarded_from,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},

@@ -41,7 +41,7 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
                     default_budget_ms=config.default_budget_ms, threads=config.threads,
                     request_log=RequestLog(workspace), latency_scale=scale, queue_aware=config.queue_aware,
-                    load_aware=config.load_aware, met_target=config.met_target or None,
+                    load_aware=config.load_aware, guard=config.config_guard, met_target=config.met_target or None,
                     queue_deadline=config.queue_deadline)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)

@@ -887,6 +887,22 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
     engine.stop()
 
 
+def test_the_guard_runs_a_smaller_configuration_when_the_chosen_one_cannot_fit(embedded_runtime, tmp_path):
+    from serve.calibration import LatencyScale
+
+    decider = RecordingDecider({(2, 2, 3): 100.0, (2, 1, 3): 5.0})  # it always chooses 2/2/3
+    engine = in_process_engine(embedded_runtime, decider, tmp_path,
+                               LatencyScale(decider.reference_latency_ms, fixed=1.0))
+    wide = serve_once(engine, 900.0)  # reads about 890 ms: 2/2/3 (100 ms) fits
+    assert (wide["top_k"], wide["guarded_from"]) == (2, None)
+    tight = serve_once(engine, 60.0)  # reads under 60 ms: 2/2/3 cannot fit, 2/1/3 (5 ms) does
+    assert (tight["max_crops"], tight["top_k"], tight["num_active_blocks"]) == (2, 1, 3)
+    assert tight["guarded_from"] == "2/2/3" and tight["decided_by"] == "controller"
+    engine.guard = False
+    assert serve_once(engine, 60.0)["top_k"] == 2
+    engine.stop()
+
+
 def test_arrivals_are_counted_at_the_door_apart_by_who_chooses_their_cost(embedded_runtime, tmp_path):
     """Five controller requests that reached the server 0.1 s apart read as 10 requests/s (however late
     they were parsed); requests with fixed knobs and budgets below the cheapest configuration are

@@ -15,6 +15,7 @@ from serve.budget import (
     budget_class,
     cheapest_met_share,
     class_name,
+    guard_config,
     mean_wait_ms,
     queue_cap_ms,
     wait_quantile_ms,
@@ -177,3 +178,37 @@ def test_a_margin_observed_at_a_lower_target():
     margin = BudgetMargin(0.95)
     assert margin.observe(False, target=0.5) == pytest.approx(math.exp(-0.05))
     assert margin.observe(True, target=0.99) == pytest.approx(math.exp(-0.05 + 0.1 * 0.05))  # never above its own
+
+
+GUARDED = {(2, 4, 12): 20.0, (2, 8, 12): 30.0, (6, 4, 12): 45.0, (6, 4, 16): 55.0, (6, 8, 14): 57.0}
+
+
+def scale_of(config):
+    return 1.12 if config == (6, 8, 14) else 0.9  # 6/8/14 is dearer on this machine than its profile says
+
+
+def test_the_guard_replaces_a_configuration_whose_median_here_exceeds_the_budget():
+    # 6/8/14 expected at 57 x 1.12 = 63.84 ms
+    assert guard_config((6, 8, 14), GUARDED, scale_of, 70.0) == (6, 8, 14)  # fits: kept
+    # 60 ms: at 6 crops 6/4/12 (40.5) and 6/4/16 (49.5) fit; the larger reference is taken
+    assert guard_config((6, 8, 14), GUARDED, scale_of, 60.0) == (6, 4, 16)
+    assert guard_config((6, 8, 14), GUARDED, scale_of, 45.0) == (6, 4, 12)  # 6/4/16 no longer fits
+    # nothing at 6 crops fits (2-crop ones would, but the vision pass ran at 6): the fastest at 6
+    assert guard_config((6, 8, 14), GUARDED, scale_of, 30.0) == (6, 4, 12)
+    assert guard_config((6, 4, 12), GUARDED, scale_of, 30.0) == (6, 4, 12)  # never dearer than chosen
+    assert guard_config((10, 8, 16), GUARDED, scale_of, 1.0) == (10, 8, 16)  # no reference: not judged
+
+
+def test_each_configuration_gets_its_own_scale_once_measured():
+    reference = {(2, 4, 12): 10.0, (6, 8, 14): 20.0}
+    scale = LatencyScale(reference, quantile=0.5)
+    for _ in range(4):
+        scale.observe((6, 8, 14), 30.0)  # 1.5 each
+    assert scale.of((6, 8, 14)) == 1.5 == scale.value  # four of its own: the global scale (also 1.5)
+    for _ in range(4):
+        scale.observe((2, 4, 12), 9.0)  # 0.9 each
+    assert scale.value == 1.5  # eight ratios, the sorted fifth: 1.5
+    assert scale.of((2, 4, 12)) == 1.5  # four of its own are too few
+    scale.observe((2, 4, 12), 9.0)
+    assert scale.of((2, 4, 12)) == pytest.approx(0.9)  # five: its own median
+    assert LatencyScale(reference, fixed=2.0).of((2, 4, 12)) == 2.0
