@@ -348,6 +348,9 @@ def plot(args: argparse.Namespace, path: Path) -> None:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     markers = {"this": ("*", "tab:red", 160), "previous": ("s", "tab:blue", 60)}
+    others = iter([("^", "tab:green", 60), ("v", "tab:purple", 60), ("D", "tab:orange", 50), ("P", "tab:brown", 60)])
+    for lab in sorted({k[0] for k in cells} - {"static", *markers}):
+        markers[lab] = next(others, ("o", "k", 40))
     for ax, (load, budget) in zip(axes.flat, panels):
         for (lab, kind, ld, b), (s, _) in cells.items():
             if (ld, b) != (load, budget):
@@ -356,7 +359,7 @@ def plot(args: argparse.Namespace, path: Path) -> None:
                 ax.scatter(s["within"], s["accuracy"], c="0.6", s=18)
                 ax.annotate(kind, (s["within"], s["accuracy"]), fontsize=6, color="0.4")
             elif kind == "controller":
-                marker, color, size = markers.get(lab, ("^", "tab:green", 60))
+                marker, color, size = markers[lab]
                 ax.scatter(s["within"], s["accuracy"], marker=marker, c=color, s=size, label=f"controller ({lab})",
                            zorder=3)
         ax.set_title(f"load {load:g}, budget {budget:g} ms", fontsize=9)
