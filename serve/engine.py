@@ -406,8 +406,9 @@ class Engine:
         }
         if job.request_id.startswith("warmup-"):
             return row
-        if status == "ok" and decider is not None and met is not None and plan is not None:
-            self.planner.observe_outcome(plan, met)
+        if status == "ok" and decider is not None and total is not None and plan is not None:
+            # judged on the client's clock: the reply's time comes after the server's total
+            self.planner.observe_outcome(plan, total + plan.reply_reserve_ms <= job.budget_ms)
         if self.log is not None and not self.log.append(row):
             self.metrics.log_failures.inc()
         self.metrics.observe(row)

@@ -817,6 +817,20 @@ def test_a_missed_budget_shrinks_the_budget_the_controller_reads_next(embedded_r
     engine.stop()
 
 
+def test_the_margin_judges_a_request_on_the_clients_clock(embedded_runtime, tmp_path):
+    """Within budget on the server's clock, past it once the reply's time is added: a miss for the margin."""
+    from serve.calibration import LatencyScale
+
+    decider = RecordingDecider({(2, 2, 3): 0.001})
+    engine = in_process_engine(embedded_runtime, decider, tmp_path,
+                               LatencyScale(decider.reference_latency_ms, fixed=1.0), met_target=0.95)
+    engine.planner.observe_reply(1000.0)  # replies have taken a second to write
+    row = serve_once(engine, 1000.5)  # 1000.5 / (0.001 + 1000): class 1-1.5x
+    assert row["met"] is True and row["budget_class"] == "1-1.5x" and row["reply_reserve_ms"] == 1000.0
+    assert engine.planner.margins() == {"1-1.5x": pytest.approx(math.exp(-0.095))}
+    engine.stop()
+
+
 def new_fixed_job(engine):
     from serve.engine import new_job
     from serve.protocol import ChatRequest
