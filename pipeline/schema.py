@@ -463,7 +463,8 @@ REQUESTS = TableSchema(
     columns=(
         Column("request_id", _S, "the response's id (chatcmpl-...)", **_KEY),
         Column("time", _TS, "when the request arrived"),
-        Column("status", _S, "ok | cancelled (the client disconnected) | error"),
+        Column("status", _S, "ok | cancelled (the client disconnected, or the server was stopped at once) | "
+                              "error | dropped (its budget had long passed in the queue: --queue-deadline)"),
         Column("model", _S, "the served model's name"),
         Column("model_fingerprint", _S, "fingerprint of the model that answered"),
         Column("controller_run", _S, "run id or file of the controller; `request` when the request fixed its knobs"),
