@@ -125,25 +125,38 @@ class Load:
     service_scv: float = 0.0
 
 
+def utilisation(service_ms: float, load: Load) -> float:
+    """The share of the time the server is busy when every adjustable request takes ``service_ms``."""
+    return load.rate_adjustable / 1000.0 * service_ms + load.rate_other / 1000.0 * load.other_mean_ms
+
+
 def mean_wait_ms(service_ms: float, load: Load) -> float:
     """An M/G/1 queue's mean waiting time when every adjustable request takes ``service_ms`` (the
     Pollaczek-Khinchine formula ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) / (2 (1 - rho))``, with
     ``E[S_a^2] = (1 + scv) service_ms^2``); infinite when ``rho >= 1``."""
-    per_ms_a, per_ms_o = load.rate_adjustable / 1000.0, load.rate_other / 1000.0
-    rho = per_ms_a * service_ms + per_ms_o * load.other_mean_ms
+    rho = utilisation(service_ms, load)
     if rho >= 1.0:
         return math.inf
-    second_moment = per_ms_a * (1.0 + load.service_scv) * service_ms ** 2 + per_ms_o * load.other_m2_ms2
+    second_moment = (load.rate_adjustable / 1000.0 * (1.0 + load.service_scv) * service_ms ** 2
+                     + load.rate_other / 1000.0 * load.other_m2_ms2)
     return second_moment / (2.0 * (1.0 - rho))
 
 
+def wait_exceeds(t_ms: float, rho: float, mean_wait: float) -> float:
+    """``P(wait > t)`` for a queue of utilisation ``rho`` and mean wait ``mean_wait`` with an exponential
+    tail, ``rho exp(-t rho / W)`` (exact for M/M/1); 0 for an idle server, 1 for ``t < 0``."""
+    if t_ms < 0:
+        return 1.0
+    if rho <= 0.0 or mean_wait <= 0.0:
+        return 0.0
+    return rho * math.exp(-t_ms * rho / mean_wait)
+
+
 def wait_quantile_ms(service_ms: float, load: Load, quantile: float) -> float:
-    """The ``quantile`` of that waiting time with an exponential tail, ``P(wait > t) = rho exp(-t rho /
-    W)`` (exact for M/M/1): ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests
-    find the server free). The cap does not use it (docs/decisions.md: it read the queue as if no cap
-    shortened it); it is here for the docs' arithmetic and for comparisons."""
-    per_ms_a, per_ms_o = load.rate_adjustable / 1000.0, load.rate_other / 1000.0
-    rho = per_ms_a * service_ms + per_ms_o * load.other_mean_ms
+    """The ``quantile`` of that waiting time, the inverse of :func:`wait_exceeds`:
+    ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests find the server
+    free). The arrival cap keeps the mean instead (docs/serving.md#load-aware-budgets says why)."""
+    rho = utilisation(service_ms, load)
     if rho >= 1.0:
         return math.inf
     if rho <= 1.0 - quantile or rho <= 0.0:
@@ -177,19 +190,14 @@ def cheapest_met_share(costs_ms: Sequence[float], budget_ms: float, rate_per_s: 
     the mean of ``P(wait <= budget - cost)`` over the costs. 0 where that queue is unstable."""
     if not costs_ms:
         return math.nan
-    per_ms = max(0.0, rate_per_s) / 1000.0
-    mean = sum(costs_ms) / len(costs_ms)
-    rho = per_ms * mean
+    # every request at the cheapest configuration: a queue of "other" requests only
+    queue = Load(0.0, max(0.0, rate_per_s), sum(costs_ms) / len(costs_ms),
+                 sum(c * c for c in costs_ms) / len(costs_ms))
+    rho = utilisation(0.0, queue)
     if rho >= 1.0:
         return 0.0
-    mean_wait = per_ms * sum(c * c for c in costs_ms) / len(costs_ms) / (2.0 * (1.0 - rho))
-    share = 0.0
-    for cost in costs_ms:
-        slack = budget_ms - cost
-        if slack < 0:
-            continue
-        share += 1.0 if rho == 0.0 or mean_wait == 0.0 else 1.0 - rho * math.exp(-slack * rho / mean_wait)
-    return share / len(costs_ms)
+    mean_wait = mean_wait_ms(0.0, queue)
+    return sum(1.0 - wait_exceeds(budget_ms - cost, rho, mean_wait) for cost in costs_ms) / len(costs_ms)
 
 
 class ArrivalRate:
