@@ -90,26 +90,15 @@ def open_loop(port: int, dataset: str, items: Sequence[tuple[Any, float, float |
 
 
 def part_stats(outs: Sequence[Any], budget_ms: float) -> dict[str, Any]:
-    """Within-budget rate and accuracy of ``outs`` with Wilson intervals (a 503/504/error is missed and wrong)."""
+    """bench_serve's cell figures of ``outs`` (all of them), and the share decided ``cheapest``."""
     n = len(outs)
-    within = sum(o.status == 200 and o.latency_ms <= budget_ms for o in outs)
-    correct = sum(o.score for o in outs)
-    answered = [o.latency_ms for o in outs if o.status == 200]
-    return {"n": n, "within": within / n if n else math.nan, "within_ci": bs.wilson_interval(within, n),
-            "correct": correct, "accuracy": correct / n if n else math.nan,
-            "accuracy_ci": bs.wilson_interval(correct, n), "p50_ms": bs.percentile(answered, 50),
-            "p95_ms": bs.percentile(answered, 95), "not_200": sum(o.status != 200 for o in outs),
+    return {**bs.cell_stats(outs, budget_ms, 0),
             "cheapest_share": (sum(o.decided_by == "cheapest" for o in outs) / n) if n else math.nan}
 
 
 def paired(a: Sequence[Any], b: Sequence[Any], budget_ms: float, block: int, seed: int) -> dict[str, Any]:
-    def met(o: Any) -> float:
-        return float(o.status == 200 and o.latency_ms <= budget_ms)
-
-    dc = bs.block_bootstrap_ci(np.array([x.score - y.score for x, y in zip(a, b)]), block=block, seed=seed)
-    dw = bs.block_bootstrap_ci(np.array([met(x) - met(y) for x, y in zip(a, b)]), block=block, seed=seed,
-                               total=False)
-    return {"diff_correct": dc[0], "diff_correct_ci": dc[1:], "diff_within": dw[0], "diff_within_ci": dw[1:]}
+    """bench_serve's paired difference ``a`` minus ``b`` on the same requests (all of them)."""
+    return bs.paired_stats(a, b, budget_ms, 0, block=block, reps=2000, seed=seed)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -122,12 +111,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def outcomes(record: dict[str, Any]) -> list[Any]:
-    cols = record["outcomes"]
-    n = len(cols["status"])
-    return [Outcome(*values) for values in zip(*(cols.get(f, [None] * n) for f in bs.OUTCOME_FIELDS))]
 
 
 def setup(args: argparse.Namespace, server: Any, dataset: str, requests: list[Any]) -> dict[str, Any]:
@@ -219,7 +202,7 @@ def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
     lines = [f"capacity {su['capacity_rps']:.2f} requests/s, service {su['service_ms']:.0f} ms, cheapest front "
              f"configuration {su['front']['cheapest']} at {su['cheapest_ms']:.0f} ms; front "
              f"{', '.join(su['front']['front'])}", ""]
-    statics = {(r["load"], r["config"]): outcomes(r) for r in records if r["kind"] == "static"}
+    statics = {(r["load"], r["config"]): bs.outcomes_of(r) for r in records if r["kind"] == "static"}
     cold = args.cold
     cells = [r for r in records if r["kind"] != "static"]
     lines.append("| load | budget ms | decider | first {0}: within [CI] | first {0}: accuracy [CI] | steady: n "
@@ -231,7 +214,7 @@ def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
         return f"[{v[0]:.3f}, {v[1]:.3f}]"
 
     for r in sorted(cells, key=lambda r: (r["kind"].startswith("tenant"), r["load"], r["budget_ms"], r["label"])):
-        outs = outcomes(r)
+        outs = bs.outcomes_of(r)
         b = r["budget_ms"]
         first, rest = part_stats(outs[:cold], b), part_stats(outs[cold:], b)
         name = f"{r['kind']} ({r['label']})"
@@ -261,10 +244,10 @@ def steady_cells(args: argparse.Namespace) -> dict[tuple[str, str, float, float]
     runs = [r for r in records if r["kind"] != "static"]
     out: dict[tuple[str, str, float, float], tuple[dict, list[Any]]] = {}
     for r in runs:
-        outs = outcomes(r)
+        outs = bs.outcomes_of(r)
         out[(r["label"], r["kind"], r["load"], r["budget_ms"])] = (part_stats(outs[args.cold:], r["budget_ms"]), outs)
     for r in (r for r in records if r["kind"] == "static"):
-        outs = outcomes(r)
+        outs = bs.outcomes_of(r)
         for budget in {b for (_, k, ld, b) in out if k == "controller" and ld == r["load"]}:
             out[("static", r["config"], r["load"], budget)] = (part_stats(outs[args.cold:], budget), outs)
     return out
