@@ -484,7 +484,7 @@ REQUESTS = TableSchema(
                                    "still meet their budgets at the cheapest configuration (docs/serving.md#"
                                    "queue-aware-budgets); null when nothing capped it", "ms"),
         Column("arrival_rate_rps", _D, "requests per second whose cost the controller chooses, over the last "
-                                       "arrivals (docs/serving.md#load-aware-budgets); null before three", "1/s"),
+                                       "arrivals (docs/serving.md#load-aware-budgets); null before five", "1/s"),
         Column("arrival_cap_ms", _D, "the most a request could take so that the requests still to come, at that "
                                      "arrival rate, would on average meet a budget like this one (an M/G/1 queue's "
                                      "mean waiting time); null without an arrival rate", "ms"),
