@@ -712,6 +712,18 @@ def serve(
         "queue_deadline"))] = _serve_default("queue_deadline"),
     max_image_pixels: Annotated[int, typer.Option("--max-image-pixels", help=_serve_help(
         "max_image_pixels"))] = _serve_default("max_image_pixels"),
+    max_image_aspect: Annotated[float, typer.Option("--max-image-aspect", help=_serve_help(
+        "max_image_aspect"))] = _serve_default("max_image_aspect"),
+    max_connections: Annotated[int, typer.Option("--max-connections", help=_serve_help(
+        "max_connections"))] = _serve_default("max_connections"),
+    header_timeout_s: Annotated[float, typer.Option("--header-timeout-s", help=_serve_help(
+        "header_timeout_s"))] = _serve_default("header_timeout_s"),
+    body_timeout_s: Annotated[float, typer.Option("--body-timeout-s", help=_serve_help(
+        "body_timeout_s"))] = _serve_default("body_timeout_s"),
+    allowed_hosts: Annotated[str | None, typer.Option("--allowed-hosts", help=_serve_help("allowed_hosts"),
+                                                      show_default=False)] = None,
+    allowed_origins: Annotated[str | None, typer.Option("--allowed-origins", help=_serve_help("allowed_origins"),
+                                                        show_default=False)] = None,
     local_images: Annotated[Path | None, typer.Option("--local-images", help=_serve_help("local_images"),
                                                       file_okay=False, show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help=_serve_help(
@@ -742,7 +754,10 @@ def serve(
                              max_tokens_limit=max_tokens_limit,
                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                              max_prompt_tokens=max_prompt_tokens, queue_deadline=queue_deadline,
-                             max_image_pixels=max_image_pixels,
+                             max_image_pixels=max_image_pixels, max_image_aspect=max_image_aspect,
+                             max_connections=max_connections, header_timeout_s=header_timeout_s,
+                             body_timeout_s=body_timeout_s, allowed_hosts=allowed_hosts,
+                             allowed_origins=allowed_origins,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup,
                              compile=compile, float32_attention=float32_attention)
         drained = run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))

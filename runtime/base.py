@@ -369,6 +369,17 @@ class ModelRuntime(ABC):
     #: the end-of-sequence token id (generation stops after it)
     eos_id: int
 
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts the tokenizer reads as one of its special tokens (the image placeholders, the end
+        of text...): a question that spells one would be tokenized as that token, not as text."""
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is None:
+            return ()
+        texts = set(getattr(tokenizer, "all_special_tokens", ()))
+        texts.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                     if getattr(t, "special", False))
+        return tuple(sorted(t for t in texts if t))
+
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Generated ids as text, special tokens skipped (what the metrics score)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)  # type: ignore[attr-defined]

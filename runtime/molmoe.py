@@ -57,7 +57,7 @@ from runtime.molmoe_model import (
     read_architecture,
     weight_targets,
 )
-from runtime.molmoe_processor import MolmoImageConfig, MolmoProcessor, load_molmo_tokenizer
+from runtime.molmoe_processor import IMAGE_TOKENS, MolmoImageConfig, MolmoProcessor, load_molmo_tokenizer
 from runtime.precision import qualify_fingerprint, resolve_dtype
 from runtime.weights import WeightIndex, check_targets, stream_weights, target_bytes
 
@@ -223,6 +223,10 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         return MolmoEInputs(ids, torch.ones_like(ids), out.images.float(), idx[idx >= 0].flatten(), out.tiling,
                             prompt, num_text_tokens=out.num_text_tokens, image_masks=out.image_masks.float(),
                             image_input_idx=idx, global_image_mask=out.global_image_mask.float())
+
+    def special_texts(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens and the image tokens (added tokens a question could spell)."""
+        return tuple(sorted(set(super().special_texts()) | set(IMAGE_TOKENS)))
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Generated ids as text, as the origin's tokenizer (transformers 4.4x) decoded them: special

@@ -30,11 +30,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from serve.engine import LATENCY_PARTS, Cancelled, Engine, Overloaded, Result, new_job
+from serve.connections import ConnectionLimits
+from serve.engine import LATENCY_PARTS, Cancelled, Engine, LogUnavailable, Overloaded, Result, new_job
 from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
 
 #: how often a waiting handler checks whether its client is still connected
@@ -52,8 +55,18 @@ def internal_error(request_id: str | None = None) -> RequestError:
                         None, "internal_error")
 
 
-def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None) -> FastAPI:
-    """The ASGI app around a started-or-not :class:`Engine` (its lifespan starts and stops it)."""
+class ClientLeft(Exception):
+    """The client closed its connection before its request's body was complete."""
+
+
+def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None,
+               hosts: frozenset[str] | None = None, origins: tuple[str, ...] = (), body_timeout_s: float = 30.0,
+               connections: ConnectionLimits | None = None) -> FastAPI:
+    """The ASGI app around a started-or-not :class:`Engine` (its lifespan starts and stops it).
+
+    ``hosts``: the names a Host header may name (None: any); ``origins``: the browser origins
+    allowed to call it (CORS), any other Origin header is refused; ``connections``: where dropped
+    connections are counted."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,13 +88,17 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         check_prompt_tokens(engine.runtime.prompt_token_count(chat.question), limits)
         return chat
 
-    def error(exc: RequestError) -> JSONResponse:
+    def error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
         if 400 <= exc.status < 500:  # 503s, 504s and 500s are counted where they arise
             engine.metrics.requests.labels(status="invalid").inc()
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+        headers = dict(headers or {})
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(exc.retry_after_s)
         if exc.status == 401:
-            headers = {"WWW-Authenticate": "Bearer"}
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+            headers["WWW-Authenticate"] = "Bearer"
+        if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+            headers["Connection"] = "close"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -96,7 +113,8 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         reason = {404: f"no endpoint {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None))
+        return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None),
+                     headers=exc.headers)  # a 405's Allow
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -107,8 +125,13 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                                "invalid_api_key")
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Any:
+        try:
+            engine.check_log()
+        except LogUnavailable as exc:
+            return JSONResponse({"status": "unavailable", "reason": exc.message, "model": engine.model_name,
+                                 "queue_length": engine.pending}, status_code=503)
         return {"status": "ok", "model": engine.model_name, "queue_length": engine.pending}
 
     @app.get("/v1/models")
@@ -134,17 +157,32 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     async def chat_completions(request: Request) -> JSONResponse:
         arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
         authorize(request)
-        body = await _read_body(request, max_body_bytes)
-        engine.check_room()  # a full queue refuses before the image is decoded, not after
-        data = await run_in_threadpool(parse_json_body, body)
-        chat = await run_in_threadpool(parse_bounded, data)  # image decoding off the event loop
-        if chat.model != engine.model_name:
-            raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
-                                    f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
-        job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
-        job.loop = asyncio.get_running_loop()
-        job.future = job.loop.create_future()
-        engine.submit(job)
+        engine.check_log()  # a request that could not be recorded is not taken
+        slot = engine.reserve()  # a full queue refuses before the body is read: bodies held are bounded by it
+        try:
+            try:
+                body = await read_body(request, max_body_bytes, body_timeout_s)
+            except ClientLeft:
+                if connections is not None:
+                    connections.dropped("client_left", request.client)
+                return Response(status_code=499)  # no one reads it
+            except RequestError as exc:
+                if exc.status == 408 and connections is not None:
+                    connections.dropped("body_timeout", request.client)
+                raise
+            data = await run_in_threadpool(parse_json_body, body)
+            del body  # held until the answer otherwise, beside the image decoded from it
+            chat = await run_in_threadpool(parse_bounded, data)  # image decoding off the event loop
+            del data
+            if chat.model != engine.model_name:
+                raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
+                                        f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
+            job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
+            job.loop = asyncio.get_running_loop()
+            job.future = job.loop.create_future()
+            engine.submit(job, slot)
+        finally:
+            slot.release()  # every path that did not queue the request (a no-op once queued)
         while True:
             done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
             if done:
@@ -167,6 +205,11 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                                  on_sent=lambda: engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
                                  if result.record else None)
 
+    if origins:  # the preflight and the response headers a browser needs; other origins never get here
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
+    app.add_middleware(HostAndOriginCheck, hosts=hosts, origins=origins,
+                       refused=lambda: engine.metrics.requests.labels(status="invalid").inc())
     return app
 
 
@@ -183,20 +226,69 @@ class TimedJSONResponse(JSONResponse):
         self._on_sent()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it exceeds ``limit`` bytes (declared or streamed)."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as it exceeds ``limit`` bytes (declared or streamed), with
+    408 when it has not arrived within ``timeout_s``; :class:`ClientLeft` when the client closed
+    its connection first."""
     declared = request.headers.get("content-length")
     too_large = RequestError(413, f"the request body is larger than the server's limit of {limit:,} bytes", None,
                              "body_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s (the server's "
+                                f"--body-timeout-s); {size:,} bytes came", None, "body_timeout") from None
+    except ClientDisconnect:
+        raise ClientLeft from None
     return b"".join(chunks)
+
+
+class HostAndOriginCheck:
+    """Refuse (403) a request whose Host header names a host not in ``hosts`` (a page of another
+    site reaching a loopback server through a DNS name of its own) or whose Origin header (a
+    browser's cross-site request) is not in ``origins``."""
+
+    def __init__(self, app: Any, hosts: frozenset[str] | None, origins: tuple[str, ...],
+                 refused: Callable[[], None]) -> None:
+        self.app, self.hosts, self.origins, self.refused = app, hosts, frozenset(origins), refused
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin")}
+            problem = None
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            origin = headers.get(b"origin")
+            if self.hosts is not None and host is not None and host not in self.hosts:
+                problem = (f"the Host header names {host!r}, which this server does not answer to (--allowed-hosts "
+                           f"{','.join(sorted(self.hosts))})", "host_not_allowed")
+            elif origin is not None and origin.decode("latin-1").lower().rstrip("/") not in self.origins:
+                problem = ("cross-origin requests from a browser page are refused (--allowed-origins names the "
+                           "origins allowed)", "origin_not_allowed")
+            if problem is not None:
+                self.refused()
+                reply = JSONResponse(RequestError(403, problem[0], None, problem[1]).body(), status_code=403)
+                await reply(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str | None:
+    """The host of a Host header, lower case, without its port or brackets (None: no header)."""
+    header = header.strip().lower()
+    if not header:
+        return None
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    name, _, _ = header.partition(":") if header.count(":") == 1 else (header, "", "")
+    return name.rstrip(".")
 
 
 def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:

@@ -105,6 +105,24 @@ class ServeConfig:
         "running it would delay every request behind it (0: never drop)."))
     max_image_pixels: int = field(default=25_000_000, metadata=_help(
         "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
+    max_image_aspect: float = field(default=25.0, metadata=_help(
+        "The most an image's longer side may be of its shorter side (400 above): resizing a sliver of millions of "
+        "pixels costs the model thread several times what a square image of as many pixels does."))
+    max_connections: int = field(default=128, metadata=_help(
+        "The most open HTTP connections; one more is answered 503 and closed before its request is read."))
+    header_timeout_s: float = field(default=10.0, metadata=_help(
+        "Seconds a connection has to send a request's headers (from its opening or the previous reply); "
+        "then it is answered 408 and closed."))
+    body_timeout_s: float = field(default=30.0, metadata=_help(
+        "Seconds a request's body has to arrive once its headers are in; then it is answered 408 and the "
+        "connection closed (a body of --max-body-bytes needs about 0.6 MB/s by default)."))
+    allowed_hosts: str | None = field(default=None, metadata=_help(
+        "Comma-separated host names the Host header may name, '*' for any (default: on a loopback bind "
+        "localhost, 127.0.0.1, ::1 and the --host value, so that a web page cannot reach the server through a "
+        "name of its own (DNS rebinding); elsewhere any)."))
+    allowed_origins: str | None = field(default=None, metadata=_help(
+        "Comma-separated origins (scheme://host[:port]) whose browser pages may call the server, with CORS "
+        "headers (default: none; a request with any other Origin header is refused with 403)."))
     local_images: Path | None = field(default=None, metadata=_help(
         "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only)."))
     served_model_name: str | None = field(default=None, metadata=_help(
@@ -132,6 +150,27 @@ class ServeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+                raise ValueError(msg)
+        if not (math.isfinite(self.max_image_aspect) and self.max_image_aspect >= 1):
+            msg = f"--max-image-aspect must be a number >= 1, got {self.max_image_aspect!r}"
+            raise ValueError(msg)
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
+                or self.max_connections < 1:
+            msg = f"--max-connections must be a positive integer, got {self.max_connections!r}"
+            raise ValueError(msg)
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                msg = f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}"
+                raise ValueError(msg)
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if value is not None and not [item for item in value.split(",") if item.strip()]:
+                msg = f"--{name.replace('_', '-')} must name at least one value, got {value!r}"
+                raise ValueError(msg)
+        for origin in self.origins:
+            if not re.fullmatch(r"https?://[^/\s]+", origin):
+                msg = f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path)"
                 raise ValueError(msg)
         if not 0 <= int(self.port) <= 65535:
             msg = f"--port must be in 0..65535, got {self.port!r}"
@@ -181,6 +220,23 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def hosts(self) -> frozenset[str] | None:
+        """The host names a request's Host header may name (lower case, no port); None: any."""
+        if self.allowed_hosts is not None:
+            names = {h.strip().lower().strip("[]") for h in self.allowed_hosts.split(",") if h.strip()}
+            return None if "*" in names else frozenset(names)
+        if not is_loopback(self.host):
+            return None
+        return frozenset({"localhost", "127.0.0.1", "::1", self.host.lower().strip("[]")})
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        """The origins whose browser pages may call the server (lower case, no trailing slash)."""
+        if self.allowed_origins is None:
+            return ()
+        return tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
 
 
 def is_loopback(host: str) -> bool:

@@ -55,7 +55,7 @@ from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
-from serve.request_log import RequestLog
+from serve.request_log import RequestLog, RequestLogGone
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
 MAX_CROPS_LIMIT = 15
@@ -67,6 +67,11 @@ PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_m
 LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
 
 
+def milliseconds(value: float) -> str:
+    """``value`` ms for a message: whole milliseconds, or three significant digits below ten."""
+    return f"{value:,.0f} ms" if value >= 10 else f"{value:.3g} ms"
+
+
 class Cancelled(Exception):
     """The client went away, or the server stops at once: the request stops where it is (the message says where)."""
 
@@ -75,8 +80,8 @@ class DeadlineExceeded(RequestError):
     """A request dropped from the queue: its budget had long passed before the model could start it."""
 
     def __init__(self, spent_ms: float, budget_ms: float, factor: float) -> None:
-        super().__init__(504, f"the request waited {spent_ms:,.0f} ms for the model, more than {factor:g} x its "
-                              f"latency budget of {budget_ms:,.0f} ms: dropped instead of answered that late",
+        super().__init__(504, f"the request waited {milliseconds(spent_ms)} for the model, more than {factor:g} x "
+                              f"its latency budget of {milliseconds(budget_ms)}: dropped instead of answered that late",
                          "latency_budget_ms", "deadline_exceeded")
 
 
@@ -128,6 +133,32 @@ class Result:
     record: dict[str, Any]
 
 
+class LogUnavailable(RequestError):
+    """The request log can no longer record requests (its workspace is gone): the server takes none."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, f"{reason}; this server takes no more requests: restart it on a workspace", None,
+                         "request_log_unavailable")
+
+
+class Slot:
+    """A place in the queue, taken before a request's body is read (:meth:`Engine.reserve`): freed
+    by :meth:`release` on every path that does not queue the request, by the worker once it has run."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine | None = engine
+
+    def hand_over(self) -> None:
+        """The queued job holds the place now: the worker frees it."""
+        self._engine = None
+
+    def release(self) -> None:
+        """Free the place (a no-op once freed or handed over)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine._release()
+
+
 class Overloaded(RequestError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(503, f"the server is at capacity (queue full); retry in {retry_after_s} s", None,
@@ -161,6 +192,7 @@ class Engine:
         self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._reserved = 0  # places taken: bodies being read, requests waiting, the one running
         self._pending = 0  # waiting + running
         self._lock = threading.Lock()
         self._service_s: deque[float] = deque(maxlen=50)
@@ -216,10 +248,38 @@ class Engine:
         with self._lock:
             self._refuse_if_full()
 
-    def submit(self, job: Job) -> None:
-        """Queue a job or raise :class:`Overloaded` when ``max_queue`` requests already wait."""
+    def check_log(self) -> None:
+        """Raise :class:`LogUnavailable` when requests can no longer be recorded (the request log
+        reopens a file removed while serving; a workspace removed is the end)."""
+        if self.log is None:
+            return
+        try:
+            self.log.check()
+        except RequestLogGone as gone:
+            raise LogUnavailable(str(gone)) from None
+
+    def reserve(self) -> Slot:
+        """Take a place in the queue before a request's body is read, or raise :class:`Overloaded`:
+        the bodies held at once are bounded by the queue, not by the clients."""
         with self._lock:
             self._refuse_if_full()
+            self._reserved += 1
+        return Slot(self)
+
+    def _release(self, ran: bool = False) -> None:
+        with self._lock:
+            self._reserved -= 1
+            if ran:
+                self._pending -= 1
+                self.metrics.queue_length.set(self._pending)
+
+    def submit(self, job: Job, slot: Slot | None = None) -> None:
+        """Queue a job in its reserved ``slot`` (the worker frees it), or in one taken now: then
+        :class:`Overloaded` when ``max_queue`` requests already wait."""
+        if slot is None:
+            slot = self.reserve()
+        slot.hand_over()
+        with self._lock:
             self._pending += 1
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
@@ -228,10 +288,11 @@ class Engine:
         self._jobs.put(job)
 
     def _refuse_if_full(self) -> None:
-        """(under ``_lock``) :class:`Overloaded` when one request runs and ``max_queue`` wait."""
-        if self._pending >= self.max_queue + 1:
+        """(under ``_lock``) :class:`Overloaded` when ``max_queue + 1`` places are taken (one running, the
+        rest waiting or having their bodies read)."""
+        if self._reserved >= self.max_queue + 1:
             self.metrics.requests.labels(status="rejected").inc()
-            raise Overloaded(self._retry_after(self._pending))
+            raise Overloaded(self._retry_after(self._reserved))
 
     def _retry_after(self, pending: int) -> int:
         typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 1.0
@@ -252,9 +313,7 @@ class Engine:
                     outcome = exc
                 finally:  # the slot is free before the answer leaves: a client's next request finds room
                     self._service_s.append(time.perf_counter() - started)
-                    with self._lock:
-                        self._pending -= 1
-                        self.metrics.queue_length.set(self._pending)
+                    self._release(ran=True)
                 job.finish(outcome)
 
     def _expired(self, job: Job) -> DeadlineExceeded | None:
@@ -409,8 +468,17 @@ class Engine:
         if status == "ok" and decider is not None and total is not None and plan is not None:
             # judged on the client's clock: the reply's time comes after the server's total
             self.planner.observe_outcome(plan, total + plan.reply_reserve_ms <= job.budget_ms)
-        if self.log is not None and not self.log.append(row):
-            self.metrics.log_failures.inc()
+        if self.log is not None:
+            try:
+                recorded = self.log.append(row)
+            except RequestLogGone as gone:
+                self.metrics.log_failures.inc()
+                self.metrics.requests.labels(status="rejected").inc()
+                if status == "ok":  # nothing is answered without its record
+                    raise LogUnavailable(str(gone)) from None
+                return row
+            if not recorded:
+                self.metrics.log_failures.inc()
         self.metrics.observe(row)
         self.served += 1
         return row

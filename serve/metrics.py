@@ -22,7 +22,10 @@ ctrl_overhead_reserve_seconds          the reserve for work outside the profiled
                                        request read it
 ctrl_decisions_total{knob, value}      the knob values chosen (max_crops, top_k, num_active_blocks,
                                        insertion_position)
-ctrl_request_log_failures_total        answered requests the request log could not record (a full disk)
+ctrl_request_log_failures_total        requests the request log could not record (a full disk; a workspace
+                                       removed, after which requests are refused)
+ctrl_connections_dropped_total{reason} connections closed before their request was complete:
+                                       too_many_connections, header_timeout, body_timeout, client_left
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ class ServeMetrics:
         self.reserve = Gauge("ctrl_overhead_reserve_seconds", "Reserve for the work outside the profiled path",
                              registry=self.registry)
         self.decisions = Counter("ctrl_decisions", "Knob values chosen", ["knob", "value"], registry=self.registry)
-        self.log_failures = Counter("ctrl_request_log_failures", "Answered requests the request log could not "
-                                    "record (a full disk)", registry=self.registry)
+        self.log_failures = Counter("ctrl_request_log_failures", "Requests the request log could not record",
+                                    registry=self.registry)
+        self.connections_dropped = Counter("ctrl_connections_dropped", "Connections closed before their request "
+                                           "was complete", ["reason"], registry=self.registry)
 
     def observe(self, row: dict[str, Any]) -> None:
         """Count one finished request from its ``requests`` row."""

@@ -76,6 +76,10 @@ class Limits:
     max_prompt_tokens: int | None = None
     #: the largest image file read from ``local_images`` (a data: URI meets the body's limit instead)
     max_image_file_bytes: int = option_default("max_body_bytes")
+    #: the most the longer side of an image may be of its shorter side
+    max_image_aspect: float = option_default("max_image_aspect")
+    #: texts the model's tokenizer reads as its own control tokens (a question must not spell them)
+    reserved_texts: tuple[str, ...] = ()
 
 
 def _refuse(message: str, param: str | None = None, code: str | None = "invalid_value") -> NoReturn:
@@ -87,6 +91,9 @@ def parse_json_body(body: bytes) -> Any:
     """The request body's JSON value; a 400 naming the reason for a body that is not valid UTF-8,
     not JSON, nested too deeply, or that names a key twice in one object (which value is meant
     would be a guess: a second ``messages`` would silently replace the first)."""
+    if body[:4].count(0) or body[:2] in (b"\xff\xfe", b"\xfe\xff"):  # JSON starts with ASCII: a NUL is UTF-16/32
+        _refuse("the request body is not UTF-8 (it reads as UTF-16 or UTF-32): send the JSON encoded as UTF-8", None,
+                "invalid_json")
     try:
         return loads_unique_keys(body)
     except RepeatedKeyError as exc:
@@ -238,6 +245,10 @@ def _question(text: str, where: str, limits: Limits) -> str:
     if len(text) > limits.max_prompt_chars:
         _refuse(f"`{where}` has {len(text):,} characters of text, more than the server's limit of "
                 f"{limits.max_prompt_chars:,} (--max-prompt-chars)", where, "prompt_too_long")
+    for reserved in limits.reserved_texts:
+        if reserved in text:
+            _refuse(f"`{where}` contains {reserved!r}, which the model reads as one of its control tokens (the image "
+                    "placeholders, the end of text): leave it out of the question", where, "reserved_token")
     return _unicode(text, where)
 
 
@@ -258,7 +269,7 @@ def load_image(url: str, limits: Limits, where: str) -> Image.Image:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             _refuse(f"`{where}`: the data: URI is not valid base64", where, "invalid_image")
-        return decode_image(data, limits.max_image_pixels, where)
+        return decode_image(data, limits.max_image_pixels, where, limits.max_image_aspect)
     if limits.local_images is None:
         _refuse(f"`{where}`: only data: URIs are accepted (the server was not started with --local-images)",
                    where, "unsupported_value")
@@ -271,13 +282,15 @@ def load_image(url: str, limits: Limits, where: str) -> Image.Image:
         _refuse(f"`{where}`: a file path must not contain a NUL character", where, "invalid_image")
     root = Path(limits.local_images).resolve()
     try:
-        path = Path(name).expanduser()
+        # the error messages name the path as the client spelled it: the resolved one may be a link's
+        # target or a process's file, which are the server's to know
+        path = Path(name)
         path = (path if path.is_absolute() else root / path).resolve()
         if not path.is_relative_to(root):
-            _refuse(f"`{where}`: {_shown(str(path))} is outside the --local-images directory", where,
+            _refuse(f"`{where}`: {_shown(name)} is outside the --local-images directory", where,
                     "unsupported_value")
         if not path.is_file():
-            _refuse(f"`{where}`: no such image file {_shown(str(path))}", where, "invalid_image")
+            _refuse(f"`{where}`: no such image file {_shown(name)}", where, "invalid_image")
         size = path.stat().st_size
         if size > limits.max_image_file_bytes:
             _refuse(f"`{where}`: the image file has {size:,} bytes, more than the server's limit of "
@@ -286,7 +299,7 @@ def load_image(url: str, limits: Limits, where: str) -> Image.Image:
     except OSError as exc:  # a name too long, a file that vanished or cannot be read
         _refuse(f"`{where}`: cannot read the image file ({exc.strerror or type(exc).__name__})", where,
                 "invalid_image")
-    return decode_image(data, limits.max_image_pixels, where)
+    return decode_image(data, limits.max_image_pixels, where, limits.max_image_aspect)
 
 
 def warm_image_decoding() -> None:
@@ -298,8 +311,11 @@ def warm_image_decoding() -> None:
         decode_image(buffer.getvalue(), 4, "warm-up")
 
 
-def decode_image(data: bytes, max_pixels: int, where: str) -> Image.Image:
-    """Decode to RGB, refusing an image whose header declares more than ``max_pixels`` before any pixel is decoded."""
+def decode_image(data: bytes, max_pixels: int, where: str, max_aspect: float = math.inf) -> Image.Image:
+    """Decode to RGB, refusing an image whose header declares more than ``max_pixels``, or a longer
+    side more than ``max_aspect`` times its shorter one, before any pixel is decoded: resizing a
+    sliver of millions of pixels by two costs the model thread several times what a square image of
+    as many pixels does."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -308,6 +324,10 @@ def decode_image(data: bytes, max_pixels: int, where: str) -> Image.Image:
                 if width * height > max_pixels:
                     msg = (f"`{where}`: the image declares {width} x {height} = {width * height:,} pixels, more than "
                            f"the server's limit of {max_pixels:,} pixels")
+                    _refuse(msg, where, "image_too_large")
+                if max(width, height) > max_aspect * max(min(width, height), 1):
+                    msg = (f"`{where}`: the image is {width} x {height} pixels, a side more than {max_aspect:g} times "
+                           "the other (--max-image-aspect)")
                     _refuse(msg, where, "image_too_large")
                 img.load()
                 # an RGB image as decoded: convert() would copy it, and a burst holds one per request

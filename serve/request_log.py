@@ -25,6 +25,10 @@ import orjson
 from pipeline.workspace import Workspace
 
 
+class RequestLogGone(OSError):
+    """The workspace the request log was in is gone: requests can no longer be recorded."""
+
+
 class RequestLog:
     """Append-only JSON-lines writer; safe to call from several threads.
 
@@ -40,8 +44,14 @@ class RequestLog:
             directory.mkdir(parents=True, exist_ok=True)
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
             path = directory / f"{stamp}-{os.getpid()}.jsonl"
+            #: the directory whose loss means the workspace is gone (not only its requests/ folder)
+            self.root: Path = Path(workspace.root)
+        else:
+            self.root = path.parent
         self.path: Path = path
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        #: why requests can no longer be recorded (None while they can)
+        self.gone: str | None = None
         self._lock = threading.Lock()
         self._warn = warn or _to_stderr
         #: records that could not be written since the log was opened
@@ -49,14 +59,51 @@ class RequestLog:
         self._unrecorded = 0  # records lost since the last one written
         self._torn = False  # the last write stopped inside a line
 
-    def append(self, record: dict[str, Any]) -> bool:
-        """Write one record as one line (one ``write`` call); False when it could not be written."""
-        line = orjson.dumps(record, option=orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z) + b"\n"
+    def check(self) -> None:
+        """Make sure records still reach the file at :attr:`path`: a file removed or replaced while
+        serving (the descriptor would write to a file no one can read) is reopened at the same path;
+        :class:`RequestLogGone` when the workspace itself is gone."""
         warning = None
         with self._lock:
-            if self._fd is None:
-                msg = f"request log {self.path} is closed"
-                raise RuntimeError(msg)
+            warning = self._check_locked()
+        if warning is not None:
+            with contextlib.suppress(OSError):
+                self._warn(warning)
+
+    def _check_locked(self) -> str | None:
+        if self.gone is not None:
+            raise RequestLogGone(self.gone)
+        if self._fd is None:
+            msg = f"request log {self.path} is closed"
+            raise RuntimeError(msg)
+        try:
+            on_disk = os.stat(self.path)
+        except OSError:
+            on_disk = None
+        held = os.fstat(self._fd)
+        if on_disk is not None and (on_disk.st_ino, on_disk.st_dev) == (held.st_ino, held.st_dev):
+            return None
+        if not self.root.is_dir():
+            self.gone = (f"the workspace {self.root} was removed while serving, so requests can no longer be "
+                         "recorded")
+            raise RequestLogGone(self.gone)
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            self.gone = f"the request log {self.path} was removed and cannot be created again ({exc.strerror or exc})"
+            raise RequestLogGone(self.gone) from None
+        os.close(self._fd)
+        self._fd, self._torn = fd, False
+        return (f"warning: request log {self.path} was {'replaced' if on_disk else 'removed'} while serving; "
+                "recording to the file now at that path")
+
+    def append(self, record: dict[str, Any]) -> bool:
+        """Write one record as one line (one ``write`` call); False when it could not be written,
+        :class:`RequestLogGone` when the workspace is gone (see :meth:`check`)."""
+        line = orjson.dumps(record, option=orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z) + b"\n"
+        with self._lock:
+            warning = self._check_locked()
             if self._torn:
                 line = b"\n" + line
             written = 0
@@ -68,7 +115,7 @@ class RequestLog:
                     self._torn = not (written == 1 and line.startswith(b"\n"))
                 self.failures += 1
                 self._unrecorded += 1
-                if self._unrecorded == 1:
+                if self._unrecorded == 1 and warning is None:
                     warning = (f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
                                "not recorded until writing works again (ctrl_request_log_failures_total counts them)")
             else:

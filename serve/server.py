@@ -22,6 +22,7 @@ from runtime import load_runtime
 from serve.app import create_app
 from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
+from serve.connections import DROP_REASONS, ConnectionLimits, protocol_class
 from serve.deciders import load_decider
 from serve.engine import Engine, capture_decode_steps, warm_up
 from serve.protocol import Limits, warm_image_decoding
@@ -77,7 +78,15 @@ def limits_of(config: ServeConfig, engine: Engine) -> Limits:
                   max_image_pixels=config.max_image_pixels, local_images=config.local_images,
                   image_required=not engine.runtime.answers_without_image,
                   max_prompt_chars=config.max_prompt_chars, max_prompt_tokens=max_prompt_tokens(config, engine),
-                  max_image_file_bytes=config.max_body_bytes)
+                  max_image_file_bytes=config.max_body_bytes, max_image_aspect=config.max_image_aspect,
+                  reserved_texts=engine.runtime.special_texts())
+
+
+def connection_limits(config: ServeConfig, engine: Engine) -> ConnectionLimits:
+    for reason in DROP_REASONS:  # every reason in the metrics from the start, at 0
+        engine.metrics.connections_dropped.labels(reason=reason)
+    return ConnectionLimits(config.max_connections, config.header_timeout_s, config.body_timeout_s,
+                            on_drop=lambda reason: engine.metrics.connections_dropped.labels(reason=reason).inc())
 
 
 #: glibc's mallopt parameter: the allocation size from which memory is mapped on its own
@@ -122,9 +131,13 @@ def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> b
     check_port_free(config.host, config.port)  # before the model loads: a taken port is found in a second
     map_large_allocations()
     engine = build_engine(config, log)
-    app = create_app(engine, limits_of(config, engine), max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    connections = connection_limits(config, engine)
+    app = create_app(engine, limits_of(config, engine), max_body_bytes=config.max_body_bytes, api_key=config.api_key,
+                     hosts=config.hosts, origins=config.origins, body_timeout_s=config.body_timeout_s,
+                     connections=connections)
     server = _draining_server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                            access_log=False, lifespan="on"), engine)
+                                                     access_log=False, lifespan="on",
+                                                     http=protocol_class(connections)), engine)
     server.run()
     if server.force_exit:  # uvicorn skips the lifespan's shutdown then: the worker ends within one block
         engine.stop()

@@ -494,7 +494,7 @@ def test_a_client_that_disconnects_stops_its_work(server_b, serve_ws):
     _, ws, _ = serve_ws
     body = long_request_body("molmoe-test")
     sock = socket.create_connection(("127.0.0.1", server_b.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Authorization: Bearer secret-key\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     deadline = time.monotonic() + 30
     while request(server_b, "GET", "/health")[1]["queue_length"] == 0 and time.monotonic() < deadline:

@@ -59,7 +59,7 @@ def wait_for_queue(server: Server, length: int = 1, timeout_s: float = 30.0) -> 
 def send_raw(server: Server, body: bytes) -> socket.socket:
     """The request on a socket of its own (closing it is a client that disconnects)."""
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 

@@ -1,0 +1,212 @@
+"""The HTTP connections of ``ctrl serve``: uvicorn's HTTP/1.1 protocol with the bounds an endpoint needs.
+
+* At most ``max_connections`` are open at once; one more is answered 503 and closed before its
+  request is read.
+* A request's headers must be complete within ``header_timeout_s`` of the connection opening (or of
+  the previous reply on it): a client that sends headers slowly, or none, is answered 408 and closed.
+* The body's own deadline is the app's (:func:`serve.app.read_body`); a body the app answered
+  without reading (a 503 before a queue slot, a 401) is read and dropped, at most for
+  ``body_timeout_s``, so that the client, which sends its whole body before it reads, gets the reply.
+* A client that half-closes (shuts down its sending side after its request) is still answered. Its
+  end of file looks the same as a client that closed and left, so the server writes an interim
+  ``100 Continue`` (which HTTP clients skip) and watches the socket: a client that has left resets
+  it, and its request is cancelled as a disconnect.
+
+Every connection dropped this way is counted (``ctrl_connections_dropped_total{reason}``) and the
+server's log says so, one line per reason at most every ``LOG_EVERY_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the reasons a connection is dropped (the label of ctrl_connections_dropped_total)
+DROP_REASONS = ("too_many_connections", "header_timeout", "body_timeout", "client_left")
+#: the least time between two log lines of one drop reason
+LOG_EVERY_S = 10.0
+#: how often the socket of a half-closed client is looked at
+HALF_CLOSE_POLL_S = 0.02
+#: how long a refused connection is read (and dropped) so that its client can read the refusal
+LINGER_S = 1.0
+#: Linux's tcp_info.tcpi_state of a connection the peer has reset
+_TCP_CLOSE = 7
+
+logger = logging.getLogger("uvicorn.error")
+
+
+def _raw_response(status: int, reason: str, message: str, extra: str = "") -> bytes:
+    body = ('{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}'
+            % message).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n{extra}\r\n")
+    return head.encode() + body
+
+
+@dataclass
+class ConnectionLimits:
+    """The bounds on connections and what was dropped (shared by every connection of one server)."""
+
+    max_connections: int
+    header_timeout_s: float
+    body_timeout_s: float
+    #: called with the reason of each dropped connection (the metric)
+    on_drop: Callable[[str], None] = lambda reason: None
+    _logged: dict[str, tuple[float, int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def dropped(self, reason: str, client: Any) -> None:
+        """Count a dropped connection; log it, or add it to the next line of its reason."""
+        self.on_drop(reason)
+        now = time.monotonic()
+        with self._lock:
+            last, unlogged = self._logged.get(reason, (-LOG_EVERY_S, 0))
+            if now - last < LOG_EVERY_S:
+                self._logged[reason] = (last, unlogged + 1)
+                return
+            self._logged[reason] = (now, 0)
+        where = f"{client[0]}:{client[1]}" if client else "a client"
+        more = f" (and {unlogged} more since the last line)" if unlogged else ""
+        logger.warning("dropped the connection of %s: %s%s", where, _DROP_TEXT[reason](self), more)
+
+
+_DROP_TEXT: dict[str, Callable[[ConnectionLimits], str]] = {
+    "too_many_connections": lambda lim: f"{lim.max_connections} connections are open (--max-connections)",
+    "header_timeout": lambda lim: f"its request headers were not complete within {lim.header_timeout_s:g} s "
+                                  "(--header-timeout-s)",
+    "body_timeout": lambda lim: f"its request body did not arrive within {lim.body_timeout_s:g} s "
+                                "(--body-timeout-s)",
+    "client_left": lambda lim: "the client closed it before its request's body was complete",
+}
+
+
+def protocol_class(limits: ConnectionLimits) -> type:
+    """uvicorn's h11 protocol class with ``limits`` (uvicorn.Config's ``http``)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    refused = _raw_response(503, "Service Unavailable", "the server has too many open connections; retry later",
+                            "retry-after: 1\r\n")
+    timed_out = _raw_response(408, "Request Timeout", "the request was not received in time")
+
+    class BoundedH11Protocol(H11Protocol):
+        """See the module's docstring."""
+
+        _timer: asyncio.TimerHandle | None = None
+        _reason = ""
+        _timer_cycle: Any = None
+        _lingering = False
+        _peer_eof = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                limits.dropped("too_many_connections", self.client)
+                self._linger(refused)
+                return
+            self._arm(limits.header_timeout_s, "header_timeout")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return
+            super().data_received(data)
+            if self._timer is None:
+                return
+            if self._reason == "header_timeout" and self.conn.their_state is not h11.IDLE:
+                self._disarm()  # the headers are in: the body's deadline is the app's
+            elif self._reason == "body_timeout" and (self.cycle is not self._timer_cycle
+                                                     or self.conn.their_state is h11.IDLE):
+                # the dropped body is over: the next request's headers are timed, if they are not in yet
+                if self.conn.their_state is h11.IDLE:
+                    self._arm(limits.header_timeout_s, "header_timeout")
+                else:
+                    self._disarm()
+
+        def eof_received(self) -> bool | None:
+            cycle = self.cycle
+            if (self._lingering or cycle is None or cycle.response_complete or cycle.response_started
+                    or self.conn.their_state is not h11.DONE or not _can_watch(self.transport)):
+                return None  # mid-request or between requests: the connection is over
+            # the whole request is in: a half-close (answer it) or a client that left (it resets the probe)
+            self._peer_eof = True
+            cycle.waiting_for_100_continue = False
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                                              reason=b"Continue")))
+            self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
+            return True
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.transport.is_closing():
+                return
+            if self._peer_eof:  # nothing more can come from a client that half-closed
+                self.transport.close()
+            elif self.conn.their_state is h11.IDLE:
+                self._arm(limits.header_timeout_s, "header_timeout")
+            elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: read and drop it
+                self._arm(limits.body_timeout_s, "body_timeout")
+
+        def _watch_half_closed(self) -> None:
+            if self.transport.is_closing() or self.cycle is None or self.cycle.response_complete:
+                return
+            if _tcp_state(self.transport) == _TCP_CLOSE:  # the client reset the probe: it has left
+                self.transport.abort()  # connection_lost marks the request disconnected
+                return
+            self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
+
+        def _arm(self, seconds: float, reason: str) -> None:
+            self._disarm()
+            self._reason, self._timer_cycle = reason, self.cycle
+            self._timer = self.loop.call_later(seconds, self._expire, reason)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expire(self, reason: str) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            limits.dropped(reason, self.client)
+            if reason == "header_timeout":
+                self.transport.write(timed_out)
+            self.transport.close()
+
+        def _linger(self, reply: bytes) -> None:
+            """Write ``reply``, end the sending side, and drop what the client still sends for a moment
+            before closing: closing with unread bytes would reset the connection before it reads the reply."""
+            self._lingering = True
+            self.transport.write(reply)
+            with contextlib.suppress(OSError, NotImplementedError, RuntimeError):
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+    return BoundedH11Protocol
+
+
+def _can_watch(transport: asyncio.BaseTransport) -> bool:
+    return hasattr(socket, "TCP_INFO") and _tcp_state(transport) is not None
+
+
+def _tcp_state(transport: asyncio.BaseTransport) -> int | None:
+    """The socket's TCP state (Linux's tcp_info), None where it cannot be read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except OSError:
+        return None
