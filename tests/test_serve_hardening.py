@@ -1,0 +1,364 @@
+"""What a hostile or careless client, and a workspace removed underneath, do to a real ``ctrl serve``:
+connections that never finish, bodies that wait for a place in the queue, slivers of images,
+requests from other sites' pages, paths in errors, and the statuses and counts each case ends with.
+
+Each test reproduces one fault found against the server and states the documented outcome
+(docs/serving.md#connections-and-admission). One server (``guarded``) runs with small limits so
+that timeouts take a second or two.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import socket
+import time
+from datetime import UTC, datetime
+
+import pytest
+import test_serve
+from PIL import Image
+from test_serve import chat_body, one_line_error, request, start_server, stop_server
+
+trained_ws = test_serve.serve_ws
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 6
+APP_ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def guarded(trained_ws, tmp_path_factory):
+    """A server with small connection limits, one place in the queue beside the request running,
+    local images from a directory of its own and one allowed browser origin."""
+    _, ws, _ = trained_ws
+    root = tmp_path_factory.mktemp("guarded")
+    images = root / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 48), (10, 200, 10)).save(images / "ok.png")
+    secret = root / "secret-dir"
+    secret.mkdir()
+    Image.new("RGB", (8, 8)).save(secret / "target.png")
+    (images / "link.png").symlink_to(secret / "target.png")
+    server = start_server(ws.root, root / "log.txt", "--controller", "offline-run", "--max-queue", "1",
+                          "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
+                          "--max-connections", str(MAX_CONNECTIONS), "--local-images", str(images),
+                          "--allowed-origins", APP_ORIGIN)
+    yield server, secret
+    stop_server(server)
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """The value of one sample of GET /metrics (0 when absent)."""
+    _, body = request(server, "GET", "/metrics")
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" ([0-9.e+-]+)"
+    found = re.search(pattern, body["text"])
+    return float(found[1]) if found else 0.0
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+
+def head(length: int, host: str = "127.0.0.1", extra: str = "") -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+def read_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one HTTP response (Content-Length framed), skipping 1xx responses."""
+    data = b""
+    while True:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                msg = f"closed after {data!r}"
+                raise ConnectionError(msg)
+            data += chunk
+        header, _, data = data.partition(b"\r\n\r\n")
+        lines = header.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        if status >= 200:
+            break
+    length = int(headers.get("content-length", 0))
+    while len(data) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return status, headers, data[:length]
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+# -- connections that never finish ---------------------------------------------------------------
+
+def test_a_body_one_byte_short_is_answered_408_and_closed_after_the_body_timeout(guarded):
+    server, _ = guarded
+    before = metric(server, "ctrl_connections_dropped_total", reason="body_timeout")
+    body = chat_body("What?", max_tokens=1)
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body[:-1])
+        started = time.monotonic()
+        status, headers, reply = read_reply(sock)
+        waited = time.monotonic() - started
+        assert status == 408 and headers["connection"] == "close"
+        assert json.loads(reply)["error"]["code"] == "body_timeout"
+        assert BODY_TIMEOUT_S * 0.9 <= waited < BODY_TIMEOUT_S + 5
+        assert closed_by_server(sock, 5)
+    assert metric(server, "ctrl_connections_dropped_total", reason="body_timeout") == before + 1
+    # a slot is released: two requests (the queue's whole room) are answered afterwards
+    for _ in range(2):
+        assert request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))[0] == 200
+
+
+def test_partial_headers_are_answered_408_and_closed_after_the_header_timeout(guarded):
+    server, _ = guarded
+    before = metric(server, "ctrl_connections_dropped_total", reason="header_timeout")
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never the blank line
+        started = time.monotonic()
+        status, _, _ = read_reply(sock)
+        assert status == 408
+        assert HEADER_TIMEOUT_S * 0.9 <= time.monotonic() - started < HEADER_TIMEOUT_S + 5
+        assert closed_by_server(sock, 5)
+    assert metric(server, "ctrl_connections_dropped_total", reason="header_timeout") == before + 1
+    assert "request headers were not complete within 1 s" in server.log()
+
+
+def test_connections_beyond_the_cap_are_refused_at_once_and_the_rest_time_out(guarded):
+    server, _ = guarded
+    idle = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # all accepted
+        with connect(server) as extra:
+            status, headers, _ = read_reply(extra)  # answered without sending anything
+        assert status == 503 and headers["retry-after"] == "1"
+        # the idle ones are closed by the header timeout, and the server takes connections again
+        assert all(closed_by_server(sock, HEADER_TIMEOUT_S + 5) for sock in idle)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert request(server, "GET", "/health")[0] == 200
+    assert metric(server, "ctrl_connections_dropped_total", reason="too_many_connections") >= 1
+
+
+# -- a place in the queue before the body is read -------------------------------------------------
+
+def test_a_request_without_a_place_in_the_queue_is_refused_before_its_body_is_read(guarded):
+    """With --max-queue 1 two places exist. Two clients that sent only their headers hold both (as
+    clients uploading large images would); a third is answered 503 before sending a byte of body,
+    and the places come back when the first two are answered."""
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)
+    holders = [connect(server) for _ in range(2)]
+    try:
+        for sock in holders:
+            sock.sendall(head(len(body)))
+        time.sleep(0.3)  # the holders' handlers take their places as soon as their headers are parsed
+        with connect(server) as third:
+            third.sendall(head(len(body)))
+            status, headers, reply = read_reply(third)
+            assert status == 503 and int(headers["retry-after"]) >= 1
+            assert json.loads(reply)["error"]["code"] == "queue_full"
+            # the refused client may still send its body: it is read and dropped, and the connection
+            # carries its next request
+            third.sendall(body + head(len(body)) + body)
+            status, _, reply = read_reply(third)
+        assert status == 503, reply  # the holders still hold both places
+        for sock in holders:
+            sock.sendall(body)
+            assert read_reply(sock)[0] == 200
+    finally:
+        for sock in holders:
+            sock.close()
+    assert request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))[0] == 200
+
+
+def test_a_client_that_leaves_mid_body_is_a_dropped_connection_not_an_error(guarded):
+    server, _ = guarded
+    errors = metric(server, "ctrl_requests_total", status="error")
+    left = metric(server, "ctrl_connections_dropped_total", reason="client_left")
+    body = chat_body("What?", max_tokens=1)
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body[: len(body) // 2])
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while metric(server, "ctrl_connections_dropped_total", reason="client_left") < left + 1:
+        assert time.monotonic() < deadline, "the connection was not counted as dropped"
+        time.sleep(0.05)
+    assert metric(server, "ctrl_requests_total", status="error") == errors
+    assert "Traceback" not in server.log()
+
+
+def test_a_client_that_half_closes_after_its_request_gets_its_answer(guarded):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=2)
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body)
+        sock.shutdown(socket.SHUT_WR)
+        status, _, reply = read_reply(sock)
+    assert status == 200, reply
+    assert json.loads(reply)["choices"][0]["message"]["role"] == "assistant"
+
+
+# -- what an image may cost ----------------------------------------------------------------------
+
+def test_a_sliver_image_is_refused_before_preprocessing(guarded):
+    server, _ = guarded
+    buffer = io.BytesIO()
+    Image.new("RGB", (12_500_000, 2)).save(buffer, format="PNG")  # 25 M pixels: within the pixel limit
+    assert len(buffer.getvalue()) < 300_000
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    status, reply = request(server, "POST", "/v1/chat/completions", chat_body(
+        [{"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": uri}}], max_tokens=1))
+    assert status == 400 and reply["error"]["code"] == "image_too_large"
+    assert "12500000 x 2 pixels, a side more than 25 times the other" in one_line_error(reply)
+
+
+# -- requests from other sites' pages -------------------------------------------------------------
+
+def test_a_host_header_the_server_does_not_answer_to_is_refused(guarded):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+        status, reply = request(server, "POST", "/v1/chat/completions", body,
+                                {"Host": host, "Content-Type": "text/plain"})
+        assert status == 403 and reply["error"]["code"] == "host_not_allowed", host
+    for host in ("localhost", f"127.0.0.1:{server.port}", f"[::1]:{server.port}"):
+        assert request(server, "GET", "/health", headers={"Host": host})[0] == 200, host
+
+
+def test_cross_origin_requests_are_refused_unless_their_origin_is_allowed(guarded):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)
+    status, reply = request(server, "POST", "/v1/chat/completions", body,
+                            {"Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert status == 403 and reply["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in reply["_headers"]
+    status, reply = request(server, "POST", "/v1/chat/completions", body, {"Origin": APP_ORIGIN})
+    assert status == 200 and reply["_headers"]["access-control-allow-origin"] == APP_ORIGIN
+    status, reply = request(server, "OPTIONS", "/v1/chat/completions", None,
+                            {"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST",
+                             "Access-Control-Request-Headers": "authorization,content-type"})
+    assert status == 200 and reply["_headers"]["access-control-allow-origin"] == APP_ORIGIN
+
+
+# -- paths in errors ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["link.png", "~root/.bashrc", "/proc/self/environ", "../secret-dir/target.png"])
+def test_image_path_errors_name_the_path_as_sent(guarded, path):
+    server, secret = guarded
+    status, reply = request(server, "POST", "/v1/chat/completions", chat_body(
+        [{"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": path}}], max_tokens=1))
+    assert status == 400
+    message = one_line_error(reply)
+    assert repr(path) in message
+    for disclosed in (str(secret), "/root", f"/proc/{server.process.pid}"):
+        assert disclosed not in message
+
+
+# -- statuses --------------------------------------------------------------------------------------
+
+def test_a_question_spelling_an_image_token_is_a_400(guarded):
+    server, _ = guarded
+    status, reply = request(server, "POST", "/v1/chat/completions", chat_body("What is <im_patch> here?",
+                                                                               max_tokens=1))
+    assert status == 400 and reply["error"]["code"] == "reserved_token"
+    assert "'<im_patch>'" in one_line_error(reply)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_in_utf16_or_utf32_is_a_400(guarded, encoding):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1).decode().encode(encoding)
+    status, reply = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and "not UTF-8" in one_line_error(reply)
+
+
+def test_a_tiny_budget_is_reported_as_given(guarded):
+    server, _ = guarded
+    status, reply = request(server, "POST", "/v1/chat/completions",
+                            chat_body("What?", max_tokens=1, latency_budget_ms=1e-300))
+    assert status == 504
+    assert "latency budget of 1e-300 ms" in one_line_error(reply)
+
+
+def test_method_not_allowed_names_the_allowed_ones_and_head_health_works(guarded):
+    server, _ = guarded
+    status, reply = request(server, "GET", "/v1/chat/completions")
+    assert status == 405 and reply["_headers"]["allow"] == "POST"
+    status, reply = request(server, "HEAD", "/health")
+    assert status == 200
+
+
+# -- the workspace removed while serving -----------------------------------------------------------
+
+def test_the_request_log_is_reopened_or_requests_refused_when_the_workspace_goes(trained_ws, tmp_path):
+    _, ws, _ = trained_ws
+    root = tmp_path / "ws"
+    shutil.copytree(ws.root, root, ignore=shutil.ignore_patterns("requests"))
+    server = start_server(root, tmp_path / "log.txt", "--controller", "offline-run")
+    try:
+        assert request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))[0] == 200
+        shutil.rmtree(root / "requests")  # the request log's folder alone: recreated, the file reopened
+        status, reply = request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))
+        assert status == 200
+        lines = [json.loads(line) for path in (root / "requests").glob("*.jsonl")
+                 for line in path.read_text().splitlines()]
+        assert [r["request_id"] for r in lines] == [reply["id"]]
+        assert "was removed while serving; recording to the file now at that path" in server.log()
+        shutil.rmtree(root)  # the whole workspace: nothing more is answered, since nothing could be recorded
+        status, reply = request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))
+        assert status == 503 and reply["error"]["code"] == "request_log_unavailable"
+        assert f"the workspace {root} was removed while serving" in one_line_error(reply)
+        status, health = request(server, "GET", "/health")
+        assert status == 503 and health["status"] == "unavailable"
+        assert not root.exists()  # not resurrected
+    finally:
+        stop_server(server)
+
+
+# -- the queue deadline's factor -------------------------------------------------------------------
+
+def test_the_default_queue_deadline_drops_after_four_budgets_not_eight(embedded_runtime, tmp_path):
+    """A request that has spent 6 budgets when the worker takes it is dropped by the default (4);
+    one that has spent 3 is run."""
+    from test_serve import RecordingDecider
+
+    from pipeline.workspace import Workspace
+    from serve.config import ServeConfig
+    from serve.engine import DeadlineExceeded, Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=1, default_budget_ms=100.0,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")),
+                    queue_deadline=ServeConfig().queue_deadline)
+    budget_ms = 1000.0
+    now = time.perf_counter()
+
+    def job(spent_budgets: float):
+        request_ = ChatRequest("embedded", "What?", None, 1, budget_ms)
+        return new_job(request_, engine, now - spent_budgets * budget_ms / 1000.0, datetime.now(UTC), 0.0)
+
+    assert isinstance(engine._expired(job(6.0)), DeadlineExceeded)
+    assert engine._expired(job(3.0)) is None
+    engine.stop()
+    rows = [json.loads(line) for line in next((tmp_path / "ws" / "requests").glob("*.jsonl")).read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["dropped"]
