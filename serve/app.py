@@ -4,7 +4,8 @@ Endpoints (docs/serving.md#http-api):
 
 * ``POST /v1/chat/completions``: the OpenAI request (:mod:`serve.protocol`); the reply is an
   OpenAI ``chat.completion`` whose extra ``ctrl`` object holds the knobs, the per-stage
-  latencies and whether the budget was met.
+  latencies and whether the budget was met (with ``stream: true``, server-sent
+  ``chat.completion.chunk`` events, the last with ``ctrl``: :mod:`serve.streaming`).
 * ``GET /v1/models``: the one served model.
 * ``GET /health``: 200 with the queue length once the model is loaded.
 * ``GET /metrics``: Prometheus text format (:mod:`serve.metrics`).
