@@ -517,6 +517,17 @@ REQUESTS = TableSchema(
         Column("num_crops", _L, "crops of the image's tiling at max_crops", "crops"),
         Column("num_prompt_tokens", _L, "prompt tokens, image tokens included", "tokens"),
         Column("num_output_tokens", _L, "generated tokens", "tokens"),
+        Column("finish_reason", _S, "stop (end of sequence, or a stop sequence: stop_hit) | length (max_tokens); "
+                                    "null for a request not answered"),
+        Column("stop_hit", _S, "the request's stop sequence that ended the answer (the answer is cut before it); "
+                               "null otherwise"),
+        Column("stream", _B, "the answer was streamed as server-sent events (`stream: true`); null in logs written "
+                             "before streaming existed"),
+        Column("temperature", _D, "sampling temperature; 0: greedy decoding (the controller was trained on greedy "
+                                  "answers); null in logs written before sampling existed"),
+        Column("top_p", _D, "nucleus sampling's probability mass (1: the whole vocabulary)"),
+        Column("seed", _L, "the sampling seed: the request's `seed`, or one drawn for it, so that the answer can be "
+                           "reproduced with the same knobs; null for greedy decoding"),
         *(Column(f"latency_{stage}_ms", _D, what, "ms") for stage, what in (
             ("parse", "arrival to the queue: body, JSON, image decoding"),
             ("queue", "waiting for the model"),

@@ -109,17 +109,19 @@ class ModelInputs:
         return 0 if self.tiling is None else self.tiling[0] * self.tiling[1]
 
 
-def greedy_decode(first_token: int, next_token: Callable[[int], int], eos_id: int, max_new_tokens: int) -> list[int]:
-    """The greedy token loop every generation path shares.
+def greedy_decode(first_token: int, next_token: Callable[[int], int], eos_id: int, max_new_tokens: int,
+                  until: Callable[[int], bool] | None = None) -> list[int]:
+    """The token loop every generation path shares.
 
     ``first_token`` comes from the prefill's last logits; ``next_token(previous)`` runs one decode
-    step with ``previous`` as input and returns its argmax. Stops after EOS (kept) or after
-    ``max_new_tokens`` tokens.
+    step with ``previous`` as input and returns the next token (its argmax; a server may sample).
+    Stops after EOS (kept), after ``max_new_tokens`` tokens, or once ``until(token)`` is true for
+    the token just added (a server's stop sequence).
     """
     if max_new_tokens < 1:
         return []
     tokens = [int(first_token)]
-    while tokens[-1] != eos_id and len(tokens) < max_new_tokens:
+    while not (until is not None and until(tokens[-1])) and tokens[-1] != eos_id and len(tokens) < max_new_tokens:
         tokens.append(int(next_token(tokens[-1])))
     return tokens
 

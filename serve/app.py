@@ -4,7 +4,8 @@ Endpoints (docs/serving.md#http-api):
 
 * ``POST /v1/chat/completions``: the OpenAI request (:mod:`serve.protocol`); the reply is an
   OpenAI ``chat.completion`` whose extra ``ctrl`` object holds the knobs, the per-stage
-  latencies and whether the budget was met.
+  latencies and whether the budget was met (with ``stream: true``, server-sent
+  ``chat.completion.chunk`` events, the last with ``ctrl``: :mod:`serve.streaming`).
 * ``GET /v1/models``: the one served model.
 * ``GET /health``: 200 with the queue length once the model is loaded.
 * ``GET /metrics``: Prometheus text format (:mod:`serve.metrics`).
@@ -37,8 +38,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from serve.connections import ConnectionLimits
-from serve.engine import LATENCY_PARTS, Cancelled, Engine, LogUnavailable, Overloaded, Result, new_job
+from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
 from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
+from serve.streaming import stream_reply
 
 #: how often a waiting handler checks whether its client is still connected
 DISCONNECT_POLL_S = 0.05
@@ -116,6 +118,23 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None),
                      headers=exc.headers)  # a 405's Allow
 
+    def failure(exc: BaseException, request_id: str) -> JSONResponse:
+        """The reply to a submitted request that failed (before any of a stream was sent)."""
+        if isinstance(exc, RequestError):
+            return error(exc)
+        if isinstance(exc, Cancelled):  # the server was stopped at once (a gone client's handler has left already)
+            return error(RequestError(503, "the server was stopped before it answered this request", None,
+                                      "server_stopped"))
+        # the engine has recorded and counted it as an error
+        logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        return error(internal_error(request_id))
+
+    def reply_sent(job: Job, result: Result) -> None:
+        """Time the reply from the answer's last token to its last byte handed to the connection."""
+        if result.record:
+            answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
+            engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
+
     def authorize(request: Request) -> None:
         if api_key is None:
             return
@@ -183,6 +202,10 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
             engine.submit(job, slot)
         finally:
             slot.release()  # every path that did not queue the request (a no-op once queued)
+        if chat.stream:
+            return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
+                                      failure=lambda exc: failure(exc, job.request_id),
+                                      on_sent=lambda result: reply_sent(job, result))
         while True:
             done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
             if done:
@@ -192,18 +215,10 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                 return JSONResponse({}, status_code=499)
         try:
             result: Result = job.future.result()
-        except RequestError:
-            raise
-        except Cancelled:  # the server was stopped at once (a gone client's handler has left already)
-            return error(RequestError(503, "the server was stopped before it answered this request", None,
-                                      "server_stopped"))
-        except Exception as exc:  # the engine has recorded and counted it as an error
-            logger.error("request %s failed: %s: %s", job.request_id, type(exc).__name__, exc, exc_info=exc)
-            return error(internal_error(job.request_id))
-        answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
+        except Exception as exc:
+            return failure(exc, job.request_id)
         return TimedJSONResponse(_completion(job.request_id, engine.model_name, result),
-                                 on_sent=lambda: engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
-                                 if result.record else None)
+                                 on_sent=lambda: reply_sent(job, result))
 
     if origins:  # the preflight and the response headers a browser needs; other origins never get here
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
@@ -292,23 +307,28 @@ def host_name(header: str) -> str | None:
 
 
 def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
-    row = result.record
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                      "finish_reason": result.finish_reason, "logprobs": None}],
         "usage": {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
                   "total_tokens": result.num_prompt_tokens + result.num_output_tokens},
-        "ctrl": {
-            "knobs": {k: row.get(k) for k in ("max_crops", "top_k", "num_active_blocks", "insertion_position")},
-            "decided_by": row.get("decided_by"), "question_group": row.get("question_group"),
-            "controller_run": row.get("controller_run"),
-            "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
-            "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
-            "budget_margin": row.get("budget_margin"), "budget_class": row.get("budget_class"),
-            "met_target": row.get("met_target"), "feasible_rate": row.get("feasible_rate"),
-            "arrival_rate_rps": row.get("arrival_rate_rps"), "arrival_cap_ms": row.get("arrival_cap_ms"),
-            "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
-            "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
-        },
+        "ctrl": _ctrl(result.record),
+    }
+
+
+def _ctrl(row: dict[str, Any]) -> dict[str, Any]:
+    """A reply's ``ctrl`` object (a stream's last chunk has it too): the request log record's knobs,
+    budget terms and latencies."""
+    return {
+        "knobs": {k: row.get(k) for k in ("max_crops", "top_k", "num_active_blocks", "insertion_position")},
+        "decided_by": row.get("decided_by"), "question_group": row.get("question_group"),
+        "controller_run": row.get("controller_run"),
+        "budget_ms": row.get("budget_ms"), "budget_source": row.get("budget_source"),
+        "met": row.get("met"), "waited_ms": row.get("waited_ms"), "latency_scale": row.get("latency_scale"),
+        "budget_margin": row.get("budget_margin"), "budget_class": row.get("budget_class"),
+        "met_target": row.get("met_target"), "feasible_rate": row.get("feasible_rate"),
+        "arrival_rate_rps": row.get("arrival_rate_rps"), "arrival_cap_ms": row.get("arrival_cap_ms"),
+        "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
+        "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
     }

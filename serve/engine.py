@@ -24,7 +24,11 @@ scale. Where that is below every configuration's reference latency, the request 
 fastest configuration without asking the controller (:class:`serve.deciders.CheapestConfig`).
 
 ``latency_total_ms`` runs from the arrival to the answer's text, as the client sees it but for
-the response's serialisation and transfer. A cancelled request (its client disconnected, or the
+the response's serialisation and transfer; for a streamed request, to its last token (its text
+goes to the handler part by part as it is decoded: :meth:`Job.emit`, :mod:`serve.streaming`).
+Each token is the argmax, or a sample of the request's own seeded generator
+(:class:`serve.decoding.TokenPicker`); a stop sequence ends the answer
+(:class:`serve.decoding.TextStream`). A cancelled request (its client disconnected, or the
 server was told to stop at once: :meth:`Engine.abort`) stops before the next decoder block,
 stage or token: the prefill of a long prompt is cut within one block's time. A request that has
 spent ``queue_deadline`` times its budget when the worker takes it from the queue is dropped
@@ -53,6 +57,7 @@ from runtime.timing import RequestTiming, StageTimer, cpu_threads
 from serve.budget import BudgetPlan, BudgetPlanner, guard_config
 from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
+from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
 from serve.request_log import RequestLog, RequestLogGone
@@ -101,6 +106,19 @@ class Job:
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     enqueued: float = 0.0
+    #: a streamed request's settled text, part by part, as the worker decodes it (read on ``loop``)
+    deltas: asyncio.Queue[str] | None = None
+    #: the sampling seed: the request's, or one drawn for it (recorded); None for greedy decoding
+    seed: int | None = None
+
+    def emit(self, text: str) -> None:
+        """Queue a part of a streamed answer for the handler (thread-safe; never waits for the client)."""
+        if self.deltas is None or self.loop is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, text)
+        except RuntimeError:  # the event loop has closed: nobody reads any more
+            pass
 
     def finish(self, outcome: Result | BaseException) -> None:
         """Hand the outcome to the waiting handler (thread-safe)."""
@@ -375,14 +393,21 @@ class Engine:
                     with self.timer.segment("suffix", stages):
                         state = runtime.prefill_suffix(prefix, active)
 
+                    pick = TokenPicker(req.temperature, req.top_p, job.seed, runtime.device)
+                    # decoded token by token only where the text is needed before the end
+                    streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
+                        req.stop or job.deltas is not None) else None
+
                     def next_token(token: int) -> int:
                         self._check(job)
                         with self.timer.segment("decode", stages):
                             runtime.decode_step(state, token)
-                            return int(state.logits.argmax())
+                            return pick(state.logits)
 
-                    tokens = greedy_decode(int(state.logits.argmax()), next_token, runtime.eos_id, req.max_tokens)
-                text = runtime.decode_text(tokens)
+                    tokens = greedy_decode(pick(state.logits), next_token, runtime.eos_id, req.max_tokens,
+                                           streamed.push if streamed is not None else None)
+                text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
+                stop_hit = streamed.stop_hit if streamed is not None else None
             total_ms = (time.perf_counter() - job.arrival) * 1000.0
         except Cancelled as stopped:
             if record:
@@ -414,7 +439,7 @@ class Engine:
             "prefill": (seg["prefix"].blocks_ms or 0.0) + (seg["suffix"].blocks_ms or 0.0),
             "stage2": seg["stage2"].wall_ms, "decode": decode_ms, "model": model_ms, "total": total_ms,
         }
-        finish = "stop" if tokens and tokens[-1] == runtime.eos_id else "length"
+        finish = "stop" if stop_hit is not None or (tokens and tokens[-1] == runtime.eos_id) else "length"
         prompt_tokens = int(inputs.input_ids.shape[1])
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs, plan=plan,
@@ -422,7 +447,7 @@ class Engine:
                                      guarded_from=guarded_from,
                                      latency=latency, num_crops=inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
-                                     stages=stages) if record else {}
+                                     finish_reason=finish, stop_hit=stop_hit, stages=stages) if record else {}
         return result
 
     def _check(self, job: Job, block: int | None = None) -> None:
@@ -442,8 +467,8 @@ class Engine:
                 latency: dict[str, float | None] | None = None,
                 num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
-                answer: str | None = None, error: str | None = None, stages: RequestTiming | None = None
-                ) -> dict[str, Any]:
+                answer: str | None = None, finish_reason: str | None = None, stop_hit: str | None = None,
+                error: str | None = None, stages: RequestTiming | None = None) -> dict[str, Any]:
         """The request's row of the ``requests`` view; appended to the log and counted in the metrics."""
         latency = latency or {}
         total = latency.get("total")
@@ -460,6 +485,8 @@ class Engine:
             "decided_by": decided_by, "question_group": question_group, "guarded_from": guarded_from,
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
+            "stream": job.request.stream, "temperature": job.request.temperature, "top_p": job.request.top_p,
+            "seed": job.seed, "finish_reason": finish_reason, "stop_hit": stop_hit,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},
             "met": met, "answer": answer, "error": error,
         }
@@ -500,6 +527,10 @@ def new_job(request: ChatRequest, engine: Engine, arrival: float, arrival_time: 
             request_id: str | None = None) -> Job:
     budget, source = engine.budget_for(request)
     job = Job(request, budget, source, arrival, arrival_time, parse_ms, engine.pending)
+    if request.stream:
+        job.deltas = asyncio.Queue()
+    if request.temperature > 0:
+        job.seed = draw_seed() if request.seed is None else request.seed
     if request_id is not None:
         job.request_id = request_id
     return job

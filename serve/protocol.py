@@ -3,10 +3,12 @@
 What is accepted (docs/serving.md#requests): one user message, its content a string or a list
 of ``text`` and at most one ``image_url`` part (a ``data:`` URI; a file path only under
 ``--local-images``); an optional system message is refused rather than silently dropped, as
-are earlier turns, since the model has no chat template for them. Decoding is greedy:
-``temperature`` 0, ``top_p`` 1, ``n`` 1 (or absent); other sampling settings are refused with
-a 400 naming the field. Extensions: ``latency_budget_ms`` (positive, finite) and ``knobs``
-(fixed max_crops / top_k / num_active_blocks instead of the controller's choice).
+are earlier turns, since the model has no chat template for them. ``stream`` (with
+``stream_options.include_usage``), ``stop`` (up to 4 strings), ``temperature`` (0: greedy),
+``top_p`` and ``seed`` are honoured; ``n`` other than 1, penalties, ``best_of``, ``echo``,
+``logprobs``, tools and response formats are refused with a 400 naming the field. Extensions:
+``latency_budget_ms`` (positive, finite) and ``knobs`` (fixed max_crops / top_k /
+num_active_blocks instead of the controller's choice).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from serve.config import option_default
 
 #: knob names a request may fix in ``knobs``
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
+#: the most stop sequences a request may give (OpenAI's limit), and the longest one
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
 
 
 class RequestError(Exception):
@@ -58,6 +63,15 @@ class ChatRequest:
     max_tokens: int
     budget_ms: float | None
     knobs: dict[str, int] | None = None
+    #: reply as server-sent events (``stream``), with a last chunk of token counts (``stream_options.include_usage``)
+    stream: bool = False
+    include_usage: bool = False
+    #: generation ends at the first of these in the text, which is cut before it
+    stop: tuple[str, ...] = ()
+    #: 0: greedy; else sampled at this temperature from the top_p nucleus, seeded by ``seed`` when given
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,37 +130,86 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         _refuse("`model` is required: a string (GET /v1/models lists the served model)", "model")
-    _check_sampling(body)
+    decoding = _decoding(body)
     question, image = _read_messages(body.get("messages"), limits)
     if image is None and limits.image_required:
         _refuse(f"`messages[0].content` has no image: the model {_shown(model)} was trained only on questions about an "
                 "image and answers noise without one; add an image_url part", "messages[0].content",
                 "image_required")
     return ChatRequest(model=model, question=question, image=image, max_tokens=_max_tokens(body, limits),
-                       budget_ms=_budget(body), knobs=_knobs(body.get("knobs")))
+                       budget_ms=_budget(body), knobs=_knobs(body.get("knobs")), **decoding)
 
 
-def _check_sampling(body: dict[str, Any]) -> None:
-    greedy = {"temperature": 0, "top_p": 1, "n": 1}
-    for name, value in greedy.items():
+def _decoding(body: dict[str, Any]) -> dict[str, Any]:
+    """The decoding and reply fields of :class:`ChatRequest` (``stream`` .. ``seed``); a 400 naming the
+    first one refused."""
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("n", 1), ("best_of", 1)):
         got = body.get(name)
-        if got is None:
-            continue
-        if isinstance(got, bool) or not isinstance(got, int | float) or got != value:
-            _refuse(f"`{name}` must be {value} or absent: this server decodes greedily, got {_shown(got)}", name,
-                       "unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        got = body.get(name)
-        if got not in (None, 0, 0.0):
-            _refuse(f"`{name}` is not supported (greedy decoding): must be 0 or absent, got {_shown(got)}", name,
-                       "unsupported_value")
-    for name in ("stream", "logprobs"):
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int | float) or got != neutral):
+            _refuse(f"`{name}` is not supported by this server: must be {neutral} or absent, got {_shown(got)}",
+                    name, "unsupported_value")
+    for name in ("logprobs", "echo"):
         if body.get(name) not in (None, False):
-            _refuse(f"`{name}` is not supported by this server: must be false or absent", name,
-                       "unsupported_value")
-    for name in ("stop", "logit_bias", "tools", "tool_choice", "functions", "response_format", "top_logprobs"):
+            _refuse(f"`{name}` is not supported by this server: must be false or absent", name, "unsupported_value")
+    for name in ("logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                 "response_format", "top_logprobs"):
         if body.get(name) not in (None, [], {}):
             _refuse(f"`{name}` is not supported by this server: leave it out", name, "unsupported_value")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        _refuse(f"`stream` must be true or false, got {_shown(stream)}", "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if stream is not True:
+            _refuse("`stream_options` is only allowed with `stream: true`", "stream_options")
+        if not isinstance(options, dict):
+            _refuse(f"`stream_options` must be an object, got {_shown(options)}", "stream_options")
+        include_usage = options.get("include_usage")
+        if include_usage not in (None, True, False):
+            _refuse(f"`stream_options.include_usage` must be true or false, got {_shown(include_usage)}",
+                    "stream_options.include_usage")
+    return {"stream": stream is True, "include_usage": include_usage is True, "stop": _stop(body.get("stop")),
+            "temperature": _number(body, "temperature", 0.0, 2.0, low_open=False, default=0.0),
+            "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True, default=1.0), "seed": _seed(body.get("seed"))}
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    bad = isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value)
+    if bad or not (low < value if low_open else low <= value) or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        _refuse(f"`{name}` must be a number in {interval}, got {_shown(value)}", name)
+    return float(value)
+
+
+def _seed(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+        _refuse(f"`seed` must be a 64-bit integer, got {_shown(value)}", "seed")
+    return int(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """The stop sequences: a string or a list of up to ``MAX_STOP`` non-empty strings (OpenAI's rule)."""
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP:
+        _refuse(f"`stop` must be a string or a list of at most {MAX_STOP} strings, got {_shown(value)}", "stop")
+    for i, stop in enumerate(stops):
+        where = "stop" if isinstance(value, str) else f"stop[{i}]"
+        if not isinstance(stop, str) or not stop:
+            _refuse(f"`{where}` must be a non-empty string, got {_shown(stop)}", where)
+        if len(stop) > MAX_STOP_CHARS:  # each is looked for, and held back while streaming, at every token
+            _refuse(f"`{where}` has {len(stop):,} characters, more than the server's limit of {MAX_STOP_CHARS}",
+                    where)
+        _unicode(stop, where)
+    return tuple(dict.fromkeys(stops))
 
 
 def _finite(value: float) -> bool:
