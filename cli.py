@@ -28,17 +28,38 @@ if TYPE_CHECKING:
 
 
 class _Commands(TyperGroup):
-    """ctrl's command group: an option value that does not convert is named in its error (Typer's
-    own message, "Input should be a valid integer", does not say which value was given)."""
+    """ctrl's command group: a usage error (an option value that does not convert, a path of the wrong
+    kind, an unknown option or command) is one red line naming the option and exit 1, as every other
+    user error, not Typer's boxed usage text and exit 2; an option value that does not convert is
+    named in it (Typer's own message, "Input should be a valid integer", does not say which value was
+    given). ``ctrl`` or ``ctrl testbed`` alone still prints its help."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _ClickException as e:
+            raise _usage_error(e) from None
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except typer.BadParameter as e:
-            errors = getattr(e.__cause__, "errors", None)
-            if callable(errors) and errors() and "input" in errors()[0]:
-                e.message = f"{e.message} (got {errors()[0]['input']!r})"
-            raise
+        except _ClickException as e:
+            raise _usage_error(e) from None
+
+
+#: the base of Typer's usage errors: click's ClickException, or the copy of it Typer vendors (typer._click)
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _usage_error(error: Exception) -> Exception:
+    """A usage error as one red line and exit 1 (:func:`_fail`); a command given without its
+    arguments (no_args_is_help) is left to print its help."""
+    if type(error).__name__ == "NoArgsIsHelpError":
+        return error
+    errors = getattr(error.__cause__, "errors", None)
+    if isinstance(error, typer.BadParameter) and callable(errors) and errors() and "input" in errors()[0]:
+        error.message = f"{error.message} (got {errors()[0]['input']!r})"
+    return _fail(ValueError(" ".join(error.format_message().split())))
 
 
 app = typer.Typer(
