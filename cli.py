@@ -749,7 +749,7 @@ def serve(
     knobs within its latency budget; every request is recorded in the workspace (view `requests`).
     SIGTERM or Ctrl-C drains the requests in flight and exits 0; a second one stops at once and exits 1."""
     from serve.config import ServeConfig
-    from serve.server import serve as run_server
+    from serve.startup import check_bind
 
     with handled(also=(ValueError,)):
         config = ServeConfig(model=model, controller=controller, workspace=workspace, host=host, port=port,
@@ -766,6 +766,10 @@ def serve(
                              max_image_pixels=max_image_pixels,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup,
                              compile=compile, float32_attention=float32_attention)
+        check_bind(config.host, config.port)
+        # imported once the options are checked: the server pulls in torch, seconds that a bad option need not wait
+        from serve.server import serve as run_server
+
         drained = run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
     if not drained:
         raise typer.Exit(1)
