@@ -28,17 +28,38 @@ if TYPE_CHECKING:
 
 
 class _Commands(TyperGroup):
-    """ctrl's command group: an option value that does not convert is named in its error (Typer's
-    own message, "Input should be a valid integer", does not say which value was given)."""
+    """ctrl's command group: a usage error (an option value that does not convert, a path of the wrong
+    kind, an unknown option or command) is one red line naming the option and exit 1, as every other
+    user error, not Typer's boxed usage text and exit 2; an option value that does not convert is
+    named in it (Typer's own message, "Input should be a valid integer", does not say which value was
+    given). ``ctrl`` or ``ctrl testbed`` alone still prints its help."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _ClickException as e:
+            raise _usage_error(e) from None
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except typer.BadParameter as e:
-            errors = getattr(e.__cause__, "errors", None)
-            if callable(errors) and errors() and "input" in errors()[0]:
-                e.message = f"{e.message} (got {errors()[0]['input']!r})"
-            raise
+        except _ClickException as e:
+            raise _usage_error(e) from None
+
+
+#: the base of Typer's usage errors: click's ClickException, or the copy of it Typer vendors (typer._click)
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _usage_error(error: Exception) -> Exception:
+    """A usage error as one red line and exit 1 (:func:`_fail`); a command given without its
+    arguments (no_args_is_help) is left to print its help."""
+    if type(error).__name__ == "NoArgsIsHelpError":
+        return error
+    errors = getattr(error.__cause__, "errors", None)
+    if isinstance(error, typer.BadParameter) and callable(errors) and errors() and "input" in errors()[0]:
+        error.message = f"{error.message} (got {errors()[0]['input']!r})"
+    return _fail(ValueError(" ".join(error.format_message().split())))
 
 
 app = typer.Typer(
@@ -740,7 +761,7 @@ def serve(
     knobs within its latency budget; every request is recorded in the workspace (view `requests`).
     SIGTERM or Ctrl-C drains the requests in flight and exits 0; a second one stops at once and exits 1."""
     from serve.config import ServeConfig
-    from serve.server import serve as run_server
+    from serve.startup import check_bind
 
     with handled(also=(ValueError,)):
         config = ServeConfig(model=model, controller=controller, workspace=workspace, host=host, port=port,
@@ -760,6 +781,10 @@ def serve(
                              allowed_origins=allowed_origins,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup,
                              compile=compile, float32_attention=float32_attention)
+        check_bind(config.host, config.port)
+        # imported once the options are checked: the server pulls in torch, seconds that a bad option need not wait
+        from serve.server import serve as run_server
+
         drained = run_server(config, log=lambda line: err.print(line, markup=False, highlight=False))
     if not drained:
         raise typer.Exit(1)

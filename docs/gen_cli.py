@@ -32,8 +32,10 @@ After changing a command or an option, regenerate this page with `python docs/ge
 commit it; `tests/test_docs.py` fails while it is stale. `ctrl COMMAND --help` prints the same.
 
 Exit codes: 0 success; 1 a user error (one red line on stderr, with a `Hint:` where there is a
-fix) or, for `ingest`, at least one bad file; 2 bad command-line usage; 130 interrupted (what is
-kept is said on stderr). `--workspace/-w` defaults to `$CTRL_WORKSPACE`, else `./workspace`.
+fix), a bad command line included (an unknown option, a value that does not convert, a file where
+a directory is expected), or, for `ingest`, at least one bad file; 2 `ctrl` or `ctrl testbed` given
+no command (it prints its help); 130 interrupted (what is kept is said on stderr).
+`--workspace/-w` defaults to `$CTRL_WORKSPACE`, else `./workspace`.
 """
 
 

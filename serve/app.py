@@ -37,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from serve.config import normalize_api_key
 from serve.connections import ConnectionLimits
 from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
 from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
@@ -135,12 +136,15 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
             answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
             engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
 
+    # the one normalisation of the key (ServeConfig's), applied to the configured key and to the token sent
+    expected_key = None if api_key is None else normalize_api_key(api_key).encode()
+
     def authorize(request: Request) -> None:
-        if api_key is None:
+        if expected_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(normalize_api_key(token).encode(), expected_key):
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
                                "invalid_api_key")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -43,7 +44,8 @@ class ServeConfig:
     workspace: Path | None = field(default=None, metadata=_help(
         "Workspace: where runs are looked up and every request is recorded (requests/*.jsonl, view `requests`)."))
     host: str = field(default="127.0.0.1", metadata=_help(
-        "Address to bind; anything but loopback also needs --allow-remote."))
+        "Address or host name to bind (an IPv6 address with or without brackets: ::1 or [::1]); anything but "
+        "loopback also needs --allow-remote."))
     port: int = field(default=8000, metadata=_help("TCP port to listen on (0 = any free port, printed at start)."))
     allow_remote: bool = field(default=False, metadata=_help(
         "Allow binding to a non-loopback address (then also set --api-key)."))
@@ -51,13 +53,16 @@ class ServeConfig:
         "Allow a non-loopback address without --api-key because an authenticating proxy in front of the server "
         "checks every request."))
     api_key: str | None = field(default=None, metadata=_help(
-        "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY)."))
+        "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY); surrounding "
+        "whitespace, such as a key file's newline, is dropped from the key and from the token a client sends, "
+        "and what remains must be visible ASCII."))
     device: str = field(default="cpu", metadata=_help("cpu or cuda."))
     dtype: str = field(default="auto", metadata=_help(
         "Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or float32."))
     threads: int = field(default=1, metadata=_help(
-        "CPU threads of the model's operations (0 = torch's default, one per core). 1 by default: with two, "
-        "torch's spinning workers made testbed requests several times slower (docs/serving.md#concurrency-and-load)."))
+        "CPU threads of the model's operations, at most the CPUs this process may use (0 = torch's default, one "
+        "per core). 1 by default: with two, torch's spinning workers made testbed requests several times slower "
+        "(docs/serving.md#concurrency-and-load)."))
     max_queue: int = field(default=8, metadata=_help(
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
     default_budget_ms: float | None = field(default=None, metadata=_help(
@@ -178,6 +183,12 @@ class ServeConfig:
         if self.threads < 0:
             msg = f"--threads must be >= 0, got {self.threads!r}"
             raise ValueError(msg)
+        if self.threads > available_cpus():
+            # each thread is a torch worker spinning on a core: more than the cores only contend, and
+            # thousands exhaust the process's threads (the server then crashes)
+            msg = (f"--threads {self.threads}: more than the {available_cpus()} CPU(s) this process may use "
+                   "(0 = torch's default, one per core)")
+            raise ValueError(msg)
         if self.default_max_tokens > self.max_tokens_limit:
             msg = (f"--default-max-tokens ({self.default_max_tokens}) must not exceed --max-tokens-limit "
                    f"({self.max_tokens_limit})")
@@ -199,6 +210,7 @@ class ServeConfig:
         if not (math.isfinite(self.met_target) and 0 <= self.met_target < 1):
             msg = f"--met-target must be in [0, 1) (0: no margin), got {self.met_target!r}"
             raise ValueError(msg)
+        self.host = unbracketed(self.host)
         if not self.allow_remote and not is_loopback(self.host):
             msg = (f"--host {self.host!r} is not a loopback address: the server would answer other machines\n"
                    "Hint: add --allow-remote (and --api-key) to serve on the network, or bind to 127.0.0.1.")
@@ -213,9 +225,18 @@ class ServeConfig:
         if self.local_images is not None and not Path(self.local_images).is_dir():
             msg = f"--local-images {str(self.local_images)!r} is not a directory"
             raise ValueError(msg)
-        if self.api_key is not None and not self.api_key.strip():
-            msg = "--api-key must not be empty"
-            raise ValueError(msg)
+        if self.api_key is not None:
+            self.api_key = normalize_api_key(self.api_key)
+            if not self.api_key:
+                msg = "--api-key must not be empty"
+                raise ValueError(msg)
+            # a client sends the key in an HTTP header: a space or a control character inside cannot
+            # arrive as written, and httpx (the openai client) refuses non-ASCII header values
+            position, char = next(((i, c) for i, c in enumerate(self.api_key, 1) if not "!" <= c <= "~"), (0, ""))
+            if position:
+                msg = (f"--api-key must be visible ASCII characters (a Bearer token), but has {char!r} at position "
+                       f"{position}")
+                raise ValueError(msg)
 
     @property
     def model_name(self) -> str:
@@ -237,6 +258,32 @@ class ServeConfig:
         if self.allowed_origins is None:
             return ()
         return tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; all of the machine's where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def unbracketed(host: str) -> str:
+    """``host`` without the brackets of an IPv6 literal (``[::1]`` as a URL writes it): the socket
+    layer takes the bare address. Brackets around anything else are refused."""
+    if not (host.startswith("[") and host.endswith("]")):
+        return host
+    try:
+        ipaddress.IPv6Address(host[1:-1])
+    except ValueError:
+        msg = f"--host {host!r}: brackets hold an IPv6 address only (e.g. [::1]); write a host name or IPv4 bare"
+        raise ValueError(msg) from None
+    return host[1:-1]
+
+
+def normalize_api_key(key: str) -> str:
+    """The API key as it is compared, configured or sent: without surrounding whitespace (a key read
+    from a file keeps its newline; an HTTP header value loses its surrounding spaces anyway)."""
+    return key.strip()
 
 
 def is_loopback(host: str) -> bool:

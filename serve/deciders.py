@@ -29,6 +29,7 @@ import torch
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.workspace import Workspace
 from serve.protocol import RequestError
+from serve.startup import check_controller_file
 from trainer.deploy import DeployedController, group_names_of, load_deployed
 from trainer.fallback import read_fallback
 from trainer.policy import ControllerPolicy, read_checkpoint
@@ -207,23 +208,44 @@ def reference_latencies(deployed: Any) -> dict[tuple[int, int, int], float]:
             if ms == ms}  # NaN: never recorded in training
 
 
-def load_decider(workspace: Workspace, spec: str, model_fingerprint: str) -> OfflineDecider | OnlineDecider:
-    """The controller named by ``spec`` (run id or directory, ``latest``, checkpoint or exported file),
-    refused with one line when it was trained on another model's features."""
+@dataclass(frozen=True)
+class ControllerSource:
+    """The file a ``--controller`` value names, checked intact."""
+
+    path: Path
+    run: RunDir | None  # the run it is a checkpoint of; None for a file named directly
+
+
+def find_controller(workspace: Workspace, spec: str) -> ControllerSource:
+    """The file of ``spec`` (a run id or directory, ``latest``, a checkpoint or exported file): an online
+    run's last checkpoint, an offline run's best; refused with one line when there is none yet or when
+    it fails its CRC check (:func:`serve.startup.check_controller_file`). Reads no weights: the server
+    calls it before the model loads."""
     path = Path(spec).expanduser()
     if path.is_file():
-        return _from_file(path, model_fingerprint)
+        check_controller_file(path)
+        return ControllerSource(path, None)
     run = RunDir.resolve(workspace, spec, ("offline", "online"))
-    if run.phase == "online":
-        if not run.last_checkpoint.exists():
-            msg = f"{run.last_checkpoint} does not exist: the online run saved no checkpoint yet"
-            raise CtrlError(msg)
-        return OnlineDecider(TwoStageController.load(run.last_checkpoint, model_fingerprint), run.run_id)
-    if not run.best_checkpoint.exists():
+    if run.phase == "online" and not run.last_checkpoint.exists():
+        msg = f"{run.last_checkpoint} does not exist: the online run saved no checkpoint yet"
+        raise CtrlError(msg)
+    if run.phase != "online" and not run.best_checkpoint.exists():
         msg = (f"{run.best_checkpoint} does not exist: the run has not finished an epoch\n"
                "Hint: resume it with `ctrl train --offline --resume RUN`.")
         raise CtrlError(msg)
-    return _offline(run.best_checkpoint, model_fingerprint, run.run_id)
+    source = ControllerSource(run.last_checkpoint if run.phase == "online" else run.best_checkpoint, run)
+    check_controller_file(source.path)
+    return source
+
+
+def load_decider(source: ControllerSource, model_fingerprint: str) -> OfflineDecider | OnlineDecider:
+    """The controller of ``source`` (:func:`find_controller`), refused with one line when it was
+    trained on another model's features."""
+    if source.run is None:
+        return _from_file(source.path, model_fingerprint)
+    if source.run.phase == "online":
+        return OnlineDecider(TwoStageController.load(source.path, model_fingerprint), source.run.run_id)
+    return _offline(source.path, model_fingerprint, source.run.run_id)
 
 
 def _offline(checkpoint: Path, model_fingerprint: str, name: str) -> OfflineDecider:

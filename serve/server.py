@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import signal
-import socket
 import threading
 from collections.abc import Callable, Iterator
 
@@ -23,20 +22,22 @@ from serve.app import create_app
 from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.connections import DROP_REASONS, ConnectionLimits, protocol_class
-from serve.deciders import load_decider
+from serve.deciders import find_controller, load_decider
 from serve.engine import Engine, capture_decode_steps, warm_up
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
+from serve.startup import check_bind
 
 
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:
     """The model, the controller and the request log of ``config`` (no thread started yet)."""
     workspace = Workspace(config.workspace)
+    controller = find_controller(workspace, config.controller)  # before the model: a bad controller fails at once
     log(f"loading model {config.model!r} ({config.device}, dtype {config.dtype}, "
         f"{'fast path' if config.compile else 'eager path'})")
     runtime = load_runtime(config.model, config.device, None, config.dtype, compile=config.compile,
                            float32_attention=config.float32_attention)
-    decider = load_decider(workspace, config.controller, runtime.fingerprint)
+    decider = load_decider(controller, runtime.fingerprint)
     scale = LatencyScale(decider.reference_latency_ms, fixed=config.latency_scale,
                          quantile=config.latency_scale_quantile)
     engine = Engine(runtime, decider, model_name=config.model_name, max_queue=config.max_queue,
@@ -108,27 +109,12 @@ def map_large_allocations() -> None:
         pass
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse (``ValueError``, one line) a port something already listens on."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-        try:
-            probe.bind((host.strip("[]"), port))
-        except OSError as exc:
-            msg = (f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); another server may hold it: "
-                   "stop it or choose another port (--port 0 picks a free one)")
-            raise ValueError(msg) from None
-
-
 def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> bool:
     """Run the server in this process until it is told to stop. False when a second signal stopped
     it at once (the requests it cut short are recorded as cancelled), True when it drained."""
     import uvicorn  # deferred: only this command needs it
 
-    check_port_free(config.host, config.port)  # before the model loads: a taken port is found in a second
+    check_bind(config.host, config.port)  # before the model loads: a bad host or a taken port is found in a second
     map_large_allocations()
     engine = build_engine(config, log)
     connections = connection_limits(config, engine)

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from cli import app
@@ -72,7 +73,28 @@ def test_errors_are_one_red_line_not_a_traceback(tmp_path):
 
 def test_missing_input_path(tmp_path):
     result = runner.invoke(app, ["ingest", str(tmp_path / "nope")], env={"COLUMNS": "300"})
-    assert result.exit_code == 2 and "does not exist" in result.stderr
+    # a usage error is a user error like any other: one line, exit 1
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: Invalid value for 'paths'") and "does not exist" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["bogus"], "error: No such command 'bogus'."),
+    (["--bogus"], "error: No such option: --bogus"),
+    (["query", "SELECT 1", "--max-rows", "x"], "error: Invalid value for '--max-rows'"),
+    (["export", "latest"], "error: Missing option '--out'."),
+    (["testbed", "generate"], "error: Missing argument 'out_dir'."),
+])
+def test_a_usage_error_is_one_line_and_exit_1_for_every_command(args, text):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(text), \
+        result.stderr
+
+
+def test_a_command_group_alone_still_prints_its_help():
+    result = runner.invoke(app, ["testbed"])
+    assert "generate" in result.output and "error:" not in result.output
 
 
 def test_ctrl_c_during_a_query_exits_130_with_one_line(small_tree, tmp_path, monkeypatch):
@@ -192,7 +214,7 @@ def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults
     for command in (["extract-features"], ["profile"], ["train", "--online"], ["testbed", "train"]):
         required = ["--dataset", "."] if command == ["profile"] else []
         result = runner.invoke(app, [*command, "--dtype", "int8", *required])
-        assert result.exit_code == 2, command
+        assert result.exit_code == 1, command
         assert "'int8' is not one of" in result.output and all(f"'{c}'" in result.output for c in DTYPE_CHOICES)
         # train's options show each phase's default from its config field
         shown = "(online only; default: auto)" if command[0] == "train" else "[default: auto]"

@@ -998,15 +998,15 @@ def test_an_image_path_the_file_system_refuses_is_a_400_naming_the_field(tmp_pat
 
 
 def test_a_taken_port_is_refused_before_the_model_loads():
-    from serve.server import check_port_free
+    from serve.startup import check_bind
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
         with pytest.raises(ValueError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}"):
-            check_port_free("127.0.0.1", port)
-    check_port_free("127.0.0.1", 0)  # any free port: nothing to check
+            check_bind("127.0.0.1", port)
+    check_bind("127.0.0.1", 0)  # any free port: nothing to check
 
 
 def test_a_repeated_key_is_named_by_the_shared_json_reader():
