@@ -737,7 +737,9 @@ def test_the_controller_reads_budgets_divided_by_the_measured_latency_scale(embe
     decider = RecordingDecider({(2, 2, 3): 10.0})  # the controller's median training latency of its 2/2/3
     scale = LatencyScale(decider.reference_latency_ms, quantile=0.5)
     engine = in_process_engine(embedded_runtime, decider, tmp_path, scale)
-    first = serve_once(engine)
+    # a budget that stays above the reference latency at any scale a loaded machine measures, so
+    # that the controller (not the cheapest rule) decides the second request
+    first = serve_once(engine, budget_ms=60_000.0)
     assert first["latency_scale"] == 1.0 and decider.budgets[0] == first["budget_left_ms"]  # nothing measured yet
     # the first request's model time (vision pass, prefill, decoding) per ms of the reference: between the
     # hook-timed parts and everything after stage 1 but preprocessing and stage 2
@@ -746,7 +748,7 @@ def test_the_controller_reads_budgets_divided_by_the_measured_latency_scale(embe
             - first["latency_stage2_ms"])
     measured = scale.value
     assert scale.source == "measured" and low / 10.0 <= measured <= high / 10.0
-    second = serve_once(engine)
+    second = serve_once(engine, budget_ms=60_000.0)
     assert second["latency_scale"] == measured
     assert decider.budgets[1] == pytest.approx(second["budget_left_ms"] / second["latency_scale"], rel=1e-12)
     engine.stop()
