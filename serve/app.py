@@ -80,7 +80,9 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
             # uvicorn has waited for the requests in flight; the queue is empty or finishes here
             await run_in_threadpool(engine.stop)
 
-    app = FastAPI(title="ctrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirects to a path with or without a trailing slash: a 404 error object says which paths exist
+    app = FastAPI(title="ctrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     created = int(time.time())
     decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
 
@@ -115,7 +117,8 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        reason = {404: f"no endpoint {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        path = request.url.path if len(request.url.path) <= 100 else request.url.path[:100] + "..."
+        reason = {404: f"no endpoint {path}", 405: f"{request.method} is not allowed on {path}"}
         return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None),
                      headers=exc.headers)  # a 405's Allow
 
@@ -151,13 +154,13 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Any:
         try:
-            engine.check_log()
+            engine.check_log(count=False)
         except LogUnavailable as exc:
             return JSONResponse({"status": "unavailable", "reason": exc.message, "model": engine.model_name,
                                  "queue_length": engine.pending}, status_code=503)
         return {"status": "ok", "model": engine.model_name, "queue_length": engine.pending}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
@@ -171,7 +174,7 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
                                             "owned_by": "ctrl", "ctrl": about}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request) -> Response:
         authorize(request)
         return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -226,7 +229,7 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
 
     if origins:  # the preflight and the response headers a browser needs; other origins never get here
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"], max_age=600)
+                           allow_headers=["*"], max_age=600)  # client libraries add headers of their own
     app.add_middleware(HostAndOriginCheck, hosts=hosts, origins=origins,
                        refused=lambda: engine.metrics.requests.labels(status="invalid").inc())
     return app

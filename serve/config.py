@@ -153,8 +153,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
-                msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+            low = 0 if name == "max_queue" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "an integer >= 0" if low == 0 else "a positive integer"
+                msg = f"--{name.replace('_', '-')} must be {kind}, got {value!r}"
                 raise ValueError(msg)
         if not (math.isfinite(self.max_image_aspect) and self.max_image_aspect >= 1):
             msg = f"--max-image-aspect must be a number >= 1, got {self.max_image_aspect!r}"

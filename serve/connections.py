@@ -3,7 +3,8 @@
 * At most ``max_connections`` are open at once; one more is answered 503 and closed before its
   request is read.
 * A request's headers must be complete within ``header_timeout_s`` of the connection opening (or of
-  the previous reply on it): a client that sends headers slowly, or none, is answered 408 and closed.
+  the previous reply on it): a client that sends headers slowly is answered 408 and closed, one
+  that sends nothing (an idle connection of a client's pool) is closed without a word.
 * The body's own deadline is the app's (:func:`serve.app.read_body`); a body the app answered
   without reading (a 503 before a queue slot, a 401) is read and dropped, at most for
   ``body_timeout_s``, so that the client, which sends its whole body before it reads, gets the reply.
@@ -104,6 +105,7 @@ def protocol_class(limits: ConnectionLimits) -> type:
         _timer_cycle: Any = None
         _lingering = False
         _peer_eof = False
+        _request_begun = False  # bytes of a request have come since the connection opened or last replied
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -120,6 +122,7 @@ def protocol_class(limits: ConnectionLimits) -> type:
         def data_received(self, data: bytes) -> None:
             if self._lingering:
                 return
+            self._request_begun = self._request_begun or bool(data)
             super().data_received(data)
             if self._timer is None:
                 return
@@ -154,6 +157,7 @@ def protocol_class(limits: ConnectionLimits) -> type:
             if self._peer_eof:  # nothing more can come from a client that half-closed
                 self.transport.close()
             elif self.conn.their_state is h11.IDLE:
+                self._request_begun = False
                 self._arm(limits.header_timeout_s, "header_timeout")
             elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: read and drop it
                 self._arm(limits.body_timeout_s, "body_timeout")
@@ -179,6 +183,9 @@ def protocol_class(limits: ConnectionLimits) -> type:
         def _expire(self, reason: str) -> None:
             self._timer = None
             if self.transport.is_closing():
+                return
+            if reason == "header_timeout" and not self._request_begun:
+                self.transport.close()  # an idle connection (a client's pool): closed, not a fault
                 return
             limits.dropped(reason, self.client)
             if reason == "header_timeout":

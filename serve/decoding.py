@@ -112,6 +112,10 @@ class TokenPicker:
         return sample_token(logits, self.temperature, self.top_p, self.generator)
 
 
+#: temperatures below this decode greedily: the logits divided by them overflow float32
+MIN_TEMPERATURE = 1e-4
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token drawn from softmax(logits / temperature) restricted to its top-p nucleus: the most
     probable tokens up to and including the one at which their mass reaches ``top_p``.
@@ -119,7 +123,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     Drawn by inverting the cumulative distribution with one uniform number, and the nucleus found
     among the top tokens (more of them only while their mass falls short): a sort or a multinomial
     over the whole vocabulary costs milliseconds a token on a CPU."""
-    probs = torch.softmax(logits.float().reshape(-1) / temperature, dim=-1)
+    logits = logits.float().reshape(-1)
+    if temperature < MIN_TEMPERATURE:  # the limit of softmax(l / t) as t -> 0; dividing would overflow
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
     order = None
     if top_p < 1.0:
         k = min(probs.numel(), 64)
@@ -128,7 +135,9 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
             k = min(probs.numel(), k * 8)
             top, order = probs.topk(k)
         before = top.cumsum(0) - top  # the mass of the more probable tokens
-        probs = top.masked_fill(before >= top_p, 0.0)  # the first token always stays: 0 < top_p
+        outside = before >= top_p
+        outside[0] = False  # the most probable token always stays (a top_p below float32's range reads as 0)
+        probs = top.masked_fill(outside, 0.0)
     cdf = probs.cumsum(0)
     u = torch.rand(1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[-1]
     index = torch.searchsorted(cdf, u, right=True).clamp_max(cdf.numel() - 1)

@@ -266,14 +266,17 @@ class Engine:
         with self._lock:
             self._refuse_if_full()
 
-    def check_log(self) -> None:
+    def check_log(self, *, count: bool = True) -> None:
         """Raise :class:`LogUnavailable` when requests can no longer be recorded (the request log
-        reopens a file removed while serving; a workspace removed is the end)."""
+        reopens a file removed while serving; a workspace removed is the end); ``count``: as a
+        request refused (``rejected``)."""
         if self.log is None:
             return
         try:
             self.log.check()
         except RequestLogGone as gone:
+            if count:
+                self.metrics.requests.labels(status="rejected").inc()
             raise LogUnavailable(str(gone)) from None
 
     def reserve(self) -> Slot:
@@ -353,6 +356,8 @@ class Engine:
         decider: Decider = self.decider if req.knobs is None else FixedKnobs(
             req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT)
         try:
+            if record:  # a request queued when the workspace went: refused before the model runs it
+                self.check_log()
             self._check(job)
             waited_ms = (time.perf_counter() - job.arrival) * 1000.0
             with torch.inference_mode(), runtime.between_blocks(lambda block: self._check(job, block)):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlparse
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from pipeline.parse import RepeatedKeyError, loads_unique_keys
 from serve.config import option_default
@@ -374,6 +374,13 @@ def warm_image_decoding() -> None:
         decode_image(buffer.getvalue(), 4, "warm-up")
 
 
+#: the image formats a request may send: those cameras, browsers and screenshots write, and no more of
+#: Pillow's decoders (JPEG 2000 or float TIFF decode several times slower than PNG at the same size)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: the most text a PNG's text chunks may decompress to (Pillow's default is 64 MiB, kept with the image)
+PngImagePlugin.MAX_TEXT_MEMORY = 1 << 20
+
+
 def decode_image(data: bytes, max_pixels: int, where: str, max_aspect: float = math.inf) -> Image.Image:
     """Decode to RGB, refusing an image whose header declares more than ``max_pixels``, or a longer
     side more than ``max_aspect`` times its shorter one, before any pixel is decoded: resizing a
@@ -382,7 +389,7 @@ def decode_image(data: bytes, max_pixels: int, where: str, max_aspect: float = m
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
                 width, height = img.size
                 if width * height > max_pixels:
                     msg = (f"`{where}`: the image declares {width} x {height} = {width * height:,} pixels, more than "
@@ -394,14 +401,16 @@ def decode_image(data: bytes, max_pixels: int, where: str, max_aspect: float = m
                     _refuse(msg, where, "image_too_large")
                 img.load()
                 # an RGB image as decoded: convert() would copy it, and a burst holds one per request
-                return img if img.mode == "RGB" else img.convert("RGB")
+                rgb = img if img.mode == "RGB" else img.convert("RGB")
+                rgb.info.clear()  # metadata (text chunks, ICC profiles) would stay in memory with the pixels
+                return rgb
     except RequestError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         _refuse(f"`{where}`: the image declares more pixels than the server's limit of {max_pixels:,} pixels "
                 f"(the decoder refuses it: {exc})", where, "image_too_large")
     except UnidentifiedImageError:
-        _refuse(f"`{where}`: not a decodable image (no image format Pillow reads: PNG, JPEG, WebP, ...)", where,
+        _refuse(f"`{where}`: not a decodable image (the formats accepted: {', '.join(IMAGE_FORMATS)})", where,
                 "invalid_image")
     except (OSError, ValueError, SyntaxError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

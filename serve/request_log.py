@@ -61,16 +61,17 @@ class RequestLog:
 
     def check(self) -> None:
         """Make sure records still reach the file at :attr:`path`: a file removed or replaced while
-        serving (the descriptor would write to a file no one can read) is reopened at the same path;
-        :class:`RequestLogGone` when the workspace itself is gone."""
-        warning = None
+        serving (the descriptor would write to a file no one can read) is reopened at the same path
+        (a reopening that fails is tried again at the next request, which :meth:`append` then
+        counts as not recorded); :class:`RequestLogGone` when the workspace itself is gone."""
         with self._lock:
-            warning = self._check_locked()
-        if warning is not None:
-            with contextlib.suppress(OSError):
-                self._warn(warning)
+            warning, _ = self._check_locked()
+        self._say(warning)
+        if self.gone is not None:
+            raise RequestLogGone(self.gone)
 
-    def _check_locked(self) -> str | None:
+    def _check_locked(self) -> tuple[str | None, bool]:
+        """(a warning to print, whether the descriptor writes to the file at :attr:`path`)."""
         if self.gone is not None:
             raise RequestLogGone(self.gone)
         if self._fd is None:
@@ -82,53 +83,69 @@ class RequestLog:
             on_disk = None
         held = os.fstat(self._fd)
         if on_disk is not None and (on_disk.st_ino, on_disk.st_dev) == (held.st_ino, held.st_dev):
-            return None
+            return None, True
         if not self.root.is_dir():
-            self.gone = (f"the workspace {self.root} was removed while serving, so requests can no longer be "
-                         "recorded")
-            raise RequestLogGone(self.gone)
+            # the reply names no path (it may reach anyone); the server's log does
+            self.gone = "the workspace was removed while serving, so requests can no longer be recorded"
+            return (f"error: the workspace {self.root} was removed while serving: requests can no longer be "
+                    f"recorded in {self.path}, so this server answers every request 503 from now on; restart it "
+                    "on a workspace"), False
         try:
             self.path.parent.mkdir(exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
-            self.gone = f"the request log {self.path} was removed and cannot be created again ({exc.strerror or exc})"
-            raise RequestLogGone(self.gone) from None
+            if self._unrecorded:  # warned already, when recording stopped
+                return None, False
+            return (f"warning: request log {self.path} was removed while serving and cannot be created again "
+                    f"({exc.strerror or exc}); requests are answered but not recorded until it can "
+                    "(ctrl_request_log_failures_total counts them)"), False
         os.close(self._fd)
         self._fd, self._torn = fd, False
         return (f"warning: request log {self.path} was {'replaced' if on_disk else 'removed'} while serving; "
-                "recording to the file now at that path")
+                "recording to the file now at that path"), True
 
     def append(self, record: dict[str, Any]) -> bool:
         """Write one record as one line (one ``write`` call); False when it could not be written,
         :class:`RequestLogGone` when the workspace is gone (see :meth:`check`)."""
         line = orjson.dumps(record, option=orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z) + b"\n"
+        complete = False
         with self._lock:
-            warning = self._check_locked()
-            if self._torn:
-                line = b"\n" + line
-            written = 0
-            try:
-                while written < len(line):  # a regular file takes the whole line; a short write is finished
-                    written += os.write(self._fd, line[written:])
-            except OSError as e:
-                if written:  # the file now ends inside this line, unless only its leading newline got out
-                    self._torn = not (written == 1 and line.startswith(b"\n"))
+            warning, usable = self._check_locked()
+            if self.gone is None and not usable:
                 self.failures += 1
                 self._unrecorded += 1
-                if self._unrecorded == 1 and warning is None:
-                    warning = (f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
-                               "not recorded until writing works again (ctrl_request_log_failures_total counts them)")
-            else:
-                self._torn = False
-                if self._unrecorded:
-                    warning = (f"request log {self.path}: recording again ({self._unrecorded} request(s) were "
-                               "not recorded)")
-                    self._unrecorded = 0
-        # outside the lock; a warning that cannot be written (stderr on the full disk) is dropped
+            elif self.gone is None:
+                if self._torn:
+                    line = b"\n" + line
+                written = 0
+                try:
+                    while written < len(line):  # a regular file takes the whole line; a short write is finished
+                        written += os.write(self._fd, line[written:])
+                except OSError as e:
+                    if written:  # the file now ends inside this line, unless only its leading newline got out
+                        self._torn = not (written == 1 and line.startswith(b"\n"))
+                    self.failures += 1
+                    self._unrecorded += 1
+                    if self._unrecorded == 1 and warning is None:
+                        warning = (f"warning: request log {self.path}: {e.strerror or e}; requests are answered but "
+                                   "not recorded until writing works again (ctrl_request_log_failures_total counts "
+                                   "them)")
+                else:
+                    complete, self._torn = True, False
+                    if self._unrecorded:
+                        warning = (f"request log {self.path}: recording again ({self._unrecorded} request(s) were "
+                                   "not recorded)")
+                        self._unrecorded = 0
+        self._say(warning)
+        if self.gone is not None:
+            raise RequestLogGone(self.gone)
+        return complete
+
+    def _say(self, warning: str | None) -> None:
+        """Print a warning outside the lock; one that cannot be written (stderr on the full disk) is dropped."""
         if warning is not None:
             with contextlib.suppress(OSError):
                 self._warn(warning)
-        return written == len(line)
 
     def close(self) -> None:
         with self._lock:

@@ -56,10 +56,13 @@ def check_controller_file(path: Path) -> None:
     """Refuse (``CtrlError``, one line naming the file) a controller file whose zip members do not
     match their CRC-32. A checkpoint and an exported controller are zip files, and neither
     ``torch.load`` nor ``torch.jit.load`` checks the CRCs: a flipped byte in a weight would load
-    and decide without a word. A file that is not a zip is left to the loaders, which name it."""
+    and decide without a word. A file that is not a zip (a copy cut short loses the zip's directory,
+    at its end) is no controller either."""
     path = Path(path)
     if not zipfile.is_zipfile(path):
-        return
+        msg = (f"{path}: not a controller file: not the zip archive torch writes (a copy cut short, or another "
+               "kind of file); copy, export or train the controller again")
+        raise CtrlError(msg)
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every member: a controller is kilobytes to a few megabytes

@@ -229,3 +229,16 @@ def test_an_intact_controller_file_passes_the_check(trained_ws, tmp_path):
     _, ws, online_file = trained_ws
     for _, path in damaged_controllers(ws, online_file, tmp_path).values():
         check_controller_file(path)
+
+
+def test_a_controller_file_cut_short_or_of_another_kind_is_refused_before_the_model_loads(trained_ws, tmp_path):
+    _, ws, online_file = trained_ws
+    cut = tmp_path / "cut.pt"
+    whole = online_file.read_bytes()
+    cut.write_bytes(whole[: len(whole) // 2])  # a copy interrupted halfway: the zip's directory is at its end
+    other = tmp_path / "notes.pt"
+    other.write_text("not a controller\n")
+    for path in (cut, other):
+        done = ctrl_serve("--model", "embedded", "-w", str(ws.root), "--no-warmup", "--port", "0",
+                          "--controller", str(path), timeout=120)
+        refused(done, str(path), "not a controller file")
