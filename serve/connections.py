@@ -157,7 +157,7 @@ def protocol_class(limits: ConnectionLimits) -> type:
             if self._peer_eof:  # nothing more can come from a client that half-closed
                 self.transport.close()
             elif self.conn.their_state is h11.IDLE:
-                self._request_begun = False
+                self._request_begun = bool(self.conn.trailing_data[0])  # a pipelined request's first bytes
                 self._arm(limits.header_timeout_s, "header_timeout")
             elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: read and drop it
                 self._arm(limits.body_timeout_s, "body_timeout")

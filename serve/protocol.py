@@ -414,4 +414,7 @@ def decode_image(data: bytes, max_pixels: int, where: str, max_aspect: float = m
                 "invalid_image")
     except (OSError, ValueError, SyntaxError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "MAX_TEXT_" in reason:  # Pillow's words for its limits: say which
+            limit = PngImagePlugin.MAX_TEXT_MEMORY
+            reason = f"its PNG text chunks hold more than the server's limit of {limit:,} bytes"
         _refuse(f"`{where}`: not a decodable image ({reason})", where, "invalid_image")

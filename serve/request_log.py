@@ -58,6 +58,7 @@ class RequestLog:
         self.failures = 0
         self._unrecorded = 0  # records lost since the last one written
         self._torn = False  # the last write stopped inside a line
+        self._reopen_failed = False  # the file at the path could not be created again (warned once)
 
     def check(self) -> None:
         """Make sure records still reach the file at :attr:`path`: a file removed or replaced while
@@ -94,13 +95,17 @@ class RequestLog:
             self.path.parent.mkdir(exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
-            if self._unrecorded:  # warned already, when recording stopped
+            if self._unrecorded or self._reopen_failed:  # warned already, when recording stopped
                 return None, False
+            self._reopen_failed = True
+            folder = self.path.parent
+            reason = (f"{folder} is not a folder" if folder.exists() and not folder.is_dir()
+                      else str(exc.strerror or exc))
             return (f"warning: request log {self.path} was removed while serving and cannot be created again "
-                    f"({exc.strerror or exc}); requests are answered but not recorded until it can "
+                    f"({reason}); requests are answered but not recorded until it can "
                     "(ctrl_request_log_failures_total counts them)"), False
         os.close(self._fd)
-        self._fd, self._torn = fd, False
+        self._fd, self._torn, self._reopen_failed = fd, False, False
         return (f"warning: request log {self.path} was {'replaced' if on_disk else 'removed'} while serving; "
                 "recording to the file now at that path"), True
 

@@ -127,6 +127,16 @@ def test_a_body_one_byte_short_is_answered_408_and_closed_after_the_body_timeout
         assert request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))[0] == 200
 
 
+def test_a_pipelined_request_cut_short_is_answered_408_after_the_first_is_answered(guarded):
+    server, _ = guarded
+    before = metric(server, "ctrl_connections_dropped_total", reason="header_timeout")
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /health HTTP/1.1\r\nHo")
+        assert read_reply(sock)[0] == 200
+        assert read_reply(sock)[0] == 408
+    assert metric(server, "ctrl_connections_dropped_total", reason="header_timeout") == before + 1
+
+
 def test_partial_headers_are_answered_408_and_closed_after_the_header_timeout(guarded):
     server, _ = guarded
     before = metric(server, "ctrl_connections_dropped_total", reason="header_timeout")
@@ -263,6 +273,7 @@ def test_a_png_with_megabytes_of_text_chunks_is_refused(guarded):
     assert len(buffer.getvalue()) < 300_000
     status, reply = request(server, "POST", "/v1/chat/completions", image_request(buffer.getvalue()))
     assert status == 400 and reply["error"]["code"] == "invalid_image", reply
+    assert "its PNG text chunks hold more than the server's limit of 1,048,576 bytes" in one_line_error(reply)
     buffer = io.BytesIO()  # one chunk of 400 kB is within the limit, and answered
     text = PngImagePlugin.PngInfo()
     text.add_text("note", "a" * 400_000, zip=True)
@@ -438,8 +449,10 @@ def test_a_request_log_that_cannot_be_created_again_is_retried_at_the_next_reque
     folder = tmp_path / "ws" / "requests"
     shutil.rmtree(folder)
     folder.write_text("a file where the folder was\n")  # the folder cannot be made again
+    log.check()  # as the server asks before a request: answered, warned once for all
     assert not log.append({"n": 2}) and not log.append({"n": 3})
-    assert log.failures == 2 and len(warnings) == 1 and "cannot be created again" in warnings[0]
+    assert log.failures == 2 and len(warnings) == 1
+    assert f"cannot be created again ({folder} is not a folder)" in warnings[0]
     folder.unlink()
     assert log.append({"n": 4})
     assert [json.loads(line)["n"] for line in log.path.read_text().splitlines()] == [4]
