@@ -128,7 +128,7 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
              args: argparse.Namespace) -> dict[str, Any]:
     """Every arm measured paired on A's test split at budgets across B's calibrated range."""
     from online.config import OnlineTrainConfig
-    from online.evaluate import _run_paired
+    from online.evaluate import run_paired
     from pipeline.workspace import Workspace
     from trainer.data import budget_grid
     from trainer.policy import ControllerPolicy
@@ -157,7 +157,7 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     if reprof is not None:
         again = deployed(Workspace(reprof["workspace"]), reprof["run_id"])
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
-    outcomes = _run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, None)
+    outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, None)
     return {"budgets_ms": budgets, "budget_range_ms": [lo, hi],
             "outcomes": {f"{name}|{budget}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
                          for (name, budget), rollouts in outcomes.items()}}

@@ -70,7 +70,7 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     if start is not None:
         deciders.append(("offline_start", start, start.insertion_positions.index(1)))
     with cpu_threads(config.threads, runtime.device):
-        outcomes = _run_paired(ws, config, runtime, deciders, budgets, max_samples, progress)
+        outcomes = run_paired(ws, config, runtime, deciders, budgets, max_samples, progress)
     frame = evaluation_frame([_metrics_row(name, budget, out, config.reward)
                               for (name, budget), out in outcomes.items()])
     write_evaluation(run.path, frame, run.run_id)
@@ -92,10 +92,11 @@ def _offline_start(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRunti
     return start
 
 
-def _run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, deciders: list[Decider],
-                budgets: list[float], max_samples: int | None,
-                progress: Callable[[int, int], None] | None) -> dict[tuple[str, float], list[Rollout]]:
-    """Every decider's rollouts per budget, measured paired (see the module docstring)."""
+def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, deciders: list[Decider],
+               budgets: list[float], max_samples: int | None,
+               progress: Callable[[int, int], None] | None) -> dict[tuple[str, float], list[Rollout]]:
+    """Every decider's rollouts per budget on the test split (the first ``max_samples``), measured
+    paired (see the module docstring); ``config`` gives the images, token cap and warm-up."""
     samples = load_online_samples(ws, runtime.fingerprint, config.images_dir)
     test = samples.rows("test") or samples.rows("val")
     if not test:
