@@ -458,3 +458,24 @@ def test_a_request_log_that_cannot_be_created_again_is_retried_at_the_next_reque
     assert [json.loads(line)["n"] for line in log.path.read_text().splitlines()] == [4]
     assert "recording again (2 request(s) were not recorded)" in warnings[-1]
     log.close()
+
+
+def test_a_request_queued_when_the_workspace_goes_is_refused_before_the_model_runs_it(embedded_runtime, tmp_path):
+    from test_serve import RecordingDecider
+
+    from pipeline.workspace import Workspace
+    from serve.engine import Engine, LogUnavailable, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider()
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=1, default_budget_ms=1000.0,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws"), warn=lambda _: None))
+    job = new_job(ChatRequest("embedded", "What?", None, 1, 1000.0), engine, time.perf_counter(),
+                  datetime.now(UTC), 0.0)
+    shutil.rmtree(tmp_path / "ws")  # while the request waited in the queue
+    with pytest.raises(LogUnavailable, match="the workspace was removed while serving"):
+        engine.execute(job)
+    assert decider.budgets == []  # stage 1 never ran: no model time spent on an answer that cannot be recorded
+    assert 'ctrl_requests_total{status="rejected"} 1.0' in engine.metrics.exposition().decode()
+    engine.stop()
