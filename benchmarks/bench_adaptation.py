@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serve as bs
 from emulated_machine import StageFactors, stretched
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,12 +169,6 @@ def within(rows: list[list[float]], budget: float) -> np.ndarray:
     return np.array([score if latency <= budget else 0.0 for _, score, latency in rows])
 
 
-def bootstrap_ci(diff: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = np.random.default_rng(seed)
-    means = rng.choice(diff, size=(reps, diff.size), replace=True).mean(axis=1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
-
-
 def report(results: dict[str, Any]) -> str:
     """The tables: within-budget accuracy / late share per arm and budget, differences to the start."""
     ev = results["evaluation"]
@@ -192,7 +187,7 @@ def report(results: dict[str, Any]) -> str:
             cell = f"{mine.mean():.3f} / {late:.1%}"
             if name != "offline_start":
                 base = within(ev["outcomes"][f"offline_start|{budget}"], budget)
-                lo, hi = bootstrap_ci(mine - base)
+                _, lo, hi = bs.block_bootstrap_ci(mine - base, block=1, total=False)
                 cell += f" ({mine.mean() - base.mean():+.3f} [{lo:+.3f}, {hi:+.3f}])"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -41,10 +41,8 @@ from serve.config import normalize_api_key
 from serve.connections import ConnectionLimits
 from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
 from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
-from serve.streaming import stream_reply
+from serve.streaming import DISCONNECT_POLL_S, stream_reply
 
-#: how often a waiting handler checks whether its client is still connected
-DISCONNECT_POLL_S = 0.05
 #: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)
 DECODE_SLOTS = 2
 
@@ -318,8 +316,7 @@ def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                      "finish_reason": result.finish_reason, "logprobs": None}],
-        "usage": {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
-                  "total_tokens": result.num_prompt_tokens + result.num_output_tokens},
+        "usage": result.usage(),
         "ctrl": _ctrl(result.record),
     }
 

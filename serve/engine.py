@@ -150,6 +150,11 @@ class Result:
     num_output_tokens: int
     record: dict[str, Any]
 
+    def usage(self) -> dict[str, int]:
+        """The OpenAI ``usage`` object of the answer."""
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
+
 
 class LogUnavailable(RequestError):
     """The request log can no longer record requests (its workspace is gone): the server takes none."""

@@ -26,7 +26,6 @@ from serve.deciders import find_controller, load_decider
 from serve.engine import Engine, capture_decode_steps, warm_up
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
-from serve.startup import check_bind
 
 
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:
@@ -111,10 +110,12 @@ def map_large_allocations() -> None:
 
 def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> bool:
     """Run the server in this process until it is told to stop. False when a second signal stopped
-    it at once (the requests it cut short are recorded as cancelled), True when it drained."""
+    it at once (the requests it cut short are recorded as cancelled), True when it drained.
+
+    The caller checks the host and port first (:func:`serve.startup.check_bind`): the CLI does so
+    before it imports this module, whose imports take seconds."""
     import uvicorn  # deferred: only this command needs it
 
-    check_bind(config.host, config.port)  # before the model loads: a bad host or a taken port is found in a second
     map_large_allocations()
     engine = build_engine(config, log)
     connections = connection_limits(config, engine)

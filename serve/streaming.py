@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, Response
 
 from serve.engine import Job, Result
 
-#: how often a handler waiting for the first text checks whether its client is still connected
+#: how often a waiting handler (for the first text, or for a whole answer) checks whether its client is
+#: still connected
 DISCONNECT_POLL_S = 0.05
 
 #: the job's queue item after its last part of the text: the outcome is in ``job.future``
@@ -137,9 +138,7 @@ class EventStream(Response):
         final = {"index": 0, "delta": {}, "finish_reason": result.finish_reason, "logprobs": None}
         await write(chunk(job.request_id, self.created, self.model, [final], **extra, ctrl=self.ctrl(result.record)))
         if usage:
-            counts = {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_output_tokens,
-                      "total_tokens": result.num_prompt_tokens + result.num_output_tokens}
-            await write(chunk(job.request_id, self.created, self.model, [], usage=counts))
+            await write(chunk(job.request_id, self.created, self.model, [], usage=result.usage()))
         await write(b"data: [DONE]\n\n", more=False)
         self.on_sent(result)
 
