@@ -1,6 +1,6 @@
 """What ``ctrl serve`` refuses at startup, on the real CLI: each refusal is one line on stderr naming
-the option (or the file) and the reason, exit 1, before the model loads; and what it accepts that it
-used to refuse later (an API key read with its newline, an IPv6 literal in brackets).
+the option (or the file) and the reason, exit 1, before the model loads; and the spellings it
+accepts (an API key read with its newline, an IPv6 literal in brackets).
 
 The servers that run serve the embedded model with the offline run of test_serve's workspace.
 """
