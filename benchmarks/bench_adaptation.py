@@ -22,7 +22,9 @@ every decider back to back) at ``--budgets`` budgets across B's range. Per (deci
 accuracy within budget (an answer over budget counts as wrong), the late share, and the paired
 difference to ``offline_start`` with a bootstrap interval over samples. The cost of each arm is
 its model time on B (rollouts, profile generations) and its wall time. Results:
-``benchmarks/.cache/adapt/<machine>.json``; ``--phase report`` prints the tables.
+``benchmarks/.cache/adapt/<label>.json`` (the label is the machine's unless ``--label`` names
+another, e.g. for a short trial that must not replace a full run's files); ``--phase report``
+prints the tables.
 """
 
 from __future__ import annotations
@@ -59,12 +61,31 @@ def ctrl(*args: str) -> None:
         raise SystemExit(msg)
 
 
+def say(line: str) -> None:
+    """A progress line on stderr (a run takes tens of minutes)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """``done, total`` callbacks as a line every tenth of the way."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.shown = what, -1
+
+    def __call__(self, done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth > self.shown:
+            self.shown = tenth
+            say(f"{self.what}: {done:,} of {total:,}")
+
+
 def workspace_a() -> Path:
     """The main job's workspace on the shipped profile (machine A), with the offline run ``RUN_A``."""
     ws = CACHE / "ws-a"
     if (ws / ".ready").exists():
         return ws
     shutil.rmtree(ws, ignore_errors=True)
+    say("machine A: the main job's workspace and offline run (cached)")
     subprocess.run([sys.executable, str(ROOT / "data" / "generate.py")], cwd=ROOT, check=True, capture_output=True)
     ctrl("testbed", "train", "--eval-samples", "0")
     ctrl("ingest", str(ROOT / "data" / "exp5"), str(ROOT / "data" / "exp6"), "-w", str(ws))
@@ -91,6 +112,7 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
         config = (OnlineTrainConfig(**common, from_run=RUN_A, run_id=run_id, group_size=args.group_size,
                                     samples_per_step=args.samples_per_step, seed=args.seed)
                   if i == 0 else OnlineTrainConfig(**common, resume=run_id))
+        say(f"online training on {machine}: to step {n}")
         started = time.perf_counter()
         result = train_online(config, runtime=runtime)
         wall_s += time.perf_counter() - started
@@ -111,11 +133,22 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace)
     ws = CACHE / f"ws-{machine}-reprofiled"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(ws, ignore_errors=True)
+    say(f"re-profiling on {machine}")
+    counted = Progress("profile generations")
+    total, done = [0], [0]
+
+    def advance(n: int, _label: str) -> None:  # the profiler reports increments
+        done[0] += n
+        counted(done[0], total[0])
+
     started = time.perf_counter()
     report = profile_model(ProfileConfig(datasets=[ROOT / "data" / "testbed"], model="testbed",
                                          max_new_tokens=args.max_new_tokens, out_dir=out,
-                                         num_samples=args.profile_samples), runtime=runtime)
+                                         num_samples=args.profile_samples), runtime=runtime,
+                           progress=advance,
+                           on_total=lambda n: total.__setitem__(0, n))
     profile_s = time.perf_counter() - started
+    say("re-profiled: ingest, features, offline training")
     started = time.perf_counter()
     ctrl("ingest", str(out), "-w", str(ws))
     ctrl("extract-features", "--model", "testbed", "--images", str(ROOT / "data" / "testbed" / "images"), "-w", str(ws))
@@ -158,7 +191,8 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     if reprof is not None:
         again = deployed(Workspace(reprof["workspace"]), reprof["run_id"])
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
-    outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, None)
+    say(f"paired evaluation: {len(deciders)} deciders x {len(budgets)} budgets")
+    outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, Progress("evaluated requests"))
     return {"budgets_ms": budgets, "budget_range_ms": [lo, hi],
             "outcomes": {f"{name}|{budget}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
                          for (name, budget), rollouts in outcomes.items()}}
@@ -219,6 +253,7 @@ def main() -> None:
     p.add_argument("--stretch", default="prefill=3,decode=1.5,vision=1",
                    help="the emulated machine's stage factors (benchmark only; the product's timing is untouched)")
     p.add_argument("--phase", choices=("run", "report"), default="run")
+    p.add_argument("--label", default=None, help="names the run's files and runs (default: the machine)")
     p.add_argument("--steps", default="10,20,40", help="online steps at which the controller is evaluated")
     p.add_argument("--group-size", type=int, default=5)
     p.add_argument("--samples-per-step", type=int, default=2)
@@ -229,7 +264,8 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=None, help="test samples evaluated (default: all)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    path = CACHE / f"{args.machine}.json"
+    label = args.label or args.machine
+    path = CACHE / f"{label}.json"
     if args.phase == "report":
         print(report(json.loads(path.read_text())))
         return
@@ -242,8 +278,8 @@ def main() -> None:
     runtime = load_runtime("testbed", "cpu", None, "auto", compile=True)
     steps = sorted({int(s) for s in args.steps.split(",")})
     with cpu_threads(1, runtime.device), stretched(runtime, factors):
-        curve = online_curve(ws_a, runtime, args.machine, steps, args)
-        reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, args.machine, args)
+        curve = online_curve(ws_a, runtime, label, steps, args)
+        reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, label, args)
         evaluation = evaluate(ws_a, runtime, curve, reprof, args)
     results = {"machine": args.machine, "stretch": factors.label(), "cpu": cpu_name(), "args": vars(args),
                "online": curve, "reprofiled": reprof, "evaluation": evaluation}
