@@ -454,6 +454,10 @@ def train(
     online_evaluate: Annotated[bool | None, _train_opt("online_evaluate", "--evaluate/--no-evaluate",
                                                        rich_help_panel=ONLINE)] = None,
     eval_max_samples: Annotated[int | None, _train_opt("eval_max_samples", min=1, rich_help_panel=ONLINE)] = None,
+    check_every: Annotated[int | None, _train_opt("check_every", min=0, rich_help_panel=ONLINE)] = None,
+    check_samples: Annotated[int | None, _train_opt("check_samples", min=1, rich_help_panel=ONLINE)] = None,
+    check_budgets: Annotated[int | None, _train_opt("check_budgets", min=1, rich_help_panel=ONLINE)] = None,
+    patience: Annotated[int | None, _train_opt("patience", min=0, rich_help_panel=ONLINE)] = None,
     threads: Annotated[int | None, _train_opt("threads", min=0, rich_help_panel=ONLINE)] = None,
     compile: Annotated[bool | None, _train_opt("compile", "--compile/--no-compile", rich_help_panel=ONLINE)] = None,
     float32_attention: Annotated[bool | None, _train_opt("float32_attention",
@@ -544,6 +548,20 @@ def _train_online(config: Any) -> None:
                 bar.update(completed=event["step"], total=event["steps"],
                            info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
                                 f"latency {event['latency_ms_mean']:.0f} ms viol {event['violation_rate']:.0%}")
+            elif event.get("phase") == "check":
+                kept = "the start" if event["kept_step"] == 0 else f"step {event['kept_step']}"
+                err.print(f"step {event['step']}: held-out gain over the start {event['gain']:+.3f} "
+                          f"[{event['gain_low']:+.3f}, {event['gain_high']:+.3f}] on {event['requests']} requests, "
+                          f"late {event['late_share']:.0%} (start {event['start_late_share']:.0%}); kept: {kept}"
+                          + (f" ({event['since']} of {event['patience']} checks without a better one)"
+                             if event["since"] and event["patience"] else ""), highlight=False, markup=False)
+            elif event.get("phase") == "stop":
+                err.print(f"stopping after step {event['step']} of {event['steps']}: {event['patience']} held-out "
+                          "checks in a row found nothing better (--patience 0 runs every step)", highlight=False,
+                          markup=False)
+            elif event.get("phase") == "no_checks":
+                err.print(f"no held-out checks: {event['reason']}; the run's controller is its last step",
+                          highlight=False, markup=False)
 
         result = train_online(config, progress=show)
     if current_dist().rank != 0:
@@ -562,6 +580,11 @@ def _train_online(config: Any) -> None:
                f"first/last quarter: reward {change('reward/mean', '.3f')}, accuracy {change('accuracy', '.3f')}, "
                f"violations {change('violation_rate', '.0%')}, latency {change('latency_ms_mean', '.0f')} ms; "
                f"{result.run_dir}")
+        if result.kept is not None:
+            k = result.kept
+            _print(f"kept: the start (no check found a better controller); {result.checkpoint}" if k.step == 0 else
+                   f"kept: step {k.step}, held-out gain over the start {k.gain:+.3f} [{k.gain_low:+.3f}, "
+                   f"{k.gain_high:+.3f}]; {result.checkpoint}")
         _print(f"next: `ctrl evaluate {result.run_id}` (measured, paired with its offline start), the steps in "
                f"`ctrl query \"FROM online_steps WHERE run_id = '{result.run_id}'\"`, every rollout in view rollouts")
 

@@ -46,6 +46,15 @@ class OnlineTrainConfig(TrainingConfig):
     compile, float32_attention: the execution path of the model (``OlmoeDecoderRuntime.set_execution``);
         like the device, a resumed run may change them.
 
+    > Held-out checks (``online.check``)
+    check_every: steps between checks of the latest controller against the run's start, paired on
+        validation samples; the run keeps (``best.pt``, what ``ctrl serve`` and ``ctrl evaluate``
+        take) the start until a check finds a controller that beats it, then the best one found.
+        0: no checks, the run's controller is its last step.
+    check_samples: validation samples per check. check_budgets: budgets per check, over the range.
+    patience: stop once this many checks in a row found nothing better than the kept controller
+        (0: run every step).
+
     > Runs
     evaluate: after the last step, evaluate the run with the model on the test split against its
         offline start (``online.evaluate``).
@@ -89,15 +98,23 @@ class OnlineTrainConfig(TrainingConfig):
     evaluate: bool = option(True, help="Evaluate with the model on the test split at the end.")
     eval_max_samples: int | None = option(None, help="Test samples of the final evaluation.", shown_default="all")
     checkpoint_every: int = option(5, help="Steps between checkpoints.")
+    check_every: int = option(10, help="Steps between held-out checks: the latest controller against the run's start, "
+                                       "paired on validation samples; the run keeps the better one (0 = no checks: "
+                                       "the last step's controller).")
+    check_samples: int = option(16, help="Validation samples per held-out check.")
+    check_budgets: int = option(3, help="Budgets per held-out check, evenly spaced over the budget range.")
+    patience: int = option(2, help="Stop once this many held-out checks in a row found nothing better than the kept "
+                                   "controller (0 = run every step).")
 
     #: what a resumed run takes from the call instead of the run's config.json (not part of the experiment)
     PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to",
-                                           "compile", "float32_attention")
+                                           "compile", "float32_attention", "patience")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, low in (("steps", 1), ("samples_per_step", 1), ("max_new_tokens", 1), ("calibration_samples", 1),
-                          ("checkpoint_every", 1)):
+                          ("checkpoint_every", 1), ("check_every", 0), ("check_samples", 1),
+                          ("check_budgets", 1), ("patience", 0)):
             check_int(name, getattr(self, name), low)
         if (self.budget_min_ms is None) != (self.budget_max_ms is None):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"

@@ -4,7 +4,8 @@ For an online run, ``ctrl evaluate RUN`` runs the test split (``trainer.data.spl
 grid of budgets with greedy decisions (the most probable choice at each stage) and measures
 what happens, for two deciders:
 
-* ``controller``: the run's controller (its last checkpoint);
+* ``controller``: the run's controller (the one its held-out checks kept, ``best.pt``; the last
+  checkpoint of a run without checks);
 * ``offline_start``: the controller the run started from — its parent offline policy with the
   new online terms at zero and the insertion position fixed at 1 (every block count allowed),
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
@@ -56,13 +57,13 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     run = RunDir.resolve(ws, run)
     config = OnlineTrainConfig.from_json(run.read_config())
-    if not run.last_checkpoint.exists():
+    if not run.controller_checkpoint.exists():
         msg = f"{run.last_checkpoint} does not exist: the run saved no checkpoint yet"
         raise CtrlError(msg)
     runtime = runtime if runtime is not None else load_runtime(
         config.model, config.device, config.importance_scores, config.dtype, compile=config.compile,
         float32_attention=config.float32_attention)
-    controller = TwoStageController.load(run.last_checkpoint, runtime.fingerprint)
+    controller = TwoStageController.load(run.controller_checkpoint, runtime.fingerprint)
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [float(b) for b in budgets_ms] if budgets_ms else [round(b, 1) for b in budget_grid(lo, hi, num_budgets)]
     deciders: list[Decider] = [("controller", controller, None)]
@@ -103,26 +104,33 @@ def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, 
         msg = f"workspace {ws.root}: no samples in the test split"
         raise CtrlError(msg)
     test = test[:max_samples] if max_samples else test
-    total, done = len(deciders) * len(budgets) * len(test), 0
+    executor = RolloutExecutor(runtime, deciders[0][1], samples, config.max_new_tokens, config.warmup)
+    try:
+        return measure_paired(executor, deciders, test, budgets, progress)
+    finally:
+        executor.close()
+
+
+def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: list[int], budgets: list[float],
+                   progress: Callable[[int, int], None] | None = None) -> dict[tuple[str, float], list[Rollout]]:
+    """Greedy rollouts of every decider at every (sample, budget) of ``rows`` x ``budgets``, the
+    deciders back to back per request, their order rotating from sample to sample."""
+    total, done = len(deciders) * len(budgets) * len(rows), 0
     # (decider, budget) in decider order: the frame's row order
     outcomes: dict[tuple[str, float], list[Rollout]] = {(name, b): [] for name, _, _ in deciders for b in budgets}
     gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
-    executor = RolloutExecutor(runtime, deciders[0][1], samples, config.max_new_tokens, config.warmup)
-    try:
-        for _, ctrl, _ in deciders:
-            ctrl.eval()
-        for budget in budgets:
-            for i, sample in enumerate(test):
-                shift = i % len(deciders)  # the order rotates from sample to sample
-                for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
-                    decisions = Decisions(greedy=True, insertion_index=insertion)
-                    outcomes[(name, budget)] += executor.run_groups([(sample, budget)], 1, gen, gen, controller=ctrl,
-                                                                    decisions=decisions).rollouts
-                    done += 1
-                if progress:
-                    progress(done, total)
-    finally:
-        executor.close()
+    for _, ctrl, _ in deciders:
+        ctrl.eval()
+    for budget in budgets:
+        for i, sample in enumerate(rows):
+            shift = i % len(deciders)  # the order rotates from sample to sample
+            for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
+                decisions = Decisions(greedy=True, insertion_index=insertion)
+                outcomes[(name, budget)] += executor.run_groups([(sample, budget)], 1, gen, gen, controller=ctrl,
+                                                                decisions=decisions).rollouts
+                done += 1
+            if progress:
+                progress(done, total)
     return outcomes
 
 

@@ -9,12 +9,16 @@ time inside), and the controller takes one GRPO step with group-relative advanta
 (``trainer.grpo.group_advantages``). One run (:class:`OnlineTrainer`):
 
 1. **start or resume**: the run directory (``trainer.runs``: config.json with phase "online",
-   run.parquet, online_steps.parquet, rollouts/step-NNNNNN.parquet, checkpoints/last.pt), the
-   budget range of this machine (``online.calibrate``, unless given) and the controller: an
-   offline run's policy continued, an online run's controller, or a fresh one;
+   run.parquet, online_steps.parquet, rollouts/step-NNNNNN.parquet, checkpoints/last.pt,
+   start.pt, best.pt), the budget range of this machine (``online.calibrate``, unless given)
+   and the controller: an offline run's policy continued, an online run's controller, or a
+   fresh one;
 2. **steps**: rollouts, rewards, one GRPO update (:meth:`OnlineTrainer.step`); every
-   ``checkpoint_every`` steps ``last.pt``, ``online_steps.parquet`` and ``run.parquet``;
-3. **finish**: the measured evaluation on the test split (``online.evaluate``).
+   ``check_every`` steps the held-out check (``online.check``: the latest controller against
+   the start, paired on validation samples; the better one is kept as ``best.pt``), stopping
+   once ``patience`` checks in a row kept nothing new; every ``checkpoint_every`` steps and
+   after each check ``last.pt``, ``best.pt``, ``online_steps.parquet`` and ``run.parquet``;
+3. **finish**: the measured evaluation of the kept controller on the test split (``online.evaluate``).
 
 Each step's randomness is a function of (seed, step), so a resumed run draws what an
 uninterrupted one would have.
@@ -26,10 +30,11 @@ every rank computes the same advantages, and DDP averages the gradients. Rank 0 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ import polars as pl
 import torch
 
 from online.calibrate import budget_reference, calibrate_budget_range
+from online.check import CheckResult, HeldOutCheck, KeptController
 from online.config import OnlineTrainConfig
 from online.data import OnlineSamples, load_online_samples
 from online.evaluate import evaluate_online_run
@@ -68,6 +74,9 @@ class OnlineRunResult:
     budget_range_ms: tuple[float, float]
     controller: TwoStageController | None = None  # the trained controller (this rank's copy)
     evaluation: pl.DataFrame | None = None  # the final evaluation (rank 0, with evaluate)
+    kept: KeptController | None = None  # what the held-out checks kept (None: no checks)
+    checks: list[CheckResult] = field(default_factory=list)  # this call's checks
+    stopped_early: bool = False  # the patience ran out before ``steps``
 
 
 def seeded(*parts: int) -> torch.Generator:
@@ -117,6 +126,14 @@ def build_controller(config: OnlineTrainConfig, workspace: Workspace, runtime: M
     # the calibration runs this controller before the trainer would move it
     controller.to(runtime.device)
     return controller, reward or RewardConfig(mode="hard"), None if parent is None else parent.run_id
+
+
+def start_controller(controller: TwoStageController, parent_phase: str | None) -> TwoStageController:
+    """What a run's held-out checks compare with: the offline parent deployed as is (insertion at
+    position 1, as ``online.evaluate``'s offline start), else the controller as it starts."""
+    if parent_phase == "offline" and 1 in controller.insertion_positions:
+        return controller.with_fixed_insertion(1).eval()
+    return copy.deepcopy(controller).eval()
 
 
 def _parent_run(workspace: Workspace, from_run: str) -> RunDir:
@@ -212,6 +229,7 @@ class OnlineTrainer:
         self.start_step = 1
         if state is not None:
             self._restore(state)
+        self.check, self.kept = self._held_out_check(state)
 
     def _resume(self, config: OnlineTrainConfig) -> tuple[OnlineTrainConfig, RunDir, dict[str, Any]]:
         """The saved run: its config (with this call's per-call options), directory and last state."""
@@ -242,6 +260,8 @@ class OnlineTrainer:
             "run_id": self.run.run_id, "resume": None})
         if self.dist.rank == 0:
             self.run.write_config(self.config.to_json())
+            parent_phase = RunDir.resolve(self.workspace, self.parent).phase if self.parent else None
+            start_controller(self.controller, parent_phase).save(self.run.start_checkpoint)
         self.dist.barrier()
 
     def _calibrate(self, config: OnlineTrainConfig) -> tuple[float, float]:
@@ -270,6 +290,31 @@ class OnlineTrainer:
                 if step >= self.start_step:
                     path.unlink()
 
+    def _held_out_check(self, state: dict[str, Any] | None) -> tuple[HeldOutCheck | None, KeptController | None]:
+        """The run's held-out check and kept controller (a resumed run's as it saved them); (None,
+        None) without checks, said once through the progress callback when the run wants them."""
+        config = self.config
+        if config.check_every == 0:
+            return None, None
+        val = self.samples.rows("val")
+        reason = ("the workspace has no validation samples" if not val else
+                  f"{self.run.start_checkpoint} is missing (a run started without held-out checks)"
+                  if not self.run.start_checkpoint.exists() else None)
+        if reason is not None:
+            self.notify({"phase": "no_checks", "reason": reason})
+            return None, None
+        order = torch.randperm(len(val), generator=seeded(config.seed, 5))
+        rows = [val[int(i)] for i in order[: config.check_samples]]
+        start = TwoStageController.load(self.run.start_checkpoint, self.runtime.fingerprint).to(self.runtime.device)
+        check = HeldOutCheck.on_range(start, rows, self.budget_range, config.check_budgets, seed=config.seed)
+        if state is not None and state.get("kept") is not None:
+            kept = KeptController.restore(state["kept"], self.controller)
+            if self.dist.rank == 0:  # best.pt may be newer than the step the run resumes from
+                self._save_kept(kept)
+        else:
+            kept = KeptController(copy.deepcopy(start))
+        return check, kept
+
     # -- the loop
     def train(self) -> OnlineRunResult:
         config = self.config
@@ -283,15 +328,29 @@ class OnlineTrainer:
         reporter = make_reporter(config.report_to if self.dist.rank == 0 else "none", self.run.run_id, self.run.path,
                                  self.workspace.root, config.to_json())
         step = self.start_step - 1
+        checks: list[CheckResult] = []
+        stopped_early = False
         try:
             for step in range(self.start_step, config.steps + 1):
                 row = self.step(step, executor)
+                result = self._check(step, executor, row)
                 reporter.log(row, step)
-                if step % config.checkpoint_every == 0 or step == config.steps:
+                stopped_early = result is not None and step < config.steps and self.kept.exhausted(config.patience)
+                if step % config.checkpoint_every == 0 or step == config.steps or result is not None:
                     tick = time.perf_counter()
                     self._checkpoint(step)
                     row["time_bookkeeping_s"] += time.perf_counter() - tick  # the checkpoint is bookkeeping too
                 self.notify({"phase": "step", "step": step, "steps": config.steps, **row})
+                if result is not None:
+                    checks.append(result)
+                    self.notify({"phase": "check", **asdict(result), "kept_step": self.kept.step,
+                                 "kept_gain": self.kept.gain, "kept_gain_low": self.kept.gain_low,
+                                 "kept_gain_high": self.kept.gain_high, "since": self.kept.since,
+                                 "patience": config.patience})
+                if stopped_early:
+                    self.notify({"phase": "stop", "step": step, "steps": config.steps, "kept_step": self.kept.step,
+                                 "patience": config.patience})
+                    break
         except BaseException as err:
             self._write_run_row(status="interrupted" if isinstance(err, KeyboardInterrupt) else "failed",
                                 finished_at=datetime.now(timezone.utc), wall_time_s=self._elapsed())
@@ -312,9 +371,10 @@ class OnlineTrainer:
             reporter.log_evaluation(evaluation.to_dicts())
         reporter.close()
         self.dist.barrier()
-        return OnlineRunResult(run_id=self.run.run_id, run_dir=self.run.path, checkpoint=self.run.last_checkpoint,
+        return OnlineRunResult(run_id=self.run.run_id, run_dir=self.run.path, checkpoint=self.run.controller_checkpoint,
                                steps=rows_frame(self.rows, ONLINE_STEPS) if self.rows else pl.DataFrame(),
-                               budget_range_ms=self.budget_range, controller=self.controller, evaluation=evaluation)
+                               budget_range_ms=self.budget_range, controller=self.controller, evaluation=evaluation,
+                               kept=self.kept, checks=checks, stopped_early=stopped_early)
 
     def step(self, step: int, executor: RolloutExecutor) -> dict[str, Any]:
         """Run the step's rollouts, reward them and take one GRPO update; the step's metrics row."""
@@ -351,6 +411,23 @@ class OnlineTrainer:
         row["wall_time_s"] = self._elapsed()
         self.rows.append(row)
         return row
+
+    def _check(self, step: int, executor: RolloutExecutor, row: dict[str, Any]) -> CheckResult | None:
+        """The held-out check after ``step`` when one is due (every ``check_every`` steps and after
+        the last): rank 0 measures, every rank keeps the same; its columns go into ``row``."""
+        if self.check is None:
+            return None
+        config = self.config
+        if step % config.check_every != 0 and step != config.steps:
+            row["kept_step"] = self.kept.step
+            return None
+        result = self.check.run(executor, self.controller, step) if self.dist.rank == 0 else None
+        result = self.dist.broadcast(result)
+        self.kept.consider(result, self.controller)
+        row.update({"check_gain": result.gain, "check_gain_low": result.gain_low, "check_gain_high": result.gain_high,
+                    "check_late_share": result.late_share, "check_start_late_share": result.start_late_share,
+                    "check_requests": result.requests, "time_check_s": result.seconds, "kept_step": self.kept.step})
+        return result
 
     def _gather(self, local: StepRollouts, step: int) -> tuple[list[dict[str, Any]], int]:
         """Every rank's rollouts of the step as ``rollouts`` rows, in (group, member) order; and the prefixes run."""
@@ -389,14 +466,22 @@ class OnlineTrainer:
 
     # -- bookkeeping
     def _checkpoint(self, step: int) -> None:
-        """``last.pt`` and the files that must match it (rank 0)."""
+        """``last.pt``, the kept controller's ``best.pt`` and the files that must match them (rank 0)."""
         if self.dist.rank == 0:
+            if self.kept is not None:
+                self._save_kept(self.kept)
             self.controller.save(self.run.last_checkpoint, extra={
                 "optimizer": self.optimizer.state_dict(), "step": step, "metrics_rows": self.rows,
-                "created_at": self.created_at.isoformat()})
+                "created_at": self.created_at.isoformat(),
+                "kept": self.kept.state() if self.kept is not None else None})
             # the metrics file always matches the checkpoint (a resumed run rewrites it consistently)
             write_table_atomic(self.rows, ONLINE_STEPS, self.run.online_steps_path)
             self._write_run_row(steps=step, wall_time_s=self._elapsed())
+
+    def _save_kept(self, kept: KeptController) -> None:
+        kept.controller.save(self.run.best_checkpoint, extra={"kept_step": kept.step, "gain": kept.gain,
+                                                              "gain_low": kept.gain_low,
+                                                              "gain_high": kept.gain_high})
 
     def _write_run_row(self, **changes: Any) -> None:
         self.run_row.update(changes)

@@ -447,6 +447,17 @@ ONLINE_STEPS = TableSchema(
         Column("time_bookkeeping_s", _F, "rewards, gathering across ranks, metrics, Parquet, "
                                          "checkpoints (rank 0)", "s"),
         Column("wall_time_s", _F, "since the run started", "s"),
+        Column("check_gain", _F, "held-out check after this step (null on steps without one): accuracy within "
+                                 "budget of the latest controller minus the run's start, paired on validation "
+                                 "requests"),
+        Column("check_gain_low", _F, "lower end of check_gain's 95% bootstrap interval (over samples)"),
+        Column("check_gain_high", _F, "upper end of check_gain's 95% bootstrap interval"),
+        Column("check_late_share", _F, "share of the latest controller's check answers over budget"),
+        Column("check_start_late_share", _F, "share of the start's check answers over budget"),
+        Column("check_requests", _L, "(sample, budget) pairs of the check, each run by both controllers"),
+        Column("time_check_s", _F, "wall time of the check (rank 0)", "s"),
+        Column("kept_step", _L, "the step whose controller the run keeps after this step (0: its start; null: "
+                                "the run has no checks)"),
     ),
 )
 

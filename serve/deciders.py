@@ -218,22 +218,23 @@ class ControllerSource:
 
 def find_controller(workspace: Workspace, spec: str) -> ControllerSource:
     """The file of ``spec`` (a run id or directory, ``latest``, a checkpoint or exported file): an online
-    run's last checkpoint, an offline run's best; refused with one line when there is none yet or when
-    it fails its CRC check (:func:`serve.startup.check_controller_file`). Reads no weights: the server
-    calls it before the model loads."""
+    run's kept controller (``RunDir.controller_checkpoint``), an offline run's best; refused with one
+    line when there is none yet or when it fails its CRC check
+    (:func:`serve.startup.check_controller_file`). Reads no weights: the server calls it before the
+    model loads."""
     path = Path(spec).expanduser()
     if path.is_file():
         check_controller_file(path)
         return ControllerSource(path, None)
     run = RunDir.resolve(workspace, spec, ("offline", "online"))
-    if run.phase == "online" and not run.last_checkpoint.exists():
+    if run.phase == "online" and not run.controller_checkpoint.exists():
         msg = f"{run.last_checkpoint} does not exist: the online run saved no checkpoint yet"
         raise CtrlError(msg)
     if run.phase != "online" and not run.best_checkpoint.exists():
         msg = (f"{run.best_checkpoint} does not exist: the run has not finished an epoch\n"
                "Hint: resume it with `ctrl train --offline --resume RUN`.")
         raise CtrlError(msg)
-    source = ControllerSource(run.last_checkpoint if run.phase == "online" else run.best_checkpoint, run)
+    source = ControllerSource(run.controller_checkpoint, run)
     check_controller_file(source.path)
     return source
 

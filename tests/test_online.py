@@ -427,7 +427,7 @@ def test_resume_continues_from_the_checkpoint(online_ws, embedded_runtime):
 
     _, ws = online_ws
     first = train_online(_config(ws, run_id="online-r", steps=2), runtime=embedded_runtime)
-    saved = torch.load(first.checkpoint, weights_only=True)
+    saved = torch.load(first.run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["step"] == 2
     # a step written after the last checkpoint (a crash before the next one) is redone, not duplicated
     rollouts = first.run_dir / "rollouts"

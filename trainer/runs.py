@@ -7,8 +7,10 @@
     metrics.parquet                offline: one row per step and per epoch (view ``metrics``)
     online_steps.parquet           online: one row per step (view ``online_steps``)
     rollouts/step-NNNNNN.parquet   online: every rollout (views ``rollouts`` and ``measurements``)
-    checkpoints/best.pt            offline: the policy with the best validation expected reward
+    checkpoints/best.pt            offline: the policy with the best validation expected reward;
+                                   online: the controller kept by the held-out checks
     checkpoints/last.pt            the training state to resume from
+    checkpoints/start.pt           online: the controller the run started from (the checks' baseline)
     evaluation.parquet, .png       the evaluation (view ``evaluations``)
 
 :class:`RunDir` owns these paths and the files that are common to both phases; the trainers
@@ -135,6 +137,18 @@ class RunDir:
         return self.checkpoints / "last.pt"
 
     @property
+    def start_checkpoint(self) -> Path:
+        return self.checkpoints / "start.pt"
+
+    @property
+    def controller_checkpoint(self) -> Path:
+        """The run's controller: an offline run's best epoch; an online run's kept controller
+        (``best.pt``), or its last step for a run without held-out checks."""
+        if self.phase == "online" and not self.best_checkpoint.exists():
+            return self.last_checkpoint
+        return self.best_checkpoint
+
+    @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.parquet"
 
@@ -239,11 +253,11 @@ class RunDir:
 def latest_run(workspace: Workspace, phases: Phase | tuple[Phase, ...] = ("offline", "online")) -> RunDir:
     """What ``latest`` means for every command: the most recently started run (by its config.json's
     modification time) of the phases the command takes, among those with a checkpoint (an offline
-    run's best epoch, an online run's last step)."""
+    run's best epoch, an online run's kept or last step)."""
     phases = (phases,) if isinstance(phases, str) else tuple(phases)
     runs = [RunDir(p.parent.resolve()) for p in workspace.runs_dir.glob(f"*/{CONFIG_FILE}")]
     runs = [r for r in runs if r.phase in phases
-            and (r.last_checkpoint if r.phase == "online" else r.best_checkpoint).exists()]
+            and r.controller_checkpoint.exists()]
     if not runs:
         kind = " or ".join(phases)
         msg = (f"workspace {workspace.root} has no {kind} run with a checkpoint yet\n"

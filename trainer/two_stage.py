@@ -23,8 +23,9 @@ stages learn from the one shared reward.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,16 @@ class TwoStageConfig:
         extra token looks like an ordinary input embedding to block 0).
     num_layers: decoder blocks of the model (insertion options depend on it).
     insertion_positions: the insertion positions stage 1 chooses from (default 1..5).
+    fixed_insertion_position: a position stage 1 always picks instead of asking its head (None:
+        the head chooses). An offline policy deployed as is runs at position 1, where its top-K
+        applies to every block as in the recorded profile.
     """
 
     hidden_size: int
     token_scale: float
     num_layers: int = knobs.NUM_TOTAL_BLOCKS
     insertion_positions: tuple[int, ...] = knobs.INSERTION_POSITIONS
+    fixed_insertion_position: int | None = None
 
 
 @dataclass
@@ -87,7 +92,15 @@ class TwoStageController(nn.Module):
                    f"{[knobs.insertion_block_options(p, config.num_layers) for p in positions]})")
             raise CtrlError(msg)
         self.register_buffer("blocks_valid", valid, persistent=False)  # (P, B)
-        self.register_buffer("insertion_valid", valid.any(-1), persistent=False)  # (P,)
+        insertion_valid = valid.any(-1)
+        if config.fixed_insertion_position is not None:
+            fixed = config.fixed_insertion_position
+            if fixed not in positions or not bool(insertion_valid[positions.index(fixed)]):
+                msg = (f"fixed insertion position {fixed}: not one of the positions {list(positions)} that allow a "
+                       "block count of the action space")
+                raise CtrlError(msg)
+            insertion_valid = torch.tensor([p == fixed for p in positions])
+        self.register_buffer("insertion_valid", insertion_valid, persistent=False)  # (P,)
         self.insertion_head = mlp_head(h + hb, h, len(positions))
         self.budget_token_proj = nn.Linear(hb, d)
         self.latency_norm = nn.LayerNorm(d)
@@ -161,6 +174,13 @@ class TwoStageController(nn.Module):
         rows = torch.arange(len(batch.crops_index))
         return (s1.crops_log_probs[rows, batch.crops_index] + s1.insertion_log_probs[rows, batch.insertion_index]
                 + top_k_lp[rows, batch.top_k_index] + blocks_lp[rows, batch.blocks_index])
+
+    def with_fixed_insertion(self, position: int) -> TwoStageController:
+        """A copy whose stage 1 always picks insertion ``position`` (the rest of it unchanged)."""
+        pinned = TwoStageController(copy.deepcopy(self.policy), replace(self.two_stage,
+                                                                        fixed_insertion_position=position))
+        pinned.load_state_dict(self.state_dict())
+        return pinned.to(self.blocks_valid.device).train(self.training)
 
     # -- checkpoints
     def save(self, path, extra: dict | None = None):
