@@ -12,16 +12,20 @@ Every arm starts from the same offline run, trained on profile A (the README's m
 in ``benchmarks/.cache/adapt``):
 
 * ``offline_start``: that run deployed as is on B, on the budget range calibrated on B;
-* ``online@N``: ``ctrl train --online`` from it on B, the controller after N steps (a learning
-  curve: the run is resumed step block by step block, and resumed runs draw what one run would);
+* ``kept@N``: ``ctrl train --online`` from it on B, the controller its held-out checks kept
+  after N steps (what the run serves; a learning curve: the run is resumed step block by step
+  block, and resumed runs draw what one run would); ``latest@N``: its last controller at the
+  largest N, whatever the checks said;
 * ``reprofiled``: ``ctrl profile`` on B (``--profile-samples`` of the dataset), ingested into a
-  workspace of its own and trained offline again, deployed on the same budget range.
+  workspace of its own and trained offline again; its budgets are B's milliseconds already, so
+  it keeps its own budget encoding.
 
 Every arm is measured paired on the test split (``online.evaluate``: each (sample, budget) runs
 every decider back to back) at ``--budgets`` budgets across B's range. Per (decider, budget):
 accuracy within budget (an answer over budget counts as wrong), the late share, and the paired
 difference to ``offline_start`` with a bootstrap interval over samples. The cost of each arm is
-its model time on B (rollouts, profile generations) and its wall time. Results:
+its model time on B (rollouts and the online run's held-out checks, profile generations) and its
+wall time. Results:
 ``benchmarks/.cache/adapt/<label>.json`` (the label is the machine's unless ``--label`` names
 another, e.g. for a short trial that must not replace a full run's files); ``--phase report``
 prints the tables.
@@ -96,8 +100,10 @@ def workspace_a() -> Path:
 
 
 def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Online training from ``RUN_A`` on this (stretched) runtime; the controller file after each of
-    ``steps`` and the cumulative model and wall time to it."""
+    """Online training from ``RUN_A`` on this (stretched) runtime, its held-out checks on (every
+    ``--check-every`` steps) but never stopping early, so that the whole curve is drawn; after each
+    of ``steps``: the kept controller (what the run would serve), the last one, the cumulative model
+    time of rollouts and of checks, and the step at which ``--patience`` would have stopped it."""
     from online import OnlineTrainConfig, train_online
 
     run_id = f"online-{machine}"
@@ -108,24 +114,46 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
     points, wall_s = [], 0.0
     for i, n in enumerate(steps):
         common = {"workspace": ws, "model": "testbed", "steps": n, "max_new_tokens": args.max_new_tokens,
-                  "evaluate": False, "checkpoint_every": n, "threads": 1}
+                  "evaluate": False, "checkpoint_every": n, "threads": 1, "patience": 0}
         config = (OnlineTrainConfig(**common, from_run=RUN_A, run_id=run_id, group_size=args.group_size,
-                                    samples_per_step=args.samples_per_step, seed=args.seed)
+                                    samples_per_step=args.samples_per_step, seed=args.seed,
+                                    check_every=args.check_every)
                   if i == 0 else OnlineTrainConfig(**common, resume=run_id))
         say(f"online training on {machine}: to step {n}")
         started = time.perf_counter()
         result = train_online(config, runtime=runtime)
         wall_s += time.perf_counter() - started
-        saved = out / f"step-{n}.pt"
-        shutil.copy(result.checkpoint, saved)
+        kept, last = out / f"kept-{n}.pt", out / f"last-{n}.pt"
+        shutil.copy(result.checkpoint, kept)
+        shutil.copy(result.run_dir / "checkpoints" / "last.pt", last)
         frame = result.steps
-        points.append({"steps": n, "rollouts": int(frame["rollouts"].sum()), "checkpoint": str(saved),
-                       "model_s": float(frame["time_model_s"].sum()), "wall_s": wall_s,
-                       "budget_range_ms": list(result.budget_range_ms)})
+        checks = frame.filter(frame["check_gain"].is_not_null())
+        points.append({"steps": n, "rollouts": int(frame["rollouts"].sum()), "checkpoint": str(kept),
+                       "last_checkpoint": str(last), "kept_step": int(frame["kept_step"][-1]),
+                       "model_s": float(frame["time_model_s"].sum()),
+                       "check_s": float(frame["time_check_s"].fill_null(0).sum()),
+                       "check_requests": int(frame["check_requests"].fill_null(0).sum()), "wall_s": wall_s,
+                       "budget_range_ms": list(result.budget_range_ms),
+                       "checks": [{k: row[k] for k in ("step", "check_gain", "check_gain_low", "check_gain_high",
+                                                       "check_late_share", "check_start_late_share", "kept_step")}
+                                  for row in checks.iter_rows(named=True)]})
     return {"run_id": run_id, "points": points}
 
 
-def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace) -> dict[str, Any]:
+def patience_stop(checks: list[dict[str, Any]], patience: int) -> int | None:
+    """The step after which a run with ``patience`` would have stopped (None: it would not have)."""
+    since, kept = 0, 0
+    for check in checks:
+        if check["kept_step"] != kept:
+            kept, since = check["kept_step"], 0
+        else:
+            since += 1
+        if since >= patience:
+            return check["step"]
+    return None
+
+
+def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace, stretch: str) -> dict[str, Any]:
     """Profile the dataset on this (stretched) runtime, ingest it with A's features, train offline."""
     from profiler import ProfileConfig, profile_model
 
@@ -155,7 +183,7 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace)
     ctrl("train", "--offline", "--run-id", "reprofiled", "-w", str(ws))
     train_s = time.perf_counter() - started
     return {"workspace": str(ws), "run_id": "reprofiled", "profile_wall_s": profile_s, "train_wall_s": train_s,
-            "model_s": float(report.measure_s), "generations": int(report.measured)}
+            "model_s": float(report.measure_s), "generations": int(report.measured), "stretch": stretch}
 
 
 def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, Any] | None,
@@ -175,21 +203,28 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     budgets = [round(b, 1) for b in budget_grid(lo, hi, args.budgets)]
     first = TwoStageController.load(Path(curve["points"][0]["checkpoint"]), runtime.fingerprint)
 
-    def deployed(workspace: Workspace, run: str) -> TwoStageController:
+    def deployed(workspace: Workspace, run: str, calibrated: bool) -> TwoStageController:
+        """An offline run's policy as a two-stage controller at insertion position 1; ``calibrated``:
+        its budget encoder spans B's calibrated range, as the online run's does (machine A's
+        policy, whose milliseconds were A's); else its own range (a policy trained on B)."""
         policy = ControllerPolicy.load(resolve_checkpoint(workspace, RunDir.resolve(workspace, run).path),
                                        runtime.fingerprint)
         controller = TwoStageController(policy, first.two_stage)
-        set_budget_range(controller.policy, first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
+        if calibrated:
+            set_budget_range(controller.policy, first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
         return controller
 
-    start = deployed(ws, RUN_A)
+    start = deployed(ws, RUN_A, calibrated=True)
     deciders: list[tuple[str, TwoStageController, int | None]] = [
         ("offline_start", start, start.insertion_positions.index(1))]
     for point in curve["points"]:
-        deciders.append((f"online@{point['steps']}",
+        deciders.append((f"kept@{point['steps']}",
                          TwoStageController.load(Path(point["checkpoint"]), runtime.fingerprint), None))
+    last = curve["points"][-1]
+    deciders.append((f"latest@{last['steps']}",
+                     TwoStageController.load(Path(last["last_checkpoint"]), runtime.fingerprint), None))
     if reprof is not None:
-        again = deployed(Workspace(reprof["workspace"]), reprof["run_id"])
+        again = deployed(Workspace(reprof["workspace"]), reprof["run_id"], calibrated=False)
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
     say(f"paired evaluation: {len(deciders)} deciders x {len(budgets)} budgets")
     outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, Progress("evaluated requests"))
@@ -225,15 +260,27 @@ def report(results: dict[str, Any]) -> str:
                 cell += f" ({mine.mean() - base.mean():+.3f} [{lo:+.3f}, {hi:+.3f}])"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| arm | model time on B | wall time on B |", "|---|---|---|"]
+    lines += ["", "| arm | kept step | model time on B: rollouts + checks | wall time on B |", "|---|---|---|---|"]
     for point in results["online"]["points"]:
-        lines.append(f"| online@{point['steps']} ({point['rollouts']} rollouts) | {point['model_s']:.0f} s | "
+        lines.append(f"| online to step {point['steps']} ({point['rollouts']} rollouts, {2 * point['check_requests']} "
+                     f"check requests) | {point['kept_step']} | {point['model_s']:.0f} + {point['check_s']:.0f} s | "
                      f"{point['wall_s']:.0f} s |")
     if results.get("reprofiled"):
         r = results["reprofiled"]
         model = f"{r['model_s']:.0f} s" if r.get("model_s") else "-"
-        lines.append(f"| reprofiled ({r.get('generations') or '?'} generations) | {model} | "
+        lines.append(f"| reprofiled ({r.get('generations') or '?'} generations) | | {model} | "
                      f"{r['profile_wall_s'] + r['train_wall_s']:.0f} s (profile {r['profile_wall_s']:.0f}) |")
+    checks = results["online"]["points"][-1]["checks"]
+    if checks:
+        lines += ["", "| check after step | gain over the start [95% CI] | late: latest / start | kept |",
+                  "|---|---|---|---|"]
+        for c in checks:
+            lines.append(f"| {c['step']} | {c['check_gain']:+.3f} [{c['check_gain_low']:+.3f}, "
+                         f"{c['check_gain_high']:+.3f}] | {c['check_late_share']:.0%} / "
+                         f"{c['check_start_late_share']:.0%} | {c['kept_step'] or 'start'} |")
+        stop = patience_stop(checks, 2)
+        lines += ["", "with the default --patience 2 the run would have stopped after step "
+                  f"{stop}" if stop is not None else "with the default --patience 2 the run would not have stopped"]
     return "\n".join(lines)
 
 
@@ -260,6 +307,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--profile-samples", type=int, default=None, help="samples re-profiled (default: all 600)")
     p.add_argument("--no-reprofile", action="store_true", help="leave the re-profiled arm out")
+    p.add_argument("--reuse-reprofiled", action="store_true",
+                   help="take the re-profiled arm's workspace and costs from this label's previous results")
+    p.add_argument("--check-every", type=int, default=10, help="the online run's --check-every")
     p.add_argument("--budgets", type=int, default=5)
     p.add_argument("--eval-samples", type=int, default=None, help="test samples evaluated (default: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -279,7 +329,14 @@ def main() -> None:
     steps = sorted({int(s) for s in args.steps.split(",")})
     with cpu_threads(1, runtime.device), stretched(runtime, factors):
         curve = online_curve(ws_a, runtime, label, steps, args)
-        reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, label, args)
+        if args.reuse_reprofiled:
+            reprof = json.loads(path.read_text())["reprofiled"]
+            if reprof.get("stretch", factors.label()) != factors.label():
+                msg = f"{path}: its re-profile ran with {reprof['stretch']}, not {factors.label()}"
+                raise SystemExit(msg)
+            say(f"re-profiled arm reused from {path} ({reprof['workspace']})")
+        else:
+            reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, label, args, factors.label())
         evaluation = evaluate(ws_a, runtime, curve, reprof, args)
     results = {"machine": args.machine, "stretch": factors.label(), "cpu": cpu_name(), "args": vars(args),
                "online": curve, "reprofiled": reprof, "evaluation": evaluation}

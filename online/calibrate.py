@@ -4,8 +4,8 @@ Recorded budgets mean nothing for a model on another machine, and the online req
 costs more than a profiled ``generate`` (two controller stages, the split prefill, the budget
 token). :func:`calibrate_budget_range` runs the fastest and the slowest configuration on a few
 training samples; continuing an offline run, each end of that run's range is scaled by its own
-configuration's measured / recorded latency ratio, else the range is [p95 of the fastest, p95
-of the slowest].
+configuration's measured / recorded latency ratio in the tail (90th percentiles), else the range
+is [p95 of the fastest, p95 of the slowest].
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from pipeline.workspace import Workspace
 from runtime import ModelRuntime
 from trainer.data import load_offline_data
 from trainer.two_stage import TwoStageController
+
+#: the quantile at which measured and recorded latencies are compared: in the tail where the range's
+#: ends live, and still estimated from the 16 samples x 2 runs of a default calibration
+TAIL_QUANTILE = 0.9
 
 
 def calibration_configs(controller: TwoStageController) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -43,13 +47,17 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
     Each configuration runs twice per sample, the two configurations alternating so that they see
     the same machine. With a ``reference`` (the parent offline run's range and the recorded
     latencies of these samples), each end of that offline range is scaled by its own
-    configuration's speed ratio here: the median over ``rows`` of measured / recorded latency of
-    the same sample and configuration (the low end by the fastest configuration's, the high end
-    by the slowest's: the offline ends are statistics of those two). The pairing cancels what
-    makes samples differ (answer length above all), so a few samples suffice; a ratio per end,
-    not one for both, because the two-stage request adds a roughly constant cost (controller,
-    split prefill) that weighs more on fast configurations than on slow ones. Without a reference
-    (fresh runs, nothing recorded): [p95 of the fastest, p95 of the slowest].
+    configuration's speed ratio here: the ratio of the ``TAIL_QUANTILE`` quantiles of measured
+    and recorded latency over the same samples and configuration (the low end by the fastest
+    configuration's, the high end by the slowest's: the offline ends are tail statistics of
+    those two, a 98th and a 95th percentile). The tail, not the median, because a machine can
+    stretch long requests more than short ones: where decoding is dearer, a long answer's
+    latency grows by more than a one-word answer's, and a median ratio then sets budgets that
+    even the fastest configuration misses on the long answers. Measuring the same samples keeps
+    a few of them enough; a ratio per end, not one for both, because the two-stage request adds
+    a roughly constant cost (controller, split prefill) that weighs more on fast configurations
+    than on slow ones. Without a reference (fresh runs, nothing recorded): [p95 of the fastest,
+    p95 of the slowest].
     """
     configs = dict(zip(("fastest", "slowest"), calibration_configs(controller)))
     # medians of all runs, not minima: the range must hold for typical requests, and the speed of a
@@ -66,7 +74,8 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
             recorded = np.array([reference.recorded_ms(row, knobs) for row in rows] * 2)
             ok = np.isfinite(recorded) & (recorded > 0)
             if ok.any():
-                ratio[name] = float(np.median(lat[name][ok] / recorded[ok]))
+                here, there = np.quantile(lat[name][ok], TAIL_QUANTILE), np.quantile(recorded[ok], TAIL_QUANTILE)
+                ratio[name] = float(here / there)
     if len(ratio) == 2:
         lo, hi = reference.range_ms[0] * ratio["fastest"], reference.range_ms[1] * ratio["slowest"]
     else:

@@ -426,7 +426,8 @@ class OnlineTrainer:
         self.kept.consider(result, self.controller)
         row.update({"check_gain": result.gain, "check_gain_low": result.gain_low, "check_gain_high": result.gain_high,
                     "check_late_share": result.late_share, "check_start_late_share": result.start_late_share,
-                    "check_requests": result.requests, "time_check_s": result.seconds, "kept_step": self.kept.step})
+                    "check_requests": result.requests, "check_same_choice": result.same_choice,
+                    "time_check_s": result.seconds, "kept_step": self.kept.step})
         return result
 
     def _gather(self, local: StepRollouts, step: int) -> tuple[list[dict[str, Any]], int]:

@@ -454,7 +454,9 @@ ONLINE_STEPS = TableSchema(
         Column("check_gain_high", _F, "upper end of check_gain's 95% bootstrap interval"),
         Column("check_late_share", _F, "share of the latest controller's check answers over budget"),
         Column("check_start_late_share", _F, "share of the start's check answers over budget"),
-        Column("check_requests", _L, "(sample, budget) pairs of the check, each run by both controllers"),
+        Column("check_requests", _L, "(sample, budget) pairs of the check"),
+        Column("check_same_choice", _L, "pairs where the latest controller chose the start's configuration: its one "
+                                        "run stood for both (the other pairs ran both, back to back)"),
         Column("time_check_s", _F, "wall time of the check (rank 0)", "s"),
         Column("kept_step", _L, "the step whose controller the run keeps after this step (0: its start; null: "
                                 "the run has no checks)"),

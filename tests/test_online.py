@@ -322,19 +322,30 @@ def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online
     lo, hi = calibrate_budget_range(executor, executor.controller, rows, flat)  # the real model, measured
     assert 0 < lo < hi
 
-    class Timed:  # the rule's arithmetic with known latencies: fastest runs 10 % / 30 % / 50 % over, slowest 0 %
+    class Timed:  # the rule's arithmetic with known latencies
+        def __init__(self, fastest_ms, slowest_ms):
+            self.ms = {fastest: fastest_ms, slowest: slowest_ms}
+
         def run_fixed(self, rows_, force):
             from types import SimpleNamespace
 
             c, _, k, b = force
             ctrl = executor.controller
-            over = {0: 0.1, 1: 0.3, 2: 0.5} if force == fastest else {0: 0.0, 1: 0.0, 2: 0.0}
-            return [SimpleNamespace(latency_total_ms=1000.0 * (1 + over[i]), max_crops=ctrl.max_crops_values[c],
+            return [SimpleNamespace(latency_total_ms=self.ms[force][i], max_crops=ctrl.max_crops_values[c],
                                     top_k=ctrl.top_k_values[k], num_active_blocks=ctrl.num_active_blocks_values[b])
                     for i, _ in enumerate(rows_)]
 
-    # each end scaled by its own configuration's median ratio: 100 x 1.3, 250 x 1.0
-    assert calibrate_budget_range(Timed(), executor.controller, rows, flat) == (130.0, 250.0)
+    # a uniformly slower machine: each end scaled by its own configuration's ratio, 100 x 1.5, 250 x 1.0
+    uniform = Timed([1500.0, 1500.0, 1500.0], [1000.0, 1000.0, 1000.0])
+    assert calibrate_budget_range(uniform, executor.controller, rows, flat) == (150.0, 250.0)
+    # a machine that stretches long requests more: sample 2 was recorded at 2,000 ms (a long answer) and
+    # runs at 6,000 here, the others as recorded; the median ratio would be 1, the tail's (90th
+    # percentiles: 6,000 against 2,000) is 3, for the fastest; the slowest runs as recorded
+    tail = BudgetReference(range_ms=(100.0, 1000.0),
+                           latency_ms={k: 2000.0 if k[:2] == reference.keys[2] else 1000.0
+                                       for k in reference.latency_ms}, keys=reference.keys)
+    stretched = Timed([1000.0, 1000.0, 6000.0], [1000.0, 1000.0, 2000.0])
+    assert calibrate_budget_range(stretched, executor.controller, rows, tail) == (300.0, 1000.0)
     # nothing recorded: this machine's own quantiles
     empty = BudgetReference(range_ms=(100.0, 250.0), latency_ms={}, keys=reference.keys)
     lo, hi = calibrate_budget_range(executor, executor.controller, rows, empty)

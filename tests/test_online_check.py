@@ -36,7 +36,7 @@ def _result(step: int, gain: float):
     from online.check import CheckResult
 
     return CheckResult(step=step, gain=gain, gain_low=gain - 0.1, gain_high=gain + 0.1, late_share=0.0,
-                       start_late_share=0.0, requests=6, seconds=0.01)
+                       start_late_share=0.0, requests=6, same_choice=0, seconds=0.01)
 
 
 # -- the numbers --------------------------------------------------------------------------------
@@ -129,8 +129,10 @@ def test_a_run_checks_on_validation_samples_and_serves_the_kept_controller(embed
     monkeypatch.setattr(RolloutExecutor, "run_groups", recording)
     result = train_online(_config(check_ws, run_id="checked", steps=2), runtime=embedded_runtime)
     run = RunDir(result.run_dir)
-    # two checks (every step), each 3 validation samples x 2 budgets (the range's ends) x both controllers
-    assert len(result.checks) == 2 and len(calls) == 2 * 3 * 2 * 2
+    # two checks (every step), each 3 validation samples x 2 budgets (the range's ends); the first runs
+    # both controllers on each pair, the second runs the start again only where the choices differ
+    first, second = result.checks
+    assert first.same_choice == 0 and len(calls) == 3 * 2 * 2 + 3 * 2 + (6 - second.same_choice)
     assert {split_of(samples.dataset[s], samples.sample_key[s]) for s, _, _ in calls} == {"val"}
     assert {b for _, b, _ in calls} == {30.0, 300.0}
     start = [c for _, _, c in calls[:12] if c.two_stage.fixed_insertion_position == 1]
@@ -138,6 +140,7 @@ def test_a_run_checks_on_validation_samples_and_serves_the_kept_controller(embed
     steps = pq.read_table(run.online_steps_path).to_pylist()
     for row, check in zip(steps, result.checks):
         assert row["check_gain"] == pytest.approx(check.gain) and row["check_requests"] == 6
+        assert row["check_same_choice"] == check.same_choice
         assert row["check_gain_low"] <= row["check_gain"] <= row["check_gain_high"]
         assert row["time_check_s"] > 0 and 0.0 <= row["check_late_share"] <= 1.0
     # the rule, applied to the recorded gains by hand: a step is kept when its gain is positive and
@@ -160,6 +163,42 @@ def test_a_run_checks_on_validation_samples_and_serves_the_kept_controller(embed
         assert kept.two_stage.fixed_insertion_position == 1
     else:
         assert kept.two_stage.fixed_insertion_position is None
+
+
+def test_a_pair_where_the_latest_chooses_as_the_start_runs_once(embedded_runtime, check_ws, monkeypatch):
+    from online.check import HeldOutCheck
+    from online.data import load_online_samples
+    from online.rollout import RolloutExecutor
+    from online.train import build_controller
+
+    samples = load_online_samples(check_ws, embedded_runtime.fingerprint)
+    controller, _, _ = build_controller(_config(check_ws), check_ws, embedded_runtime, samples, (30.0, 300.0))
+    start = controller.with_fixed_insertion(1)
+    runs = []
+    original = RolloutExecutor.run_groups
+
+    def counting(self, groups, *args, **kwargs):
+        runs.append(kwargs["controller"])
+        return original(self, groups, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutExecutor, "run_groups", counting)
+    executor = RolloutExecutor(embedded_runtime, controller, samples, max_new_tokens=2)
+    try:
+        check = HeldOutCheck(start, samples.rows("val")[:2], [40.0, 200.0])
+        first = check.run(executor, start.with_fixed_insertion(1), 1)
+        assert len(runs) == 8 and first.same_choice == 0
+        # the same choices again: one run per pair, and a gain of exactly 0
+        again = check.run(executor, start.with_fixed_insertion(1), 2)
+        assert len(runs) == 8 + 4 and again.same_choice == 4
+        assert (again.gain, again.gain_low, again.gain_high) == (0.0, 0.0, 0.0)
+        assert again.late_share == again.start_late_share
+        # a controller that inserts at another position never chooses as the start: both run
+        other = start.with_fixed_insertion(2)
+        moved = check.run(executor, other, 3)
+        assert len(runs) == 12 + 8 and moved.same_choice == 0
+        assert sum(c is start for c in runs[12:]) == 4
+    finally:
+        executor.close()
 
 
 def test_checks_off_serve_the_last_step(embedded_runtime, check_ws):
