@@ -132,12 +132,20 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
                        "last_checkpoint": str(last), "kept_step": int(frame["kept_step"][-1]),
                        "model_s": float(frame["time_model_s"].sum()),
                        "check_s": float(frame["time_check_s"].fill_null(0).sum()),
-                       "check_requests": int(frame["check_requests"].fill_null(0).sum()), "wall_s": wall_s,
+                       "check_requests": int(frame["check_requests"].fill_null(0).sum()),
+                       "check_runs": check_runs(frame), "wall_s": wall_s,
                        "budget_range_ms": list(result.budget_range_ms),
                        "checks": [{k: row[k] for k in ("step", "check_gain", "check_gain_low", "check_gain_high",
                                                        "check_late_share", "check_start_late_share", "kept_step")}
                                   for row in checks.iter_rows(named=True)]})
     return {"run_id": run_id, "points": points}
+
+
+def check_runs(frame: Any) -> int:
+    """Requests the held-out checks of ``frame`` (online_steps rows) ran: two per pair, but one where
+    the latest controller chose as the start."""
+    pairs = frame["check_requests"].fill_null(0)
+    return int((2 * pairs - frame["check_same_choice"].fill_null(0)).sum())
 
 
 def patience_stop(checks: list[dict[str, Any]], patience: int) -> int | None:
@@ -233,20 +241,74 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
                          for (name, budget), rollouts in outcomes.items()}}
 
 
+def calibration_ablation(ws_a: Path, runtime: Any, results: dict[str, Any], other: tuple[float, float],
+                         args: argparse.Namespace) -> dict[str, Any]:
+    """Machine A's offline policy deployed twice at the run's budgets, paired: its budget encoder over
+    the range calibrated on B, and over ``other`` (e.g. the range another calibration rule gave)."""
+    import copy
+
+    from online.config import OnlineTrainConfig
+    from online.evaluate import run_paired
+    from pipeline.workspace import Workspace
+    from trainer.policy import ControllerPolicy, budget_normalization_range
+    from trainer.runs import RunDir, resolve_checkpoint
+    from trainer.two_stage import TwoStageController, set_budget_range
+
+    ws = Workspace(ws_a)
+    config = OnlineTrainConfig.from_json(RunDir.resolve(ws, results["online"]["run_id"]).read_config())
+    first = TwoStageController.load(Path(results["online"]["points"][0]["checkpoint"]), runtime.fingerprint)
+    policy = ControllerPolicy.load(resolve_checkpoint(ws, RunDir.resolve(ws, RUN_A).path), runtime.fingerprint)
+    calibrated = TwoStageController(policy, first.two_stage)
+    set_budget_range(calibrated.policy, first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
+    moved = TwoStageController(copy.deepcopy(policy), first.two_stage)
+    set_budget_range(moved.policy, *budget_normalization_range(*other))
+    name = f"offline_start on {other[0]:.0f}-{other[1]:.0f} ms"
+    position = calibrated.insertion_positions.index(1)
+    budgets = results["evaluation"]["budgets_ms"]
+    say(f"calibration ablation: the start on B's range and on {other[0]:.0f}-{other[1]:.0f} ms")
+    outcomes = run_paired(ws, config, runtime, [("offline_start", calibrated, position), (name, moved, position)],
+                          budgets, args.eval_samples, Progress("evaluated requests"))
+    return {"other_range_ms": list(other), "budgets_ms": budgets,
+            "outcomes": {f"{n}|{b}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
+                         for (n, b), rollouts in outcomes.items()}}
+
+
+def speed_probe(ws_a: Path, runtime: Any) -> float:
+    """The machine's speed now: the median latency (ms) of the fastest configuration, twice on 8
+    training samples. A shared VM drifts by more than the emulated factors within half an hour, so
+    the report says how fast the machine was at the calibration and during the evaluation."""
+    from online.calibrate import calibration_configs
+    from online.config import OnlineTrainConfig
+    from online.data import load_online_samples
+    from online.rollout import RolloutExecutor
+    from online.train import build_controller
+    from pipeline.workspace import Workspace
+
+    ws = Workspace(ws_a)
+    samples = load_online_samples(ws, runtime.fingerprint)
+    controller, _, _ = build_controller(OnlineTrainConfig(workspace=ws_a, from_run=RUN_A, model="testbed"), ws,
+                                        runtime, samples, (50.0, 150.0))
+    executor = RolloutExecutor(runtime, controller, samples, 8, True)
+    try:
+        fastest, _ = calibration_configs(controller)
+        rows = samples.rows("train")[:8]
+        out = executor.run_fixed(rows, fastest) + executor.run_fixed(rows, fastest)
+    finally:
+        executor.close()
+    return float(np.median([r.latency_total_ms for r in out]))
+
+
 def within(rows: list[list[float]], budget: float) -> np.ndarray:
     """Per request: its score when answered within the budget, else 0."""
     return np.array([score if latency <= budget else 0.0 for _, score, latency in rows])
 
 
-def report(results: dict[str, Any]) -> str:
-    """The tables: within-budget accuracy / late share per arm and budget, differences to the start."""
-    ev = results["evaluation"]
+def paired_table(ev: dict[str, Any], base_name: str) -> list[str]:
+    """Within-budget accuracy / late share per decider and budget, and the paired difference to
+    ``base_name`` with its bootstrap interval over samples."""
     names = list(dict.fromkeys(key.split("|")[0] for key in ev["outcomes"]))
-    lines = [f"machine {results['machine']} ({results['stretch']}), {results['cpu']}; budget range on B "
-             f"{ev['budget_range_ms'][0]:.0f}-{ev['budget_range_ms'][1]:.0f} ms, "
-             f"{len(next(iter(ev['outcomes'].values())))} test requests per cell", ""]
-    lines.append("| decider | " + " | ".join(f"{b:.0f} ms" for b in ev["budgets_ms"]) + " |")
-    lines.append("|---|" + "---|" * len(ev["budgets_ms"]))
+    lines = ["| decider | " + " | ".join(f"{b:.0f} ms" for b in ev["budgets_ms"]) + " |",
+             "|---|" + "---|" * len(ev["budgets_ms"])]
     for name in names:
         cells = []
         for budget in ev["budgets_ms"]:
@@ -254,16 +316,37 @@ def report(results: dict[str, Any]) -> str:
             mine = within(rows, budget)
             late = np.mean([latency > budget for _, _, latency in rows])
             cell = f"{mine.mean():.3f} / {late:.1%}"
-            if name != "offline_start":
-                base = within(ev["outcomes"][f"offline_start|{budget}"], budget)
+            if name != base_name:
+                base = within(ev["outcomes"][f"{base_name}|{budget}"], budget)
                 _, lo, hi = bs.block_bootstrap_ci(mine - base, block=1, total=False)
                 cell += f" ({mine.mean() - base.mean():+.3f} [{lo:+.3f}, {hi:+.3f}])"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(results: dict[str, Any]) -> str:
+    """The tables: within-budget accuracy / late share per arm and budget, differences to the start."""
+    ev = results["evaluation"]
+    lines = [f"machine {results['machine']} ({results['stretch']}), {results['cpu']}; budget range on B "
+             f"{ev['budget_range_ms'][0]:.0f}-{ev['budget_range_ms'][1]:.0f} ms, "
+             f"{len(next(iter(ev['outcomes'].values())))} test requests per cell", ""]
+    if results.get("speed_probe_ms"):
+        p = results["speed_probe_ms"]
+        lines += [f"the fastest configuration's median latency (the machine's speed): {p['start']:.1f} ms before the "
+                  f"online run (its calibration), {p['evaluation']:.1f} ms before the evaluation, {p['end']:.1f} ms "
+                  "after it", ""]
+    lines += paired_table(ev, "offline_start")
     lines += ["", "| arm | kept step | model time on B: rollouts + checks | wall time on B |", "|---|---|---|---|"]
     for point in results["online"]["points"]:
-        lines.append(f"| online to step {point['steps']} ({point['rollouts']} rollouts, {2 * point['check_requests']} "
-                     f"check requests) | {point['kept_step']} | {point['model_s']:.0f} + {point['check_s']:.0f} s | "
+        runs = point.get("check_runs")
+        if runs is None:  # results written before the count was kept: from the run's own steps
+            import polars as pl
+
+            frame = pl.read_parquet(CACHE / "ws-a" / "runs" / results["online"]["run_id"] / "online_steps.parquet")
+            runs = check_runs(frame.filter(pl.col("step") <= point["steps"]))
+        lines.append(f"| online to step {point['steps']} ({point['rollouts']} rollouts, {runs} check requests) | "
+                     f"{point['kept_step']} | {point['model_s']:.0f} + {point['check_s']:.0f} s | "
                      f"{point['wall_s']:.0f} s |")
     if results.get("reprofiled"):
         r = results["reprofiled"]
@@ -281,6 +364,9 @@ def report(results: dict[str, Any]) -> str:
         stop = patience_stop(checks, 2)
         lines += ["", "with the default --patience 2 the run would have stopped after step "
                   f"{stop}" if stop is not None else "with the default --patience 2 the run would not have stopped"]
+    if results.get("calibration_ablation"):
+        lines += ["", "the offline start on the range calibrated on B against another range, same budgets:", ""]
+        lines += paired_table(results["calibration_ablation"], "offline_start")
     return "\n".join(lines)
 
 
@@ -299,7 +385,9 @@ def main() -> None:
     p.add_argument("--machine", choices=("here", "emulated"), default="here")
     p.add_argument("--stretch", default="prefill=3,decode=1.5,vision=1",
                    help="the emulated machine's stage factors (benchmark only; the product's timing is untouched)")
-    p.add_argument("--phase", choices=("run", "report"), default="run")
+    p.add_argument("--phase", choices=("run", "report", "calibration"), default="run",
+                   help="calibration: the offline start on B's range against --other-range, at the run's budgets")
+    p.add_argument("--other-range", default=None, help="LO,HI ms for --phase calibration")
     p.add_argument("--label", default=None, help="names the run's files and runs (default: the machine)")
     p.add_argument("--steps", default="10,20,40", help="online steps at which the controller is evaluated")
     p.add_argument("--group-size", type=int, default=5)
@@ -326,8 +414,21 @@ def main() -> None:
     factors = StageFactors.parse(args.stretch) if args.machine == "emulated" else StageFactors()
     ws_a = workspace_a()
     runtime = load_runtime("testbed", "cpu", None, "auto", compile=True)
+    if args.phase == "calibration":
+        results = json.loads(path.read_text())
+        if results["stretch"] != factors.label():
+            msg = f"{path}: measured with {results['stretch']}, not {factors.label()}"
+            raise SystemExit(msg)
+        lo, hi = (float(x) for x in args.other_range.split(","))
+        with cpu_threads(1, runtime.device), stretched(runtime, factors):
+            results["calibration_ablation"] = calibration_ablation(ws_a, runtime, results, (lo, hi), args)
+        path.write_text(json.dumps(results))
+        print(report(results))
+        return
     steps = sorted({int(s) for s in args.steps.split(",")})
+    probe: dict[str, float] = {}
     with cpu_threads(1, runtime.device), stretched(runtime, factors):
+        probe["start"] = speed_probe(ws_a, runtime)
         curve = online_curve(ws_a, runtime, label, steps, args)
         if args.reuse_reprofiled:
             reprof = json.loads(path.read_text())["reprofiled"]
@@ -337,9 +438,11 @@ def main() -> None:
             say(f"re-profiled arm reused from {path} ({reprof['workspace']})")
         else:
             reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, label, args, factors.label())
+        probe["evaluation"] = speed_probe(ws_a, runtime)
         evaluation = evaluate(ws_a, runtime, curve, reprof, args)
+        probe["end"] = speed_probe(ws_a, runtime)
     results = {"machine": args.machine, "stretch": factors.label(), "cpu": cpu_name(), "args": vars(args),
-               "online": curve, "reprofiled": reprof, "evaluation": evaluation}
+               "online": curve, "reprofiled": reprof, "evaluation": evaluation, "speed_probe_ms": probe}
     path.write_text(json.dumps(results))
     print(report(results))
 

@@ -66,7 +66,7 @@ def main() -> None:
     config = OnlineTrainConfig(workspace=ws, fresh=True, steps=args.steps, samples_per_step=args.samples_per_step,
                                group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                                budget_min_ms=40.0, budget_max_ms=200.0, checkpoint_every=5, evaluate=False,
-                               threads=args.threads)
+                               threads=args.threads, check_every=0)  # the steps' cost, without held-out checks
     result = train_online(config)
     frame = result.steps.slice(1)  # step 1 includes the warm-up runs of every new configuration
     parts = {"model": "time_model_s", "controller": "time_controller_s", "update": "time_update_s",

@@ -487,7 +487,8 @@ class Check:
         run = self.ctrl("train", "--online", "--from", OFFLINE_RUN, "--model", str(self.model), "--images",
                         str(self.dataset / "images"), "-w", str(self.ws), "--steps", "2", "--samples-per-step", "1",
                         "--group-size", "2", "--max-new-tokens", "4", "--no-evaluate", "--calibration-samples", "2",
-                        "--device", self.device, "--dtype", "bfloat16", "--run-id", ONLINE_RUN, timeout=limit)
+                        "--check-every", "2", "--check-samples", "2", "--check-budgets", "1", "--device", self.device,
+                        "--dtype", "bfloat16", "--run-id", ONLINE_RUN, timeout=limit)
         run_dir = self.ws / "runs" / ONLINE_RUN
         config = json.loads((run_dir / "config.json").read_text())
         steps = pq.read_table(run_dir / "online_steps.parquet").to_pylist()
