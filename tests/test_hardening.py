@@ -233,10 +233,11 @@ def test_a_full_disk_during_online_training_is_one_line_and_the_resumed_run_reco
     from synthetic import SyntheticSpec
 
     tree, ws = build_feature_workspace(tmp_path, embedded_runtime, SyntheticSpec(num_samples=30))
-    # 3 MiB holds step 1 (last.pt 2.2 MB, a rollout file) but not step 2's last.pt beside it until the rename
+    # 3 MiB holds step 1 (last.pt 2.2 MB, a rollout file) but not step 2's last.pt beside it until the rename;
+    # no held-out checks, whose start.pt and best.pt would fill it before step 1's last.pt
     train = (f"$CTRL train --online -w {ws.root} --images {tree.images_dir} --steps 3 --run-id full "
              "--samples-per-step 2 --group-size 3 --max-new-tokens 3 --budget-min-ms 30 --budget-max-ms 300 "
-             "--checkpoint-every 1 --no-evaluate --reward-mode soft --seed 7 --fresh")
+             "--checkpoint-every 1 --no-evaluate --reward-mode soft --seed 7 --fresh --check-every 0")
     steps = "SELECT step, count(*) AS n FROM rollouts WHERE run_id = 'full' GROUP BY step ORDER BY step"
     full, _, resumed, counted = on_small_disk(ws.runs_dir, "3m", [
         train, "grow 64m", f"$CTRL train --online -w {ws.root} --resume full",

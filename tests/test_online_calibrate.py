@@ -52,8 +52,9 @@ def test_each_end_is_scaled_by_its_configuration_ratio_and_rounded_to_a_tenth():
     keys = [("ds", "a"), ("ds", "b"), ("ds", "c")]
     recorded = {(*key, *fastest_knobs): 100.0 for key in keys} | {(*key, *slowest_knobs): 400.0 for key in keys}
     reference = BudgetReference(range_ms=(80.0, 500.0), latency_ms=recorded, keys=keys)
-    # fastest ratios 1.2, 1.2345, 1.3 (median 1.2345); slowest 0.9 on every row
-    executor = FixedLatency({"fastest": [120.0, 123.45, 130.0], "slowest": [360.0, 360.0, 360.0]}, configs)
+    # the fastest at 120, 123.45, 123.45 against 100 recorded: 90th percentiles (of the two runs of each
+    # sample) 123.45 against 100; the slowest 0.9 on every row
+    executor = FixedLatency({"fastest": [120.0, 123.45, 123.45], "slowest": [360.0, 360.0, 360.0]}, configs)
     assert calibrate_budget_range(executor, ctrl, [0, 1, 2], reference) == (98.8, 450.0)  # 80 x 1.2345 = 98.76
 
 
