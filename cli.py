@@ -551,7 +551,8 @@ def _train_online(config: Any) -> None:
             elif event.get("phase") == "check":
                 kept = "the start" if event["kept_step"] == 0 else f"step {event['kept_step']}"
                 err.print(f"step {event['step']}: held-out gain over the start {event['gain']:+.3f} "
-                          f"[{event['gain_low']:+.3f}, {event['gain_high']:+.3f}] on {event['requests']} requests, "
+                          f"[{event['gain_low']:+.3f}, {event['gain_high']:+.3f}] on {event['requests']} paired "
+                          "requests, "
                           f"late {event['late_share']:.0%} (start {event['start_late_share']:.0%}); kept: {kept}"
                           + (f" ({event['since']} of {event['patience']} checks without a better one)"
                              if event["since"] and event["patience"] else ""), highlight=False, markup=False)

@@ -265,5 +265,5 @@ def test_the_cli_reports_each_check_and_what_was_kept(embedded_runtime, check_ws
             "--check-every", "2", "--check-samples", "2", "--check-budgets", "1", "--no-evaluate"]
     done = CliRunner().invoke(app, args)
     assert done.exit_code == 0, done.output
-    assert "step 2: held-out gain over the start " in done.stderr and "on 2 requests" in done.stderr
+    assert "step 2: held-out gain over the start " in done.stderr and "on 2 paired requests" in done.stderr
     assert "kept: " in done.stdout
