@@ -555,14 +555,16 @@ def _train_online(config: Any) -> None:
                           "requests, "
                           f"late {event['late_share']:.0%} (start {event['start_late_share']:.0%}); kept: {kept}"
                           + (f" ({event['since']} of {event['patience']} checks without a better one)"
-                             if event["since"] and event["patience"] else ""), highlight=False, markup=False)
+                             if event["since"] and event["patience"] else ""), highlight=False, markup=False,
+                          soft_wrap=True)
             elif event.get("phase") == "stop":
                 err.print(f"stopping after step {event['step']} of {event['steps']}: {event['patience']} held-out "
                           "checks in a row found nothing better (--patience 0 runs every step)", highlight=False,
-                          markup=False)
+                          markup=False, soft_wrap=True)
             elif event.get("phase") == "no_checks":
                 err.print(f"no held-out checks: {event['reason']}; the run's controller is its last step",
-                          highlight=False, markup=False)
+                          highlight=False, markup=False,
+                          soft_wrap=True)
 
         result = train_online(config, progress=show)
     if current_dist().rank != 0:
