@@ -95,11 +95,12 @@ class HeldOutCheck:
         same_choice = 0
         try:
             with torch.no_grad():
-                for j, budget in enumerate(self.budgets):
-                    for i, sample in enumerate(self.rows):
+                # sample by sample, each sample's budgets back to back, as the final evaluation
+                for i, sample in enumerate(self.rows):
+                    for j, budget in enumerate(self.budgets):
                         known = self._start_runs.get((sample, budget))
                         if known is None:  # the first check: both, the order alternating
-                            if i % 2:
+                            if (i * len(self.budgets) + j) % 2:
                                 known = self._decide(executor, self.start, sample, budget)
                                 mine = self._decide(executor, latest, sample, budget)
                             else:

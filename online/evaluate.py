@@ -11,7 +11,7 @@ what happens, for two deciders:
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
 
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
-(the order rotating from sample to sample) on one executor, so machine drift between minutes
+(the order rotating from request to request, sample by sample) on one executor, so machine drift between minutes
 shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the
 generated answers), mean and p95 of the measured total latency, violation rate (latency >
 budget), accuracy within budget (answers over budget count as 0), mean reward (the run's
@@ -114,16 +114,21 @@ def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, 
 def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: list[int], budgets: list[float],
                    progress: Callable[[int, int], None] | None = None) -> dict[tuple[str, float], list[Rollout]]:
     """Greedy rollouts of every decider at every (sample, budget) of ``rows`` x ``budgets``, the
-    deciders back to back per request, their order rotating from sample to sample."""
+    deciders back to back per request, their order rotating from request to request.
+
+    Sample by sample, each sample's budgets back to back: a slow spell of a shared machine then
+    falls on a few samples at every budget, not on one budget's whole column."""
     total, done = len(deciders) * len(budgets) * len(rows), 0
-    # (decider, budget) in decider order: the frame's row order
+    # (decider, budget) in decider order: the frame's row order; each list in the order of ``rows``
     outcomes: dict[tuple[str, float], list[Rollout]] = {(name, b): [] for name, _, _ in deciders for b in budgets}
     gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
     for _, ctrl, _ in deciders:
         ctrl.eval()
-    for budget in budgets:
-        for i, sample in enumerate(rows):
-            shift = i % len(deciders)  # the order rotates from sample to sample
+    request = 0
+    for sample in rows:
+        for budget in budgets:
+            shift = request % len(deciders)  # the order rotates from request to request
+            request += 1
             for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
                 decisions = Decisions(greedy=True, insertion_index=insertion)
                 outcomes[(name, budget)] += executor.run_groups([(sample, budget)], 1, gen, gen, controller=ctrl,

@@ -499,6 +499,12 @@ def test_online_run_is_evaluated_with_the_model_against_its_offline_start(online
     pairs = [calls[i:i + 2] for i in range(0, 8, 2)]
     assert all(a[0] == b[0] and a[1] != b[1] for a, b in pairs)
     assert pairs[0][0][1] != pairs[1][0][1] and pairs[0][0][0] != pairs[1][0][0]
+    # sample by sample, each sample's budgets back to back; the first decider alternates every request
+    groups = [p[0][0] for p in pairs]
+    assert [b for _, b in groups] == [40.0, 250.0, 40.0, 250.0]
+    assert groups[0][0] == groups[1][0] != groups[2][0] == groups[3][0]
+    firsts = [p[0][1] for p in pairs]
+    assert firsts[0] == firsts[2] != firsts[1] == firsts[3]
     assert frame["decider"].to_list() == ["controller"] * 2 + ["offline_start"] * 2
     assert frame["num_samples"].to_list() == [2] * 4
     for row in frame.iter_rows(named=True):
