@@ -194,35 +194,55 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace,
             "model_s": float(report.measure_s), "generations": int(report.measured), "stretch": stretch}
 
 
-def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, Any] | None,
-             args: argparse.Namespace) -> dict[str, Any]:
-    """Every arm measured paired on A's test split at budgets across B's calibrated range."""
-    from online.config import OnlineTrainConfig
-    from online.evaluate import run_paired
+def deployed(workspace: Path, run: str, runtime: Any, like: Any, encoder_range: tuple[float, float] | None) -> Any:
+    """An offline run's policy as a two-stage controller with ``like``'s online layout (run at
+    insertion position 1 by the callers). ``encoder_range``: the budget encoder's range, e.g. B's
+    calibrated one for machine A's policy, whose milliseconds were A's; None keeps the policy's own
+    (a policy trained on B)."""
     from pipeline.workspace import Workspace
-    from trainer.data import budget_grid
     from trainer.policy import ControllerPolicy
     from trainer.runs import RunDir, resolve_checkpoint
     from trainer.two_stage import TwoStageController, set_budget_range
 
+    ws = Workspace(workspace)
+    policy = ControllerPolicy.load(resolve_checkpoint(ws, RunDir.resolve(ws, run).path), runtime.fingerprint)
+    controller = TwoStageController(policy, like.two_stage)
+    if encoder_range is not None:
+        set_budget_range(controller.policy, *encoder_range)
+    return controller
+
+
+def paired_outcomes(ws_a: Path, runtime: Any, run_id: str, deciders: list[tuple[str, Any, int | None]],
+                    budgets: list[float], args: argparse.Namespace) -> dict[str, list[list[float]]]:
+    """``run_paired`` on A's test split with the online run's settings; per "decider|budget" the
+    (sample, score, latency) of each request."""
+    from online.config import OnlineTrainConfig
+    from online.evaluate import run_paired
+    from pipeline.workspace import Workspace
+    from trainer.runs import RunDir
+
     ws = Workspace(ws_a)
-    config = OnlineTrainConfig.from_json(RunDir.resolve(ws, curve["run_id"]).read_config())
+    config = OnlineTrainConfig.from_json(RunDir.resolve(ws, run_id).read_config())
+    outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, Progress("evaluated requests"))
+    return {f"{name}|{budget}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
+            for (name, budget), rollouts in outcomes.items()}
+
+
+def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, Any] | None,
+             args: argparse.Namespace) -> dict[str, Any]:
+    """Every arm measured paired on A's test split at budgets across B's calibrated range."""
+    from online.config import OnlineTrainConfig
+    from pipeline.workspace import Workspace
+    from trainer.data import budget_grid
+    from trainer.runs import RunDir
+    from trainer.two_stage import TwoStageController
+
+    config = OnlineTrainConfig.from_json(RunDir.resolve(Workspace(ws_a), curve["run_id"]).read_config())
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [round(b, 1) for b in budget_grid(lo, hi, args.budgets)]
     first = TwoStageController.load(Path(curve["points"][0]["checkpoint"]), runtime.fingerprint)
-
-    def deployed(workspace: Workspace, run: str, calibrated: bool) -> TwoStageController:
-        """An offline run's policy as a two-stage controller at insertion position 1; ``calibrated``:
-        its budget encoder spans B's calibrated range, as the online run's does (machine A's
-        policy, whose milliseconds were A's); else its own range (a policy trained on B)."""
-        policy = ControllerPolicy.load(resolve_checkpoint(workspace, RunDir.resolve(workspace, run).path),
-                                       runtime.fingerprint)
-        controller = TwoStageController(policy, first.two_stage)
-        if calibrated:
-            set_budget_range(controller.policy, first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
-        return controller
-
-    start = deployed(ws, RUN_A, calibrated=True)
+    calibrated = (first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
+    start = deployed(ws_a, RUN_A, runtime, first, calibrated)
     deciders: list[tuple[str, TwoStageController, int | None]] = [
         ("offline_start", start, start.insertion_positions.index(1))]
     for point in curve["points"]:
@@ -232,45 +252,32 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     deciders.append((f"latest@{last['steps']}",
                      TwoStageController.load(Path(last["last_checkpoint"]), runtime.fingerprint), None))
     if reprof is not None:
-        again = deployed(Workspace(reprof["workspace"]), reprof["run_id"], calibrated=False)
+        again = deployed(Path(reprof["workspace"]), reprof["run_id"], runtime, first, None)
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
     say(f"paired evaluation: {len(deciders)} deciders x {len(budgets)} budgets")
-    outcomes = run_paired(ws, config, runtime, deciders, budgets, args.eval_samples, Progress("evaluated requests"))
     return {"budgets_ms": budgets, "budget_range_ms": [lo, hi],
-            "outcomes": {f"{name}|{budget}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
-                         for (name, budget), rollouts in outcomes.items()}}
+            "outcomes": paired_outcomes(ws_a, runtime, curve["run_id"], deciders, budgets, args)}
 
 
 def calibration_ablation(ws_a: Path, runtime: Any, results: dict[str, Any], other: tuple[float, float],
                          args: argparse.Namespace) -> dict[str, Any]:
     """Machine A's offline policy deployed twice at the run's budgets, paired: its budget encoder over
     the range calibrated on B, and over ``other`` (e.g. the range another calibration rule gave)."""
-    import copy
+    from trainer.policy import budget_normalization_range
+    from trainer.two_stage import TwoStageController
 
-    from online.config import OnlineTrainConfig
-    from online.evaluate import run_paired
-    from pipeline.workspace import Workspace
-    from trainer.policy import ControllerPolicy, budget_normalization_range
-    from trainer.runs import RunDir, resolve_checkpoint
-    from trainer.two_stage import TwoStageController, set_budget_range
-
-    ws = Workspace(ws_a)
-    config = OnlineTrainConfig.from_json(RunDir.resolve(ws, results["online"]["run_id"]).read_config())
     first = TwoStageController.load(Path(results["online"]["points"][0]["checkpoint"]), runtime.fingerprint)
-    policy = ControllerPolicy.load(resolve_checkpoint(ws, RunDir.resolve(ws, RUN_A).path), runtime.fingerprint)
-    calibrated = TwoStageController(policy, first.two_stage)
-    set_budget_range(calibrated.policy, first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
-    moved = TwoStageController(copy.deepcopy(policy), first.two_stage)
-    set_budget_range(moved.policy, *budget_normalization_range(*other))
+    calibrated = deployed(ws_a, RUN_A, runtime, first,
+                          (first.policy.config.budget_min_ms, first.policy.config.budget_max_ms))
+    moved = deployed(ws_a, RUN_A, runtime, first, budget_normalization_range(*other))
     name = f"offline_start on {other[0]:.0f}-{other[1]:.0f} ms"
     position = calibrated.insertion_positions.index(1)
     budgets = results["evaluation"]["budgets_ms"]
     say(f"calibration ablation: the start on B's range and on {other[0]:.0f}-{other[1]:.0f} ms")
-    outcomes = run_paired(ws, config, runtime, [("offline_start", calibrated, position), (name, moved, position)],
-                          budgets, args.eval_samples, Progress("evaluated requests"))
     return {"other_range_ms": list(other), "budgets_ms": budgets,
-            "outcomes": {f"{n}|{b}": [[r.sample, r.score, r.latency_total_ms] for r in rollouts]
-                         for (n, b), rollouts in outcomes.items()}}
+            "outcomes": paired_outcomes(ws_a, runtime, results["online"]["run_id"],
+                                        [("offline_start", calibrated, position), (name, moved, position)],
+                                        budgets, args)}
 
 
 def speed_probe(ws_a: Path, runtime: Any) -> float:
