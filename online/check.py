@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from online.rollout import Decisions, Rollout, RolloutExecutor
+from online.evaluate import greedy_rollout
+from online.rollout import Rollout, RolloutExecutor
 from trainer.data import budget_grid
 from trainer.two_stage import TwoStageController
 
@@ -87,9 +88,7 @@ class HeldOutCheck:
         between one and two runs per pair.
         """
         tick = time.perf_counter()
-        was_training = latest.training
-        latest.eval()
-        self.start.eval()
+        was_training = latest.training  # each run below puts its controller in eval mode
         within = {name: np.zeros((len(self.rows), len(self.budgets))) for name in ("latest", "start")}
         late = {name: 0 for name in within}
         same_choice = 0
@@ -101,19 +100,19 @@ class HeldOutCheck:
                         known = self._start_runs.get((sample, budget))
                         if known is None:  # the first check: both, the order alternating
                             if (i * len(self.budgets) + j) % 2:
-                                known = self._decide(executor, self.start, sample, budget)
-                                mine = self._decide(executor, latest, sample, budget)
+                                known = greedy_rollout(executor, self.start, sample, budget)
+                                mine = greedy_rollout(executor, latest, sample, budget)
                             else:
-                                mine = self._decide(executor, latest, sample, budget)
-                                known = self._decide(executor, self.start, sample, budget)
+                                mine = greedy_rollout(executor, latest, sample, budget)
+                                known = greedy_rollout(executor, self.start, sample, budget)
                             self._start_runs[(sample, budget)] = known
                             theirs = known
                         else:
-                            mine = self._decide(executor, latest, sample, budget)
+                            mine = greedy_rollout(executor, latest, sample, budget)
                             if _choice(mine) == _choice(known):
                                 theirs, same_choice = mine, same_choice + 1
                             else:
-                                theirs = self._decide(executor, self.start, sample, budget)
+                                theirs = greedy_rollout(executor, self.start, sample, budget)
                         for name, r in (("latest", mine), ("start", theirs)):
                             over = r.latency_total_ms > budget
                             within[name][i, j] = 0.0 if over else r.score
@@ -126,11 +125,6 @@ class HeldOutCheck:
                            start_late_share=late["start"] / requests, requests=requests, same_choice=same_choice,
                            seconds=time.perf_counter() - tick)
 
-    @staticmethod
-    def _decide(executor: RolloutExecutor, controller: TwoStageController, sample: int, budget: float) -> Rollout:
-        gen = torch.Generator().manual_seed(0)  # unused by greedy decisions
-        return executor.run_groups([(sample, budget)], 1, gen, gen, controller=controller,
-                                   decisions=Decisions(greedy=True)).rollouts[0]
 
 
 def _choice(r: Rollout) -> tuple[int, int, int, int]:
@@ -152,12 +146,10 @@ class KeptController:
     gain_low: float = 0.0
     gain_high: float = 0.0
     since: int = 0
-    history: list[CheckResult] = field(default_factory=list)
 
     def consider(self, result: CheckResult, latest: TwoStageController) -> bool:
         """Keep a copy of ``latest`` when ``result`` says it beats the start by more than the kept
         controller did; True when it was kept."""
-        self.history.append(result)
         if result.gain > self.gain:  # the start's gain is 0: only a positive gain replaces it
             self.controller = copy.deepcopy(latest).eval()
             self.step, self.gain, self.gain_low, self.gain_high, self.since = (

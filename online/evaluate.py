@@ -121,22 +121,25 @@ def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: lis
     total, done = len(deciders) * len(budgets) * len(rows), 0
     # (decider, budget) in decider order: the frame's row order; each list in the order of ``rows``
     outcomes: dict[tuple[str, float], list[Rollout]] = {(name, b): [] for name, _, _ in deciders for b in budgets}
-    gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
-    for _, ctrl, _ in deciders:
-        ctrl.eval()
     request = 0
     for sample in rows:
         for budget in budgets:
             shift = request % len(deciders)  # the order rotates from request to request
             request += 1
             for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
-                decisions = Decisions(greedy=True, insertion_index=insertion)
-                outcomes[(name, budget)] += executor.run_groups([(sample, budget)], 1, gen, gen, controller=ctrl,
-                                                                decisions=decisions).rollouts
+                outcomes[(name, budget)].append(greedy_rollout(executor, ctrl, sample, budget, insertion))
                 done += 1
             if progress:
                 progress(done, total)
     return outcomes
+
+
+def greedy_rollout(executor: RolloutExecutor, controller: TwoStageController, sample: int, budget: float,
+                   insertion_index: int | None = None) -> Rollout:
+    """One request decided greedily by ``controller`` (at a fixed insertion position when given) and run."""
+    gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
+    return executor.run_groups([(sample, budget)], 1, gen, gen, controller=controller,
+                               decisions=Decisions(greedy=True, insertion_index=insertion_index)).rollouts[0]
 
 
 def _metrics_row(name: str, budget: float, out: list[Rollout], reward: RewardConfig) -> dict[str, Any]:
