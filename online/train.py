@@ -229,6 +229,7 @@ class OnlineTrainer:
         self.start_step = 1
         if state is not None:
             self._restore(state)
+        self._saved_kept_step: int | None = None  # the kept step best.pt holds
         self.check, self.kept = self._held_out_check(state)
 
     def _resume(self, config: OnlineTrainConfig) -> tuple[OnlineTrainConfig, RunDir, dict[str, Any]]:
@@ -469,7 +470,7 @@ class OnlineTrainer:
     def _checkpoint(self, step: int) -> None:
         """``last.pt``, the kept controller's ``best.pt`` and the files that must match them (rank 0)."""
         if self.dist.rank == 0:
-            if self.kept is not None:
+            if self.kept is not None and self.kept.step != self._saved_kept_step:
                 self._save_kept(self.kept)
             self.controller.save(self.run.last_checkpoint, extra={
                 "optimizer": self.optimizer.state_dict(), "step": step, "metrics_rows": self.rows,
@@ -480,9 +481,11 @@ class OnlineTrainer:
             self._write_run_row(steps=step, wall_time_s=self._elapsed())
 
     def _save_kept(self, kept: KeptController) -> None:
+        """``best.pt``; written again only when the kept controller changes."""
         kept.controller.save(self.run.best_checkpoint, extra={"kept_step": kept.step, "gain": kept.gain,
                                                               "gain_low": kept.gain_low,
                                                               "gain_high": kept.gain_high})
+        self._saved_kept_step = kept.step
 
     def _write_run_row(self, **changes: Any) -> None:
         self.run_row.update(changes)
