@@ -548,6 +548,8 @@ def _train_online(config: Any) -> None:
                 bar.update(completed=event["step"], total=event["steps"],
                            info=f"reward {event['reward/mean']:.3f} acc {event['accuracy']:.3f} "
                                 f"latency {event['latency_ms_mean']:.0f} ms viol {event['violation_rate']:.0%}")
+            elif event.get("phase") == "checking":
+                bar.update(info=f"held-out check after step {event['step']}: {event['pairs']} paired requests")
             elif event.get("phase") == "check":
                 kept = "the start" if event["kept_step"] == 0 else f"step {event['kept_step']}"
                 err.print(f"step {event['step']}: held-out gain over the start {event['gain']:+.3f} "

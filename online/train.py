@@ -17,7 +17,8 @@ time inside), and the controller takes one GRPO step with group-relative advanta
    ``check_every`` steps the held-out check (``online.check``: the latest controller against
    the start, paired on validation samples; the better one is kept as ``best.pt``), stopping
    once ``patience`` checks in a row kept nothing new; every ``checkpoint_every`` steps and
-   after each check ``last.pt``, ``best.pt``, ``online_steps.parquet`` and ``run.parquet``;
+   after each check ``last.pt``, ``online_steps.parquet`` and ``run.parquet`` (and ``best.pt``
+   when the kept controller changed);
 3. **finish**: the measured evaluation of the kept controller on the test split (``online.evaluate``).
 
 Each step's randomness is a function of (seed, step), so a resumed run draws what an
@@ -422,6 +423,7 @@ class OnlineTrainer:
         if step % config.check_every != 0 and step != config.steps:
             row["kept_step"] = self.kept.step
             return None
+        self.notify({"phase": "checking", "step": step, "pairs": len(self.check.rows) * len(self.check.budgets)})
         result = self.check.run(executor, self.controller, step) if self.dist.rank == 0 else None
         result = self.dist.broadcast(result)
         self.kept.consider(result, self.controller)

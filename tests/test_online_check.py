@@ -237,6 +237,8 @@ def test_the_run_stops_when_checks_stop_paying_and_a_resume_keeps_what_they_kept
     assert first.stopped_early and first.steps["step"].to_list() == [1, 2, 3]
     assert first.kept.step == 1 and first.kept.since == 2
     assert [e["step"] for e in events if e["phase"] == "stop"] == [3]
+    # each check is announced before it runs (the progress bar says what the run is doing)
+    assert [(e["step"], e["pairs"]) for e in events if e["phase"] == "checking"] == [(1, 6), (2, 6), (3, 6)]
     checks = [e for e in events if e["phase"] == "check"]
     assert [(e["step"], e["kept_step"], e["since"]) for e in checks] == [(1, 1, 0), (2, 1, 1), (3, 1, 2)]
     run = RunDir(first.run_dir)
