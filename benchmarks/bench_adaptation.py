@@ -18,7 +18,16 @@ in ``benchmarks/.cache/adapt``):
   largest N, whatever the checks said;
 * ``reprofiled``: ``ctrl profile`` on B (``--profile-samples`` of the dataset), ingested into a
   workspace of its own and trained offline again; its budgets are B's milliseconds already, so
-  it keeps its own budget encoding.
+  it keeps its own budget encoding;
+* ``rescaled``: every configuration run once on B on ``--rescale-samples`` training samples, each
+  configuration's recorded latencies on A multiplied by its measured / recorded ratio (90th
+  percentiles, as the budget calibration compares them), and the offline run trained again on
+  that profile (its settings, no model runs); like the re-profile it keeps its own encoding.
+
+Beside the arms, the fastest configuration runs on every request (``fastest``): a shared VM's speed
+moves by a third within minutes, and where the fastest configuration misses a budget no decider
+could have met it at that moment; each late share is followed, in brackets, by the late share on
+the requests the fastest configuration met.
 
 Every arm is measured paired on the test split (``online.evaluate``: each (sample, budget) runs
 every decider back to back) at ``--budgets`` budgets across B's range. Per (decider, budget):
@@ -51,6 +60,8 @@ from emulated_machine import StageFactors, stretched
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache" / "adapt"
 RUN_A = "profile-a"
+#: the static decider of the evaluation: the fastest configuration on every request
+FASTEST = "fastest"
 
 
 def ctrl(*args: str) -> None:
@@ -194,6 +205,61 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace,
             "model_s": float(report.measure_s), "generations": int(report.measured), "stretch": stretch}
 
 
+def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``rescaled`` arm: A's profile with each configuration's latencies scaled by its speed ratio
+    measured on B, trained offline again with ``RUN_A``'s settings (see the module docstring)."""
+    import dataclasses
+
+    import torch
+
+    from online.calibrate import TAIL_QUANTILE, budget_reference, calibration_rows
+    from online.config import OnlineTrainConfig
+    from online.data import load_online_samples
+    from online.rollout import RolloutExecutor
+    from online.train import build_controller
+    from pipeline.workspace import Workspace
+    from trainer.config import OfflineTrainConfig
+    from trainer.data import load_offline_data
+    from trainer.offline import train_offline
+    from trainer.runs import RunDir
+
+    ws = Workspace(ws_a)
+    samples = load_online_samples(ws, runtime.fingerprint)
+    parent = RunDir.resolve(ws, RUN_A).read_config()
+    controller, _, _ = build_controller(OnlineTrainConfig(workspace=ws_a, from_run=RUN_A, model="testbed"), ws,
+                                        runtime, samples, (50.0, 150.0))
+    reference = budget_reference(ws, runtime, samples, parent)
+    data = load_offline_data(ws, runtime.fingerprint)
+    rows = calibration_rows(samples.rows("train"), args.rescale_samples, args.seed + 1)
+    position = controller.insertion_positions.index(1)
+    executor = RolloutExecutor(runtime, controller, samples, args.max_new_tokens, True)
+    ratios, model_ms, requests = [], 0.0, 0
+    say(f"rescaled arm: {len(data.action_space.actions)} configurations x {len(rows)} samples on {label}")
+    try:
+        for crops, top_k, blocks in data.action_space.actions:
+            force = (controller.max_crops_values.index(crops), position, controller.top_k_values.index(top_k),
+                     controller.num_active_blocks_values.index(blocks))
+            out = executor.run_fixed(rows, force)
+            measured = np.array([r.latency_total_ms for r in out])
+            recorded = np.array([reference.recorded_ms(row, (crops, top_k, blocks)) for row in rows])
+            ok = np.isfinite(recorded) & (recorded > 0)
+            ratios.append(float(np.quantile(measured[ok], TAIL_QUANTILE) / np.quantile(recorded[ok], TAIL_QUANTILE)))
+            model_ms += float(measured.sum())
+            requests += len(out)
+    finally:
+        executor.close()
+    scaled = dataclasses.replace(data, latency_ms=data.latency_ms * torch.tensor(ratios, dtype=data.latency_ms.dtype))
+    run_id = f"rescaled-{label}"
+    shutil.rmtree(ws_a / "runs" / run_id, ignore_errors=True)
+    settings = {k: v for k, v in parent.items() if k not in ("run_id", "resume", "budget_min_ms", "budget_max_ms",
+                                                               "eval_budgets")}
+    started = time.perf_counter()
+    train_offline(OfflineTrainConfig.from_json({**settings, "run_id": run_id}), data=scaled)
+    return {"run_id": run_id, "requests": requests, "model_s": model_ms / 1000.0,
+            "train_wall_s": time.perf_counter() - started,
+            "ratios": {f"{c}/{k}/{b}": r for (c, k, b), r in zip(data.action_space.actions, ratios)}}
+
+
 def deployed(workspace: Path, run: str, runtime: Any, like: Any, encoder_range: tuple[float, float] | None) -> Any:
     """An offline run's policy as a two-stage controller with ``like``'s online layout (run at
     insertion position 1 by the callers). ``encoder_range``: the budget encoder's range, e.g. B's
@@ -229,8 +295,9 @@ def paired_outcomes(ws_a: Path, runtime: Any, run_id: str, deciders: list[tuple[
 
 
 def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, Any] | None,
-             args: argparse.Namespace) -> dict[str, Any]:
+             rescale: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
     """Every arm measured paired on A's test split at budgets across B's calibrated range."""
+    from online.calibrate import calibration_configs
     from online.config import OnlineTrainConfig
     from pipeline.workspace import Workspace
     from trainer.data import budget_grid
@@ -243,8 +310,13 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     first = TwoStageController.load(Path(curve["points"][0]["checkpoint"]), runtime.fingerprint)
     calibrated = (first.policy.config.budget_min_ms, first.policy.config.budget_max_ms)
     start = deployed(ws_a, RUN_A, runtime, first, calibrated)
-    deciders: list[tuple[str, TwoStageController, int | None]] = [
-        ("offline_start", start, start.insertion_positions.index(1))]
+    fastest = calibration_configs(start)[0]
+    # the fastest configuration at insertion position 1, as every deployed arm runs: the requests no
+    # decider could have met at that moment are those it misses (a shared VM's speed moves by a
+    # third within minutes)
+    fastest = (fastest[0], start.insertion_positions.index(1), fastest[2], fastest[3])
+    deciders: list[tuple[str, Any, int | None]] = [
+        ("offline_start", start, start.insertion_positions.index(1)), (FASTEST, fastest, None)]
     for point in curve["points"]:
         deciders.append((f"kept@{point['steps']}",
                          TwoStageController.load(Path(point["checkpoint"]), runtime.fingerprint), None))
@@ -254,6 +326,9 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     if reprof is not None:
         again = deployed(Path(reprof["workspace"]), reprof["run_id"], runtime, first, None)
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
+    if rescale is not None:
+        refit = deployed(ws_a, rescale["run_id"], runtime, first, None)
+        deciders.append(("rescaled", refit, refit.insertion_positions.index(1)))
     say(f"paired evaluation: {len(deciders)} deciders x {len(budgets)} budgets")
     return {"budgets_ms": budgets, "budget_range_ms": [lo, hi],
             "outcomes": paired_outcomes(ws_a, runtime, curve["run_id"], deciders, budgets, args)}
@@ -310,8 +385,20 @@ def within(rows: list[list[float]], budget: float) -> np.ndarray:
     return np.array([score if latency <= budget else 0.0 for _, score, latency in rows])
 
 
+def late_where_feasible(ev: dict[str, Any], name: str, budget: float) -> float | None:
+    """``name``'s late share on the requests at ``budget`` that the fastest configuration, run right
+    beside them, met (None without that decider or without such requests)."""
+    static = ev["outcomes"].get(f"{FASTEST}|{budget}")
+    if static is None:
+        return None
+    met = [latency <= budget for _, _, latency in static]
+    late = [latency > budget for (_, _, latency), ok in zip(ev["outcomes"][f"{name}|{budget}"], met) if ok]
+    return float(np.mean(late)) if late else None
+
+
 def paired_table(ev: dict[str, Any], base_name: str) -> list[str]:
-    """Within-budget accuracy / late share per decider and budget, and the paired difference to
+    """Within-budget accuracy / late share per decider and budget (and, with the fastest configuration
+    measured beside them, the late share on the requests it met), and the paired difference to
     ``base_name`` with its bootstrap interval over samples."""
     names = list(dict.fromkeys(key.split("|")[0] for key in ev["outcomes"]))
     lines = ["| decider | " + " | ".join(f"{b:.0f} ms" for b in ev["budgets_ms"]) + " |",
@@ -323,6 +410,9 @@ def paired_table(ev: dict[str, Any], base_name: str) -> list[str]:
             mine = within(rows, budget)
             late = np.mean([latency > budget for _, _, latency in rows])
             cell = f"{mine.mean():.3f} / {late:.1%}"
+            feasible = late_where_feasible(ev, name, budget)
+            if feasible is not None and name != FASTEST:
+                cell += f" ({feasible:.1%})"
             if name != base_name:
                 base = within(ev["outcomes"][f"{base_name}|{budget}"], budget)
                 _, lo, hi = bs.block_bootstrap_ci(mine - base, block=1, total=False)
@@ -360,6 +450,10 @@ def report(results: dict[str, Any]) -> str:
         model = f"{r['model_s']:.0f} s" if r.get("model_s") else "-"
         lines.append(f"| reprofiled ({r.get('generations') or '?'} generations) | | {model} | "
                      f"{r['profile_wall_s'] + r['train_wall_s']:.0f} s (profile {r['profile_wall_s']:.0f}) |")
+    if results.get("rescaled"):
+        r = results["rescaled"]
+        lines.append(f"| rescaled ({r['requests']} measured requests) | | {r['model_s']:.0f} s | "
+                     f"training {r['train_wall_s']:.0f} s |")
     checks = results["online"]["points"][-1]["checks"]
     if checks:
         lines += ["", "| check after step | gain over the start [95% CI] | late: latest / start | kept |",
@@ -405,6 +499,8 @@ def main() -> None:
     p.add_argument("--reuse-reprofiled", action="store_true",
                    help="take the re-profiled arm's workspace and costs from this label's previous results")
     p.add_argument("--check-every", type=int, default=10, help="the online run's --check-every")
+    p.add_argument("--rescale-samples", type=int, default=0,
+                   help="training samples each configuration runs on for the rescaled arm (0: leave it out)")
     p.add_argument("--budgets", type=int, default=5)
     p.add_argument("--eval-samples", type=int, default=None, help="test samples evaluated (default: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -445,11 +541,13 @@ def main() -> None:
             say(f"re-profiled arm reused from {path} ({reprof['workspace']})")
         else:
             reprof = None if args.no_reprofile else reprofiled(ws_a, runtime, label, args, factors.label())
+        rescale = rescaled(ws_a, runtime, label, args) if args.rescale_samples else None
         probe["evaluation"] = speed_probe(ws_a, runtime)
-        evaluation = evaluate(ws_a, runtime, curve, reprof, args)
+        evaluation = evaluate(ws_a, runtime, curve, reprof, rescale, args)
         probe["end"] = speed_probe(ws_a, runtime)
     results = {"machine": args.machine, "stretch": factors.label(), "cpu": cpu_name(), "args": vars(args),
-               "online": curve, "reprofiled": reprof, "evaluation": evaluation, "speed_probe_ms": probe}
+               "online": curve, "reprofiled": reprof, "rescaled": rescale, "evaluation": evaluation,
+               "speed_probe_ms": probe}
     path.write_text(json.dumps(results))
     print(report(results))
 

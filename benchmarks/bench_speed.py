@@ -19,6 +19,12 @@ round the prefill (every active block, the first token's logits) and ``--max-new
 greedy decode steps. On a CPU at MolmoE-1B's size a whole request takes 10-20 s, most of it
 vision, so this is how enough rounds fit.
 
+``--profile DIR`` runs each configuration once more on the fast path under ``torch.profiler`` (after
+two unmeasured runs) and writes, per configuration, its operators by host time and by device time
+(``ops-C-K-B.txt``), a Chrome trace (``trace-C-K-B.json.gz``) and, in ``profile.json``, the request's
+wall time, how many kernels it launched and how long the GPU was busy, the same for the prefill
+alone: a GPU busy for a small part of the wall time is waiting for the host to launch its kernels.
+
 The knob table checks the trade-off: every pair of configurations that differ in one knob only
 must cost more at the higher setting (by the median total), on each path.
 """
@@ -57,6 +63,89 @@ def test_image(width: int = 640, height: int = 480):
         x0, y0 = rng.randint(0, width // 2), rng.randint(0, height // 2)
         arr[y0:y0 + height // 3, x0:x0 + width // 3] = rng.randint(0, 255, size=3)
     return Image.fromarray(arr.clip(0, 255).astype(np.uint8))
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of (start, end) intervals in microseconds."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1000.0
+
+
+def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path, *, max_new_tokens: int = 8,
+                     log=print) -> list[dict]:
+    """One fast-path request per configuration under ``torch.profiler`` (see ``--profile``)."""
+    import gzip
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = runtime.device.type == "cuda"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sort_device = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    image = test_image()
+    runtime.set_execution(True)
+    rows = []
+    for max_crops, top_k, blocks in configs:
+        name = f"{max_crops}-{top_k}-{blocks}"
+        inputs = runtime.preprocess(image, QUESTION, max_crops)
+        with runtime.knobs(top_k=top_k, num_active_blocks=blocks):
+            for _ in range(2):
+                runtime.generate(inputs, max_new_tokens)
+            if cuda:
+                torch.cuda.synchronize(runtime.device)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                started = time.perf_counter()
+                result = runtime.generate(inputs, max_new_tokens)
+                if cuda:
+                    torch.cuda.synchronize(runtime.device)
+                wall_ms = (time.perf_counter() - started) * 1000.0
+            # the prefill alone (every active block over the prompt's embeddings), profiled the same way
+            with torch.inference_mode(), runtime.precision_context():
+                embeds = runtime._embed(inputs)[0][0]
+                active = runtime._active or tuple(range(runtime.num_layers))
+                if cuda:
+                    torch.cuda.synchronize(runtime.device)
+                with profile(activities=activities) as prefill_prof:
+                    started = time.perf_counter()
+                    runtime.fast.prefill(embeds, active, reserve=max_new_tokens)
+                    if cuda:
+                        torch.cuda.synchronize(runtime.device)
+                    prefill_ms = (time.perf_counter() - started) * 1000.0
+        prefill_kernels = [e for e in prefill_prof.events() if e.device_type == DeviceType.CUDA]
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        averages = prof.key_averages()
+        tables = [f"{name}: wall {wall_ms:.1f} ms under the profiler, {len(result.token_ids)} tokens",
+                  "by host time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+        if cuda:
+            tables += ["by device time", averages.table(sort_by=sort_device, row_limit=25)]
+        tables += [f"the prefill alone: wall {prefill_ms:.1f} ms under the profiler", "by host time",
+                   prefill_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
+        (out_dir / f"ops-{name}.txt").write_text("\n".join(tables) + "\n")
+        trace = out_dir / f"trace-{name}.json"
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(out_dir / f"trace-{name}.json.gz", "wb") as packed:
+            packed.write(raw.read())
+        trace.unlink()
+        row = {"config": name, "prompt_tokens": int(inputs.input_ids.shape[1]), "wall_ms": wall_ms,
+               "tokens": len(result.token_ids), "kernels": len(kernels),
+               "gpu_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) if cuda else None,
+               "host_ops": sum(1 for e in prof.events()
+                               if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
+               "prefill_wall_ms": prefill_ms, "prefill_kernels": len(prefill_kernels),
+               "prefill_gpu_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in prefill_kernels])
+               if cuda else None}
+        rows.append(row)
+        log(f"{name}: wall {wall_ms:.1f} ms under the profiler, {row['kernels']} kernels, GPU busy "
+            f"{row['gpu_busy_ms'] or 0:.1f} ms, {row['host_ops']} aten ops; the prefill alone {prefill_ms:.1f} ms, "
+            f"{row['prefill_kernels']} kernels, GPU busy {row['prefill_gpu_busy_ms'] or 0:.1f} ms")
+    (out_dir / "profile.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
 
 
 def _median(values: list[float]) -> float | None:
@@ -254,6 +343,8 @@ def main() -> None:
     parser.add_argument("--float32-attention", action="store_true")
     parser.add_argument("--decoder-only", action="store_true", help="time the decoder alone (see the docstring)")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--profile", type=Path, metavar="DIR", help="profile one fast-path request per configuration "
+                        "into DIR instead (see the docstring)")
     args = parser.parse_args()
     import torch
 
@@ -263,6 +354,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     runtime = load_runtime(args.model, device=args.device, dtype=args.dtype, compile=True,
                            float32_attention=args.float32_attention)
+    if args.profile:
+        profile_requests(runtime, parse_configs(args.configs), args.profile, max_new_tokens=args.max_new_tokens)
+        return
     if args.decoder_only:
         result = measure_decoder(runtime, parse_configs(args.configs), rounds=args.rounds,
                                  max_new_tokens=args.max_new_tokens)

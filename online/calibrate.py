@@ -4,8 +4,9 @@ Recorded budgets mean nothing for a model on another machine, and the online req
 costs more than a profiled ``generate`` (two controller stages, the split prefill, the budget
 token). :func:`calibrate_budget_range` runs the fastest and the slowest configuration on a few
 training samples; continuing an offline run, each end of that run's range is scaled by its own
-configuration's measured / recorded latency ratio in the tail (90th percentiles), else the range
-is [p95 of the fastest, p95 of the slowest].
+configuration's measured / recorded latency ratio in the tail (90th percentiles), the low end no
+lower than what the fastest configuration measurably meets here; else the range is [p95 of the
+fastest, p95 of the slowest].
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from online.data import OnlineSamples
 from online.rollout import RolloutExecutor
@@ -23,8 +25,21 @@ from trainer.data import load_offline_data
 from trainer.two_stage import TwoStageController
 
 #: the quantile at which measured and recorded latencies are compared: in the tail where the range's
-#: ends live, and still estimated from the 16 samples x 2 runs of a default calibration
+#: ends live, and still estimated from the 32 samples x 2 runs of a default calibration
 TAIL_QUANTILE = 0.9
+#: the share of samples on which the fastest configuration must meet the low end: the offline range's
+#: own definition of its low end (``trainer.data.default_budget_range``)
+FLOOR_QUANTILE = 0.98
+
+
+def calibration_rows(train_rows: list[int], samples: int, seed: int) -> list[int]:
+    """``samples`` of ``train_rows`` drawn with ``seed`` (in their order), or all of them when fewer:
+    a draw, not the first rows, because the low end reads the tail of the fastest configuration's
+    latencies, which a block of neighbouring rows can miss."""
+    if samples >= len(train_rows):
+        return list(train_rows)
+    chosen = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:samples]
+    return [train_rows[i] for i in sorted(chosen.tolist())]
 
 
 def calibration_configs(controller: TwoStageController) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -56,8 +71,13 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
     even the fastest configuration misses on the long answers. Measuring the same samples keeps
     a few of them enough; a ratio per end, not one for both, because the two-stage request adds
     a roughly constant cost (controller, split prefill) that weighs more on fast configurations
-    than on slow ones. Without a reference (fresh runs, nothing recorded): [p95 of the fastest,
-    p95 of the slowest].
+    than on slow ones. The scaled low end is then raised, where needed, to the floor this machine
+    measures: the ``FLOOR_QUANTILE`` quantile of the fastest configuration's latency over all its
+    calibration runs. A ratio estimated in the tail can still put the low end below what the
+    fastest configuration meets here, and a budget no configuration meets can only be missed.
+    Every run counts, the slow moments of a shared machine too: a served request meets them as
+    well, and on such a machine they, not the samples, make the tail. Without a reference (fresh
+    runs, nothing recorded): [p95 of the fastest, p95 of the slowest].
     """
     configs = dict(zip(("fastest", "slowest"), calibration_configs(controller)))
     # medians of all runs, not minima: the range must hold for typical requests, and the speed of a
@@ -78,6 +98,7 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
                 ratio[name] = float(here / there)
     if len(ratio) == 2:
         lo, hi = reference.range_ms[0] * ratio["fastest"], reference.range_ms[1] * ratio["slowest"]
+        lo = max(lo, float(np.quantile(lat["fastest"], FLOOR_QUANTILE)))
     else:
         lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
     if not hi > lo * 1.05:  # the knobs barely move latency here: still give the budget some range

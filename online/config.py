@@ -39,7 +39,7 @@ class OnlineTrainConfig(TrainingConfig):
     > Rollouts
     steps: optimizer steps (int). samples_per_step: groups per step.
     max_new_tokens: generation cap per rollout (int).
-    calibration_samples: training samples the budget calibration runs on.
+    calibration_samples: training samples the budget calibration runs on (a draw with ``seed``).
     warmup: run each configuration once unmeasured before its first measured run.
     threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
@@ -84,8 +84,8 @@ class OnlineTrainConfig(TrainingConfig):
     steps: int = option(20, help="Online optimizer steps (on --resume: train the run longer).")
     samples_per_step: int = option(2, help="(sample, budget) groups per online step.")
     max_new_tokens: int = option(16, help="Generation cap per rollout.")
-    calibration_samples: int = option(16, help="Training samples the budget calibration runs on (without a given "
-                                               "range).")
+    calibration_samples: int = option(32, help="Training samples the budget calibration runs on, drawn with --seed "
+                                               "(without a given range).")
     warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
     threads: int = option(1, help="CPU threads per request (0 = torch's default).")
     compile: bool = option(True, help="The fast path: a static KV cache and decode steps of fixed shapes with no "

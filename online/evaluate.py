@@ -46,7 +46,9 @@ from trainer.runs import RunDir, resolve_checkpoint
 from trainer.two_stage import TwoStageController, set_budget_range
 
 #: (name, controller, fixed insertion index or None) of a decider measured with the model
-Decider = tuple[str, TwoStageController, int | None]
+#: (name, controller, insertion index or None), or (name, knob indices (crops, insertion, top-K,
+#: blocks), None): a static configuration, run as is on every request
+Decider = tuple[str, TwoStageController | tuple[int, int, int, int], int | None]
 
 
 def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Path,
@@ -127,7 +129,9 @@ def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: lis
             shift = request % len(deciders)  # the order rotates from request to request
             request += 1
             for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
-                outcomes[(name, budget)].append(greedy_rollout(executor, ctrl, sample, budget, insertion))
+                outcomes[(name, budget)].append(
+                    greedy_rollout(executor, ctrl, sample, budget, insertion) if isinstance(ctrl, TwoStageController)
+                    else static_rollout(executor, ctrl, sample, budget))
                 done += 1
             if progress:
                 progress(done, total)
@@ -140,6 +144,12 @@ def greedy_rollout(executor: RolloutExecutor, controller: TwoStageController, sa
     gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
     return executor.run_groups([(sample, budget)], 1, gen, gen, controller=controller,
                                decisions=Decisions(greedy=True, insertion_index=insertion_index)).rollouts[0]
+
+
+def static_rollout(executor: RolloutExecutor, force: tuple[int, int, int, int], sample: int, budget: float) -> Rollout:
+    """One request run with the knob indices ``force`` whatever the budget (a static configuration)."""
+    gen = torch.Generator().manual_seed(0)
+    return executor.run_groups([(sample, budget)], 1, gen, gen, decisions=Decisions(force=force)).rollouts[0]
 
 
 def _metrics_row(name: str, budget: float, out: list[Rollout], reward: RewardConfig) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any
 import polars as pl
 import torch
 
-from online.calibrate import budget_reference, calibrate_budget_range
+from online.calibrate import budget_reference, calibrate_budget_range, calibration_rows
 from online.check import CheckResult, HeldOutCheck, KeptController
 from online.config import OnlineTrainConfig
 from online.data import OnlineSamples, load_online_samples
@@ -276,9 +276,9 @@ class OnlineTrainer:
                 reference = budget_reference(self.workspace, self.runtime, self.samples, parent.read_config())
         executor = RolloutExecutor(self.runtime, provisional, self.samples, config.max_new_tokens, config.warmup)
         try:
-            self.notify({"phase": "calibrate", "samples": min(config.calibration_samples, len(self.train_rows))})
-            return calibrate_budget_range(executor, provisional, self.train_rows[: config.calibration_samples],
-                                          reference)
+            rows = calibration_rows(self.train_rows, config.calibration_samples, config.seed)
+            self.notify({"phase": "calibrate", "samples": len(rows)})
+            return calibrate_budget_range(executor, provisional, rows, reference)
         finally:
             executor.close()
 

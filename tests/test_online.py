@@ -335,17 +335,20 @@ def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online
                                     top_k=ctrl.top_k_values[k], num_active_blocks=ctrl.num_active_blocks_values[b])
                     for i, _ in enumerate(rows_)]
 
-    # a uniformly slower machine: each end scaled by its own configuration's ratio, 100 x 1.5, 250 x 1.0
+    # a uniformly slower machine: each end scaled by its own configuration's ratio, 1,200 x 1.5, 2,500 x 1.0
+    # (the low end above the fastest configuration's 1,500 ms here, so the floor does not bind)
+    wide = BudgetReference(range_ms=(1200.0, 2500.0), latency_ms=flat.latency_ms, keys=reference.keys)
     uniform = Timed([1500.0, 1500.0, 1500.0], [1000.0, 1000.0, 1000.0])
-    assert calibrate_budget_range(uniform, executor.controller, rows, flat) == (150.0, 250.0)
+    assert calibrate_budget_range(uniform, executor.controller, rows, wide) == (1800.0, 2500.0)
     # a machine that stretches long requests more: sample 2 was recorded at 2,000 ms (a long answer) and
     # runs at 6,000 here, the others as recorded; the median ratio would be 1, the tail's (90th
-    # percentiles: 6,000 against 2,000) is 3, for the fastest; the slowest runs as recorded
-    tail = BudgetReference(range_ms=(100.0, 1000.0),
+    # percentiles: 6,000 against 2,000) is 3, for the fastest (2,500 x 3, above the floor, the 98th
+    # percentile of the six runs, 6,000, where the median ratio would leave it); the slowest runs as recorded
+    tail = BudgetReference(range_ms=(2500.0, 10000.0),
                            latency_ms={k: 2000.0 if k[:2] == reference.keys[2] else 1000.0
                                        for k in reference.latency_ms}, keys=reference.keys)
     stretched = Timed([1000.0, 1000.0, 6000.0], [1000.0, 1000.0, 2000.0])
-    assert calibrate_budget_range(stretched, executor.controller, rows, tail) == (300.0, 1000.0)
+    assert calibrate_budget_range(stretched, executor.controller, rows, tail) == (7500.0, 10000.0)
     # nothing recorded: this machine's own quantiles
     empty = BudgetReference(range_ms=(100.0, 250.0), latency_ms={}, keys=reference.keys)
     lo, hi = calibrate_budget_range(executor, executor.controller, rows, empty)
@@ -515,6 +518,24 @@ def test_online_run_is_evaluated_with_the_model_against_its_offline_start(online
             assert all(label.endswith("@1") for label in hist)
     stored = run_query(ws, "SELECT count(*) AS n FROM evaluations WHERE run_id = 'online-eval'").to_pylist()
     assert stored == [{"n": 4}] and (ws.runs_dir / "online-eval" / "evaluation.png").exists()
+
+
+def test_a_static_configuration_is_measured_paired_beside_a_controller(online_ws, embedded_runtime, executor):
+    from online.calibrate import calibration_configs
+    from online.evaluate import measure_paired
+
+    fastest, _ = calibration_configs(executor.controller)
+    rows = executor.samples.rows("test")[:2]
+    out = measure_paired(executor, [("controller", executor.controller, None), ("fastest", fastest, None)], rows,
+                         [40.0, 250.0])
+    ctrl = executor.controller
+    knobs = (ctrl.max_crops_values[fastest[0]], ctrl.top_k_values[fastest[2]],
+             ctrl.num_active_blocks_values[fastest[3]])
+    for budget in (40.0, 250.0):  # the same configuration at every budget, on the same samples
+        static = out[("fastest", budget)]
+        assert [r.sample for r in static] == rows == [r.sample for r in out[("controller", budget)]]
+        assert {(r.max_crops, r.top_k, r.num_active_blocks) for r in static} == {knobs}
+        assert {r.insertion_position for r in static} == {ctrl.insertion_positions[fastest[1]]}
 
 
 def test_clear_errors_for_missing_runs_and_features(online_ws, embedded_runtime, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from online.calibrate import BudgetReference, calibrate_budget_range, calibration_configs
+from online.calibrate import BudgetReference, calibrate_budget_range, calibration_configs, calibration_rows
 from trainer.data import ActionSpace
 from trainer.policy import ControllerPolicy, PolicyConfig
 from trainer.two_stage import TwoStageConfig, TwoStageController
@@ -51,11 +51,11 @@ def test_each_end_is_scaled_by_its_configuration_ratio_and_rounded_to_a_tenth():
     fastest_knobs, slowest_knobs = (2, 4, 12), (12, 8, 16)
     keys = [("ds", "a"), ("ds", "b"), ("ds", "c")]
     recorded = {(*key, *fastest_knobs): 100.0 for key in keys} | {(*key, *slowest_knobs): 400.0 for key in keys}
-    reference = BudgetReference(range_ms=(80.0, 500.0), latency_ms=recorded, keys=keys)
+    reference = BudgetReference(range_ms=(140.0, 500.0), latency_ms=recorded, keys=keys)
     # the fastest at 120, 123.45, 123.45 against 100 recorded: 90th percentiles (of the two runs of each
     # sample) 123.45 against 100; the slowest 0.9 on every row
     executor = FixedLatency({"fastest": [120.0, 123.45, 123.45], "slowest": [360.0, 360.0, 360.0]}, configs)
-    assert calibrate_budget_range(executor, ctrl, [0, 1, 2], reference) == (98.8, 450.0)  # 80 x 1.2345 = 98.76
+    assert calibrate_budget_range(executor, ctrl, [0, 1, 2], reference) == (172.8, 450.0)  # 140 x 1.2345 = 172.83
 
 
 def test_recorded_latencies_of_zero_are_not_ratios():
@@ -64,10 +64,10 @@ def test_recorded_latencies_of_zero_are_not_ratios():
     keys = [("ds", "a"), ("ds", "b")]
     recorded = {("ds", "a", 2, 4, 12): 0.0, ("ds", "b", 2, 4, 12): 100.0,
                 ("ds", "a", 12, 8, 16): 400.0, ("ds", "b", 12, 8, 16): 400.0}
-    reference = BudgetReference(range_ms=(80.0, 500.0), latency_ms=recorded, keys=keys)
+    reference = BudgetReference(range_ms=(120.0, 500.0), latency_ms=recorded, keys=keys)
     executor = FixedLatency({"fastest": [150.0, 150.0], "slowest": [400.0, 400.0]}, configs)
     # row a's zero is skipped: the fastest ratio is row b's alone, 1.5
-    assert calibrate_budget_range(executor, ctrl, [0, 1], reference) == (120.0, 500.0)
+    assert calibrate_budget_range(executor, ctrl, [0, 1], reference) == (180.0, 500.0)
 
 
 def test_a_range_is_kept_when_the_knobs_barely_move_latency():
@@ -85,3 +85,59 @@ def test_without_recorded_latencies_the_ends_are_this_machines_p95():
     executor = FixedLatency({"fastest": [10.0] * 19 + [110.0], "slowest": [100.0] * 19 + [300.0]},
                             calibration_configs(ctrl))
     assert calibrate_budget_range(executor, ctrl, list(range(20)), None) == (15.0, 110.0)
+
+
+class RunByRun:
+    """An executor whose requests take the given milliseconds per forced configuration, calibration
+    run (the first or the second pass over the rows) and row."""
+
+    def __init__(self, ms: dict[str, list[list[float]]], configs) -> None:
+        self.ms, (self.fastest, self.slowest) = ms, configs
+        self.calls = {"fastest": 0, "slowest": 0}
+
+    def run_fixed(self, rows, force):
+        name = "fastest" if force == self.fastest else "slowest"
+        c, _, k, b = force
+        ms = self.ms[name][self.calls[name]]
+        self.calls[name] += 1
+        return [SimpleNamespace(latency_total_ms=ms[r], max_crops=CROPS[c], top_k=TOP_K[k], num_active_blocks=BLOCKS[b])
+                for r in rows]
+
+
+def _flat_reference(rows: int, low_ms: float) -> BudgetReference:
+    """Every sample recorded at 100 ms (fastest) and 400 ms (slowest), the offline range low_ms-500."""
+    keys = [("ds", f"s{i}") for i in range(rows)]
+    recorded = {(*key, 2, 4, 12): 100.0 for key in keys} | {(*key, 12, 8, 16): 400.0 for key in keys}
+    return BudgetReference(range_ms=(low_ms, 500.0), latency_ms=recorded, keys=keys)
+
+
+def test_the_low_end_is_raised_to_what_the_fastest_configuration_meets_here():
+    ctrl = _controller()
+    # nine samples run the fastest configuration at 120 ms (recorded at 100), the tenth, a long answer,
+    # at 300 ms in both runs: the tail ratio (90th percentile of the 20 runs: 120 + 0.1 x 180 = 138
+    # against 100) scales the offline low end 110 to 151.8, below the tenth sample's latency; the
+    # floor is the 98th percentile of the 20 runs, 300 (the top two values)
+    fastest = [120.0] * 9 + [300.0]
+    executor = RunByRun({"fastest": [fastest, fastest], "slowest": [[400.0] * 10] * 2}, calibration_configs(ctrl))
+    assert calibrate_budget_range(executor, ctrl, list(range(10)), _flat_reference(10, 110.0)) == (300.0, 500.0)
+
+
+def test_a_slow_moment_counts_towards_the_floor():
+    ctrl = _controller()
+    # every sample at 120 ms but one run, sample 3's second, at 900 ms (the machine was slow then): a
+    # served request meets such moments too, so the run counts. Of the 20 runs the 90th percentile is
+    # still 120 (ratio 1.2: 110 x 1.2 = 132), the 98th 120 + 0.62 x 780 = 603.6, which sets the low end
+    first, second = [120.0] * 10, [120.0] * 3 + [900.0] + [120.0] * 6
+    executor = RunByRun({"fastest": [first, second], "slowest": [[400.0] * 10] * 2}, calibration_configs(ctrl))
+    assert calibrate_budget_range(executor, ctrl, list(range(10)), _flat_reference(10, 110.0)) == (603.6, 905.4)
+
+
+def test_calibration_rows_are_a_seeded_draw_of_the_training_rows():
+    train = list(range(100, 200))
+    drawn = calibration_rows(train, 16, seed=0)
+    assert len(drawn) == 16 and len(set(drawn)) == 16 and set(drawn) <= set(train)
+    assert drawn == sorted(drawn)  # in the training rows' order
+    assert drawn != train[:16]  # a draw, not the first rows
+    assert calibration_rows(train, 16, seed=0) == drawn
+    assert calibration_rows(train, 16, seed=1) != drawn
+    assert calibration_rows(train[:10], 16, seed=0) == train[:10]  # fewer rows than asked: all of them
