@@ -19,10 +19,12 @@ in ``benchmarks/.cache/adapt``):
 * ``reprofiled``: ``ctrl profile`` on B (``--profile-samples`` of the dataset), ingested into a
   workspace of its own and trained offline again; its budgets are B's milliseconds already, so
   it keeps its own budget encoding;
-* ``rescaled``: every configuration run once on B on ``--rescale-samples`` training samples, each
-  configuration's recorded latencies on A multiplied by its measured / recorded ratio (90th
-  percentiles, as the budget calibration compares them), and the offline run trained again on
-  that profile (its settings, no model runs); like the re-profile it keeps its own encoding.
+* ``rescaled``: every configuration run once on B on ``--rescale-samples`` training samples, A's
+  recorded latencies rescaled (``--rescale-by stage``: each recorded stage time, vision, prefill
+  and decode, by that stage's measured / recorded ratio summed over all those requests;
+  ``config``: each configuration's latencies by its own ratio of 90th percentiles), and the
+  offline run trained again on that profile (its settings, no model runs); like the re-profile
+  it keeps its own encoding.
 
 Beside the arms, the fastest configuration runs on every request (``fastest``): a shared VM's speed
 moves by a third within minutes, and where the fastest configuration misses a budget no decider
@@ -62,6 +64,8 @@ CACHE = ROOT / "benchmarks" / ".cache" / "adapt"
 RUN_A = "profile-a"
 #: the static decider of the evaluation: the fastest configuration on every request
 FASTEST = "fastest"
+#: the timed stages whose ratios the rescaled arm measures (``--rescale-by stage``)
+STAGES = ("vision", "prefill", "decode")
 
 
 def ctrl(*args: str) -> None:
@@ -205,6 +209,25 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace,
             "model_s": float(report.measure_s), "generations": int(report.measured), "stretch": stretch}
 
 
+def recorded_stages(ws: Any, data: Any) -> np.ndarray:
+    """(stage, sample row, configuration) recorded milliseconds of each of ``STAGES`` in ``data``'s
+    layout: the mean over a cell's measurements, NaN where a stage was not recorded."""
+    from pipeline.catalog import run_query
+
+    table = run_query(ws, "SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, "
+                          + ", ".join(f"avg(latency_{s}_ms) AS {s}" for s in STAGES)
+                          + " FROM measurements WHERE latency_total_ms IS NOT NULL GROUP BY ALL").to_pylist()
+    row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
+    col_of = {knobs: a for a, knobs in enumerate(data.action_space.actions)}
+    out = np.full((len(STAGES), len(row_of), len(col_of)), np.nan)
+    for cell in table:
+        i = row_of.get((cell["dataset"], cell["sample_key"]))
+        a = col_of.get((cell["max_crops"], cell["top_k"], cell["num_active_blocks"]))
+        if i is not None and a is not None:
+            out[:, i, a] = [np.nan if cell[s] is None else cell[s] for s in STAGES]
+    return out
+
+
 def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> dict[str, Any]:
     """The ``rescaled`` arm: A's profile with each configuration's latencies scaled by its speed ratio
     measured on B, trained offline again with ``RUN_A``'s settings (see the module docstring)."""
@@ -232,11 +255,15 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     data = load_offline_data(ws, runtime.fingerprint)
     rows = calibration_rows(samples.rows("train"), args.rescale_samples, args.seed + 1)
     position = controller.insertion_positions.index(1)
+    stages = recorded_stages(ws, data)  # (stage, N, A) recorded ms, NaN where not recorded
+    row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
     executor = RolloutExecutor(runtime, controller, samples, args.max_new_tokens, True)
     ratios, model_ms, requests = [], 0.0, 0
-    say(f"rescaled arm: {len(data.action_space.actions)} configurations x {len(rows)} samples on {label}")
+    stage_sums = np.zeros((2, len(STAGES)))  # measured, recorded: summed over requests with every stage recorded
+    say(f"rescaled arm: {len(data.action_space.actions)} configurations x {len(rows)} samples on {label}, "
+        f"by {args.rescale_by}")
     try:
-        for crops, top_k, blocks in data.action_space.actions:
+        for a, (crops, top_k, blocks) in enumerate(data.action_space.actions):
             force = (controller.max_crops_values.index(crops), position, controller.top_k_values.index(top_k),
                      controller.num_active_blocks_values.index(blocks))
             out = executor.run_fixed(rows, force)
@@ -244,19 +271,33 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
             recorded = np.array([reference.recorded_ms(row, (crops, top_k, blocks)) for row in rows])
             ok = np.isfinite(recorded) & (recorded > 0)
             ratios.append(float(np.quantile(measured[ok], TAIL_QUANTILE) / np.quantile(recorded[ok], TAIL_QUANTILE)))
+            for r, row in zip(out, rows):
+                i = row_of.get((samples.dataset[row], samples.sample_key[row]))
+                there = stages[:, i, a] if i is not None else np.full(len(STAGES), np.nan)
+                here = [getattr(r, f"latency_{s}_ms") for s in STAGES]
+                if np.isfinite(there).all() and None not in here:
+                    stage_sums[0] += here
+                    stage_sums[1] += there
             model_ms += float(measured.sum())
             requests += len(out)
     finally:
         executor.close()
-    scaled = dataclasses.replace(data, latency_ms=data.latency_ms * torch.tensor(ratios, dtype=data.latency_ms.dtype))
+    stage_ratios = stage_sums[0] / stage_sums[1]
+    if args.rescale_by == "stage":  # each recorded stage time scaled by its stage's ratio, the rest kept
+        extra = np.nansum((stage_ratios[:, None, None] - 1.0) * stages, axis=0)
+        latency = data.latency_ms + torch.from_numpy(extra).to(data.latency_ms.dtype)
+    else:
+        latency = data.latency_ms * torch.tensor(ratios, dtype=data.latency_ms.dtype)
+    scaled = dataclasses.replace(data, latency_ms=latency)
     run_id = f"rescaled-{label}"
     shutil.rmtree(ws_a / "runs" / run_id, ignore_errors=True)
     settings = {k: v for k, v in parent.items() if k not in ("run_id", "resume", "budget_min_ms", "budget_max_ms",
                                                                "eval_budgets")}
     started = time.perf_counter()
     train_offline(OfflineTrainConfig.from_json({**settings, "run_id": run_id}), data=scaled)
-    return {"run_id": run_id, "requests": requests, "model_s": model_ms / 1000.0,
+    return {"run_id": run_id, "requests": requests, "model_s": model_ms / 1000.0, "by": args.rescale_by,
             "train_wall_s": time.perf_counter() - started,
+            "stage_ratios": dict(zip(STAGES, stage_ratios.tolist())),
             "ratios": {f"{c}/{k}/{b}": r for (c, k, b), r in zip(data.action_space.actions, ratios)}}
 
 
@@ -452,7 +493,10 @@ def report(results: dict[str, Any]) -> str:
                      f"{r['profile_wall_s'] + r['train_wall_s']:.0f} s (profile {r['profile_wall_s']:.0f}) |")
     if results.get("rescaled"):
         r = results["rescaled"]
-        lines.append(f"| rescaled ({r['requests']} measured requests) | | {r['model_s']:.0f} s | "
+        by = r.get("by", "config")
+        ratios = (", ".join(f"{k} x{v:.2f}" for k, v in r["stage_ratios"].items()) if by == "stage"
+                  else "one per configuration")
+        lines.append(f"| rescaled ({r['requests']} measured requests; {ratios}) | | {r['model_s']:.0f} s | "
                      f"training {r['train_wall_s']:.0f} s |")
     checks = results["online"]["points"][-1]["checks"]
     if checks:
@@ -501,6 +545,8 @@ def main() -> None:
     p.add_argument("--check-every", type=int, default=10, help="the online run's --check-every")
     p.add_argument("--rescale-samples", type=int, default=0,
                    help="training samples each configuration runs on for the rescaled arm (0: leave it out)")
+    p.add_argument("--rescale-by", choices=("stage", "config"), default="stage",
+                   help="the rescaled arm's ratios: one per timed stage, or one per configuration (90th percentiles)")
     p.add_argument("--budgets", type=int, default=5)
     p.add_argument("--eval-samples", type=int, default=None, help="test samples evaluated (default: all)")
     p.add_argument("--seed", type=int, default=0)
