@@ -86,8 +86,12 @@ def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path
 
     cuda = runtime.device.type == "cuda"
     out_dir.mkdir(parents=True, exist_ok=True)
-    sort_device = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     image = test_image()
+
+    def kernels(prof) -> tuple[int, float | None]:  # kernels launched, ms the GPU was busy with them
+        found = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return len(found), _busy_ms([(e.time_range.start, e.time_range.end) for e in found]) if cuda else None
+
     runtime.set_execution(True)
     rows = []
     for max_crops, top_k, blocks in configs:
@@ -117,13 +121,11 @@ def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path
                     if cuda:
                         torch.cuda.synchronize(runtime.device)
                     prefill_ms = (time.perf_counter() - started) * 1000.0
-        prefill_kernels = [e for e in prefill_prof.events() if e.device_type == DeviceType.CUDA]
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         averages = prof.key_averages()
         tables = [f"{name}: wall {wall_ms:.1f} ms under the profiler, {len(result.token_ids)} tokens",
                   "by host time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
         if cuda:
-            tables += ["by device time", averages.table(sort_by=sort_device, row_limit=25)]
+            tables += ["by device time", averages.table(sort_by="self_cuda_time_total", row_limit=25)]
         tables += [f"the prefill alone: wall {prefill_ms:.1f} ms under the profiler", "by host time",
                    prefill_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
         (out_dir / f"ops-{name}.txt").write_text("\n".join(tables) + "\n")
@@ -132,14 +134,13 @@ def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path
         with trace.open("rb") as raw, gzip.open(out_dir / f"trace-{name}.json.gz", "wb") as packed:
             packed.write(raw.read())
         trace.unlink()
+        launched, busy = kernels(prof)
+        prefill_launched, prefill_busy = kernels(prefill_prof)
         row = {"config": name, "prompt_tokens": int(inputs.input_ids.shape[1]), "wall_ms": wall_ms,
-               "tokens": len(result.token_ids), "kernels": len(kernels),
-               "gpu_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) if cuda else None,
+               "tokens": len(result.token_ids), "kernels": launched, "gpu_busy_ms": busy,
                "host_ops": sum(1 for e in prof.events()
                                if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
-               "prefill_wall_ms": prefill_ms, "prefill_kernels": len(prefill_kernels),
-               "prefill_gpu_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in prefill_kernels])
-               if cuda else None}
+               "prefill_wall_ms": prefill_ms, "prefill_kernels": prefill_launched, "prefill_gpu_busy_ms": prefill_busy}
         rows.append(row)
         log(f"{name}: wall {wall_ms:.1f} ms under the profiler, {row['kernels']} kernels, GPU busy "
             f"{row['gpu_busy_ms'] or 0:.1f} ms, {row['host_ops']} aten ops; the prefill alone {prefill_ms:.1f} ms, "

@@ -126,7 +126,6 @@ class HeldOutCheck:
                            seconds=time.perf_counter() - tick)
 
 
-
 def _choice(r: Rollout) -> tuple[int, int, int, int]:
     """What decides a request's answer and cost: its configuration and insertion position."""
     return (r.max_crops, r.insertion_position, r.top_k, r.num_active_blocks)

@@ -11,8 +11,8 @@ what happens, for two deciders:
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
 
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
-(the order rotating from request to request, sample by sample) on one executor, so machine drift between minutes
-shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the
+(the order rotating from request to request, sample by sample) on one executor, so machine
+drift between minutes shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the
 generated answers), mean and p95 of the measured total latency, violation rate (latency >
 budget), accuracy within budget (answers over budget count as 0), mean reward (the run's
 reward) and the chosen-configuration histogram ("C/K/B@p"). Written like the offline
@@ -45,9 +45,9 @@ from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, resolve_checkpoint
 from trainer.two_stage import TwoStageController, set_budget_range
 
-#: (name, controller, fixed insertion index or None) of a decider measured with the model
-#: (name, controller, insertion index or None), or (name, knob indices (crops, insertion, top-K,
-#: blocks), None): a static configuration, run as is on every request
+#: a decider measured with the model: (name, controller, fixed insertion index or None), or
+#: (name, knob indices (crops, insertion, top-K, blocks), None): a static configuration, run as is
+#: on every request
 Decider = tuple[str, TwoStageController | tuple[int, int, int, int], int | None]
 
 
@@ -141,15 +141,18 @@ def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: lis
 def greedy_rollout(executor: RolloutExecutor, controller: TwoStageController, sample: int, budget: float,
                    insertion_index: int | None = None) -> Rollout:
     """One request decided greedily by ``controller`` (at a fixed insertion position when given) and run."""
-    gen = torch.Generator().manual_seed(0)  # unused by greedy decisions; keeps the call uniform
-    return executor.run_groups([(sample, budget)], 1, gen, gen, controller=controller,
-                               decisions=Decisions(greedy=True, insertion_index=insertion_index)).rollouts[0]
+    return _one_request(executor, sample, budget, Decisions(greedy=True, insertion_index=insertion_index), controller)
 
 
 def static_rollout(executor: RolloutExecutor, force: tuple[int, int, int, int], sample: int, budget: float) -> Rollout:
     """One request run with the knob indices ``force`` whatever the budget (a static configuration)."""
-    gen = torch.Generator().manual_seed(0)
-    return executor.run_groups([(sample, budget)], 1, gen, gen, decisions=Decisions(force=force)).rollouts[0]
+    return _one_request(executor, sample, budget, Decisions(force=force))
+
+
+def _one_request(executor: RolloutExecutor, sample: int, budget: float, decisions: Decisions,
+                 controller: TwoStageController | None = None) -> Rollout:
+    gen = torch.Generator().manual_seed(0)  # unused by greedy and forced decisions; keeps the call uniform
+    return executor.run_groups([(sample, budget)], 1, gen, gen, controller=controller, decisions=decisions).rollouts[0]
 
 
 def _metrics_row(name: str, budget: float, out: list[Rollout], reward: RewardConfig) -> dict[str, Any]:
