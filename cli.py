@@ -416,6 +416,7 @@ def train(
     budget_max_ms: Annotated[float | None, _train_opt("budget_max_ms")] = None,
     report_to: Annotated[str | None, _train_opt("report_to")] = None,
     calibration_samples: Annotated[int | None, _train_opt("calibration_samples", min=1, rich_help_panel=ONLINE)] = None,
+    guard_samples: Annotated[int | None, _train_opt("guard_samples", min=0, rich_help_panel=ONLINE)] = None,
     reward_mode: Annotated[str | None, _train_opt("reward_mode", rich_help_panel=REWARD)] = None,
     score_target: Annotated[str | None, _train_opt("score_target", rich_help_panel=REWARD)] = None,
     warm_start_steps: Annotated[int | None, _train_opt("warm_start_steps", min=0, rich_help_panel=REWARD)] = None,
@@ -542,6 +543,12 @@ def _train_online(config: Any) -> None:
         def show(event: dict) -> None:
             if event.get("phase") == "calibrate":
                 bar.update(info=f"calibrating the budget range on {event.get('samples')} samples")
+            elif event.get("phase") == "guard_progress":
+                bar.update(info=f"latency guard: configuration {event['done']} of {event['total']}")
+            elif event.get("phase") == "guarded":
+                ratios = ", ".join(f"{stage} x{ratio:.2f}" for stage, ratio in event["stage_ratios"].items())
+                err.print(f"latency guard: {ratios} against the profile, slack x{event['slack']:.2f} "
+                          f"({event['requests']} requests)", highlight=False, markup=False, soft_wrap=True)
             elif event.get("phase") == "evaluate":
                 bar.update(info="evaluating on the test split with the model")
             elif event.get("phase") == "step":

@@ -15,7 +15,9 @@ in ``benchmarks/.cache/adapt``):
 * ``kept@N``: ``ctrl train --online`` from it on B, the controller its held-out checks kept
   after N steps (what the run serves; a learning curve: the run is resumed step block by step
   block, and resumed runs draw what one run would); ``latest@N``: its last controller at the
-  largest N, whatever the checks said;
+  largest N, whatever the checks said; both decide under the run's latency guard
+  (``--guard-samples``, ``trainer.latency_guard``) as the run serves them, and ``offline_start+guard`` is
+  the start under it (the guard's share of a gain, without a step);
 * ``reprofiled``: ``ctrl profile`` on B (``--profile-samples`` of the dataset), ingested into a
   workspace of its own and trained offline again; its budgets are B's milliseconds already, so
   it keeps its own budget encoding;
@@ -64,8 +66,6 @@ CACHE = ROOT / "benchmarks" / ".cache" / "adapt"
 RUN_A = "profile-a"
 #: the static decider of the evaluation: the fastest configuration on every request
 FASTEST = "fastest"
-#: the timed stages whose ratios the rescaled arm measures (``--rescale-by stage``)
-STAGES = ("vision", "prefill", "decode")
 
 
 def ctrl(*args: str) -> None:
@@ -120,6 +120,7 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
     of ``steps``: the kept controller (what the run would serve), the last one, the cumulative model
     time of rollouts and of checks, and the step at which ``--patience`` would have stopped it."""
     from online import OnlineTrainConfig, train_online
+    from online.guard import load_run_guard
 
     run_id = f"online-{machine}"
     shutil.rmtree(ws / "runs" / run_id, ignore_errors=True)
@@ -132,7 +133,7 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
                   "evaluate": False, "checkpoint_every": n, "threads": 1, "patience": 0}
         config = (OnlineTrainConfig(**common, from_run=RUN_A, run_id=run_id, group_size=args.group_size,
                                     samples_per_step=args.samples_per_step, seed=args.seed,
-                                    check_every=args.check_every)
+                                    check_every=args.check_every, guard_samples=args.guard_samples)
                   if i == 0 else OnlineTrainConfig(**common, resume=run_id))
         say(f"online training on {machine}: to step {n}")
         started = time.perf_counter()
@@ -153,7 +154,8 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
                        "checks": [{k: row[k] for k in ("step", "check_gain", "check_gain_low", "check_gain_high",
                                                        "check_late_share", "check_start_late_share", "kept_step")}
                                   for row in checks.iter_rows(named=True)]})
-    return {"run_id": run_id, "points": points}
+    guard = load_run_guard(ws / "runs" / run_id)
+    return {"run_id": run_id, "points": points, "guard": None if guard is None else guard.summary()}
 
 
 def check_runs(frame: Any) -> int:
@@ -209,25 +211,6 @@ def reprofiled(ws_a: Path, runtime: Any, machine: str, args: argparse.Namespace,
             "model_s": float(report.measure_s), "generations": int(report.measured), "stretch": stretch}
 
 
-def recorded_stages(ws: Any, data: Any) -> np.ndarray:
-    """(stage, sample row, configuration) recorded milliseconds of each of ``STAGES`` in ``data``'s
-    layout: the mean over a cell's measurements, NaN where a stage was not recorded."""
-    from pipeline.catalog import run_query
-
-    table = run_query(ws, "SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, "
-                          + ", ".join(f"avg(latency_{s}_ms) AS {s}" for s in STAGES)
-                          + " FROM measurements WHERE latency_total_ms IS NOT NULL GROUP BY ALL").to_pylist()
-    row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
-    col_of = {knobs: a for a, knobs in enumerate(data.action_space.actions)}
-    out = np.full((len(STAGES), len(row_of), len(col_of)), np.nan)
-    for cell in table:
-        i = row_of.get((cell["dataset"], cell["sample_key"]))
-        a = col_of.get((cell["max_crops"], cell["top_k"], cell["num_active_blocks"]))
-        if i is not None and a is not None:
-            out[:, i, a] = [np.nan if cell[s] is None else cell[s] for s in STAGES]
-    return out
-
-
 def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> dict[str, Any]:
     """The ``rescaled`` arm: A's profile with each configuration's latencies scaled by its speed ratio
     measured on B, trained offline again with ``RUN_A``'s settings (see the module docstring)."""
@@ -243,6 +226,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     from pipeline.workspace import Workspace
     from trainer.config import OfflineTrainConfig
     from trainer.data import load_offline_data
+    from trainer.latency_guard import STAGES, recorded_stage_ms
     from trainer.offline import train_offline
     from trainer.runs import RunDir
 
@@ -255,7 +239,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     data = load_offline_data(ws, runtime.fingerprint)
     rows = calibration_rows(samples.rows("train"), args.rescale_samples, args.seed + 1)
     position = controller.insertion_positions.index(1)
-    stages = recorded_stages(ws, data)  # (stage, N, A) recorded ms, NaN where not recorded
+    stages = recorded_stage_ms(ws, data)  # (stage, N, A) recorded ms, NaN where not recorded
     row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
     executor = RolloutExecutor(runtime, controller, samples, args.max_new_tokens, True)
     ratios, model_ms, requests = [], 0.0, 0
@@ -340,6 +324,8 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     """Every arm measured paired on A's test split at budgets across B's calibrated range."""
     from online.calibrate import calibration_configs
     from online.config import OnlineTrainConfig
+    from online.evaluate import Guarded
+    from online.guard import load_run_guard
     from pipeline.workspace import Workspace
     from trainer.data import budget_grid
     from trainer.runs import RunDir
@@ -358,12 +344,21 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     fastest = (fastest[0], start.insertion_positions.index(1), fastest[2], fastest[3])
     deciders: list[tuple[str, Any, int | None]] = [
         ("offline_start", start, start.insertion_positions.index(1)), (FASTEST, fastest, None)]
+    # the online run's guard: its controllers decide under it, as the run serves them; the start beside
+    # them both ways, so that the guard's share and the steps' share of a gain can be told apart
+    guard = load_run_guard(ws_a / "runs" / curve["run_id"])
+
+    def served(controller: Any) -> Any:
+        return controller if guard is None else Guarded(controller, guard)
+
+    if guard is not None:
+        deciders.append(("offline_start+guard", served(start), start.insertion_positions.index(1)))
     for point in curve["points"]:
         deciders.append((f"kept@{point['steps']}",
-                         TwoStageController.load(Path(point["checkpoint"]), runtime.fingerprint), None))
+                         served(TwoStageController.load(Path(point["checkpoint"]), runtime.fingerprint)), None))
     last = curve["points"][-1]
     deciders.append((f"latest@{last['steps']}",
-                     TwoStageController.load(Path(last["last_checkpoint"]), runtime.fingerprint), None))
+                     served(TwoStageController.load(Path(last["last_checkpoint"]), runtime.fingerprint)), None))
     if reprof is not None:
         again = deployed(Path(reprof["workspace"]), reprof["run_id"], runtime, first, None)
         deciders.append(("reprofiled", again, again.insertion_positions.index(1)))
@@ -498,6 +493,11 @@ def report(results: dict[str, Any]) -> str:
                   else "one per configuration")
         lines.append(f"| rescaled ({r['requests']} measured requests; {ratios}) | | {r['model_s']:.0f} s | "
                      f"training {r['train_wall_s']:.0f} s |")
+    if results["online"].get("guard"):
+        g = results["online"]["guard"]
+        ratios = ", ".join(f"{k} x{v:.2f}" for k, v in g["stage_ratios"].items())
+        lines.append(f"| latency guard ({g['requests']} requests; {ratios}; slack x{g['slack']:.2f}) | | "
+                     f"{g['model_s']:.0f} s | |")
     checks = results["online"]["points"][-1]["checks"]
     if checks:
         lines += ["", "| check after step | gain over the start [95% CI] | late: latest / start | kept |",
@@ -543,6 +543,7 @@ def main() -> None:
     p.add_argument("--reuse-reprofiled", action="store_true",
                    help="take the re-profiled arm's workspace and costs from this label's previous results")
     p.add_argument("--check-every", type=int, default=10, help="the online run's --check-every")
+    p.add_argument("--guard-samples", type=int, default=8, help="the online run's --guard-samples (0: no guard)")
     p.add_argument("--rescale-samples", type=int, default=0,
                    help="training samples each configuration runs on for the rescaled arm (0: leave it out)")
     p.add_argument("--rescale-by", choices=("stage", "config"), default="stage",

@@ -27,6 +27,7 @@ import torch
 from online.evaluate import greedy_rollout
 from online.rollout import Rollout, RolloutExecutor
 from trainer.data import budget_grid
+from trainer.latency_guard import LatencyGuard
 from trainer.two_stage import TwoStageController
 
 #: bootstrap resamples of the paired gain's interval
@@ -64,18 +65,20 @@ def paired_gain(within: np.ndarray, start_within: np.ndarray, seed: int = 0) -> 
 class HeldOutCheck:
     """The latest controller against ``start`` on ``rows`` x ``budgets`` (see the module docstring)."""
 
-    def __init__(self, start: TwoStageController, rows: list[int], budgets: list[float], seed: int = 0) -> None:
+    def __init__(self, start: TwoStageController, rows: list[int], budgets: list[float], seed: int = 0,
+                 guard: LatencyGuard | None = None) -> None:
         if not rows or not budgets:
             msg = "a held-out check needs at least one sample and one budget"
             raise ValueError(msg)
         self.start, self.rows, self.budgets, self.seed = start, list(rows), [float(b) for b in budgets], seed
+        self.guard = guard  # both controllers decide under it, as the run serves them
         self._start_runs: dict[tuple[int, float], Rollout] = {}  # the start's first run of each pair
 
     @classmethod
     def on_range(cls, start: TwoStageController, rows: list[int], budget_range: tuple[float, float],
-                 num_budgets: int, seed: int = 0) -> HeldOutCheck:
+                 num_budgets: int, seed: int = 0, guard: LatencyGuard | None = None) -> HeldOutCheck:
         """Budgets evenly spaced over the run's range, both ends included (as the final evaluation's)."""
-        return cls(start, rows, [round(b, 1) for b in budget_grid(*budget_range, num_budgets)], seed)
+        return cls(start, rows, [round(b, 1) for b in budget_grid(*budget_range, num_budgets)], seed, guard)
 
     def run(self, executor: RolloutExecutor, latest: TwoStageController, step: int) -> CheckResult:
         """Measure ``latest`` and the start paired; leaves ``latest`` in training mode.
@@ -100,19 +103,19 @@ class HeldOutCheck:
                         known = self._start_runs.get((sample, budget))
                         if known is None:  # the first check: both, the order alternating
                             if (i * len(self.budgets) + j) % 2:
-                                known = greedy_rollout(executor, self.start, sample, budget)
-                                mine = greedy_rollout(executor, latest, sample, budget)
+                                known = greedy_rollout(executor, self.start, sample, budget, guard=self.guard)
+                                mine = greedy_rollout(executor, latest, sample, budget, guard=self.guard)
                             else:
-                                mine = greedy_rollout(executor, latest, sample, budget)
-                                known = greedy_rollout(executor, self.start, sample, budget)
+                                mine = greedy_rollout(executor, latest, sample, budget, guard=self.guard)
+                                known = greedy_rollout(executor, self.start, sample, budget, guard=self.guard)
                             self._start_runs[(sample, budget)] = known
                             theirs = known
                         else:
-                            mine = greedy_rollout(executor, latest, sample, budget)
+                            mine = greedy_rollout(executor, latest, sample, budget, guard=self.guard)
                             if _choice(mine) == _choice(known):
                                 theirs, same_choice = mine, same_choice + 1
                             else:
-                                theirs = greedy_rollout(executor, self.start, sample, budget)
+                                theirs = greedy_rollout(executor, self.start, sample, budget, guard=self.guard)
                         for name, r in (("latest", mine), ("start", theirs)):
                             over = r.latency_total_ms > budget
                             within[name][i, j] = 0.0 if over else r.score

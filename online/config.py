@@ -40,6 +40,10 @@ class OnlineTrainConfig(TrainingConfig):
     steps: optimizer steps (int). samples_per_step: groups per step.
     max_new_tokens: generation cap per rollout (int).
     calibration_samples: training samples the budget calibration runs on (a draw with ``seed``).
+    guard_samples: training samples every configuration runs on once to fit the latency guard
+        (``trainer.latency_guard``: what each configuration is expected to take on this machine, per request;
+        greedy decisions, the held-out checks' and the evaluation's, keep to the configurations
+        expected to fit). 0: no guard. Needs a parent offline run with an outcome model.
     warmup: run each configuration once unmeasured before its first measured run.
     threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
@@ -86,6 +90,9 @@ class OnlineTrainConfig(TrainingConfig):
     max_new_tokens: int = option(16, help="Generation cap per rollout.")
     calibration_samples: int = option(32, help="Training samples the budget calibration runs on, drawn with --seed "
                                                "(without a given range).")
+    guard_samples: int = option(8, help="Training samples every configuration runs on once to fit the latency "
+                                        "guard, which holds greedy decisions to the configurations expected to "
+                                        "fit the budget on this machine (0 = no guard).")
     warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
     threads: int = option(1, help="CPU threads per request (0 = torch's default).")
     compile: bool = option(True, help="The fast path: a static KV cache and decode steps of fixed shapes with no "
@@ -113,6 +120,7 @@ class OnlineTrainConfig(TrainingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, low in (("steps", 1), ("samples_per_step", 1), ("max_new_tokens", 1), ("calibration_samples", 1),
+                          ("guard_samples", 0),
                           ("checkpoint_every", 1), ("check_every", 0), ("check_samples", 1),
                           ("check_budgets", 1), ("patience", 0)):
             check_int(name, getattr(self, name), low)

@@ -10,6 +10,8 @@ what happens, for two deciders:
   new online terms at zero and the insertion position fixed at 1 (every block count allowed),
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
 
+Where the run measured a latency guard (``trainer.latency_guard``), both decide under it, as the run serves.
+
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
 (the order rotating from request to request, sample by sample) on one executor, so machine
 drift between minutes shifts all deciders alike. Per (decider, budget): accuracy (the dataset metric on the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +43,25 @@ from runtime import ModelRuntime, load_runtime
 from runtime.timing import cpu_threads
 from trainer.data import budget_grid
 from trainer.evaluate import evaluation_frame, outcome_metrics, write_evaluation
+from trainer.latency_guard import LatencyGuard, load_run_guard
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, resolve_checkpoint
 from trainer.two_stage import TwoStageController, set_budget_range
 
-#: a decider measured with the model: (name, controller, fixed insertion index or None), or
-#: (name, knob indices (crops, insertion, top-K, blocks), None): a static configuration, run as is
-#: on every request
-Decider = tuple[str, TwoStageController | tuple[int, int, int, int], int | None]
+
+@dataclass(frozen=True)
+class Guarded:
+    """A controller whose greedy decisions a latency guard holds (``trainer.latency_guard``)."""
+
+    controller: TwoStageController
+    guard: LatencyGuard
+
+
+#: a decider measured with the model: (name, controller or guarded controller, fixed insertion index
+#: or None), or (name, knob indices (crops, insertion, top-K, blocks), None): a static
+#: configuration, run as is on every request
+Decider = tuple[str, TwoStageController | Guarded | tuple[int, int, int, int], int | None]
 
 
 def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Path,
@@ -68,10 +81,12 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     controller = TwoStageController.load(run.controller_checkpoint, runtime.fingerprint)
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [float(b) for b in budgets_ms] if budgets_ms else [round(b, 1) for b in budget_grid(lo, hi, num_budgets)]
-    deciders: list[Decider] = [("controller", controller, None)]
+    guard = load_run_guard(run.path)
+    deciders: list[Decider] = [("controller", controller if guard is None else Guarded(controller, guard), None)]
     start = _offline_start(ws, config, runtime, controller)
     if start is not None:
-        deciders.append(("offline_start", start, start.insertion_positions.index(1)))
+        deciders.append(("offline_start", start if guard is None else Guarded(start, guard),
+                         start.insertion_positions.index(1)))
     with cpu_threads(config.threads, runtime.device):
         outcomes = run_paired(ws, config, runtime, deciders, budgets, max_samples, progress)
     frame = evaluation_frame([_metrics_row(name, budget, out, config.reward)
@@ -106,7 +121,9 @@ def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, 
         msg = f"workspace {ws.root}: no samples in the test split"
         raise CtrlError(msg)
     test = test[:max_samples] if max_samples else test
-    executor = RolloutExecutor(runtime, deciders[0][1], samples, config.max_new_tokens, config.warmup)
+    first = deciders[0][1]
+    executor = RolloutExecutor(runtime, first.controller if isinstance(first, Guarded) else first, samples,
+                               config.max_new_tokens, config.warmup)
     try:
         return measure_paired(executor, deciders, test, budgets, progress)
     finally:
@@ -129,9 +146,13 @@ def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: lis
             shift = request % len(deciders)  # the order rotates from request to request
             request += 1
             for name, ctrl, insertion in deciders[shift:] + deciders[:shift]:
-                outcomes[(name, budget)].append(
-                    greedy_rollout(executor, ctrl, sample, budget, insertion) if isinstance(ctrl, TwoStageController)
-                    else static_rollout(executor, ctrl, sample, budget))
+                if isinstance(ctrl, Guarded):
+                    out = greedy_rollout(executor, ctrl.controller, sample, budget, insertion, ctrl.guard)
+                elif isinstance(ctrl, TwoStageController):
+                    out = greedy_rollout(executor, ctrl, sample, budget, insertion)
+                else:
+                    out = static_rollout(executor, ctrl, sample, budget)
+                outcomes[(name, budget)].append(out)
                 done += 1
             if progress:
                 progress(done, total)
@@ -139,9 +160,11 @@ def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: lis
 
 
 def greedy_rollout(executor: RolloutExecutor, controller: TwoStageController, sample: int, budget: float,
-                   insertion_index: int | None = None) -> Rollout:
-    """One request decided greedily by ``controller`` (at a fixed insertion position when given) and run."""
-    return _one_request(executor, sample, budget, Decisions(greedy=True, insertion_index=insertion_index), controller)
+                   insertion_index: int | None = None, guard: LatencyGuard | None = None) -> Rollout:
+    """One request decided greedily by ``controller`` (at a fixed insertion position when given; held
+    to ``guard`` when given) and run."""
+    return _one_request(executor, sample, budget,
+                        Decisions(greedy=True, insertion_index=insertion_index, guard=guard), controller)
 
 
 def static_rollout(executor: RolloutExecutor, force: tuple[int, int, int, int], sample: int, budget: float) -> Rollout:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -35,7 +36,11 @@ from runtime.base import DecodeState, ModelInputs, ModelRuntime, PrefixState, gr
 from runtime.images import open_image
 from runtime.scoring import score_answer
 from runtime.timing import RequestTiming, StageTimer
+from trainer.latency_guard import guarded_stage2
 from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
+
+if TYPE_CHECKING:
+    from trainer.latency_guard import LatencyGuard
 
 
 @dataclass
@@ -115,12 +120,16 @@ class Decisions:
 
     Sampled by default; ``greedy``: the most probable choice at each stage (evaluation);
     ``insertion_index``: a fixed insertion position (an index into the positions); ``force``:
-    fixed knob indices (crops, insertion, top-K, blocks), e.g. for the budget calibration.
+    fixed knob indices (crops, insertion, top-K, blocks), e.g. for the budget calibration;
+    ``guard``: with ``greedy``, the configurations each request may choose from
+    (``trainer.latency_guard``: crops among those with a configuration expected to fit the
+    budget, top-K and blocks among those at its crops).
     """
 
     greedy: bool = False
     insertion_index: int | None = None
     force: tuple[int, int, int, int] | None = None
+    guard: LatencyGuard | None = None
 
 
 SAMPLED = Decisions()
@@ -216,8 +225,8 @@ class RolloutExecutor:
         for g, (sample, budget) in enumerate(groups):
             tick = time.perf_counter()
             head = RequestTiming()
-            s1, crops_pick, insertion_pick = self._stage1(ctrl, sample, budget, group_size, stage1_generator,
-                                                          decisions, head)
+            s1, crops_pick, insertion_pick, guarded = self._stage1(ctrl, sample, budget, group_size,
+                                                                   stage1_generator, decisions, head)
             by_prefix: dict[tuple[int, int], list[int]] = {}
             for m in range(group_size):
                 if (g * group_size + m) % world_size == rank:
@@ -226,24 +235,32 @@ class RolloutExecutor:
             for (c, pi), members in by_prefix.items():
                 pre = self._prefix(ctrl, s1, sample, c, pi, head, out)
                 for m in members:
-                    out.rollouts.append(self._member(ctrl, s1, pre, out, decisions, stage2_generator,
+                    out.rollouts.append(self._member(ctrl, s1, pre, out, decisions, stage2_generator, guarded,
                                                      group=first_group + g, member=m, budget=budget, rank=rank))
         return out
 
     def _stage1(self, ctrl: TwoStageController, sample: int, budget: float, group_size: int,
                 generator: torch.Generator, decisions: Decisions,
-                head: RequestTiming) -> tuple[Stage1Output, torch.Tensor, torch.Tensor]:
-        """Stage 1 (timed into ``head``) and every member's crops and insertion choices (indices)."""
+                head: RequestTiming) -> tuple[Stage1Output, torch.Tensor, torch.Tensor,
+                                              tuple[torch.Tensor, torch.Tensor] | None]:
+        """Stage 1 (timed into ``head``), every member's crops and insertion choices (indices) and, for a
+        guarded greedy decision, the guard's (allowed, expected ms) knob grids (C, K, B)."""
         device = self.runtime.device
         lang = self.samples.lang[sample][None].to(device)
+        guarded = None
         with self.timer.segment("stage1", head):
             s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device),
                              self.tiling_crops[sample][None].to(device))
             crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
+            if decisions.greedy and decisions.guard is not None and decisions.force is None:
+                # the guard's time is the controller's: inside the request's budget
+                guarded = decisions.guard.knob_grid(ctrl, self.samples.lang[sample], self.tiling_crops[sample], budget)
         # drawn even when overridden below: the generator advances the same way on every rank and in every mode
         crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=generator)
         insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)
         if decisions.greedy:
+            if guarded is not None:  # among the crops with a configuration expected to fit
+                crops_probs = crops_probs.cpu().masked_fill(~guarded[0].flatten(1).any(1), -1.0)
             crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
             insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
         if decisions.insertion_index is not None:
@@ -251,7 +268,7 @@ class RolloutExecutor:
         if decisions.force is not None:
             crops_pick = torch.full((group_size,), decisions.force[0])
             insertion_pick = torch.full((group_size,), decisions.force[1])
-        return s1, crops_pick, insertion_pick
+        return s1, crops_pick, insertion_pick, guarded
 
     def _prefix(self, ctrl: TwoStageController, s1: Stage1Output, sample: int, c: int, pi: int, head: RequestTiming,
                 out: StepRollouts) -> _Prefix:
@@ -280,13 +297,16 @@ class RolloutExecutor:
         return _Prefix(state, sample, c, pi, max_crops, top_k_lp[0], blocks_lp[0], shared, len(out.prefix_embeds) - 1)
 
     def _member(self, ctrl: TwoStageController, s1: Stage1Output, pre: _Prefix, out: StepRollouts,
-                decisions: Decisions, generator: torch.Generator, *, group: int, member: int, budget: float,
-                rank: int) -> Rollout:
+                decisions: Decisions, generator: torch.Generator, guarded: tuple[torch.Tensor, torch.Tensor] | None,
+                *, group: int, member: int, budget: float, rank: int) -> Rollout:
         """One member from a shared prefix: its stage-2 choice, the rest of the prefill and decoding."""
         runtime, p = self.runtime, pre.state.insertion_position
         tick = time.perf_counter()
         if decisions.force is not None:
             k, b = decisions.force[2], decisions.force[3]
+        elif decisions.greedy and guarded is not None:
+            k, b = guarded_stage2(pre.top_k_log_probs.cpu(), pre.blocks_log_probs.cpu(), guarded[0][pre.crops_index],
+                                  guarded[1][pre.crops_index])
         elif decisions.greedy:
             k, b = int(pre.top_k_log_probs.argmax()), int(pre.blocks_log_probs.argmax())
         else:

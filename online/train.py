@@ -48,6 +48,7 @@ from online.check import CheckResult, HeldOutCheck, KeptController
 from online.config import OnlineTrainConfig
 from online.data import OnlineSamples, load_online_samples
 from online.evaluate import evaluate_online_run
+from online.guard import GUARD_FILE, LatencyGuard, load_run_guard, measure_latency_guard
 from online.rollout import Rollout, RolloutExecutor, StepRollouts
 from pipeline import knobs
 from pipeline.errors import CtrlError
@@ -57,7 +58,7 @@ from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
 from runtime.precision import dtype_name
 from runtime.timing import cpu_threads
-from trainer.data import ActionSpace
+from trainer.data import ActionSpace, load_offline_data
 from trainer.grpo import group_advantages
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
 from trainer.reporting import check_report_to, make_reporter, plot_training_curves
@@ -218,6 +219,7 @@ class OnlineTrainer:
             self.budget_range = (float(config.budget_min_ms), float(config.budget_max_ms))
             self.reward = config.reward
             self.parent = config.parent_run_id
+            self.guard = load_run_guard(self.run.path)
         else:
             self._start(config)
         self.controller.to(self.runtime.device)
@@ -264,7 +266,9 @@ class OnlineTrainer:
             self.run.write_config(self.config.to_json())
             parent_phase = RunDir.resolve(self.workspace, self.parent).phase if self.parent else None
             start_controller(self.controller, parent_phase).save(self.run.start_checkpoint)
+            self._measure_guard(self.config)
         self.dist.barrier()
+        self.guard = load_run_guard(self.run.path)
 
     def _calibrate(self, config: OnlineTrainConfig) -> tuple[float, float]:
         # a provisional controller, only to run forced configurations
@@ -281,6 +285,30 @@ class OnlineTrainer:
             return calibrate_budget_range(executor, provisional, rows, reference)
         finally:
             executor.close()
+
+    def _measure_guard(self, config: OnlineTrainConfig) -> LatencyGuard | None:
+        """Fit and save the run's latency guard (``online.guard``) where the run continues an offline
+        run with an outcome model and ``guard_samples`` > 0; else None."""
+        if config.guard_samples == 0 or self.parent is None:
+            return None
+        parent = RunDir.resolve(self.workspace, self.parent)
+        if parent.phase != "offline":
+            return None
+        provisional, _, _ = build_controller(config, self.workspace, self.runtime, self.samples, (1.0, 2.0))
+        data = load_offline_data(self.workspace, self.runtime.fingerprint)
+        rows = calibration_rows(self.train_rows, config.guard_samples, config.seed + 1)
+        executor = RolloutExecutor(self.runtime, provisional, self.samples, config.max_new_tokens, config.warmup)
+        try:
+            self.notify({"phase": "guard", "samples": len(rows)})
+            guard = measure_latency_guard(executor, provisional, rows, self.workspace, parent.path, data,
+                                          progress=lambda done, total: self.notify(
+                                              {"phase": "guard_progress", "done": done, "total": total}))
+        finally:
+            executor.close()
+        if guard is not None:
+            guard.save(self.run.path / GUARD_FILE)
+            self.notify({"phase": "guarded", **guard.summary()})
+        return guard
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -308,7 +336,8 @@ class OnlineTrainer:
         order = torch.randperm(len(val), generator=seeded(config.seed, 5))
         rows = [val[int(i)] for i in order[: config.check_samples]]
         start = TwoStageController.load(self.run.start_checkpoint, self.runtime.fingerprint).to(self.runtime.device)
-        check = HeldOutCheck.on_range(start, rows, self.budget_range, config.check_budgets, seed=config.seed)
+        check = HeldOutCheck.on_range(start, rows, self.budget_range, config.check_budgets, seed=config.seed,
+                                      guard=self.guard)
         if state is not None and state.get("kept") is not None:
             kept = KeptController.restore(state["kept"], self.controller)
             if self.dist.rank == 0:  # best.pt may be newer than the step the run resumes from

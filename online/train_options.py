@@ -112,6 +112,7 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("samples_per_step", "samples_per_step"),
     TrainOption("max_new_tokens", "max_new_tokens"),
     TrainOption("calibration_samples", "calibration_samples"),
+    TrainOption("guard_samples", "guard_samples"),
     TrainOption("device", "device"),
     TrainOption("dtype", "dtype", lambda d: getattr(d, "value", d)),
     TrainOption("checkpoint_every", "checkpoint_every"),

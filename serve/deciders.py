@@ -32,6 +32,7 @@ from serve.protocol import RequestError
 from serve.startup import check_controller_file
 from trainer.deploy import DeployedController, group_names_of, load_deployed
 from trainer.fallback import read_fallback
+from trainer.latency_guard import LatencyGuard, guarded_stage2, load_run_guard
 from trainer.policy import ControllerPolicy, read_checkpoint
 from trainer.runs import RunDir
 from trainer.two_stage import Stage1Output, TwoStageController
@@ -118,13 +119,16 @@ class OfflineDecider:
 
 
 class OnlineDecider:
-    """An online run's two-stage controller, greedy at each stage."""
+    """An online run's two-stage controller, greedy at each stage; held to the run's latency guard
+    (``trainer.latency_guard``) where the run measured one, as its checks and evaluation were."""
 
     phase = "online"
 
-    def __init__(self, controller: TwoStageController, controller_run: str) -> None:
+    def __init__(self, controller: TwoStageController, controller_run: str,
+                 guard: LatencyGuard | None = None) -> None:
         self.controller = controller.eval()
         self.controller_run = controller_run
+        self.guard = guard
         self.max_crops_values = tuple(controller.max_crops_values)
         cfg = controller.policy.config
         self.budget_range_ms = (float(cfg.budget_min_ms), float(cfg.budget_max_ms))
@@ -136,19 +140,27 @@ class OnlineDecider:
     @torch.no_grad()
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float())
-        c, pi = int(s1.crops_log_probs[0].argmax()), int(s1.insertion_log_probs[0].argmax())
+        crops_scores = s1.crops_log_probs[0]
+        guarded = None
+        if self.guard is not None:  # among the crops with a configuration expected to fit
+            guarded = self.guard.knob_grid(self.controller, lang, tiling_crops, float(budget_ms))
+            crops_scores = crops_scores.masked_fill(~guarded[0].flatten(1).any(1), float("-inf"))
+        c, pi = int(crops_scores.argmax()), int(s1.insertion_log_probs[0].argmax())
         return Stage1Choice(self.controller.max_crops_values[c], self.controller.insertion_positions[pi],
-                            s1.budget_token[0], "controller", (s1, c, pi))
+                            s1.budget_token[0], "controller", (s1, c, pi, guarded))
 
     @torch.no_grad()
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
-        s1, c, pi = choice.state
+        s1, c, pi, guarded = choice.state
         assert isinstance(s1, Stage1Output) and inputs.latency_token is not None
         image, present = _image(inputs.image_feature, self.image_dim)
         top_k_lp, blocks_lp = self.controller.stage2(s1, image, present, torch.tensor([c]), torch.tensor([pi]),
                                                      inputs.latency_token[None].float().cpu())
-        return (self.controller.top_k_values[int(top_k_lp[0].argmax())],
-                self.controller.num_active_blocks_values[int(blocks_lp[0].argmax())])
+        if guarded is not None:
+            k, b = guarded_stage2(top_k_lp[0], blocks_lp[0], guarded[0][c], guarded[1][c])
+        else:
+            k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
+        return self.controller.top_k_values[k], self.controller.num_active_blocks_values[b]
 
 
 class FixedKnobs:
@@ -245,7 +257,8 @@ def load_decider(source: ControllerSource, model_fingerprint: str) -> OfflineDec
     if source.run is None:
         return _from_file(source.path, model_fingerprint)
     if source.run.phase == "online":
-        return OnlineDecider(TwoStageController.load(source.path, model_fingerprint), source.run.run_id)
+        return OnlineDecider(TwoStageController.load(source.path, model_fingerprint), source.run.run_id,
+                             load_run_guard(source.run.path))
     return _offline(source.path, model_fingerprint, source.run.run_id)
 
 

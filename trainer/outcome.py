@@ -137,6 +137,27 @@ class OutcomeModel(nn.Module):
             latency = latency * self._neighbour_ratio_quantile(x)
         return torch.sigmoid(self.score_head(x)), latency
 
+    @torch.no_grad()
+    def latency_before_vision(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
+        """(N, A) latency quantile (ms) from what is known before the vision pass: the language
+        features ``lang`` (N, Dl) and the image tilings ``tiling_crops`` (N, C) (NaN or None:
+        unknown), the image feature and its presence read as their training means. A request's
+        crops are chosen before its image is encoded; the tiling carries what the image adds to
+        the cost (vision and prefill scale with the crops), the question what decoding adds."""
+        dl = lang.shape[1]
+        x = torch.zeros(len(lang), self.input_mean.numel())
+        x[:, :dl] = (lang.float().cpu() - self.input_mean[:dl]) / self.input_std[:dl]
+        if self.config.use_tilings:
+            c = len(self.action_space.max_crops_values)
+            crops = (torch.full((len(lang), c), float("nan")) if tiling_crops is None
+                     else torch.log1p(tiling_crops.float().cpu()))
+            x[:, -c:] = (crops - self.input_mean[-c:]) / self.input_std[-c:]
+        x = x.nan_to_num(0.0)  # unknown tilings read as the training mean
+        latency = self.latency_head(x) * self.latency_scale_ms
+        if self.config.latency_neighbours:
+            latency = latency * self._neighbour_ratio_quantile(x)
+        return latency
+
     def _neighbour_ratio_quantile(self, x: torch.Tensor) -> torch.Tensor:
         """(N, A): per configuration, the ``quantile`` of latency / predicted median among the
         ``latency_neighbours`` nearest training samples (all of them where none recorded it)."""
@@ -150,13 +171,19 @@ class OutcomeModel(nn.Module):
         return torch.cat(out) if out else torch.ones(0, self.neighbour_ratios.shape[1])
 
     def save(self, path: Path) -> Path:
-        return atomic_torch_save({"input_dim": int(self.input_mean.numel()),
-                                  "action_space": self.action_space.to_json(), "config": asdict(self.config),
-                                  "state_dict": self.state_dict()}, path)
+        return atomic_torch_save(self.to_state(), path)
+
+    def to_state(self) -> dict:
+        """What :meth:`from_state` rebuilds the model from (the file :meth:`save` writes)."""
+        return {"input_dim": int(self.input_mean.numel()), "action_space": self.action_space.to_json(),
+                "config": asdict(self.config), "state_dict": self.state_dict()}
 
     @classmethod
     def load(cls, path: Path) -> OutcomeModel:
-        state = torch.load(path, weights_only=True)
+        return cls.from_state(torch.load(path, weights_only=True))
+
+    @classmethod
+    def from_state(cls, state: dict) -> OutcomeModel:
         config = OutcomeConfig(**{"use_tilings": False, **state["config"]})  # files written before tilings were read
         model = cls(state["input_dim"], ActionSpace.from_json(state["action_space"]), config)
         if config.latency_neighbours:  # the neighbour buffers' sizes are the fit's

@@ -1,0 +1,98 @@
+"""Measuring an online run's latency guard on this machine (``trainer.latency_guard`` says what it
+is and how decisions keep to it): every configuration once on a few training samples, against the
+latencies and stage times the profile recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from online.data import OnlineSamples
+from online.rollout import Rollout, RolloutExecutor
+from pipeline.errors import CtrlError
+from pipeline.workspace import Workspace
+from trainer.data import OfflineData
+from trainer.latency_guard import (
+    GUARD_FILE,
+    STAGES,
+    LatencyGuard,
+    config_ratios,
+    guard_slack,
+    load_run_guard,
+    recorded_stage_ms,
+    stage_ratios,
+)
+from trainer.outcome import OUTCOME_FILE, OutcomeModel
+from trainer.two_stage import TwoStageController
+
+__all__ = ["GUARD_FILE", "LatencyGuard", "load_run_guard", "measure_latency_guard"]
+
+
+def _mean(values: np.ndarray) -> float:
+    """The mean of the finite values, NaN where there are none."""
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if len(finite) else float("nan")
+
+
+def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageController, rows: list[int],
+                          workspace: Workspace, parent_path: Path, data: OfflineData,
+                          progress: Any = None) -> LatencyGuard | None:
+    """Run every configuration of the parent run's outcome model once on ``rows`` and fit the guard
+    (module docstring). None where the parent run has no outcome model (nothing to predict from).
+
+    ``data``: the workspace's offline data (recorded latencies and stage times, its train split);
+    ``progress(done, total)`` after each configuration."""
+    outcome_path = Path(parent_path) / OUTCOME_FILE
+    if not outcome_path.exists():
+        return None
+    outcome = OutcomeModel.load(outcome_path)
+    if tuple(outcome.action_space.max_crops_values) != tuple(controller.max_crops_values):
+        msg = (f"{outcome_path}: max_crops values {list(outcome.action_space.max_crops_values)}, the controller's "
+               f"{list(controller.max_crops_values)}: the outcome model belongs to another action space")
+        raise CtrlError(msg)
+    samples: OnlineSamples = executor.samples
+    stages = recorded_stage_ms(workspace, data)  # (S, N, A)
+    col_of = {knobs: a for a, knobs in enumerate(data.action_space.actions)}
+    row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
+    train = [i for i, split in enumerate(data.split) if split == "train"] or list(range(len(data)))
+    position = controller.insertion_positions.index(1) if 1 in controller.insertion_positions else 0
+    actions = [a for a in outcome.action_space.actions if a in col_of and a[0] in controller.max_crops_values
+               and a[1] in controller.top_k_values and a[2] in controller.num_active_blocks_values
+               and bool(controller.blocks_valid[position, controller.num_active_blocks_values.index(a[2])])]
+    if not actions:
+        msg = f"{outcome_path}: none of its configurations is in the workspace's recorded data"
+        raise CtrlError(msg)
+    runs: list[tuple[Rollout, tuple[int, int, int]]] = []
+    for done, (crops, top_k, blocks) in enumerate(actions, 1):
+        force = (controller.max_crops_values.index(crops), position, controller.top_k_values.index(top_k),
+                 controller.num_active_blocks_values.index(blocks))
+        runs.extend((r, (crops, top_k, blocks)) for r in executor.run_fixed(rows, force))
+        if progress is not None:
+            progress(done, len(actions))
+    measured = np.array([[np.nan if getattr(r, f"latency_{s}_ms") is None else getattr(r, f"latency_{s}_ms")
+                          for s in STAGES] for r, _ in runs])
+    recorded = np.full_like(measured, np.nan)
+    for j, (r, knobs) in enumerate(runs):
+        i = row_of.get((samples.dataset[r.sample], samples.sample_key[r.sample]))
+        if i is not None:
+            recorded[j] = stages[:, i, col_of[knobs]]
+    ratios = stage_ratios(measured, recorded)
+    columns = [col_of.get(a) for a in outcome.action_space.actions]
+    stage_mean = np.full((len(columns), len(STAGES)), np.nan)
+    total_mean = np.full(len(columns), np.nan)
+    latency = data.latency_ms.numpy()
+    for a, col in enumerate(columns):
+        if col is not None:
+            stage_mean[a] = [_mean(stages[s, train, col]) for s in range(len(STAGES))]
+            total_mean[a] = _mean(latency[train, col])
+    ratio = torch.tensor(config_ratios(ratios, stage_mean, total_mean), dtype=torch.float32)
+    rows_run = torch.tensor([r.sample for r, _ in runs])
+    predicted = outcome.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run])
+    index = {a: k for k, a in enumerate(outcome.action_space.actions)}
+    expected = np.array([float(predicted[j, index[knobs]] * ratio[index[knobs]]) for j, (_, knobs) in enumerate(runs)])
+    total = np.array([r.latency_total_ms for r, _ in runs])
+    slack = guard_slack(total, expected)
+    return LatencyGuard(outcome, ratio, slack, dict(zip(STAGES, ratios.tolist())), len(runs), float(total.sum()) / 1000)

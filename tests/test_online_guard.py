@@ -1,0 +1,197 @@
+"""The latency guard: its ratios and slack from known milliseconds, which configurations it allows,
+the guarded greedy decision on the embedded model, and an online run that fits and keeps it."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import CtrlError
+from trainer.data import ActionSpace
+from trainer.latency_guard import LatencyGuard, config_ratios, guard_slack, guarded_stage2, stage_ratios
+from trainer.outcome import OutcomeConfig, OutcomeModel
+from trainer.policy import ControllerPolicy, PolicyConfig
+from trainer.two_stage import TwoStageConfig, TwoStageController
+
+CROPS, TOP_K, BLOCKS = (2, 6), (4, 8), (12, 16)
+LANG, IMAGE = 5, 3
+
+
+def test_stage_ratios_sum_each_stage_over_the_requests_where_all_are_known():
+    measured = np.array([[10.0, 30.0, 20.0], [12.0, 36.0, 40.0], [np.nan, 99.0, 99.0]])
+    recorded = np.array([[10.0, 10.0, 20.0], [10.0, 14.0, 20.0], [10.0, 10.0, 10.0]])
+    # the third row has no measured vision time: left out of every stage
+    assert stage_ratios(measured, recorded).tolist() == pytest.approx([22 / 20, 66 / 24, 60 / 40])
+    # a stage never recorded (all zeros) keeps ratio 1
+    assert stage_ratios(np.array([[5.0, 10.0, 10.0]]), np.array([[0.0, 5.0, 10.0]])).tolist() == [1.0, 2.0, 1.0]
+
+
+def test_a_configuration_ratio_rescales_each_recorded_stage_and_keeps_the_rest():
+    ratios = np.array([1.0, 3.0, 1.5])
+    stage_mean = np.array([[5.0, 10.0, 20.0], [5.0, 40.0, 20.0], [5.0, np.nan, 20.0]])
+    total = np.array([40.0, 70.0, 30.0])
+    # 1 + (0 * 5 + 2 * 10 + 0.5 * 20) / 40 = 1.75; 1 + (80 + 10) / 70; an unknown stage adds nothing
+    assert config_ratios(ratios, stage_mean, total).tolist() == pytest.approx([1.75, 1 + 90 / 70, 1 + 10 / 30])
+    assert config_ratios(ratios, stage_mean, np.array([40.0, np.nan, 0.0])).tolist() == pytest.approx([1.75, 1, 1])
+
+
+def test_the_slack_is_the_quantile_of_measured_over_expected():
+    measured = np.array([90.0, 100.0, 110.0, 120.0, 200.0, np.nan])
+    assert guard_slack(measured, np.full(6, 100.0), quantile=0.5) == pytest.approx(1.1)
+    assert guard_slack(measured, np.full(6, 100.0), quantile=1.0) == pytest.approx(2.0)
+    with pytest.raises(CtrlError, match="no request"):
+        guard_slack(np.array([np.nan]), np.array([100.0]))
+
+
+def _space() -> ActionSpace:
+    return ActionSpace(tuple(itertools.product(CROPS, TOP_K, BLOCKS)))
+
+
+def _outcome(latency_ms: list[float]) -> OutcomeModel:
+    """An outcome model predicting the same latency for every request: ``latency_ms`` per action."""
+    model = OutcomeModel(LANG + IMAGE + 1, _space(), OutcomeConfig(use_tilings=False))
+    with torch.no_grad():
+        model.latency_head[-1].weight.zero_()
+        model.latency_head[-1].bias.copy_(torch.tensor(latency_ms))
+    return model.eval()
+
+
+def _controller() -> TwoStageController:
+    policy = ControllerPolicy(PolicyConfig(lang_feature_dim=LANG, image_feature_dim=IMAGE, budget_min_ms=100.0,
+                                           budget_max_ms=300.0), _space())
+    return TwoStageController(policy, TwoStageConfig(hidden_size=8, token_scale=1.0, num_layers=16))
+
+
+# per action, sorted (crops, top_k, blocks): (2,4,12) (2,4,16) (2,8,12) (2,8,16) (6,4,12) (6,4,16) (6,8,12) (6,8,16)
+PREDICTED = [50.0, 60.0, 70.0, 80.0, 100.0, 110.0, 120.0, 130.0]
+
+
+def test_the_guard_allows_the_configurations_expected_to_fit():
+    # crops 6 twice as dear here (ratio 2 on its four configurations), the slack 1.1 on everything
+    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {}, 8)
+    lang = torch.zeros(LANG)
+    allowed, expected = guard.knob_grid(_controller(), lang, None, 90.0)
+    assert expected[0].flatten().tolist() == pytest.approx([55.0, 66.0, 77.0, 88.0])
+    assert expected[1].flatten().tolist() == pytest.approx([220.0, 242.0, 264.0, 286.0])
+    assert allowed[0].flatten().tolist() == [True, True, True, True] and not allowed[1].any()
+    allowed, _ = guard.knob_grid(_controller(), lang, None, 70.0)
+    assert allowed[0].flatten().tolist() == [True, True, False, False] and not allowed[1].any()
+    # nothing fits: only the configuration expected to be fastest
+    allowed, _ = guard.knob_grid(_controller(), lang, None, 10.0)
+    assert allowed.flatten().tolist() == [True] + [False] * 7
+
+
+def test_a_guard_survives_its_file(tmp_path):
+    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {"prefill": 3.0}, 8)
+    again = LatencyGuard.load(guard.save(tmp_path / "guard.pt"))
+    lang = torch.randn(3, LANG)
+    assert torch.equal(again.expected_ms(lang, None), guard.expected_ms(lang, None))
+    assert again.summary() == guard.summary()
+
+
+def test_guarded_stage_2_takes_the_most_probable_allowed_pair_the_position_permits():
+    top_k = torch.tensor([0.0, -1.0])
+    blocks = torch.tensor([float("-inf"), -0.5, -2.0])  # the first block count not permitted here
+    allowed = torch.tensor([[True, False, True], [True, True, False]])
+    expected = torch.tensor([[10.0, 20.0, 30.0], [15.0, 25.0, 35.0]])
+    # permitted and allowed: (0, 2) at -2.0 and (1, 1) at -1.5
+    assert guarded_stage2(top_k, blocks, allowed, expected) == (1, 1)
+    # none allowed is permitted: the permitted pair expected to be fastest, (0, 1)
+    only_first = torch.tensor([[True, False, False], [True, False, False]])
+    assert guarded_stage2(top_k, blocks, only_first, expected) == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def guard_ws(tmp_path_factory, embedded_runtime):
+    from conftest import build_feature_workspace
+    from synthetic import SyntheticSpec
+    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+
+    root = tmp_path_factory.mktemp("guard")
+    _, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
+    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
+                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    return ws
+
+
+def test_a_guarded_greedy_decision_runs_an_allowed_configuration(guard_ws, embedded_runtime):
+    from online.config import OnlineTrainConfig
+    from online.data import load_online_samples
+    from online.evaluate import greedy_rollout
+    from online.rollout import RolloutExecutor
+    from online.train import build_controller
+    from trainer.outcome import OutcomeModel as Outcome
+
+    samples = load_online_samples(guard_ws, embedded_runtime.fingerprint)
+    controller, _, _ = build_controller(OnlineTrainConfig(workspace=guard_ws.root), guard_ws, embedded_runtime,
+                                        samples, (50.0, 150.0))
+    outcome = Outcome.load(guard_ws.runs_dir / "offline-run" / "outcome.pt")
+    actions = outcome.action_space.actions
+    # one configuration expected at 1 ms, every other at 1000: at a budget of 10 ms only it fits
+    target = actions[len(actions) // 2]
+    with torch.no_grad():
+        outcome.latency_head[-1].weight.zero_()
+        outcome.latency_head[-1].bias.copy_(torch.tensor([1.0 if a == target else 1000.0 for a in actions]))
+        outcome.latency_scale_ms.fill_(1.0)
+    guard = LatencyGuard(outcome, torch.ones(len(actions)), 1.0, {}, 0)
+    executor = RolloutExecutor(embedded_runtime, controller, samples, max_new_tokens=3)
+    try:
+        for sample in samples.rows("test")[:3]:
+            r = greedy_rollout(executor, controller, sample, 10.0, controller.insertion_positions.index(1), guard)
+            assert (r.max_crops, r.top_k, r.num_active_blocks) == target
+            # where every configuration fits, the guard changes nothing
+            position = controller.insertion_positions.index(1)
+            loose = greedy_rollout(executor, controller, sample, 1e6, position, guard)
+            free = greedy_rollout(executor, controller, sample, 1e6, position)
+            assert (loose.max_crops, loose.top_k, loose.num_active_blocks) == (
+                free.max_crops, free.top_k, free.num_active_blocks)
+    finally:
+        executor.close()
+
+
+def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_runtime):
+    from online.config import OnlineTrainConfig
+    from online.guard import GUARD_FILE, load_run_guard
+    from online.train import train_online
+    from trainer.outcome import OutcomeModel as Outcome
+
+    base = dict(workspace=guard_ws.root, steps=1, samples_per_step=2, group_size=2, max_new_tokens=3,
+                budget_min_ms=30.0, budget_max_ms=300.0, checkpoint_every=1, evaluate=False, check_every=1,
+                check_samples=2, check_budgets=2)
+    result = train_online(OnlineTrainConfig(**base, run_id="guarded", guard_samples=2), runtime=embedded_runtime)
+    guard = load_run_guard(result.run_dir)
+    actions = Outcome.load(guard_ws.runs_dir / "offline-run" / "outcome.pt").action_space.actions
+    assert guard is not None and guard.requests == 2 * len(actions)  # every configuration on both samples
+    assert set(guard.stage_ratios) == {"vision", "prefill", "decode"} and guard.slack > 0
+    assert result.checks and (result.run_dir / GUARD_FILE).exists()
+    unguarded = train_online(OnlineTrainConfig(**base, run_id="unguarded", guard_samples=0), runtime=embedded_runtime)
+    assert load_run_guard(unguarded.run_dir) is None
+
+
+def test_the_server_holds_an_online_controller_to_its_runs_guard():
+    from serve.deciders import OnlineDecider, Stage2Inputs
+
+    controller = _controller()
+    with torch.no_grad():  # left alone, the controller chooses the dearest configuration, (6, 8, 16)
+        for head, bias in ((controller.policy.crops_head, [0.0, 9.0]), (controller.policy.top_k_head, [0.0, 9.0]),
+                           (controller.policy.blocks_head, [0.0, 5.0])):
+            head[-1].weight.zero_()
+            head[-1].bias.copy_(torch.tensor(bias))
+    lang, tiling = torch.zeros(LANG), torch.full((len(CROPS),), float("nan"))
+
+    def decide(decider: OnlineDecider, budget: float) -> tuple[int, int, int]:
+        choice = decider.stage1(lang, tiling, budget)
+        top_k, blocks = decider.stage2(choice, Stage2Inputs(lang, tiling, budget, torch.zeros(IMAGE), torch.zeros(8)))
+        return choice.max_crops, top_k, blocks
+
+    assert decide(OnlineDecider(controller, "run"), 75.0) == (6, 8, 16)
+    # crops 6 twice as dear (ratio 2): at 75 ms only (2, 4, 12), (2, 4, 16) and (2, 8, 12) fit, and of
+    # these the controller's scores favour (2, 8, 12) (9 + 0 against 0 + 5 and 0 + 0)
+    guarded = OnlineDecider(controller, "run", LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4),
+                                                            1.0, {}, 8))
+    assert decide(guarded, 75.0) == (2, 8, 12)
+    assert decide(guarded, 1e6) == (6, 8, 16)  # everything fits: the controller's own choice
+    assert decide(guarded, 1.0) == (2, 4, 12)  # nothing fits: the configuration expected to be fastest

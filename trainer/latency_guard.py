@@ -1,0 +1,197 @@
+"""The latency guard: which configurations a request may run at its budget on this machine.
+
+An offline policy learnt which configuration fits a budget from latencies recorded on another
+machine. Where this machine stretches the stages unevenly (a slower prefill, a dearer decode
+step), configurations change their order of cost, and the policy keeps choosing ones that no
+longer fit: the budget range's calibration (``online.calibrate``) rescales the budgets, not the
+order. The guard learns the order again, cheaply, and holds every greedy decision to it:
+
+1. **Measure** (``online.guard``, at the start of an online run) every configuration of the
+   parent run's action space once on ``guard_samples`` training samples (at insertion position
+   1, the offline layout), with the stage timings the profile recorded (vision, prefill, decode).
+2. **Stage ratios**: per stage, its measured milliseconds summed over those requests over the
+   recorded ones of the same (sample, configuration). **Configuration ratios**: a
+   configuration's recorded latency rescaled stage by stage, over its recorded latency (train
+   split means): ``1 + sum_s (ratio_s - 1) * stage_s / total``. A machine with a prefill three
+   times as slow makes the configurations with many crops dearer than the rest.
+3. **Per request**, the expected latency of each configuration is the parent run's outcome model's
+   latency quantile (``trainer.outcome``: per sample, from the question and the image's tiling,
+   known before the vision pass) times the configuration's ratio times one **slack**: the
+   ``GUARD_QUANTILE`` quantile of measured / predicted over the guard's requests. The slack
+   holds what the ratios leave out (the online request's own cost, the machine's tail, the
+   prediction's error), so that on the measured requests the guard's expectation is met at that
+   quantile.
+4. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
+   expected to fit, and top-K and block count among those at its crops; where none fits, the
+   configuration expected to be fastest (the budget is below what this machine does).
+
+Training rollouts are sampled unguarded: the guard is what a decision is held to on this machine,
+the policy's distributions stay what GRPO learns. Both deciders of a paired comparison (the held-out
+checks, ``ctrl evaluate``) run with the run's guard, so it measures the controllers, not the guard;
+``ctrl serve`` holds an online run's controller to the run's guard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.catalog import run_query
+from pipeline.errors import CtrlError
+from pipeline.workspace import Workspace
+from trainer.data import OfflineData
+from trainer.outcome import OutcomeModel
+from trainer.runs import atomic_torch_save
+from trainer.two_stage import TwoStageController
+
+#: the guard of an online run, in its run directory
+GUARD_FILE = "latency_guard.pt"
+GUARD_FORMAT = 1
+#: the share of the guard's measured requests whose expectation must be met (the slack's quantile)
+GUARD_QUANTILE = 0.95
+#: the timed stages whose ratios the guard measures (``measurements`` columns ``latency_<stage>_ms``)
+STAGES = ("vision", "prefill", "decode")
+
+
+def stage_ratios(measured: np.ndarray, recorded: np.ndarray) -> np.ndarray:
+    """(S,) per stage, measured over recorded milliseconds summed over the rows ((R, S) arrays) where
+    every stage of both is known; 1.0 for a stage with no recorded time (nothing to compare)."""
+    measured, recorded = np.asarray(measured, dtype=np.float64), np.asarray(recorded, dtype=np.float64)
+    ok = np.isfinite(measured).all(1) & np.isfinite(recorded).all(1)
+    there = recorded[ok].sum(0)
+    return np.where(there > 0, measured[ok].sum(0) / np.where(there > 0, there, 1.0), 1.0)
+
+
+def config_ratios(ratios: np.ndarray, stage_mean_ms: np.ndarray, total_mean_ms: np.ndarray) -> np.ndarray:
+    """(A,) each configuration's latency here over its recorded latency when each stage is rescaled by its
+    ratio and the rest of the recorded latency kept: ``1 + sum_s (ratio_s - 1) * stage_s / total``
+    (``stage_mean_ms`` (A, S), ``total_mean_ms`` (A,): recorded means); 1.0 where unknown."""
+    stage_mean_ms = np.nan_to_num(np.asarray(stage_mean_ms, dtype=np.float64), nan=0.0)
+    total = np.asarray(total_mean_ms, dtype=np.float64)
+    extra = (stage_mean_ms * (np.asarray(ratios, dtype=np.float64) - 1.0)[None]).sum(1)
+    ok = np.isfinite(total) & (total > 0)
+    return np.where(ok, 1.0 + extra / np.where(ok, total, 1.0), 1.0)
+
+
+def guard_slack(measured_ms: np.ndarray, expected_ms: np.ndarray, quantile: float = GUARD_QUANTILE) -> float:
+    """The factor by which ``expected_ms`` must grow for ``quantile`` of the requests to meet it: the
+    quantile of measured / expected over the requests where both are known and positive."""
+    measured, expected = np.asarray(measured_ms, dtype=np.float64), np.asarray(expected_ms, dtype=np.float64)
+    ok = np.isfinite(measured) & np.isfinite(expected) & (expected > 0) & (measured > 0)
+    if not ok.any():
+        msg = "the latency guard has no request with both a measured and an expected latency"
+        raise CtrlError(msg)
+    return float(np.quantile(measured[ok] / expected[ok], quantile))
+
+
+@dataclass
+class LatencyGuard:
+    """The expected latency of every configuration for a request on this machine, and which fit.
+
+    outcome: the parent offline run's outcome model (its latency quantile, machine A's milliseconds);
+    config_ratio: (A,) per configuration of ``outcome.action_space``, this machine's / A's;
+    slack: the factor that makes the expectation hold on ``GUARD_QUANTILE`` of the measured requests;
+    stage_ratios: per stage of ``STAGES``, this machine's / A's; requests: the requests measured;
+    model_s: their measured latencies summed (s), the guard's cost in model time.
+    """
+
+    outcome: OutcomeModel
+    config_ratio: torch.Tensor
+    slack: float
+    stage_ratios: dict[str, float]
+    requests: int
+    model_s: float = 0.0
+
+    @property
+    def actions(self) -> tuple[tuple[int, int, int], ...]:
+        return self.outcome.action_space.actions
+
+    def expected_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
+        """(N, A) expected latency here (ms) of each configuration for N requests (``lang`` (N, Dl),
+        ``tiling_crops`` (N, C) or None)."""
+        return self.outcome.latency_before_vision(lang, tiling_crops) * self.config_ratio * self.slack
+
+    def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
+                  budget_ms: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one request, (allowed, expected) over ``controller``'s knob values, both (C, K, B):
+        allowed where the configuration is expected to fit ``budget_ms`` (only the fastest expected
+        one where none does), expected ms (inf for a configuration the guard does not know)."""
+        expected = self.expected_ms(lang[None] if lang.dim() == 1 else lang,
+                                    None if tiling_crops is None
+                                    else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0]
+        values = (controller.max_crops_values, controller.top_k_values, controller.num_active_blocks_values)
+        grid = torch.full(tuple(len(v) for v in values), float("inf"))
+        for a, (crops, top_k, blocks) in enumerate(self.actions):
+            if crops in values[0] and top_k in values[1] and blocks in values[2]:
+                grid[values[0].index(crops), values[1].index(top_k), values[2].index(blocks)] = float(expected[a])
+        if not torch.isfinite(grid).any():
+            msg = "the latency guard knows none of the controller's configurations (another action space)"
+            raise CtrlError(msg)
+        allowed = grid <= budget_ms
+        if not allowed.any():
+            allowed = grid == grid.min()
+        return allowed, grid
+
+    def summary(self) -> dict[str, Any]:
+        """What a person reads of the guard (progress line, docs): its ratios, slack and size."""
+        return {"stage_ratios": dict(self.stage_ratios), "slack": self.slack, "requests": self.requests,
+                "model_s": self.model_s,
+                "config_ratio_range": [float(self.config_ratio.min()), float(self.config_ratio.max())]}
+
+    def save(self, path: Path) -> Path:
+        return atomic_torch_save({"format": GUARD_FORMAT, "outcome": self.outcome.to_state(),
+                                  "config_ratio": self.config_ratio, "slack": self.slack,
+                                  "stage_ratios": dict(self.stage_ratios), "requests": self.requests,
+                                  "model_s": self.model_s}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> LatencyGuard:
+        state = torch.load(path, weights_only=True)
+        if state.get("format") != GUARD_FORMAT:
+            msg = f"{path}: latency guard format {state.get('format')!r}, this version reads {GUARD_FORMAT}"
+            raise CtrlError(msg)
+        return cls(OutcomeModel.from_state(state["outcome"]), state["config_ratio"].float(), float(state["slack"]),
+                   {k: float(v) for k, v in state["stage_ratios"].items()}, int(state["requests"]),
+                   float(state["model_s"]))
+
+
+def load_run_guard(run_path: Path) -> LatencyGuard | None:
+    """The guard an online run measured (None: the run has none)."""
+    path = Path(run_path) / GUARD_FILE
+    return LatencyGuard.load(path) if path.exists() else None
+
+
+def recorded_stage_ms(workspace: Workspace, data: OfflineData) -> np.ndarray:
+    """(S, N, A) recorded milliseconds of each of ``STAGES`` in ``data``'s layout: the mean over a
+    cell's measurements, NaN where a stage was not recorded."""
+    table = run_query(workspace, "SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, "
+                                 + ", ".join(f"avg(latency_{s}_ms) AS {s}" for s in STAGES)
+                                 + " FROM measurements WHERE latency_total_ms IS NOT NULL GROUP BY ALL").to_pylist()
+    row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
+    col_of = {knobs: a for a, knobs in enumerate(data.action_space.actions)}
+    out = np.full((len(STAGES), len(row_of), len(col_of)), np.nan)
+    for cell in table:
+        i = row_of.get((cell["dataset"], cell["sample_key"]))
+        a = col_of.get((cell["max_crops"], cell["top_k"], cell["num_active_blocks"]))
+        if i is not None and a is not None:
+            out[:, i, a] = [np.nan if cell[s] is None else cell[s] for s in STAGES]
+    return out
+
+
+def guarded_stage2(top_k_log_probs: torch.Tensor, blocks_log_probs: torch.Tensor, allowed: torch.Tensor,
+                   expected_ms: torch.Tensor) -> tuple[int, int]:
+    """The greedy (top-K, blocks) indices at the chosen crops among the ``allowed`` (K, B) pairs: the most
+    probable allowed pair the insertion position permits (finite log-probabilities); where none is,
+    the permitted pair with the smallest ``expected_ms`` (K, B)."""
+    joint = top_k_log_probs[:, None] + blocks_log_probs[None, :]
+    permitted = torch.isfinite(joint)
+    candidates = allowed & permitted
+    if candidates.any():
+        flat = int(joint.masked_fill(~candidates, float("-inf")).flatten().argmax())
+    else:
+        flat = int(expected_ms.masked_fill(~permitted, float("inf")).flatten().argmin())
+    return flat // joint.shape[1], flat % joint.shape[1]
