@@ -40,7 +40,7 @@ def ran(tiny_molmoe_dir: Path, tmp_path_factory) -> dict[str, Path]:
     ctrl("train", "--offline", "-w", str(ws), "--num-epochs", "1", "--cross-fit-folds", "0", "--run-id", "offline")
     ctrl("train", "--online", "--model", model, "--images", str(dataset / "images"), "-w", str(ws), "--steps", "1",
          "--samples-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--no-evaluate",
-         "--calibration-samples", "2", "--run-id", "online")
+         "--calibration-samples", "2", "--guard-samples", "2", "--run-id", "online")
     return {"ws": ws, "dataset": dataset, "model": tiny_molmoe_dir}
 
 
@@ -67,6 +67,11 @@ def test_features_and_runs_are_those_of_the_checkpoint(ran):
     rollouts = run_query(ws, "SELECT count(*) AS n, min(latency_total_ms) AS t, min(num_text_tokens) AS text "
                              "FROM rollouts WHERE run_id = 'online'").to_pylist()[0]
     assert rollouts["n"] == 2 and rollouts["t"] > 0 and 5 < rollouts["text"] < 40
+    # the latency guard, measured on the checkpoint: every profiled configuration on both samples
+    from trainer.latency_guard import load_run_guard
+
+    guard = load_run_guard(ws.runs_dir / "online")
+    assert guard is not None and guard.requests == 2 * len(CONFIGS.split(",")) and guard.slack > 0
 
 
 def test_evaluate_the_online_run(ran):
