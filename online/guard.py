@@ -95,4 +95,5 @@ def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageControl
     expected = np.array([float(predicted[j, index[knobs]] * ratio[index[knobs]]) for j, (_, knobs) in enumerate(runs)])
     total = np.array([r.latency_total_ms for r, _ in runs])
     slack = guard_slack(total, expected)
-    return LatencyGuard(outcome, ratio, slack, dict(zip(STAGES, ratios.tolist())), len(runs), float(total.sum()) / 1000)
+    return LatencyGuard(outcome, ratio, slack, dict(zip(STAGES, ratios.tolist())), len(runs),
+                        float(total.sum()) / 1000, guard_slack(total, expected, 0.5))

@@ -36,7 +36,7 @@ from runtime.base import DecodeState, ModelInputs, ModelRuntime, PrefixState, gr
 from runtime.images import open_image
 from runtime.scoring import score_answer
 from runtime.timing import RequestTiming, StageTimer
-from trainer.latency_guard import guarded_stage2
+from trainer.latency_guard import GuardGrid, guarded_stage2
 from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
 
 if TYPE_CHECKING:
@@ -241,10 +241,9 @@ class RolloutExecutor:
 
     def _stage1(self, ctrl: TwoStageController, sample: int, budget: float, group_size: int,
                 generator: torch.Generator, decisions: Decisions,
-                head: RequestTiming) -> tuple[Stage1Output, torch.Tensor, torch.Tensor,
-                                              tuple[torch.Tensor, torch.Tensor] | None]:
+                head: RequestTiming) -> tuple[Stage1Output, torch.Tensor, torch.Tensor, GuardGrid | None]:
         """Stage 1 (timed into ``head``), every member's crops and insertion choices (indices) and, for a
-        guarded greedy decision, the guard's (allowed, expected ms) knob grids (C, K, B)."""
+        guarded greedy decision, the guard's view of the request."""
         device = self.runtime.device
         lang = self.samples.lang[sample][None].to(device)
         guarded = None
@@ -260,7 +259,7 @@ class RolloutExecutor:
         insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)
         if decisions.greedy:
             if guarded is not None:  # among the crops with a configuration expected to fit
-                crops_probs = crops_probs.cpu().masked_fill(~guarded[0].flatten(1).any(1), -1.0)
+                crops_probs = crops_probs.cpu().masked_fill(~guarded.allowed.flatten(1).any(1), -1.0)
             crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
             insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
         if decisions.insertion_index is not None:
@@ -297,7 +296,7 @@ class RolloutExecutor:
         return _Prefix(state, sample, c, pi, max_crops, top_k_lp[0], blocks_lp[0], shared, len(out.prefix_embeds) - 1)
 
     def _member(self, ctrl: TwoStageController, s1: Stage1Output, pre: _Prefix, out: StepRollouts,
-                decisions: Decisions, generator: torch.Generator, guarded: tuple[torch.Tensor, torch.Tensor] | None,
+                decisions: Decisions, generator: torch.Generator, guarded: GuardGrid | None,
                 *, group: int, member: int, budget: float, rank: int) -> Rollout:
         """One member from a shared prefix: its stage-2 choice, the rest of the prefill and decoding."""
         runtime, p = self.runtime, pre.state.insertion_position
@@ -305,8 +304,8 @@ class RolloutExecutor:
         if decisions.force is not None:
             k, b = decisions.force[2], decisions.force[3]
         elif decisions.greedy and guarded is not None:
-            k, b = guarded_stage2(pre.top_k_log_probs.cpu(), pre.blocks_log_probs.cpu(), guarded[0][pre.crops_index],
-                                  guarded[1][pre.crops_index])
+            k, b = guarded_stage2(pre.top_k_log_probs.cpu(), pre.blocks_log_probs.cpu(),
+                                  guarded.allowed[pre.crops_index], guarded.expected_ms[pre.crops_index])
         elif decisions.greedy:
             k, b = int(pre.top_k_log_probs.argmax()), int(pre.blocks_log_probs.argmax())
         else:
@@ -327,6 +326,9 @@ class RolloutExecutor:
             tokens = self._generate(state, timing)
         out.model_s += time.perf_counter() - tick
         self.timer.resolve(timing)
+        if guarded is not None:  # the guard follows the machine's speed on the requests it decided
+            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]),
+                                    float(sum(s.wall_ms for s in timing.segments)))
         log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
                     + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
         return self._rollout(timing, tokens, pre.state.inputs, group=group, member=member, sample=pre.sample,

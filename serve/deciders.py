@@ -144,7 +144,7 @@ class OnlineDecider:
         guarded = None
         if self.guard is not None:  # among the crops with a configuration expected to fit
             guarded = self.guard.knob_grid(self.controller, lang, tiling_crops, float(budget_ms))
-            crops_scores = crops_scores.masked_fill(~guarded[0].flatten(1).any(1), float("-inf"))
+            crops_scores = crops_scores.masked_fill(~guarded.allowed.flatten(1).any(1), float("-inf"))
         c, pi = int(crops_scores.argmax()), int(s1.insertion_log_probs[0].argmax())
         return Stage1Choice(self.controller.max_crops_values[c], self.controller.insertion_positions[pi],
                             s1.budget_token[0], "controller", (s1, c, pi, guarded))
@@ -157,10 +157,20 @@ class OnlineDecider:
         top_k_lp, blocks_lp = self.controller.stage2(s1, image, present, torch.tensor([c]), torch.tensor([pi]),
                                                      inputs.latency_token[None].float().cpu())
         if guarded is not None:
-            k, b = guarded_stage2(top_k_lp[0], blocks_lp[0], guarded[0][c], guarded[1][c])
+            k, b = guarded_stage2(top_k_lp[0], blocks_lp[0], guarded.allowed[c], guarded.expected_ms[c])
         else:
             k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
         return self.controller.top_k_values[k], self.controller.num_active_blocks_values[b]
+
+
+    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
+        """A served request's measured latency (stage 1 to the last token), for the guard's drift factor."""
+        guarded = choice.state[3] if choice.state is not None else None
+        if self.guard is None or guarded is None:
+            return
+        c = self.controller.max_crops_values.index(choice.max_crops)
+        k, b = self.controller.top_k_values.index(top_k), self.controller.num_active_blocks_values.index(blocks)
+        self.guard.observe(float(guarded.base_ms[c, k, b]), measured_ms)
 
 
 class FixedKnobs:

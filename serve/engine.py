@@ -434,6 +434,9 @@ class Engine:
         decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
         # what the profile timed as one generate call: the vision pass, the prefill, the decode steps
         model_ms = (seg["prefix"].wall_ms or 0.0) + (seg["suffix"].wall_ms or 0.0) + decode_ms
+        observe = getattr(decider, "observe", None)
+        if observe is not None and guarded_from is None:  # an online run's guard follows the machine's speed
+            observe(choice, int(top_k), int(blocks), seg["stage1"].wall_ms + seg["stage2"].wall_ms + model_ms)
         ratio = None
         if p == 0:  # the configurations the reference latencies were recorded for
             ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)

@@ -73,23 +73,49 @@ def test_the_guard_allows_the_configurations_expected_to_fit():
     # crops 6 twice as dear here (ratio 2 on its four configurations), the slack 1.1 on everything
     guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {}, 8)
     lang = torch.zeros(LANG)
-    allowed, expected = guard.knob_grid(_controller(), lang, None, 90.0)
-    assert expected[0].flatten().tolist() == pytest.approx([55.0, 66.0, 77.0, 88.0])
-    assert expected[1].flatten().tolist() == pytest.approx([220.0, 242.0, 264.0, 286.0])
-    assert allowed[0].flatten().tolist() == [True, True, True, True] and not allowed[1].any()
-    allowed, _ = guard.knob_grid(_controller(), lang, None, 70.0)
-    assert allowed[0].flatten().tolist() == [True, True, False, False] and not allowed[1].any()
+    grid = guard.knob_grid(_controller(), lang, None, 90.0)
+    assert grid.expected_ms[0].flatten().tolist() == pytest.approx([55.0, 66.0, 77.0, 88.0])
+    assert grid.expected_ms[1].flatten().tolist() == pytest.approx([220.0, 242.0, 264.0, 286.0])
+    assert grid.base_ms[1].flatten().tolist() == pytest.approx([200.0, 220.0, 240.0, 260.0])  # before the slack
+    assert grid.allowed[0].flatten().tolist() == [True, True, True, True] and not grid.allowed[1].any()
+    grid = guard.knob_grid(_controller(), lang, None, 70.0)
+    assert grid.allowed[0].flatten().tolist() == [True, True, False, False] and not grid.allowed[1].any()
     # nothing fits: only the configuration expected to be fastest
-    allowed, _ = guard.knob_grid(_controller(), lang, None, 10.0)
-    assert allowed.flatten().tolist() == [True] + [False] * 7
+    grid = guard.knob_grid(_controller(), lang, None, 10.0)
+    assert grid.allowed.flatten().tolist() == [True] + [False] * 7
+
+
+def test_the_guard_follows_the_machines_speed_on_the_requests_it_decided():
+    # fitted when requests took 1.2 times their base expectation
+    guard = LatencyGuard(_outcome(PREDICTED), torch.ones(8), 1.0, {}, 8, fit_median=1.2)
+    lang = torch.zeros(LANG)
+    for _ in range(7):  # the machine now runs half as fast again: 2.4 times the base
+        guard.observe(50.0, 120.0)
+    assert guard.drift() == 1.0  # too few requests to say
+    guard.observe(60.0, 144.0)
+    assert guard.drift() == pytest.approx(2.0)
+    grid = guard.knob_grid(_controller(), lang, None, 130.0)
+    assert grid.expected_ms[0, 0, 0] == pytest.approx(100.0)  # 50 ms base x 1.0 slack x 2.0 drift
+    assert grid.allowed[0].flatten().tolist() == [True, True, False, False]
+    guard.observe(float("nan"), 10.0)  # not counted
+    guard.observe(0.0, 10.0)
+    assert guard.drift() == pytest.approx(2.0)
+    # a guard without a fitted median never drifts
+    still = LatencyGuard(_outcome(PREDICTED), torch.ones(8), 1.0, {}, 8)
+    for _ in range(10):
+        still.observe(50.0, 500.0)
+    assert still.drift() == 1.0
 
 
 def test_a_guard_survives_its_file(tmp_path):
-    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {"prefill": 3.0}, 8)
+    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {"prefill": 3.0}, 8,
+                         model_s=4.5, fit_median=0.9)
+    for _ in range(10):  # the drift is the process's own: a loaded guard starts without it
+        guard.observe(50.0, 100.0)
     again = LatencyGuard.load(guard.save(tmp_path / "guard.pt"))
     lang = torch.randn(3, LANG)
-    assert torch.equal(again.expected_ms(lang, None), guard.expected_ms(lang, None))
-    assert again.summary() == guard.summary()
+    assert torch.allclose(again.expected_ms(lang, None), guard.expected_ms(lang, None) / guard.drift())
+    assert again.summary() == guard.summary() and again.fit_median == 0.9 and again.drift() == 1.0
 
 
 def test_guarded_stage_2_takes_the_most_probable_allowed_pair_the_position_permits():
@@ -166,6 +192,7 @@ def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_ru
     actions = Outcome.load(guard_ws.runs_dir / "offline-run" / "outcome.pt").action_space.actions
     assert guard is not None and guard.requests == 2 * len(actions)  # every configuration on both samples
     assert set(guard.stage_ratios) == {"vision", "prefill", "decode"} and guard.slack > 0
+    assert 0 < guard.fit_median <= guard.slack  # a median of the ratios the slack is the 95th percentile of
     assert result.checks and (result.run_dir / GUARD_FILE).exists()
     unguarded = train_online(OnlineTrainConfig(**base, run_id="unguarded", guard_samples=0), runtime=embedded_runtime)
     assert load_run_guard(unguarded.run_dir) is None
@@ -190,8 +217,14 @@ def test_the_server_holds_an_online_controller_to_its_runs_guard():
     assert decide(OnlineDecider(controller, "run"), 75.0) == (6, 8, 16)
     # crops 6 twice as dear (ratio 2): at 75 ms only (2, 4, 12), (2, 4, 16) and (2, 8, 12) fit, and of
     # these the controller's scores favour (2, 8, 12) (9 + 0 against 0 + 5 and 0 + 0)
-    guarded = OnlineDecider(controller, "run", LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4),
-                                                            1.0, {}, 8))
+    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.0, {}, 8, fit_median=1.0)
+    guarded = OnlineDecider(controller, "run", guard)
     assert decide(guarded, 75.0) == (2, 8, 12)
     assert decide(guarded, 1e6) == (6, 8, 16)  # everything fits: the controller's own choice
     assert decide(guarded, 1.0) == (2, 4, 12)  # nothing fits: the configuration expected to be fastest
+    # served requests that took twice their expectation: the guard now expects (2, 8, 12) at 140 ms
+    choice = guarded.stage1(lang, tiling, 75.0)
+    for _ in range(8):
+        guarded.observe(choice, 8, 12, 140.0)
+    assert guard.drift() == pytest.approx(2.0)
+    assert decide(guarded, 75.0) == (2, 4, 12)

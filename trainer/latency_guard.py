@@ -33,7 +33,9 @@ checks, ``ctrl evaluate``) run with the run's guard, so it measures the controll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ GUARD_FORMAT = 1
 GUARD_QUANTILE = 0.95
 #: the timed stages whose ratios the guard measures (``measurements`` columns ``latency_<stage>_ms``)
 STAGES = ("vision", "prefill", "decode")
+#: the guarded requests whose measured / expected ratios make the drift factor, and the fewest that do
+DRIFT_WINDOW, DRIFT_MIN = 64, 8
 
 
 def stage_ratios(measured: np.ndarray, recorded: np.ndarray) -> np.ndarray:
@@ -88,6 +92,17 @@ def guard_slack(measured_ms: np.ndarray, expected_ms: np.ndarray, quantile: floa
     return float(np.quantile(measured[ok] / expected[ok], quantile))
 
 
+@dataclass(frozen=True)
+class GuardGrid:
+    """A request's view of the guard over a controller's knob values, each (C, K, B): ``allowed``,
+    ``expected_ms`` (what it is expected to take now; inf where unknown) and ``base_ms`` (before
+    slack and drift: what :meth:`LatencyGuard.observe` compares the measured latency with)."""
+
+    allowed: torch.Tensor
+    expected_ms: torch.Tensor
+    base_ms: torch.Tensor
+
+
 @dataclass
 class LatencyGuard:
     """The expected latency of every configuration for a request on this machine, and which fit.
@@ -96,7 +111,10 @@ class LatencyGuard:
     config_ratio: (A,) per configuration of ``outcome.action_space``, this machine's / A's;
     slack: the factor that makes the expectation hold on ``GUARD_QUANTILE`` of the measured requests;
     stage_ratios: per stage of ``STAGES``, this machine's / A's; requests: the requests measured;
-    model_s: their measured latencies summed (s), the guard's cost in model time.
+    model_s: their measured latencies summed (s), the guard's cost in model time;
+    fit_median: the median of measured / base expectation (prediction times configuration ratio)
+        over those requests: the machine's speed when the guard was fitted, which :meth:`drift`
+        compares the requests decided since with (None: no drift factor).
     """
 
     outcome: OutcomeModel
@@ -105,36 +123,63 @@ class LatencyGuard:
     stage_ratios: dict[str, float]
     requests: int
     model_s: float = 0.0
+    fit_median: float | None = None
+    _recent: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW), init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def actions(self) -> tuple[tuple[int, int, int], ...]:
         return self.outcome.action_space.actions
 
+    def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
+        """(N, A) the outcome model's quantile times each configuration's ratio, for N requests
+        (``lang`` (N, Dl), ``tiling_crops`` (N, C) or None): the expectation before slack and drift."""
+        return self.outcome.latency_before_vision(lang, tiling_crops) * self.config_ratio
+
     def expected_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
-        """(N, A) expected latency here (ms) of each configuration for N requests (``lang`` (N, Dl),
-        ``tiling_crops`` (N, C) or None)."""
-        return self.outcome.latency_before_vision(lang, tiling_crops) * self.config_ratio * self.slack
+        """(N, A) expected latency here (ms) of each configuration: :meth:`base_ms` times the slack and
+        the drift factor."""
+        return self.base_ms(lang, tiling_crops) * (self.slack * self.drift())
+
+    def drift(self) -> float:
+        """How much slower (> 1) or faster the machine runs now than when the guard was fitted: the
+        median of measured / base expectation over the last ``DRIFT_WINDOW`` requests :meth:`observe`
+        saw, over the fit's median; 1.0 before ``DRIFT_MIN`` of them. A shared machine's speed moves
+        by a third within minutes, and a guard fitted in a fast spell would allow, in a slow one,
+        configurations that no longer fit."""
+        with self._lock:
+            recent = sorted(self._recent)
+        if self.fit_median is None or len(recent) < DRIFT_MIN:
+            return 1.0
+        return recent[len(recent) // 2] / self.fit_median
+
+    def observe(self, base_ms: float, measured_ms: float) -> None:
+        """Record one decided request: the base expectation (:meth:`base_ms`) of the configuration it
+        ran and its measured latency (ignored unless both are finite and positive)."""
+        if base_ms > 0 and measured_ms > 0 and base_ms < float("inf") and measured_ms < float("inf"):
+            with self._lock:
+                self._recent.append(measured_ms / base_ms)
 
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
-                  budget_ms: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """For one request, (allowed, expected) over ``controller``'s knob values, both (C, K, B):
-        allowed where the configuration is expected to fit ``budget_ms`` (only the fastest expected
-        one where none does), expected ms (inf for a configuration the guard does not know)."""
-        expected = self.expected_ms(lang[None] if lang.dim() == 1 else lang,
-                                    None if tiling_crops is None
-                                    else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0]
+                  budget_ms: float) -> GuardGrid:
+        """For one request, over ``controller``'s knob values (C, K, B): the configurations expected to
+        fit ``budget_ms`` (only the fastest expected one where none does), and the expectations."""
+        base = self.base_ms(lang[None] if lang.dim() == 1 else lang,
+                            None if tiling_crops is None
+                            else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0]
         values = (controller.max_crops_values, controller.top_k_values, controller.num_active_blocks_values)
         grid = torch.full(tuple(len(v) for v in values), float("inf"))
         for a, (crops, top_k, blocks) in enumerate(self.actions):
             if crops in values[0] and top_k in values[1] and blocks in values[2]:
-                grid[values[0].index(crops), values[1].index(top_k), values[2].index(blocks)] = float(expected[a])
+                grid[values[0].index(crops), values[1].index(top_k), values[2].index(blocks)] = float(base[a])
         if not torch.isfinite(grid).any():
             msg = "the latency guard knows none of the controller's configurations (another action space)"
             raise CtrlError(msg)
-        allowed = grid <= budget_ms
+        expected = grid * (self.slack * self.drift())
+        allowed = expected <= budget_ms
         if not allowed.any():
-            allowed = grid == grid.min()
-        return allowed, grid
+            allowed = expected == expected.min()
+        return GuardGrid(allowed, expected, grid)
 
     def summary(self) -> dict[str, Any]:
         """What a person reads of the guard (progress line, docs): its ratios, slack and size."""
@@ -146,7 +191,7 @@ class LatencyGuard:
         return atomic_torch_save({"format": GUARD_FORMAT, "outcome": self.outcome.to_state(),
                                   "config_ratio": self.config_ratio, "slack": self.slack,
                                   "stage_ratios": dict(self.stage_ratios), "requests": self.requests,
-                                  "model_s": self.model_s}, path)
+                                  "model_s": self.model_s, "fit_median": self.fit_median}, path)
 
     @classmethod
     def load(cls, path: Path) -> LatencyGuard:
@@ -156,7 +201,7 @@ class LatencyGuard:
             raise CtrlError(msg)
         return cls(OutcomeModel.from_state(state["outcome"]), state["config_ratio"].float(), float(state["slack"]),
                    {k: float(v) for k, v in state["stage_ratios"].items()}, int(state["requests"]),
-                   float(state["model_s"]))
+                   float(state["model_s"]), state.get("fit_median"))
 
 
 def load_run_guard(run_path: Path) -> LatencyGuard | None:
