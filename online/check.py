@@ -7,7 +7,8 @@ steps never train on (``trainer.data.split_of``: "val"; the test split stays for
 evaluation): each (sample, budget) runs both back to back on the training executor, greedy, as
 the final evaluation (``online.evaluate``) does. The measure is accuracy within budget (an answer over
 budget counts as wrong), the paired gain is latest minus start with a 95 % bootstrap interval
-over samples (a sample's budgets resampled together).
+over samples (a sample's budgets resampled together). Where the run measured a latency guard
+(``trainer.latency_guard``), both controllers decide under it, as the run serves them.
 
 :class:`KeptController` holds what the run serves: the start until a check finds a controller
 whose gain over the start is positive and above the kept one's, then that controller (a copy).

@@ -162,7 +162,6 @@ class OnlineDecider:
             k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
         return self.controller.top_k_values[k], self.controller.num_active_blocks_values[b]
 
-
     def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
         """A served request's measured latency (stage 1 to the last token), for the guard's drift factor."""
         guarded = choice.state[3] if choice.state is not None else None

@@ -21,7 +21,11 @@ order. The guard learns the order again, cheaply, and holds every greedy decisio
    holds what the ratios leave out (the online request's own cost, the machine's tail, the
    prediction's error), so that on the measured requests the guard's expectation is met at that
    quantile.
-4. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
+4. **Drift**: each request the guard decided records its measured latency over its configuration's
+   expectation before the slack; the median over the last ``DRIFT_WINDOW`` of them, over the same
+   median at the fit, multiplies every expectation (:meth:`LatencyGuard.drift`), so that a guard
+   fitted while a shared machine ran fast does not allow, when it slows, what no longer fits.
+5. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
    expected to fit, and top-K and block count among those at its crops; where none fits, the
    configuration expected to be fastest (the budget is below what this machine does).
 
