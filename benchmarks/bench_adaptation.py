@@ -120,7 +120,7 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
     of ``steps``: the kept controller (what the run would serve), the last one, the cumulative model
     time of rollouts and of checks, and the step at which ``--patience`` would have stopped it."""
     from online import OnlineTrainConfig, train_online
-    from online.guard import load_run_guard
+    from trainer.latency_guard import load_run_guard
 
     run_id = f"online-{machine}"
     shutil.rmtree(ws / "runs" / run_id, ignore_errors=True)
@@ -226,7 +226,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     from pipeline.workspace import Workspace
     from trainer.config import OfflineTrainConfig
     from trainer.data import load_offline_data
-    from trainer.latency_guard import STAGES, recorded_stage_ms
+    from trainer.latency_guard import STAGES, recorded_stage_ms, stage_ratios
     from trainer.offline import train_offline
     from trainer.runs import RunDir
 
@@ -243,7 +243,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
     executor = RolloutExecutor(runtime, controller, samples, args.max_new_tokens, True)
     ratios, model_ms, requests = [], 0.0, 0
-    stage_sums = np.zeros((2, len(STAGES)))  # measured, recorded: summed over requests with every stage recorded
+    measured_stages, recorded_stages = [], []  # per request: each stage's measured and recorded ms
     say(f"rescaled arm: {len(data.action_space.actions)} configurations x {len(rows)} samples on {label}, "
         f"by {args.rescale_by}")
     try:
@@ -257,18 +257,16 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
             ratios.append(float(np.quantile(measured[ok], TAIL_QUANTILE) / np.quantile(recorded[ok], TAIL_QUANTILE)))
             for r, row in zip(out, rows):
                 i = row_of.get((samples.dataset[row], samples.sample_key[row]))
-                there = stages[:, i, a] if i is not None else np.full(len(STAGES), np.nan)
-                here = [getattr(r, f"latency_{s}_ms") for s in STAGES]
-                if np.isfinite(there).all() and None not in here:
-                    stage_sums[0] += here
-                    stage_sums[1] += there
+                recorded_stages.append(stages[:, i, a] if i is not None else np.full(len(STAGES), np.nan))
+                measured_stages.append([np.nan if getattr(r, f"latency_{s}_ms") is None
+                                        else getattr(r, f"latency_{s}_ms") for s in STAGES])
             model_ms += float(measured.sum())
             requests += len(out)
     finally:
         executor.close()
-    stage_ratios = stage_sums[0] / stage_sums[1]
+    ratio_of_stage = stage_ratios(np.array(measured_stages), np.array(recorded_stages))
     if args.rescale_by == "stage":  # each recorded stage time scaled by its stage's ratio, the rest kept
-        extra = np.nansum((stage_ratios[:, None, None] - 1.0) * stages, axis=0)
+        extra = np.nansum((ratio_of_stage[:, None, None] - 1.0) * stages, axis=0)
         latency = data.latency_ms + torch.from_numpy(extra).to(data.latency_ms.dtype)
     else:
         latency = data.latency_ms * torch.tensor(ratios, dtype=data.latency_ms.dtype)
@@ -281,7 +279,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     train_offline(OfflineTrainConfig.from_json({**settings, "run_id": run_id}), data=scaled)
     return {"run_id": run_id, "requests": requests, "model_s": model_ms / 1000.0, "by": args.rescale_by,
             "train_wall_s": time.perf_counter() - started,
-            "stage_ratios": dict(zip(STAGES, stage_ratios.tolist())),
+            "stage_ratios": dict(zip(STAGES, ratio_of_stage.tolist())),
             "ratios": {f"{c}/{k}/{b}": r for (c, k, b), r in zip(data.action_space.actions, ratios)}}
 
 
@@ -325,9 +323,9 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
     from online.calibrate import calibration_configs
     from online.config import OnlineTrainConfig
     from online.evaluate import Guarded
-    from online.guard import load_run_guard
     from pipeline.workspace import Workspace
     from trainer.data import budget_grid
+    from trainer.latency_guard import load_run_guard
     from trainer.runs import RunDir
     from trainer.two_stage import TwoStageController
 

@@ -15,20 +15,9 @@ from online.rollout import Rollout, RolloutExecutor
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
-from trainer.latency_guard import (
-    GUARD_FILE,
-    STAGES,
-    LatencyGuard,
-    config_ratios,
-    guard_slack,
-    load_run_guard,
-    recorded_stage_ms,
-    stage_ratios,
-)
+from trainer.latency_guard import STAGES, LatencyGuard, config_ratios, guard_slack, recorded_stage_ms, stage_ratios
 from trainer.outcome import OUTCOME_FILE, OutcomeModel
 from trainer.two_stage import TwoStageController
-
-__all__ = ["GUARD_FILE", "LatencyGuard", "load_run_guard", "measure_latency_guard"]
 
 
 def _mean(values: np.ndarray) -> float:

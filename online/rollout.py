@@ -326,15 +326,15 @@ class RolloutExecutor:
             tokens = self._generate(state, timing)
         out.model_s += time.perf_counter() - tick
         self.timer.resolve(timing)
-        if guarded is not None:  # the guard follows the machine's speed on the requests it decided
-            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]),
-                                    float(sum(s.wall_ms for s in timing.segments)))
         log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
                     + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
-        return self._rollout(timing, tokens, pre.state.inputs, group=group, member=member, sample=pre.sample,
+        rollout = self._rollout(timing, tokens, pre.state.inputs, group=group, member=member, sample=pre.sample,
                              budget=budget, indices=(pre.crops_index, pre.insertion_index, k, b),
                              knob_values=(pre.max_crops, p, top_k, blocks), active=active, log_prob=float(log_prob),
                              prefix=pre.index, rank=rank)
+        if guarded is not None:  # the guard follows the machine's speed on the requests it decided
+            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]), rollout.latency_total_ms)
+        return rollout
 
     def _rollout(self, timing: RequestTiming, tokens: list[int], inputs: ModelInputs, *, group: int, member: int,
                  sample: int, budget: float, indices: tuple[int, int, int, int], knob_values: tuple[int, int, int, int],

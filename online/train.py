@@ -48,7 +48,7 @@ from online.check import CheckResult, HeldOutCheck, KeptController
 from online.config import OnlineTrainConfig
 from online.data import OnlineSamples, load_online_samples
 from online.evaluate import evaluate_online_run
-from online.guard import GUARD_FILE, LatencyGuard, load_run_guard, measure_latency_guard
+from online.guard import measure_latency_guard
 from online.rollout import Rollout, RolloutExecutor, StepRollouts
 from pipeline import knobs
 from pipeline.errors import CtrlError
@@ -60,6 +60,7 @@ from runtime.precision import dtype_name
 from runtime.timing import cpu_threads
 from trainer.data import ActionSpace, load_offline_data
 from trainer.grpo import group_advantages
+from trainer.latency_guard import GUARD_FILE, LatencyGuard, load_run_guard
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
 from trainer.reporting import check_report_to, make_reporter, plot_training_curves
 from trainer.reward import RewardConfig, compute_reward

@@ -180,6 +180,20 @@ def build_feature_workspace(root: Path, runtime, spec=None, chunk_size: int = 25
     return _cached_feature_workspace(cache, root, runtime, spec, chunk_size)
 
 
+def build_offline_workspace(root: Path, runtime, num_samples: int):
+    """:func:`build_feature_workspace` with ``num_samples`` synthetic samples and a one-epoch offline
+    run ``offline-run`` (hard reward, no cross-fitting, no evaluation) to continue from online.
+
+    Returns (tree, workspace)."""
+    from synthetic import SyntheticSpec
+    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+
+    tree, ws = build_feature_workspace(root, runtime, SyntheticSpec(num_samples=num_samples))
+    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
+                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    return tree, ws
+
+
 def _run_shared_dir(basetemp: Path) -> Path:
     """The directory all workers of this pytest run write under (each worker has its own basetemp)."""
     return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp

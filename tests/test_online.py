@@ -11,22 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import build_feature_workspace
+from conftest import build_offline_workspace
 from pipeline import knobs
 from runtime.fast_decoder import FastPrefixCache
-from synthetic import SyntheticSpec
 
 
 @pytest.fixture(scope="module")
 def online_ws(tmp_path_factory, embedded_runtime):
     """A small workspace (ingested + features) and an offline run to continue from."""
-    from trainer import OfflineTrainConfig, RewardConfig, train_offline
-
-    root = tmp_path_factory.mktemp("online")
-    tree, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
-    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
-                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
-    return tree, ws
+    return build_offline_workspace(tmp_path_factory.mktemp("online"), embedded_runtime, 24)
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_feature_workspace
-from synthetic import SyntheticSpec
+from conftest import build_offline_workspace
 
 
 @pytest.fixture(scope="module")
 def check_ws(tmp_path_factory, embedded_runtime):
     """A small workspace (ingested + features) and an offline run to continue from."""
-    from trainer import OfflineTrainConfig, RewardConfig, train_offline
-
-    root = tmp_path_factory.mktemp("online-check")
-    _, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=40))
-    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
-                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
-    return ws
+    return build_offline_workspace(tmp_path_factory.mktemp("online-check"), embedded_runtime, 40)[1]
 
 
 def _config(ws, **kw):

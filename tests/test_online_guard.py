@@ -4,6 +4,7 @@ the guarded greedy decision on the embedded model, and an online run that fits a
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -132,15 +133,9 @@ def test_guarded_stage_2_takes_the_most_probable_allowed_pair_the_position_permi
 
 @pytest.fixture(scope="module")
 def guard_ws(tmp_path_factory, embedded_runtime):
-    from conftest import build_feature_workspace
-    from synthetic import SyntheticSpec
-    from trainer import OfflineTrainConfig, RewardConfig, train_offline
+    from conftest import build_offline_workspace
 
-    root = tmp_path_factory.mktemp("guard")
-    _, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
-    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
-                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
-    return ws
+    return build_offline_workspace(tmp_path_factory.mktemp("guard"), embedded_runtime, 24)[1]
 
 
 def test_a_guarded_greedy_decision_runs_an_allowed_configuration(guard_ws, embedded_runtime):
@@ -180,8 +175,8 @@ def test_a_guarded_greedy_decision_runs_an_allowed_configuration(guard_ws, embed
 
 def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_runtime):
     from online.config import OnlineTrainConfig
-    from online.guard import GUARD_FILE, load_run_guard
     from online.train import train_online
+    from trainer.latency_guard import GUARD_FILE, load_run_guard
     from trainer.outcome import OutcomeModel as Outcome
 
     base = dict(workspace=guard_ws.root, steps=1, samples_per_step=2, group_size=2, max_new_tokens=3,
@@ -228,3 +223,25 @@ def test_the_server_holds_an_online_controller_to_its_runs_guard():
         guarded.observe(choice, 8, 12, 140.0)
     assert guard.drift() == pytest.approx(2.0)
     assert decide(guarded, 75.0) == (2, 4, 12)
+
+
+def test_the_latency_before_vision_reads_the_question_and_the_tiling_and_the_image_as_its_mean():
+    model = OutcomeModel(LANG + IMAGE + 1 + len(CROPS), _space(), OutcomeConfig(use_tilings=True))
+    with torch.no_grad():
+        model.input_mean.copy_(torch.arange(LANG + IMAGE + 1 + len(CROPS), dtype=torch.float32))
+        model.input_std.fill_(2.0)
+        model.latency_scale_ms.fill_(3.0)
+    lang = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    tiling = torch.tensor([[3.0, float("nan")]])
+    # standardised by hand: the language columns, the image and its presence at their means (0), the
+    # tilings as log(1 + crops) (an unknown one at its mean)
+    x = torch.zeros(1, LANG + IMAGE + 1 + len(CROPS))
+    x[0, :LANG] = (lang[0] - torch.arange(LANG)) / 2.0
+    x[0, LANG + IMAGE + 1] = (math.log(4.0) - (LANG + IMAGE + 1)) / 2.0
+    with torch.no_grad():
+        expected = model.latency_head(x) * 3.0
+    assert torch.allclose(model.latency_before_vision(lang, tiling), expected)
+    # no tiling at all reads every tiling at its mean
+    x[0, LANG + IMAGE + 1] = 0.0
+    with torch.no_grad():
+        assert torch.allclose(model.latency_before_vision(lang, None), model.latency_head(x) * 3.0)

@@ -30,9 +30,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import build_feature_workspace
+from conftest import build_offline_workspace
 from small_disk import on_small_disk, small_disk_available
-from synthetic import SyntheticSpec
 
 openai = pytest.importorskip("openai")
 
@@ -49,12 +48,9 @@ def serve_ws(tmp_path_factory, embedded_runtime):
     from online.config import OnlineTrainConfig
     from online.data import load_online_samples
     from online.train import build_controller
-    from trainer import OfflineTrainConfig, RewardConfig, train_offline
 
     root = tmp_path_factory.mktemp("serve")
-    tree, ws = build_feature_workspace(root, embedded_runtime, SyntheticSpec(num_samples=24))
-    train_offline(OfflineTrainConfig(workspace=ws.root, num_epochs=1, batch_size=16, run_id="offline-run",
-                                     cross_fit_folds=0, reward=RewardConfig(mode="hard"), disable_evaluation=True))
+    tree, ws = build_offline_workspace(root, embedded_runtime, 24)
     samples = load_online_samples(ws, embedded_runtime.fingerprint, None)
     config = OnlineTrainConfig(workspace=ws.root, from_run="offline-run", budget_min_ms=30.0, budget_max_ms=300.0)
     controller, _, _ = build_controller(config, ws, embedded_runtime, samples, (30.0, 300.0))

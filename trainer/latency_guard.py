@@ -130,6 +130,7 @@ class LatencyGuard:
     fit_median: float | None = None
     _recent: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW), init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def actions(self) -> tuple[tuple[int, int, int], ...]:
@@ -172,18 +173,27 @@ class LatencyGuard:
                             None if tiling_crops is None
                             else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0]
         values = (controller.max_crops_values, controller.top_k_values, controller.num_active_blocks_values)
+        actions, cells = self._grid_index(values)
         grid = torch.full(tuple(len(v) for v in values), float("inf"))
-        for a, (crops, top_k, blocks) in enumerate(self.actions):
-            if crops in values[0] and top_k in values[1] and blocks in values[2]:
-                grid[values[0].index(crops), values[1].index(top_k), values[2].index(blocks)] = float(base[a])
-        if not torch.isfinite(grid).any():
-            msg = "the latency guard knows none of the controller's configurations (another action space)"
-            raise CtrlError(msg)
+        grid.view(-1)[cells] = base[actions].float()
         expected = grid * (self.slack * self.drift())
         allowed = expected <= budget_ms
         if not allowed.any():
             allowed = expected == expected.min()
         return GuardGrid(allowed, expected, grid)
+
+    def _grid_index(self, values: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For knob values (crops, top-K, blocks): the guard's actions among them and their flat cells
+        in the (C, K, B) grid; worked out once per set of values (every request asks)."""
+        if values not in self._grids:
+            known = [(a, (values[0].index(c) * len(values[1]) + values[1].index(k)) * len(values[2])
+                      + values[2].index(b)) for a, (c, k, b) in enumerate(self.actions)
+                     if c in values[0] and k in values[1] and b in values[2]]
+            if not known:
+                msg = "the latency guard knows none of the controller's configurations (another action space)"
+                raise CtrlError(msg)
+            self._grids[values] = (torch.tensor([a for a, _ in known]), torch.tensor([cell for _, cell in known]))
+        return self._grids[values]
 
     def summary(self) -> dict[str, Any]:
         """What a person reads of the guard (progress line, docs): its ratios, slack and size."""

@@ -132,10 +132,7 @@ class OutcomeModel(nn.Module):
             msg = "the data's action space differs from the outcome model's (fitted on other data)"
             raise ValueError(msg)
         x = self._standardized(data)
-        latency = self.latency_head(x) * self.latency_scale_ms
-        if self.config.latency_neighbours:
-            latency = latency * self._neighbour_ratio_quantile(x)
-        return torch.sigmoid(self.score_head(x)), latency
+        return torch.sigmoid(self.score_head(x)), self._latency(x)
 
     @torch.no_grad()
     def latency_before_vision(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
@@ -152,7 +149,10 @@ class OutcomeModel(nn.Module):
             crops = (torch.full((len(lang), c), float("nan")) if tiling_crops is None
                      else torch.log1p(tiling_crops.float().cpu()))
             x[:, -c:] = (crops - self.input_mean[-c:]) / self.input_std[-c:]
-        x = x.nan_to_num(0.0)  # unknown tilings read as the training mean
+        return self._latency(x.nan_to_num(0.0))  # unknown tilings read as the training mean
+
+    def _latency(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, A) latency quantile (ms) of standardised inputs ``x``."""
         latency = self.latency_head(x) * self.latency_scale_ms
         if self.config.latency_neighbours:
             latency = latency * self._neighbour_ratio_quantile(x)
