@@ -1074,3 +1074,41 @@ def test_the_budget_a_served_request_reads_is_its_budget_less_the_time_spent_and
     assert 300.0 - stage1_ms * 0.4 < decider.budgets[0] <= 300.0
     assert decider.budgets[0] == pytest.approx(row["budget_left_ms"] * 0.8 / 2.0, rel=1e-12)
     engine.stop()
+
+
+def test_an_online_run_is_served_under_its_latency_guard(serve_ws, embedded_runtime, tmp_path_factory):
+    """An online run with a guard, served by its run id: real clients over a socket, a bad request
+    refused with one line, and the server still answering after it."""
+    import openai
+
+    from online.config import OnlineTrainConfig
+    from online.train import train_online
+    from trainer.latency_guard import GUARD_FILE, load_run_guard
+
+    tree, ws, _ = serve_ws
+    run = train_online(OnlineTrainConfig(workspace=ws.root, from_run="offline-run", run_id="guarded", steps=1,
+                                         samples_per_step=1, group_size=2, max_new_tokens=2, budget_min_ms=30.0,
+                                         budget_max_ms=300.0, evaluate=False, check_every=0, guard_samples=1),
+                       runtime=embedded_runtime)
+    guard = load_run_guard(run.run_dir)
+    # the run's guard, edited so that it expects the dearest configuration to be by far the fastest:
+    # at a budget nothing else fits, a server that keeps to the guard runs it, the controller alone never
+    dearest = max(guard.actions)
+    guard.config_ratio[guard.actions.index(dearest)] = 1e-6
+    guard.save(run.run_dir / GUARD_FILE)
+    server = start_server(ws.root, tmp_path_factory.mktemp("server-guarded") / "log.txt", "--controller", "guarded")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        image = png_data_uri(Image.open(sample_image(tree)))
+        content = [{"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": image}}]
+        reply = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": content}],
+                                               max_tokens=2, extra_body={"latency_budget_ms": 5})
+        knobs = reply.model_extra["ctrl"]["knobs"]
+        assert reply.model_extra["ctrl"]["controller_run"] == "guarded" and knobs["insertion_position"] >= 1
+        assert (knobs["max_crops"], knobs["top_k"], knobs["num_active_blocks"]) == dearest
+        status, reply = request(server, "POST", "/v1/chat/completions",
+                                chat_body("What?", latency_budget_ms="fast"))
+        assert status == 400 and "latency_budget_ms" in one_line_error(reply)
+        assert request(server, "POST", "/v1/chat/completions", chat_body("What?", latency_budget_ms=200))[0] == 200
+    finally:
+        stop_server(server)
