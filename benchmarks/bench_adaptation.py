@@ -364,8 +364,10 @@ def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, 
         refit = deployed(ws_a, rescale["run_id"], runtime, first, None)
         deciders.append(("rescaled", refit, refit.insertion_positions.index(1)))
     say(f"paired evaluation: {len(deciders)} deciders x {len(budgets)} budgets")
-    return {"budgets_ms": budgets, "budget_range_ms": [lo, hi],
-            "outcomes": paired_outcomes(ws_a, runtime, curve["run_id"], deciders, budgets, args)}
+    outcomes = paired_outcomes(ws_a, runtime, curve["run_id"], deciders, budgets, args)
+    # where the requests the guard decided had moved it by the end (the drift and tail factors)
+    after = None if guard is None else {"drift": guard.drift(), "tail": guard.tail()}
+    return {"budgets_ms": budgets, "budget_range_ms": [lo, hi], "outcomes": outcomes, "guard_after": after}
 
 
 def calibration_ablation(ws_a: Path, runtime: Any, results: dict[str, Any], other: tuple[float, float],
@@ -496,6 +498,9 @@ def report(results: dict[str, Any]) -> str:
         ratios = ", ".join(f"{k} x{v:.2f}" for k, v in g["stage_ratios"].items())
         lines.append(f"| latency guard ({g['requests']} requests; {ratios}; slack x{g['slack']:.2f}) | | "
                      f"{g['model_s']:.0f} s | |")
+        if ev.get("guard_after"):
+            a = ev["guard_after"]
+            lines.append(f"| (the guard after the evaluation: drift x{a['drift']:.2f}, tail x{a['tail']:.2f}) | | | |")
     checks = results["online"]["points"][-1]["checks"]
     if checks:
         lines += ["", "| check after step | gain over the start [95% CI] | late: latest / start | kept |",

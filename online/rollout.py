@@ -332,8 +332,9 @@ class RolloutExecutor:
                              budget=budget, indices=(pre.crops_index, pre.insertion_index, k, b),
                              knob_values=(pre.max_crops, p, top_k, blocks), active=active, log_prob=float(log_prob),
                              prefix=pre.index, rank=rank)
-        if guarded is not None:  # the guard follows the machine's speed on the requests it decided
-            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]), rollout.latency_total_ms)
+        if guarded is not None:  # the guard follows the machine's speed and tail on the requests it decided
+            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]), rollout.latency_total_ms,
+                                    float(guarded.expected_ms[pre.crops_index, k, b]))
         return rollout
 
     def _rollout(self, timing: RequestTiming, tokens: list[int], inputs: ModelInputs, *, group: int, member: int,

@@ -163,13 +163,14 @@ class OnlineDecider:
         return self.controller.top_k_values[k], self.controller.num_active_blocks_values[b]
 
     def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """A served request's measured latency (stage 1 to the last token), for the guard's drift factor."""
+        """A served request's measured latency (stage 1 to the last token), for the guard's drift and tail
+        factors."""
         guarded = choice.state[3] if choice.state is not None else None
         if self.guard is None or guarded is None:
             return
         c = self.controller.max_crops_values.index(choice.max_crops)
         k, b = self.controller.top_k_values.index(top_k), self.controller.num_active_blocks_values.index(blocks)
-        self.guard.observe(float(guarded.base_ms[c, k, b]), measured_ms)
+        self.guard.observe(float(guarded.base_ms[c, k, b]), measured_ms, float(guarded.expected_ms[c, k, b]))
 
 
 class FixedKnobs:

@@ -108,6 +108,44 @@ def test_the_guard_follows_the_machines_speed_on_the_requests_it_decided():
     assert still.drift() == 1.0
 
 
+def test_the_tail_factor_steps_on_each_request_over_or_within_its_expectation():
+    guard = LatencyGuard(_outcome(PREDICTED), torch.ones(8), 1.0, {}, 8)  # no fitted median: no drift
+    guard.observe(50.0, 60.0, 55.0)  # over: the logarithm rises by 0.05 x 0.95
+    assert guard.tail() == pytest.approx(math.exp(0.0475))
+    guard.observe(50.0, 40.0, 55.0)  # within: it falls by 0.05 x 0.05
+    assert guard.tail() == pytest.approx(math.exp(0.045))
+    guard.observe(50.0, 500.0)  # no expectation given: the tail stays
+    guard.observe(50.0, 500.0, float("inf"))
+    assert guard.tail() == pytest.approx(math.exp(0.045))
+    grid = guard.knob_grid(_controller(), torch.zeros(LANG), None, 1000.0)
+    assert grid.expected_ms[0, 0, 0] == pytest.approx(50.0 * math.exp(0.045))
+    assert grid.base_ms[0, 0, 0] == pytest.approx(50.0)
+    for _ in range(200):  # a budget no configuration meets does not wind it up without end
+        guard.observe(50.0, 5000.0, 50.0)
+    assert guard.tail() == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("use_drift", [False, True])
+def test_the_guard_keeps_its_share_of_requests_over_expectation_when_the_machine_slows(use_drift):
+    # measured / base ratios spread evenly over 0.5-1.5, in a scrambled order; the slack fitted at
+    # 1.45 (the 95th percentile of that spread); then the machine runs 1.6 times as slowly
+    spread = np.random.default_rng(0).permutation(np.linspace(0.5, 1.5, 1000))
+    guard = LatencyGuard(_outcome(PREDICTED), torch.ones(8), 1.45, {}, 8, fit_median=1.0 if use_drift else None)
+
+    def share_over(slowdown: float, rounds: int) -> float:
+        over = []
+        for ratio in np.tile(spread, rounds):
+            expected = 50.0 * guard.factor()
+            over.append(50.0 * ratio * slowdown > expected)
+            guard.observe(50.0, 50.0 * ratio * slowdown, expected)
+        return float(np.mean(over[len(over) // 2:]))
+
+    assert share_over(1.0, 2) == pytest.approx(0.05, abs=0.015)
+    # without the tail factor (and the drift), 1.45 against 0.8-2.4: about 60 % over
+    assert share_over(1.6, 2) == pytest.approx(0.05, abs=0.015)
+    assert guard.factor() == pytest.approx(1.6 * 1.45, rel=0.08)
+
+
 def test_a_guard_survives_its_file(tmp_path):
     guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {"prefill": 3.0}, 8,
                          model_s=4.5, fit_median=0.9)
@@ -171,6 +209,8 @@ def test_a_guarded_greedy_decision_runs_an_allowed_configuration(guard_ws, embed
                 free.max_crops, free.top_k, free.num_active_blocks)
     finally:
         executor.close()
+    # each 10 ms request ran over its configuration's 1 ms expectation, and told the guard so
+    assert guard.tail() > math.exp(3 * 0.05 * 0.95 - 3 * 0.05 * 0.05) - 1e-6
 
 
 def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_runtime):
@@ -222,6 +262,7 @@ def test_the_server_holds_an_online_controller_to_its_runs_guard():
     for _ in range(8):
         guarded.observe(choice, 8, 12, 140.0)
     assert guard.drift() == pytest.approx(2.0)
+    assert guard.tail() == pytest.approx(math.exp(8 * 0.05 * 0.95))  # each over the 70 ms it was decided by
     assert decide(guarded, 75.0) == (2, 4, 12)
 
 

@@ -25,7 +25,13 @@ order. The guard learns the order again, cheaply, and holds every greedy decisio
    expectation before the slack; the median over the last ``DRIFT_WINDOW`` of them, over the same
    median at the fit, multiplies every expectation (:meth:`LatencyGuard.drift`), so that a guard
    fitted while a shared machine ran fast does not allow, when it slows, what no longer fits.
-5. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
+5. **Tail**: the drift follows the machine's median, and the slack holds the tail of the spell
+   it was fitted in; a slow spell's tail is longer. Each decided request also says whether it ran
+   over the expectation it was decided by, and a **tail factor** follows (a quantile tracker:
+   its logarithm rises by ``TAIL_STEP`` x ``GUARD_QUANTILE`` on each request over, falls by
+   ``TAIL_STEP`` x (1 - ``GUARD_QUANTILE``) on each within), so that over any long enough run of
+   decided requests about 1 - ``GUARD_QUANTILE`` of them run over, whatever the machine does.
+6. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
    expected to fit, and top-K and block count among those at its crops; where none fits, the
    configuration expected to be fastest (the budget is below what this machine does).
 
@@ -63,6 +69,9 @@ GUARD_QUANTILE = 0.95
 STAGES = ("vision", "prefill", "decode")
 #: the guarded requests whose measured / expected ratios make the drift factor, and the fewest that do
 DRIFT_WINDOW, DRIFT_MIN = 64, 8
+#: the tail factor's step (on its logarithm), and the range it stays in (a budget below what the
+#: machine does must not wind it up without end)
+TAIL_STEP, TAIL_RANGE = 0.05, (0.67, 3.0)
 
 
 def stage_ratios(measured: np.ndarray, recorded: np.ndarray) -> np.ndarray:
@@ -99,8 +108,9 @@ def guard_slack(measured_ms: np.ndarray, expected_ms: np.ndarray, quantile: floa
 @dataclass(frozen=True)
 class GuardGrid:
     """A request's view of the guard over a controller's knob values, each (C, K, B): ``allowed``,
-    ``expected_ms`` (what it is expected to take now; inf where unknown) and ``base_ms`` (before
-    slack and drift: what :meth:`LatencyGuard.observe` compares the measured latency with)."""
+    ``expected_ms`` (what it is expected to take now; inf where unknown: the tail factor's
+    reference) and ``base_ms`` (before slack, drift and tail: the drift factor's reference), both
+    given back to :meth:`LatencyGuard.observe` with the measured latency."""
 
     allowed: torch.Tensor
     expected_ms: torch.Tensor
@@ -129,6 +139,7 @@ class LatencyGuard:
     model_s: float = 0.0
     fit_median: float | None = None
     _recent: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW), init=False, repr=False, compare=False)
+    _log_tail: float = field(default=0.0, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -138,13 +149,22 @@ class LatencyGuard:
 
     def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
         """(N, A) the outcome model's quantile times each configuration's ratio, for N requests
-        (``lang`` (N, Dl), ``tiling_crops`` (N, C) or None): the expectation before slack and drift."""
+        (``lang`` (N, Dl), ``tiling_crops`` (N, C) or None): the expectation before slack, drift and tail."""
         return self.outcome.latency_before_vision(lang, tiling_crops) * self.config_ratio
 
     def expected_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
-        """(N, A) expected latency here (ms) of each configuration: :meth:`base_ms` times the slack and
-        the drift factor."""
-        return self.base_ms(lang, tiling_crops) * (self.slack * self.drift())
+        """(N, A) expected latency here (ms) of each configuration: :meth:`base_ms` times
+        :meth:`factor`."""
+        return self.base_ms(lang, tiling_crops) * self.factor()
+
+    def factor(self) -> float:
+        """What multiplies a base expectation now: the slack, the drift factor and the tail factor."""
+        return self.slack * self.drift() * self.tail()
+
+    def tail(self) -> float:
+        """The tail factor: 1.0 until :meth:`observe` sees requests run over their expectation more
+        or less often than 1 - ``GUARD_QUANTILE`` of the time; within ``TAIL_RANGE``."""
+        return float(np.exp(self._log_tail))
 
     def drift(self) -> float:
         """How much slower (> 1) or faster the machine runs now than when the guard was fitted: the
@@ -158,12 +178,20 @@ class LatencyGuard:
             return 1.0
         return recent[len(recent) // 2] / self.fit_median
 
-    def observe(self, base_ms: float, measured_ms: float) -> None:
+    def observe(self, base_ms: float, measured_ms: float, expected_ms: float | None = None) -> None:
         """Record one decided request: the base expectation (:meth:`base_ms`) of the configuration it
-        ran and its measured latency (ignored unless both are finite and positive)."""
-        if base_ms > 0 and measured_ms > 0 and base_ms < float("inf") and measured_ms < float("inf"):
-            with self._lock:
+        ran, its measured latency and, for the tail factor, the expectation it was decided by
+        (:meth:`knob_grid`'s ``expected_ms``); each ignored unless finite and positive."""
+        if not (0 < measured_ms < float("inf")):
+            return
+        with self._lock:
+            if 0 < base_ms < float("inf"):
                 self._recent.append(measured_ms / base_ms)
+            if expected_ms is not None and 0 < expected_ms < float("inf"):
+                over = 1.0 if measured_ms > expected_ms else 0.0
+                low, high = np.log(TAIL_RANGE[0]), np.log(TAIL_RANGE[1])
+                self._log_tail = float(np.clip(self._log_tail + TAIL_STEP * (over - (1.0 - GUARD_QUANTILE)),
+                                               low, high))
 
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
                   budget_ms: float) -> GuardGrid:
@@ -176,7 +204,7 @@ class LatencyGuard:
         actions, cells = self._grid_index(values)
         grid = torch.full(tuple(len(v) for v in values), float("inf"))
         grid.view(-1)[cells] = base[actions].float()
-        expected = grid * (self.slack * self.drift())
+        expected = grid * self.factor()
         allowed = expected <= budget_ms
         if not allowed.any():
             allowed = expected == expected.min()
