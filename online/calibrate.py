@@ -30,6 +30,9 @@ TAIL_QUANTILE = 0.9
 #: the share of samples on which the fastest configuration must meet the low end: the offline range's
 #: own definition of its low end (``trainer.data.default_budget_range``)
 FLOOR_QUANTILE = 0.98
+#: the headroom above that quantile: the range is served minutes after it is measured, and a shared
+#: machine's speed moves by a tenth or more in between (docs/online.md#budget-range-on-this-machine)
+FLOOR_MARGIN = 1.1
 
 
 def calibration_rows(train_rows: list[int], samples: int, seed: int) -> list[int]:
@@ -72,12 +75,14 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
     a few of them enough; a ratio per end, not one for both, because the two-stage request adds
     a roughly constant cost (controller, split prefill) that weighs more on fast configurations
     than on slow ones. The scaled low end is then raised, where needed, to the floor this machine
-    measures: the ``FLOOR_QUANTILE`` quantile of the fastest configuration's latency over all its
-    calibration runs. A ratio estimated in the tail can still put the low end below what the
-    fastest configuration meets here, and a budget no configuration meets can only be missed.
-    Every run counts, the slow moments of a shared machine too: a served request meets them as
-    well, and on such a machine they, not the samples, make the tail. Without a reference (fresh
-    runs, nothing recorded): [p95 of the fastest, p95 of the slowest].
+    measures: ``FLOOR_MARGIN`` times the ``FLOOR_QUANTILE`` quantile of the fastest configuration's
+    latency over all its calibration runs. A ratio estimated in the tail can still put the low end
+    below what the fastest configuration meets here, and a budget no configuration meets can only
+    be missed. Every run counts, the slow moments of a shared machine too: a served request meets
+    them as well, and on such a machine they, not the samples, make the tail. The margin because
+    the range is used minutes and hours after it is measured, and a shared machine's speed moves
+    by a tenth or more in between. Without a reference (fresh runs, nothing recorded): [p95 of the
+    fastest, p95 of the slowest].
     """
     configs = dict(zip(("fastest", "slowest"), calibration_configs(controller)))
     # medians of all runs, not minima: the range must hold for typical requests, and the speed of a
@@ -98,7 +103,7 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
                 ratio[name] = float(here / there)
     if len(ratio) == 2:
         lo, hi = reference.range_ms[0] * ratio["fastest"], reference.range_ms[1] * ratio["slowest"]
-        lo = max(lo, float(np.quantile(lat["fastest"], FLOOR_QUANTILE)))
+        lo = max(lo, FLOOR_MARGIN * float(np.quantile(lat["fastest"], FLOOR_QUANTILE)))
     else:
         lo, hi = float(np.quantile(lat["fastest"], 0.95)), float(np.quantile(lat["slowest"], 0.95))
     if not hi > lo * 1.05:  # the knobs barely move latency here: still give the budget some range

@@ -329,14 +329,14 @@ def test_calibration_scales_the_offline_range_by_the_measured_speed_ratio(online
                     for i, _ in enumerate(rows_)]
 
     # a uniformly slower machine: each end scaled by its own configuration's ratio, 1,200 x 1.5, 2,500 x 1.0
-    # (the low end above the fastest configuration's 1,500 ms here, so the floor does not bind)
+    # (the low end above the floor, 1.1 x the fastest configuration's 1,500 ms here: 1,650)
     wide = BudgetReference(range_ms=(1200.0, 2500.0), latency_ms=flat.latency_ms, keys=reference.keys)
     uniform = Timed([1500.0, 1500.0, 1500.0], [1000.0, 1000.0, 1000.0])
     assert calibrate_budget_range(uniform, executor.controller, rows, wide) == (1800.0, 2500.0)
     # a machine that stretches long requests more: sample 2 was recorded at 2,000 ms (a long answer) and
     # runs at 6,000 here, the others as recorded; the median ratio would be 1, the tail's (90th
-    # percentiles: 6,000 against 2,000) is 3, for the fastest (2,500 x 3, above the floor, the 98th
-    # percentile of the six runs, 6,000, where the median ratio would leave it); the slowest runs as recorded
+    # percentiles: 6,000 against 2,000) is 3, for the fastest (2,500 x 3, above the floor, 1.1 x the
+    # 98th percentile of the six runs, 6,600, where the median ratio would leave it); the slowest runs as recorded
     tail = BudgetReference(range_ms=(2500.0, 10000.0),
                            latency_ms={k: 2000.0 if k[:2] == reference.keys[2] else 1000.0
                                        for k in reference.latency_ms}, keys=reference.keys)
