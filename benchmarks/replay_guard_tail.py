@@ -4,10 +4,11 @@ The noise is what ``bench_adaptation.py`` measured: the fastest configuration's 
 order the paired evaluation ran them, each over the median of its sample's five (so that only the
 machine's moment-to-moment speed is left, not the sample's cost). Each recorded request stands for
 six decided ones, times a log-normal prediction error (sigma 0.08). The slack and the fit median
-come from the first 216 of them, as the guard's own requests; the rest are decided with the drift
-factor and, for a tail step above 0, the tail factor. Printed per recorded run: the share of
-decided requests over their expectation (the guard's quantile asks for 5 %) and the largest share
-in any 345 consecutive ones, averaged over 20 draws of the prediction error.
+come from the first 216 of them, as the guard's own requests; the rest are decided by the
+product's ``LatencyGuard`` (its drift factor and, for a tail step above 0, its tail factor).
+Printed per recorded run: the share of decided requests over their expectation (the guard's
+quantile asks for 5 %) and the largest share in any 345 consecutive ones, averaged over 20 draws
+of the prediction error.
 
     python benchmarks/replay_guard_tail.py [--runs 'benchmarks/.cache/adapt/*guard*.json']
 """
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-QUANTILE, FIT, WINDOW, DRIFT_MIN, PER_REQUEST, SIGMA = 0.95, 216, 64, 8, 6, 0.08
-TAIL_RANGE = (np.log(0.67), np.log(3.0))
+from trainer import latency_guard
+
+FIT, PER_REQUEST, SIGMA = 216, 6, 0.08
 
 
 def machine_noise(path: Path) -> np.ndarray:
@@ -33,17 +35,20 @@ def machine_noise(path: Path) -> np.ndarray:
 
 
 def replay(noise: np.ndarray, step: float, seed: int) -> tuple[float, float]:
+    """The product's guard (``trainer.latency_guard``, its tail step set to ``step``) deciding the
+    replayed requests: base expectation 1 ms, measured the request's ratio."""
     rng = np.random.default_rng(seed)
     ratio = np.repeat(noise, PER_REQUEST) * np.exp(rng.normal(0.0, SIGMA, len(noise) * PER_REQUEST))
-    slack, fit_median = np.quantile(ratio[:FIT], QUANTILE), np.median(ratio[:FIT])
-    recent: list[float] = []
-    log_tail, over = 0.0, []
+    fit = ratio[:FIT]
+    # only the factors are replayed: no outcome model, no configuration ratios
+    guard = latency_guard.LatencyGuard(None, None, latency_guard.guard_slack(fit, np.ones(FIT)), {}, FIT,
+                                       fit_median=latency_guard.guard_slack(fit, np.ones(FIT), 0.5))
+    over = []
+    latency_guard.TAIL_STEP = step
     for r in ratio[FIT:]:
-        drift = np.median(recent[-WINDOW:]) / fit_median if len(recent) >= DRIFT_MIN else 1.0
-        miss = r > slack * drift * np.exp(log_tail)
-        over.append(miss)
-        recent.append(r)
-        log_tail = float(np.clip(log_tail + step * (miss - (1 - QUANTILE)), *TAIL_RANGE))
+        expected = guard.factor()
+        over.append(r > expected)
+        guard.observe(1.0, float(r), expected)
     over_arr = np.array(over, dtype=float)
     return float(over_arr.mean()), float(np.convolve(over_arr, np.ones(345) / 345, "valid").max())
 

@@ -259,7 +259,7 @@ class RolloutExecutor:
         insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)
         if decisions.greedy:
             if guarded is not None:  # among the crops with a configuration expected to fit
-                crops_probs = crops_probs.cpu().masked_fill(~guarded.allowed.flatten(1).any(1), -1.0)
+                crops_probs = crops_probs.cpu().masked_fill(~guarded.crops_allowed, -1.0)
             crops_pick = torch.full((group_size,), int(crops_probs.argmax()))
             insertion_pick = torch.full((group_size,), int(insertion_probs.argmax()))
         if decisions.insertion_index is not None:

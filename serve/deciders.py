@@ -144,7 +144,7 @@ class OnlineDecider:
         guarded = None
         if self.guard is not None:  # among the crops with a configuration expected to fit
             guarded = self.guard.knob_grid(self.controller, lang, tiling_crops, float(budget_ms))
-            crops_scores = crops_scores.masked_fill(~guarded.allowed.flatten(1).any(1), float("-inf"))
+            crops_scores = crops_scores.masked_fill(~guarded.crops_allowed, float("-inf"))
         c, pi = int(crops_scores.argmax()), int(s1.insertion_log_probs[0].argmax())
         return Stage1Choice(self.controller.max_crops_values[c], self.controller.insertion_positions[pi],
                             s1.budget_token[0], "controller", (s1, c, pi, guarded))

@@ -43,6 +43,7 @@ checks, ``ctrl evaluate``) run with the run's guard, so it measures the controll
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -116,6 +117,11 @@ class GuardGrid:
     expected_ms: torch.Tensor
     base_ms: torch.Tensor
 
+    @property
+    def crops_allowed(self) -> torch.Tensor:
+        """(C,) the crops values with at least one allowed configuration: stage 1's choices."""
+        return self.allowed.flatten(1).any(1)
+
 
 @dataclass
 class LatencyGuard:
@@ -164,7 +170,7 @@ class LatencyGuard:
     def tail(self) -> float:
         """The tail factor: 1.0 until :meth:`observe` sees requests run over their expectation more
         or less often than 1 - ``GUARD_QUANTILE`` of the time; within ``TAIL_RANGE``."""
-        return float(np.exp(self._log_tail))
+        return math.exp(self._log_tail)
 
     def drift(self) -> float:
         """How much slower (> 1) or faster the machine runs now than when the guard was fitted: the
@@ -189,9 +195,8 @@ class LatencyGuard:
                 self._recent.append(measured_ms / base_ms)
             if expected_ms is not None and 0 < expected_ms < float("inf"):
                 over = 1.0 if measured_ms > expected_ms else 0.0
-                low, high = np.log(TAIL_RANGE[0]), np.log(TAIL_RANGE[1])
-                self._log_tail = float(np.clip(self._log_tail + TAIL_STEP * (over - (1.0 - GUARD_QUANTILE)),
-                                               low, high))
+                step = self._log_tail + TAIL_STEP * (over - (1.0 - GUARD_QUANTILE))
+                self._log_tail = min(max(step, math.log(TAIL_RANGE[0])), math.log(TAIL_RANGE[1]))
 
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
                   budget_ms: float) -> GuardGrid:
