@@ -6,6 +6,7 @@ decider. Printed per evaluation: its late share at that budget and at that budge
 margin (the calibration's ``FLOOR_MARGIN`` multiplies the floor it measures).
 
     python benchmarks/floor_margin.py [--runs 'benchmarks/.cache/adapt/*guard*.json'] [--margins 1,1.05,1.1,1.2]
+        [--exclude margin]
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", default="benchmarks/.cache/adapt/*guard*.json")
     p.add_argument("--margins", default="1,1.05,1.1,1.2")
+    p.add_argument("--exclude", default=None, help="leave out result files whose name contains this")
     args = p.parse_args()
     margins = [float(m) for m in args.margins.split(",")]
     print("| evaluation | lowest budget | " + " | ".join(f"late at x{m:g}" for m in margins) + " |")
     print("|---|---|" + "---|" * len(margins))
     seen: set[tuple[float, ...]] = set()
     for path in sorted(glob.glob(args.runs)):
+        if args.exclude and args.exclude in Path(path).name:
+            continue
         ev = json.loads(Path(path).read_text())["evaluation"]
         low = ev["budgets_ms"][0]
         latency = np.array([row[2] for row in ev["outcomes"][f"fastest|{low}"]])
