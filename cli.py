@@ -750,6 +750,13 @@ def serve(
         "queue_aware"))] = _serve_default("queue_aware"),
     load_aware: Annotated[bool, typer.Option("--load-aware/--no-load-aware", help=_serve_help(
         "load_aware"))] = _serve_default("load_aware"),
+    burst_aware: Annotated[bool, typer.Option("--burst-aware/--no-burst-aware", help=_serve_help(
+        "burst_aware"))] = _serve_default("burst_aware"),
+    refuse_unreachable: Annotated[bool, typer.Option("--refuse-unreachable/--no-refuse-unreachable",
+                                                     help=_serve_help("refuse_unreachable"))] = _serve_default(
+        "refuse_unreachable"),
+    cheapest_floor: Annotated[bool, typer.Option("--cheapest-floor/--no-cheapest-floor", help=_serve_help(
+        "cheapest_floor"))] = _serve_default("cheapest_floor"),
     config_guard: Annotated[bool, typer.Option("--config-guard/--no-config-guard", help=_serve_help(
         "config_guard"))] = _serve_default("config_guard"),
     met_target: Annotated[float, typer.Option("--met-target", help=_serve_help("met_target"))] = _serve_default(
@@ -805,6 +812,8 @@ def serve(
                              threads=threads, max_queue=max_queue, default_budget_ms=default_budget_ms,
                              latency_scale=latency_scale, latency_scale_quantile=latency_scale_quantile,
                              queue_aware=queue_aware, load_aware=load_aware, config_guard=config_guard,
+                             burst_aware=burst_aware, refuse_unreachable=refuse_unreachable,
+                             cheapest_floor=cheapest_floor,
                              met_target=met_target,
                              default_max_tokens=default_max_tokens,
                              max_tokens_limit=max_tokens_limit,

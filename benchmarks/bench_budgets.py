@@ -58,6 +58,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from serve.arrivals import arrival_times, bursts, parse_arrivals  # noqa: E402
+
+#: after a burst's end, the seconds a server has to be back to budgets (the recovery figure)
+RECOVERY_S = 10.0
+
 
 def _bench_serve() -> Any:
     spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "benchmarks" / "bench_serve.py")
@@ -89,16 +94,51 @@ def open_loop(port: int, dataset: str, items: Sequence[tuple[Any, float, float |
         return [f.result() for f in futures]
 
 
+def right_within(o: Any, budget_ms: float) -> float:
+    """A request's score where it was answered within its budget; 0 otherwise (late, 503, 504: missed)."""
+    return float(o.score) if o.status == 200 and o.latency_ms <= budget_ms else 0.0
+
+
 def part_stats(outs: Sequence[Any], budget_ms: float) -> dict[str, Any]:
-    """bench_serve's cell figures of ``outs`` (all of them), and the share decided ``cheapest``."""
+    """bench_serve's cell figures of ``outs`` (all of them), the share decided ``cheapest``, and the right
+    answers within budget (``right_within``, the sum; ``right_within_rate`` with its Wilson interval)."""
     n = len(outs)
+    right = sum(right_within(o, budget_ms) for o in outs)
     return {**bs.cell_stats(outs, budget_ms, 0),
-            "cheapest_share": (sum(o.decided_by == "cheapest" for o in outs) / n) if n else math.nan}
+            "cheapest_share": (sum(o.decided_by == "cheapest" for o in outs) / n) if n else math.nan,
+            "right_within": right, "right_within_rate": right / n if n else math.nan,
+            "right_within_ci": bs.wilson_interval(right, n)}
 
 
 def paired(a: Sequence[Any], b: Sequence[Any], budget_ms: float, block: int, seed: int) -> dict[str, Any]:
-    """bench_serve's paired difference ``a`` minus ``b`` on the same requests (all of them)."""
-    return bs.paired_stats(a, b, budget_ms, 0, block=block, reps=2000, seed=seed)
+    """bench_serve's paired difference ``a`` minus ``b`` on the same requests (all of them), and the
+    difference in right answers within budget (``diff_right``, a moving-block bootstrap interval)."""
+    out = bs.paired_stats(a, b, budget_ms, 0, block=block, reps=2000, seed=seed)
+    d = np.array([right_within(x, budget_ms) - right_within(y, budget_ms) for x, y in zip(a, b)])
+    diff = bs.block_bootstrap_ci(d, block=block, reps=2000, seed=seed, total=True)
+    return {**out, "diff_right": diff[0], "diff_right_ci": diff[1:]}
+
+
+def recovery_stats(outs: Sequence[Any], budget_ms: float, arrivals: str) -> dict[str, Any] | None:
+    """For an on/off process: the rate within budget of the requests sent during bursts, in the
+    :data:`RECOVERY_S` after each burst's end, and from then to the next burst (None for the others)."""
+    if not outs:
+        return None
+    windows = bursts(arrivals, max(o.sched_s for o in outs))
+    if not windows:
+        return None
+    phases: dict[str, list[Any]] = {"burst": [], "recovering": [], "recovered": []}
+    for o in outs:
+        t = o.sched_s - 0.0
+        phase = "recovered"
+        for start, end in windows:
+            if start <= t < end:
+                phase = "burst"
+            elif end <= t < end + RECOVERY_S:
+                phase = "recovering"
+        phases[phase].append(o)
+    return {name: {"n": len(v), "within": (sum(x.status == 200 and x.latency_ms <= budget_ms for x in v) / len(v))
+                   if v else math.nan} for name, v in phases.items()}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -141,14 +181,18 @@ def setup(args: argparse.Namespace, server: Any, dataset: str, requests: list[An
 def plan_runs(args: argparse.Namespace, su: dict[str, Any]) -> list[dict[str, Any]]:
     """Every run of the chosen cells: kind, load, budget (None: a static judged at every budget), config."""
     cells = args.cells.split(",")
-    statics = su["front"]["front"] if "static" in args.deciders.split(",") else []
+    statics = su["front"]["front"] if args.statics == "front" else [c for c in args.statics.split(",") if c]
+    statics = statics if "static" in args.deciders.split(",") else []
     ctrl = "controller" in args.deciders.split(",")
     runs: list[dict[str, Any]] = []
     if "grid" in cells:
-        for load in (float(v) for v in args.loads.split(",")):
-            budgets = [round(float(m) * su["service_ms"], 1) for m in args.multiples.split(",")]
-            runs += [{"kind": "controller", "load": load, "budget_ms": b, "config": None} for b in budgets if ctrl]
-            runs += [{"kind": "static", "load": load, "budget_ms": None, "config": c} for c in statics]
+        for arrivals in args.arrivals.split(","):
+            extra = {} if arrivals == "poisson" else {"arrivals": arrivals}
+            for load in (float(v) for v in args.loads.split(",")):
+                budgets = [round(float(m) * su["service_ms"], 1) for m in args.multiples.split(",")]
+                runs += [{"kind": "controller", "load": load, "budget_ms": b, "config": None, **extra}
+                         for b in budgets if ctrl]
+                runs += [{"kind": "static", "load": load, "budget_ms": None, "config": c, **extra} for c in statics]
     if "midway" in cells:
         budget = round((su["cheapest_ms"] + su["slowest_front_ms"]) / 2, 1)
         load = args.midway_load
@@ -163,15 +207,25 @@ def plan_runs(args: argparse.Namespace, su: dict[str, Any]) -> list[dict[str, An
 
 
 def run_key(run: dict[str, Any], label: str) -> str:
-    return f"{label}|{run['kind']}|{run['load']}|{run['budget_ms']}|{run['config']}"
+    arrivals = run.get("arrivals", "poisson")
+    return (f"{label}|{run['kind']}|{run['load']}|{run['budget_ms']}|{run['config']}"
+            + ("" if arrivals == "poisson" else f"|{arrivals}"))
+
+
+def arrivals_of(record: dict[str, Any]) -> str:
+    """A run's arrival process (records written before there was a choice are Poisson)."""
+    return record.get("arrivals", "poisson")
 
 
 def execute(args: argparse.Namespace, server: Any, dataset: str, requests: list[Any], su: dict[str, Any],
             run: dict[str, Any]) -> dict[str, Any]:
     rate = run["load"] * su["capacity_rps"]
     index, unit = bs.load_sequence(args.requests, run["load"], args.seed, len(requests))
+    times = unit / rate
+    if arrivals_of(run) != "poisson":  # the same requests, at the process's times
+        times = arrival_times(arrivals_of(run), args.requests, rate, [args.seed, 3, round(run["load"] * 1000), 1])
     knobs = None if run["config"] is None else bs.parse_config(run["config"])
-    items = [(requests[int(i)], float(t) / rate, run["budget_ms"], knobs) for i, t in zip(index, unit)]
+    items = [(requests[int(i)], float(t), run["budget_ms"], knobs) for i, t in zip(index, times)]
     tenant = len(items)
     if run["kind"] == "tenant mixed":  # the second client's requests, interleaved by time
         rate_b = args.impossible_load * su["capacity_rps"]
@@ -191,14 +245,14 @@ def execute(args: argparse.Namespace, server: Any, dataset: str, requests: list[
     for pos, i in enumerate(order):
         outs[i] = outs_sorted[pos]
     outs = outs[:tenant]  # the measured client's requests, in its own order
-    print(f"  {run['kind']} {run['config'] or ''} load {run['load']} budget {run['budget_ms']}: "
+    print(f"  {run['kind']} {run['config'] or ''} {arrivals_of(run)} load {run['load']} budget {run['budget_ms']}: "
           f"{time.perf_counter() - started:.0f} s", flush=True)
     return {**run, "rate_rps": rate, "outcomes": {f: [getattr(o, f) for o in outs] for f in bs.OUTCOME_FIELDS}}
 
 
 def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
     """Markdown: per cell and label, cold and steady figures; the static configurations beside, paired."""
-    records = read_records(args.out)
+    records = [r for r in read_records(args.out) if arrivals_of(r) == "poisson"]
     lines = [f"capacity {su['capacity_rps']:.2f} requests/s, service {su['service_ms']:.0f} ms, cheapest front "
              f"configuration {su['front']['cheapest']} at {su['cheapest_ms']:.0f} ms; front "
              f"{', '.join(su['front']['front'])}", ""]
@@ -237,10 +291,12 @@ def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def steady_cells(args: argparse.Namespace) -> dict[tuple[str, str, float, float], tuple[dict, list[Any]]]:
-    """(label, kind, load, budget) -> (steady figures, outcomes) of every controller run; statics under
-    label "static" and kind = their configuration, one entry per budget some controller run was judged at."""
-    records = read_records(args.out)
+def steady_cells(args: argparse.Namespace, arrivals: str = "poisson"
+                 ) -> dict[tuple[str, str, float, float], tuple[dict, list[Any]]]:
+    """(label, kind, load, budget) -> (steady figures, outcomes) of every controller run of the arrival
+    process; statics under label "static" and kind = their configuration, one entry per budget some
+    controller run was judged at."""
+    records = [r for r in read_records(args.out) if arrivals_of(r) == arrivals]
     runs = [r for r in records if r["kind"] != "static"]
     out: dict[tuple[str, str, float, float], tuple[dict, list[Any]]] = {}
     for r in runs:
@@ -315,6 +371,98 @@ def check_targets(args: argparse.Namespace, su: dict[str, Any], label: str = "th
     return lines
 
 
+def report_arrivals(args: argparse.Namespace, su: dict[str, Any]) -> str:
+    """Markdown for the runs of arrival processes other than Poisson: per process, load and budget, every
+    label's controller and every static configuration, steady figures with right answers within budget,
+    the paired difference of each controller label against each static one, and (on/off) the recovery."""
+    cells_by = [a for a in dict.fromkeys(arrivals_of(r) for r in read_records(args.out)) if a != "poisson"]
+    lines = []
+    for arrivals in cells_by:
+        cells = steady_cells(args, arrivals)
+        lines += ["", f"**{arrivals}**", "",
+                  "| load | budget ms | decider | steady n | within [CI] | accuracy | right within budget [CI] "
+                  "| 503 / 504 | in bursts: within | 10 s after: within | then: within |",
+                  "|---:|---:|---|---:|---|---:|---|---:|---:|---:|---:|"]
+        for (lab, kind, load, budget) in sorted(cells, key=lambda k: (k[2], k[3], k[0] == "static", k[0], k[1])):
+            stats, outs = cells[(lab, kind, load, budget)]
+            steady = outs[args.cold:]
+            rec = recovery_stats(steady, budget, arrivals)
+            phases = " | ".join(f"{rec[p]['within']:.3f} ({rec[p]['n']})" if rec else "" for p in
+                                ("burst", "recovering", "recovered")) if rec else " | | "
+            name = f"**controller ({lab})**" if lab != "static" else f"static {kind}"
+            lines.append(f"| {load} | {budget:g} | {name} | {stats['n']} | {stats['within']:.3f} "
+                         f"[{stats['within_ci'][0]:.3f}, {stats['within_ci'][1]:.3f}] | {stats['accuracy']:.3f} | "
+                         f"{stats['right_within']:.0f} [{stats['right_within_ci'][0] * stats['n']:.0f}, "
+                         f"{stats['right_within_ci'][1] * stats['n']:.0f}] | {stats['rejected_503']} / "
+                         f"{stats['dropped_504']} | {phases} |")
+        lines += ["", "| load | budget ms | controller | static | controller - static: right within budget [CI] "
+                      "| within [CI] |", "|---:|---:|---|---|---|---|"]
+        for (lab, kind, load, budget), (_, outs) in sorted(cells.items()):
+            if lab == "static" or kind != "controller":
+                continue
+            for (slab, config, sload, sbudget), (_, souts) in sorted(cells.items()):
+                if slab != "static" or (sload, sbudget) != (load, budget) or len(souts) != len(outs):
+                    continue
+                d = paired(outs[args.cold:], souts[args.cold:], budget, args.block, args.seed)
+                lines.append(f"| {load} | {budget:g} | {lab} | {config} | {d['diff_right']:+.0f} "
+                             f"[{d['diff_right_ci'][0]:+.0f}, {d['diff_right_ci'][1]:+.0f}] | "
+                             f"{d['diff_within']:+.3f} [{d['diff_within_ci'][0]:+.3f}, "
+                             f"{d['diff_within_ci'][1]:+.3f}] |")
+    return "\n".join(lines)
+
+
+def check_arrival_targets(args: argparse.Namespace, su: dict[str, Any], label: str = "this") -> list[str]:
+    """The bursty-arrival targets, one line each (PASS / FAIL / MISSING): at load 0.7 under Gamma(CV 2)
+    and 3x on/off bursts, >= 95 % within budget in steady state and more right answers within budget than
+    every static configuration (the paired interval above 0) at budgets 2x and 3x; under 10x bursts, right
+    answers within budget not below the cheapest static configuration's and >= 95 % within budget from
+    :data:`RECOVERY_S` after each burst's end."""
+    lines = []
+    service = su["service_ms"]
+    present = {arrivals_of(r) for r in read_records(args.out)}
+    for arrivals in ("gamma:2", "onoff:3:10:50"):
+        cells = steady_cells(args, arrivals) if arrivals in present else {}
+        for multiple in (2, 3):
+            key = (label, "controller", 0.7, round(multiple * service, 1))
+            if key not in cells:
+                lines.append(f"MISSING {arrivals} load 0.7 budgets {multiple}x")
+                continue
+            stats, outs = cells[key]
+            worst = None
+            for (lab, config, load, budget), (_, souts) in cells.items():
+                if lab == "static" and (load, budget) == key[2:] and len(souts) == len(outs):
+                    d = paired(outs[args.cold:], souts[args.cold:], budget, args.block, args.seed)
+                    if worst is None or d["diff_right_ci"][0] < worst[0]["diff_right_ci"][0]:
+                        worst = (d, config)
+            ok = stats["within"] >= 0.95 and worst is not None and worst[0]["diff_right_ci"][0] > 0
+            why = "no static runs" if worst is None else (
+                f"least gain {worst[0]['diff_right']:+.0f} [{worst[0]['diff_right_ci'][0]:+.0f}, "
+                f"{worst[0]['diff_right_ci'][1]:+.0f}] right within budget against {worst[1]}")
+            lines.append(f"{'PASS' if ok else 'FAIL'} {arrivals} load 0.7 budgets {multiple}x ({key[3]:g} ms): within "
+                         f"{stats['within']:.3f} steady (>= 0.95); {why}")
+    bursty = [a for a in present if a.startswith("onoff:10:")]
+    for arrivals in bursty or ["onoff:10:10:50"]:
+        cells = steady_cells(args, arrivals) if arrivals in present else {}
+        ctrl = [(k, v) for k, v in cells.items() if k[0] == label and k[1] == "controller"]
+        if not ctrl:
+            lines.append(f"MISSING {arrivals}")
+            continue
+        for (lab, _, load, budget), (stats, outs) in sorted(ctrl):
+            cheapest = cells.get(("static", su["front"]["cheapest"], load, budget))
+            rec = recovery_stats(outs[args.cold:], budget, arrivals)
+            recovered = rec["recovered"]["within"] if rec else math.nan
+            if cheapest is None:
+                lines.append(f"MISSING {arrivals} load {load} budget {budget:g}: the cheapest static run")
+                continue
+            d = paired(outs[args.cold:], cheapest[1][args.cold:], budget, args.block, args.seed)
+            ok = d["diff_right_ci"][1] >= 0 and recovered >= 0.95
+            lines.append(f"{'PASS' if ok else 'FAIL'} {arrivals} load {load} budget {budget:g}: right within budget "
+                         f"{d['diff_right']:+.0f} [{d['diff_right_ci'][0]:+.0f}, {d['diff_right_ci'][1]:+.0f}] against "
+                         f"the cheapest ({su['front']['cheapest']}); within {recovered:.3f} from {RECOVERY_S:g} s "
+                         "after a burst's end (>= 0.95)")
+    return lines
+
+
 def plot(args: argparse.Namespace, path: Path) -> None:
     """Per controller cell: steady within-budget rate against accuracy, the controllers of every label
     and the static configurations."""
@@ -323,8 +471,10 @@ def plot(args: argparse.Namespace, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = steady_cells(args)
-    panels = sorted({(ld, b) for (lab, k, ld, b) in cells if k == "controller"})
+    processes = list(dict.fromkeys(["poisson", *(arrivals_of(r) for r in read_records(args.out))]))
+    by_process = {a: steady_cells(args, a) for a in processes}
+    panels = sorted({(a, ld, b) for a, cells in by_process.items() for (lab, k, ld, b) in cells if k == "controller"},
+                    key=lambda p: (processes.index(p[0]), p[1], p[2]))
     if not panels:
         return
     cols = min(3, len(panels))
@@ -332,10 +482,10 @@ def plot(args: argparse.Namespace, path: Path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
     markers = {"this": ("*", "tab:red", 160), "previous": ("s", "tab:blue", 60)}
     others = iter([("^", "tab:green", 60), ("v", "tab:purple", 60), ("D", "tab:orange", 50), ("P", "tab:brown", 60)])
-    for lab in sorted({k[0] for k in cells} - {"static", *markers}):
+    for lab in sorted({k[0] for cells in by_process.values() for k in cells} - {"static", *markers}):
         markers[lab] = next(others, ("o", "k", 40))
-    for ax, (load, budget) in zip(axes.flat, panels):
-        for (lab, kind, ld, b), (s, _) in cells.items():
+    for ax, (arrivals, load, budget) in zip(axes.flat, panels):
+        for (lab, kind, ld, b), (s, _) in by_process[arrivals].items():
             if (ld, b) != (load, budget):
                 continue
             if lab == "static":
@@ -345,7 +495,7 @@ def plot(args: argparse.Namespace, path: Path) -> None:
                 marker, color, size = markers[lab]
                 ax.scatter(s["within"], s["accuracy"], marker=marker, c=color, s=size, label=f"controller ({lab})",
                            zorder=3)
-        ax.set_title(f"load {load:g}, budget {budget:g} ms", fontsize=9)
+        ax.set_title(f"{arrivals}, load {load:g}, budget {budget:g} ms", fontsize=8)
         ax.set_xlabel("within budget (steady)", fontsize=8)
         ax.set_ylabel("accuracy (steady)", fontsize=8)
         ax.axvline(0.95, color="0.8", lw=0.8, ls="--")
@@ -362,6 +512,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--phase", choices=("run", "report"), default="run")
     p.add_argument("--cells", default="grid,midway,mixed", help="comma-separated: grid, midway, mixed")
+    p.add_argument("--arrivals", default="poisson", help="comma-separated arrival processes of the grid: poisson, "
+                   "gamma:CV, onoff:FACTOR:ON_S:OFF_S, file:PATH (serve/arrivals.py), each at the grid's mean loads")
+    p.add_argument("--statics", default="front", help="the static configurations run: front (every one on the "
+                   "served front) or a comma-separated list such as 2/4/12,6/4/14")
     p.add_argument("--deciders", default="controller,static", help="comma-separated: controller, static")
     p.add_argument("--workspace", type=Path, default=bs.CACHE / "serve-ws")
     p.add_argument("--run-id", default="bench-serve")
@@ -398,7 +552,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.phase == "report":
         su = json.loads(setup_path.read_text())
         print(report(args, su))
+        print(report_arrivals(args, su))
         print("\n".join(check_targets(args, su)))
+        print("\n".join(check_arrival_targets(args, su)))
         if args.plot:
             plot(args, args.plot)
         return
@@ -413,6 +569,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         su = setup(args, server, dataset, requests)
         done = {run_key(r, r["label"]) for r in read_records(args.out)}
         runs = [r for r in plan_runs(args, su) if run_key(r, args.label) not in done]
+        for spec in args.arrivals.split(","):
+            parse_arrivals(spec)  # a bad spec fails before any run
         seconds = sum(args.requests / (r["load"] * su["capacity_rps"]) for r in runs)
         print(f"{len(runs)} runs to go ({args.label}): about {seconds / 60:.0f} min", flush=True)
         for run in runs:

@@ -477,7 +477,9 @@ REQUESTS = TableSchema(
         Column("request_id", _S, "the response's id (chatcmpl-...)", **_KEY),
         Column("time", _TS, "when the request arrived"),
         Column("status", _S, "ok | cancelled (the client disconnected, or the server was stopped at once) | "
-                              "error | dropped (its budget had long passed in the queue: --queue-deadline)"),
+                              "error | dropped (its budget had long passed in the queue: --queue-deadline) | "
+                              "refused (503 on arrival: the requests ahead left too little of its budget for the "
+                              "cheapest configuration, --refuse-unreachable)"),
         Column("model", _S, "the served model's name"),
         Column("model_fingerprint", _S, "fingerprint of the model that answered"),
         Column("controller_run", _S, "run id or file of the controller; `request` when the request fixed its knobs"),
@@ -500,7 +502,11 @@ REQUESTS = TableSchema(
                                        "arrivals (docs/serving.md#load-aware-budgets); null before five", "1/s"),
         Column("arrival_cap_ms", _D, "the most a request could take so that the requests still to come, at that "
                                      "arrival rate, would on average meet a budget like this one (an M/G/1 queue's "
-                                     "mean waiting time); null without an arrival rate", "ms"),
+                                     "mean waiting time, Kingman's G/G/1 one under --burst-aware); null without an "
+                                     "arrival rate", "ms"),
+        Column("arrival_scv", _D, "the arrivals' variability the wait model read: the index of dispersion of the "
+                                  "arrival counts over windows of the budget, kept within [1, 16] (1: Poisson, "
+                                  "and always 1 under --no-burst-aware); null without an arrival rate"),
         Column("latency_scale", _D, "this machine's model time per ms of the controller's training latencies "
                                     "(docs/serving.md#latency-calibration)"),
         Column("budget_class", _S, "the budget over the cheapest configuration's expected time: <1x, 1-1.5x, "
@@ -513,6 +519,10 @@ REQUESTS = TableSchema(
         Column("feasible_rate", _D, "the share of the recently served requests' latencies at which the cheapest "
                                     "configuration would have met this budget, averaged over the class's recent "
                                     "requests; null for fixed knobs"),
+        Column("floor", _B, "the cheapest configuration's floor decided the request: its budget class's "
+                            "controller requests had recently met their budgets less often than a replay of the "
+                            "same arrivals at the cheapest configuration (docs/serving.md#the-cheapest-floor); "
+                            "null for requests that did not reach stage 1"),
         Column("controller_budget_ms", _D, "what both stages read, in the profile's ms: min(budget_left_ms, "
                                            "queue_cap_ms - after-stage-1 reserve, arrival_cap_ms - after-stage-1 "
                                            "reserve) x budget_margin / latency_scale", "ms"),

@@ -165,7 +165,7 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                  "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
                  "latency_scale_source": engine.latency_scale.source,
                  "met_target": engine.planner.met_target, "budget_margins": engine.planner.margins(),
-                 "feasible_rates": engine.planner.feasible_rates(),
+                 "feasible_rates": engine.planner.feasible_rates(), "floors": engine.planner.floor_states(),
                  "arrival_rate_rps": engine.planner.load(time.perf_counter())[0],
                  "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
                  "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
@@ -333,6 +333,7 @@ def _ctrl(row: dict[str, Any]) -> dict[str, Any]:
         "budget_margin": row.get("budget_margin"), "budget_class": row.get("budget_class"),
         "met_target": row.get("met_target"), "feasible_rate": row.get("feasible_rate"),
         "arrival_rate_rps": row.get("arrival_rate_rps"), "arrival_cap_ms": row.get("arrival_cap_ms"),
+        "arrival_scv": row.get("arrival_scv"), "floor": row.get("floor"),
         "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
         "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
     }

@@ -57,6 +57,15 @@ CLASS_MARGIN_FLOORS = tuple(max(MARGIN_BOUNDS[0], 1.0 / upper) for upper in (*BU
 ARRIVAL_WINDOW, ARRIVAL_MIN, ARRIVAL_HORIZON_S = 32, 5, 30.0
 #: requests the reserves and the feasibility estimate look back over
 OVERHEAD_WINDOW, SERVICE_WINDOW, FEASIBLE_WINDOW = 64, 64, 64
+#: the burst rate: over the last ``BURST_ARRIVALS`` arrivals, read instead of the windowed rate once it is
+#: ``BURST_RATIO`` times that (a Poisson stream reads so high about 3 % of the time)
+BURST_ARRIVALS, BURST_RATIO = 8, 2.0
+#: arrivals the dispersion of arrival counts is measured over (within ARRIVAL_HORIZON_S), the fewest
+#: windows it needs, and the range its reading is kept in (1: Poisson, never read as smoother)
+DISPERSION_ARRIVALS, DISPERSION_MIN_BINS, ARRIVAL_SCV_BOUNDS = 256, 8, (1.0, 16.0)
+#: the floor: arrivals replayed at the cheapest configuration, a class's recent controller requests
+#: compared with that replay, the fewest that decide, and how far below the replay they may fall
+FLOOR_ARRIVALS, FLOOR_WINDOW, FLOOR_MIN, FLOOR_TOLERANCE = 256, 64, 20, 0.02
 
 
 def guard_config(chosen: tuple[int, int, int], reference_ms: Mapping[tuple[int, int, int], float],
@@ -116,13 +125,16 @@ class Load:
     ``rate_adjustable``: requests whose cost the controller chooses; ``rate_other``: requests whose
     cost is not its choice (fixed knobs, budgets below the cheapest configuration), which took
     ``other_mean_ms`` on average with second moment ``other_m2_ms2``. ``service_scv``: the squared
-    coefficient of variation of the adjustable requests' service times (0: all alike)."""
+    coefficient of variation of the adjustable requests' service times (0: all alike); ``arrival_scv``:
+    the arrivals' variability (1: Poisson; the index of dispersion of their counts,
+    :meth:`ArrivalRate.dispersion`)."""
 
     rate_adjustable: float
     rate_other: float = 0.0
     other_mean_ms: float = 0.0
     other_m2_ms2: float = 0.0
     service_scv: float = 0.0
+    arrival_scv: float = 1.0
 
 
 def utilisation(service_ms: float, load: Load) -> float:
@@ -131,15 +143,21 @@ def utilisation(service_ms: float, load: Load) -> float:
 
 
 def mean_wait_ms(service_ms: float, load: Load) -> float:
-    """An M/G/1 queue's mean waiting time when every adjustable request takes ``service_ms`` (the
+    """A G/G/1 queue's mean waiting time when every adjustable request takes ``service_ms``: the
     Pollaczek-Khinchine formula ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) / (2 (1 - rho))``, with
-    ``E[S_a^2] = (1 + scv) service_ms^2``); infinite when ``rho >= 1``."""
+    ``E[S_a^2] = (1 + scv) service_ms^2``, exact for Poisson arrivals, plus Kingman's term for arrivals
+    of another variability, ``(arrival_scv - 1) / 2 * rho / (1 - rho) * E[S]`` (so that the whole is
+    Kingman's ``rho / (1 - rho) (c_a^2 + c_s^2) / 2 E[S]``); infinite when ``rho >= 1``."""
     rho = utilisation(service_ms, load)
     if rho >= 1.0:
         return math.inf
     second_moment = (load.rate_adjustable / 1000.0 * (1.0 + load.service_scv) * service_ms ** 2
                      + load.rate_other / 1000.0 * load.other_m2_ms2)
-    return second_moment / (2.0 * (1.0 - rho))
+    wait = second_moment / (2.0 * (1.0 - rho))
+    total_rate = (load.rate_adjustable + load.rate_other) / 1000.0
+    if load.arrival_scv != 1.0 and total_rate > 0:
+        wait += (load.arrival_scv - 1.0) / 2.0 * rho / (1.0 - rho) * (rho / total_rate)
+    return max(0.0, wait)
 
 
 def wait_exceeds(t_ms: float, rho: float, mean_wait: float) -> float:
@@ -201,25 +219,81 @@ def cheapest_met_share(costs_ms: Sequence[float], budget_ms: float, rate_per_s: 
 
 
 class ArrivalRate:
-    """Requests per second over the last ``window`` arrivals no older than ``horizon_s``:
-    ``(n - 1) / (now - oldest)``; None with fewer than ``minimum`` arrivals in that span."""
+    """Arrivals of one stream, as rates: :meth:`rate` over the last ``window`` arrivals no older than
+    ``horizon_s``; :meth:`burst_rate` that, or the rate of the last few arrivals where those come far
+    faster (a burst seen within a few arrivals); :meth:`dispersion` the variability of the counts."""
 
     def __init__(self, window: int = ARRIVAL_WINDOW, horizon_s: float = ARRIVAL_HORIZON_S,
                  minimum: int = ARRIVAL_MIN) -> None:
-        self.horizon_s, self.minimum = float(horizon_s), max(2, int(minimum))
-        self._times: deque[float] = deque(maxlen=int(window))
+        self.window, self.horizon_s, self.minimum = int(window), float(horizon_s), max(2, int(minimum))
+        self._times: deque[float] = deque(maxlen=max(int(window), DISPERSION_ARRIVALS))
         self._lock = threading.Lock()
 
     def observe(self, at_s: float) -> None:
         with self._lock:
             self._times.append(float(at_s))
 
-    def rate(self, now_s: float) -> float | None:
+    def _recent(self, now_s: float, count: int | None = None) -> list[float]:
         with self._lock:
-            recent = [t for t in self._times if now_s - t <= self.horizon_s]
+            times = list(self._times)
+        if count is not None:
+            times = times[-count:]
+        return [t for t in times if now_s - t <= self.horizon_s]
+
+    def rate(self, now_s: float) -> float | None:
+        """``(n - 1) / (now - oldest)`` over the last ``window`` arrivals in the horizon; None with fewer
+        than ``minimum``."""
+        recent = self._recent(now_s, self.window)
         if len(recent) < self.minimum or now_s <= recent[0]:
             return None
         return (len(recent) - 1) / (now_s - recent[0])
+
+    def burst_rate(self, now_s: float) -> float | None:
+        """:meth:`rate`, or the rate of the last :data:`BURST_ARRIVALS` arrivals where that is at least
+        :data:`BURST_RATIO` times it."""
+        rate = self.rate(now_s)
+        last = self._recent(now_s, BURST_ARRIVALS)
+        if rate is None or len(last) < BURST_ARRIVALS or now_s <= last[0]:
+            return rate
+        short = (len(last) - 1) / (now_s - last[0])
+        return short if short >= BURST_RATIO * rate else rate
+
+    def dispersion(self, now_s: float, bin_s: float) -> float | None:
+        """The index of dispersion (variance over mean) of the arrival counts in consecutive windows of
+        ``bin_s`` ending now, over the arrivals kept in the horizon: 1 for a Poisson stream, more for a
+        bursty one; None with fewer than :data:`DISPERSION_MIN_BINS` windows or arrivals."""
+        recent = self._recent(now_s)
+        if not bin_s > 0 or len(recent) < DISPERSION_MIN_BINS:
+            return None
+        bins = int((now_s - recent[0]) // bin_s)
+        if bins < DISPERSION_MIN_BINS:
+            return None
+        counts = [0] * bins
+        for t in recent:
+            index = int((now_s - t) // bin_s)
+            if index < bins:
+                counts[index] += 1
+        mean = sum(counts) / bins
+        if mean <= 0:
+            return None
+        return sum((c - mean) ** 2 for c in counts) / (bins - 1) / mean
+
+
+def replay_cheapest(arrivals: Sequence[tuple[float, float]], costs_ms: Sequence[float]) -> list[bool]:
+    """Whether each of ``arrivals`` ((arrival s, budget ms), in arrival order) would have met its budget
+    had every one of them been served first come first served at the cheapest configuration: request
+    n takes ``costs_ms[n % len(costs_ms)]`` and waits ``W_n = max(0, W_{n-1} + S_{n-1} - gap)``
+    (Lindley's recursion); the real arrival times, bursts included. All False without costs."""
+    if not costs_ms:
+        return [False] * len(arrivals)
+    met, wait, previous, cost = [], 0.0, None, 0.0
+    for n, (at_s, budget_ms) in enumerate(arrivals):
+        if previous is not None:
+            wait = max(0.0, wait + cost - (at_s - previous) * 1000.0)
+        cost = costs_ms[n % len(costs_ms)]
+        met.append(wait + cost <= budget_ms)
+        previous = at_s
+    return met
 
 
 def _p90(values: Sequence[float]) -> float:
@@ -247,7 +321,9 @@ class BudgetPlan:
     met_target: float | None  # the class's target: min(--met-target, feasible rate)
     feasible_rate: float | None  # the class's recent share the cheapest configuration would meet (cheapest_met_share)
     controller_budget_ms: float  # what the controller reads, in the profile's ms
-    cheapest: bool  # below every reference latency: the cheapest configuration, the controller not asked
+    cheapest: bool  # the cheapest configuration, the controller not asked: below every reference, or the floor
+    arrival_scv: float | None = None  # the arrivals' variability the wait model read (1: Poisson)
+    floor: bool = False  # the class's controller requests fell below the cheapest configuration's replay
 
     def record(self) -> dict[str, float | str | bool | None]:
         return asdict(self)
@@ -258,12 +334,17 @@ class BudgetPlanner:
     the margins of the budget classes. Thread-safe: handlers record arrivals while the worker plans."""
 
     def __init__(self, reference_ms: Mapping[tuple[int, int, int], float], latency_scale: LatencyScale, *,
-                 met_target: float | None, queue_aware: bool = True, load_aware: bool = True) -> None:
+                 met_target: float | None, queue_aware: bool = True, load_aware: bool = True,
+                 burst_aware: bool = True, cheapest_floor: bool = True) -> None:
         self.latency_scale = latency_scale
         reference = {k: v for k, v in reference_ms.items() if math.isfinite(v) and v > 0}
         self.cheapest_reference_ms = min(reference.values()) if reference else None
         self.met_target = met_target
         self.queue_aware, self.load_aware = bool(queue_aware), bool(load_aware)
+        self.burst_aware, self.cheapest_floor = bool(burst_aware), bool(cheapest_floor)
+        self._history: deque[tuple[float, float]] = deque(maxlen=FLOOR_ARRIVALS)  # (arrival s, budget ms)
+        self._kept: dict[int, deque[bool]] = {}  # per class, whether its controller requests met their budgets
+        self._floor_on: dict[int, bool] = {}
         self.initial_margin = 1.0
         self._margins: dict[int, BudgetMargin] = {}
         self._feasible: dict[int, deque[float]] = {}
@@ -276,9 +357,22 @@ class BudgetPlanner:
         self._lock = threading.Lock()
 
     # -- what the server measures
-    def observe_arrival(self, at_s: float, adjustable: bool) -> None:
-        """A request entered the queue (``adjustable``: the controller will choose its cost)."""
+    def observe_arrival(self, at_s: float, adjustable: bool, budget_ms: float | None = None) -> None:
+        """A request reached the server (``adjustable``: the controller will choose its cost); with its
+        ``budget_ms``, it is one of the arrivals the floor replays."""
         self._arrivals[bool(adjustable)].observe(at_s)
+        if budget_ms is not None:
+            with self._lock:
+                self._history.append((float(at_s), float(budget_ms)))
+
+    def observe_kept(self, budget_ms: float, met: bool) -> None:
+        """How a request the controller was to decide ended: within its budget, or not (late, refused,
+        dropped). The floor compares these, per class, with the cheapest configuration's replay."""
+        index = self.class_of(budget_ms)
+        if index == 0:
+            return
+        with self._lock:
+            self._kept.setdefault(index, deque(maxlen=FLOOR_WINDOW)).append(bool(met))
 
     def observe_served(self, *, after_ms: float, service_ms: float, adjustable: bool,
                        model_over_reference: float | None) -> None:
@@ -329,12 +423,21 @@ class BudgetPlanner:
         after, reply = self.reserve_ms()
         return self.cheapest_reference_ms * (self.latency_scale.value if scale is None else scale) + after + reply
 
-    def load(self, now_s: float) -> tuple[float | None, Load | None]:
-        """(the adjustable arrival rate, the :class:`Load` now); (None, None) before enough arrivals."""
-        rate_a = self._arrivals[True].rate(now_s)
+    def load(self, now_s: float, budget_ms: float | None = None) -> tuple[float | None, Load | None]:
+        """(the adjustable arrival rate, the :class:`Load` now); (None, None) before enough arrivals.
+        Burst-aware (the default), the rates are :meth:`ArrivalRate.burst_rate` and, given the budget,
+        the arrivals' variability is their counts' dispersion over windows of that budget."""
+        streams = self._arrivals
+        rate_of = (lambda s: s.burst_rate(now_s)) if self.burst_aware else (lambda s: s.rate(now_s))
+        rate_a = rate_of(streams[True])
         if rate_a is None:
             return None, None
-        rate_o = self._arrivals[False].rate(now_s) or 0.0
+        rate_o = rate_of(streams[False]) or 0.0
+        arrival_scv = 1.0
+        if self.burst_aware and budget_ms is not None and budget_ms > 0:
+            dispersion = streams[True].dispersion(now_s, budget_ms / 1000.0)
+            if dispersion is not None:
+                arrival_scv = min(ARRIVAL_SCV_BOUNDS[1], max(ARRIVAL_SCV_BOUNDS[0], dispersion))
         with self._lock:
             adjustable, other = list(self._service[True]), list(self._service[False])
         scv = 0.0
@@ -344,7 +447,7 @@ class BudgetPlanner:
             scv = min(3.0, var / mean ** 2) if mean > 0 else 0.0
         mean_o = sum(other) / len(other) if other else 0.0
         m2_o = sum(s * s for s in other) / len(other) if other else 0.0
-        return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv)
+        return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv, arrival_scv)
 
     def class_of(self, budget_ms: float) -> int:
         return budget_class(budget_ms, self.cheapest_ms())
@@ -378,7 +481,7 @@ class BudgetPlanner:
         queue_cap = None
         if self.queue_aware and cheapest_ms is not None and waiting_left_ms and not fixed:
             queue_cap = queue_cap_ms(waiting_left_ms, cheapest_ms - reply)
-        rate, load = self.load(now_s)
+        rate, load = self.load(now_s, budget_ms - reply)
         arrival_cap = None
         if self.load_aware and load is not None and not fixed and index > 0:
             arrival_cap = arrival_cap_ms(budget_ms - reply, load)
@@ -392,12 +495,44 @@ class BudgetPlanner:
             if cap is not None:
                 decided = min(decided, cap - after)
         controller_budget = decided * margin / scale
+        floor = not fixed and index > 0 and self.cheapest_floor and self._floor_active(index, cheapest_ms)
         cheapest = (not fixed and self.cheapest_reference_ms is not None
-                    and controller_budget < self.cheapest_reference_ms)
+                    and (floor or controller_budget < self.cheapest_reference_ms))
         return BudgetPlan(budget_ms, spent_ms, reserve, reply, budget_left, queue_cap, rate, arrival_cap, scale,
-                          class_name(index), margin, target, feasible, controller_budget, cheapest)
+                          class_name(index), margin, target, feasible, controller_budget, cheapest,
+                          None if load is None else load.arrival_scv, floor)
+
+    def floor_states(self) -> dict[str, bool]:
+        """Per class with controller requests, whether the floor decides its requests now."""
+        with self._lock:
+            return {class_name(i): on for i, on in sorted(self._floor_on.items())}
 
     # -- internals
+    def _floor_active(self, index: int, cheapest_ms: float | None) -> bool:
+        """Whether the class's recent controller requests met their budgets less often than the cheapest
+        configuration would have (:func:`replay_cheapest` of the recent arrivals at the recently served
+        costs) by more than :data:`FLOOR_TOLERANCE`; once on, until they meet them as often."""
+        if self.cheapest_reference_ms is None or cheapest_ms is None:
+            return False
+        with self._lock:
+            kept = list(self._kept.get(index, ()))
+            history = list(self._history)
+            served = list(self._served)
+            reply = _p90(list(self._reply))
+            was_on = self._floor_on.get(index, False)
+        if len(kept) < FLOOR_MIN or not served:
+            return False
+        costs = [ratio * self.cheapest_reference_ms + after + reply for ratio, after in served]
+        replayed = [met for (_, budget), met in zip(history, replay_cheapest(history, costs))
+                    if budget_class(budget, cheapest_ms) == index][-FLOOR_WINDOW:]
+        if len(replayed) < FLOOR_MIN:
+            return False
+        cheapest_share, kept_share = sum(replayed) / len(replayed), sum(kept) / len(kept)
+        on = kept_share < cheapest_share - (0.0 if was_on else FLOOR_TOLERANCE)
+        with self._lock:
+            self._floor_on[index] = on
+        return on
+
     def _margin(self, index: int) -> BudgetMargin:
         with self._lock:
             margin = self._margins.get(index)

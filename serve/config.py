@@ -82,6 +82,18 @@ class ServeConfig:
         "Cap the budget the controller reads by what the requests still to come, at the arrival rate observed, "
         "need to meet budgets like it on average: an M/G/1 queue's mean waiting time "
         "(docs/serving.md#load-aware-budgets)."))
+    burst_aware: bool = field(default=True, metadata=_help(
+        "Read arrivals as bursty as they are: the arrival rate of the last 8 requests where it is at least twice "
+        "the windowed one (a burst seen within a few arrivals), and a G/G/1 wait (Kingman) with the arrival "
+        "counts' dispersion over windows of the budget (docs/serving.md#bursty-arrivals)."))
+    refuse_unreachable: bool = field(default=True, metadata=_help(
+        "Refuse at once (503 budget_unreachable, with Retry-After) a request with a latency_budget_ms of its own "
+        "and no fixed knobs when the requests ahead of it, at the cheapest configuration, leave too little of its "
+        "budget for the cheapest configuration, instead of queueing it to fail (docs/serving.md#overload)."))
+    cheapest_floor: bool = field(default=True, metadata=_help(
+        "Per budget class, decide requests at the cheapest configuration while the class's controller requests "
+        "have recently met their budgets less often than a replay of the same arrivals at the cheapest "
+        "configuration would have (docs/serving.md#the-cheapest-floor)."))
     config_guard: bool = field(default=True, metadata=_help(
         "After stage 2, replace a configuration whose median on this machine (its reference latency times its "
         "own measured scale) exceeds the budget the controller read by the largest one at the same crops that "

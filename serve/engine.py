@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import queue
 import threading
 import time
 import uuid
@@ -60,14 +59,15 @@ from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
+from serve.queueing import DeadlineQueue
 from serve.request_log import RequestLog, RequestLogGone
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
 MAX_CROPS_LIMIT = 15
 #: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
 PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",
-                "arrival_cap_ms", "latency_scale", "budget_class", "budget_margin", "met_target", "feasible_rate",
-                "controller_budget_ms")
+                "arrival_cap_ms", "arrival_scv", "latency_scale", "budget_class", "budget_margin", "met_target",
+                "feasible_rate", "floor", "controller_budget_ms")
 #: the measured parts of a request (request-log columns ``latency_<part>_ms``, the reply's ``ctrl.latency_ms``)
 LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
 
@@ -189,6 +189,18 @@ class Overloaded(RequestError):
         self.retry_after_s = retry_after_s
 
 
+class BudgetUnreachable(Overloaded):
+    """Refused on arrival: the requests ahead of it, each at the cheapest configuration, leave too little of
+    its budget for even the cheapest configuration (HTTP 503, Retry-After: when the queue will have drained)."""
+
+    def __init__(self, wait_ms: float, budget_ms: float, retry_after_s: int) -> None:
+        RequestError.__init__(self, 503, f"the requests ahead of this one need {milliseconds(wait_ms)} of the model "
+                                         f"at the least, which leaves too little of its latency budget of "
+                                         f"{milliseconds(budget_ms)} for any configuration; retry in "
+                                         f"{retry_after_s} s", "latency_budget_ms", "budget_unreachable")
+        self.retry_after_s = retry_after_s
+
+
 class Engine:
     """The model, the controller, the queue and the worker thread that runs requests."""
 
@@ -196,10 +208,12 @@ class Engine:
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
-                 guard: bool = True, queue_deadline: float = 0.0) -> None:
+                 guard: bool = True, queue_deadline: float = 0.0, burst_aware: bool = True,
+                 refuse_unreachable: bool = True, cheapest_floor: bool = True) -> None:
         self.runtime, self.decider = runtime, decider
         self.guard = bool(guard)
         self.queue_deadline = float(queue_deadline)
+        self.refuse_unreachable = bool(refuse_unreachable)
         self.model_name = model_name
         self.max_queue = int(max_queue)
         self.default_budget_ms = float(default_budget_ms if default_budget_ms is not None
@@ -210,11 +224,14 @@ class Engine:
         self.latency_scale = latency_scale if latency_scale is not None else LatencyScale(
             decider.reference_latency_ms)
         self.planner = BudgetPlanner(decider.reference_latency_ms, self.latency_scale, met_target=met_target,
-                                     queue_aware=queue_aware, load_aware=load_aware)
+                                     queue_aware=queue_aware, load_aware=load_aware, burst_aware=burst_aware,
+                                     cheapest_floor=cheapest_floor)
         # below every configuration's reference latency the controller would extrapolate
         self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        # the worker's share of the cheapest configuration's time (the reply's write is the handler's)
+        self._jobs: DeadlineQueue[Job] = DeadlineQueue(self._cheapest_worker_ms, time.perf_counter)
+        self._running_since: float | None = None  # perf_counter when the worker took the request it runs
         self._reserved = 0  # places taken: bodies being read, requests waiting, the one running
         self._pending = 0  # waiting + running
         self._lock = threading.Lock()
@@ -236,7 +253,7 @@ class Engine:
     def stop(self) -> None:
         """Finish the queued requests (or, after :meth:`abort`, cancel them), then stop the worker and close the log."""
         if self._worker is not None:
-            self._jobs.put(None)
+            self._jobs.close()
             self._worker.join()
             self._worker = None
         self.timer.close()
@@ -251,10 +268,22 @@ class Engine:
         return sum(self.planner.reserve_ms())
 
     def _waiting_left_ms(self, now: float) -> list[float]:
-        """The budget not yet spent of each request waiting now, in queue order."""
-        with self._jobs.mutex:  # a snapshot: the handler threads append while this reads
-            waiting = [j for j in self._jobs.queue if j is not None]
-        return [j.budget_ms - (now - j.arrival) * 1000.0 for j in waiting]
+        """The budget not yet spent of each request waiting now, in the order they will be served."""
+        return [j.budget_ms - (now - j.arrival) * 1000.0 for j in self._jobs.snapshot()]
+
+    def _cheapest_worker_ms(self) -> float | None:
+        """The cheapest configuration's expected time on the worker (its served time less the reply's write)."""
+        cheapest = self.planner.cheapest_ms()
+        return None if cheapest is None else cheapest - self.planner.reserve_ms()[1]
+
+    def _running_left_ms(self, now: float) -> float:
+        """What the running request is expected still to take: the median worker time of the last
+        requests less the time it has run (0 when none runs)."""
+        since = self._running_since
+        if since is None:
+            return 0.0
+        typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 0.0
+        return max(0.0, typical - (now - since)) * 1000.0
 
     @property
     def pending(self) -> int:
@@ -310,8 +339,36 @@ class Engine:
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
         adjustable = job.request.knobs is None and self.planner.class_of(job.budget_ms) > 0
-        self.planner.observe_arrival(job.arrival, adjustable)  # when it reached the server, not when parsed
+        # when it reached the server, not when parsed
+        self.planner.observe_arrival(job.arrival, adjustable, job.budget_ms)
+        try:
+            self._admit(job)
+        except BudgetUnreachable as refused:
+            self._release(ran=True)
+            self._record(job, "refused", queue_ms=0.0, error=refused.message)
+            raise
         self._jobs.put(job)
+
+    def _admit(self, job: Job) -> None:
+        """Raise :class:`BudgetUnreachable` for a request with a budget of its own and knobs for the
+        controller to choose when the server is busy and the requests to be served before it (the one
+        running, at its typical time left; those waiting with earlier deadlines, at the cheapest
+        configuration) would leave less of its budget than the cheapest configuration takes."""
+        if not self.refuse_unreachable or job.budget_source != "request" or job.request.knobs is not None:
+            return
+        cheapest, worker = self.planner.cheapest_ms(), self._cheapest_worker_ms()
+        if cheapest is None or worker is None:
+            return
+        now = time.perf_counter()
+        ahead = self._jobs.ahead_of(job.arrival + job.budget_ms / 1000.0)
+        wait_ms = self._running_left_ms(now) + len(ahead) * worker
+        if wait_ms <= 0:  # an idle server runs it, whatever its budget
+            return
+        spent_ms = (now - job.arrival) * 1000.0
+        if spent_ms + wait_ms + cheapest <= job.budget_ms:
+            return
+        backlog_ms = self._running_left_ms(now) + len(self._jobs) * worker
+        raise BudgetUnreachable(wait_ms, job.budget_ms, max(1, math.ceil(backlog_ms / 1000.0)))
 
     def _refuse_if_full(self) -> None:
         """(under ``_lock``) :class:`Overloaded` when ``max_queue + 1`` places are taken (one running, the
@@ -331,7 +388,7 @@ class Engine:
                 job = self._jobs.get()
                 if job is None:
                     return
-                started = time.perf_counter()
+                started = self._running_since = time.perf_counter()
                 outcome: Result | BaseException
                 try:
                     outcome = self._expired(job) or self.execute(job)
@@ -339,6 +396,7 @@ class Engine:
                     outcome = exc
                 finally:  # the slot is free before the answer leaves: a client's next request finds room
                     self._service_s.append(time.perf_counter() - started)
+                    self._running_since = None
                     self._release(ran=True)
                 job.finish(outcome)
 
@@ -507,7 +565,11 @@ class Engine:
             return row
         if status == "ok" and decider is not None and total is not None and plan is not None:
             # judged on the client's clock: the reply's time comes after the server's total
-            self.planner.observe_outcome(plan, total + plan.reply_reserve_ms <= job.budget_ms)
+            kept = total + plan.reply_reserve_ms <= job.budget_ms
+            self.planner.observe_outcome(plan, kept)
+            self.planner.observe_kept(job.budget_ms, kept)  # the floor's own decisions too: it stops once they keep up
+        elif status in ("refused", "dropped") and decider is not None:
+            self.planner.observe_kept(job.budget_ms, False)
         if self.log is not None:
             try:
                 recorded = self.log.append(row)

@@ -1,7 +1,8 @@
 """Prometheus metrics of a server (``GET /metrics``), in a registry of its own.
 
 ctrl_requests_total{status}            ok, cancelled, error (500), rejected (queue full, request log gone),
-                                       dropped (the queue deadline), invalid (4xx)
+                                       refused (budget unreachable on arrival), dropped (the queue deadline),
+                                       invalid (4xx)
 ctrl_budget_total{outcome}             met / missed, of the requests answered
 ctrl_request_latency_seconds           histogram of the end-to-end latency (arrival to answer)
 ctrl_stage_latency_seconds{stage}      histogram per stage: parse, queue, stage1, preprocess, vision,

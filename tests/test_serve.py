@@ -888,10 +888,11 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
                               datetime.now(UTC), 0.0))
     row = engine.execute(new_job(ChatRequest("embedded", "What color?", image, 2, 900.0), engine, now,
                                  datetime.now(UTC), 0.0)).record
-    # cheapest served = 8 x 2 + reserve (0: nothing served before); the second waiting: 100 - 2 x 16 = 68
-    # (less the few ms since the jobs arrived), below the first's 300 - 16 and this request's own 900
+    # cheapest served = 8 x 2 + reserve (0: nothing served before); the waiting are served earliest deadline
+    # first, so the 100 ms one is next: 100 - 1 x 16 = 84 (less the few ms since the jobs arrived), below
+    # the 300 ms one's 300 - 2 x 16 and this request's own 900
     assert row["reserve_ms"] == 0.0
-    assert 60.0 < row["queue_cap_ms"] <= 68.0
+    assert 76.0 < row["queue_cap_ms"] <= 84.0
     assert decider.budgets[0] == pytest.approx(row["queue_cap_ms"] / 2.0)
     assert row["budget_left_ms"] > 800.0  # its own budget, uncapped, is still recorded
     engine.planner.queue_aware = False
@@ -942,6 +943,45 @@ def test_arrivals_are_counted_at_the_door_apart_by_who_chooses_their_cost(embedd
     assert rate == pytest.approx(10.0)  # (5 - 1) / (0.4 - 0.0): the five controller arrivals only
     assert load.rate_other == 0.0  # two others: too few for a rate of their own
     engine.stop()
+
+
+def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_runtime, tmp_path):
+    """Five requests wait, each at least the cheapest configuration's 200 ms: a sixth with a 1000 ms budget
+    would need 5 x 200 + 200 ms; refused with 503 and recorded, while one with room, one with fixed knobs
+    and one without a budget of its own are queued."""
+    import json
+
+    from pipeline.workspace import Workspace
+    from serve.calibration import LatencyScale
+    from serve.engine import BudgetUnreachable, Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider({(2, 2, 3): 150.0, (1, 2, 3): 100.0})  # the cheapest: 100 ms x scale 2
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=16, default_budget_ms=None,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")),
+                    latency_scale=LatencyScale(decider.reference_latency_ms, fixed=2.0), met_target=0.95)
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+
+    def job(budget, knobs=None):
+        return new_job(ChatRequest("embedded", "What color?", image, 2, budget, knobs=knobs), engine,
+                       time.perf_counter(), datetime.now(UTC), 0.0)
+
+    engine.submit(job(50.0))  # below the cheapest configuration, but nothing is ahead: queued
+    for _ in range(4):
+        engine.submit(job(1000.0))  # the 50 ms one can no longer make it: only these four count as ahead
+    engine.submit(job(1150.0))  # 4 x 200 + 200 = 1000 <= 1150: queued
+    with pytest.raises(BudgetUnreachable) as refused:
+        engine.submit(job(1190.0))  # now 5 x 200 ahead + 200 > 1190
+    assert refused.value.status == 503 and refused.value.code == "budget_unreachable"
+    assert refused.value.retry_after_s == 2  # the six waiting at 200 ms: 1.2 s
+    engine.submit(job(1190.0, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3}))  # its own knobs
+    engine.submit(job(None))  # no budget of its own (the default)
+    assert engine.pending == 8
+    engine.stop()
+    rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
+    assert [(r["status"], r["budget_ms"]) for r in rows] == [("refused", 1190.0)]
+    assert "1,000 ms of the model at the least" in rows[0]["error"]
 
 
 def test_a_model_that_needs_an_image_refuses_a_question_without_one(embedded_runtime, tmp_path):

@@ -1,0 +1,90 @@
+"""The order the waiting requests are served in: earliest deadline first among those that can still
+make their budgets, then the rest.
+
+A request's deadline is its arrival plus its budget. When the worker takes the next request, those
+whose deadline is at least the cheapest configuration's expected time away (they can still be
+answered within their budgets) go first, earliest deadline first; the others (late whatever is
+chosen for them) after, oldest first, until the queue deadline drops them. With one budget for
+every request this is first come, first served; with mixed budgets a tight budget is not stuck
+behind a loose one, and in a burst a request that can still make it is not stuck behind one that
+cannot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+
+class Deadlined(Protocol):
+    arrival: float  # perf_counter seconds
+    budget_ms: float
+
+
+T = TypeVar("T", bound=Deadlined)
+
+
+def service_order(deadlines_s: Sequence[float], now_s: float, cheapest_s: float) -> list[int]:
+    """The indices of the waiting requests (``deadlines_s`` in arrival order) in the order to serve
+    them: those with ``deadline - now >= cheapest_s`` by deadline (ties by arrival), then the others
+    by arrival."""
+    feasible = [i for i, d in enumerate(deadlines_s) if d - now_s >= cheapest_s]
+    late = [i for i, d in enumerate(deadlines_s) if d - now_s < cheapest_s]
+    return sorted(feasible, key=lambda i: (deadlines_s[i], i)) + late
+
+
+class DeadlineQueue(Generic[T]):
+    """Waiting requests, taken in :func:`service_order`; ``cheapest_ms`` says what the cheapest
+    configuration is expected to take now (None: unknown, read as 0). :meth:`close` lets
+    :meth:`get` return None once the queue is empty."""
+
+    def __init__(self, cheapest_ms: Callable[[], float | None], clock: Callable[[], float]) -> None:
+        self._cheapest_ms, self._clock = cheapest_ms, clock
+        self._items: list[T] = []
+        self._closed = False
+        self._ready = threading.Condition()
+
+    def put(self, item: T) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def close(self) -> None:
+        """No more items: :meth:`get` returns the rest, then None."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    def _order(self) -> list[int]:
+        cheapest_s = (self._cheapest_ms() or 0.0) / 1000.0
+        deadlines = [item.arrival + item.budget_ms / 1000.0 for item in self._items]
+        return service_order(deadlines, self._clock(), cheapest_s)
+
+    def get(self) -> T | None:
+        """The next item to serve (waits for one); None once closed and empty."""
+        with self._ready:
+            while not self._items and not self._closed:
+                self._ready.wait()
+            if not self._items:
+                return None
+            return self._items.pop(self._order()[0])
+
+    def snapshot(self) -> list[T]:
+        """The waiting items, in the order they would be served now."""
+        with self._ready:
+            return [self._items[i] for i in self._order()]
+
+    def ahead_of(self, deadline_s: float) -> list[T]:
+        """The waiting items that would be served before a request with ``deadline_s`` that can still
+        make it: those that can still make theirs, with an earlier or equal deadline."""
+        with self._ready:
+            cheapest_s = (self._cheapest_ms() or 0.0) / 1000.0
+            now = self._clock()
+            return [item for item in self._items
+                    if item.arrival + item.budget_ms / 1000.0 <= deadline_s
+                    and item.arrival + item.budget_ms / 1000.0 - now >= cheapest_s]
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._items)
