@@ -16,9 +16,11 @@ profile or the controller) and the ``ctrl serve`` subprocess are those of ``benc
 * the served front: every configuration of the action space answers ``--front-requests`` requests one
   at a time, interleaved; per configuration its median client latency and the profile's held-out
   accuracy; the Pareto front of the two;
-* the **default configuration's service time**: one client sends ``--capacity-requests`` requests back
-  to back without a budget (the server's default budget, the controller deciding) after a warm-up;
-  the capacity is the answered requests per second and the service time its inverse.
+* the **default configuration's service time**: after a warm-up, one client sends ``--capacity-requests``
+  requests without a budget (the server's default budget, the controller deciding), each
+  ``--capacity-pause-s`` after the last one's answer (``--capacity paced``: the sequential service time,
+  the mean client latency; the capacity is its inverse) or back to back (``--capacity back-to-back``:
+  the answered requests per second; the load-aware cap reads such a client as saturating the server);
 
 Cells (``--cells``):
 
@@ -166,8 +168,17 @@ def setup(args: argparse.Namespace, server: Any, dataset: str, requests: list[An
     order = np.random.default_rng([args.seed, 4]).permutation(len(requests))
     pick = [requests[int(i)] for i in np.resize(order, args.calibration_warmup + args.capacity_requests)]
     bs.run_back_to_back(server.port, dataset, [(r, None, None) for r in pick[:args.calibration_warmup]])
-    outs, wall = bs.run_back_to_back(server.port, dataset, [(r, None, None) for r in pick[args.calibration_warmup:]])
-    capacity = sum(o.status == 200 for o in outs) / wall
+    if args.capacity == "paced":  # each request on an idle server that has seen no load: the sequential service time
+        outs = []
+        for r in pick[args.calibration_warmup:]:
+            outs += bs.run_back_to_back(server.port, dataset, [(r, None, None)])[0]
+            time.sleep(args.capacity_pause_s)
+        answered = [o.latency_ms for o in outs if o.status == 200]
+        capacity = 1000.0 / (sum(answered) / len(answered))
+    else:
+        outs, wall = bs.run_back_to_back(server.port, dataset,
+                                         [(r, None, None) for r in pick[args.calibration_warmup:]])
+        capacity = sum(o.status == 200 for o in outs) / wall
     front_ms = {r["config"]: r["client_ms"] for r in front["configs"]}
     result = {"front": front, "capacity_rps": capacity, "service_ms": 1000.0 / capacity,
               "default_configs": dict(bs.Counter(o.knobs for o in outs if o.knobs)),
@@ -528,6 +539,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--front-requests", type=int, default=20)
     p.add_argument("--calibration-warmup", type=int, default=20)
     p.add_argument("--capacity-requests", type=int, default=60)
+    p.add_argument("--capacity", choices=("paced", "back-to-back"), default="paced",
+                   help="how the default configuration's service time is measured: paced (one request at a time, "
+                   "--capacity-pause-s apart, so that the server reads no load: the sequential service time) or "
+                   "back-to-back (one client without pauses: the load-aware cap reads that as saturation and moves "
+                   "the controller towards the cheapest configuration)")
+    p.add_argument("--capacity-pause-s", type=float, default=1.0)
     p.add_argument("--loads", default="0.5,0.7,0.9")
     p.add_argument("--multiples", default="1.5,2,3")
     p.add_argument("--midway-load", type=float, default=0.5)

@@ -487,6 +487,9 @@ REQUESTS = TableSchema(
         Column("budget_ms", _D, "the request's latency budget", "ms"),
         Column("budget_source", _S, "request | default (the request set no latency_budget_ms)"),
         Column("queue_length", _L, "requests waiting or running when it arrived"),
+        Column("unreachable", _B, "on arrival, the requests ahead left too little of its budget for the cheapest "
+                                  "configuration, and it asked to be run anyway (when_unreachable: run): it ran at "
+                                  "the cheapest configuration (docs/serving.md#overload)"),
         Column("waited_ms", _D, "arrival to stage 1 (parsing, image decoding, queue): what stage 1 subtracts "
                                 "from the budget", "ms"),
         Column("reserve_ms", _D, "reserve for what the request costs outside the model's profiled path after stage 1 "

@@ -110,6 +110,9 @@ class Job:
     deltas: asyncio.Queue[str] | None = None
     #: the sampling seed: the request's, or one drawn for it (recorded); None for greedy decoding
     seed: int | None = None
+    #: admitted although the queue ahead left its budget no room (``when_unreachable: run``): it runs at the
+    #: cheapest configuration
+    unreachable: bool = False
 
     def emit(self, text: str) -> None:
         """Queue a part of a streamed answer for the handler (thread-safe; never waits for the client)."""
@@ -367,6 +370,9 @@ class Engine:
         spent_ms = (now - job.arrival) * 1000.0
         if spent_ms + wait_ms + cheapest <= job.budget_ms:
             return
+        if job.request.when_unreachable == "run":
+            job.unreachable = True
+            return
         backlog_ms = self._running_left_ms(now) + len(self._jobs) * worker
         raise BudgetUnreachable(wait_ms, job.budget_ms, max(1, math.ceil(backlog_ms / 1000.0)))
 
@@ -434,7 +440,7 @@ class Engine:
                     plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
                                              waiting_left_ms=() if fixed else self._waiting_left_ms(now))
                     controller_budget_ms = plan.controller_budget_ms  # in the controller's units
-                    if plan.cheapest and self.cheapest:
+                    if (plan.cheapest or job.unreachable) and self.cheapest:
                         decider = self.cheapest
                     choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)
@@ -449,7 +455,7 @@ class Engine:
                         lang, tiling, controller_budget_ms, prefix.image_feature,
                         prefix.latency_token if p > 0 else None))
                     guarded_from = None
-                    if p == 0 and not fixed and not plan.cheapest and self.guard:
+                    if p == 0 and not fixed and not plan.cheapest and not job.unreachable and self.guard:
                         chosen = (choice.max_crops, int(top_k), int(blocks))
                         run = guard_config(chosen, self.latency_scale.reference_ms, self.latency_scale.of,
                                            controller_budget_ms * plan.latency_scale)
@@ -551,6 +557,7 @@ class Engine:
             "controller_run": decider.controller_run if decider else "request",
             "controller_phase": decider.phase if decider else "request",
             "budget_ms": job.budget_ms, "budget_source": job.budget_source, "queue_length": job.queue_length,
+            "unreachable": job.unreachable,
             "waited_ms": waited_ms,
             **{name: getattr(plan, name, None) for name in PLAN_COLUMNS},
             "decided_by": decided_by, "question_group": question_group, "guarded_from": guarded_from,

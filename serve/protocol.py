@@ -7,8 +7,10 @@ are earlier turns, since the model has no chat template for them. ``stream`` (wi
 ``stream_options.include_usage``), ``stop`` (up to 4 strings), ``temperature`` (0: greedy),
 ``top_p`` and ``seed`` are honoured; ``n`` other than 1, penalties, ``best_of``, ``echo``,
 ``logprobs``, tools and response formats are refused with a 400 naming the field. Extensions:
-``latency_budget_ms`` (positive, finite) and ``knobs`` (fixed max_crops / top_k /
-num_active_blocks instead of the controller's choice).
+``latency_budget_ms`` (positive, finite), ``knobs`` (fixed max_crops / top_k /
+num_active_blocks instead of the controller's choice) and ``when_unreachable`` (``refuse``, the
+default, or ``run``: what the server does with a request whose budget the queue ahead leaves no
+room for, docs/serving.md#overload).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from PIL import Image, PngImagePlugin, UnidentifiedImageError
 from pipeline.parse import RepeatedKeyError, loads_unique_keys
 from serve.config import option_default
 
+#: what a request may ask the server to do when the queue ahead leaves its budget no room
+WHEN_UNREACHABLE = ("refuse", "run")
 #: knob names a request may fix in ``knobs``
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
 #: the most stop sequences a request may give (OpenAI's limit), and the longest one
@@ -72,6 +76,8 @@ class ChatRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    #: refuse (503) or run at the cheapest configuration a request the queue ahead leaves no room for
+    when_unreachable: str = "refuse"
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,8 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
                 "image and answers noise without one; add an image_url part", "messages[0].content",
                 "image_required")
     return ChatRequest(model=model, question=question, image=image, max_tokens=_max_tokens(body, limits),
-                       budget_ms=_budget(body), knobs=_knobs(body.get("knobs")), **decoding)
+                       budget_ms=_budget(body), knobs=_knobs(body.get("knobs")),
+                       when_unreachable=_when_unreachable(body), **decoding)
 
 
 def _decoding(body: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +253,14 @@ def _budget(body: dict[str, Any]) -> float | None:
         _refuse(f"`latency_budget_ms` must be a positive, finite number of milliseconds, got {_shown(value)}",
                    "latency_budget_ms")
     return float(value)
+
+
+def _when_unreachable(body: dict[str, Any]) -> str:
+    value = body.get("when_unreachable", "refuse")
+    if value not in WHEN_UNREACHABLE:
+        _refuse(f"`when_unreachable` must be one of {', '.join(WHEN_UNREACHABLE)}, got {_shown(value)}",
+                "when_unreachable")
+    return value
 
 
 def _knobs(value: Any) -> dict[str, int] | None:

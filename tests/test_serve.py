@@ -963,9 +963,10 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
                     latency_scale=LatencyScale(decider.reference_latency_ms, fixed=2.0), met_target=0.95)
     image = Image.new("RGB", (640, 320), (200, 20, 20))
 
-    def job(budget, knobs=None):
-        return new_job(ChatRequest("embedded", "What color?", image, 2, budget, knobs=knobs), engine,
-                       time.perf_counter(), datetime.now(UTC), 0.0)
+    def job(budget, knobs=None, when_unreachable="refuse"):
+        return new_job(ChatRequest("embedded", "What color?", image, 2, budget, knobs=knobs,
+                                   when_unreachable=when_unreachable), engine, time.perf_counter(),
+                       datetime.now(UTC), 0.0)
 
     engine.submit(job(50.0))  # below the cheapest configuration, but nothing is ahead: queued
     for _ in range(4):
@@ -977,7 +978,9 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
     assert refused.value.retry_after_s == 2  # the six waiting at 200 ms: 1.2 s
     engine.submit(job(1190.0, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3}))  # its own knobs
     engine.submit(job(None))  # no budget of its own (the default)
-    assert engine.pending == 8
+    late = job(1190.0, when_unreachable="run")  # asked to be run anyway: queued, marked for the cheapest
+    engine.submit(late)
+    assert late.unreachable and engine.pending == 9
     engine.stop()
     rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
     assert [(r["status"], r["budget_ms"]) for r in rows] == [("refused", 1190.0)]

@@ -223,3 +223,16 @@ def test_unknown_cheapest_time_reads_as_zero():
     q.put(a)
     q.put(b)
     assert q.snapshot() == [b, a] and len(q) == 2
+
+
+def test_when_unreachable_is_refuse_run_or_a_400_naming_it():
+    from serve.protocol import Limits, RequestError, parse_chat_request
+
+    limits = Limits(default_max_tokens=4, max_tokens_limit=8, max_image_pixels=10_000)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Is it red?"}]}
+    assert parse_chat_request(body, limits).when_unreachable == "refuse"
+    assert parse_chat_request({**body, "when_unreachable": "run"}, limits).when_unreachable == "run"
+    with pytest.raises(RequestError) as refused:
+        parse_chat_request({**body, "when_unreachable": "queue"}, limits)
+    assert refused.value.status == 400 and refused.value.param == "when_unreachable"
+    assert "refuse, run" in refused.value.message
