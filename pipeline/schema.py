@@ -477,7 +477,9 @@ REQUESTS = TableSchema(
         Column("request_id", _S, "the response's id (chatcmpl-...)", **_KEY),
         Column("time", _TS, "when the request arrived"),
         Column("status", _S, "ok | cancelled (the client disconnected, or the server was stopped at once) | "
-                              "error | dropped (its budget had long passed in the queue: --queue-deadline) | "
+                              "error | dropped (its budget had long passed in the queue: --queue-deadline; or "
+                              "what was left of it was less than the cheapest configuration takes: "
+                              "--refuse-unreachable) | "
                               "refused (503 on arrival: the requests ahead left too little of its budget for the "
                               "cheapest configuration, --refuse-unreachable)"),
         Column("model", _S, "the served model's name"),

@@ -89,7 +89,9 @@ class ServeConfig:
     refuse_unreachable: bool = field(default=True, metadata=_help(
         "Refuse at once (503 budget_unreachable, with Retry-After) a request with a latency_budget_ms of its own "
         "and no fixed knobs when the requests ahead of it, at the cheapest configuration, leave too little of its "
-        "budget for the cheapest configuration, instead of queueing it to fail (docs/serving.md#overload)."))
+        "budget for the cheapest configuration, instead of queueing it to fail; drop such a request (504) when "
+        "the rest of its budget is less than the cheapest configuration takes by the time the model could start "
+        "it; serve the waiting earliest deadline first either way (docs/serving.md#overload)."))
     cheapest_floor: bool = field(default=True, metadata=_help(
         "Per budget class, decide requests at the cheapest configuration while the class's controller requests "
         "have recently met their budgets less often than a replay of the same arrivals at the cheapest "

@@ -4,8 +4,11 @@ One worker thread owns the model: the knobs (top-K per block, active blocks) are
 model, so two requests cannot run on one copy at once, and on the CPU one request already uses
 every core (docs/serving.md#concurrency has the measurement). Requests wait in a queue of at
 most ``max_queue``; one more is refused at once (:class:`Overloaded`, HTTP 503 with
-Retry-After) instead of waiting longer than any budget. The time a request waits counts
-against its budget: stage 1 reads the budget less the time since the request arrived.
+Retry-After) instead of waiting longer than any budget. A request with a budget of its own that
+the requests ahead leave no room for, even at the cheapest configuration, is refused on arrival
+(:class:`BudgetUnreachable`, 503), and the waiting are served earliest deadline first
+(:mod:`serve.queueing`). The time a request waits counts against its budget: stage 1 reads the
+budget less the time since the request arrived.
 
 A request's timeline, every part measured (``runtime.timing.StageTimer``)::
 
@@ -32,7 +35,8 @@ Each token is the argmax, or a sample of the request's own seeded generator
 server was told to stop at once: :meth:`Engine.abort`) stops before the next decoder block,
 stage or token: the prefill of a long prompt is cut within one block's time. A request that has
 spent ``queue_deadline`` times its budget when the worker takes it from the queue is dropped
-(:class:`DeadlineExceeded`) rather than run.
+(:class:`DeadlineExceeded`) rather than run, and so is one that would be refused on arrival now
+(:class:`BudgetLeftBehind`: the rest of its budget is less than the cheapest configuration takes).
 """
 
 from __future__ import annotations
@@ -157,6 +161,16 @@ class Result:
         """The OpenAI ``usage`` object of the answer."""
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
+
+
+class BudgetLeftBehind(RequestError):
+    """Dropped from the queue: what is left of its budget is less than the cheapest configuration takes."""
+
+    def __init__(self, spent_ms: float, budget_ms: float, cheapest_ms: float) -> None:
+        super().__init__(504, f"the request waited {milliseconds(spent_ms)} for the model; what is left of its latency "
+                              f"budget of {milliseconds(budget_ms)} is less than the cheapest configuration's "
+                              f"{milliseconds(cheapest_ms)}: dropped instead of answered late", "latency_budget_ms",
+                         "budget_unreachable")
 
 
 class LogUnavailable(RequestError):
@@ -396,24 +410,35 @@ class Engine:
                     return
                 started = self._running_since = time.perf_counter()
                 outcome: Result | BaseException
+                expired = self._expired(job)
                 try:
-                    outcome = self._expired(job) or self.execute(job)
+                    outcome = expired or self.execute(job)
                 except BaseException as exc:  # every failure goes back to its request, the worker lives on
                     outcome = exc
                 finally:  # the slot is free before the answer leaves: a client's next request finds room
-                    self._service_s.append(time.perf_counter() - started)
+                    if expired is None:  # a drop takes no model time: the typical service is of requests run
+                        self._service_s.append(time.perf_counter() - started)
                     self._running_since = None
                     self._release(ran=True)
                 job.finish(outcome)
 
-    def _expired(self, job: Job) -> DeadlineExceeded | None:
+    def _expired(self, job: Job) -> RequestError | None:
         """The job's :class:`DeadlineExceeded` (recorded as ``dropped``) when it has spent more than
-        ``queue_deadline`` times its budget; None when it is still worth running."""
+        ``queue_deadline`` times its budget, or its :class:`BudgetLeftBehind` when it would be refused on
+        arrival now (:meth:`_admit`'s requests: what is left of its budget is less than the cheapest
+        configuration's expected time); None when it is still worth running."""
         spent_ms = (time.perf_counter() - job.arrival) * 1000.0
-        if not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
+        cheapest = self.planner.cheapest_ms()
+        dropped: RequestError
+        if (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
+                and job.request.when_unreachable == "refuse" and not job.unreachable and cheapest is not None
+                and cheapest <= job.budget_ms < spent_ms + cheapest):  # a budget nothing meets runs as before
+            dropped = BudgetLeftBehind(spent_ms, job.budget_ms, cheapest)
+        elif not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
             return None
+        else:
+            dropped = DeadlineExceeded(spent_ms, job.budget_ms, self.queue_deadline)
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
-        dropped = DeadlineExceeded(spent_ms, job.budget_ms, self.queue_deadline)
         self._record(job, "dropped", queue_ms=queue_ms, waited_ms=spent_ms, error=dropped.message)
         return dropped
 

@@ -987,6 +987,42 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
     assert "1,000 ms of the model at the least" in rows[0]["error"]
 
 
+def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedded_runtime, tmp_path):
+    """The cheapest configuration takes 200 ms: a 300 ms request that waited 150 ms can no longer make it."""
+    import json
+
+    from pipeline.workspace import Workspace
+    from serve.calibration import LatencyScale
+    from serve.engine import BudgetLeftBehind, Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider({(2, 2, 3): 150.0, (1, 2, 3): 100.0})
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=16, default_budget_ms=None,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")),
+                    latency_scale=LatencyScale(decider.reference_latency_ms, fixed=2.0), met_target=0.95)
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+
+    def job(budget, waited_s, **kwargs):
+        return new_job(ChatRequest("embedded", "What color?", image, 2, budget, **kwargs), engine,
+                       time.perf_counter() - waited_s, datetime.now(UTC), 0.0)
+
+    dropped = engine._expired(job(300.0, 0.15))
+    assert isinstance(dropped, BudgetLeftBehind) and dropped.status == 504 and dropped.code == "budget_unreachable"
+    assert engine._expired(job(300.0, 0.0)) is None  # 300 ms left: worth running
+    assert engine._expired(job(100.0, 0.05)) is None  # a budget nothing meets runs as before (cheapest)
+    assert engine._expired(job(300.0, 0.15, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3})) is None
+    assert engine._expired(job(300.0, 0.15, when_unreachable="run")) is None
+    engine.default_budget_ms = 300.0
+    assert engine._expired(job(None, 0.15)) is None  # the default budget: only the queue deadline drops it
+    engine.refuse_unreachable = False
+    assert engine._expired(job(300.0, 0.15)) is None
+    engine.stop()
+    rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
+    assert [(r["status"], r["budget_ms"]) for r in rows] == [("dropped", 300.0)]
+    assert "less than the cheapest configuration's 200 ms" in rows[0]["error"]
+
+
 def test_a_model_that_needs_an_image_refuses_a_question_without_one(embedded_runtime, tmp_path):
     from runtime.embedded_model import RECIPE_FILE
     from serve.protocol import Limits, RequestError, parse_chat_request
