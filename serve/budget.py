@@ -303,6 +303,13 @@ def _p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
+def _median(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 @dataclass(frozen=True)
 class BudgetPlan:
     """One request's budget, every term (ms unless said; None: the term did not apply)."""
@@ -345,6 +352,7 @@ class BudgetPlanner:
         self._history: deque[tuple[float, float]] = deque(maxlen=FLOOR_ARRIVALS)  # (arrival s, budget ms)
         self._kept: dict[int, deque[bool]] = {}  # per class, whether its controller requests met their budgets
         self._floor_on: dict[int, bool] = {}
+        self._targets: dict[int, float] = {}  # per class, the met target the last plan aimed at
         self.initial_margin = 1.0
         self._margins: dict[int, BudgetMargin] = {}
         self._feasible: dict[int, deque[float]] = {}
@@ -373,6 +381,19 @@ class BudgetPlanner:
             return
         with self._lock:
             self._kept.setdefault(index, deque(maxlen=FLOOR_WINDOW)).append(bool(met))
+
+    def observe_refused(self, budget_ms: float) -> None:
+        """A request the controller was to decide, refused or dropped before it ran: a miss for its class's
+        margin (at the target the class last aimed at) and for the floor. Without it, a server that sheds
+        the requests it would have been late on reads its budgets as met and its margin climbs, choosing
+        dearer configurations that make it shed more."""
+        self.observe_kept(budget_ms, False)
+        index = self.class_of(budget_ms)
+        if index == 0 or self.met_target is None:
+            return
+        with self._lock:
+            target = self._targets.get(index, self.met_target)
+        self._margin(index).observe(False, target=target)
 
     def observe_served(self, *, after_ms: float, service_ms: float, adjustable: bool,
                        model_over_reference: float | None) -> None:
@@ -415,6 +436,17 @@ class BudgetPlanner:
         """(after stage 1, reply): each the 90th percentile of the last requests, 0 before the first."""
         with self._lock:
             return _p90(list(self._after)), _p90(list(self._reply))
+
+    def cheapest_typical_ms(self) -> tuple[float, float] | None:
+        """(the cheapest configuration's typical served time, its reply's part): its reference x the scale
+        plus the median time after stage 1 and the median reply, where :meth:`cheapest_ms` holds back their
+        90th percentiles. What refusing a request on arrival and dropping it from the queue reckon with, so
+        that neither gives up a request that the cheapest configuration would typically have answered in time."""
+        if self.cheapest_reference_ms is None:
+            return None
+        with self._lock:
+            after, reply = _median(list(self._after)), _median(list(self._reply))
+        return self.cheapest_reference_ms * self.latency_scale.value + after + reply, reply
 
     def cheapest_ms(self, scale: float | None = None) -> float | None:
         """The cheapest configuration's expected served time: its reference x the scale + the reserves."""
@@ -489,6 +521,9 @@ class BudgetPlanner:
         feasible = self._feasible_rate(index, budget_ms - reply, total_rate) if not fixed else None
         target = None if self.met_target is None or index == 0 else (
             self.met_target if feasible is None else min(self.met_target, feasible))
+        if target is not None:
+            with self._lock:
+                self._targets[index] = target
         margin = 1.0 if fixed else self.margin_of(index)
         decided = budget_left
         for cap in (queue_cap, arrival_cap):
@@ -518,7 +553,7 @@ class BudgetPlanner:
             kept = list(self._kept.get(index, ()))
             history = list(self._history)
             served = list(self._served)
-            reply = _p90(list(self._reply))
+            reply = _median(list(self._reply))
             was_on = self._floor_on.get(index, False)
         if len(kept) < FLOOR_MIN or not served:
             return False

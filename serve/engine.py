@@ -289,18 +289,16 @@ class Engine:
         return [j.budget_ms - (now - j.arrival) * 1000.0 for j in self._jobs.snapshot()]
 
     def _cheapest_worker_ms(self) -> float | None:
-        """The cheapest configuration's expected time on the worker (its served time less the reply's write)."""
-        cheapest = self.planner.cheapest_ms()
-        return None if cheapest is None else cheapest - self.planner.reserve_ms()[1]
+        """The cheapest configuration's typical time on the worker (its typical served time less the reply's
+        write: :meth:`serve.budget.BudgetPlanner.cheapest_typical_ms`)."""
+        typical = self.planner.cheapest_typical_ms()
+        return None if typical is None else typical[0] - typical[1]
 
-    def _running_left_ms(self, now: float) -> float:
-        """What the running request is expected still to take: the median worker time of the last
-        requests less the time it has run (0 when none runs)."""
+    def _running_left_ms(self, now: float, worker_ms: float) -> float:
+        """The least the running request may still take: the cheapest configuration's typical worker time
+        ``worker_ms`` less the time it has run (0 when none runs)."""
         since = self._running_since
-        if since is None:
-            return 0.0
-        typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 0.0
-        return max(0.0, typical - (now - since)) * 1000.0
+        return 0.0 if since is None else max(0.0, worker_ms - (now - since) * 1000.0)
 
     @property
     def pending(self) -> int:
@@ -370,15 +368,18 @@ class Engine:
         """Raise :class:`BudgetUnreachable` for a request with a budget of its own and knobs for the
         controller to choose when the server is busy and the requests to be served before it (the one
         running, at its typical time left; those waiting with earlier deadlines, at the cheapest
-        configuration) would leave less of its budget than the cheapest configuration takes."""
+        configuration) would leave less of its budget than the cheapest configuration takes. Every time
+        is the cheapest configuration's typical one, so that a request is refused only where even the
+        least the requests ahead of it typically take leaves it no room."""
         if not self.refuse_unreachable or job.budget_source != "request" or job.request.knobs is not None:
             return
-        cheapest, worker = self.planner.cheapest_ms(), self._cheapest_worker_ms()
-        if cheapest is None or worker is None:
+        typical = self.planner.cheapest_typical_ms()
+        if typical is None:
             return
+        cheapest, worker = typical[0], typical[0] - typical[1]
         now = time.perf_counter()
         ahead = self._jobs.ahead_of(job.arrival + job.budget_ms / 1000.0)
-        wait_ms = self._running_left_ms(now) + len(ahead) * worker
+        wait_ms = self._running_left_ms(now, worker) + len(ahead) * worker
         if wait_ms <= 0:  # an idle server runs it, whatever its budget
             return
         spent_ms = (now - job.arrival) * 1000.0
@@ -387,7 +388,7 @@ class Engine:
         if job.request.when_unreachable == "run":
             job.unreachable = True
             return
-        backlog_ms = self._running_left_ms(now) + len(self._jobs) * worker
+        backlog_ms = self._running_left_ms(now, worker) + len(self._jobs) * worker
         raise BudgetUnreachable(wait_ms, job.budget_ms, max(1, math.ceil(backlog_ms / 1000.0)))
 
     def _refuse_if_full(self) -> None:
@@ -428,7 +429,8 @@ class Engine:
         arrival now (:meth:`_admit`'s requests: what is left of its budget is less than the cheapest
         configuration's expected time); None when it is still worth running."""
         spent_ms = (time.perf_counter() - job.arrival) * 1000.0
-        cheapest = self.planner.cheapest_ms()
+        typical = self.planner.cheapest_typical_ms()
+        cheapest = None if typical is None else typical[0]
         dropped: RequestError
         if (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
                 and job.request.when_unreachable == "refuse" and not job.unreachable and cheapest is not None
@@ -601,7 +603,7 @@ class Engine:
             self.planner.observe_outcome(plan, kept)
             self.planner.observe_kept(job.budget_ms, kept)  # the floor's own decisions too: it stops once they keep up
         elif status in ("refused", "dropped") and decider is not None:
-            self.planner.observe_kept(job.budget_ms, False)
+            self.planner.observe_refused(job.budget_ms)
         if self.log is not None:
             try:
                 recorded = self.log.append(row)

@@ -3,6 +3,8 @@ deadline order of the queue, with values worked out by hand."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -236,3 +238,13 @@ def test_when_unreachable_is_refuse_run_or_a_400_naming_it():
         parse_chat_request({**body, "when_unreachable": "queue"}, limits)
     assert refused.value.status == 400 and refused.value.param == "when_unreachable"
     assert "refuse, run" in refused.value.message
+
+
+def test_a_refused_request_is_a_miss_for_its_class_margin():
+    p = floor_planner()
+    p.plan(200.0, 0.0, now_s=30.0)  # the class aims at 0.95 (the cheapest configuration would meet them all)
+    p.observe_refused(200.0)
+    # log(margin) += 0.1 x (0 - 0.95), as after a late answer; the other classes untouched
+    assert p.margins() == {"3-5x": pytest.approx(math.exp(-0.095))}
+    p.observe_refused(40.0)  # below the cheapest configuration: no margin to move
+    assert p.margins() == {"3-5x": pytest.approx(math.exp(-0.095))}
