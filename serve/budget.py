@@ -346,6 +346,7 @@ class BudgetPlanner:
         self.latency_scale = latency_scale
         reference = {k: v for k, v in reference_ms.items() if math.isfinite(v) and v > 0}
         self.cheapest_reference_ms = min(reference.values()) if reference else None
+        self.cheapest_config = min(reference, key=lambda c: (reference[c], c)) if reference else None
         self.met_target = met_target
         self.queue_aware, self.load_aware = bool(queue_aware), bool(load_aware)
         self.burst_aware, self.cheapest_floor = bool(burst_aware), bool(cheapest_floor)
@@ -438,15 +439,16 @@ class BudgetPlanner:
             return _p90(list(self._after)), _p90(list(self._reply))
 
     def cheapest_typical_ms(self) -> tuple[float, float] | None:
-        """(the cheapest configuration's typical served time, its reply's part): its reference x the scale
-        plus the median time after stage 1 and the median reply, where :meth:`cheapest_ms` holds back their
-        90th percentiles. What refusing a request on arrival and dropping it from the queue reckon with, so
-        that neither gives up a request that the cheapest configuration would typically have answered in time."""
-        if self.cheapest_reference_ms is None:
+        """(the cheapest configuration's typical served time, its reply's part): its reference x its own
+        latency scale (:meth:`LatencyScale.of`: a machine does not slow every configuration alike) plus the
+        median time after stage 1 and the median reply, where :meth:`cheapest_ms` holds back their 90th
+        percentiles. What refusing a request on arrival and dropping it from the queue reckon with, so that
+        neither gives up a request that the cheapest configuration would typically have answered in time."""
+        if self.cheapest_reference_ms is None or self.cheapest_config is None:
             return None
         with self._lock:
             after, reply = _median(list(self._after)), _median(list(self._reply))
-        return self.cheapest_reference_ms * self.latency_scale.value + after + reply, reply
+        return self.cheapest_reference_ms * self.latency_scale.of(self.cheapest_config) + after + reply, reply
 
     def cheapest_ms(self, scale: float | None = None) -> float | None:
         """The cheapest configuration's expected served time: its reference x the scale + the reserves."""
@@ -557,7 +559,9 @@ class BudgetPlanner:
             was_on = self._floor_on.get(index, False)
         if len(kept) < FLOOR_MIN or not served:
             return False
-        costs = [ratio * self.cheapest_reference_ms + after + reply for ratio, after in served]
+        # each served request's ratio, recentred on the cheapest configuration's own scale
+        own = self.latency_scale.of(self.cheapest_config) / self.latency_scale.value if self.cheapest_config else 1.0
+        costs = [ratio * own * self.cheapest_reference_ms + after + reply for ratio, after in served]
         replayed = [met for (_, budget), met in zip(history, replay_cheapest(history, costs))
                     if budget_class(budget, cheapest_ms) == index][-FLOOR_WINDOW:]
         if len(replayed) < FLOOR_MIN:
