@@ -3,11 +3,12 @@ make their budgets, then the rest.
 
 A request's deadline is its arrival plus its budget. When the worker takes the next request, those
 whose deadline is at least the cheapest configuration's expected time away (they can still be
-answered within their budgets) go first, earliest deadline first; the others (late whatever is
-chosen for them) after, oldest first, until the queue deadline drops them. With one budget for
-every request this is first come, first served; with mixed budgets a tight budget is not stuck
-behind a loose one, and in a burst a request that can still make it is not stuck behind one that
-cannot.
+answered within their budgets) go first, earliest deadline first; the others with a budget of their
+own (late whatever is chosen for them) after, oldest first, until the queue drops them. A request
+without a budget of its own (the server's default) is never moved back: its deadline orders it, and
+with one budget for every request this is first come, first served. With mixed budgets a tight
+budget is not stuck behind a loose one, and in a burst a request that can still make it is not
+stuck behind one that cannot.
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ from typing import Generic, Protocol, TypeVar
 class Deadlined(Protocol):
     arrival: float  # perf_counter seconds
     budget_ms: float
+    budget_source: str  # request | default
 
 
 T = TypeVar("T", bound=Deadlined)
 
 
-def service_order(deadlines_s: Sequence[float], now_s: float, cheapest_s: float) -> list[int]:
+def service_order(deadlines_s: Sequence[float], now_s: float, cheapest_s: float,
+                  own_budget: Sequence[bool] | None = None) -> list[int]:
     """The indices of the waiting requests (``deadlines_s`` in arrival order) in the order to serve
-    them: those with ``deadline - now >= cheapest_s`` by deadline (ties by arrival), then the others
-    by arrival."""
-    feasible = [i for i, d in enumerate(deadlines_s) if d - now_s >= cheapest_s]
-    late = [i for i, d in enumerate(deadlines_s) if d - now_s < cheapest_s]
-    return sorted(feasible, key=lambda i: (deadlines_s[i], i)) + late
+    them: those with ``deadline - now >= cheapest_s``, and those without a budget of their own
+    (``own_budget`` False; all have one by default), by deadline (ties by arrival), then the others by
+    arrival."""
+    own = [True] * len(deadlines_s) if own_budget is None else list(own_budget)
+    late = [i for i, d in enumerate(deadlines_s) if own[i] and d - now_s < cheapest_s]
+    first = [i for i in range(len(deadlines_s)) if i not in set(late)]
+    return sorted(first, key=lambda i: (deadlines_s[i], i)) + late
 
 
 class DeadlineQueue(Generic[T]):
@@ -59,7 +64,8 @@ class DeadlineQueue(Generic[T]):
     def _order(self) -> list[int]:
         cheapest_s = (self._cheapest_ms() or 0.0) / 1000.0
         deadlines = [item.arrival + item.budget_ms / 1000.0 for item in self._items]
-        return service_order(deadlines, self._clock(), cheapest_s)
+        own = [item.budget_source == "request" for item in self._items]
+        return service_order(deadlines, self._clock(), cheapest_s, own)
 
     def get(self) -> T | None:
         """The next item to serve (waits for one); None once closed and empty."""
@@ -77,13 +83,14 @@ class DeadlineQueue(Generic[T]):
 
     def ahead_of(self, deadline_s: float) -> list[T]:
         """The waiting items that would be served before a request with ``deadline_s`` that can still
-        make it: those that can still make theirs, with an earlier or equal deadline."""
+        make it: those with an earlier or equal deadline that can still make theirs or have no budget of
+        their own."""
         with self._ready:
             cheapest_s = (self._cheapest_ms() or 0.0) / 1000.0
             now = self._clock()
             return [item for item in self._items
                     if item.arrival + item.budget_ms / 1000.0 <= deadline_s
-                    and item.arrival + item.budget_ms / 1000.0 - now >= cheapest_s]
+                    and (item.budget_source != "request" or item.arrival + item.budget_ms / 1000.0 - now >= cheapest_s)]
 
     def __len__(self) -> int:
         with self._ready:

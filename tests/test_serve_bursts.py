@@ -196,11 +196,13 @@ def test_earliest_deadline_first_among_those_that_can_still_make_it():
     assert service_order([5.0, 3.0, 1.0, 4.0], 0.5, 1.0) == [1, 3, 0, 2]
     assert service_order([2.0, 2.0], 0.0, 0.1) == [0, 1]  # ties: first come, first served
     assert service_order([1.0, 0.9, 3.0], 0.95, 0.1) == [2, 0, 1]  # the late ones oldest first
+    # without a budget of its own a request is never moved back: its deadline orders it
+    assert service_order([5.0, 3.0, 1.0, 4.0], 0.5, 1.0, [True, True, False, True]) == [2, 1, 3, 0]
 
 
 class Waiting:
-    def __init__(self, arrival: float, budget_ms: float) -> None:
-        self.arrival, self.budget_ms = arrival, budget_ms
+    def __init__(self, arrival: float, budget_ms: float, budget_source: str = "request") -> None:
+        self.arrival, self.budget_ms, self.budget_source = arrival, budget_ms, budget_source
 
 
 def test_the_deadline_queue_serves_in_that_order_and_drains_when_closed():
@@ -217,6 +219,15 @@ def test_the_deadline_queue_serves_in_that_order_and_drains_when_closed():
     assert q.snapshot() == [loose, lost]  # both late: oldest first (ties by arrival keep the order put)
     q.close()
     assert [q.get(), q.get(), q.get()] == [loose, lost, None]
+
+
+def test_default_budgets_keep_first_come_first_served():
+    clock = [10.0]  # every deadline has passed: requests with budgets of their own would all be late
+    q: DeadlineQueue[Waiting] = DeadlineQueue(lambda: 100.0, lambda: clock[0])
+    items = [Waiting(0.1 * i, 300.0, "default") for i in range(3)]
+    for item in items:
+        q.put(item)
+    assert q.snapshot() == items and q.ahead_of(0.35) == items[:1]
 
 
 def test_unknown_cheapest_time_reads_as_zero():
