@@ -63,6 +63,9 @@ BURST_ARRIVALS, BURST_RATIO = 8, 2.0
 #: arrivals the dispersion of arrival counts is measured over (within ARRIVAL_HORIZON_S), the fewest
 #: windows it needs, and the range its reading is kept in (1: Poisson, never read as smoother)
 DISPERSION_ARRIVALS, DISPERSION_MIN_BINS, ARRIVAL_SCV_BOUNDS = 256, 8, (1.0, 16.0)
+#: the quantile of the cheapest configuration's served times that refusing and dropping reckon with: the
+#: least it typically takes, so that neither gives up a request it would often have answered in time
+LEAST_QUANTILE = 0.1
 #: the floor: arrivals replayed at the cheapest configuration, a class's recent controller requests
 #: compared with that replay, the fewest that decide, and how far below the replay they may fall
 FLOOR_ARRIVALS, FLOOR_WINDOW, FLOOR_MIN, FLOOR_TOLERANCE = 256, 64, 20, 0.02
@@ -310,6 +313,13 @@ def _median(values: Sequence[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 @dataclass(frozen=True)
 class BudgetPlan:
     """One request's budget, every term (ms unless said; None: the term did not apply)."""
@@ -438,17 +448,20 @@ class BudgetPlanner:
         with self._lock:
             return _p90(list(self._after)), _p90(list(self._reply))
 
-    def cheapest_typical_ms(self) -> tuple[float, float] | None:
-        """(the cheapest configuration's typical served time, its reply's part): its reference x its own
-        latency scale (:meth:`LatencyScale.of`: a machine does not slow every configuration alike) plus the
-        median time after stage 1 and the median reply, where :meth:`cheapest_ms` holds back their 90th
-        percentiles. What refusing a request on arrival and dropping it from the queue reckon with, so that
-        neither gives up a request that the cheapest configuration would typically have answered in time."""
+    def cheapest_least_ms(self) -> tuple[float, float] | None:
+        """(the least the cheapest configuration typically takes to serve a request, its reply's part): its
+        reference x the :data:`LEAST_QUANTILE` of its own latency scale's ratios (:meth:`LatencyScale.of`:
+        a machine does not slow every configuration alike) plus that quantile of the time after stage 1
+        and of the reply, where :meth:`cheapest_ms` holds back their 90th percentiles. What refusing a
+        request on arrival and dropping it from the queue reckon with, so that neither gives up a request
+        that the cheapest configuration would often have answered in time."""
         if self.cheapest_reference_ms is None or self.cheapest_config is None:
             return None
         with self._lock:
-            after, reply = _median(list(self._after)), _median(list(self._reply))
-        return self.cheapest_reference_ms * self.latency_scale.of(self.cheapest_config) + after + reply, reply
+            after = _quantile(list(self._after), LEAST_QUANTILE)
+            reply = _quantile(list(self._reply), LEAST_QUANTILE)
+        scale = self.latency_scale.of(self.cheapest_config, LEAST_QUANTILE)
+        return self.cheapest_reference_ms * scale + after + reply, reply
 
     def cheapest_ms(self, scale: float | None = None) -> float | None:
         """The cheapest configuration's expected served time: its reference x the scale + the reserves."""

@@ -78,9 +78,9 @@ class LatencyScale:
             self._by_config.setdefault(tuple(knobs), deque(maxlen=CONFIG_SCALE_WINDOW)).append(ratio)
         return ratio
 
-    def of(self, knobs: Config) -> float:
-        """The scale of one configuration: the median of its own last ratios once it has
-        ``CONFIG_SCALE_MIN`` of them, else :attr:`value`. A machine unlike the profile's does not slow
+    def of(self, knobs: Config, quantile: float = 0.5) -> float:
+        """The scale of one configuration: the median (or ``quantile``) of its own last ratios once it
+        has ``CONFIG_SCALE_MIN`` of them, else :attr:`value`. A machine unlike the profile's does not slow
         every configuration alike (the experts' top-K and the crops move apart), which one scale
         cannot say; pinned scales are the same for all."""
         if self.fixed is not None:
@@ -89,7 +89,7 @@ class LatencyScale:
             own = sorted(self._by_config.get(tuple(knobs), ()))
         if len(own) < CONFIG_SCALE_MIN:
             return self.value
-        return own[len(own) // 2]
+        return own[len(own) // 2] if quantile == 0.5 else own[min(len(own) - 1, int(quantile * len(own)))]
 
     def ratios(self) -> list[float]:
         """The ratios recorded, oldest first."""

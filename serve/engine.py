@@ -289,14 +289,14 @@ class Engine:
         return [j.budget_ms - (now - j.arrival) * 1000.0 for j in self._jobs.snapshot()]
 
     def _cheapest_worker_ms(self) -> float | None:
-        """The cheapest configuration's typical time on the worker (its typical served time less the reply's
-        write: :meth:`serve.budget.BudgetPlanner.cheapest_typical_ms`)."""
-        typical = self.planner.cheapest_typical_ms()
+        """The least the cheapest configuration typically takes on the worker (less the reply's write:
+        :meth:`serve.budget.BudgetPlanner.cheapest_least_ms`)."""
+        typical = self.planner.cheapest_least_ms()
         return None if typical is None else typical[0] - typical[1]
 
     def _running_left_ms(self, now: float, worker_ms: float) -> float:
-        """The least the running request may still take: the cheapest configuration's typical worker time
-        ``worker_ms`` less the time it has run (0 when none runs)."""
+        """The least the running request may still take: the least the cheapest configuration takes on the
+        worker, ``worker_ms``, less the time it has run (0 when none runs)."""
         since = self._running_since
         return 0.0 if since is None else max(0.0, worker_ms - (now - since) * 1000.0)
 
@@ -367,13 +367,13 @@ class Engine:
     def _admit(self, job: Job) -> None:
         """Raise :class:`BudgetUnreachable` for a request with a budget of its own and knobs for the
         controller to choose when the server is busy and the requests to be served before it (the one
-        running, at its typical time left; those waiting with earlier deadlines, at the cheapest
+        running, less what it has run; those waiting with earlier deadlines, at the cheapest
         configuration) would leave less of its budget than the cheapest configuration takes. Every time
-        is the cheapest configuration's typical one, so that a request is refused only where even the
-        least the requests ahead of it typically take leaves it no room."""
+        is the least the cheapest configuration typically takes, so that a request is refused only where
+        even that leaves it no room."""
         if not self.refuse_unreachable or job.budget_source != "request" or job.request.knobs is not None:
             return
-        typical = self.planner.cheapest_typical_ms()
+        typical = self.planner.cheapest_least_ms()
         if typical is None:
             return
         cheapest, worker = typical[0], typical[0] - typical[1]
@@ -429,7 +429,7 @@ class Engine:
         arrival now (:meth:`_admit`'s requests: what is left of its budget is less than the cheapest
         configuration's expected time); None when it is still worth running."""
         spent_ms = (time.perf_counter() - job.arrival) * 1000.0
-        typical = self.planner.cheapest_typical_ms()
+        typical = self.planner.cheapest_least_ms()
         cheapest = None if typical is None else typical[0]
         dropped: RequestError
         if (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
