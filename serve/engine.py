@@ -63,7 +63,7 @@ from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
-from serve.queueing import DeadlineQueue
+from serve.queueing import DeadlineQueue, projected_start_ms
 from serve.request_log import RequestLog, RequestLogGone
 
 #: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
@@ -379,7 +379,10 @@ class Engine:
         cheapest, worker = typical[0], typical[0] - typical[1]
         now = time.perf_counter()
         ahead = self._jobs.ahead_of(job.arrival + job.budget_ms / 1000.0)
-        wait_ms = self._running_left_ms(now, worker) + len(ahead) * worker
+        # those ahead that will be dropped when their turn comes take no time
+        wait_ms = projected_start_ms([(j.arrival - now) * 1000.0 + j.budget_ms for j in ahead],
+                                     [self._droppable(j, cheapest) for j in ahead],
+                                     self._running_left_ms(now, worker), worker, cheapest)
         if wait_ms <= 0:  # an idle server runs it, whatever its budget
             return
         spent_ms = (now - job.arrival) * 1000.0
@@ -423,6 +426,11 @@ class Engine:
                     self._release(ran=True)
                 job.finish(outcome)
 
+    def _droppable(self, job: Job, cheapest_ms: float) -> bool:
+        """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
+        return (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
+                and job.request.when_unreachable == "refuse" and not job.unreachable and cheapest_ms <= job.budget_ms)
+
     def _expired(self, job: Job) -> RequestError | None:
         """The job's :class:`DeadlineExceeded` (recorded as ``dropped``) when it has spent more than
         ``queue_deadline`` times its budget, or its :class:`BudgetLeftBehind` when it would be refused on
@@ -432,9 +440,7 @@ class Engine:
         typical = self.planner.cheapest_least_ms()
         cheapest = None if typical is None else typical[0]
         dropped: RequestError
-        if (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
-                and job.request.when_unreachable == "refuse" and not job.unreachable and cheapest is not None
-                and cheapest <= job.budget_ms < spent_ms + cheapest):  # a budget nothing meets runs as before
+        if cheapest is not None and self._droppable(job, cheapest) and job.budget_ms < spent_ms + cheapest:
             dropped = BudgetLeftBehind(spent_ms, job.budget_ms, cheapest)
         elif not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
             return None

@@ -39,6 +39,21 @@ def service_order(deadlines_s: Sequence[float], now_s: float, cheapest_s: float,
     return sorted(first, key=lambda i: (deadlines_s[i], i)) + late
 
 
+def projected_start_ms(deadlines_ms: Sequence[float], droppable: Sequence[bool], start_ms: float,
+                       cost_ms: float, served_ms: float | None = None) -> float:
+    """When a request would start (ms from now) behind the waiting requests served before it
+    (``deadlines_ms``, ms from now, in service order), each taking ``cost_ms`` of the worker, the first
+    from ``start_ms`` (when the running one is done): a ``droppable`` one whose turn would come less
+    than ``served_ms`` (its whole served time, ``cost_ms`` by default) before its deadline takes no
+    time: it will be dropped then, as :meth:`serve.engine.Engine._expired` drops it."""
+    start, served = start_ms, cost_ms if served_ms is None else served_ms
+    for deadline, drop in zip(deadlines_ms, droppable):
+        if drop and start + served > deadline:
+            continue
+        start += cost_ms
+    return start
+
+
 class DeadlineQueue(Generic[T]):
     """Waiting requests, taken in :func:`service_order`; ``cheapest_ms`` says what the cheapest
     configuration is expected to take now (None: unknown, read as 0). :meth:`close` lets
@@ -84,13 +99,14 @@ class DeadlineQueue(Generic[T]):
     def ahead_of(self, deadline_s: float) -> list[T]:
         """The waiting items that would be served before a request with ``deadline_s`` that can still
         make it: those with an earlier or equal deadline that can still make theirs or have no budget of
-        their own."""
+        their own, in the order they would be served."""
         with self._ready:
             cheapest_s = (self._cheapest_ms() or 0.0) / 1000.0
             now = self._clock()
-            return [item for item in self._items
-                    if item.arrival + item.budget_ms / 1000.0 <= deadline_s
-                    and (item.budget_source != "request" or item.arrival + item.budget_ms / 1000.0 - now >= cheapest_s)]
+            return [self._items[i] for i in self._order()
+                    if self._items[i].arrival + self._items[i].budget_ms / 1000.0 <= deadline_s
+                    and (self._items[i].budget_source != "request"
+                         or self._items[i].arrival + self._items[i].budget_ms / 1000.0 - now >= cheapest_s)]
 
     def __len__(self) -> int:
         with self._ready:

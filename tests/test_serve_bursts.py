@@ -259,3 +259,14 @@ def test_a_refused_request_is_a_miss_for_its_class_margin():
     assert p.margins() == {"3-5x": pytest.approx(math.exp(-0.095))}
     p.observe_refused(40.0)  # below the cheapest configuration: no margin to move
     assert p.margins() == {"3-5x": pytest.approx(math.exp(-0.095))}
+
+
+def test_a_projected_start_skips_the_requests_that_will_be_dropped():
+    from serve.queueing import projected_start_ms
+
+    # 30 ms of the worker each (40 ms served), the running one done in 10 ms: starts at 10, 40, 70
+    assert projected_start_ms([500.0, 500.0], [True, True], 10.0, 30.0, 40.0) == 70.0
+    # the second's deadline is 60 ms away: its turn at 40 leaves 20 < 40: it will be dropped, costing nothing
+    assert projected_start_ms([500.0, 60.0, 500.0], [True, True, True], 10.0, 30.0, 40.0) == 70.0
+    assert projected_start_ms([500.0, 60.0, 500.0], [True, False, True], 10.0, 30.0, 40.0) == 100.0  # not droppable
+    assert projected_start_ms([], [], 0.0, 30.0) == 0.0
