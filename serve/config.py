@@ -88,7 +88,7 @@ class ServeConfig:
         "counts' dispersion over windows of the budget (docs/serving.md#bursty-arrivals)."))
     refuse_unreachable: bool = field(default=True, metadata=_help(
         "Refuse at once (503 budget_unreachable, with Retry-After) a request with a latency_budget_ms of its own "
-        "and no fixed knobs when the requests ahead of it, at the cheapest configuration, leave too little of its "
+        "when the requests ahead of it, at the cheapest configuration, leave too little of its "
         "budget for the cheapest configuration, instead of queueing it to fail; drop such a request (504) when "
         "the rest of its budget is less than the cheapest configuration takes by the time the model could start "
         "it; serve the waiting earliest deadline first either way (docs/serving.md#overload)."))

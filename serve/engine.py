@@ -365,13 +365,13 @@ class Engine:
         self._jobs.put(job)
 
     def _admit(self, job: Job) -> None:
-        """Raise :class:`BudgetUnreachable` for a request with a budget of its own and knobs for the
-        controller to choose when the server is busy and the requests to be served before it (the one
+        """Raise :class:`BudgetUnreachable` for a request with a budget of its own (its knobs the
+        controller's or its own) when the server is busy and the requests to be served before it (the one
         running, less what it has run; those waiting with earlier deadlines, at the cheapest
         configuration) would leave less of its budget than the cheapest configuration takes. Every time
         is the least the cheapest configuration typically takes, so that a request is refused only where
         even that leaves it no room."""
-        if not self.refuse_unreachable or job.budget_source != "request" or job.request.knobs is not None:
+        if not self.refuse_unreachable or job.budget_source != "request":
             return
         typical = self.planner.cheapest_least_ms()
         if typical is None:
@@ -428,8 +428,8 @@ class Engine:
 
     def _droppable(self, job: Job, cheapest_ms: float) -> bool:
         """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
-        return (self.refuse_unreachable and job.budget_source == "request" and job.request.knobs is None
-                and job.request.when_unreachable == "refuse" and not job.unreachable and cheapest_ms <= job.budget_ms)
+        return (self.refuse_unreachable and job.budget_source == "request" and job.request.when_unreachable == "refuse"
+                and not job.unreachable and cheapest_ms <= job.budget_ms)
 
     def _expired(self, job: Job) -> RequestError | None:
         """The job's :class:`DeadlineExceeded` (recorded as ``dropped``) when it has spent more than
@@ -473,7 +473,7 @@ class Engine:
                     plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
                                              waiting_left_ms=() if fixed else self._waiting_left_ms(now))
                     controller_budget_ms = plan.controller_budget_ms  # in the controller's units
-                    if (plan.cheapest or job.unreachable) and self.cheapest:
+                    if (plan.cheapest or (job.unreachable and not fixed)) and self.cheapest:
                         decider = self.cheapest
                     choice = decider.stage1(lang, tiling, controller_budget_ms)
                 self._check(job)

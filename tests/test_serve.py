@@ -947,7 +947,7 @@ def test_arrivals_are_counted_at_the_door_apart_by_who_chooses_their_cost(embedd
 
 def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_runtime, tmp_path):
     """Five requests wait, each at least the cheapest configuration's 200 ms: a sixth with a 1000 ms budget
-    would need 5 x 200 + 200 ms; refused with 503 and recorded, while one with room, one with fixed knobs
+    would need 5 x 200 + 200 ms; refused with 503 and recorded (its knobs fixed or not), while one with room
     and one without a budget of its own are queued."""
     import json
 
@@ -976,14 +976,15 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
         engine.submit(job(1190.0))  # now 5 x 200 ahead + 200 > 1190
     assert refused.value.status == 503 and refused.value.code == "budget_unreachable"
     assert refused.value.retry_after_s == 2  # the six waiting at 200 ms: 1.2 s
-    engine.submit(job(1190.0, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3}))  # its own knobs
+    with pytest.raises(BudgetUnreachable):  # fixed knobs cost at least the cheapest configuration's time
+        engine.submit(job(1190.0, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3}))
     engine.submit(job(None))  # no budget of its own (the default)
     late = job(1190.0, when_unreachable="run")  # asked to be run anyway: queued, marked for the cheapest
     engine.submit(late)
-    assert late.unreachable and engine.pending == 9
+    assert late.unreachable and engine.pending == 8
     engine.stop()
     rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
-    assert [(r["status"], r["budget_ms"]) for r in rows] == [("refused", 1190.0)]
+    assert [(r["status"], r["budget_ms"]) for r in rows] == [("refused", 1190.0)] * 2
     assert "1,000 ms of the model at the least" in rows[0]["error"]
 
 
@@ -1011,7 +1012,8 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
     assert isinstance(dropped, BudgetLeftBehind) and dropped.status == 504 and dropped.code == "budget_unreachable"
     assert engine._expired(job(300.0, 0.0)) is None  # 300 ms left: worth running
     assert engine._expired(job(100.0, 0.05)) is None  # a budget nothing meets runs as before (cheapest)
-    assert engine._expired(job(300.0, 0.15, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3})) is None
+    assert isinstance(engine._expired(job(300.0, 0.15, knobs={"max_crops": 1, "top_k": 2, "num_active_blocks": 3})),
+                      BudgetLeftBehind)  # fixed knobs take at least the cheapest configuration's time
     assert engine._expired(job(300.0, 0.15, when_unreachable="run")) is None
     engine.default_budget_ms = 300.0
     assert engine._expired(job(None, 0.15)) is None  # the default budget: only the queue deadline drops it
@@ -1019,7 +1021,7 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
     assert engine._expired(job(300.0, 0.15)) is None
     engine.stop()
     rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
-    assert [(r["status"], r["budget_ms"]) for r in rows] == [("dropped", 300.0)]
+    assert [(r["status"], r["budget_ms"]) for r in rows] == [("dropped", 300.0)] * 2
     assert "less than the cheapest configuration's 200 ms" in rows[0]["error"]
 
 
