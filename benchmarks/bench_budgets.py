@@ -8,6 +8,8 @@ Usage::
     python benchmarks/bench_budgets.py --cells grid --loads 0.7 --multiples 3 --requests 400
     python benchmarks/bench_budgets.py --source /tmp/prev --label previous --deciders controller   # another revision
     python benchmarks/bench_budgets.py --phase report            # tables and target checks from the saved runs
+    python benchmarks/bench_budgets.py --cells grid --arrivals gamma:2,onoff:3:10:50 --loads 0.7 --multiples 2,3 \
+        --static-budgets                                     # bursty arrivals (serve/arrivals.py), statics per budget
 
 What it runs. The workspace, the fresh request set (none of its requests seen by the testbed, the
 profile or the controller) and the ``ctrl serve`` subprocess are those of ``bench_serve.py``. First
@@ -527,7 +529,11 @@ def plot(args: argparse.Namespace, path: Path) -> None:
         ax.set_ylabel("accuracy (steady)", fontsize=8)
         ax.axvline(0.95, color="0.8", lw=0.8, ls="--")
         ax.tick_params(labelsize=7)
-    axes.flat[0].legend(fontsize=7, loc="lower left")
+    handles: dict[str, Any] = {}  # every label's marker once, whichever panel has it
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    axes.flat[0].legend(list(handles.values()), list(handles), fontsize=6, loc="lower left")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()

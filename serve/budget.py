@@ -352,7 +352,7 @@ class BudgetPlanner:
 
     def __init__(self, reference_ms: Mapping[tuple[int, int, int], float], latency_scale: LatencyScale, *,
                  met_target: float | None, queue_aware: bool = True, load_aware: bool = True,
-                 burst_aware: bool = True, cheapest_floor: bool = True) -> None:
+                 burst_aware: bool = True, cheapest_floor: bool = False) -> None:
         self.latency_scale = latency_scale
         reference = {k: v for k, v in reference_ms.items() if math.isfinite(v) and v > 0}
         self.cheapest_reference_ms = min(reference.values()) if reference else None

@@ -92,10 +92,11 @@ class ServeConfig:
         "budget for the cheapest configuration, instead of queueing it to fail; drop such a request (504) when "
         "the rest of its budget is less than the cheapest configuration takes by the time the model could start "
         "it; serve the waiting earliest deadline first either way (docs/serving.md#overload)."))
-    cheapest_floor: bool = field(default=True, metadata=_help(
+    cheapest_floor: bool = field(default=False, metadata=_help(
         "Per budget class, decide requests at the cheapest configuration while the class's controller requests "
         "have recently met their budgets less often than a replay of the same arrivals at the cheapest "
-        "configuration would have (docs/serving.md#the-cheapest-floor)."))
+        "configuration would have. Off by default: under Poisson arrivals it cost accuracy without meeting more "
+        "budgets (docs/serving.md#the-cheapest-floor)."))
     config_guard: bool = field(default=True, metadata=_help(
         "After stage 2, replace a configuration whose median on this machine (its reference latency times its "
         "own measured scale) exceeds the budget the controller read by the largest one at the same crops that "

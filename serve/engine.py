@@ -226,7 +226,7 @@ class Engine:
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
                  guard: bool = True, queue_deadline: float = 0.0, burst_aware: bool = True,
-                 refuse_unreachable: bool = True, cheapest_floor: bool = True) -> None:
+                 refuse_unreachable: bool = True, cheapest_floor: bool = False) -> None:
         self.runtime, self.decider = runtime, decider
         self.guard = bool(guard)
         self.queue_deadline = float(queue_deadline)

@@ -129,7 +129,8 @@ REFERENCE = {(2, 4, 12): 20.0, (6, 8, 14): 50.0}
 def floor_planner(**kwargs) -> BudgetPlanner:
     """The cheapest configuration: 20 ms x scale 2, 10 ms after stage 1 and a 2 ms reply: 52 ms expected; its
     served requests ran at the reference (ratio 1): 32 ms in the replay."""
-    p = BudgetPlanner(REFERENCE, LatencyScale(REFERENCE, fixed=2.0), met_target=0.95, **kwargs)
+    p = BudgetPlanner(REFERENCE, LatencyScale(REFERENCE, fixed=2.0), met_target=0.95,
+                      **{"cheapest_floor": True, **kwargs})
     for _ in range(10):
         p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=1.0)
         p.observe_reply(2.0)
