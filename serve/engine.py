@@ -440,7 +440,9 @@ class Engine:
         typical = self.planner.cheapest_least_ms()
         cheapest = None if typical is None else typical[0]
         dropped: RequestError
-        if cheapest is not None and self._droppable(job, cheapest) and job.budget_ms < spent_ms + cheapest:
+        # a request that found the server idle runs, as on arrival: what it spent is its own parsing
+        if (cheapest is not None and job.queue_length > 0 and self._droppable(job, cheapest)
+                and job.budget_ms < spent_ms + cheapest):
             dropped = BudgetLeftBehind(spent_ms, job.budget_ms, cheapest)
         elif not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
             return None

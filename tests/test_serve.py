@@ -1004,10 +1004,13 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
                     latency_scale=LatencyScale(decider.reference_latency_ms, fixed=2.0), met_target=0.95)
     image = Image.new("RGB", (640, 320), (200, 20, 20))
 
-    def job(budget, waited_s, **kwargs):
-        return new_job(ChatRequest("embedded", "What color?", image, 2, budget, **kwargs), engine,
+    def job(budget, waited_s, behind=1, **kwargs):
+        made = new_job(ChatRequest("embedded", "What color?", image, 2, budget, **kwargs), engine,
                        time.perf_counter() - waited_s, datetime.now(UTC), 0.0)
+        made.queue_length = behind  # requests waiting or running when it arrived
+        return made
 
+    assert engine._expired(job(300.0, 0.15, behind=0)) is None  # it found the server idle: run as on arrival
     dropped = engine._expired(job(300.0, 0.15))
     assert isinstance(dropped, BudgetLeftBehind) and dropped.status == 504 and dropped.code == "budget_unreachable"
     assert engine._expired(job(300.0, 0.0)) is None  # 300 ms left: worth running
