@@ -134,7 +134,7 @@ def recovery_stats(outs: Sequence[Any], budget_ms: float, arrivals: str) -> dict
         return None
     phases: dict[str, list[Any]] = {"burst": [], "recovering": [], "recovered": []}
     for o in outs:
-        t = o.sched_s - 0.0
+        t = o.sched_s
         phase = "recovered"
         for start, end in windows:
             if start <= t < end:

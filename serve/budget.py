@@ -299,25 +299,19 @@ def replay_cheapest(arrivals: Sequence[tuple[float, float]], costs_ms: Sequence[
     return met
 
 
-def _p90(values: Sequence[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
-def _median(values: Sequence[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def _quantile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _p90(values: Sequence[float]) -> float:
+    return _quantile(values, 0.9)
+
+
+def _median(values: Sequence[float]) -> float:
+    return _quantile(values, 0.5)
 
 
 @dataclass(frozen=True)
