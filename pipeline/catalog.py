@@ -217,9 +217,13 @@ def _move_aside_a_directory(path: Path) -> None:
 
 
 #: set before a query's SQL runs, then locked: DuckDB opens no file (the views read Arrow datasets
-#: that pyarrow opened), downloads nothing, installs and loads no extension
+#: that pyarrow opened), downloads nothing, installs and loads no extension. The connection also has
+#: no temp directory (:data:`QUERY_CONFIG`): DuckDB keeps the one it has among the directories it
+#: may open even with external access off, and its default is ``./.tmp`` of the current directory.
 QUERY_GUARD = ("SET enable_external_access = false", "SET autoinstall_known_extensions = false",
                "SET autoload_known_extensions = false", "SET lock_configuration = true")
+#: the guarded connection's settings at creation: no temp directory (nothing spills, nothing else is opened)
+QUERY_CONFIG = {"temp_directory": ""}
 
 
 def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDBPyConnection:
@@ -231,7 +235,7 @@ def connect_read_only(workspace: Workspace, guard: bool = True) -> duckdb.DuckDB
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    con = duckdb.connect()
+    con = duckdb.connect(config=QUERY_CONFIG if guard else {})
     try:
         tables = workspace_table_files(workspace)
         # a damaged run file leaves its run out of every view that reads it (`measurements` reads the

@@ -96,6 +96,25 @@ def test_queries_cannot_write_to_the_workspace_or_reach_out(small_tree, workspac
     assert run_query(workspace, "SELECT count(*) AS n FROM measurements").to_pylist() == rows
 
 
+@pytest.mark.parametrize("sql", [
+    "COPY (SELECT 1 AS x) TO '.tmp/out.csv'",
+    "SELECT * FROM read_csv('.tmp/inside.csv')",
+    "SELECT * FROM glob('.tmp/*')",
+    "ATTACH '.tmp/new.duckdb' AS n",
+])
+def test_queries_cannot_reach_a_tmp_folder_of_the_current_directory(small_tree, workspace, tmp_path, monkeypatch,
+                                                                    sql):
+    # DuckDB's default temp directory is ./.tmp, and it stays openable with external access off
+    run_ingest([small_tree], workspace)
+    cwd = tmp_path / "cwd"
+    (cwd / ".tmp").mkdir(parents=True)
+    (cwd / ".tmp" / "inside.csv").write_text("secret\n1\n")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(QueryError, match=r"^query refused: `ctrl query` only reads the workspace's views"):
+        run_query(workspace, sql)
+    assert sorted(p.name for p in (cwd / ".tmp").iterdir()) == ["inside.csv"]
+
+
 def test_read_only_statements_still_run(small_tree, workspace):
     run_ingest([small_tree], workspace)
     assert "score" in run_query(workspace, "DESCRIBE measurements").column("column_name").to_pylist()
