@@ -783,6 +783,12 @@ def serve(
         "header_timeout_s"))] = _serve_default("header_timeout_s"),
     body_timeout_s: Annotated[float, typer.Option("--body-timeout-s", help=_serve_help(
         "body_timeout_s"))] = _serve_default("body_timeout_s"),
+    write_timeout_s: Annotated[float, typer.Option("--write-timeout-s", help=_serve_help(
+        "write_timeout_s"))] = _serve_default("write_timeout_s"),
+    max_pipelined: Annotated[int, typer.Option("--max-pipelined", help=_serve_help(
+        "max_pipelined"))] = _serve_default("max_pipelined"),
+    max_uploads: Annotated[int | None, typer.Option("--max-uploads", help=_serve_help("max_uploads"),
+                                                    show_default=False)] = None,
     allowed_hosts: Annotated[str | None, typer.Option("--allowed-hosts", help=_serve_help("allowed_hosts"),
                                                       show_default=False)] = None,
     allowed_origins: Annotated[str | None, typer.Option("--allowed-origins", help=_serve_help("allowed_origins"),
@@ -821,7 +827,8 @@ def serve(
                              max_prompt_tokens=max_prompt_tokens, queue_deadline=queue_deadline,
                              max_image_pixels=max_image_pixels, max_image_aspect=max_image_aspect,
                              max_connections=max_connections, header_timeout_s=header_timeout_s,
-                             body_timeout_s=body_timeout_s, allowed_hosts=allowed_hosts,
+                             body_timeout_s=body_timeout_s, write_timeout_s=write_timeout_s,
+                             max_pipelined=max_pipelined, max_uploads=max_uploads, allowed_hosts=allowed_hosts,
                              allowed_origins=allowed_origins,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup,
                              compile=compile, float32_attention=float32_attention)

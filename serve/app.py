@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from serve.config import normalize_api_key
-from serve.connections import ConnectionLimits
+from serve.connections import ConnectionLimits, UploadPlaces
 from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
 from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
 from serve.streaming import DISCONNECT_POLL_S, stream_reply
@@ -60,14 +61,25 @@ class ClientLeft(Exception):
     """The client closed its connection before its request's body was complete."""
 
 
+class UploadsFull(RequestError):
+    """No place for one more body in flight (HTTP 503 with Retry-After, after the body was read and dropped)."""
+
+    retry_after_s = 1
+
+    def __init__(self, uploads: UploadPlaces) -> None:
+        each = f", {uploads.per_client} from one client address" if uploads.by_address else ""
+        super().__init__(503, f"the server is receiving as many request bodies as it takes at once (--max-uploads: "
+                              f"{uploads.total}{each}); retry in {self.retry_after_s} s", None, "uploads_full")
+
+
 def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None,
                hosts: frozenset[str] | None = None, origins: tuple[str, ...] = (), body_timeout_s: float = 30.0,
-               connections: ConnectionLimits | None = None) -> FastAPI:
+               connections: ConnectionLimits | None = None, uploads: UploadPlaces | None = None) -> FastAPI:
     """The ASGI app around a started-or-not :class:`Engine` (its lifespan starts and stops it).
 
     ``hosts``: the names a Host header may name (None: any); ``origins``: the browser origins
     allowed to call it (CORS), any other Origin header is refused; ``connections``: where dropped
-    connections are counted."""
+    connections are counted; ``uploads``: the places of bodies in flight (None: 2 x the queue's)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,10 +95,12 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                   redirect_slashes=False)
     created = int(time.time())
     decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
+    if uploads is None:
+        uploads = UploadPlaces(2 * (engine.max_queue + 1), engine.max_queue + 1)
 
-    def parse_bounded(data: Any) -> Any:
-        with decode_slots:  # decoded images are what a burst of requests holds in memory
-            chat = parse_chat_request(data, limits)
+    def parse_bounded(body: bytes) -> Any:
+        with decode_slots:  # what parsing builds and the decoded images are what a burst of requests holds
+            chat = parse_chat_request(parse_json_body(body), limits)
         # tokenized here, before the request is queued: a prompt too long never waits for the model
         check_prompt_tokens(engine.runtime.prompt_token_count(chat.question), limits)
         return chat
@@ -95,7 +109,7 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
         if 400 <= exc.status < 500:  # 503s, 504s and 500s are counted where they arise
             engine.metrics.requests.labels(status="invalid").inc()
         headers = dict(headers or {})
-        if isinstance(exc, Overloaded):
+        if isinstance(exc, Overloaded | UploadsFull):
             headers["Retry-After"] = str(exc.retry_after_s)
         if exc.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
@@ -179,34 +193,41 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
-        arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
         authorize(request)
         engine.check_log()  # a request that could not be recorded is not taken
-        slot = engine.reserve()  # a full queue refuses before the body is read: bodies held are bounded by it
         try:
+            # a place of its own from the body's first byte: a body in flight holds no place in the queue
+            body, give_back = await read_body(request, max_body_bytes, body_timeout_s, uploads)
+        except ClientLeft:
+            if connections is not None:
+                connections.dropped("client_left", request.client)
+            return Response(status_code=499)  # no one reads it
+        except UploadsFull:
+            engine.metrics.requests.labels(status="rejected").inc()
+            raise
+        except RequestError as exc:
+            if exc.status == 408 and connections is not None:
+                connections.dropped("body_timeout", request.client)
+            raise
+        # the request's clock starts with its whole body: upload time is the network's, not the model's
+        arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
+        try:
+            slot = engine.reserve()  # a full queue refuses now, and the client, done sending, reads the 503
             try:
-                body = await read_body(request, max_body_bytes, body_timeout_s)
-            except ClientLeft:
-                if connections is not None:
-                    connections.dropped("client_left", request.client)
-                return Response(status_code=499)  # no one reads it
-            except RequestError as exc:
-                if exc.status == 408 and connections is not None:
-                    connections.dropped("body_timeout", request.client)
-                raise
-            data = await run_in_threadpool(parse_json_body, body)
-            del body  # held until the answer otherwise, beside the image decoded from it
-            chat = await run_in_threadpool(parse_bounded, data)  # image decoding off the event loop
-            del data
-            if chat.model != engine.model_name:
-                raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
-                                        f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
-            job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
-            job.loop = asyncio.get_running_loop()
-            job.future = job.loop.create_future()
-            engine.submit(job, slot)
+                chat = await run_in_threadpool(parse_bounded, body)  # parsing and image decoding off the event loop
+                del body  # held until the answer otherwise, beside the image decoded from it
+                give_back()
+                if chat.model != engine.model_name:
+                    raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
+                                            f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
+                job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
+                job.loop = asyncio.get_running_loop()
+                job.future = job.loop.create_future()
+                engine.submit(job, slot)
+            finally:
+                slot.release()  # every path that did not queue the request (a no-op once queued)
         finally:
-            slot.release()  # every path that did not queue the request (a no-op once queued)
+            give_back()  # a no-op once given back
         if chat.stream:
             return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
                                       failure=lambda exc: failure(exc, job.request_id),
@@ -246,35 +267,54 @@ class TimedJSONResponse(JSONResponse):
         self._on_sent()
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 as soon as it exceeds ``limit`` bytes (declared or streamed), with
-    408 when it has not arrived within ``timeout_s``; :class:`ClientLeft` when the client closed
-    its connection first."""
+async def read_body(request: Request, limit: int, timeout_s: float,
+                    uploads: UploadPlaces) -> tuple[bytes, Callable[[], None]]:
+    """The body and the function that gives its place in ``uploads`` back (taken at its first byte).
+    Refused with 413 as soon as it exceeds ``limit`` bytes (declared or streamed), with 408 when it
+    has not arrived within ``timeout_s``; :class:`ClientLeft` when the client closed its connection
+    first; :class:`UploadsFull` where no place was free, once the body has been read and dropped (a
+    client that sends its whole body before it reads gets the 503, not a reset connection)."""
     declared = request.headers.get("content-length")
     too_large = RequestError(413, f"the request body is larger than the server's limit of {limit:,} bytes", None,
                              "body_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
+    give_back: Callable[[], None] | None = None
+    refused, complete = False, False
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s (the server's "
-                                f"--body-timeout-s); {size:,} bytes came", None, "body_timeout") from None
-    except ClientDisconnect:
-        raise ClientLeft from None
-    return b"".join(chunks)
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    if chunk and give_back is None and not refused:
+                        give_back = uploads.take(request.client)
+                        refused = give_back is None
+                    if not refused:
+                        chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s (the server's "
+                                    f"--body-timeout-s); {size:,} bytes came", None, "body_timeout") from None
+        except ClientDisconnect:
+            raise ClientLeft from None
+        complete = True
+    finally:
+        if not complete and give_back is not None:
+            give_back()
+    if refused:
+        raise UploadsFull(uploads)
+    return b"".join(chunks), give_back or (lambda: None)
 
 
 class HostAndOriginCheck:
-    """Refuse (403) a request whose Host header names a host not in ``hosts`` (a page of another
-    site reaching a loopback server through a DNS name of its own) or whose Origin header (a
-    browser's cross-site request) is not in ``origins``."""
+    """Refuse a request whose framing or Host header is malformed (400: a Host that is not
+    ``host[:port]``, none on HTTP/1.1, or a body framed both by Transfer-Encoding and
+    Content-Length, which RFC 9112 6.3 says to close: a proxy that frames by length would read
+    another request in its body), whose Host header names a host not in ``hosts`` (403: a page of
+    another site reaching a loopback server through a DNS name of its own) or whose Origin header
+    (a browser's cross-site request) is not in ``origins`` (403)."""
 
     def __init__(self, app: Any, hosts: frozenset[str] | None, origins: tuple[str, ...],
                  refused: Callable[[], None]) -> None:
@@ -282,33 +322,58 @@ class HostAndOriginCheck:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin")}
-            problem = None
-            host = host_name(headers.get(b"host", b"").decode("latin-1"))
-            origin = headers.get(b"origin")
-            if self.hosts is not None and host is not None and host not in self.hosts:
-                problem = (f"the Host header names {host!r}, which this server does not answer to (--allowed-hosts "
-                           f"{','.join(sorted(self.hosts))})", "host_not_allowed")
-            elif origin is not None and origin.decode("latin-1").lower().rstrip("/") not in self.origins:
-                problem = ("cross-origin requests from a browser page are refused (--allowed-origins names the "
-                           "origins allowed)", "origin_not_allowed")
+            problem = self.problem(scope)
             if problem is not None:
                 self.refused()
-                reply = JSONResponse(RequestError(403, problem[0], None, problem[1]).body(), status_code=403)
+                status, message, code = problem
+                headers = {"Connection": "close"} if status == 400 else None
+                reply = JSONResponse(RequestError(status, message, None, code).body(), status_code=status,
+                                     headers=headers)
                 await reply(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-
-def host_name(header: str) -> str | None:
-    """The host of a Host header, lower case, without its port or brackets (None: no header)."""
-    header = header.strip().lower()
-    if not header:
+    def problem(self, scope: Any) -> tuple[int, str, str] | None:
+        names = [k for k, _ in scope["headers"]]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            return (400, "the request frames its body both by Transfer-Encoding and by Content-Length; send one",
+                    "invalid_framing")
+        headers = {k: v for k, v in scope["headers"] if k in (b"host", b"origin")}
+        raw = headers.get(b"host")
+        if raw is None or not raw.strip():
+            if scope.get("http_version") == "1.0" and raw is None:
+                host = None  # HTTP/1.0 has no Host header to check
+            else:
+                return 400, "the Host header is empty: an HTTP/1.1 request names the server's host", "invalid_host"
+        else:
+            try:
+                host = host_name(raw.decode("latin-1"))
+            except ValueError:
+                shown = raw[:100].decode("latin-1")
+                return 400, f"the Host header {shown!r} is not host[:port]", "invalid_host"
+        origin = headers.get(b"origin")
+        if self.hosts is not None and host is not None and host not in self.hosts:
+            return (403, f"the Host header names {host!r}, which this server does not answer to (--allowed-hosts "
+                         f"{','.join(sorted(self.hosts))})", "host_not_allowed")
+        if origin is not None and origin.decode("latin-1").lower().rstrip("/") not in self.origins:
+            return (403, "cross-origin requests from a browser page are refused (--allowed-origins names the "
+                         "origins allowed)", "origin_not_allowed")
         return None
-    if header.startswith("["):
-        return header[1:].partition("]")[0]
-    name, _, _ = header.partition(":") if header.count(":") == 1 else (header, "", "")
-    return name.rstrip(".")
+
+
+#: a Host header: a name (or IPv4 address), or an IPv6 address in brackets, then an optional port
+_HOST_HEADER = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+(?:%25[0-9a-z._~-]+)?)\]|(?P<name>[a-z0-9._~!$&'()*+;=%-]+))"
+                          r"(?::(?P<port>[0-9]{0,5}))?")
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, lower case, without its port, brackets or trailing dot; ValueError
+    when the header is not ``host[:port]`` (``[::1]evil.example`` and ``a@b`` are not)."""
+    found = _HOST_HEADER.fullmatch(header.strip().lower())
+    if found is None:
+        msg = f"not a Host header: {header!r}"
+        raise ValueError(msg)
+    return found["ip6"] if found["ip6"] is not None else found["name"].rstrip(".")
 
 
 def _completion(request_id: str, model: str, result: Result) -> dict[str, Any]:

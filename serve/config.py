@@ -136,6 +136,18 @@ class ServeConfig:
     body_timeout_s: float = field(default=30.0, metadata=_help(
         "Seconds a request's body has to arrive once its headers are in; then it is answered 408 and the "
         "connection closed (a body of --max-body-bytes needs about 0.6 MB/s by default)."))
+    write_timeout_s: float = field(default=10.0, metadata=_help(
+        "Seconds a connection's replies may wait unread in its send buffer (a client that sends requests and "
+        "never reads the answers); then the connection is closed at once."))
+    max_pipelined: int = field(default=8, metadata=_help(
+        "Requests answered in a row on one connection that its client sent before the previous reply was "
+        "complete (HTTP pipelining); after them the server ends the connection, the replies written still "
+        "readable."))
+    max_uploads: int | None = field(default=None, metadata=_help(
+        "Request bodies received at once: a body's first byte takes a place, a body with none is read, "
+        "dropped and answered 503 uploads_full with Retry-After; one client address (not loopback, and not "
+        "with --auth-by-proxy, where every client has the proxy's) may hold half of them (default: 2 x "
+        "(--max-queue + 1))."))
     allowed_hosts: str | None = field(default=None, metadata=_help(
         "Comma-separated host names the Host header may name, '*' for any (default: on a loopback bind "
         "localhost, 127.0.0.1, ::1 and the --host value, so that a web page cannot reach the server through a "
@@ -180,7 +192,12 @@ class ServeConfig:
                 or self.max_connections < 1:
             msg = f"--max-connections must be a positive integer, got {self.max_connections!r}"
             raise ValueError(msg)
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("max_pipelined", "max_uploads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
+                raise ValueError(msg)
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 msg = f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}"

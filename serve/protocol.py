@@ -37,6 +37,9 @@ KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
 #: the most stop sequences a request may give (OpenAI's limit), and the longest one
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+#: the most JSON values a request body may spell outside its strings (commas, ``[`` and ``{``):
+#: a chat request needs a few dozen, and what parsing holds grows with them, not with the bytes
+MAX_JSON_VALUES = 10_000
 
 
 class RequestError(Exception):
@@ -114,6 +117,10 @@ def parse_json_body(body: bytes) -> Any:
     if body[:4].count(0) or body[:2] in (b"\xff\xfe", b"\xfe\xff"):  # JSON starts with ASCII: a NUL is UTF-16/32
         _refuse("the request body is not UTF-8 (it reads as UTF-16 or UTF-32): send the JSON encoded as UTF-8", None,
                 "invalid_json")
+    values = json_value_count(body, MAX_JSON_VALUES)
+    if values > MAX_JSON_VALUES:
+        _refuse(f"the request body spells more than {MAX_JSON_VALUES:,} JSON values (array and object elements, "
+                "outside strings): a chat request needs a few dozen", None, "too_many_values")
     try:
         return loads_unique_keys(body)
     except RepeatedKeyError as exc:
@@ -127,6 +134,30 @@ def parse_json_body(body: bytes) -> Any:
         except UnicodeDecodeError as bad:
             _refuse(f"the request body is not valid UTF-8 (byte {bad.start}: {bad.reason})", None, "invalid_json")
         _refuse(f"the request body is not valid JSON ({exc})", None, "invalid_json")
+
+
+def json_value_count(body: bytes, limit: int) -> int:
+    """The commas, ``[`` and ``{`` of ``body`` outside its JSON strings (what bounds the values a
+    parser builds: each value but the first of an array or object follows a comma), or a number
+    above ``limit`` once it is known to exceed it. Fast where the whole body has few of them (a
+    data URI has none); otherwise the strings are found, at most ``2 * limit`` of them."""
+    total = body.count(b",") + body.count(b"[") + body.count(b"{")
+    if total <= limit:
+        return total
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped backslashes, then escaped quotes
+    if plain.count(b'"') > 2 * (limit + 1):  # more strings than values allowed: more values than that too
+        return limit + 1
+    count, start, inside = 0, 0, False
+    while True:
+        quote = plain.find(b'"', start)
+        end = len(plain) if quote < 0 else quote
+        if not inside:
+            count += plain.count(b",", start, end) + plain.count(b"[", start, end) + plain.count(b"{", start, end)
+            if count > limit:
+                return count
+        if quote < 0:
+            return count
+        inside, start = not inside, quote + 1
 
 
 def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
@@ -355,6 +386,9 @@ def load_image(url: str, limits: Limits, where: str) -> Image.Image:
     if parsed.scheme not in ("", "file"):
         _refuse(f"`{where}`: {parsed.scheme}: URLs are not fetched; send a data: URI or a file path", where,
                    "unsupported_value")
+    if parsed.scheme == "file" and parsed.netloc.lower() not in ("", "localhost"):
+        _refuse(f"`{where}`: a file: URL names host {_shown(parsed.netloc)}; only this machine's files are read "
+                "(file:///path)", where, "unsupported_value")
     name = unquote(parsed.path) if parsed.scheme == "file" else url
     if "\x00" in name:
         _refuse(f"`{where}`: a file path must not contain a NUL character", where, "invalid_image")

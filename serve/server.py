@@ -21,7 +21,7 @@ from runtime import load_runtime
 from serve.app import create_app
 from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
-from serve.connections import DROP_REASONS, ConnectionLimits, protocol_class
+from serve.connections import DROP_REASONS, ConnectionLimits, UploadPlaces, protocol_class
 from serve.deciders import find_controller, load_decider
 from serve.engine import Engine, capture_decode_steps, warm_up
 from serve.protocol import Limits, warm_image_decoding
@@ -87,7 +87,15 @@ def connection_limits(config: ServeConfig, engine: Engine) -> ConnectionLimits:
     for reason in DROP_REASONS:  # every reason in the metrics from the start, at 0
         engine.metrics.connections_dropped.labels(reason=reason)
     return ConnectionLimits(config.max_connections, config.header_timeout_s, config.body_timeout_s,
+                            write_timeout_s=config.write_timeout_s, max_pipelined=config.max_pipelined,
                             on_drop=lambda reason: engine.metrics.connections_dropped.labels(reason=reason).inc())
+
+
+def upload_places(config: ServeConfig) -> UploadPlaces:
+    """``--max-uploads`` places for bodies in flight, half of them for one client address (every client
+    behind an authenticating proxy has the proxy's)."""
+    total = config.max_uploads or 2 * (config.max_queue + 1)
+    return UploadPlaces(total, max(1, total // 2), by_address=not config.auth_by_proxy)
 
 
 #: glibc's mallopt parameter: the allocation size from which memory is mapped on its own
@@ -122,7 +130,7 @@ def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> b
     connections = connection_limits(config, engine)
     app = create_app(engine, limits_of(config, engine), max_body_bytes=config.max_body_bytes, api_key=config.api_key,
                      hosts=config.hosts, origins=config.origins, body_timeout_s=config.body_timeout_s,
-                     connections=connections)
+                     connections=connections, uploads=upload_places(config))
     server = _draining_server_class()(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                      access_log=False, lifespan="on",
                                                      http=protocol_class(connections)), engine)

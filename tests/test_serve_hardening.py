@@ -10,6 +10,8 @@ that timeouts take a second or two.
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.client
 import io
 import json
 import re
@@ -26,7 +28,9 @@ from test_serve import chat_body, one_line_error, request, start_server, stop_se
 trained_ws = test_serve.serve_ws
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
-MAX_CONNECTIONS = 6
+WRITE_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 8
+MAX_UPLOADS = 3
 APP_ORIGIN = "http://app.example"
 
 
@@ -45,7 +49,9 @@ def guarded(trained_ws, tmp_path_factory):
     (images / "link.png").symlink_to(secret / "target.png")
     server = start_server(ws.root, root / "log.txt", "--controller", "offline-run", "--max-queue", "1",
                           "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-                          "--max-connections", str(MAX_CONNECTIONS), "--local-images", str(images),
+                          "--write-timeout-s", str(WRITE_TIMEOUT_S),
+                          "--max-connections", str(MAX_CONNECTIONS), "--max-uploads", str(MAX_UPLOADS),
+                          "--local-images", str(images),
                           "--allowed-origins", APP_ORIGIN)
     yield server, secret
     stop_server(server)
@@ -173,36 +179,294 @@ def test_connections_beyond_the_cap_are_refused_at_once_and_the_rest_time_out(gu
     assert metric(server, "ctrl_connections_dropped_total", reason="header_timeout") == timeouts
 
 
-# -- a place in the queue before the body is read -------------------------------------------------
+# -- clients that send and never read -----------------------------------------------------------
 
-def test_a_request_without_a_place_in_the_queue_is_refused_before_its_body_is_read(guarded):
-    """With --max-queue 1 two places exist. Two clients that sent only their headers hold both (as
-    clients uploading large images would); a third is answered 503 before sending a byte of body,
-    and the places come back when the first two are answered."""
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def read_until_closed(sock: socket.socket, within_s: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection (a reset ends it too)."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_pipelined_requests_beyond_the_cap_end_the_connection_with_every_reply_written(guarded):
+    """A client pipelines 20 requests: the first and 8 sent ahead of its reply (--max-pipelined 8) are
+    answered, then the server ends the connection; the replies reach the client that reads them."""
+    server, _ = guarded
+    dropped = metric(server, "ctrl_connections_dropped_total", reason="too_many_pipelined")
+    with connect(server) as sock:
+        sock.sendall(HEALTH * 20)
+        replies = read_until_closed(sock)
+    assert replies.count(b"HTTP/1.1 200 OK") == 9
+    assert metric(server, "ctrl_connections_dropped_total", reason="too_many_pipelined") == dropped + 1
+
+
+def test_eight_pipelined_requests_are_all_answered_on_a_connection_that_stays_open(guarded):
+    server, _ = guarded
+    with connect(server) as sock:
+        sock.sendall(HEALTH * 8)
+        data = b""
+        while data.count(b"HTTP/1.1 200 OK") < 8 or not data.endswith(b"}"):  # replies may share a read
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {data.count(b'HTTP/1.1 200 OK')} replies"
+            data += chunk
+        assert data.count(b"HTTP/1.1 ") == 8
+        sock.sendall(HEALTH)
+        assert read_reply(sock)[0] == 200
+
+
+def test_connections_that_pipeline_and_never_read_do_not_lock_others_out(guarded):
+    """Every connection place taken by a client that pipelines thousands of requests and reads no
+    reply: within a second or two all are closed and the server answers others again."""
+    server, _ = guarded
+    hogs = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in hogs:
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.send(HEALTH * 4000)
+        deadline = time.monotonic() + 15
+        while True:  # a connection refused for too many open ones is answered 503
+            status, _ = request(server, "GET", "/health", timeout=5)
+            if status == 200:
+                break
+            assert time.monotonic() < deadline, "the pipelining clients still hold every connection"
+            time.sleep(0.2)
+    finally:
+        for sock in hogs:
+            sock.close()
+
+
+def test_replies_left_unread_close_the_connection_after_the_write_timeout(guarded):
+    """A client with a tiny receive window asks for /metrics again and again, one request at a time
+    (no pipelining), and never reads: the replies back up in the server's send buffer and the
+    connection is closed --write-timeout-s later, counted as a write timeout."""
+    server, _ = guarded
+    before = metric(server, "ctrl_connections_dropped_total", reason="write_timeout")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", server.port))
+    get = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    deadline = time.monotonic() + 30
+    try:
+        while metric(server, "ctrl_connections_dropped_total", reason="write_timeout") < before + 1:
+            assert time.monotonic() < deadline, "the connection of a client that never reads stayed open"
+            with contextlib.suppress(OSError):  # reset once the server has closed it
+                for _ in range(20):
+                    sock.sendall(get)
+                    time.sleep(0.01)
+    finally:
+        sock.close()
+
+
+# -- half-closed clients -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["http/1.0", "connection: close", "pipelined"])
+def test_a_half_closed_client_gets_every_answer_it_asked_for(guarded, shape):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=2)
+    if shape == "http/1.0":
+        sent = head(len(body)).replace(b"HTTP/1.1", b"HTTP/1.0") + body
+    elif shape == "connection: close":
+        sent = head(len(body), extra="Connection: close\r\n") + body
+    else:
+        sent = head(len(body)) + body + head(len(body)) + body
+    with connect(server) as sock:
+        sock.sendall(sent)
+        sock.shutdown(socket.SHUT_WR)
+        replies = read_until_closed(sock, 60)
+    assert replies.count(b" 200 OK\r\n") == (2 if shape == "pipelined" else 1), replies[:300]
+    assert replies.count(b'"role":"assistant"') == replies.count(b" 200 OK\r\n")
+
+
+def test_a_stream_whose_client_half_closes_after_it_began_runs_to_its_end(guarded):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=6, stream=True)
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body)
+        first = b""
+        while b"data: " not in first:
+            first += sock.recv(65536)
+        sock.shutdown(socket.SHUT_WR)
+        rest = read_until_closed(sock, 60)
+    assert (first + rest).rstrip().endswith(b"data: [DONE]") or b"data: [DONE]" in first + rest
+
+
+# -- framing, Host and file URLs -----------------------------------------------------------------
+
+def test_a_body_framed_by_both_transfer_encoding_and_content_length_is_a_400_that_closes(guarded):
     server, _ = guarded
     body = chat_body("What?", max_tokens=1)
-    holders = [connect(server) for _ in range(2)]
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    with connect(server) as sock:
+        sock.sendall(head(len(chunked), extra="Transfer-Encoding: chunked\r\n") + chunked)
+        status, headers, reply = read_reply(sock)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(reply)["error"]["code"] == "invalid_framing"
+        assert closed_by_server(sock, 5)
+
+
+@pytest.mark.parametrize("host", ["[::1]evil.example", "[::1]@evil.example", "127.0.0.1@evil.example", ""])
+def test_a_host_header_that_is_not_host_and_port_is_a_400(guarded, host):
+    server, _ = guarded
+    with connect(server) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        status, _, reply = read_reply(sock)
+    assert status == 400, reply
+    assert json.loads(reply)["error"]["code"] == "invalid_host"
+
+
+def test_a_file_url_naming_another_host_is_refused(guarded):
+    server, _ = guarded
+    content = [{"type": "text", "text": "What?"},
+               {"type": "image_url", "image_url": {"url": "file://evil.example/ok.png"}}]
+    status, body = request(server, "POST", "/v1/chat/completions", chat_body(content, max_tokens=1))
+    assert status == 400 and "names host 'evil.example'" in body["error"]["message"]
+    local = [content[0], {"type": "image_url", "image_url": {"url": "file://localhost/ok.png"}}]
+    status, body = request(server, "POST", "/v1/chat/completions", chat_body(local, max_tokens=1))
+    assert status == 400 and "'/ok.png' is outside the --local-images directory" in body["error"]["message"]
+
+
+# -- what a body's JSON may cost -----------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [b"{},", b"[],", b"0,", b'"",'])
+def test_a_body_of_fifty_thousand_tiny_values_is_refused_before_it_is_parsed(guarded, shape):
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)[:-1] + b', "ignored": [' + shape * 50_000 + b"0]}"
+    status, reply = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and reply["error"]["code"] == "too_many_values", reply
+    assert request(server, "GET", "/health")[0] == 200
+
+
+def test_commas_inside_strings_are_not_values(guarded):
+    server, _ = guarded
+    body = chat_body("What, " * 200, max_tokens=1)[:-1] + b', "note": "' + b",[{" * 20_000 + b'"}'
+    status, reply = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, reply
+
+
+# -- the clock starts with the whole body --------------------------------------------------------
+
+def test_time_spent_uploading_is_not_time_waited_for_the_model(guarded):
+    """A budget of 100 ms drops a request that waited 4 budgets for the model; a body that takes 1 s
+    to arrive on an idle server has not waited and is answered."""
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1, latency_budget_ms=100, when_unreachable="run")
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body[:20])
+        time.sleep(1.0)
+        sock.sendall(body[20:])
+        status, _, reply = read_reply(sock)
+    assert status == 200, reply
+
+
+# -- bodies in flight and places in the queue ----------------------------------------------------
+
+def test_sockets_that_send_headers_and_no_body_hold_no_place(guarded):
+    """With --max-queue 1 two places exist in the queue, and --max-uploads 3 places for bodies. Five
+    connections that sent a request's headers with a Content-Length and no body (an idle client, or
+    one that waits for ever) hold neither: a client that sends its request is answered."""
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)
+    idle = [connect(server) for _ in range(MAX_UPLOADS + 2)]
+    try:
+        for sock in idle:
+            sock.sendall(head(len(body)))
+        time.sleep(0.3)
+        assert request(server, "POST", "/v1/chat/completions", body)[0] == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_body_without_a_place_is_read_then_refused_and_the_connection_carries_on(guarded):
+    """Three clients that sent the first half of their bodies hold the three places for bodies in
+    flight; a fourth that sends its whole body is answered 503 uploads_full with Retry-After once
+    its body is in (a client sends its body before it reads), its connection carries its next
+    request, and the places come back when the first three are complete."""
+    server, _ = guarded
+    body = chat_body("What?", max_tokens=1)
+    rejected = metric(server, "ctrl_requests_total", status="rejected")
+    holders = [connect(server) for _ in range(MAX_UPLOADS)]
     try:
         for sock in holders:
-            sock.sendall(head(len(body)))
-        time.sleep(0.3)  # the holders' handlers take their places as soon as their headers are parsed
-        with connect(server) as third:
-            third.sendall(head(len(body)))
-            status, headers, reply = read_reply(third)
+            sock.sendall(head(len(body)) + body[:10])
+        time.sleep(0.3)  # each handler takes a place at its body's first byte
+        with connect(server) as fourth:
+            fourth.sendall(head(len(body)) + body)
+            status, headers, reply = read_reply(fourth)
             assert status == 503 and int(headers["retry-after"]) >= 1
-            assert json.loads(reply)["error"]["code"] == "queue_full"
-            # the refused client may still send its body: it is read and dropped, and the connection
-            # carries its next request
-            third.sendall(body + head(len(body)) + body)
-            status, _, reply = read_reply(third)
-        assert status == 503, reply  # the holders still hold both places
-        for sock in holders:
-            sock.sendall(body)
+            assert json.loads(reply)["error"]["code"] == "uploads_full"
+            fourth.sendall(head(len(body)) + body)
+            assert read_reply(fourth)[0] == 503  # the holders still hold every place
+        assert metric(server, "ctrl_requests_total", status="rejected") == rejected + 2
+        for sock in holders:  # one at a time: the queue has two places
+            sock.sendall(body[10:])
             assert read_reply(sock)[0] == 200
     finally:
         for sock in holders:
             sock.close()
     assert request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=1))[0] == 200
+
+
+def refused_through(client: str, server, body: bytes) -> tuple[int, str | None, str]:
+    """Status, Retry-After and error code of one request sent through a standard HTTP client."""
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    if client == "http.client":
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+            reply = conn.getresponse()
+            return reply.status, reply.getheader("retry-after"), json.loads(reply.read())["error"]["code"]
+        finally:
+            conn.close()
+    if client == "requests":
+        import requests
+
+        reply = requests.post(url, data=body, headers=headers, timeout=30)
+        return reply.status_code, reply.headers.get("retry-after"), reply.json()["error"]["code"]
+    if client == "httpx":
+        import httpx
+
+        reply = httpx.post(url, content=body, headers=headers, timeout=30)
+        return reply.status_code, reply.headers.get("retry-after"), reply.json()["error"]["code"]
+    import openai
+
+    fields = json.loads(body)
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0) as sdk:
+        try:
+            sdk.chat.completions.create(model=fields.pop("model"), messages=fields.pop("messages"),
+                                        extra_body=fields)
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.response.headers.get("retry-after"), exc.body["code"]
+    return 200, None, ""
+
+
+@pytest.mark.parametrize("client", ["http.client", "requests", "httpx", "openai"])
+def test_a_refused_upload_is_a_503_that_standard_clients_read(guarded, client):
+    """Every place for bodies in flight held: a client that sends a large body reads the 503 with its
+    Retry-After, never a reset connection."""
+    pytest.importorskip(client.partition(".")[0])
+    server, _ = guarded
+    small = chat_body("What?", max_tokens=1)
+    large = chat_body("What?", max_tokens=1, padding="x" * 250_000)
+    holders = [connect(server) for _ in range(MAX_UPLOADS)]
+    try:
+        for sock in holders:
+            sock.sendall(head(len(small)) + small[:10])
+        time.sleep(0.3)
+        assert refused_through(client, server, large) == (503, "1", "uploads_full")
+    finally:
+        for sock in holders:
+            sock.close()
 
 
 def test_a_client_that_leaves_mid_body_is_a_dropped_connection_not_an_error(guarded):
