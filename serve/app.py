@@ -228,17 +228,21 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
                 slot.release()  # every path that did not queue the request (a no-op once queued)
         finally:
             give_back()  # a no-op once given back
-        if chat.stream:
-            return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
-                                      failure=lambda exc: failure(exc, job.request_id),
-                                      on_sent=lambda result: reply_sent(job, result))
-        while True:
-            done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
-            if done:
-                break
-            if await request.is_disconnected():
-                job.cancelled.set()  # the worker stops at the next stage or token
-                return JSONResponse({}, status_code=499)
+        try:
+            if chat.stream:
+                return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
+                                          failure=lambda exc: failure(exc, job.request_id),
+                                          on_sent=lambda result: reply_sent(job, result))
+            while True:
+                done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    job.cancelled.set()  # the worker stops at the next stage or token
+                    return JSONResponse({}, status_code=499)
+        except asyncio.CancelledError:  # a forced stop cancels the handler: no one reads the outcome
+            job.cancelled.set()
+            raise
         try:
             result: Result = job.future.result()
         except Exception as exc:

@@ -41,7 +41,7 @@ from typing import Any
 
 #: the reasons a connection is dropped (the label of ctrl_connections_dropped_total)
 DROP_REASONS = ("too_many_connections", "header_timeout", "body_timeout", "client_left", "write_timeout",
-                "too_many_pipelined")
+                "too_many_pipelined", "invalid_request")
 #: the least time between two log lines of one drop reason
 LOG_EVERY_S = 10.0
 #: how often the socket of a half-closed client is looked at
@@ -103,7 +103,14 @@ _DROP_TEXT: dict[str, Callable[[ConnectionLimits], str]] = {
     "write_timeout": lambda lim: f"its replies were not read within {lim.write_timeout_s:g} s (--write-timeout-s)",
     "too_many_pipelined": lambda lim: f"it sent more than {lim.max_pipelined} requests ahead of their replies "
                                       "(--max-pipelined)",
+    "invalid_request": lambda lim: "what it sent is not an HTTP/1.1 request (answered 400)",
 }
+#: uvicorn's own line for a request h11 cannot parse: replaced by the counted, rate-limited one above
+_UVICORN_INVALID = "Invalid HTTP request received."
+
+
+def _not_uvicorns_invalid_request(record: logging.LogRecord) -> bool:
+    return record.msg != _UVICORN_INVALID
 
 
 @dataclass
@@ -171,6 +178,8 @@ def protocol_class(limits: ConnectionLimits) -> type:
     refused = _raw_response(503, "Service Unavailable", "the server has too many open connections; retry later",
                             "retry-after: 1\r\n")
     timed_out = _raw_response(408, "Request Timeout", "the request was not received in time")
+    if _not_uvicorns_invalid_request not in logger.filters:
+        logger.addFilter(_not_uvicorns_invalid_request)
 
     class BoundedH11Protocol(H11Protocol):
         """See the module's docstring."""
@@ -200,6 +209,10 @@ def protocol_class(limits: ConnectionLimits) -> type:
                 self._write_timer.cancel()
                 self._write_timer = None
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            limits.dropped("invalid_request", self.client)
+            super().send_400_response(msg)
 
         def pause_writing(self) -> None:
             super().pause_writing()

@@ -507,8 +507,12 @@ class Engine:
                     streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
                         req.stop or job.deltas is not None) else None
 
+                    decoded = 1  # the prefill's logits gave the first token
+
                     def next_token(token: int) -> int:
-                        self._check(job)
+                        nonlocal decoded
+                        self._check(job, decoded=decoded)
+                        decoded += 1
                         with self.timer.segment("decode", stages):
                             runtime.decode_step(state, token)
                             return pick(state.logits)
@@ -562,13 +566,16 @@ class Engine:
                                      finish_reason=finish, stop_hit=stop_hit, stages=stages) if record else {}
         return result
 
-    def _check(self, job: Job, block: int | None = None) -> None:
-        """Raise :class:`Cancelled` (saying why and where) when the job's client has gone or the server aborts."""
+    def _check(self, job: Job, block: int | None = None, decoded: int | None = None) -> None:
+        """Raise :class:`Cancelled` (saying why and where) when the job's client has gone or the server
+        aborts; ``decoded``: the tokens decoded so far, where it is checked between two decode steps."""
         if not (job.cancelled.is_set() or self._aborting.is_set()):
             return
-        why = "the client disconnected" if job.cancelled.is_set() else "the server was stopped at once"
+        why = "the server was stopped at once" if self._aborting.is_set() else "the client disconnected"
         stage = self.timer.current_segment
         where = f" during {_STAGE_NAMES.get(stage, stage)}" if stage else ""
+        if decoded is not None:
+            where = f" while decoding, after {decoded} token{'s' if decoded != 1 else ''} of the answer"
         before = f", before decoder block {block}" if block is not None else ""
         msg = f"{why}{where}{before}"
         raise Cancelled(msg)

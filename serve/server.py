@@ -8,9 +8,11 @@ decoder block, the queued ones are not run (each recorded as cancelled) and the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -141,6 +143,16 @@ def serve(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> b
     return not server.force_exit
 
 
+def _not_a_cancelled_task(record: logging.LogRecord) -> bool:
+    """False for the tracebacks of tasks a forced stop cancels (a request's handler, the lifespan's
+    wait): that stop was asked for, the requests are recorded as cancelled, and nothing failed."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, asyncio.CancelledError):
+        return False
+    text = record.msg if isinstance(record.msg, str) else ""
+    return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
+
+
 def _draining_server_class() -> type:
     import uvicorn
 
@@ -158,6 +170,8 @@ def _draining_server_class() -> type:
             if self.should_exit:
                 self.force_exit = True
                 self.engine.abort()
+                for name in ("uvicorn.error", "uvicorn"):
+                    logging.getLogger(name).addFilter(_not_a_cancelled_task)
             else:
                 self.should_exit = True
 

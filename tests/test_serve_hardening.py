@@ -266,6 +266,19 @@ def test_replies_left_unread_close_the_connection_after_the_write_timeout(guarde
         sock.close()
 
 
+def test_requests_that_are_not_http_are_counted_and_logged_once_per_ten_seconds(guarded):
+    server, _ = guarded
+    before = metric(server, "ctrl_connections_dropped_total", reason="invalid_request")
+    lines = server.log().count("is not an HTTP/1.1 request")
+    for _ in range(30):
+        with connect(server) as sock:
+            sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 400 ")
+    assert metric(server, "ctrl_connections_dropped_total", reason="invalid_request") == before + 30
+    assert server.log().count("is not an HTTP/1.1 request") <= lines + 1
+    assert "Invalid HTTP request received" not in server.log()
+
+
 # -- half-closed clients -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", ["http/1.0", "connection: close", "pipelined"])
@@ -700,6 +713,35 @@ def test_the_default_queue_deadline_drops_after_four_budgets_not_eight(embedded_
     engine.stop()
     rows = [json.loads(line) for line in next((tmp_path / "ws" / "requests").glob("*.jsonl")).read_text().splitlines()]
     assert [r["status"] for r in rows] == ["dropped"]
+
+
+def test_a_request_cancelled_while_decoding_is_recorded_with_how_far_it_got(embedded_runtime, tmp_path, monkeypatch):
+    from test_serve import RecordingDecider
+
+    from pipeline.workspace import Workspace
+    from serve.engine import Cancelled, Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=1, default_budget_ms=100.0,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")))
+    job = new_job(ChatRequest("embedded", "What?", None, 16, 10_000.0), engine, time.perf_counter(),
+                  datetime.now(UTC), 0.0)
+    steps = 0
+    decode_step = embedded_runtime.decode_step
+
+    def counted(*args, **kwargs):
+        nonlocal steps
+        steps += 1
+        if steps == 2:
+            job.cancelled.set()  # the client leaves during the second decode step
+        return decode_step(*args, **kwargs)
+
+    monkeypatch.setattr(embedded_runtime, "decode_step", counted)
+    monkeypatch.setattr(embedded_runtime, "eos_id", -1)  # no early end: every step is taken
+    with pytest.raises(Cancelled, match=r"^the client disconnected while decoding, after 3 tokens of the answer$"):
+        engine.execute(job)
+    engine.stop()
 
 
 def test_a_request_log_that_cannot_be_created_again_is_retried_at_the_next_request(tmp_path):

@@ -204,6 +204,7 @@ def test_a_second_sigterm_stops_a_long_prefill_at_once(long_prompt_server, train
     assert code == 1, server.log()
     assert exited_s < whole_s / 2, (exited_s, whole_s)
     assert "stopped at once by a second signal" in server.log()
+    assert "Traceback" not in server.log() and "ERROR" not in server.log(), server.log()
     cancelled = [r for r in records(ws.root, server) if r["status"] == "cancelled"
                  and r["error"].startswith("the server was stopped at once")]
     assert len(cancelled) == 1, records(ws.root, server)
