@@ -114,6 +114,8 @@ class Job:
     deltas: asyncio.Queue[str] | None = None
     #: the sampling seed: the request's, or one drawn for it (recorded); None for greedy decoding
     seed: int | None = None
+    #: the answer's tokens so far (what a cancelled request's record says it got to)
+    tokens_out: int = 0
     #: admitted although the queue ahead left its budget no room (``when_unreachable: run``): it runs at the
     #: cheapest configuration
     unreachable: bool = False
@@ -507,14 +509,13 @@ class Engine:
                     streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
                         req.stop or job.deltas is not None) else None
 
-                    decoded = 1  # the prefill's logits gave the first token
+                    job.tokens_out = 1  # the prefill's logits gave the first token
 
                     def next_token(token: int) -> int:
-                        nonlocal decoded
-                        self._check(job, decoded=decoded)
-                        decoded += 1
+                        self._check(job)
                         with self.timer.segment("decode", stages):
                             runtime.decode_step(state, token)
+                            job.tokens_out += 1
                             return pick(state.logits)
 
                     tokens = greedy_decode(pick(state.logits), next_token, runtime.eos_id, req.max_tokens,
@@ -566,16 +567,15 @@ class Engine:
                                      finish_reason=finish, stop_hit=stop_hit, stages=stages) if record else {}
         return result
 
-    def _check(self, job: Job, block: int | None = None, decoded: int | None = None) -> None:
-        """Raise :class:`Cancelled` (saying why and where) when the job's client has gone or the server
-        aborts; ``decoded``: the tokens decoded so far, where it is checked between two decode steps."""
+    def _check(self, job: Job, block: int | None = None) -> None:
+        """Raise :class:`Cancelled` (saying why and where) when the job's client has gone or the server aborts."""
         if not (job.cancelled.is_set() or self._aborting.is_set()):
             return
         why = "the server was stopped at once" if self._aborting.is_set() else "the client disconnected"
         stage = self.timer.current_segment
         where = f" during {_STAGE_NAMES.get(stage, stage)}" if stage else ""
-        if decoded is not None:
-            where = f" while decoding, after {decoded} token{'s' if decoded != 1 else ''} of the answer"
+        if job.tokens_out:  # between two decode steps or inside one
+            where = f" while decoding, after {job.tokens_out} token{'s' if job.tokens_out != 1 else ''} of the answer"
         before = f", before decoder block {block}" if block is not None else ""
         msg = f"{why}{where}{before}"
         raise Cancelled(msg)

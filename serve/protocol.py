@@ -137,10 +137,11 @@ def parse_json_body(body: bytes) -> Any:
 
 
 def json_value_count(body: bytes, limit: int) -> int:
-    """The commas, ``[`` and ``{`` of ``body`` outside its JSON strings (what bounds the values a
-    parser builds: each value but the first of an array or object follows a comma), or a number
-    above ``limit`` once it is known to exceed it. Fast where the whole body has few of them (a
-    data URI has none); otherwise the strings are found, at most ``2 * limit`` of them."""
+    """A count of the commas, ``[`` and ``{`` of ``body`` (what bounds the values a parser builds:
+    each value but the first of an array or object follows a comma) that is above ``limit``
+    exactly when those outside its JSON strings are. Those of the whole body where they are few (a
+    data URI has none); otherwise the strings are found, at most ``2 * limit`` of them, and those
+    outside them counted until they exceed ``limit``."""
     total = body.count(b",") + body.count(b"[") + body.count(b"{")
     if total <= limit:
         return total

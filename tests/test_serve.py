@@ -315,8 +315,10 @@ BAD_CASES = {
                                        "`temperature` must be a number in [0, 2]"),
     "a lone surrogate": (b'{"model": "embedded", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
                          "not valid Unicode text: a lone surrogate"),
+    "nested 5,000 deep": (b'{"model": "embedded", "messages": ' + b"[" * 5_000 + b"]" * 5_000 + b"}", 400,
+                          "not valid JSON"),
     "nested 100,000 deep": (b'{"model": "embedded", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
-                            "not valid JSON"),
+                            "more than 10,000 JSON values"),
     "not UTF-8": (b'{"model": "embedded", "messages": [{"role": "user", "content": "\xff"}]}', 400,
                   "not valid UTF-8 (byte 64"),
     "a prompt over the limit": (chat_body("What? " * 1500), 400, "9,000 characters of text, more than the server's "

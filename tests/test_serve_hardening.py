@@ -279,6 +279,26 @@ def test_requests_that_are_not_http_are_counted_and_logged_once_per_ten_seconds(
     assert "Invalid HTTP request received" not in server.log()
 
 
+def test_upload_places_bound_one_client_address_but_not_loopback_or_a_proxy():
+    from serve.connections import UploadPlaces
+
+    places = UploadPlaces(total=4, per_client=2)
+    remote = [places.take(("203.0.113.7", 5000 + i)) for i in range(3)]
+    assert [p is not None for p in remote] == [True, True, False]  # one address: half of the places
+    other = places.take(("198.51.100.2", 6000))
+    local = places.take(("127.0.0.1", 7000))
+    assert other is not None and local is not None and places.held == 4
+    assert places.take(("::1", 7001)) is None  # every place taken
+    remote[0]()
+    remote[0]()  # giving a place back twice frees it once
+    assert places.held == 3
+    assert places.take(("203.0.113.7", 5003)) is not None
+    behind_proxy = UploadPlaces(total=3, per_client=1, by_address=False)
+    assert all(behind_proxy.take(("10.0.0.1", port)) for port in range(3))  # every client has the proxy's address
+    mapped = UploadPlaces(total=3, per_client=1)
+    assert all(mapped.take(("::ffff:127.0.0.1", port)) for port in range(3))  # a dual-stack socket's loopback
+
+
 # -- half-closed clients -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", ["http/1.0", "connection: close", "pipelined"])
@@ -733,9 +753,10 @@ def test_a_request_cancelled_while_decoding_is_recorded_with_how_far_it_got(embe
     def counted(*args, **kwargs):
         nonlocal steps
         steps += 1
+        out = decode_step(*args, **kwargs)
         if steps == 2:
-            job.cancelled.set()  # the client leaves during the second decode step
-        return decode_step(*args, **kwargs)
+            job.cancelled.set()  # the client leaves after the second decode step
+        return out
 
     monkeypatch.setattr(embedded_runtime, "decode_step", counted)
     monkeypatch.setattr(embedded_runtime, "eos_id", -1)  # no early end: every step is taken

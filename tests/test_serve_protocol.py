@@ -412,3 +412,27 @@ def test_a_log_written_before_these_columns_reads_them_as_null(tmp_path):
     con = duckdb.connect()
     con.execute(requests_view_ddl(str(ws.requests_dir / "*.jsonl")))
     assert con.sql(f"SELECT {', '.join(columns)} FROM requests").to_arrow_table().to_pylist() == expected
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b'{"a": [1, 2, {"b": 3}]}', 5),  # { [ , , {
+    (b'{"a": "x, [y], {z}"}', 1),  # inside a string nothing counts
+    (b'{"a": "x\\\\", "b": [1,2]}', 4),  # an escaped backslash ends the string before the comma
+    (b'{"a": "x\\", [", "b": 1}', 2),  # an escaped quote does not end it
+])
+def test_json_values_are_counted_outside_strings(body, expected):
+    from serve.protocol import json_value_count
+
+    for limit in range(6):  # above the limit exactly when the values outside strings are
+        assert (json_value_count(body, limit) > limit) == (expected > limit), limit
+
+
+def test_json_values_beyond_the_limit_are_refused_by_parse_json_body():
+    from serve.protocol import MAX_JSON_VALUES, RequestError, parse_json_body
+
+    at_limit = b"[" + b"0," * (MAX_JSON_VALUES - 1) + b"0]"  # one [ and MAX - 1 commas
+    assert len(parse_json_body(at_limit)) == MAX_JSON_VALUES
+    with pytest.raises(RequestError, match="more than 10,000 JSON values"):
+        parse_json_body(b"[" + b"0," * MAX_JSON_VALUES + b"0]")
+    text = b'{"t": "' + b"," * (5 * MAX_JSON_VALUES) + b'"}'  # commas in a string: one value
+    assert parse_json_body(text) == {"t": "," * (5 * MAX_JSON_VALUES)}
