@@ -6,8 +6,8 @@
   the previous reply on it): a client that sends headers slowly is answered 408 and closed, one
   that sends nothing (an idle connection of a client's pool) is closed without a word.
 * The body's own deadline is the app's (:func:`serve.app.read_body`); a body the app answered
-  without reading (a 503 before a queue slot, a 401) is read and dropped, at most for
-  ``body_timeout_s``, so that the client, which sends its whole body before it reads, gets the reply.
+  without reading (a 401, a 403) is read and dropped, at most for ``body_timeout_s``, so that the
+  client, which sends its whole body before it reads, gets the reply.
 * Replies must drain: a connection whose replies have waited in its send buffer for
   ``write_timeout_s`` (a client that sends requests and never reads the answers) is closed at once.
 * At most ``max_pipelined`` requests are answered that a client sent before the previous reply was
