@@ -23,6 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from typer.core import TyperGroup
 
+from runtime.execution import EXECUTION_HELP
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -46,6 +48,9 @@ class _Commands(TyperGroup):
         except _ClickException as e:
             raise _usage_error(e) from None
 
+
+#: the fast path's switch; --compile/--no-compile are its old names, accepted for one release (docs/cli.md)
+FAST_PATH_FLAGS = ("--fast-path/--eager", "--compile/--no-compile")
 
 #: the base of Typer's usage errors: click's ClickException, or the copy of it Typer vendors (typer._click)
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -460,7 +465,7 @@ def train(
     check_budgets: Annotated[int | None, _train_opt("check_budgets", min=1, rich_help_panel=ONLINE)] = None,
     patience: Annotated[int | None, _train_opt("patience", min=0, rich_help_panel=ONLINE)] = None,
     threads: Annotated[int | None, _train_opt("threads", min=0, rich_help_panel=ONLINE)] = None,
-    compile: Annotated[bool | None, _train_opt("compile", "--compile/--no-compile", rich_help_panel=ONLINE)] = None,
+    fast_path: Annotated[bool | None, _train_opt("fast_path", *FAST_PATH_FLAGS, rich_help_panel=ONLINE)] = None,
     float32_attention: Annotated[bool | None, _train_opt("float32_attention",
                                                          "--float32-attention/--no-float32-attention",
                                                          rich_help_panel=ONLINE)] = None,
@@ -797,8 +802,8 @@ def serve(
                                                       file_okay=False, show_default=False)] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help=_serve_help(
         "served_model_name"), show_default=False)] = None,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile", help=_serve_help("compile"))] = _serve_default(
-        "compile"),
+    fast_path: Annotated[bool, typer.Option(*FAST_PATH_FLAGS, help=_serve_help("fast_path"))] = _serve_default(
+        "fast_path"),
     float32_attention: Annotated[bool, typer.Option("--float32-attention/--no-float32-attention", help=_serve_help(
         "float32_attention"))] = _serve_default("float32_attention"),
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help=_serve_help("warmup"))] = _serve_default(
@@ -831,7 +836,7 @@ def serve(
                              max_pipelined=max_pipelined, max_uploads=max_uploads, allowed_hosts=allowed_hosts,
                              allowed_origins=allowed_origins,
                              local_images=local_images, served_model_name=served_model_name, warmup=warmup,
-                             compile=compile, float32_attention=float32_attention)
+                             fast_path=fast_path, float32_attention=float32_attention)
         check_bind(config.host, config.port)
         # imported once the options are checked: the server pulls in torch, seconds that a bad option need not wait
         from serve.server import serve as run_server
@@ -858,21 +863,15 @@ def profile(
     out_dir: Annotated[Path, typer.Option("--out", help="Results directory (exp5_accuracy_<dataset>/, "
                                           "exp6_latency_<dataset>/).", file_okay=False)] = Path("results/profile"),
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Generation cap per request.")] = 16,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help=EXECUTION_HELP["device"])] = "cpu",
     dtype: DtypeOption = Dtype.auto,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured generations before each configuration "
                                         "(per rank).")] = 1,
-    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads per request (0 = torch's default); 1 "
-                                         "keeps latencies stable on a shared CPU.")] = 1,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="The fast path: a static KV cache and "
-                                          "decode steps of fixed shapes with no host synchronisation, the experts "
-                                          "as grouped matmuls, each configuration's step captured once as a CUDA "
-                                          "graph on a GPU (--no-compile: the eager reference path); recorded in "
-                                          "every "
-                                          "file: profiles of the two paths never mix.")] = True,
-    float32_attention: Annotated[bool, typer.Option("--float32-attention/--no-float32-attention", help=(
-        "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a GPU; a CPU "
-        "always attends in float32)."))] = False,
+    threads: Annotated[int, typer.Option("--threads", min=0, help=EXECUTION_HELP["threads"])] = 1,
+    fast_path: Annotated[bool, typer.Option(*FAST_PATH_FLAGS, help=EXECUTION_HELP["fast_path"] + " Profiles of the "
+                                            "two paths never mix.")] = True,
+    float32_attention: Annotated[bool, typer.Option("--float32-attention/--no-float32-attention",
+                                                    help=EXECUTION_HELP["float32_attention"])] = False,
 ) -> None:
     """Measure the knob sweep of a model on VQA datasets and write exp5/exp6 result trees (read them with
     `ctrl ingest`)."""
@@ -883,7 +882,7 @@ def profile(
             as bar:
         config = ProfileConfig(datasets=dataset, model=model, configs=configs, num_samples=num_samples,
                                world_size=world_size, out_dir=out_dir, max_new_tokens=max_new_tokens, device=device,
-                               dtype=dtype.value, warmup=warmup, threads=threads, compile=compile,
+                               dtype=dtype.value, warmup=warmup, threads=threads, fast_path=fast_path,
                                float32_attention=float32_attention)
         bar.update(info="loading the model")
         report = profile_model(config, progress=lambda n, label: bar.advance(n, info=label), on_total=bar.total)

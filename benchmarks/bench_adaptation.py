@@ -561,12 +561,12 @@ def main() -> None:
         print(report(json.loads(path.read_text())))
         return
 
-    from runtime import load_runtime
+    from runtime import ExecutionOptions, load_runtime
     from runtime.timing import cpu_threads
 
     factors = StageFactors.parse(args.stretch) if args.machine == "emulated" else StageFactors()
     ws_a = workspace_a()
-    runtime = load_runtime("testbed", "cpu", None, "auto", compile=True)
+    runtime = load_runtime("testbed", ExecutionOptions())
     if args.phase == "calibration":
         results = json.loads(path.read_text())
         if results["stretch"] != factors.label():

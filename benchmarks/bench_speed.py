@@ -349,12 +349,12 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from runtime import load_runtime
+    from runtime import ExecutionOptions, load_runtime
 
     if args.threads and args.device == "cpu":
         torch.set_num_threads(args.threads)
-    runtime = load_runtime(args.model, device=args.device, dtype=args.dtype, compile=True,
-                           float32_attention=args.float32_attention)
+    runtime = load_runtime(args.model, ExecutionOptions(device=args.device, dtype=args.dtype,
+                                                        float32_attention=args.float32_attention))
     if args.profile:
         profile_requests(runtime, parse_configs(args.configs), args.profile, max_new_tokens=args.max_new_tokens)
         return

@@ -229,7 +229,7 @@ def equality() -> list[dict]:
     from PIL import Image
     from test_model_runtime import make_image
 
-    from runtime import load_runtime
+    from runtime import ExecutionOptions, load_runtime
 
     drawn = [make_image(w, h, seed=i) for i, (w, h) in enumerate([(640, 480), (1000, 300), (200, 900),
                                                                   (1500, 1500), (320, 240)])]
@@ -242,7 +242,7 @@ def equality() -> list[dict]:
     rows = []
     for name, model in models:
         for dtype in ("float32", "bfloat16"):
-            rt = load_runtime(model, dtype=dtype)
+            rt = load_runtime(model, ExecutionOptions(dtype=dtype))
             cached = rt.encode_images([rt.preprocess(image, "", 6) for image in images]).global_crop
             worst, identical, shifted = 0.0, True, 0.0
             for max_crops in (1, 2, 6, 12):

@@ -179,7 +179,7 @@ def speed(args: dict) -> dict:
 
     from runtime.molmoe import MolmoERuntime
 
-    runtime = MolmoERuntime(Path(args["checkpoint"]), args["device"], dtype="bfloat16", compile=True)
+    runtime = MolmoERuntime(Path(args["checkpoint"]), args["device"], dtype="bfloat16", fast_path=True)
     result = measure(runtime, parse_configs(args["configs"]), rounds=args.get("rounds", 3), warmup=2,
                      max_new_tokens=8, log=lambda line: print(line, flush=True))
     compared = []

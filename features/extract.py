@@ -35,6 +35,7 @@ from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableS
 from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256, os_error_naming
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
+from runtime.execution import ExecutionOptions, execution_field
 from runtime.images import ImageIndex, open_image
 from runtime.precision import check_dtype_name
 
@@ -54,10 +55,7 @@ class FeatureConfig:
     > Model
     model: ``"embedded"`` (built offline from a seed), ``"testbed"``, a local checkpoint directory or a
         Hugging Face id ``org/name[@revision]`` in the local cache (``runtime.registry``).
-    device: ``"cpu"`` or ``"cuda"`` (under torchrun: each rank's own GPU, ``cuda:LOCAL_RANK``).
-    dtype: the dtype the weights are held in (``runtime.precision``; default ``"auto"``: float32
-        on a CPU, bfloat16 on a GPU). Part of the model's fingerprint: features of two dtypes are
-        cached apart.
+    device, dtype: ``runtime.execution`` (features of two dtypes are cached apart).
 
     > Work
     batch_size: requests per forward pass (default 16).
@@ -69,8 +67,8 @@ class FeatureConfig:
     images_dir: Path | None = None
     image_pattern: str | None = None
     model: str = "embedded"
-    device: str = "cpu"
-    dtype: str = "auto"
+    device: str = execution_field("device")
+    dtype: str = execution_field("dtype")
     batch_size: int = 16
     chunk_size: int = 256
     force: bool = False
@@ -210,7 +208,7 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
 
 
 def _load_model(config: FeatureConfig) -> ModelRuntime:
-    return load_runtime(config.model, device=local_device(config.device), dtype=config.dtype)
+    return load_runtime(config.model, ExecutionOptions(device=local_device(config.device), dtype=config.dtype))
 
 
 @dataclass

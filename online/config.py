@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from runtime.execution import ExecutionOptions, execution_field
 from trainer.config import TrainingConfig, check_int, option
 from trainer.reward import RewardConfig
 
@@ -47,7 +48,7 @@ class OnlineTrainConfig(TrainingConfig):
     warmup: run each configuration once unmeasured before its first measured run.
     threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
-    compile, float32_attention: the execution path of the model (``OlmoeDecoderRuntime.set_execution``);
+    fast_path, float32_attention: the execution path of the model (``OlmoeDecoderRuntime.set_execution``);
         like the device, a resumed run may change them.
 
     > Held-out checks (``online.check``)
@@ -75,9 +76,8 @@ class OnlineTrainConfig(TrainingConfig):
                                          shown_default="the parent run's (fresh: hard)")
     model: str = option("embedded", help="'embedded', 'testbed' (the trained testbed), a local model directory or "
                                          "a Hugging Face id in the local cache.")
-    device: str = option("cpu", help="cpu, cuda, cuda:N.")
-    dtype: str = option("auto", help="Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), "
-                                     "bfloat16, float16 or float32; the features must be of the same dtype.")
+    device: str = execution_field("device")
+    dtype: str = execution_field("dtype", more_help="The features must be of the same dtype.")
     images_dir: Path | None = option(None, help="Image directory.", shown_default="the paths extract-features recorded")
     importance_scores: Path | None = option(None, help="Block importance file (docs/origin_format.md §6).",
                                             shown_default="the default rule")
@@ -94,14 +94,9 @@ class OnlineTrainConfig(TrainingConfig):
                                         "guard, which holds greedy decisions to the configurations expected to "
                                         "fit the budget on this machine (0 = no guard).")
     warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
-    threads: int = option(1, help="CPU threads per request (0 = torch's default).")
-    compile: bool = option(True, help="The fast path: a static KV cache and decode steps of fixed shapes with no "
-                                      "host synchronisation, the experts as grouped matmuls, each configuration's "
-                                      "step captured once as a CUDA graph on a GPU (--no-compile: the eager "
-                                      "reference path).")
-    float32_attention: bool = option(False, help="On the fast path, attend in float32 as the origin does "
-                                                 "(default: in the weights' dtype on a GPU; a CPU always attends "
-                                                 "in float32).")
+    threads: int = execution_field("threads")
+    fast_path: bool = execution_field("fast_path")
+    float32_attention: bool = execution_field("float32_attention")
     evaluate: bool = option(True, help="Evaluate with the model on the test split at the end.")
     eval_max_samples: int | None = option(None, help="Test samples of the final evaluation.", shown_default="all")
     checkpoint_every: int = option(5, help="Steps between checkpoints.")
@@ -115,7 +110,13 @@ class OnlineTrainConfig(TrainingConfig):
 
     #: what a resumed run takes from the call instead of the run's config.json (not part of the experiment)
     PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to",
-                                           "compile", "float32_attention", "patience")
+                                           "fast_path", "float32_attention", "patience")
+    #: config.json keys of runs written before an option's rename, and their names now
+    RENAMED: ClassVar[dict[str, str]] = {"compile": "fast_path"}
+
+    @property
+    def execution(self) -> ExecutionOptions:
+        return ExecutionOptions.of(self)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -75,9 +75,7 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     if not run.controller_checkpoint.exists():
         msg = f"{run.last_checkpoint} does not exist: the run saved no checkpoint yet"
         raise CtrlError(msg)
-    runtime = runtime if runtime is not None else load_runtime(
-        config.model, config.device, config.importance_scores, config.dtype, compile=config.compile,
-        float32_attention=config.float32_attention)
+    runtime = runtime if runtime is not None else load_runtime(config.model, config.execution, config.importance_scores)
     controller = TwoStageController.load(run.controller_checkpoint, runtime.fingerprint)
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [float(b) for b in budgets_ms] if budgets_ms else [round(b, 1) for b in budget_grid(lo, hi, num_budgets)]

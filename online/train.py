@@ -209,9 +209,8 @@ class OnlineTrainer:
             config, self.run, state = self._resume(config)
         else:
             self.run = RunDir.new(self.workspace, self.dist.broadcast(config.run_id or new_run_id()))
-        self.runtime = runtime if runtime is not None else load_runtime(
-            config.model, config.device, config.importance_scores, config.dtype, compile=config.compile,
-            float32_attention=config.float32_attention)
+        self.runtime = runtime if runtime is not None else load_runtime(config.model, config.execution,
+                                                                        config.importance_scores)
         self.samples = load_online_samples(self.workspace, self.runtime.fingerprint, config.images_dir)
         self.train_rows = self.samples.rows("train") or list(range(len(self.samples)))
         if state is not None:

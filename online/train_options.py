@@ -9,7 +9,7 @@ one call from the options given:
 * an option of the other phase only is refused with one line (``--online --hidden-dim 32``);
 * with ``--resume``, the run's saved options apply; an option given with it is applied when a
   resumed run may change it (offline: ``--num-epochs``; online: ``--steps``, ``--device``,
-  ``--threads``, ``--compile``, ``--float32-attention``, ``--evaluate``, ``--eval-max-samples``,
+  ``--threads``, ``--fast-path``, ``--float32-attention``, ``--evaluate``, ``--eval-max-samples``,
   ``--patience``; both:
   ``--report-to``), accepted when it
   equals the run's value, and refused with one line otherwise.
@@ -119,7 +119,7 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("online_evaluate", "evaluate"),
     TrainOption("eval_max_samples", "eval_max_samples"),
     TrainOption("threads", "threads"),
-    TrainOption("compile", "compile"),
+    TrainOption("fast_path", "fast_path"),
     TrainOption("float32_attention", "float32_attention"),
     TrainOption("check_every", "check_every"),
     TrainOption("check_samples", "check_samples"),

@@ -75,6 +75,7 @@ from pipeline.origin_format import exp5_name, exp6_name
 from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, read_json
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
+from runtime.execution import ExecutionOptions, execution_field
 from runtime.images import open_image
 from runtime.precision import check_dtype_name, dtype_name
 from runtime.scoring import score_answer
@@ -139,18 +140,14 @@ class ProfileConfig:
     world_size: int = 1
     out_dir: Path = Path("results/profile")
     max_new_tokens: int = 16
-    device: str = "cpu"
-    #: the dtype the weights are held in (``runtime.precision``; "auto": float32 on a CPU, bfloat16 on
-    #: a GPU); recorded in every file, and a file of another dtype is another run's
-    dtype: str = "auto"
+    device: str = execution_field("device")
+    #: recorded in every file: a file of another dtype is another run's
+    dtype: str = execution_field("dtype")
     warmup: int = 1
-    #: torch intra-op threads while profiling on CPU (0 = leave torch's setting). 1 by default:
-    #: on a shared CPU, several spinning threads per op make single requests up to 10x slower and noisy
-    threads: int = 1
-    #: the execution path (``OlmoeDecoderRuntime.set_execution``): the fast path, or the eager reference;
-    #: recorded in every file, and a file of another path is another run's
-    compile: bool = True
-    float32_attention: bool = False
+    threads: int = execution_field("threads")
+    #: recorded in every file with the attention's dtype: a file of another path is another run's
+    fast_path: bool = execution_field("fast_path")
+    float32_attention: bool = execution_field("float32_attention")
     #: filled by __post_init__ from ``configs``
     combinations: list[Config] = field(default_factory=list, init=False)
     strategy: str = field(default="", init=False)
@@ -412,8 +409,7 @@ def profile_model(config: ProfileConfig, runtime: ModelRuntime | None = None,
             raise CtrlError(msg)
         config.world_size = dist.world_size
     if runtime is None:
-        runtime = load_runtime(config.model, device=config.device, dtype=config.dtype, compile=config.compile,
-                               float32_attention=config.float32_attention)
+        runtime = load_runtime(config.model, ExecutionOptions.of(config))
     _check_knobs(config.combinations, runtime)
     if on_total is not None:
         share = sum(len(rank_indices(n, config.world_size, dist.rank)) for n in sizes) if dist.active else sum(sizes)

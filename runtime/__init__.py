@@ -18,6 +18,7 @@ from runtime.base import (
     PrefixState,
 )
 from runtime.embedded_model import build_embedded_model
+from runtime.execution import ExecutionOptions
 from runtime.registry import (
     TestbedRecipe,
     cached_testbed_dir,
@@ -38,6 +39,7 @@ __all__ = [
     "ModelLoadError",
     "REFERENCE_MAX_CROPS",
     # loading
+    "ExecutionOptions",
     "load_runtime",
     "model_fingerprint",
     "resolve_model",

@@ -37,7 +37,7 @@ from runtime.base import (
     validate_active_blocks,
     validate_top_k,
 )
-from runtime.fast_decoder import FastDecoder, FastPrefixCache, FastSession, default_compile
+from runtime.fast_decoder import FastDecoder, FastPrefixCache, FastSession, default_fast_path
 from runtime.precision import compute_context
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
     #: the fast path (``runtime.fast_decoder``) when it is on, else None (the eager path)
     fast: FastDecoder | None = None
 
-    def _init_decoder(self, decoder: OlmoeForCausalLM, compile: bool | None = None,
+    def _init_decoder(self, decoder: OlmoeForCausalLM, fast_path: bool | None = None,
                       float32_attention: bool = False) -> None:
         """Adopt ``decoder`` (already on the device, eval, frozen), read the knob ranges from it
         and choose the execution path (:meth:`set_execution`)."""
@@ -79,13 +79,13 @@ class OlmoeDecoderRuntime(ModelRuntime):
         self._all_layers = decoder.model.layers
         # one fast path per attention dtype, kept: switching paths keeps the cache and the captured graphs
         self._fast_decoders: dict[bool, FastDecoder] = {}
-        self.set_execution(compile, float32_attention)
+        self.set_execution(fast_path, float32_attention)
 
-    def set_execution(self, compile: bool | None = None, float32_attention: bool = False) -> None:
-        """The fast path (``compile``: True), the eager reference (False) or the device's default
-        (None: ``runtime.fast_decoder.default_compile``); ``float32_attention``: the fast path
+    def set_execution(self, fast_path: bool | None = None, float32_attention: bool = False) -> None:
+        """The fast path (``fast_path``: True), the eager reference (False) or the device's default
+        (None: ``runtime.fast_decoder.default_fast_path``); ``float32_attention``: the fast path
         attends in float32, as the origin does, instead of the storage dtype."""
-        enabled = default_compile(self.device) if compile is None else bool(compile)
+        enabled = default_fast_path(self.device) if fast_path is None else bool(fast_path)
         if not enabled:
             self.fast = None
             return

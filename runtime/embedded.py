@@ -47,7 +47,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
                  importance_scores: str | Path | Mapping[int, float] | None = None,
-                 dtype: str | torch.dtype = "auto", compile: bool | None = None,
+                 dtype: str | torch.dtype = "auto", fast_path: bool | None = None,
                  float32_attention: bool = False) -> None:
         # transformers takes seconds to import: resolving a model and reading its fingerprint must not pay it
         from safetensors.torch import load_file
@@ -83,7 +83,7 @@ class EmbeddedRuntime(OlmoeDecoderRuntime):
             hold_weights_in(module.to(self.device), self.dtype).eval()
             module.requires_grad_(False)
 
-        self._init_decoder(self.decoder, compile, float32_attention)
+        self._init_decoder(self.decoder, fast_path, float32_attention)
         self.fingerprint = qualify_fingerprint(directory_fingerprint(self.path), self.dtype)
         # a trained testbed has only seen questions about an image: without one it answers noise
         self.answers_without_image = not (self.path / RECIPE_FILE).is_file()

@@ -62,8 +62,8 @@ def bucket_for(positions: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, positions - 1).bit_length())
 
 
-def default_compile(device: torch.device | str) -> bool:
-    """Whether the fast path is on when nothing asks (``--compile`` unset): on a GPU, always; on a
+def default_fast_path(device: torch.device | str) -> bool:
+    """Whether the fast path is on when nothing asks: on a GPU, always; on a
     CPU too, where it measured faster than the eager path (docs/results.md)."""
     return torch.device(device).type in ("cuda", "cpu")
 

@@ -132,7 +132,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
                  importance_scores: str | Path | Mapping[int, float] | None = None,
-                 dtype: str | torch.dtype = "auto", compile: bool | None = None,
+                 dtype: str | torch.dtype = "auto", fast_path: bool | None = None,
                  float32_attention: bool = False) -> None:
         self.path = Path(path)
         check_checkpoint_dir(self.path)
@@ -155,7 +155,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
             module.eval()
             module.requires_grad_(False)
         self.vision_backbone = vision
-        self._init_decoder(decoder, compile, float32_attention)
+        self._init_decoder(decoder, fast_path, float32_attention)
         if len(self.tokenizer) > self.arch.vocab_size + self.arch.additional_vocab_size:
             msg = (f"{self.path}: the tokenizer has {len(self.tokenizer)} tokens, more than the "
                    f"{self.arch.vocab_size + self.arch.additional_vocab_size} embeddings of the model")
@@ -178,11 +178,11 @@ class MolmoERuntime(OlmoeDecoderRuntime):
             assign_weights(module, {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}, self.path)
         return digests
 
-    def set_execution(self, compile: bool | None = None, float32_attention: bool = False) -> None:
+    def set_execution(self, fast_path: bool | None = None, float32_attention: bool = False) -> None:
         """The decoder's path (``OlmoeDecoderRuntime.set_execution``); on the fast path on a GPU the
         vision tower's ViT also runs as a CUDA graph per number of image arrays (the same kernels:
         the image features do not change)."""
-        super().set_execution(compile, float32_attention)
+        super().set_execution(fast_path, float32_attention)
         if self.fast is None or not self.fast.use_graphs:
             self.vision_backbone.vit_runner = None
             return

@@ -32,6 +32,7 @@ from runtime.embedded_model import (
     directory_fingerprint,
     is_embedded_dir,
 )
+from runtime.execution import ExecutionOptions
 from runtime.hub import is_hub_id, resolve_hub_id
 from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint
 from runtime.precision import qualify_fingerprint, resolve_dtype
@@ -165,20 +166,22 @@ def resolve_model(model: str) -> tuple[str, Path]:
     return ("embedded" if is_embedded_dir(path) else "molmoe"), path
 
 
-def load_runtime(model: str = "embedded", device: str = "cpu", importance_scores: Path | None = None,
-                 dtype: str = "auto", compile: bool | None = None, float32_attention: bool = False) -> ModelRuntime:
-    """A ready runtime for a ``--model`` value (see the module docstring) holding its weights in
-    ``dtype`` (``runtime.precision``).
+def load_runtime(model: str = "embedded", execution: ExecutionOptions | None = None,
+                 importance_scores: Path | None = None) -> ModelRuntime:
+    """A ready runtime for a ``--model`` value (see the module docstring), run as ``execution``
+    says (device, the weights' dtype (``runtime.precision``), the fast path or the eager one;
+    default: :class:`ExecutionOptions`'s). The threads are the caller's to apply, around its work
+    (``runtime.timing.cpu_threads``).
 
     ``importance_scores``: an importance file (docs/origin_format.md §6) used by ``blocks_for`` /
     ``knobs(num_active_blocks=...)``;
     without it the default block rule of ``pipeline.knobs.select_active_blocks`` applies.
-    ``compile`` and ``float32_attention``: the execution path (``OlmoeDecoderRuntime.set_execution``).
     """
+    execution = execution or ExecutionOptions()
     kind, path = resolve_model(model)
     runtime_class = EmbeddedRuntime if kind == "embedded" else MolmoERuntime
-    return runtime_class(path, device=device, importance_scores=importance_scores, dtype=dtype, compile=compile,
-                         float32_attention=float32_attention)
+    return runtime_class(path, device=execution.device, importance_scores=importance_scores, dtype=execution.dtype,
+                         fast_path=execution.fast_path, float32_attention=execution.float32_attention)
 
 
 def model_fingerprint(model: str = "embedded", dtype: str = "auto", device: str = "cpu") -> str | None:

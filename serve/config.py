@@ -16,6 +16,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from runtime.execution import ExecutionOptions, execution_field
+
 #: the values of --dtype (runtime.precision.DTYPE_CHOICES)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: how many of the latest requests the measured latency scale is a quantile over
@@ -56,13 +58,9 @@ class ServeConfig:
         "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY); surrounding "
         "whitespace, such as a key file's newline, is dropped from the key and from the token a client sends, "
         "and what remains must be visible ASCII."))
-    device: str = field(default="cpu", metadata=_help("cpu or cuda."))
-    dtype: str = field(default="auto", metadata=_help(
-        "Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or float32."))
-    threads: int = field(default=1, metadata=_help(
-        "CPU threads of the model's operations, at most the CPUs this process may use (0 = torch's default, one "
-        "per core). 1 by default: with two, torch's spinning workers made testbed requests several times slower "
-        "(docs/serving.md#concurrency-and-load)."))
+    device: str = execution_field("device")
+    dtype: str = execution_field("dtype")
+    threads: int = execution_field("threads")
     max_queue: int = field(default=8, metadata=_help(
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
     default_budget_ms: float | None = field(default=None, metadata=_help(
@@ -159,14 +157,9 @@ class ServeConfig:
         "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only)."))
     served_model_name: str | None = field(default=None, metadata=_help(
         "The model name requests must use and /v1/models lists (default: the --model value)."))
-    compile: bool = field(default=True, metadata=_help(
-        "The fast path: a static KV cache and decode steps of fixed shapes with no host synchronisation, the "
-        "experts as grouped matmuls, each configuration's step captured once as a CUDA graph on a GPU "
-        "(--no-compile: the eager reference path); the warm-up captures the steps of the configurations the "
-        "controller can choose."))
-    float32_attention: bool = field(default=False, metadata=_help(
-        "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a GPU; a CPU "
-        "always attends in float32)."))
+    fast_path: bool = execution_field("fast_path", more_help=(
+        "The warm-up captures the steps of the configurations the controller can choose."))
+    float32_attention: bool = execution_field("float32_attention")
     warmup: bool = field(default=True, metadata=_help(
         "Before accepting requests, run the fastest and the slowest configuration of every crops choice (twice "
         "when the latency scale is measured), so first requests do not pay one-time costs."))
@@ -275,6 +268,10 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def execution(self) -> ExecutionOptions:
+        return ExecutionOptions.of(self)
 
     @property
     def hosts(self) -> frozenset[str] | None:

@@ -35,9 +35,8 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
     workspace = Workspace(config.workspace)
     controller = find_controller(workspace, config.controller)  # before the model: a bad controller fails at once
     log(f"loading model {config.model!r} ({config.device}, dtype {config.dtype}, "
-        f"{'fast path' if config.compile else 'eager path'})")
-    runtime = load_runtime(config.model, config.device, None, config.dtype, compile=config.compile,
-                           float32_attention=config.float32_attention)
+        f"{'fast path' if config.fast_path else 'eager path'})")
+    runtime = load_runtime(config.model, config.execution)
     decider = load_decider(controller, runtime.fingerprint)
     scale = LatencyScale(decider.reference_latency_ms, fixed=config.latency_scale,
                          quantile=config.latency_scale_quantile)

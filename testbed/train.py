@@ -49,7 +49,7 @@ import torch
 from PIL import Image
 
 from pipeline.knobs import BALANCED_MAX_CROPS, BALANCED_NUM_ACTIVE_BLOCKS, BALANCED_TOP_K
-from runtime import load_runtime
+from runtime import ExecutionOptions, load_runtime
 from runtime.cache import cache_tmp_dir
 from runtime.embedded import EmbeddedRuntime
 from runtime.embedded_model import (
@@ -431,7 +431,7 @@ def evaluate_testbed(model_dir: str | Path, dataset_dir: str | Path, crops: Sequ
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runtime = load_runtime(str(model_dir), dtype=dtype)
+        runtime = load_runtime(str(model_dir), ExecutionOptions(dtype=dtype))
         images = {}
         for s in samples:
             with Image.open(dataset.image_path(s)) as img:

@@ -227,3 +227,17 @@ def test_throughput_reads_as_seconds_per_sample_when_a_sample_takes_longer_than_
     assert _rate(10, 2.0) == "5.0 samples/s"
     assert _rate(2, 71.0) == "35.5 s/sample"  # MolmoE-1B's features on a CPU
     assert _rate(0, 3.0) == "0 samples/s"
+
+
+@pytest.mark.parametrize("command", ["serve", "profile", "train"])
+@pytest.mark.parametrize(("flag", "expected"), [("--eager", False), ("--no-compile", False), ("--fast-path", True),
+                                                ("--compile", True)])
+def test_the_fast_path_switch_keeps_its_old_names(command, flag, expected):
+    import typer
+
+    import cli
+
+    group = typer.main.get_command(cli.app)
+    args = ["--dataset", "."] if command == "profile" else []
+    ctx = group.commands[command].make_context(command, [*args, flag])
+    assert ctx.params["fast_path"] is expected

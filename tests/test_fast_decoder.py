@@ -83,12 +83,12 @@ class OpTrace(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def eager(tiny_molmoe_dir) -> MolmoERuntime:
-    return MolmoERuntime(tiny_molmoe_dir, compile=False)
+    return MolmoERuntime(tiny_molmoe_dir, fast_path=False)
 
 
 @pytest.fixture(scope="module")
 def fast(tiny_molmoe_dir) -> MolmoERuntime:
-    return MolmoERuntime(tiny_molmoe_dir, compile=True)
+    return MolmoERuntime(tiny_molmoe_dir, fast_path=True)
 
 
 @pytest.fixture
@@ -338,8 +338,8 @@ def test_windows_are_powers_of_two():
 def test_bfloat16_prefill_is_bit_identical_on_the_cpu(tiny_molmoe_dir):
     """On a CPU the fast path keeps the precision rule's products (float32 attention, the
     block's own experts for a prefill), so bfloat16 weights give the eager path's prefill too."""
-    eager_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", compile=False)
-    fast_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", compile=True)
+    eager_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", fast_path=False)
+    fast_bf16 = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", fast_path=True)
     assert fast_bf16.fast.attention_dtype == torch.float32
     inputs = inputs_for(eager_bf16, (320, 240), 4)
     expected = two_stage(eager_bf16, inputs, 0, 4, 12, steps=3)
@@ -350,7 +350,7 @@ def test_bfloat16_prefill_is_bit_identical_on_the_cpu(tiny_molmoe_dir):
 
 
 def test_switching_paths_keeps_the_fast_paths_state(tiny_molmoe_dir):
-    runtime = MolmoERuntime(tiny_molmoe_dir, compile=True)
+    runtime = MolmoERuntime(tiny_molmoe_dir, fast_path=True)
     fast = runtime.fast
     inputs = inputs_for(runtime, (320, 240), 4)
     runtime.generate(inputs, max_new_tokens=2)

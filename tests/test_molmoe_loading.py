@@ -213,8 +213,8 @@ def test_a_hub_id_resolves_offline_to_its_snapshot_with_the_directorys_fingerpri
 
 def test_a_hub_id_loads_the_model(tiny_molmoe_dir, tmp_path):
     hub, _ = hub_cache(tmp_path / "hub", tiny_molmoe_dir)
-    script = ("import sys; from runtime import load_runtime; "
-              "print(load_runtime('allenai/MolmoE-tiny', dtype='bfloat16').fingerprint)")
+    script = ("import sys; from runtime import ExecutionOptions, load_runtime; "
+              "print(load_runtime('allenai/MolmoE-tiny', ExecutionOptions(dtype='bfloat16')).fingerprint)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
            "CTRL_CACHE_DIR": str(tmp_path / "ctrl-cache")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,

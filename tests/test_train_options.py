@@ -109,3 +109,27 @@ def test_latest_is_the_newest_run_with_a_checkpoint_of_the_phases_a_command_take
     empty = Workspace(tmp_path / "empty")
     with pytest.raises(CtrlError, match="has no offline or online run with a checkpoint yet\nHint: ctrl train"):
         latest_run(empty)
+
+
+def test_a_run_config_written_before_the_fast_path_rename_still_loads():
+    from online.config import OnlineTrainConfig
+
+    old = OnlineTrainConfig.from_json({"compile": False, "device": "cpu", "threads": 2})
+    assert (old.fast_path, old.threads) == (False, 2)
+    assert "compile" not in old.to_json() and old.to_json()["fast_path"] is False
+
+
+def test_every_command_that_loads_the_model_takes_its_execution_options_help_from_one_place():
+    from dataclasses import fields
+
+    from features.extract import FeatureConfig
+    from online.config import OnlineTrainConfig
+    from profiler.sweep import ProfileConfig
+    from runtime.execution import EXECUTION_HELP
+    from serve.config import ServeConfig
+
+    for config in (ServeConfig, OnlineTrainConfig, ProfileConfig, FeatureConfig):
+        declared = {f.name: f.metadata.get("help") for f in fields(config) if f.name in EXECUTION_HELP}
+        assert {"device", "dtype"} <= set(declared), config
+        for name, text in declared.items():
+            assert text.startswith(EXECUTION_HELP[name]), (config, name)

@@ -198,7 +198,8 @@ class TrainingConfig:
     @classmethod
     def from_json(cls: type[T], d: dict[str, Any]) -> T:
         """The config of a saved ``to_json`` (a run's config.json); unknown fields are refused."""
-        d = {k: v for k, v in d.items() if k != "phase"}  # the run's phase, recorded beside the options
+        renamed = getattr(cls, "RENAMED", {})  # an older run's name of an option
+        d = {renamed.get(k, k): v for k, v in d.items() if k != "phase"}  # the phase is recorded beside the options
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

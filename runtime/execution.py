@@ -1,0 +1,54 @@
+"""How a command runs the model: the device, the weights' dtype, the CPU threads, the fast path or
+the eager reference, and the attention's dtype on the fast path.
+
+Declared once here, default and help: the config of every command that loads the model takes its
+fields from :func:`execution_field` and hands them whole to :func:`runtime.load_runtime` as an
+:class:`ExecutionOptions`. Importing this module imports no torch (``ctrl --help`` reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+#: each option's help, written once (the CLI, the configs and docs/cli.md read it here)
+EXECUTION_HELP: dict[str, str] = {
+    "device": "cpu, cuda or cuda:N (under torchrun each rank uses its own GPU, cuda:LOCAL_RANK).",
+    "dtype": "Weights held in this dtype: auto (float32 on CPU, bfloat16 on CUDA), bfloat16, float16 or float32; "
+             "part of the model's fingerprint, so features, runs and profiles of another dtype are another model's.",
+    "threads": "CPU threads of the model's operations, at most the CPUs this process may use (0 = torch's default, "
+               "one per core). 1 by default: with more threads than free cores, torch's spinning workers made "
+               "requests several times slower and their measured latencies noisy.",
+    "fast_path": "The fast path: a static KV cache and decode steps of fixed shapes with no host synchronisation, the "
+                 "experts as grouped matmuls, each configuration's step captured once as a CUDA graph on a GPU "
+                 "(--eager: the eager reference path); recorded beside every measured latency. --compile/--no-compile "
+                 "are the old names, still accepted.",
+    "float32_attention": "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a "
+                         "GPU; a CPU always attends in float32).",
+}
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """See the module docstring; each field's help is :data:`EXECUTION_HELP`'s."""
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    threads: int = 1
+    fast_path: bool = True
+    float32_attention: bool = False
+
+    @classmethod
+    def of(cls, config: Any) -> ExecutionOptions:
+        """The execution options of a command's ``config``: its fields of these names (a config
+        without one, such as a feature run without threads, has the default)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)})
+
+
+def execution_field(name: str, *, help_key: str = "help", more_help: str = "") -> Any:
+    """A config field for execution option ``name``: its default and help from here (``help_key``:
+    the metadata key the config's CLI reads; ``more_help``: what this command adds)."""
+    default = next(f.default for f in fields(ExecutionOptions) if f.name == name)
+    assert default is not MISSING
+    text = EXECUTION_HELP[name] + (f" {more_help}" if more_help else "")
+    return field(default=default, metadata={help_key: text, "shown_default": None})
