@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from typer.core import TyperGroup
 
-from runtime.execution import EXECUTION_HELP
+from pipeline.execution import EXECUTION_HELP
 
 if TYPE_CHECKING:
     import pyarrow as pa

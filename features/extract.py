@@ -30,12 +30,12 @@ import torch
 
 from pipeline.catalog import build_catalog
 from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.execution import ExecutionOptions, execution_field
 from pipeline.health import feature_chunk_problem
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
 from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256, os_error_naming
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
-from runtime.execution import ExecutionOptions, execution_field
 from runtime.images import ImageIndex, open_image
 from runtime.precision import check_dtype_name
 
@@ -55,7 +55,7 @@ class FeatureConfig:
     > Model
     model: ``"embedded"`` (built offline from a seed), ``"testbed"``, a local checkpoint directory or a
         Hugging Face id ``org/name[@revision]`` in the local cache (``runtime.registry``).
-    device, dtype: ``runtime.execution`` (features of two dtypes are cached apart).
+    device, dtype: ``pipeline.execution`` (features of two dtypes are cached apart).
 
     > Work
     batch_size: requests per forward pass (default 16).

@@ -19,6 +19,7 @@ import torch
 from online.data import OnlineSamples
 from online.rollout import RolloutExecutor
 from pipeline.errors import CtrlError
+from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from runtime import ModelRuntime
 from trainer.data import load_offline_data
@@ -85,8 +86,8 @@ def calibrate_budget_range(executor: RolloutExecutor, controller: TwoStageContro
     fastest, p95 of the slowest].
     """
     configs = dict(zip(("fastest", "slowest"), calibration_configs(controller)))
-    # medians of all runs, not minima: the range must hold for typical requests, and the speed of a
-    # shared machine drifts within seconds
+    # every run of both rounds counts, not the fastest of each: the range must hold for the requests
+    # a shared machine serves, whose speed drifts within seconds
     runs: dict[str, list] = {name: [] for name in configs}
     for _ in range(2):
         for name, force in configs.items():
@@ -124,7 +125,7 @@ class BudgetReference:
     latency_ms: dict[tuple[str, str, int, int, int], float]
     keys: list[tuple[str, str]]
 
-    def recorded_ms(self, row: int, knobs: tuple[int, int, int]) -> float:
+    def recorded_ms(self, row: int, knobs: Config) -> float:
         return self.latency_ms.get((*self.keys[row], *knobs), float("nan"))
 
 

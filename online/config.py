@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runtime.execution import ExecutionOptions, execution_field
+from pipeline.execution import ExecutionOptions, execution_field
 from trainer.config import TrainingConfig, check_int, option
 from trainer.reward import RewardConfig
 

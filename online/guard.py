@@ -13,6 +13,7 @@ import torch
 from online.data import OnlineSamples
 from online.rollout import Rollout, RolloutExecutor
 from pipeline.errors import CtrlError
+from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
 from trainer.latency_guard import STAGES, LatencyGuard, config_ratios, guard_slack, recorded_stage_ms, stage_ratios
@@ -54,7 +55,7 @@ def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageControl
     if not actions:
         msg = f"{outcome_path}: none of its configurations is in the workspace's recorded data"
         raise CtrlError(msg)
-    runs: list[tuple[Rollout, tuple[int, int, int]]] = []
+    runs: list[tuple[Rollout, Config]] = []
     for done, (crops, top_k, blocks) in enumerate(actions, 1):
         force = (controller.max_crops_values.index(crops), position, controller.top_k_values.index(top_k),
                  controller.num_active_blocks_values.index(blocks))

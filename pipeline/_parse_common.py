@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from pipeline import knobs
 from pipeline.errors import IngestError
 from pipeline.keys import build_sample_key, canonical_id
+from pipeline.knobs import Config
 from pipeline.schema import CONFIGS, MEASUREMENTS, SAMPLES, Column, TableSchema
 
 _DERIVED_MEASUREMENT_COLUMNS = {"source_file", "num_copies", "flag_copies_disagree", "flag_partial_config"}
@@ -236,7 +237,7 @@ def run_info(ctx: Ctx, config: dict, experiment: str) -> RunInfo:
     return RunInfo(experiment, dataset, split, world_size, total)
 
 
-def knob_values(ctx: Ctx, obj: dict, where: str, total_blocks: int) -> tuple[int, int, int]:
+def knob_values(ctx: Ctx, obj: dict, where: str, total_blocks: int) -> Config:
     return (
         ctx.integer(obj, "max_crops", where, lo=1, hi=64),
         ctx.integer(obj, "top_k", where, lo=1, hi=knobs.NUM_EXPERTS),
@@ -244,7 +245,7 @@ def knob_values(ctx: Ctx, obj: dict, where: str, total_blocks: int) -> tuple[int
     )
 
 
-def check_name_knobs(ctx: Ctx, pattern: re.Pattern, values: tuple[int, int, int], offset: int = 1) -> None:
+def check_name_knobs(ctx: Ctx, pattern: re.Pattern, values: Config, offset: int = 1) -> None:
     m = pattern.match(ctx.path.name)
     if not m:
         return
@@ -377,7 +378,7 @@ class MeasurementBuilder:
     def __init__(self) -> None:
         self.blocks: list[pa.Table] = []
 
-    def add(self, info: RunInfo, kind: str, cfg: tuple[int, int, int], keys: list[str], *, blocks: list[int],
+    def add(self, info: RunInfo, kind: str, cfg: Config, keys: list[str], *, blocks: list[int],
             score: pa.Array, pred: pa.Array | None = None, tier: str | None = None,
             columns: dict[str, Any] | None = None) -> None:
         n = len(keys)
@@ -425,7 +426,7 @@ class SummaryBuilder:
         self.kind = kind
         self.rows: dict[str, list] = {c.name: [] for c in FRAGMENT_SUMMARIES.columns}
 
-    def add(self, info: RunInfo, cfg: tuple[int, int, int], blocks: list[int], *, accuracy: float | None,
+    def add(self, info: RunInfo, cfg: Config, blocks: list[int], *, accuracy: float | None,
             std: float | None, num_samples: int | None, tier: str | None = None, nan: bool = False,
             **latency: float | None) -> None:
         row = {

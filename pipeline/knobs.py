@@ -28,6 +28,8 @@ NUM_TOTAL_BLOCKS = 16
 NUM_EXPERTS = 64
 DEFAULT_TOP_K = 8
 TOKENS_PER_CROP = 144  # 24x24 patches pooled 2x2
+#: the largest max_crops the tiling rule's range covers (what a request's fixed knobs may ask for)
+MAX_CROPS_LIMIT = 15
 
 # -- the recorded sweeps
 #: exp6 ``run()`` defaults (§4.3): the value lists the sparse strategies pick from

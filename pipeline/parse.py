@@ -42,6 +42,7 @@ from pipeline._parse_common import (
     type_name,
 )
 from pipeline.errors import IngestError
+from pipeline.knobs import Config
 from pipeline.origin_format import (
     CORE_EXP_RE,
     EXP5_CONFIG_RE,
@@ -207,7 +208,7 @@ def _stat(ctx: Ctx, entry: dict, where: str, key: str, stat: str) -> float | Non
     return ctx.number(stats, stat, f"{where}.{key}")
 
 
-def _add_exp_summary(ctx: Ctx, sb: SummaryBuilder, info: RunInfo, cfg: tuple[int, int, int], blocks: list[int],
+def _add_exp_summary(ctx: Ctx, sb: SummaryBuilder, info: RunInfo, cfg: Config, blocks: list[int],
                      entry: dict, where: str) -> None:
     accuracy = ctx.number(entry, "accuracy", where)
     sb.add(

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import CtrlError
+from pipeline.knobs import Config
 from pipeline.origin_format import EXP5_DIR_PREFIX, EXP6_CONFIG_RE, EXP6_DIR_PREFIX, exp5_name, exp6_name
 from pipeline.workspace import write_bytes_atomic
 from profiler.tree import IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, read_json
@@ -67,7 +68,7 @@ class _Packer:
     samples: dict[str, dict[int, dict]] = field(default_factory=dict)  # dataset -> index -> metadata
     fields: dict[str, list[str]] = field(default_factory=dict)  # the records' field order
 
-    def add(self, path5: Path, path6: Path, knob: tuple[int, int, int], rank: int, scratch: Path) -> None:
+    def add(self, path5: Path, path6: Path, knob: Config, rank: int, scratch: Path) -> None:
         """One rank's exp5 and exp6 files (checked to come back byte for byte from what is kept)."""
         d6, d5 = read_json(path6), read_json(path5)
         for path, doc in ((path6, d6), (path5, d5)):

@@ -70,12 +70,12 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CtrlError, KnobError
+from pipeline.execution import ExecutionOptions, execution_field
 from pipeline.knobs import EXP6_MAX_CROPS, EXP6_NUM_ACTIVE_BLOCKS, EXP6_TOP_K, Config, balanced_combinations
 from pipeline.origin_format import exp5_name, exp6_name
 from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, read_json
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
-from runtime.execution import ExecutionOptions, execution_field
 from runtime.images import open_image
 from runtime.precision import check_dtype_name, dtype_name
 from runtime.scoring import score_answer

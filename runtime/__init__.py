@@ -7,6 +7,7 @@ requests with hooks, ``runtime.scoring`` scores generated answers, ``runtime.ima
 opens images, ``runtime.distributed`` places a process in a torchrun job.
 """
 
+from pipeline.execution import ExecutionOptions
 from runtime.base import (
     REFERENCE_MAX_CROPS,
     DecodeState,
@@ -18,7 +19,6 @@ from runtime.base import (
     PrefixState,
 )
 from runtime.embedded_model import build_embedded_model
-from runtime.execution import ExecutionOptions
 from runtime.registry import (
     TestbedRecipe,
     cached_testbed_dir,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import knobs
+from pipeline.execution import ExecutionOptions
 from runtime.base import ModelLoadError, ModelRuntime
 from runtime.cache import default_cache_root
 from runtime.embedded import EmbeddedRuntime
@@ -32,7 +33,6 @@ from runtime.embedded_model import (
     directory_fingerprint,
     is_embedded_dir,
 )
-from runtime.execution import ExecutionOptions
 from runtime.hub import is_hub_id, resolve_hub_id
 from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint
 from runtime.precision import qualify_fingerprint, resolve_dtype

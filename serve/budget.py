@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from pipeline.knobs import Config
 from serve.calibration import MARGIN_BOUNDS, BudgetMargin, LatencyScale
 
 #: the lower edges of the budget classes, in multiples of the cheapest configuration's expected time
@@ -71,8 +72,8 @@ LEAST_QUANTILE = 0.1
 FLOOR_ARRIVALS, FLOOR_WINDOW, FLOOR_MIN, FLOOR_TOLERANCE = 256, 64, 20, 0.02
 
 
-def guard_config(chosen: tuple[int, int, int], reference_ms: Mapping[tuple[int, int, int], float],
-                 scale_of: Callable[[tuple[int, int, int]], float], allowed_ms: float) -> tuple[int, int, int]:
+def guard_config(chosen: Config, reference_ms: Mapping[Config, float],
+                 scale_of: Callable[[Config], float], allowed_ms: float) -> Config:
     """The configuration to run for a controller's ``chosen`` one when the budget allows the model
     ``allowed_ms`` (served ms): ``chosen`` itself when its expected time (its reference latency times its
     own scale) fits or it has no reference; else, among the configurations at its crops (the vision
@@ -171,18 +172,6 @@ def wait_exceeds(t_ms: float, rho: float, mean_wait: float) -> float:
     if rho <= 0.0 or mean_wait <= 0.0:
         return 0.0
     return rho * math.exp(-t_ms * rho / mean_wait)
-
-
-def wait_quantile_ms(service_ms: float, load: Load, quantile: float) -> float:
-    """The ``quantile`` of that waiting time, the inverse of :func:`wait_exceeds`:
-    ``t_q = (W / rho) ln(rho / (1 - q))``, 0 when ``rho <= 1 - q`` (most requests find the server
-    free). The arrival cap keeps the mean instead (docs/serving.md#load-aware-budgets says why)."""
-    rho = utilisation(service_ms, load)
-    if rho >= 1.0:
-        return math.inf
-    if rho <= 1.0 - quantile or rho <= 0.0:
-        return 0.0
-    return mean_wait_ms(service_ms, load) / rho * math.log(rho / (1.0 - quantile))
 
 
 def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
@@ -344,7 +333,7 @@ class BudgetPlanner:
     """The server's state for budgets: reserves, arrivals, service times, the latency scale and
     the margins of the budget classes. Thread-safe: handlers record arrivals while the worker plans."""
 
-    def __init__(self, reference_ms: Mapping[tuple[int, int, int], float], latency_scale: LatencyScale, *,
+    def __init__(self, reference_ms: Mapping[Config, float], latency_scale: LatencyScale, *,
                  met_target: float | None, queue_aware: bool = True, load_aware: bool = True,
                  burst_aware: bool = True, cheapest_floor: bool = False) -> None:
         self.latency_scale = latency_scale

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from runtime.execution import ExecutionOptions, execution_field
+from pipeline.execution import ExecutionOptions, execution_field
 
 #: the values of --dtype (runtime.precision.DTYPE_CHOICES)
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from serve.protocol import RequestError
 from serve.startup import check_controller_file
@@ -69,7 +70,7 @@ class Decider(Protocol):
     budget_range_ms: tuple[float, float]
     #: per configuration (max_crops, top_k, blocks), the median latency the controller was trained on
     #: (empty: unknown; the server then cannot measure its latency scale)
-    reference_latency_ms: dict[tuple[int, int, int], float]
+    reference_latency_ms: dict[Config, float]
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
 
@@ -135,7 +136,7 @@ class OnlineDecider:
         self.image_dim = int(cfg.image_feature_dim)
         # an online run's budgets were measured on the serving path at training time; nothing records
         # them per configuration, so the scale stays 1 unless --latency-scale pins it
-        self.reference_latency_ms: dict[tuple[int, int, int], float] = {}
+        self.reference_latency_ms: dict[Config, float] = {}
 
     @torch.no_grad()
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
@@ -188,7 +189,7 @@ class FixedKnobs:
         self.knobs = knobs
         self.max_crops_values = (knobs["max_crops"],)
         self.budget_range_ms = (0.0, 0.0)
-        self.reference_latency_ms: dict[tuple[int, int, int], float] = {}
+        self.reference_latency_ms: dict[Config, float] = {}
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         return Stage1Choice(self.knobs["max_crops"], 0, None, "request")
@@ -220,7 +221,7 @@ class CheapestConfig:
         return self.config[1], self.config[2]
 
 
-def reference_latencies(deployed: Any) -> dict[tuple[int, int, int], float]:
+def reference_latencies(deployed: Any) -> dict[Config, float]:
     """The deployed controller's median training latency per configuration (empty for a file without
     ``reference_latency_ms``, or a controller without a table fallback)."""
     reference = getattr(deployed, "reference_latency_ms", None)

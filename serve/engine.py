@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from pipeline.knobs import MAX_CROPS_LIMIT, Config
 from runtime import ModelRuntime
 from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
@@ -66,8 +67,6 @@ from serve.protocol import ChatRequest, RequestError
 from serve.queueing import DeadlineQueue, projected_start_ms
 from serve.request_log import RequestLog, RequestLogGone
 
-#: the largest max_crops a request's fixed knobs may ask for (the tiling rule's range)
-MAX_CROPS_LIMIT = 15
 #: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
 PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",
                 "arrival_cap_ms", "arrival_scv", "latency_scale", "budget_class", "budget_margin", "met_target",
@@ -660,11 +659,11 @@ def new_job(request: ChatRequest, engine: Engine, arrival: float, arrival_time: 
     return job
 
 
-def warmup_configs(engine: Engine) -> list[tuple[int, int, int]]:
+def warmup_configs(engine: Engine) -> list[Config]:
     """What the warm-up runs: per crops choice of the controller, its fastest and its slowest
     configuration by reference latency (the range the latency scale is seeded over), or the model's
     defaults at that crops choice where the controller has no reference latencies."""
-    configs: list[tuple[int, int, int]] = []
+    configs: list[Config] = []
     reference = engine.latency_scale.reference_ms
     for max_crops in engine.decider.max_crops_values:
         ranked = sorted((ms, knobs) for knobs, ms in reference.items() if knobs[0] == int(max_crops))

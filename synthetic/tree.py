@@ -95,8 +95,8 @@ class SyntheticSpec:
     write_images: bool = True
     image_max_side: int = 448  # big enough that the embedded preprocessor tiles them (84-px windows); a few KB each
     indent: int | None = 2  # json.dump indent (origin used indent=2)
-    lost_merge_configs: tuple[tuple[int, int, int], ...] = ()  # only the rank-0 file exists
-    empty_configs: tuple[tuple[int, int, int], ...] = ()  # 0 samples processed: NaN accuracy
+    lost_merge_configs: tuple[Config, ...] = ()  # only the rank-0 file exists
+    empty_configs: tuple[Config, ...] = ()  # 0 samples processed: NaN accuracy
     experiments: tuple[str, ...] = ("exp5", "exp6")
     # relative frequency of question template families by name (a family not named weighs 1, 0 leaves it out)
     family_weights: tuple[tuple[str, float], ...] = ()

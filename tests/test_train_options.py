@@ -124,8 +124,8 @@ def test_every_command_that_loads_the_model_takes_its_execution_options_help_fro
 
     from features.extract import FeatureConfig
     from online.config import OnlineTrainConfig
+    from pipeline.execution import EXECUTION_HELP
     from profiler.sweep import ProfileConfig
-    from runtime.execution import EXECUTION_HELP
     from serve.config import ServeConfig
 
     for config in (ServeConfig, OnlineTrainConfig, ProfileConfig, FeatureConfig):

@@ -71,10 +71,6 @@ def option_default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
 
 
-def has_option(cls: type, name: str) -> bool:
-    return any(f.name == name for f in fields(cls))
-
-
 def _field(cls: type, name: str) -> Any:
     for f in fields(cls):
         if f.name == name:

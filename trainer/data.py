@@ -27,12 +27,13 @@ import torch
 
 from pipeline.catalog import connect, view_names
 from pipeline.errors import CacheMismatchError, CtrlError
+from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 
 if TYPE_CHECKING:
     import duckdb
 
-Action = tuple[int, int, int]  # (max_crops, top_k, num_active_blocks)
+Action = Config  # (max_crops, top_k, num_active_blocks)
 
 SPLITS = ("train", "val", "test")
 DEFAULT_SPLIT_FRACTIONS = (0.8, 0.1, 0.1)

@@ -55,6 +55,7 @@ import torch
 
 from pipeline.catalog import run_query
 from pipeline.errors import CtrlError
+from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
 from trainer.outcome import OutcomeModel
@@ -150,7 +151,7 @@ class LatencyGuard:
     _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
-    def actions(self) -> tuple[tuple[int, int, int], ...]:
+    def actions(self) -> tuple[Config, ...]:
         return self.outcome.action_space.actions
 
     def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
