@@ -37,7 +37,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: the reasons a connection is dropped (the label of ctrl_connections_dropped_total)
 DROP_REASONS = ("too_many_connections", "header_timeout", "body_timeout", "client_left", "write_timeout",
@@ -170,176 +173,178 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def protocol_class(limits: ConnectionLimits) -> type:
-    """uvicorn's h11 protocol class with ``limits`` (uvicorn.Config's ``http``)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+_REFUSED = _raw_response(503, "Service Unavailable", "the server has too many open connections; retry later",
+                         "retry-after: 1\r\n")
+_TIMED_OUT = _raw_response(408, "Request Timeout", "the request was not received in time")
 
-    refused = _raw_response(503, "Service Unavailable", "the server has too many open connections; retry later",
-                            "retry-after: 1\r\n")
-    timed_out = _raw_response(408, "Request Timeout", "the request was not received in time")
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the bounds of the module's docstring (:func:`protocol_class` gives
+    it the server's :class:`ConnectionLimits`)."""
+
+    limits: ClassVar[ConnectionLimits]
+
+    _timer: asyncio.TimerHandle | None = None
+    _reason = ""
+    _timer_cycle: Any = None
+    _lingering = False
+    _peer_eof = False
+    _request_begun = False  # bytes of a request have come since the connection opened or last replied
+    _pipelined = 0  # requests answered in a row that came before the previous reply was complete
+    _write_timer: asyncio.TimerHandle | None = None
+    _write_since = 0.0  # when the send buffer was last seen empty or draining
+    _write_left = 0  # its size then
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.limits.dropped("too_many_connections", self.client)
+            self._linger(_REFUSED)
+            return
+        self._arm(self.limits.header_timeout_s, "header_timeout")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        self.limits.dropped("invalid_request", self.client)
+        super().send_400_response(msg)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._write_since = self.loop.time()  # the client reads: the deadline starts again
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
+        self._request_begun = self._request_begun or bool(data)
+        super().data_received(data)
+        if self._timer is None:
+            return
+        if self._reason == "header_timeout" and self.conn.their_state is not h11.IDLE:
+            self._disarm()  # the headers are in: the body's deadline is the app's
+        elif self._reason == "body_timeout" and (self.cycle is not self._timer_cycle
+                                                 or self.conn.their_state is h11.IDLE):
+            # the dropped body is over: the next request's headers are timed, if they are not in yet
+            if self.conn.their_state is h11.IDLE:
+                self._arm(self.limits.header_timeout_s, "header_timeout")
+            else:
+                self._disarm()
+
+    def eof_received(self) -> bool | None:
+        cycle = self.cycle
+        if (self._lingering or cycle is None or cycle.response_complete
+                or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE) or not _can_watch(self.transport)):
+            return None  # mid-request or between requests: the connection is over
+        # the whole request is in: a half-close (answer it) or a client that left (it resets the probe)
+        self._peer_eof = True
+        if not cycle.response_started and self.conn.their_http_version == b"1.1":
+            cycle.waiting_for_100_continue = False
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                                              reason=b"Continue")))
+        self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
+        return True
+
+    def on_response_complete(self) -> None:
+        answered = self.cycle
+        pipelined = self.conn.their_state is h11.DONE and bool(self.conn.trailing_data[0])
+        self._pipelined = self._pipelined + 1 if pipelined else 0
+        if self._pipelined > self.limits.max_pipelined and not self.transport.is_closing():
+            self.server_state.total_requests += 1
+            self.limits.dropped("too_many_pipelined", self.client)
+            self._linger(b"")  # the replies written reach the client; what else it sent is dropped
+            self._watch_writes()
+            return
+        super().on_response_complete()
+        if self.transport.get_write_buffer_size():
+            self._watch_writes()
+        if self.transport.is_closing():
+            return
+        if self._peer_eof:  # nothing more can come from a client that half-closed
+            if self.cycle is answered:  # no pipelined request of its is being answered now
+                self.transport.close()
+        elif self.conn.their_state is h11.IDLE:
+            self._request_begun = bool(self.conn.trailing_data[0])  # a pipelined request's first bytes
+            self._arm(self.limits.header_timeout_s, "header_timeout")
+        elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: read and drop it
+            self._arm(self.limits.body_timeout_s, "body_timeout")
+
+    def _watch_half_closed(self) -> None:
+        if self.transport.is_closing():
+            return
+        if _tcp_state(self.transport) == _TCP_CLOSE:  # the client reset the probe: it has left
+            self.transport.abort()  # connection_lost marks the request disconnected
+            return
+        self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
+
+    def _watch_writes(self) -> None:
+        """Close the connection at once when what it was sent waits unread for ``write_timeout_s``."""
+        if self._write_timer is None:
+            self._write_since, self._write_left = self.loop.time(), self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s / WRITE_CHECKS, self._check_writes)
+
+    def _check_writes(self) -> None:
+        self._write_timer = None
+        left = self.transport.get_write_buffer_size()
+        if not left:
+            return
+        if left < self._write_left:  # it drains, slowly
+            self._write_since = self.loop.time()
+        self._write_left = left
+        if self.loop.time() - self._write_since >= self.limits.write_timeout_s:
+            self.limits.dropped("write_timeout", self.client)
+            self.transport.abort()
+            return
+        self._write_timer = self.loop.call_later(self.limits.write_timeout_s / WRITE_CHECKS, self._check_writes)
+
+    def _arm(self, seconds: float, reason: str) -> None:
+        self._disarm()
+        self._reason, self._timer_cycle = reason, self.cycle
+        self._timer = self.loop.call_later(seconds, self._expire, reason)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, reason: str) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if reason == "header_timeout" and not self._request_begun:
+            self.transport.close()  # an idle connection (a client's pool): closed, not a fault
+            return
+        self.limits.dropped(reason, self.client)
+        if reason == "header_timeout":
+            self.transport.write(_TIMED_OUT)
+        self.transport.close()
+
+    def _linger(self, reply: bytes) -> None:
+        """Write ``reply``, end the sending side, and drop what the client still sends for a moment
+        before closing: closing with unread bytes would reset the connection before it reads the reply."""
+        self._lingering = True
+        if reply:
+            self.transport.write(reply)
+        with contextlib.suppress(OSError, NotImplementedError, RuntimeError):
+            self.transport.write_eof()
+        self.flow.resume_reading()  # what else comes is read and dropped
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def protocol_class(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
+    """uvicorn's h11 protocol class with ``limits`` (uvicorn.Config's ``http``)."""
     if _not_uvicorns_invalid_request not in logger.filters:
         logger.addFilter(_not_uvicorns_invalid_request)
-
-    class BoundedH11Protocol(H11Protocol):
-        """See the module's docstring."""
-
-        _timer: asyncio.TimerHandle | None = None
-        _reason = ""
-        _timer_cycle: Any = None
-        _lingering = False
-        _peer_eof = False
-        _request_begun = False  # bytes of a request have come since the connection opened or last replied
-        _pipelined = 0  # requests answered in a row that came before the previous reply was complete
-        _write_timer: asyncio.TimerHandle | None = None
-        _write_since = 0.0  # when the send buffer was last seen empty or draining
-        _write_left = 0  # its size then
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
-                limits.dropped("too_many_connections", self.client)
-                self._linger(refused)
-                return
-            self._arm(limits.header_timeout_s, "header_timeout")
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            limits.dropped("invalid_request", self.client)
-            super().send_400_response(msg)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            self._watch_writes()
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._write_since = self.loop.time()  # the client reads: the deadline starts again
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return
-            self._request_begun = self._request_begun or bool(data)
-            super().data_received(data)
-            if self._timer is None:
-                return
-            if self._reason == "header_timeout" and self.conn.their_state is not h11.IDLE:
-                self._disarm()  # the headers are in: the body's deadline is the app's
-            elif self._reason == "body_timeout" and (self.cycle is not self._timer_cycle
-                                                     or self.conn.their_state is h11.IDLE):
-                # the dropped body is over: the next request's headers are timed, if they are not in yet
-                if self.conn.their_state is h11.IDLE:
-                    self._arm(limits.header_timeout_s, "header_timeout")
-                else:
-                    self._disarm()
-
-        def eof_received(self) -> bool | None:
-            cycle = self.cycle
-            if (self._lingering or cycle is None or cycle.response_complete
-                    or self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE) or not _can_watch(self.transport)):
-                return None  # mid-request or between requests: the connection is over
-            # the whole request is in: a half-close (answer it) or a client that left (it resets the probe)
-            self._peer_eof = True
-            if not cycle.response_started and self.conn.their_http_version == b"1.1":
-                cycle.waiting_for_100_continue = False
-                with contextlib.suppress(h11.LocalProtocolError):
-                    self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
-                                                                                  reason=b"Continue")))
-            self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
-            return True
-
-        def on_response_complete(self) -> None:
-            answered = self.cycle
-            pipelined = self.conn.their_state is h11.DONE and bool(self.conn.trailing_data[0])
-            self._pipelined = self._pipelined + 1 if pipelined else 0
-            if self._pipelined > limits.max_pipelined and not self.transport.is_closing():
-                self.server_state.total_requests += 1
-                limits.dropped("too_many_pipelined", self.client)
-                self._linger(b"")  # the replies written reach the client; what else it sent is dropped
-                self._watch_writes()
-                return
-            super().on_response_complete()
-            if self.transport.get_write_buffer_size():
-                self._watch_writes()
-            if self.transport.is_closing():
-                return
-            if self._peer_eof:  # nothing more can come from a client that half-closed
-                if self.cycle is answered:  # no pipelined request of its is being answered now
-                    self.transport.close()
-            elif self.conn.their_state is h11.IDLE:
-                self._request_begun = bool(self.conn.trailing_data[0])  # a pipelined request's first bytes
-                self._arm(limits.header_timeout_s, "header_timeout")
-            elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read: read and drop it
-                self._arm(limits.body_timeout_s, "body_timeout")
-
-        def _watch_half_closed(self) -> None:
-            if self.transport.is_closing():
-                return
-            if _tcp_state(self.transport) == _TCP_CLOSE:  # the client reset the probe: it has left
-                self.transport.abort()  # connection_lost marks the request disconnected
-                return
-            self.loop.call_later(HALF_CLOSE_POLL_S, self._watch_half_closed)
-
-        def _watch_writes(self) -> None:
-            """Close the connection at once when what it was sent waits unread for ``write_timeout_s``."""
-            if self._write_timer is None:
-                self._write_since, self._write_left = self.loop.time(), self.transport.get_write_buffer_size()
-                self._write_timer = self.loop.call_later(limits.write_timeout_s / WRITE_CHECKS, self._check_writes)
-
-        def _check_writes(self) -> None:
-            self._write_timer = None
-            left = self.transport.get_write_buffer_size()
-            if not left:
-                return
-            if left < self._write_left:  # it drains, slowly
-                self._write_since = self.loop.time()
-            self._write_left = left
-            if self.loop.time() - self._write_since >= limits.write_timeout_s:
-                limits.dropped("write_timeout", self.client)
-                self.transport.abort()
-                return
-            self._write_timer = self.loop.call_later(limits.write_timeout_s / WRITE_CHECKS, self._check_writes)
-
-        def _arm(self, seconds: float, reason: str) -> None:
-            self._disarm()
-            self._reason, self._timer_cycle = reason, self.cycle
-            self._timer = self.loop.call_later(seconds, self._expire, reason)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expire(self, reason: str) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if reason == "header_timeout" and not self._request_begun:
-                self.transport.close()  # an idle connection (a client's pool): closed, not a fault
-                return
-            limits.dropped(reason, self.client)
-            if reason == "header_timeout":
-                self.transport.write(timed_out)
-            self.transport.close()
-
-        def _linger(self, reply: bytes) -> None:
-            """Write ``reply``, end the sending side, and drop what the client still sends for a moment
-            before closing: closing with unread bytes would reset the connection before it reads the reply."""
-            self._lingering = True
-            if reply:
-                self.transport.write(reply)
-            with contextlib.suppress(OSError, NotImplementedError, RuntimeError):
-                self.transport.write_eof()
-            self.flow.resume_reading()  # what else comes is read and dropped
-            self.loop.call_later(LINGER_S, self.transport.close)
-
-    return BoundedH11Protocol
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
 
 
 def _can_watch(transport: asyncio.BaseTransport) -> bool:

@@ -25,9 +25,10 @@ from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.connections import DROP_REASONS, ConnectionLimits, UploadPlaces, protocol_class
 from serve.deciders import find_controller, load_decider
-from serve.engine import Engine, capture_decode_steps, warm_up
+from serve.engine import Engine
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
+from serve.warmup import capture_decode_steps, warm_up
 
 
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:

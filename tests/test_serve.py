@@ -842,7 +842,7 @@ def new_fixed_job(engine):
 
 
 def test_warm_up_runs_each_crops_choice_fastest_and_slowest_and_seeds_the_scale(embedded_runtime, tmp_path):
-    from serve.engine import warm_up, warmup_configs
+    from serve.warmup import warm_up, warmup_configs
 
     reference = {(1, 2, 3): 5.0, (1, 4, 4): 9.0, (1, 3, 3): 7.0, (2, 2, 3): 10.0, (6, 8, 16): 80.0}
     engine = in_process_engine(embedded_runtime, RecordingDecider(reference), tmp_path)
