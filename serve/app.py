@@ -28,10 +28,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -41,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from serve.config import normalize_api_key
 from serve.connections import ConnectionLimits, UploadPlaces
 from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
-from serve.protocol import Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
+from serve.protocol import ChatRequest, Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
 from serve.streaming import DISCONNECT_POLL_S, stream_reply
 
 #: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)
@@ -72,6 +73,69 @@ class UploadsFull(RequestError):
                               f"{uploads.total}{each}); retry in {self.retry_after_s} s", None, "uploads_full")
 
 
+@dataclass
+class Served:
+    """What every route reads (``app.state.served``): the engine, the request limits and the
+    server's bounds on bodies and connections."""
+
+    engine: Engine
+    limits: Limits
+    max_body_bytes: int
+    body_timeout_s: float
+    uploads: UploadPlaces
+    connections: ConnectionLimits | None = None
+    #: the configured key, normalised as the tokens sent are (ServeConfig's one normalisation); None: no key
+    expected_key: bytes | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    decode_slots: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(DECODE_SLOTS))
+
+    def parse_bounded(self, body: bytes) -> ChatRequest:
+        with self.decode_slots:  # what parsing builds and the decoded images are what a burst of requests holds
+            chat = parse_chat_request(parse_json_body(body), self.limits)
+        # tokenized here, before the request is queued: a prompt too long never waits for the model
+        check_prompt_tokens(self.engine.runtime.prompt_token_count(chat.question), self.limits)
+        return chat
+
+    def error(self, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+        if 400 <= exc.status < 500:  # 503s, 504s and 500s are counted where they arise
+            self.engine.metrics.requests.labels(status="invalid").inc()
+        headers = dict(headers or {})
+        if isinstance(exc, Overloaded | UploadsFull):
+            headers["Retry-After"] = str(exc.retry_after_s)
+        if exc.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+            headers["Connection"] = "close"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
+
+    def failure(self, exc: BaseException, request_id: str) -> JSONResponse:
+        """The reply to a submitted request that failed (before any of a stream was sent)."""
+        if isinstance(exc, RequestError):
+            return self.error(exc)
+        if isinstance(exc, Cancelled):  # the server was stopped at once (a gone client's handler has left already)
+            return self.error(RequestError(503, "the server was stopped before it answered this request", None,
+                                           "server_stopped"))
+        # the engine has recorded and counted it as an error
+        logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        return self.error(internal_error(request_id))
+
+    def reply_sent(self, job: Job, result: Result) -> None:
+        """Time the reply from the answer's last token to its last byte handed to the connection."""
+        if result.record:
+            answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
+            self.engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
+
+    def authorize(self, request: Request) -> None:
+        if self.expected_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(normalize_api_key(token).encode(),
+                                                                 self.expected_key):
+            raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                               "invalid_api_key")
+
+
 def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: str | None = None,
                hosts: frozenset[str] | None = None, origins: tuple[str, ...] = (), body_timeout_s: float = 30.0,
                connections: ConnectionLimits | None = None, uploads: UploadPlaces | None = None) -> FastAPI:
@@ -93,169 +157,143 @@ def create_app(engine: Engine, limits: Limits, *, max_body_bytes: int, api_key: 
     # no redirects to a path with or without a trailing slash: a 404 error object says which paths exist
     app = FastAPI(title="ctrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    created = int(time.time())
-    decode_slots = threading.BoundedSemaphore(DECODE_SLOTS)
-    if uploads is None:
-        uploads = UploadPlaces(2 * (engine.max_queue + 1), engine.max_queue + 1)
-
-    def parse_bounded(body: bytes) -> Any:
-        with decode_slots:  # what parsing builds and the decoded images are what a burst of requests holds
-            chat = parse_chat_request(parse_json_body(body), limits)
-        # tokenized here, before the request is queued: a prompt too long never waits for the model
-        check_prompt_tokens(engine.runtime.prompt_token_count(chat.question), limits)
-        return chat
-
-    def error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
-        if 400 <= exc.status < 500:  # 503s, 504s and 500s are counted where they arise
-            engine.metrics.requests.labels(status="invalid").inc()
-        headers = dict(headers or {})
-        if isinstance(exc, Overloaded | UploadsFull):
-            headers["Retry-After"] = str(exc.retry_after_s)
-        if exc.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
-            headers["Connection"] = "close"
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
-
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error(exc)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises it after this answer, so the traceback still reaches the server's log
-        engine.metrics.requests.labels(status="error").inc()
-        return error(internal_error())
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        path = request.url.path if len(request.url.path) <= 100 else request.url.path[:100] + "..."
-        reason = {404: f"no endpoint {path}", 405: f"{request.method} is not allowed on {path}"}
-        return error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None, None),
-                     headers=exc.headers)  # a 405's Allow
-
-    def failure(exc: BaseException, request_id: str) -> JSONResponse:
-        """The reply to a submitted request that failed (before any of a stream was sent)."""
-        if isinstance(exc, RequestError):
-            return error(exc)
-        if isinstance(exc, Cancelled):  # the server was stopped at once (a gone client's handler has left already)
-            return error(RequestError(503, "the server was stopped before it answered this request", None,
-                                      "server_stopped"))
-        # the engine has recorded and counted it as an error
-        logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
-        return error(internal_error(request_id))
-
-    def reply_sent(job: Job, result: Result) -> None:
-        """Time the reply from the answer's last token to its last byte handed to the connection."""
-        if result.record:
-            answered = job.arrival + float(result.record.get("latency_total_ms") or 0.0) / 1000.0
-            engine.planner.observe_reply((time.perf_counter() - answered) * 1000.0)
-
-    # the one normalisation of the key (ServeConfig's), applied to the configured key and to the token sent
-    expected_key = None if api_key is None else normalize_api_key(api_key).encode()
-
-    def authorize(request: Request) -> None:
-        if expected_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(normalize_api_key(token).encode(), expected_key):
-            raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
-                               "invalid_api_key")
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Any:
-        try:
-            engine.check_log(count=False)
-        except LogUnavailable as exc:
-            return JSONResponse({"status": "unavailable", "reason": exc.message, "model": engine.model_name,
-                                 "queue_length": engine.pending}, status_code=503)
-        return {"status": "ok", "model": engine.model_name, "queue_length": engine.pending}
-
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models(request: Request) -> dict[str, Any]:
-        authorize(request)
-        about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
-                 "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
-                 "latency_scale_source": engine.latency_scale.source,
-                 "met_target": engine.planner.met_target, "budget_margins": engine.planner.margins(),
-                 "feasible_rates": engine.planner.feasible_rates(), "floors": engine.planner.floor_states(),
-                 "arrival_rate_rps": engine.planner.load(time.perf_counter())[0],
-                 "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
-                 "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
-                                            "owned_by": "ctrl", "ctrl": about}]}
-
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def metrics(request: Request) -> Response:
-        authorize(request)
-        return Response(engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        authorize(request)
-        engine.check_log()  # a request that could not be recorded is not taken
-        try:
-            # a place of its own from the body's first byte: a body in flight holds no place in the queue
-            body, give_back = await read_body(request, max_body_bytes, body_timeout_s, uploads)
-        except ClientLeft:
-            if connections is not None:
-                connections.dropped("client_left", request.client)
-            return Response(status_code=499)  # no one reads it
-        except UploadsFull:
-            engine.metrics.requests.labels(status="rejected").inc()
-            raise
-        except RequestError as exc:
-            if exc.status == 408 and connections is not None:
-                connections.dropped("body_timeout", request.client)
-            raise
-        # the request's clock starts with its whole body: upload time is the network's, not the model's
-        arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
-        try:
-            slot = engine.reserve()  # a full queue refuses now, and the client, done sending, reads the 503
-            try:
-                chat = await run_in_threadpool(parse_bounded, body)  # parsing and image decoding off the event loop
-                del body  # held until the answer otherwise, beside the image decoded from it
-                give_back()
-                if chat.model != engine.model_name:
-                    raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
-                                            f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
-                job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
-                job.loop = asyncio.get_running_loop()
-                job.future = job.loop.create_future()
-                engine.submit(job, slot)
-            finally:
-                slot.release()  # every path that did not queue the request (a no-op once queued)
-        finally:
-            give_back()  # a no-op once given back
-        try:
-            if chat.stream:
-                return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
-                                          failure=lambda exc: failure(exc, job.request_id),
-                                          on_sent=lambda result: reply_sent(job, result))
-            while True:
-                done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    job.cancelled.set()  # the worker stops at the next stage or token
-                    return JSONResponse({}, status_code=499)
-        except asyncio.CancelledError:  # a forced stop cancels the handler: no one reads the outcome
-            job.cancelled.set()
-            raise
-        try:
-            result: Result = job.future.result()
-        except Exception as exc:
-            return failure(exc, job.request_id)
-        return TimedJSONResponse(_completion(job.request_id, engine.model_name, result),
-                                 on_sent=lambda: reply_sent(job, result))
-
+    app.state.served = Served(engine, limits, max_body_bytes, body_timeout_s,
+                              uploads or UploadPlaces(2 * (engine.max_queue + 1), engine.max_queue + 1), connections,
+                              None if api_key is None else normalize_api_key(api_key).encode())
+    app.include_router(routes)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
     if origins:  # the preflight and the response headers a browser needs; other origins never get here
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)  # client libraries add headers of their own
     app.add_middleware(HostAndOriginCheck, hosts=hosts, origins=origins,
                        refused=lambda: engine.metrics.requests.labels(status="invalid").inc())
     return app
+
+
+def _served(request: Request) -> Served:
+    return request.app.state.served
+
+
+async def _request_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestError)
+    return _served(request).error(exc)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises it after this answer, so the traceback still reaches the server's log
+    served = _served(request)
+    served.engine.metrics.requests.labels(status="error").inc()
+    return served.error(internal_error())
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    path = request.url.path if len(request.url.path) <= 100 else request.url.path[:100] + "..."
+    reason = {404: f"no endpoint {path}", 405: f"{request.method} is not allowed on {path}"}
+    return _served(request).error(RequestError(exc.status_code, reason.get(exc.status_code, str(exc.detail)), None,
+                                               None), headers=exc.headers)  # a 405's Allow
+
+
+routes = APIRouter()
+
+
+@routes.api_route("/health", methods=["GET", "HEAD"])
+async def health(request: Request) -> Any:
+    engine = _served(request).engine
+    try:
+        engine.check_log(count=False)
+    except LogUnavailable as exc:
+        return JSONResponse({"status": "unavailable", "reason": exc.message, "model": engine.model_name,
+                             "queue_length": engine.pending}, status_code=503)
+    return {"status": "ok", "model": engine.model_name, "queue_length": engine.pending}
+
+
+@routes.api_route("/v1/models", methods=["GET", "HEAD"])
+async def models(request: Request) -> dict[str, Any]:
+    served = _served(request)
+    served.authorize(request)
+    engine = served.engine
+    about = {"model_fingerprint": engine.runtime.fingerprint, "controller_run": engine.decider.controller_run,
+             "default_budget_ms": engine.default_budget_ms, "latency_scale": engine.latency_scale.value,
+             "latency_scale_source": engine.latency_scale.source,
+             "met_target": engine.planner.met_target, "budget_margins": engine.planner.margins(),
+             "feasible_rates": engine.planner.feasible_rates(), "floors": engine.planner.floor_states(),
+             "arrival_rate_rps": engine.planner.load(time.perf_counter())[0],
+             "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
+             "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
+    return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": served.created,
+                                        "owned_by": "ctrl", "ctrl": about}]}
+
+
+@routes.api_route("/metrics", methods=["GET", "HEAD"])
+async def metrics(request: Request) -> Response:
+    served = _served(request)
+    served.authorize(request)
+    return Response(served.engine.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    served = _served(request)
+    engine, connections = served.engine, served.connections
+    served.authorize(request)
+    engine.check_log()  # a request that could not be recorded is not taken
+    try:
+        # a place of its own from the body's first byte: a body in flight holds no place in the queue
+        body, give_back = await read_body(request, served.max_body_bytes, served.body_timeout_s, served.uploads)
+    except ClientLeft:
+        if connections is not None:
+            connections.dropped("client_left", request.client)
+        return Response(status_code=499)  # no one reads it
+    except UploadsFull:
+        engine.metrics.requests.labels(status="rejected").inc()
+        raise
+    except RequestError as exc:
+        if exc.status == 408 and connections is not None:
+            connections.dropped("body_timeout", request.client)
+        raise
+    # the request's clock starts with its whole body: upload time is the network's, not the model's
+    arrival, arrival_time = time.perf_counter(), datetime.now(UTC)
+    try:
+        slot = engine.reserve()  # a full queue refuses now, and the client, done sending, reads the 503
+        try:
+            chat = await run_in_threadpool(served.parse_bounded, body)  # parsing and decoding off the event loop
+            del body  # held until the answer otherwise, beside the image decoded from it
+            give_back()
+            if chat.model != engine.model_name:
+                raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
+                                        f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")
+            job = new_job(chat, engine, arrival, arrival_time, (time.perf_counter() - arrival) * 1000.0)
+            job.loop = asyncio.get_running_loop()
+            job.future = job.loop.create_future()
+            engine.submit(job, slot)
+        finally:
+            slot.release()  # every path that did not queue the request (a no-op once queued)
+    finally:
+        give_back()  # a no-op once given back
+    try:
+        if chat.stream:
+            return await stream_reply(request, job, engine.model_name, ctrl=_ctrl,
+                                      failure=lambda exc: served.failure(exc, job.request_id),
+                                      on_sent=lambda result: served.reply_sent(job, result))
+        while True:
+            done, _ = await asyncio.wait({job.future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                job.cancelled.set()  # the worker stops at the next stage or token
+                return JSONResponse({}, status_code=499)
+    except asyncio.CancelledError:  # a forced stop cancels the handler: no one reads the outcome
+        job.cancelled.set()
+        raise
+    try:
+        result: Result = job.future.result()
+    except Exception as exc:
+        return served.failure(exc, job.request_id)
+    return TimedJSONResponse(_completion(job.request_id, engine.model_name, result),
+                             on_sent=lambda: served.reply_sent(job, result))
 
 
 class TimedJSONResponse(JSONResponse):
