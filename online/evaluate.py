@@ -61,7 +61,7 @@ class Guarded:
 #: a decider measured with the model: (name, controller or guarded controller, fixed insertion index
 #: or None), or (name, knob indices (crops, insertion, top-K, blocks), None): a static
 #: configuration, run as is on every request
-Decider = tuple[str, TwoStageController | Guarded | tuple[int, int, int, int], int | None]
+BatchDecider = tuple[str, TwoStageController | Guarded | tuple[int, int, int, int], int | None]
 
 
 def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Path,
@@ -80,7 +80,7 @@ def evaluate_online_run(workspace: Workspace | str | Path | None, run: str | Pat
     lo, hi = float(config.budget_min_ms), float(config.budget_max_ms)
     budgets = [float(b) for b in budgets_ms] if budgets_ms else [round(b, 1) for b in budget_grid(lo, hi, num_budgets)]
     guard = load_run_guard(run.path)
-    deciders: list[Decider] = [("controller", controller if guard is None else Guarded(controller, guard), None)]
+    deciders: list[BatchDecider] = [("controller", controller if guard is None else Guarded(controller, guard), None)]
     start = _offline_start(ws, config, runtime, controller)
     if start is not None:
         deciders.append(("offline_start", start if guard is None else Guarded(start, guard),
@@ -108,7 +108,7 @@ def _offline_start(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRunti
     return start
 
 
-def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, deciders: list[Decider],
+def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, deciders: list[BatchDecider],
                budgets: list[float], max_samples: int | None,
                progress: Callable[[int, int], None] | None) -> dict[tuple[str, float], list[Rollout]]:
     """Every decider's rollouts per budget on the test split (the first ``max_samples``), measured
@@ -128,7 +128,7 @@ def run_paired(ws: Workspace, config: OnlineTrainConfig, runtime: ModelRuntime, 
         executor.close()
 
 
-def measure_paired(executor: RolloutExecutor, deciders: list[Decider], rows: list[int], budgets: list[float],
+def measure_paired(executor: RolloutExecutor, deciders: list[BatchDecider], rows: list[int], budgets: list[float],
                    progress: Callable[[int, int], None] | None = None) -> dict[tuple[str, float], list[Rollout]]:
     """Greedy rollouts of every decider at every (sample, budget) of ``rows`` x ``budgets``, the
     deciders back to back per request, their order rotating from request to request.

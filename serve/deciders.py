@@ -60,7 +60,7 @@ class Stage2Inputs:
     latency_token: torch.Tensor | None  # (d,) after blocks 0..p-1, online runs only
 
 
-class Decider(Protocol):
+class RequestDecider(Protocol):
     """Two-stage knob decisions for one request at a time."""
 
     #: run id (or file name) and phase of the controller, recorded with every request
@@ -75,6 +75,9 @@ class Decider(Protocol):
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]: ...
+
+    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
+        """A request it decided was served in ``measured_ms`` (stage 1 to the last token)."""
 
 
 def _image(feature: torch.Tensor | None, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +120,10 @@ class OfflineDecider:
                                              torch.tensor([choice.max_crops], dtype=torch.long),
                                              inputs.tiling_crops[None].float())
         return int(top_k[0]), int(blocks[0])
+
+    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
+        """Nothing to learn from a request's latency: an offline controller's guard is the server's
+        (``serve.budget.guard_config``)."""
 
 
 class OnlineDecider:
@@ -197,6 +204,9 @@ class FixedKnobs:
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.knobs["top_k"], self.knobs["num_active_blocks"]
 
+    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
+        """Nothing to learn from a request's latency: the request chose its knobs."""
+
 
 class CheapestConfig:
     """The configuration with the smallest reference latency, for a budget below all of them: no
@@ -205,7 +215,7 @@ class CheapestConfig:
 
     phase = "offline"
 
-    def __init__(self, decider: Decider) -> None:
+    def __init__(self, decider: RequestDecider) -> None:
         reference = decider.reference_latency_ms
         self.config = min(reference, key=lambda c: (reference[c], c))
         self.controller_run = decider.controller_run
@@ -219,6 +229,9 @@ class CheapestConfig:
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.config[1], self.config[2]
+
+    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
+        """Nothing to learn from a request's latency: it always decides the cheapest configuration."""
 
 
 def reference_latencies(deployed: Any) -> dict[Config, float]:

@@ -60,7 +60,7 @@ from runtime.base import greedy_decode
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
 from serve.budget import BudgetPlan, BudgetPlanner, guard_config
 from serve.calibration import LatencyScale
-from serve.deciders import CheapestConfig, Decider, FixedKnobs, Stage2Inputs
+from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
@@ -222,7 +222,7 @@ class BudgetUnreachable(Overloaded):
 class Engine:
     """The model, the controller, the queue and the worker thread that runs requests."""
 
-    def __init__(self, runtime: ModelRuntime, decider: Decider, *, model_name: str, max_queue: int,
+    def __init__(self, runtime: ModelRuntime, decider: RequestDecider, *, model_name: str, max_queue: int,
                  default_budget_ms: float | None, threads: int, request_log: RequestLog | None,
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
@@ -458,7 +458,7 @@ class Engine:
         req, runtime = job.request, self.runtime
         stages = RequestTiming()
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
-        decider: Decider = self.decider if req.knobs is None else FixedKnobs(
+        decider: RequestDecider = self.decider if req.knobs is None else FixedKnobs(
             req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT)
         try:
             if record:  # a request queued when the workspace went: refused before the model runs it
@@ -537,9 +537,8 @@ class Engine:
         decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
         # what the profile timed as one generate call: the vision pass, the prefill, the decode steps
         model_ms = (seg["prefix"].wall_ms or 0.0) + (seg["suffix"].wall_ms or 0.0) + decode_ms
-        observe = getattr(decider, "observe", None)
-        if observe is not None and guarded_from is None:  # an online run's guard follows the machine's speed
-            observe(choice, int(top_k), int(blocks), seg["stage1"].wall_ms + seg["stage2"].wall_ms + model_ms)
+        if guarded_from is None:  # what it decided ran as decided: an online run's guard follows the machine's speed
+            decider.observe(choice, int(top_k), int(blocks), seg["stage1"].wall_ms + seg["stage2"].wall_ms + model_ms)
         ratio = None
         if p == 0:  # the configurations the reference latencies were recorded for
             ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)

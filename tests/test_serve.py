@@ -550,6 +550,9 @@ class RecordingDecider:
         self.image_feature = inputs.image_feature
         return 2, 3
 
+    def observe(self, choice, top_k, blocks, measured_ms):
+        pass
+
 
 def decider_spent(row: dict) -> float:
     """Time before the stage-1 decision: arrival to stage 1, plus stage 1 (its decision is instant here)."""

@@ -12,7 +12,7 @@ from typing import Any
 #: reads the options' help from ``trainer.config``) does not load torch. ``predict`` is not here:
 #: its module has its name (``from trainer.predict import predict``)
 _EXPORTS = {
-    "Decider": "trainer.baselines",
+    "BatchDecider": "trainer.baselines",
     "FamilyLookupTableDecider": "trainer.baselines",
     "LargestDecider": "trainer.baselines",
     "LookupTableDecider": "trainer.baselines",
@@ -103,7 +103,7 @@ __all__ = [
     "fit_table_fallback",
     "read_fallback",
     # evaluation
-    "Decider",
+    "BatchDecider",
     "OracleDecider",
     "LookupTableDecider",
     "FamilyLookupTableDecider",

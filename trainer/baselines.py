@@ -17,14 +17,15 @@ import torch
 
 from trainer.data import Action, ActionSpace, OfflineData
 
-__all__ = ["BestStaticDecider", "ClairvoyantDecider", "Decider", "DeterministicDecider", "FamilyLookupTableDecider",
+__all__ = ["BatchDecider", "BestStaticDecider", "ClairvoyantDecider", "DeterministicDecider",
+           "FamilyLookupTableDecider",
            "LargestDecider", "LookupTableDecider", "OracleDecider", "QuestionFamilyTableDecider", "RandomDecider",
            "UNFAMILIAR_QUANTILE", "best_candidate", "budget_vector", "closest_similarity", "nearest_family",
            "require_allowed_actions", "table_from_state"]
 
 
 @runtime_checkable
-class Decider(Protocol):
+class BatchDecider(Protocol):
     """``name`` keys the results (``"controller"``, ``"oracle"``, ``"lut_p95"``, ...).
 
     ``decide(data, budget_ms)``: budget_ms float, 0-d or (N,) tensor in ms -> LongTensor (N,)

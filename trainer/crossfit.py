@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CtrlError
-from trainer.baselines import Decider, LookupTableDecider, QuestionFamilyTableDecider
+from trainer.baselines import BatchDecider, LookupTableDecider, QuestionFamilyTableDecider
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.fallback import (
@@ -97,13 +97,14 @@ class OutOfFold:
     data this decider is asked about (the full data of the cross-fit, in its order).
     """
 
-    def __init__(self, name: str, deciders: Sequence[Decider], fold: torch.Tensor) -> None:
+    def __init__(self, name: str, deciders: Sequence[BatchDecider], fold: torch.Tensor) -> None:
         self.name = name
         self.deciders = list(deciders)
         self.fold = fold.long()
 
     def _per_fold(self, data: OfflineData, budget_ms: torch.Tensor | float,
-                  fn: Callable[[Decider, OfflineData, torch.Tensor], torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+                  fn: Callable[[BatchDecider, OfflineData, torch.Tensor], torch.Tensor],
+                  out: torch.Tensor) -> torch.Tensor:
         if len(data) != len(self.fold):
             msg = f"{self.name}: asked about {len(data)} samples, built for {len(self.fold)}"
             raise ValueError(msg)
@@ -177,7 +178,7 @@ class FoldModels:
             self.policies.append(ControllerPolicy.load(checkpoint, model_fingerprint=data.model_fingerprint))
             self.train.append(fold_data(data, k, folds).subset("train"))
 
-    def out_of_fold(self, name: str, make: Callable[[int], Decider]) -> OutOfFold:
+    def out_of_fold(self, name: str, make: Callable[[int], BatchDecider]) -> OutOfFold:
         """``make(k)`` builds fold k's decider (from ``self.policies[k]`` / ``self.train[k]``)."""
         return OutOfFold(name, [make(k) for k in range(self.folds)], self.fold)
 

@@ -36,9 +36,9 @@ from rich.table import Table
 
 from pipeline.workspace import Workspace, atomic_path, record_checksum
 from trainer.baselines import (
+    BatchDecider,
     BestStaticDecider,
     ClairvoyantDecider,
-    Decider,
     FamilyLookupTableDecider,
     LargestDecider,
     LookupTableDecider,
@@ -110,7 +110,7 @@ def _standard_error(values: torch.Tensor) -> float:
     return float(values.std() / math.sqrt(len(values))) if len(values) > 1 else math.nan
 
 
-def _expected_reward(decider: Decider, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
+def _expected_reward(decider: BatchDecider, data: OfflineData, budget: torch.Tensor, rewards: torch.Tensor) -> float:
     """Exact sum_a pi(a|x) r(x, a) averaged over samples; NaN if the decider has no distribution."""
     probs_fn = getattr(decider, "action_probs", None)
     if probs_fn is None:
@@ -126,7 +126,7 @@ def _expected_reward(decider: Decider, data: OfflineData, budget: torch.Tensor, 
     return float(per_sample.mean())
 
 
-def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
+def evaluate_deciders(test: OfflineData, deciders: Sequence[BatchDecider], budgets_ms: Sequence[float],
                       reward: RewardConfig) -> pl.DataFrame:
     """Metrics of every decider at every budget on ``test`` (one row per (decider, budget_ms)).
 
@@ -136,7 +136,7 @@ def evaluate_deciders(test: OfflineData, deciders: Sequence[Decider], budgets_ms
     return evaluate_deciders_by_group(test, deciders, budgets_ms, reward)[0]
 
 
-def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[Decider], budgets_ms: Sequence[float],
+def evaluate_deciders_by_group(test: OfflineData, deciders: Sequence[BatchDecider], budgets_ms: Sequence[float],
                                reward: RewardConfig, clusters: Sequence[str | None] | None = None,
                                ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """:func:`evaluate_deciders`'s frame, and the same decisions broken down per dataset, per
@@ -270,11 +270,11 @@ def write_evaluation(run_dir: str | os.PathLike, frame: pl.DataFrame, run_id: st
 # -- an offline run against the baselines -------------------------------------------------
 
 #: build a decider fitted on training samples: (its name, how to build it from those samples)
-Fitted = Callable[[str, Callable[[OfflineData], Decider]], Decider]
+Fitted = Callable[[str, Callable[[OfflineData], BatchDecider]], BatchDecider]
 
 
 def baseline_deciders(fitted: Fitted, *, family: bool, seed: int, grid_ms: Sequence[float] | None = None,
-                      reward: RewardConfig | None = None) -> list[Decider]:
+                      reward: RewardConfig | None = None) -> list[BatchDecider]:
     """The baselines of every evaluation, in their order: oracle, clairvoyant, best_static (the best one
     configuration per budget, with hindsight), lut_p95, lut_by_family and
     lut_by_question (where the samples record a question family: the per-family tables by the label,
@@ -328,20 +328,20 @@ def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budg
         own = _deployed_deciders(run_dir.path, checkpoint, fallback, data.model_fingerprint)
         learned_from = nonempty_split(deployed_data(rest) if config.cross_fit_folds else rest, "train")
 
-        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+        def fitted(name: str, make: Callable[[OfflineData], BatchDecider]) -> BatchDecider:
             return make(learned_from)
     elif config.cross_fit_folds:
         models = load_folds(run_dir.path, data, config.cross_fit_folds)
         evaluated = data
         own = _cross_fitted_controllers(run_dir.path, models, fallback, config)
 
-        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+        def fitted(name: str, make: Callable[[OfflineData], BatchDecider]) -> BatchDecider:
             return models.out_of_fold(name, lambda k: make(models.train[k]))
     else:
         train, evaluated = nonempty_split(data, "train"), nonempty_split(data, "test")
         own = _deployed_deciders(run_dir.path, checkpoint, fallback, data.model_fingerprint)
 
-        def fitted(name: str, make: Callable[[OfflineData], Decider]) -> Decider:
+        def fitted(name: str, make: Callable[[OfflineData], BatchDecider]) -> BatchDecider:
             return make(train)
     grid = [float(b) for b in config.eval_budgets]
     deciders = [*own, *baseline_deciders(fitted, family=data.family is not None, seed=config.seed, grid_ms=grid,
@@ -380,12 +380,12 @@ def _question_groups(fallback: TableFallback | None, data: OfflineData,
 
 
 def _deployed_deciders(run_path: Path, checkpoint: Path, fallback: TableFallback | None,
-                       fingerprint: str) -> list[Decider]:
+                       fingerprint: str) -> list[BatchDecider]:
     """The run's deployed controller (best checkpoint and fallback), its network alone where a
     fallback exists, and its outcome model where it saved one."""
     policy = ControllerPolicy.load(checkpoint, model_fingerprint=fingerprint)
     # PolicyDecider exposes action_probs, so its rows get the exact expected reward
-    own: list[Decider] = [PolicyDecider(policy, fallback)]
+    own: list[BatchDecider] = [PolicyDecider(policy, fallback)]
     own += [PolicyDecider(policy, name="policy")] if fallback else []
     outcome_file = run_path / OUTCOME_FILE
     own += [OutcomeDecider(OutcomeModel.load(outcome_file))] if outcome_file.exists() else []
@@ -407,7 +407,7 @@ def evaluation_title(run_dir: Path) -> str:
 
 
 def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: TableFallback | None,
-                              config: OfflineTrainConfig) -> list[Decider]:
+                              config: OfflineTrainConfig) -> list[BatchDecider]:
     """The run's own deciders, out of fold: fold k's network (with the deployed fallback's
     per-budget choice answered by fold k's table), the network alone where a fallback exists,
     and fold k's outcome model where every fold saved one."""
@@ -418,7 +418,7 @@ def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: Tabl
                                                            config.reward, config.seed).state()))
         return PolicyDecider(models.policies[k], own)
 
-    deciders: list[Decider] = [models.out_of_fold("controller", controller)]
+    deciders: list[BatchDecider] = [models.out_of_fold("controller", controller)]
     if fallback is not None:
         deciders.append(models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k], name="policy")))
     outcome_files = [fold_run_dir(run_path, k) / OUTCOME_FILE for k in range(models.folds)]

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.baselines import (
-    Decider,
+    BatchDecider,
     DeterministicDecider,
     LookupTableDecider,
     QuestionFamilyTableDecider,
@@ -168,7 +168,7 @@ class TableFallback:
             self.__dict__["_lookup"] = cached
         return cached[1]
 
-    def answering_table(self) -> Decider:
+    def answering_table(self) -> BatchDecider:
         """The table as the fallback answers with it: a family table's global ``lut_p95`` table at the
         budgets ``family_table_at`` gives to it (:class:`BudgetSwitchedTable`)."""
         return switched_table(self.lookup_table(), self.grid_ms, self.family_table_at)
@@ -269,7 +269,7 @@ class BudgetSwitchedTable(DeterministicDecider):
         return torch.where(use, self.table.decide(data, budget), plain)
 
 
-def switched_table(table: Decider, grid_ms: list[float], family_at: list[bool] | None) -> Decider:
+def switched_table(table: BatchDecider, grid_ms: list[float], family_at: list[bool] | None) -> BatchDecider:
     """``table``, or a :class:`BudgetSwitchedTable` where it has families and ``family_at`` gives some
     budgets to its global table."""
     if (family_at is None or all(family_at) or not isinstance(table, QuestionFamilyTableDecider)
@@ -279,7 +279,7 @@ def switched_table(table: Decider, grid_ms: list[float], family_at: list[bool] |
 
 
 class PolicyDecider:
-    """The trained controller as a :class:`trainer.baselines.Decider`: the greedy decision a server
+    """The trained controller as a :class:`trainer.baselines.BatchDecider`: the greedy decision a server
     makes, stage 1 then stage 2 (:mod:`trainer.greedy`), inside each sample's mask.
 
     With a ``fallback`` (:class:`trainer.fallback.TableFallback`), the lookup table's
@@ -403,7 +403,7 @@ def fallback_table(train: OfflineData, kind: str = "auto", grid_ms: list[float] 
     return LookupTableDecider(train)
 
 
-def table_kind(table: Decider) -> str:
+def table_kind(table: BatchDecider) -> str:
     """The :func:`fallback_table` kind that fits a table like ``table``: ``"family"`` (``lut_by_question``),
     ``"cluster"`` (``lut_by_cluster``), or ``"p95"`` for any other (a family table without families too)."""
     if not isinstance(table, QuestionFamilyTableDecider) or not table.has_families:
@@ -411,7 +411,7 @@ def table_kind(table: Decider) -> str:
     return "cluster" if table.name == CLUSTER_TABLE else "family"
 
 
-def resolve_prefers(prefers: str, table: Decider) -> str:
+def resolve_prefers(prefers: str, table: BatchDecider) -> str:
     """``prefers`` with ``"auto"`` made concrete: ``"table"`` where ``table`` reads the question's
     labelled family (``lut_by_question``), else ``"controller"`` (``lut_p95``, and ``lut_by_cluster``:
     preferred, the cluster table cost the deployed controller up to 2.1 points of mean accuracy on
@@ -450,7 +450,7 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
     return replace(fallback, family_table_at=family_at)
 
 
-def choose_family_table_at(families: Decider, plain: Decider, val: OfflineData, grid_ms: list[float],
+def choose_family_table_at(families: BatchDecider, plain: BatchDecider, val: OfflineData, grid_ms: list[float],
                            reward: RewardConfig, *, confidence: float = 0.95,
                            max_violation_rate: float = VIOLATION_TARGET) -> list[bool]:
     """Per budget of ``grid_ms`` (ascending), whether a family (or cluster) table answers with its
@@ -464,7 +464,8 @@ def choose_family_table_at(families: Decider, plain: Decider, val: OfflineData, 
     return list(verdict.use_controller)
 
 
-def compare_with_table(network: Decider, table: Decider, val: OfflineData, grid_ms: list[float], reward: RewardConfig,
+def compare_with_table(network: BatchDecider, table: BatchDecider, val: OfflineData, grid_ms: list[float],
+                       reward: RewardConfig,
                        table_state: dict, *, also_count_table_on: OfflineData | None = None,
                        max_violation_rate: float = VIOLATION_TARGET, confidence: float = 0.95,
                        prefers: str = "controller") -> TableFallback:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.baselines import Decider, LookupTableDecider
+from trainer.baselines import BatchDecider, LookupTableDecider
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.grpo import rows_log_probs
@@ -33,7 +33,7 @@ def build_policy(config: OfflineTrainConfig, train: OfflineData) -> ControllerPo
 
 
 def warm_start(policy: ControllerPolicy, train: OfflineData, config: OfflineTrainConfig,
-               start: Decider | None = None) -> None:
+               start: BatchDecider | None = None) -> None:
     """Fit the policy to ``start``'s choices (default: the ``lut_p95`` table of ``train``) before GRPO.
 
     ``config.warm_start_steps`` Adam steps of cross-entropy to a target distribution over each
