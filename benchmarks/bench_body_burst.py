@@ -80,19 +80,9 @@ def burst(port: int, body: bytes, clients: int) -> list[tuple[int, float]]:
 
     def one() -> None:
         start.wait()
-        began = time.perf_counter()
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        try:
-            conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            response.read()
-            outcome = response.status
-        except OSError as exc:
-            outcome = -1 if not isinstance(exc, ConnectionResetError) else -2
-        finally:
-            conn.close()
+        outcome = one_request(port, body, timeout=300)
         with lock:
-            results.append((outcome, time.perf_counter() - began))
+            results.append(outcome)
 
     threads = [threading.Thread(target=one) for _ in range(clients)]
     for thread in threads:
@@ -238,9 +228,11 @@ def shape_idle(server: bs.Server, args: argparse.Namespace) -> dict[str, Any]:
     return {"idle_sockets": len(idle), **summary(results)}
 
 
-def one_request(port: int, body: bytes) -> tuple[int, float]:
+def one_request(port: int, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
+    """(status, seconds to the reply) of one chat request; -2: the connection was reset, -1: another
+    socket error."""
     began = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
         response = conn.getresponse()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import threading
@@ -163,8 +164,6 @@ class UploadPlaces:
 
 
 def _is_loopback(address: str) -> bool:
-    import ipaddress
-
     try:
         ip = ipaddress.ip_address(address.partition("%")[0])
     except ValueError:
