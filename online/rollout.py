@@ -1,19 +1,10 @@
 """Executing sampled knob settings on the real model: one request per group member.
 
-A group is one (sample, budget). The request timeline of a member, every part measured
-(``runtime.timing``)::
-
-    stage 1 (controller: crops, insertion position, budget token)     -> stage1_ms
-    embed + vision tower + budget token + blocks 0..p-1 of the prefill -> prefix wall (vision_ms, prefill part 1)
-    stage 2 (controller, on the latency token: top-K, block count)    -> stage2_ms
-    blocks >= p of the prefill + norm + LM head + first token          -> suffix wall (prefill part 2)
-    N-1 decode steps (same knobs, no controller, no extra token)       -> one wall time each
-
-``latency_total_ms`` is the sum of these measured intervals, which partition the request
-from the controller's first operation to the last token: the controller's time counts
-inside the budget. Image preprocessing (cropping on the CPU) is outside, as in exp6's
-T_total. ``latency_prefill_ms`` is the first decoder block's entry to the last block's exit
-of the prefill pass (both parts), ``latency_vision_ms`` the vision module's own interval.
+A group is one (sample, budget). A member runs the request's way through the model
+(``runtime.request``: stage 1, prefix, stage 2, suffix, decode steps, each timed);
+``latency_total_ms`` is the sum of those intervals, from the controller's first operation to
+the last token: the controller's time counts inside the budget. Image preprocessing (cropping
+on the CPU) is outside, as in exp6's T_total.
 
 Members that share (sample, crops, insertion position) share the stage-1 decision, the
 prefix and the stage-2 distribution: the prefix depends on nothing else (blocks before the
@@ -32,8 +23,9 @@ import torch
 from PIL import Image
 
 from online.data import OnlineSamples
-from runtime.base import DecodeState, ModelInputs, ModelRuntime, PrefixState, greedy_decode
+from runtime.base import ModelInputs, ModelRuntime, PrefixState
 from runtime.images import open_image
+from runtime.request import LatencyParts, RequestExecutor
 from runtime.scoring import score_answer
 from runtime.timing import RequestTiming, StageTimer
 from trainer.latency_guard import GuardGrid, guarded_stage2
@@ -165,6 +157,7 @@ class RolloutExecutor:
         self.max_new_tokens = int(max_new_tokens)
         self.warmup = warmup
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
+        self.executor = RequestExecutor(runtime, self.timer)
         self._warm: set[tuple] = set()
         self._images: dict[int, Image.Image | None] = {}
         self._inputs: dict[tuple[int, int], ModelInputs] = {}
@@ -190,15 +183,6 @@ class RolloutExecutor:
         return self._inputs[key]
 
     # -- execution
-    def _generate(self, state: DecodeState, timing: RequestTiming) -> list[int]:
-        """Greedy tokens from a prefilled state: the first from the prefill logits, then N-1 timed decode steps."""
-        def next_token(token: int) -> int:
-            with self.timer.segment("decode", timing):
-                self.runtime.decode_step(state, token)
-                return int(state.logits.argmax())
-
-        return greedy_decode(int(state.logits.argmax()), next_token, self.runtime.eos_id, self.max_new_tokens)
-
     def run_fixed(self, samples: Sequence[int], force: tuple[int, int, int, int],
                   budget_ms: float = 1e9) -> list[Rollout]:
         """One measured rollout per sample with the given knob indices (crops, insertion, top-K,
@@ -280,8 +264,7 @@ class RolloutExecutor:
             runtime.prefill_prefix(inputs, p, s1.budget_token[0])
             self._warm.add(("prefix", max_crops, p))
         shared = RequestTiming(segments=list(head.segments))
-        with self.timer.segment("prefix", shared):
-            state = runtime.prefill_prefix(inputs, p, s1.budget_token[0])
+        state = self.executor.prefix(inputs, p, s1.budget_token[0], shared)
         out.model_s += time.perf_counter() - tick
         tick = time.perf_counter()
         # the cached global-crop feature, as offline training reads it: it equals the prefix's own
@@ -299,7 +282,7 @@ class RolloutExecutor:
                 decisions: Decisions, generator: torch.Generator, guarded: GuardGrid | None,
                 *, group: int, member: int, budget: float, rank: int) -> Rollout:
         """One member from a shared prefix: its stage-2 choice, the rest of the prefill and decoding."""
-        runtime, p = self.runtime, pre.state.insertion_position
+        p = pre.state.insertion_position
         tick = time.perf_counter()
         if decisions.force is not None:
             k, b = decisions.force[2], decisions.force[3]
@@ -312,18 +295,14 @@ class RolloutExecutor:
             k = int(torch.multinomial(pre.top_k_log_probs.exp().cpu(), 1, generator=generator))
             b = int(torch.multinomial(pre.blocks_log_probs.exp().cpu(), 1, generator=generator))
         top_k, blocks = ctrl.top_k_values[k], ctrl.num_active_blocks_values[b]
-        active = runtime.blocks_for(blocks, first_kept=p)
         out.controller_s += time.perf_counter() - tick
         tick = time.perf_counter()
         timing = RequestTiming(segments=list(pre.timing.segments))
-        with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
-            if self.warmup and (pre.max_crops, p, top_k, blocks) not in self._warm:
-                state = runtime.prefill_suffix(pre.state, active)
-                runtime.decode_step(state, int(state.logits.argmax()))
-                self._warm.add((pre.max_crops, p, top_k, blocks))
-            with self.timer.segment("suffix", timing):
-                state = runtime.prefill_suffix(pre.state, active)
-            tokens = self._generate(state, timing)
+        if self.warmup and (pre.max_crops, p, top_k, blocks) not in self._warm:
+            self.executor.warm_up(pre.state, top_k, blocks)
+            self._warm.add((pre.max_crops, p, top_k, blocks))
+        answer = self.executor.answer(pre.state, top_k, blocks, timing, max_tokens=self.max_new_tokens)
+        tokens, active = answer.tokens, answer.active_blocks
         out.model_s += time.perf_counter() - tick
         self.timer.resolve(timing)
         log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
@@ -340,9 +319,7 @@ class RolloutExecutor:
     def _rollout(self, timing: RequestTiming, tokens: list[int], inputs: ModelInputs, *, group: int, member: int,
                  sample: int, budget: float, indices: tuple[int, int, int, int], knob_values: tuple[int, int, int, int],
                  active: tuple[int, ...], log_prob: float, prefix: int, rank: int) -> Rollout:
-        seg = {s.name: s for s in timing.segments if s.name != "decode"}
-        decode = [s.wall_ms for s in timing.by_prefix("decode")]
-        prefill_ms = (seg["prefix"].blocks_ms or 0.0) + (seg["suffix"].blocks_ms or 0.0)
+        parts = LatencyParts.of(timing)
         text = self.runtime.decode_text(tokens)
         score, pred = score_answer(self.samples.dataset[sample], text, self.samples.answers[sample])
         num_vision = 0 if inputs.image_token_positions is None else int(inputs.image_token_positions.numel())
@@ -354,8 +331,8 @@ class RolloutExecutor:
             num_active_blocks=blocks, active_blocks=tuple(active), num_crops=inputs.num_crops,
             num_vision_tokens=num_vision, num_text_tokens=inputs.num_text_tokens,
             num_output_tokens=len(tokens), text=text, pred=pred, score=float(score), log_prob=log_prob,
-            latency_stage1_ms=seg["stage1"].wall_ms, latency_stage2_ms=seg["stage2"].wall_ms,
-            latency_vision_ms=seg["prefix"].vision_ms, latency_prefill_ms=prefill_ms,
-            latency_decode_ms=float(sum(decode)), decode_step_ms=decode,
-            latency_total_ms=float(sum(s.wall_ms for s in timing.segments)), prefix=prefix, rank=rank,
+            latency_stage1_ms=parts.stage1_ms, latency_stage2_ms=parts.stage2_ms,
+            latency_vision_ms=parts.vision_ms, latency_prefill_ms=parts.prefill_ms,
+            latency_decode_ms=parts.decode_ms, decode_step_ms=list(parts.decode_step_ms),
+            latency_total_ms=parts.measured_ms, prefix=prefix, rank=rank,
             segments=[(s.name, s.wall_ms, s.blocks_ms, s.blocks_calls) for s in timing.segments])

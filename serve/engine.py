@@ -10,15 +10,9 @@ the requests ahead leave no room for, even at the cheapest configuration, is ref
 (:mod:`serve.queueing`). The time a request waits counts against its budget: stage 1 reads the
 budget less the time since the request arrived.
 
-A request's timeline, every part measured (``runtime.timing.StageTimer``)::
-
-    arrival (the HTTP handler starts) .. parse (body, JSON, image decode) .. queue
-    stage1   language feature, tiling, the controller's stage 1
-    preprocess  crops at the chosen max_crops, tokenisation
-    prefix   vision tower (+ decoder blocks 0..p-1 for an online controller)
-    stage2   the controller's stage 2
-    suffix   the remaining active blocks of the prefill, first token
-    decode   one segment per further token
+A request's timeline: its arrival (the HTTP handler starts), parse (body, JSON, image decode) and
+queue, then its way through the model (``runtime.request.RequestExecutor``: stage 1, preprocess,
+prefix, stage 2, suffix, decode steps, each timed).
 
 Stage 1 and stage 2 read the budget :class:`serve.budget.BudgetPlanner` plans for the request
 (every term in its record): the budget less the time spent so far and the reserves, capped by
@@ -56,11 +50,12 @@ from PIL import Image
 
 from pipeline.knobs import MAX_CROPS_LIMIT
 from runtime import ModelRuntime
-from runtime.base import greedy_decode
+from runtime.base import PrefixState
+from runtime.request import RequestExecutor
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
 from serve.budget import BudgetPlan, BudgetPlanner, guard_config
 from serve.calibration import LatencyScale
-from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage2Inputs
+from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.protocol import ChatRequest, RequestError
@@ -247,6 +242,7 @@ class Engine:
         # below every configuration's reference latency the controller would extrapolate
         self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
+        self.executor = RequestExecutor(runtime, self.timer)
         # the worker's share of the cheapest configuration's time (the reply's write is the handler's)
         self._jobs: DeadlineQueue[Job] = DeadlineQueue(self._cheapest_worker_ms, time.perf_counter)
         self._running_since: float | None = None  # perf_counter when the worker took the request it runs
@@ -456,71 +452,62 @@ class Engine:
     def execute(self, job: Job, *, record: bool = True) -> Result:
         """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
         req, runtime = job.request, self.runtime
-        stages = RequestTiming()
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
-        decider: RequestDecider = self.decider if req.knobs is None else FixedKnobs(
+        fixed = req.knobs is not None
+        decider: RequestDecider = self.decider if not fixed else FixedKnobs(
             req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT)
+        # set by stage 1, read by stage 2 and the record
+        plan: BudgetPlan | None = None
+        lang = tiling = None
+        started = spent_ms = 0.0
+        guarded_from: str | None = None
+
+        def stage1() -> Stage1Choice:
+            nonlocal decider, plan, lang, tiling, started, spent_ms
+            started = time.perf_counter()
+            lang = runtime.lang_features([req.question])[0]
+            tiling = _tiling(runtime, req.image, decider.max_crops_values)
+            now = time.perf_counter()
+            spent_ms = (now - job.arrival) * 1000.0
+            plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
+                                     waiting_left_ms=() if fixed else self._waiting_left_ms(now))
+            if (plan.cheapest or (job.unreachable and not fixed)) and self.cheapest:
+                decider = self.cheapest
+            return decider.stage1(lang, tiling, plan.controller_budget_ms)  # in the controller's units
+
+        def stage2(choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
+            nonlocal guarded_from
+            p = choice.insertion_position
+            top_k, blocks = decider.stage2(choice, Stage2Inputs(
+                lang, tiling, plan.controller_budget_ms, prefix.image_feature,
+                prefix.latency_token if p > 0 else None))
+            if p == 0 and not fixed and not plan.cheapest and not job.unreachable and self.guard:
+                chosen = (choice.max_crops, int(top_k), int(blocks))
+                run = guard_config(chosen, self.latency_scale.reference_ms, self.latency_scale.of,
+                                   plan.controller_budget_ms * plan.latency_scale)
+                if run != chosen:
+                    guarded_from, (_, top_k, blocks) = "/".join(str(v) for v in chosen), run
+            return int(top_k), int(blocks)
+
+        def counted(tokens: int) -> None:
+            job.tokens_out = tokens
+
         try:
             if record:  # a request queued when the workspace went: refused before the model runs it
                 self.check_log()
             self._check(job)
             waited_ms = (time.perf_counter() - job.arrival) * 1000.0
-            with torch.inference_mode(), runtime.between_blocks(lambda block: self._check(job, block)):
-                with self.timer.segment("stage1", stages):
-                    started = time.perf_counter()
-                    lang = runtime.lang_features([req.question])[0]
-                    tiling = _tiling(runtime, req.image, decider.max_crops_values)
-                    now = time.perf_counter()
-                    spent_ms = (now - job.arrival) * 1000.0
-                    fixed = req.knobs is not None
-                    plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
-                                             waiting_left_ms=() if fixed else self._waiting_left_ms(now))
-                    controller_budget_ms = plan.controller_budget_ms  # in the controller's units
-                    if (plan.cheapest or (job.unreachable and not fixed)) and self.cheapest:
-                        decider = self.cheapest
-                    choice = decider.stage1(lang, tiling, controller_budget_ms)
-                self._check(job)
-                with self.timer.segment("preprocess", stages):
-                    inputs = runtime.preprocess(req.image, req.question, choice.max_crops)
-                with self.timer.segment("prefix", stages):
-                    prefix = runtime.prefill_prefix(inputs, choice.insertion_position, choice.budget_token)
-                self._check(job)
-                p = choice.insertion_position
-                with self.timer.segment("stage2", stages):
-                    top_k, blocks = decider.stage2(choice, Stage2Inputs(
-                        lang, tiling, controller_budget_ms, prefix.image_feature,
-                        prefix.latency_token if p > 0 else None))
-                    guarded_from = None
-                    if p == 0 and not fixed and not plan.cheapest and not job.unreachable and self.guard:
-                        chosen = (choice.max_crops, int(top_k), int(blocks))
-                        run = guard_config(chosen, self.latency_scale.reference_ms, self.latency_scale.of,
-                                           controller_budget_ms * plan.latency_scale)
-                        if run != chosen:
-                            guarded_from, (_, top_k, blocks) = "/".join(str(v) for v in chosen), run
-                    active = runtime.blocks_for(blocks, first_kept=max(p, 1))
-                self._check(job)
-                with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
-                    with self.timer.segment("suffix", stages):
-                        state = runtime.prefill_suffix(prefix, active)
-
-                    pick = TokenPicker(req.temperature, req.top_p, job.seed, runtime.device)
-                    # decoded token by token only where the text is needed before the end
-                    streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
-                        req.stop or job.deltas is not None) else None
-
-                    job.tokens_out = 1  # the prefill's logits gave the first token
-
-                    def next_token(token: int) -> int:
-                        self._check(job)
-                        with self.timer.segment("decode", stages):
-                            runtime.decode_step(state, token)
-                            job.tokens_out += 1
-                            return pick(state.logits)
-
-                    tokens = greedy_decode(pick(state.logits), next_token, runtime.eos_id, req.max_tokens,
-                                           streamed.push if streamed is not None else None)
-                text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
-                stop_hit = streamed.stop_hit if streamed is not None else None
+            # decoded token by token only where the text is needed before the end
+            streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
+                req.stop or job.deltas is not None) else None
+            outcome = self.executor.run(
+                stage1, lambda max_crops: runtime.preprocess(req.image, req.question, max_crops), stage2,
+                max_tokens=req.max_tokens, pick=TokenPicker(req.temperature, req.top_p, job.seed, runtime.device),
+                until=streamed.push if streamed is not None else None,
+                check=lambda block: self._check(job, block), on_token=counted)
+            tokens = outcome.tokens
+            text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
+            stop_hit = streamed.stop_hit if streamed is not None else None
             total_ms = (time.perf_counter() - job.arrival) * 1000.0
         except Cancelled as stopped:
             if record:
@@ -532,37 +519,33 @@ class Engine:
             if record:
                 self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
             raise
-        self.timer.resolve(stages)
-        seg = {s.name: s for s in stages.segments if s.name != "decode"}
-        decode_ms = sum(s.wall_ms or 0.0 for s in stages.by_prefix("decode"))
-        # what the profile timed as one generate call: the vision pass, the prefill, the decode steps
-        model_ms = (seg["prefix"].wall_ms or 0.0) + (seg["suffix"].wall_ms or 0.0) + decode_ms
+        choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
+        p = choice.insertion_position
         if guarded_from is None:  # what it decided ran as decided: an online run's guard follows the machine's speed
-            decider.observe(choice, int(top_k), int(blocks), seg["stage1"].wall_ms + seg["stage2"].wall_ms + model_ms)
+            decider.observe(choice, top_k, blocks, parts.controller_ms + parts.model_ms)
         ratio = None
         if p == 0:  # the configurations the reference latencies were recorded for
-            ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), model_ms)
+            ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), parts.model_ms)
         adjustable = not fixed and plan.budget_class != "<1x"
-        self.planner.observe_served(after_ms=total_ms - spent_ms - model_ms, adjustable=adjustable,
+        self.planner.observe_served(after_ms=total_ms - spent_ms - parts.model_ms, adjustable=adjustable,
                                     service_ms=(time.perf_counter() - started) * 1000.0,
                                     model_over_reference=ratio)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
         latency = {
-            "parse": job.parse_ms, "queue": queue_ms, "stage1": seg["stage1"].wall_ms,
-            "preprocess": seg["preprocess"].wall_ms, "vision": seg["prefix"].vision_ms,
-            "prefill": (seg["prefix"].blocks_ms or 0.0) + (seg["suffix"].blocks_ms or 0.0),
-            "stage2": seg["stage2"].wall_ms, "decode": decode_ms, "model": model_ms, "total": total_ms,
+            "parse": job.parse_ms, "queue": queue_ms, "stage1": parts.stage1_ms, "preprocess": parts.preprocess_ms,
+            "vision": parts.vision_ms, "prefill": parts.prefill_ms, "stage2": parts.stage2_ms,
+            "decode": parts.decode_ms, "model": parts.model_ms, "total": total_ms,
         }
         finish = "stop" if stop_hit is not None or (tokens and tokens[-1] == runtime.eos_id) else "length"
-        prompt_tokens = int(inputs.input_ids.shape[1])
+        prompt_tokens = int(outcome.inputs.input_ids.shape[1])
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs, plan=plan,
                                      decided_by=choice.decided_by, question_group=choice.question_group,
                                      guarded_from=guarded_from,
-                                     latency=latency, num_crops=inputs.num_crops,
+                                     latency=latency, num_crops=outcome.inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
-                                     finish_reason=finish, stop_hit=stop_hit, stages=stages) if record else {}
+                                     finish_reason=finish, stop_hit=stop_hit, stages=outcome.timing) if record else {}
         return result
 
     def _check(self, job: Job, block: int | None = None) -> None:
