@@ -665,8 +665,8 @@ def predict(
     workspace: WorkspaceOption = None,
 ) -> None:
     """One knob decision per (sample, budget) for the workspace's samples."""
+    from controller.predict import predict as run_predict
     from pipeline import CtrlError
-    from trainer.predict import predict as run_predict
 
     if (run is None) == (checkpoint is None):
         raise _fail(CtrlError("give exactly one of --run RUN and --checkpoint PATH"))
@@ -694,7 +694,7 @@ def export(
     """Write a run's deployed controller (network, budget encoding, action space, table fallback) as one
     file that a serving process loads with torch alone: torch.jit.load(FILE), or with --compiled
     torch._inductor.aoti_load_package(FILE)."""
-    from trainer.deploy import export_controller
+    from controller.deploy import export_controller
 
     with handled():
         report = export_controller(workspace, run, out_path, compiled=compiled, device=device, force=force)

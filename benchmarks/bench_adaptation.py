@@ -16,7 +16,7 @@ in ``benchmarks/.cache/adapt``):
   after N steps (what the run serves; a learning curve: the run is resumed step block by step
   block, and resumed runs draw what one run would); ``latest@N``: its last controller at the
   largest N, whatever the checks said; both decide under the run's latency guard
-  (``--guard-samples``, ``trainer.latency_guard``) as the run serves them, and ``offline_start+guard`` is
+  (``--guard-samples``, ``controller.latency_guard``) as the run serves them, and ``offline_start+guard`` is
   the start under it (the guard's share of a gain, without a step);
 * ``reprofiled``: ``ctrl profile`` on B (``--profile-samples`` of the dataset), ingested into a
   workspace of its own and trained offline again; its budgets are B's milliseconds already, so
@@ -119,8 +119,8 @@ def online_curve(ws: Path, runtime: Any, machine: str, steps: list[int], args: a
     ``--check-every`` steps) but never stopping early, so that the whole curve is drawn; after each
     of ``steps``: the kept controller (what the run would serve), the last one, the cumulative model
     time of rollouts and of checks, and the step at which ``--patience`` would have stopped it."""
+    from controller.latency_guard import load_run_guard
     from online import OnlineTrainConfig, train_online
-    from trainer.latency_guard import load_run_guard
 
     run_id = f"online-{machine}"
     shutil.rmtree(ws / "runs" / run_id, ignore_errors=True)
@@ -218,6 +218,7 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
 
     import torch
 
+    from controller.latency_guard import STAGES, recorded_stage_ms, stage_ratios
     from online.calibrate import TAIL_QUANTILE, budget_reference, calibration_rows
     from online.config import OnlineTrainConfig
     from online.data import load_online_samples
@@ -226,7 +227,6 @@ def rescaled(ws_a: Path, runtime: Any, label: str, args: argparse.Namespace) -> 
     from pipeline.workspace import Workspace
     from trainer.config import OfflineTrainConfig
     from trainer.data import load_offline_data
-    from trainer.latency_guard import STAGES, recorded_stage_ms, stage_ratios
     from trainer.offline import train_offline
     from trainer.runs import RunDir
 
@@ -320,12 +320,12 @@ def paired_outcomes(ws_a: Path, runtime: Any, run_id: str, deciders: list[tuple[
 def evaluate(ws_a: Path, runtime: Any, curve: dict[str, Any], reprof: dict[str, Any] | None,
              rescale: dict[str, Any] | None, args: argparse.Namespace) -> dict[str, Any]:
     """Every arm measured paired on A's test split at budgets across B's calibrated range."""
+    from controller.latency_guard import load_run_guard
     from online.calibrate import calibration_configs
     from online.config import OnlineTrainConfig
     from online.evaluate import Guarded
     from pipeline.workspace import Workspace
     from trainer.data import budget_grid
-    from trainer.latency_guard import load_run_guard
     from trainer.runs import RunDir
     from trainer.two_stage import TwoStageController
 

@@ -10,7 +10,7 @@ network, so that the network always runs — the slow case):
 * ``training-time``: what a decision costs without the export — the policy's two stages over the
   whole action space with the greedy rule of :mod:`trainer.greedy`, and the fallback's
   nearest-grid lookup;
-* ``deployed (eager)``: :class:`trainer.deploy.DeployedController` called from Python, the
+* ``deployed (eager)``: :class:`controller.deploy.DeployedController` called from Python, the
   module ``ctrl predict`` runs;
 * ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``, its ``decide``;
   ``exported, stage1 + stage2``: the same file called as a server calls it, ``stage1`` and then
@@ -57,8 +57,8 @@ def build(lang_dim: int, image_dim: int, hidden_dim: int = 128):
     import torch
     from bench_trainer import synthetic_data
 
+    from controller.deploy import DeployedController
     from trainer.baselines import LookupTableDecider
-    from trainer.deploy import DeployedController
     from trainer.fallback import TableFallback
     from trainer.policy import ControllerPolicy, PolicyConfig
 
@@ -120,7 +120,7 @@ def timed(fn, inputs: list[tuple], warmup: int) -> list[float]:
 def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidden_dim: int = 128) -> list[str]:
     import torch
 
-    from trainer.deploy import load_compiled, load_deployed, save_compiled, save_deployed
+    from controller.deploy import load_compiled, load_deployed, save_compiled, save_deployed
     from trainer.greedy import policy_greedy
 
     rows = ["| features | path | batch 1 median µs | p95 µs | p99 µs | batch 1,000 median ms | p95 ms | p99 ms |",
@@ -183,11 +183,11 @@ def agreement(workspace: str, run: str) -> str:
     import polars as pl
     import torch
 
+    from controller.deploy import export_controller, load_deployed
+    from controller.predict import predict, read_prediction_inputs
     from pipeline import Workspace
-    from trainer.deploy import export_controller, load_deployed
     from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy
-    from trainer.predict import predict, read_prediction_inputs
     from trainer.runs import resolve_checkpoint
 
     ws = Workspace(workspace)

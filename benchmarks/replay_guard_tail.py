@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer import latency_guard
+from controller import latency_guard
 
 FIT, PER_REQUEST, SIGMA = 216, 6, 0.08
 
@@ -35,7 +35,7 @@ def machine_noise(path: Path) -> np.ndarray:
 
 
 def replay(noise: np.ndarray, step: float, seed: int) -> tuple[float, float]:
-    """The product's guard (``trainer.latency_guard``, its tail step set to ``step``) deciding the
+    """The product's guard (``controller.latency_guard``, its tail step set to ``step``) deciding the
     replayed requests: base expectation 1 ms, measured the request's ratio."""
     rng = np.random.default_rng(seed)
     ratio = np.repeat(noise, PER_REQUEST) * np.exp(rng.normal(0.0, SIGMA, len(noise) * PER_REQUEST))

@@ -8,7 +8,7 @@ evaluation): each (sample, budget) runs both back to back on the training execut
 the final evaluation (``online.evaluate``) does. The measure is accuracy within budget (an answer over
 budget counts as wrong), the paired gain is latest minus start with a 95 % bootstrap interval
 over samples (a sample's budgets resampled together). Where the run measured a latency guard
-(``trainer.latency_guard``), both controllers decide under it, as the run serves them.
+(``controller.latency_guard``), both controllers decide under it, as the run serves them.
 
 :class:`KeptController` holds what the run serves: the start until a check finds a controller
 whose gain over the start is positive and above the kept one's, then that controller (a copy).
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from controller.latency_guard import LatencyGuard
 from online.evaluate import greedy_rollout
 from online.rollout import Rollout, RolloutExecutor
 from trainer.data import budget_grid
-from trainer.latency_guard import LatencyGuard
 from trainer.two_stage import TwoStageController
 
 #: bootstrap resamples of the paired gain's interval

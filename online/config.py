@@ -42,7 +42,7 @@ class OnlineTrainConfig(TrainingConfig):
     max_new_tokens: generation cap per rollout (int).
     calibration_samples: training samples the budget calibration runs on (a draw with ``seed``).
     guard_samples: training samples every configuration runs on once to fit the latency guard
-        (``trainer.latency_guard``: what each configuration is expected to take on this machine, per request;
+        (``controller.latency_guard``: what each configuration is expected to take on this machine, per request;
         greedy decisions, the held-out checks' and the evaluation's, keep to the configurations
         expected to fit). 0: no guard. Needs a parent offline run with an outcome model.
     warmup: run each configuration once unmeasured before its first measured run.

@@ -10,7 +10,7 @@ what happens, for two deciders:
   new online terms at zero and the insertion position fixed at 1 (every block count allowed),
   i.e. the offline policy deployed as is. Absent for runs started ``--fresh``.
 
-Where the run measured a latency guard (``trainer.latency_guard``), both decide under it, as the run serves.
+Where the run measured a latency guard (``controller.latency_guard``), both decide under it, as the run serves.
 
 The deciders are measured *paired*: each (sample, budget) runs every decider back to back
 (the order rotating from request to request, sample by sample) on one executor, so machine
@@ -34,6 +34,7 @@ from typing import Any
 import polars as pl
 import torch
 
+from controller.latency_guard import LatencyGuard, load_run_guard
 from online.config import OnlineTrainConfig
 from online.data import load_online_samples
 from online.rollout import Decisions, Rollout, RolloutExecutor
@@ -43,7 +44,6 @@ from runtime import ModelRuntime, load_runtime
 from runtime.timing import cpu_threads
 from trainer.data import budget_grid
 from trainer.evaluate import evaluation_frame, outcome_metrics, write_evaluation
-from trainer.latency_guard import LatencyGuard, load_run_guard
 from trainer.policy import ControllerPolicy
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, resolve_checkpoint
@@ -52,7 +52,7 @@ from trainer.two_stage import TwoStageController, set_budget_range
 
 @dataclass(frozen=True)
 class Guarded:
-    """A controller whose greedy decisions a latency guard holds (``trainer.latency_guard``)."""
+    """A controller whose greedy decisions a latency guard holds (``controller.latency_guard``)."""
 
     controller: TwoStageController
     guard: LatencyGuard

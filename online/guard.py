@@ -1,4 +1,4 @@
-"""Measuring an online run's latency guard on this machine (``trainer.latency_guard`` says what it
+"""Measuring an online run's latency guard on this machine (``controller.latency_guard`` says what it
 is and how decisions keep to it): every configuration once on a few training samples, against the
 latencies and stage times the profile recorded."""
 
@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from controller.latency_guard import STAGES, LatencyGuard, config_ratios, guard_slack, recorded_stage_ms, stage_ratios
 from online.data import OnlineSamples
 from online.rollout import Rollout, RolloutExecutor
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
-from trainer.latency_guard import STAGES, LatencyGuard, config_ratios, guard_slack, recorded_stage_ms, stage_ratios
 from trainer.outcome import OUTCOME_FILE, OutcomeModel
 from trainer.two_stage import TwoStageController
 

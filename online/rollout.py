@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
+from controller.latency_guard import GuardGrid, guarded_stage2
 from online.data import OnlineSamples
 from runtime.base import ModelInputs, ModelRuntime, PrefixState
 from runtime.images import open_image
 from runtime.request import LatencyParts, RequestExecutor
 from runtime.scoring import score_answer
 from runtime.timing import RequestTiming, StageTimer
-from trainer.latency_guard import GuardGrid, guarded_stage2
 from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
 
 if TYPE_CHECKING:
-    from trainer.latency_guard import LatencyGuard
+    from controller.latency_guard import LatencyGuard
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Decisions:
     ``insertion_index``: a fixed insertion position (an index into the positions); ``force``:
     fixed knob indices (crops, insertion, top-K, blocks), e.g. for the budget calibration;
     ``guard``: with ``greedy``, the configurations each request may choose from
-    (``trainer.latency_guard``: crops among those with a configuration expected to fit the
+    (``controller.latency_guard``: crops among those with a configuration expected to fit the
     budget, top-K and blocks among those at its crops).
     """
 

@@ -43,6 +43,7 @@ from typing import Any
 import polars as pl
 import torch
 
+from controller.latency_guard import GUARD_FILE, LatencyGuard, load_run_guard
 from online.calibrate import budget_reference, calibrate_budget_range, calibration_rows
 from online.check import CheckResult, HeldOutCheck, KeptController
 from online.config import OnlineTrainConfig
@@ -60,7 +61,6 @@ from runtime.precision import dtype_name
 from runtime.timing import cpu_threads
 from trainer.data import ActionSpace, load_offline_data
 from trainer.grpo import group_advantages
-from trainer.latency_guard import GUARD_FILE, LatencyGuard, load_run_guard
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
 from trainer.reporting import check_report_to, make_reporter, plot_training_curves
 from trainer.reward import RewardConfig, compute_reward

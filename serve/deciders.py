@@ -9,7 +9,7 @@ global crop's image feature from that pass (the feature training reads, the same
 crop count), plus, for an online run, the latency token, and picks top-K and the block count.
 
 * :class:`OfflineDecider`: an offline run, as ``ctrl export`` writes it
-  (:class:`trainer.deploy.DeployedController`: its ``stage1`` and ``stage2``, with the table
+  (:class:`controller.deploy.DeployedController`: its ``stage1`` and ``stage2``, with the table
   fallback). Its stage 2 runs before block 0 (insertion position 0): its top-K applies to
   every block, as in the recorded data it was trained on.
 * :class:`OnlineDecider`: an online run's :class:`trainer.two_stage.TwoStageController`
@@ -26,14 +26,14 @@ from typing import Any, Protocol
 
 import torch
 
+from controller.deploy import DeployedController, group_names_of, load_deployed
+from controller.latency_guard import LatencyGuard, guarded_stage2, load_run_guard
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from serve.protocol import RequestError
 from serve.startup import check_controller_file
-from trainer.deploy import DeployedController, group_names_of, load_deployed
 from trainer.fallback import read_fallback
-from trainer.latency_guard import LatencyGuard, guarded_stage2, load_run_guard
 from trainer.policy import ControllerPolicy, read_checkpoint
 from trainer.runs import RunDir
 from trainer.two_stage import Stage1Output, TwoStageController
@@ -128,7 +128,7 @@ class OfflineDecider:
 
 class OnlineDecider:
     """An online run's two-stage controller, greedy at each stage; held to the run's latency guard
-    (``trainer.latency_guard``) where the run measured one, as its checks and evaluation were."""
+    (``controller.latency_guard``) where the run measured one, as its checks and evaluation were."""
 
     phase = "online"
 

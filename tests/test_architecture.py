@@ -25,9 +25,10 @@ ALLOWED = {
     "features": {"pipeline", "runtime"},
     "profiler": {"pipeline", "runtime", "testbed"},
     "trainer": {"pipeline"},
-    "online": {"pipeline", "runtime", "trainer"},
-    "serve": {"pipeline", "runtime", "trainer"},
-    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "online", "serve"},
+    "controller": {"pipeline", "trainer"},
+    "online": {"pipeline", "runtime", "trainer", "controller"},
+    "serve": {"pipeline", "runtime", "trainer", "controller"},
+    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "controller", "online", "serve"},
 }
 #: where a function may import a project module (the CLI defers its stages for ``ctrl --help``)
 LOCAL_IMPORTS_ALLOWED = {"cli"}

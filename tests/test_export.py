@@ -45,8 +45,8 @@ def trained(tmp_path_factory, embedded_runtime):
 
 
 def _inputs(ws, checkpoint):
+    from controller.predict import read_prediction_inputs
     from trainer.policy import ControllerPolicy
-    from trainer.predict import read_prediction_inputs
 
     policy = ControllerPolicy.load(checkpoint)
     feats = read_prediction_inputs(ws, policy)
@@ -88,7 +88,7 @@ def test_decisions_equal_the_policy_and_its_table_fallback(trained):
     """Expected: the training-time network's sequential greedy choice over the whole action space where
     the nearest grid budget keeps the controller, else the fallback table's choice for the budget and
     the question (lut_by_question: the data records question families)."""
-    from trainer.deploy import DeployedController
+    from controller.deploy import DeployedController
     from trainer.fallback import read_fallback
 
     ws, _, mixed = trained
@@ -131,8 +131,8 @@ def test_the_exported_file_carries_the_median_training_latency_per_configuration
     the training split (the split the fallback's table was built on); NaN where train never recorded it."""
     import numpy as np
 
+    from controller.deploy import DeployedController, load_deployed, save_deployed
     from trainer.data import load_offline_data
-    from trainer.deploy import DeployedController, load_deployed, save_deployed
     from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy
 
@@ -156,7 +156,7 @@ def test_the_exported_file_carries_the_median_training_latency_per_configuration
 
 
 def test_without_a_fallback_the_network_decides_every_budget(trained):
-    from trainer.deploy import DeployedController
+    from controller.deploy import DeployedController
 
     ws, best, _ = trained
     policy, f = _inputs(ws, best)
@@ -175,8 +175,8 @@ def test_the_exported_files_two_stages_are_the_sequential_decision_and_the_evalu
     log p1(crops) (with tilings) or the table's crops; stage2 at any crops value is the argmax of the
     policy's stage-2 log-probs over that value's actions, or the table's top_k and blocks; decide is
     stage1 then stage2, and what PolicyDecider (ctrl evaluate's controller) decides."""
+    from controller.deploy import DeployedController, load_deployed, save_deployed
     from trainer.data import load_offline_data
-    from trainer.deploy import DeployedController, load_deployed, save_deployed
     from trainer.fallback import PolicyDecider, read_fallback
 
     ws, _, mixed = trained
@@ -234,7 +234,7 @@ def test_every_tensor_the_module_makes_follows_its_device(trained, with_fallback
     """On the meta device a tensor made on the CPU meets the module's own and fails: what lets the
     module run where it is moved (CUDA). Tilings left out and the fallback off exercise the tensors
     the module makes itself; the fallback's data-dependent branch cannot run on meta."""
-    from trainer.deploy import DeployedController
+    from controller.deploy import DeployedController
     from trainer.fallback import read_fallback
 
     ws, best, mixed = trained
@@ -256,7 +256,7 @@ def test_every_tensor_the_module_makes_follows_its_device(trained, with_fallback
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_exported_file_decides_on_cuda_as_on_the_cpu(trained, tmp_path):
-    from trainer.deploy import DeployedController, load_compiled, save_compiled
+    from controller.deploy import DeployedController, load_compiled, save_compiled
     from trainer.fallback import read_fallback
 
     ws, _, mixed = trained
@@ -286,9 +286,9 @@ def test_the_exported_file_decides_on_cuda_as_on_the_cpu(trained, tmp_path):
 def test_table_steps_give_the_tables_choice_at_every_budget(stats, scores, tolerance):
     """The table as a step function of the budget: equal to LookupTableDecider.choose, ties and
     configurations never seen in training included."""
+    from controller.deploy import step_lookup, table_steps
     from trainer.baselines import LookupTableDecider
     from trainer.data import ActionSpace
-    from trainer.deploy import step_lookup, table_steps
 
     if all(s is None for s in stats):
         stats[0] = 200.0
@@ -363,8 +363,8 @@ for name, decide in (("torchscript", torch.jit.load({str(out)!r}).decide),
 
 
 def test_predict_reports_the_networks_probability_and_the_source(trained, tmp_path):
+    from controller.predict import predict
     from trainer.fallback import read_fallback
-    from trainer.predict import predict
 
     ws, _, mixed = trained
     policy, f = _inputs(ws, mixed)
@@ -419,8 +419,8 @@ def test_full_and_partial_action_spaces_without_tilings(drop):
     """A policy over all 2 x 2 x 2 configurations and one over six of them, tilings off."""
     import itertools
 
+    from controller.deploy import DeployedController
     from trainer.data import ActionSpace
-    from trainer.deploy import DeployedController
     from trainer.policy import ControllerPolicy, PolicyConfig
 
     torch.manual_seed(3)
@@ -526,7 +526,7 @@ def _hand_set_data(policy, mask):
 def test_the_decision_is_sequential_not_the_joint_mode(tmp_path):
     """Stage 1 keeps the most probable crops value even where another value has the most probable
     configuration; stage 2 breaks its exact tie towards the smallest top_k, then the fewest blocks."""
-    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from controller.deploy import DeployedController, load_deployed, save_deployed
     from trainer.fallback import PolicyDecider
 
     policy = _hand_set_policy(FULL_PRODUCT)
@@ -554,7 +554,7 @@ def test_the_decision_stays_inside_a_masked_action_space(tmp_path):
     """An action space that is not a full product (the deployed module) and per-sample masks (the
     evaluation): stage 2 ranges over the actions of the chosen crops that exist, and stage 1 over
     the crops values that have one."""
-    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from controller.deploy import DeployedController, load_deployed, save_deployed
     from trainer.fallback import PolicyDecider
 
     actions = tuple(a for a in FULL_PRODUCT if a not in {(6, 4, 12), (6, 8, 12), (2, 4, 12)})
@@ -603,7 +603,7 @@ def test_the_evaluations_decision_refuses_data_of_another_image_feature():
 
 @pytest.mark.parametrize("max_crops", [5, 0, 11, -3])
 def test_stage2_refuses_a_crops_value_outside_the_action_space(tmp_path, max_crops):
-    from trainer.deploy import DeployedController, load_deployed, save_deployed
+    from controller.deploy import DeployedController, load_deployed, save_deployed
 
     module = DeployedController(_hand_set_policy(FULL_PRODUCT), None)
     exported = load_deployed(save_deployed(module, tmp_path / "controller.pt"))
@@ -622,7 +622,7 @@ def test_a_changed_policy_layer_breaks_the_export_by_name(change):
     position or arithmetic changes is an error naming it, never a silently different module."""
     from torch import nn
 
-    from trainer.deploy import DeployedController
+    from controller.deploy import DeployedController
 
     policy = _hand_set_policy(FULL_PRODUCT)
     if change == "activation":
@@ -648,9 +648,9 @@ def test_a_family_or_cluster_table_answers_per_budget_with_its_groups_or_lut_p95
     elsewhere. The question's group is the one the table reads, in the module and in its exported file."""
     from dataclasses import replace
 
+    from controller.deploy import DeployedController, group_names_of, load_deployed, save_deployed
     from trainer.clusters import CLUSTER_TABLE, cluster_table
     from trainer.data import load_offline_data
-    from trainer.deploy import DeployedController, group_names_of, load_deployed, save_deployed
     from trainer.fallback import PolicyDecider, read_fallback
     from trainer.reward import RewardConfig
 

@@ -59,7 +59,7 @@ def test_an_option_value_that_does_not_convert_is_named_in_its_error(args, value
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -5.0, 0.0])
 def test_predict_names_a_budget_that_is_not_a_finite_positive_number(tmp_path, value):
-    from trainer.predict import predict
+    from controller.predict import predict
 
     with pytest.raises(CtrlError, match=re.escape(f"finite numbers of milliseconds > 0, got [250.0, {value!r}]")):
         predict(tmp_path / "ws", "latest", [250.0, value], tmp_path / "out.parquet")

@@ -68,7 +68,7 @@ def test_features_and_runs_are_those_of_the_checkpoint(ran):
                              "FROM rollouts WHERE run_id = 'online'").to_pylist()[0]
     assert rollouts["n"] == 2 and rollouts["t"] > 0 and 5 < rollouts["text"] < 40
     # the latency guard, measured on the checkpoint: every profiled configuration on both samples
-    from trainer.latency_guard import load_run_guard
+    from controller.latency_guard import load_run_guard
 
     guard = load_run_guard(ws.runs_dir / "online")
     assert guard is not None and guard.requests == 2 * len(CONFIGS.split(",")) and guard.slack > 0

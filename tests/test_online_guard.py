@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from controller.latency_guard import LatencyGuard, config_ratios, guard_slack, guarded_stage2, stage_ratios
 from pipeline.errors import CtrlError
 from trainer.data import ActionSpace
-from trainer.latency_guard import LatencyGuard, config_ratios, guard_slack, guarded_stage2, stage_ratios
 from trainer.outcome import OutcomeConfig, OutcomeModel
 from trainer.policy import ControllerPolicy, PolicyConfig
 from trainer.two_stage import TwoStageConfig, TwoStageController
@@ -214,9 +214,9 @@ def test_a_guarded_greedy_decision_runs_an_allowed_configuration(guard_ws, embed
 
 
 def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_runtime):
+    from controller.latency_guard import GUARD_FILE, load_run_guard
     from online.config import OnlineTrainConfig
     from online.train import train_online
-    from trainer.latency_guard import GUARD_FILE, load_run_guard
     from trainer.outcome import OutcomeModel as Outcome
 
     base = dict(workspace=guard_ws.root, steps=1, samples_per_step=2, group_size=2, max_new_tokens=3,

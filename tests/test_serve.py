@@ -225,7 +225,7 @@ def test_openai_client_image_request_with_a_budget(server_a, serve_ws, embedded_
     assert extra["knobs"]["max_crops"] in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
     assert extra["decided_by"] in ("controller", "table")
     # the question's family as the run's fallback table reads it (the synthetic data labels families)
-    from trainer.deploy import DeployedController
+    from controller.deploy import DeployedController
     from trainer.fallback import read_fallback
     from trainer.policy import ControllerPolicy
 
@@ -1170,9 +1170,9 @@ def test_an_online_run_is_served_under_its_latency_guard(serve_ws, embedded_runt
     refused with one line, and the server still answering after it."""
     import openai
 
+    from controller.latency_guard import GUARD_FILE, load_run_guard
     from online.config import OnlineTrainConfig
     from online.train import train_online
-    from trainer.latency_guard import GUARD_FILE, load_run_guard
 
     tree, ws, _ = serve_ws
     run = train_online(OnlineTrainConfig(workspace=ws.root, from_run="offline-run", run_id="guarded", steps=1,

@@ -199,7 +199,7 @@ def flip_a_tensor_byte(path: Path) -> str:
 def damaged_controllers(ws, online_file: Path, tmp_path: Path) -> dict[str, tuple[str, Path]]:
     """kind -> (--controller value, the damaged file): a run directory's checkpoint, a checkpoint file,
     an online controller file and a file written by ``ctrl export``."""
-    from trainer.deploy import export_controller
+    from controller.deploy import export_controller
 
     run_dir = tmp_path / "offline-run"
     shutil.copytree(ws.runs_dir / "offline-run", run_dir)

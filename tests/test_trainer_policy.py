@@ -538,7 +538,7 @@ def test_resume_equals_uninterrupted(trained_ws):
 
 
 def test_predict_columns_and_fingerprint_refusal(trained_ws, tmp_path):
-    from trainer.predict import PREDICTION_COLUMNS, predict, read_prediction_inputs
+    from controller.predict import PREDICTION_COLUMNS, predict, read_prediction_inputs
 
     result = train_offline(run_config(trained_ws, num_epochs=1))
     frame = predict(trained_ws.root, result.run_id, [170.0, 300.0], tmp_path / "out.csv")

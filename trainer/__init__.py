@@ -1,4 +1,4 @@
-"""trainer: the controller policy, its reward, offline GRPO, evaluation against baselines, prediction.
+"""trainer: the controller policy, its reward, offline GRPO, evaluation against baselines.
 
 Reads the workspace through ``pipeline``'s public readers (views ``groups``, ``lang_features``,
 ``image_features``) and writes runs to ``workspace/runs/<run_id>/`` (``trainer.runs``). Imports
@@ -9,8 +9,7 @@ from importlib import import_module
 from typing import Any
 
 #: public name -> its module; imported on first use, so that reading a config (``ctrl --help``
-#: reads the options' help from ``trainer.config``) does not load torch. ``predict`` is not here:
-#: its module has its name (``from trainer.predict import predict``)
+#: reads the options' help from ``trainer.config``) does not load torch
 _EXPORTS = {
     "BatchDecider": "trainer.baselines",
     "FamilyLookupTableDecider": "trainer.baselines",
@@ -50,7 +49,6 @@ _EXPORTS = {
     "PolicyConfig": "trainer.policy",
     "budget_normalization_range": "trainer.policy",
     "expected_reward": "trainer.policy",
-    "PREDICTION_COLUMNS": "trainer.predict",
     "REWARD_PARTS": "trainer.reward",
     "RewardConfig": "trainer.reward",
     "compute_reward": "trainer.reward",
@@ -72,7 +70,6 @@ __all__ = [
     "RunResult",
     "evaluate_run",
     "evaluation_title",
-    "PREDICTION_COLUMNS",
     # runs on disk
     "RunDir",
     "latest_run",

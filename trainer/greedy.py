@@ -17,7 +17,7 @@ those crops (sorted, :class:`trainer.data.ActionSpace`), the smallest top_k and 
 blocks, i.e. the cheaper configuration.
 
 Both scores may be shifted by any per-row constant (per crops value for stage 2) without moving
-the decision, so the deployed module (:mod:`trainer.deploy`) passes raw logits; the functions
+the decision, so the deployed module (:mod:`controller.deploy`) passes raw logits; the functions
 are written for TorchScript, which compiles them into the exported file.
 """
 

@@ -200,7 +200,7 @@ def mlp_head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
     return head
 
 
-# -- the layers by name: what the export (``trainer.deploy``) folds into plain tensors
+# -- the layers by name: what the export (``controller.deploy``) folds into plain tensors
 
 @dataclass(frozen=True)
 class Projection:
@@ -268,7 +268,7 @@ def _layers(seq: nn.Sequential, name: str, layout: tuple[type[nn.Module], ...]) 
     found = tuple(type(m) for m in seq)
     if found != layout:
         msg = (f"policy layers {name} are {[t.__name__ for t in found]}, not {[t.__name__ for t in layout]}: "
-               "ControllerPolicy.parts and the export (trainer.deploy) read them by name and must change with them")
+               "ControllerPolicy.parts and the export (controller.deploy) read them by name and must change with them")
         raise TypeError(msg)
     return list(seq)
 

@@ -4,7 +4,7 @@ The checkpoint may come from another workspace: only the feature model must matc
 fingerprint is stored in the checkpoint and compared with the workspace's cached features).
 Decisions range over the policy's whole action space (the configurations of its training
 data), not only over what this workspace happens to have recorded: that is the decision the
-deployed controller would make. The decisions come from :class:`trainer.deploy.DeployedController`,
+deployed controller would make. The decisions come from :class:`controller.deploy.DeployedController`,
 the module ``ctrl export`` writes, with each image's tiling from ``image_tilings``: its ``decide``,
 stage 1 and then stage 2 at the chosen crops (:mod:`trainer.greedy`), as a server calls it.
 """
@@ -18,11 +18,11 @@ import numpy as np
 import polars as pl
 import torch
 
+from controller.deploy import DeployedController
 from pipeline.catalog import connect, view_names
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
 from trainer.data import read_sample_features, resolve_feature_model
-from trainer.deploy import DeployedController
 from trainer.fallback import answered_by, read_fallback
 from trainer.policy import ControllerPolicy
 from trainer.runs import resolve_checkpoint, write_frame_atomic
