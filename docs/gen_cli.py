@@ -3,9 +3,9 @@
     python docs/gen_cli.py           # rewrite docs/cli.md
     python docs/gen_cli.py --check   # exit 1 when docs/cli.md differs from the CLI
 
-The page is read off the Typer app in cli.py (``typer.main.get_command``), so an option's flag,
+The page is read off the Typer app in cli/ (``typer.main.get_command``), so an option's flag,
 default and help are written once, where the option is declared; tests/test_docs.py fails when the
-committed page is stale. Nothing here is imported by the package: cli.py stays the top of the flow.
+committed page is stale. Nothing here is imported by the package: cli/ stays the top of the flow.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ NO_PANEL = "Options"
 HEADER = """\
 # Command reference: `ctrl`
 
-<!-- Generated from cli.py by `python docs/gen_cli.py`; do not edit by hand. -->
+<!-- Generated from cli/ by `python docs/gen_cli.py`; do not edit by hand. -->
 
-Every command and option of `ctrl`, generated from the command's own definitions in `cli.py`.
+Every command and option of `ctrl`, generated from the command's own definitions in `cli/`.
 After changing a command or an option, regenerate this page with `python docs/gen_cli.py` and
 commit it; `tests/test_docs.py` fails while it is stale. `ctrl COMMAND --help` prints the same.
 
@@ -133,7 +133,7 @@ def _walk(command: Any, path: list[str], ctx: typer.Context) -> list[str]:
 
 
 def cli_markdown() -> str:
-    """The text of docs/cli.md, generated from the Typer app in cli.py."""
+    """The text of docs/cli.md, generated from the Typer app in cli/."""
     import cli  # the top of the flow; imported here so that importing this file stays cheap
 
     group = typer.main.get_command(cli.app)

@@ -28,90 +28,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from features.config import FeatureConfig
 from pipeline.catalog import build_catalog
-from pipeline.errors import CacheMismatchError, CtrlError
-from pipeline.execution import ExecutionOptions, execution_field
+from pipeline.errors import CacheMismatchError
+from pipeline.execution import ExecutionOptions
 from pipeline.health import feature_chunk_problem
 from pipeline.schema import IMAGE_FEATURES, IMAGE_TILINGS, LANG_FEATURES, TableSchema
 from pipeline.workspace import CHECKSUM_FILE, Workspace, file_sha256, os_error_naming
 from runtime import REFERENCE_MAX_CROPS, ModelRuntime, load_runtime, model_fingerprint
 from runtime.distributed import init_distributed_from_env, local_device
 from runtime.images import ImageIndex, open_image
-from runtime.precision import check_dtype_name
 
 #: max_crops values whose tiling is stored per sample (covers every tier of docs/origin_format.md §2.1)
 TILING_MAX_CROPS = tuple(range(1, 16))
-
-
-@dataclass
-class FeatureConfig:
-    """Options of ``ctrl extract-features``.
-
-    > Inputs
-    workspace: workspace directory (default ``$CTRL_WORKSPACE`` or ``./workspace``).
-    images_dir: where images are looked up by image_id (see ``ImageIndex``); None = no images.
-    image_pattern: extra file-name pattern, e.g. ``"{dataset}/{image_id}.jpg"``.
-
-    > Model
-    model: ``"embedded"`` (built offline from a seed), ``"testbed"``, a local checkpoint directory or a
-        Hugging Face id ``org/name[@revision]`` in the local cache (``runtime.registry``).
-    device, dtype: ``pipeline.execution`` (features of two dtypes are cached apart).
-
-    > Work
-    batch_size: requests per forward pass (default 16).
-    chunk_size: samples per atomically written chunk (default 256): the resume granularity.
-    force: recompute features cached for this model.
-    """
-
-    workspace: Path | None = None
-    images_dir: Path | None = None
-    image_pattern: str | None = None
-    model: str = "embedded"
-    device: str = execution_field("device")
-    dtype: str = execution_field("dtype")
-    batch_size: int = 16
-    chunk_size: int = 256
-    force: bool = False
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            msg = f"batch_size must be >= 1, got {self.batch_size!r}"
-            raise CtrlError(msg)
-        if self.chunk_size < self.batch_size:
-            msg = f"chunk_size ({self.chunk_size}) must be >= batch_size ({self.batch_size})"
-            raise CtrlError(msg)
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            msg = f"device must be cpu or cuda, got {self.device!r}"
-            raise CtrlError(msg)
-        check_dtype_name(self.dtype)
-        if self.image_pattern is not None:
-            check_image_pattern(self.image_pattern)
-        if self.images_dir is not None and not Path(self.images_dir).is_dir():
-            msg = f"--images {self.images_dir} is not a directory"
-            raise CtrlError(msg)
-
-
-#: the fields an --image-pattern may use
-IMAGE_PATTERN_FIELDS = ("image_id", "dataset", "split")
-
-
-def check_image_pattern(pattern: str) -> None:
-    """Refuse a pattern that names another field, a positional one, or is not a format string."""
-    import string
-
-    try:
-        parsed = list(string.Formatter().parse(pattern))
-    except ValueError as err:
-        msg = f"--image-pattern {pattern!r} is not a valid pattern ({err}); use e.g. '{{dataset}}/{{image_id}}.jpg'"
-        raise CtrlError(msg) from None
-    for _, field_name, _, _ in parsed:
-        if field_name is None:
-            continue
-        if field_name not in IMAGE_PATTERN_FIELDS:
-            shown = "{" + field_name + "}"
-            msg = (f"--image-pattern {pattern!r} uses {shown}; the fields are "
-                   + ", ".join("{" + f + "}" for f in IMAGE_PATTERN_FIELDS))
-            raise CtrlError(msg)
 
 
 @dataclass

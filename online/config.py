@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.execution import ExecutionOptions, execution_field
-from trainer.config import TrainingConfig, check_int, option
+from pipeline.execution import ExecutionOptions, check_dtype_name, execution_field
+from pipeline.options import option
+from trainer.config import TrainingConfig, check_int
 from trainer.reward import RewardConfig
 
 
@@ -128,8 +129,6 @@ class OnlineTrainConfig(TrainingConfig):
         if (self.budget_min_ms is None) != (self.budget_max_ms is None):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
             raise ValueError(msg)
-        from runtime.precision import check_dtype_name  # torch: not for `ctrl --help`, which reads these fields
-
         check_dtype_name(self.dtype)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)

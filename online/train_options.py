@@ -18,13 +18,14 @@ one call from the options given:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from online.config import OnlineTrainConfig
 from pipeline.errors import CtrlError
+from pipeline.options import option_default, option_help
 from pipeline.workspace import Workspace
-from trainer.config import OfflineTrainConfig, TrainingConfig, option_default, option_help
+from trainer.config import OfflineTrainConfig, TrainingConfig
 from trainer.reward import RewardConfig
 
 PHASES: dict[str, type[TrainingConfig]] = {"offline": OfflineTrainConfig, "online": OnlineTrainConfig}
@@ -41,18 +42,25 @@ def _on_off(value: bool) -> str:
     return "on" if value else "off"
 
 
+#: the ``--help`` sections of the options of one phase or purpose
+REWARD, ONLINE = "Reward and loss", "Online"
+
+
 @dataclass(frozen=True)
 class TrainOption:
-    """One option of ``ctrl train``: its parameter name, the config field it sets and how."""
+    """One option of ``ctrl train``: its parameter name, the config field it sets and how, and its
+    command-line form where the field's own does not fit both phases (``cli``: the keys of
+    ``pipeline.options.option``: flags, panel, min, max; ``type``: the command-line type)."""
 
     name: str  # the command's parameter (``--num-epochs`` -> num_epochs)
     field: str  # the config field
     to_field: Callable[[Any], Any] = _same  # option value -> field value
+    cli: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def flag(self) -> str:
-        renamed = {"from_run": "--from", "online_evaluate": "--evaluate"}
-        return renamed.get(self.name, "--" + self.name.replace("_", "-"))
+        flags = self.cli.get("flags") or _field_flags(self)
+        return flags[0].split("/")[0] if flags else "--" + self.name.replace("_", "-")
 
     def phases(self) -> tuple[str, ...]:
         return tuple(p for p, cls in PHASES.items() if any(f.name == self.field for f in fields(cls)))
@@ -73,59 +81,66 @@ class TrainOption:
 TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("workspace", "workspace"),
     TrainOption("model_fingerprint", "model_fingerprint"),
-    TrainOption("run_id", "run_id"),
-    TrainOption("resume", "resume"),
-    TrainOption("report_to", "report_to"),
+    TrainOption("num_epochs", "num_epochs", cli={"min": 1}),
+    TrainOption("group_size", "group_size", cli={"min": 2}),
+    TrainOption("batch_size", "batch_size", cli={"min": 1}),
+    TrainOption("lr", "lr"),
     TrainOption("seed", "seed"),
-    TrainOption("group_size", "group_size"),
     TrainOption("budget_min_ms", "budget_min_ms"),
     TrainOption("budget_max_ms", "budget_max_ms"),
-    TrainOption("lr", "lr"),
-    TrainOption("scale_rewards", "scale_rewards"),
-    TrainOption("reward_mode", "reward", lambda mode: RewardConfig(mode=mode)),
-    # offline
-    TrainOption("num_epochs", "num_epochs"),
-    TrainOption("batch_size", "batch_size"),
-    TrainOption("score_target", "score_target"),
-    TrainOption("warm_start_steps", "warm_start_steps"),
-    TrainOption("warm_start_target", "warm_start_target"),
-    TrainOption("loss_type", "loss_type"),
-    TrainOption("clip_epsilon", "clip_epsilon"),
-    TrainOption("kl_beta", "kl_beta"),
-    TrainOption("violation_target", "violation_target", lambda v: v or None),
-    TrainOption("no_table_fallback", "disable_table_fallback"),
-    TrainOption("fallback_confidence", "fallback_confidence"),
-    TrainOption("fallback_prefers", "fallback_prefers"),
-    TrainOption("fallback_table", "fallback_table"),
-    TrainOption("ignore_family_labels", "ignore_family_labels"),
-    TrainOption("latency_jitter", "latency_jitter"),
-    TrainOption("cross_fit_folds", "cross_fit_folds"),
+    TrainOption("report_to", "report_to"),
+    TrainOption("calibration_samples", "calibration_samples", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("guard_samples", "guard_samples", cli={"min": 0, "panel": ONLINE}),
+    TrainOption("reward_mode", "reward", lambda mode: RewardConfig(mode=mode), cli={"type": str, "panel": REWARD}),
+    TrainOption("score_target", "score_target", cli={"panel": REWARD}),
+    TrainOption("warm_start_steps", "warm_start_steps", cli={"min": 0, "panel": REWARD}),
+    TrainOption("warm_start_target", "warm_start_target", cli={"panel": REWARD}),
+    TrainOption("loss_type", "loss_type", cli={"panel": REWARD}),
+    TrainOption("scale_rewards", "scale_rewards", cli={"panel": REWARD}),
+    TrainOption("clip_epsilon", "clip_epsilon", cli={"panel": REWARD}),
+    TrainOption("kl_beta", "kl_beta", cli={"panel": REWARD}),
+    TrainOption("violation_target", "violation_target", lambda v: v or None,
+                cli={"min": 0.0, "max": 0.99, "panel": REWARD}),
+    TrainOption("no_table_fallback", "disable_table_fallback",
+                cli={"flags": ("--no-table-fallback/--table-fallback",), "panel": REWARD}),
+    TrainOption("fallback_confidence", "fallback_confidence", cli={"min": 0.5, "max": 0.999, "panel": REWARD}),
+    TrainOption("fallback_prefers", "fallback_prefers", cli={"panel": REWARD}),
+    TrainOption("fallback_table", "fallback_table", cli={"panel": REWARD}),
+    TrainOption("ignore_family_labels", "ignore_family_labels",
+                cli={"flags": ("--ignore-family-labels",), "panel": REWARD}),
+    TrainOption("latency_jitter", "latency_jitter", cli={"min": 0.0, "panel": REWARD}),
+    TrainOption("cross_fit_folds", "cross_fit_folds", cli={"min": 0, "panel": REWARD}),
     TrainOption("holdout_dataset", "holdout_dataset"),
-    TrainOption("use_tilings", "use_tilings"),
-    TrainOption("hidden_dim", "hidden_dim"),
+    TrainOption("use_tilings", "use_tilings", cli={"flags": ("--use-tilings/--no-tilings",)}),
+    TrainOption("hidden_dim", "hidden_dim", cli={"min": 8}),
+    TrainOption("run_id", "run_id"),
+    TrainOption("resume", "resume"),
     # online
-    TrainOption("from_run", "from_run"),
-    TrainOption("fresh", "fresh"),
-    TrainOption("model", "model"),
-    TrainOption("images", "images_dir"),
-    TrainOption("steps", "steps"),
-    TrainOption("samples_per_step", "samples_per_step"),
-    TrainOption("max_new_tokens", "max_new_tokens"),
-    TrainOption("calibration_samples", "calibration_samples"),
-    TrainOption("guard_samples", "guard_samples"),
-    TrainOption("device", "device"),
-    TrainOption("dtype", "dtype", lambda d: getattr(d, "value", d)),
-    TrainOption("checkpoint_every", "checkpoint_every"),
-    TrainOption("online_evaluate", "evaluate"),
-    TrainOption("eval_max_samples", "eval_max_samples"),
-    TrainOption("threads", "threads"),
-    TrainOption("fast_path", "fast_path"),
-    TrainOption("float32_attention", "float32_attention"),
-    TrainOption("check_every", "check_every"),
-    TrainOption("check_samples", "check_samples"),
-    TrainOption("check_budgets", "check_budgets"),
-    TrainOption("patience", "patience"),
+    TrainOption("from_run", "from_run", cli={"flags": ("--from",), "panel": ONLINE}),
+    TrainOption("fresh", "fresh", cli={"flags": ("--fresh",), "panel": ONLINE}),
+    TrainOption("model", "model", cli={"panel": ONLINE}),
+    TrainOption("images", "images_dir", cli={"panel": ONLINE}),
+    TrainOption("steps", "steps", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("samples_per_step", "samples_per_step", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("max_new_tokens", "max_new_tokens", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("device", "device", cli={"panel": ONLINE}),
+    TrainOption("dtype", "dtype", lambda d: getattr(d, "value", d), cli={"panel": ONLINE}),
+    TrainOption("checkpoint_every", "checkpoint_every", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("online_evaluate", "evaluate", cli={"flags": ("--evaluate/--no-evaluate",), "panel": ONLINE}),
+    TrainOption("eval_max_samples", "eval_max_samples", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("check_every", "check_every", cli={"min": 0, "panel": ONLINE}),
+    TrainOption("check_samples", "check_samples", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("check_budgets", "check_budgets", cli={"min": 1, "panel": ONLINE}),
+    TrainOption("patience", "patience", cli={"min": 0, "panel": ONLINE}),
+    TrainOption("threads", "threads", cli={"panel": ONLINE}),
+    TrainOption("fast_path", "fast_path", cli={"panel": ONLINE}),
+    TrainOption("float32_attention", "float32_attention", cli={"panel": ONLINE}),
 )}
+
+
+def _field_flags(option: TrainOption) -> tuple[str, ...] | None:
+    cls = PHASES[option.phases()[0]]
+    return next(f.metadata.get("flags") for f in fields(cls) if f.name == option.field)
 
 
 def train_option_help(name: str) -> str:

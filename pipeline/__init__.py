@@ -22,7 +22,7 @@ _EXPORTS = {
     "SchemaError": "pipeline.errors",
     "WorkspaceError": "pipeline.errors",
     "WorkspaceLockedError": "pipeline.errors",
-    "IngestConfig": "pipeline.ingestion",
+    "IngestConfig": "pipeline.ingest_config",
     "IngestReport": "pipeline.ingestion",
     "ingest": "pipeline.ingestion",
     "build_sample_key": "pipeline.keys",

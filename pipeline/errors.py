@@ -42,6 +42,11 @@ class SchemaError(CtrlError):
     """
 
 
+class ModelLoadError(CtrlError):
+    """A model directory that cannot be loaded (missing files or modules, unusable device, a dtype
+    that does not exist)."""
+
+
 class KnobError(CtrlError):
     """A knob value outside the knob space, e.g. ``top_k=0`` or ``num_active_blocks=17``."""
 

@@ -8,8 +8,14 @@ fields from :func:`execution_field` and hands them whole to :func:`runtime.load_
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
+
+from pipeline.errors import ModelLoadError
+from pipeline.options import option
+
+#: the values of ``--dtype``
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 #: each option's help, written once (the CLI, the configs and docs/cli.md read it here)
 EXECUTION_HELP: dict[str, str] = {
@@ -45,10 +51,26 @@ class ExecutionOptions:
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)})
 
 
-def execution_field(name: str, *, help_key: str = "help", more_help: str = "") -> Any:
-    """A config field for execution option ``name``: its default and help from here (``help_key``:
-    the metadata key the config's CLI reads; ``more_help``: what this command adds)."""
+#: each option's command-line form beyond its help (``pipeline.options.option``)
+EXECUTION_CLI: dict[str, dict[str, Any]] = {
+    "dtype": {"choices": DTYPE_CHOICES},
+    "threads": {"min": 0},
+    "fast_path": {"flags": ("--fast-path/--eager", "--compile/--no-compile")},
+}
+
+
+def check_dtype_name(name: str) -> None:
+    """Raise ModelLoadError unless ``name`` is one of :data:`DTYPE_CHOICES` (what configs accept)."""
+    if name not in DTYPE_CHOICES:
+        msg = f"--dtype {name!r}: expected one of {', '.join(DTYPE_CHOICES)}"
+        raise ModelLoadError(msg)
+
+
+def execution_field(name: str, *, more_help: str = "", **cli: Any) -> Any:
+    """A config field for execution option ``name``: its default, help and command-line form from
+    here (``more_help``: what this command adds to the help; ``cli``: what it changes of the form,
+    as :func:`pipeline.options.option` takes it)."""
     default = next(f.default for f in fields(ExecutionOptions) if f.name == name)
     assert default is not MISSING
     text = EXECUTION_HELP[name] + (f" {more_help}" if more_help else "")
-    return field(default=default, metadata={help_key: text, "shown_default": None})
+    return option(default, help=text, **{**EXECUTION_CLI.get(name, {}), **cli})

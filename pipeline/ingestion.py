@@ -35,6 +35,7 @@ from pipeline.catalog import build_catalog
 from pipeline.compact import build_tables
 from pipeline.errors import CtrlError, IngestError, describe
 from pipeline.health import catalog_problem, fragment_meta_path, fragment_problems, generation_problems
+from pipeline.ingest_config import IngestConfig
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
 from pipeline.schema import FILES
 from pipeline.workspace import Workspace, atomic_path, file_sha256
@@ -45,53 +46,6 @@ _FRAGMENT_TABLES = ("measurements", "samples", "summaries")
 #: the largest input file read: a result file of the origin's scripts is at most a few hundred MB, and
 #: parsing holds several times a file's size in memory
 MAX_INPUT_BYTES = 1 << 30
-
-#: the most parser processes an ingest starts: more only add memory and start-up time
-MAX_WORKERS = 4 * (os.cpu_count() or 1)
-
-
-@dataclass
-class IngestConfig:
-    """Options of ``ctrl ingest``.
-
-    > Inputs
-    paths: files and directories; directories are searched recursively for ``*.json``.
-
-    > Output
-    workspace: workspace directory (default: ``$CTRL_WORKSPACE`` or ``./workspace``).
-
-    > Behaviour
-    strict: stop at the first bad file and change nothing (default off: bad files are
-        reported, recorded with status ``error`` and the rest is ingested).
-    num_workers: parser processes; 0 = one per CPU core (max 4), 1 = parse in-process.
-    """
-
-    paths: list[Path]
-    workspace: Path | None = None
-    strict: bool = False
-    num_workers: int = 0
-
-    def __post_init__(self) -> None:
-        self.paths = [Path(p) for p in self.paths]
-        if not self.paths:
-            msg = "no input paths given\nHint: ctrl ingest exp5_dir exp6_dir"
-            raise CtrlError(msg)
-        missing = [str(p) for p in self.paths if not p.exists()]
-        if missing:
-            msg = f"input path does not exist: {missing[0]}"
-            raise CtrlError(msg)
-        if self.num_workers < 0:
-            msg = f"num_workers must be >= 0, got {self.num_workers!r}"
-            raise CtrlError(msg)
-        if self.num_workers > MAX_WORKERS:
-            msg = (f"--num-workers {self.num_workers} is more parser processes than ctrl starts (at most "
-                   f"{MAX_WORKERS}: 4 per core of this machine); 0 picks one per core, at most 4")
-            raise CtrlError(msg)
-
-    @property
-    def resolved_workers(self) -> int:
-        return self.num_workers or max(1, min(4, os.cpu_count() or 1))
-
 
 @dataclass
 class FileResult:

@@ -60,7 +60,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,14 +69,15 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CtrlError, KnobError
-from pipeline.execution import ExecutionOptions, execution_field
-from pipeline.knobs import EXP6_MAX_CROPS, EXP6_NUM_ACTIVE_BLOCKS, EXP6_TOP_K, Config, balanced_combinations
+from pipeline.execution import ExecutionOptions
+from pipeline.knobs import Config
 from pipeline.origin_format import exp5_name, exp6_name
+from profiler.config import ProfileConfig, parse_configs
 from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, read_json
 from runtime import ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
 from runtime.images import open_image
-from runtime.precision import check_dtype_name, dtype_name
+from runtime.precision import dtype_name
 from runtime.scoring import score_answer
 from runtime.timing import GenerateTimer, cpu_threads
 from testbed.dataset import VqaDataset, read_dataset
@@ -85,92 +85,12 @@ from testbed.dataset import VqaDataset, read_dataset
 __all__ = ["DatasetReport", "ProfileConfig", "ProfileReport", "format_report", "parse_configs", "profile_model",
            "rank_indices"]
 
-_CONFIG_ITEM = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*/\s*(\d+)\s*$")
-
-
 # ----------------------------------------------------------------------------- configuration
-
-
-def parse_configs(spec: str | Sequence[Config]) -> tuple[list[Config], str]:
-    """The configurations of ``--configs`` and the strategy name written into the files.
-
-    ``balanced`` (default): the origin's balanced strategy over the exp6 defaults,
-    {2,6,10} x {4,8,12} x {12,14,16}; ``full``: all 75 combinations of the defaults;
-    otherwise an explicit list ``C/K/B,C/K/B`` (max_crops / top_k / num_active_blocks).
-    """
-    if not isinstance(spec, str):
-        items = [tuple(int(v) for v in c) for c in spec]
-        if not items or any(len(c) != 3 for c in items):
-            msg = f"configs must be (max_crops, top_k, num_active_blocks) triples, got {spec!r}"
-            raise CtrlError(msg)
-        return list(dict.fromkeys(items)), "custom"  # type: ignore[arg-type]
-    text = spec.strip()
-    if text.lower() == "balanced":
-        return balanced_combinations(EXP6_MAX_CROPS, EXP6_TOP_K, EXP6_NUM_ACTIVE_BLOCKS), "balanced"
-    if text.lower() == "full":
-        return [(c, k, b) for c in EXP6_MAX_CROPS for k in EXP6_TOP_K for b in EXP6_NUM_ACTIVE_BLOCKS], "full"
-    configs: list[Config] = []
-    for item in text.split(","):
-        m = _CONFIG_ITEM.match(item)
-        if m is None:
-            msg = (f"--configs: bad entry {item.strip()!r} in {spec!r}: expected C/K/B "
-                   "(max_crops/top_k/num_active_blocks), e.g. 2/4/12,6/8/16, or 'balanced' or 'full'")
-            raise CtrlError(msg)
-        c, k, b = (int(g) for g in m.groups())
-        if min(c, k, b) < 1:
-            msg = f"--configs: {item.strip()!r}: every value must be >= 1"
-            raise CtrlError(msg)
-        configs.append((c, k, b))
-    return list(dict.fromkeys(configs)), "custom"
 
 
 def rank_indices(n: int, world_size: int, rank: int) -> list[int]:
     """Rank r's dataset indices: r, r+W, ... below n (no sampler padding, so no duplicates)."""
     return list(range(rank, n, world_size))
-
-
-@dataclass
-class ProfileConfig:
-    """What ``ctrl profile`` runs (see the module docstring)."""
-
-    datasets: Sequence[Path]
-    model: str = "embedded"
-    configs: str | Sequence[Config] = "balanced"
-    num_samples: int | None = None
-    world_size: int = 1
-    out_dir: Path = Path("results/profile")
-    max_new_tokens: int = 16
-    device: str = execution_field("device")
-    #: recorded in every file: a file of another dtype is another run's
-    dtype: str = execution_field("dtype")
-    warmup: int = 1
-    threads: int = execution_field("threads")
-    #: recorded in every file with the attention's dtype: a file of another path is another run's
-    fast_path: bool = execution_field("fast_path")
-    float32_attention: bool = execution_field("float32_attention")
-    #: filled by __post_init__ from ``configs``
-    combinations: list[Config] = field(default_factory=list, init=False)
-    strategy: str = field(default="", init=False)
-
-    def __post_init__(self) -> None:
-        if not self.datasets:
-            msg = "give at least one --dataset DIR (a directory with dataset.json and images/)"
-            raise CtrlError(msg)
-        self.datasets = tuple(Path(d).expanduser() for d in self.datasets)
-        for d in self.datasets:
-            if not d.is_dir():
-                msg = f"--dataset {d}: no such directory (a dataset directory holds dataset.json and images/)"
-                raise CtrlError(msg)
-        bounds = (("--num-samples", self.num_samples, 1), ("--world-size", self.world_size, 1),
-                  ("--max-new-tokens", self.max_new_tokens, 1), ("--warmup", self.warmup, 0),
-                  ("--threads", self.threads, 0))
-        for option, value, low in bounds:
-            if value is not None and value < low:
-                msg = f"{option} must be >= {low}, got {value}"
-                raise CtrlError(msg)
-        check_dtype_name(self.dtype)
-        self.out_dir = Path(self.out_dir).expanduser()
-        self.combinations, self.strategy = parse_configs(self.configs)
 
 
 @dataclass

@@ -19,14 +19,10 @@ import torch
 from PIL import Image
 
 from pipeline import knobs
-from pipeline.errors import CtrlError, KnobError
+from pipeline.errors import CtrlError, KnobError, ModelLoadError
 
 #: the crop setting at which the reference image feature is extracted (documented in docs/features.md)
 REFERENCE_MAX_CROPS = 6
-
-
-class ModelLoadError(CtrlError):
-    """A model directory that cannot be loaded (missing files or modules, unusable device)."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

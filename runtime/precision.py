@@ -38,23 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipeline.execution import DTYPE_CHOICES, check_dtype_name
 from runtime.base import ModelLoadError
 
-#: the values of ``--dtype``
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 _BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: products with at most this many rows use the half kernel on a CPU (see the module docstring)
 CPU_HALF_KERNEL_MAX_ROWS = 8
 #: weights up to this many values are converted into the reused scratch buffer (64 MiB of float32)
 SCRATCH_MAX_VALUES = 16 << 20
 _scratch = threading.local()
-
-
-def check_dtype_name(name: str) -> None:
-    """Raise ModelLoadError unless ``name`` is one of :data:`DTYPE_CHOICES` (what configs accept)."""
-    if name not in DTYPE_CHOICES:
-        msg = f"--dtype {name!r}: expected one of {', '.join(DTYPE_CHOICES)}"
-        raise ModelLoadError(msg)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:

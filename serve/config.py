@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.execution import ExecutionOptions, execution_field
+from pipeline.options import WORKSPACE_CLI
 
 #: the values of --dtype (runtime.precision.DTYPE_CHOICES)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -28,8 +29,9 @@ FALLBACK_MAX_PROMPT_TOKENS = 4096
 LOOPBACK_NAMES = {"localhost"}
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, **cli: Any) -> dict[str, Any]:
+    """A field's metadata: its help and its command-line form (``pipeline.options.option``'s keys)."""
+    return {"help": text, **cli}
 
 
 @dataclass
@@ -44,23 +46,25 @@ class ServeConfig:
         "recently started run with a checkpoint, either phase), a checkpoint .pt or a file written by "
         "`ctrl export`."))
     workspace: Path | None = field(default=None, metadata=_help(
-        "Workspace: where runs are looked up and every request is recorded (requests/*.jsonl, view `requests`)."))
+        "Workspace: where runs are looked up and every request is recorded (requests/*.jsonl, view `requests`).",
+        **WORKSPACE_CLI))
     host: str = field(default="127.0.0.1", metadata=_help(
         "Address or host name to bind (an IPv6 address with or without brackets: ::1 or [::1]); anything but "
         "loopback also needs --allow-remote."))
     port: int = field(default=8000, metadata=_help("TCP port to listen on (0 = any free port, printed at start)."))
     allow_remote: bool = field(default=False, metadata=_help(
-        "Allow binding to a non-loopback address (then also set --api-key)."))
+        "Allow binding to a non-loopback address (then also set --api-key).", flags=("--allow-remote",)))
     auth_by_proxy: bool = field(default=False, metadata=_help(
         "Allow a non-loopback address without --api-key because an authenticating proxy in front of the server "
-        "checks every request."))
+        "checks every request.", flags=("--auth-by-proxy",)))
     api_key: str | None = field(default=None, metadata=_help(
         "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY); surrounding "
         "whitespace, such as a key file's newline, is dropped from the key and from the token a client sends, "
-        "and what remains must be visible ASCII."))
+        "and what remains must be visible ASCII.", envvar="CTRL_API_KEY"))
     device: str = execution_field("device")
-    dtype: str = execution_field("dtype")
-    threads: int = execution_field("threads")
+    # a plain string checked here: a bad value is one line naming the choices, as for --device
+    dtype: str = execution_field("dtype", choices=None, metavar="<auto|bfloat16|float16|float32>")
+    threads: int = execution_field("threads", min=None)
     max_queue: int = field(default=8, metadata=_help(
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
     default_budget_ms: float | None = field(default=None, metadata=_help(
@@ -154,7 +158,8 @@ class ServeConfig:
         "Comma-separated origins (scheme://host[:port]) whose browser pages may call the server, with CORS "
         "headers (default: none; a request with any other Origin header is refused with 403)."))
     local_images: Path | None = field(default=None, metadata=_help(
-        "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only)."))
+        "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only).",
+        is_dir=True))
     served_model_name: str | None = field(default=None, metadata=_help(
         "The model name requests must use and /v1/models lists (default: the --model value)."))
     fast_path: bool = execution_field("fast_path", more_help=(

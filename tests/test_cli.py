@@ -195,7 +195,7 @@ def test_ctrl_c_during_ingest_exits_130_and_leaves_the_workspace(small_tree, tmp
 
 def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults():
     """--dtype is written once in the CLI and once in runtime.precision; the configs default to auto."""
-    from cli import Dtype
+    from cli.common import Dtype
     from features import FeatureConfig
     from online import OnlineTrainConfig
     from profiler import ProfileConfig
@@ -222,11 +222,11 @@ def test_every_model_command_takes_the_dtypes_of_the_runtime_with_their_defaults
 
 
 def test_throughput_reads_as_seconds_per_sample_when_a_sample_takes_longer_than_a_second():
-    from cli import _rate
+    from cli.common import rate
 
-    assert _rate(10, 2.0) == "5.0 samples/s"
-    assert _rate(2, 71.0) == "35.5 s/sample"  # MolmoE-1B's features on a CPU
-    assert _rate(0, 3.0) == "0 samples/s"
+    assert rate(10, 2.0) == "5.0 samples/s"
+    assert rate(2, 71.0) == "35.5 s/sample"  # MolmoE-1B's features on a CPU
+    assert rate(0, 3.0) == "0 samples/s"
 
 
 @pytest.mark.parametrize("command", ["serve", "profile", "train"])

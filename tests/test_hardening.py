@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from features.extract import check_image_pattern
+from features.config import check_image_pattern
 from pipeline.errors import CtrlError
 from small_disk import on_small_disk, small_disk_available
 from trainer.config import OfflineTrainConfig

@@ -684,7 +684,7 @@ def test_cli_options_and_docs_take_default_and_help_from_the_config():
 
     command = typer.main.get_command(app).commands["serve"]
     params = {p.name: p for p in command.params}
-    shared = {"workspace"}  # one option of every command (cli.py), not of this one alone
+    shared = {"workspace"}  # one option of every command (cli/), not of this one alone
     for f in fields(ServeConfig):
         param = params[f.name]
         assert f.name in shared or param.help == f.metadata["help"], f.name

@@ -10,7 +10,8 @@ from cli import app
 from online.config import OnlineTrainConfig
 from online.train_options import PHASES, TRAIN_OPTIONS, train_config, train_option_help
 from pipeline.errors import CtrlError
-from trainer.config import OfflineTrainConfig, option_help
+from pipeline.options import option_help
+from trainer.config import OfflineTrainConfig
 
 runner = CliRunner()
 
@@ -40,8 +41,8 @@ def test_every_train_option_takes_help_and_default_from_its_config_field():
 
 def test_the_online_lr_is_the_online_configs(monkeypatch, tmp_path):
     built = []  # (phase, config) of every call, in order
-    monkeypatch.setattr(cli, "_train_online", lambda config: built.append(("online", config)))
-    monkeypatch.setattr(cli, "_train_offline", lambda config: built.append(("offline", config)))
+    monkeypatch.setattr(cli.train, "_train_online", lambda config: built.append(("online", config)))
+    monkeypatch.setattr(cli.train, "_train_offline", lambda config: built.append(("offline", config)))
     for phase in ("--online", "--offline"):
         result = runner.invoke(app, ["train", phase, "-w", str(tmp_path)])
         assert result.exit_code == 0, result.output

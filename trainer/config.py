@@ -8,11 +8,12 @@ checked once, here or in the phase that owns it.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pipeline.errors import CtrlError
+from pipeline.options import WORKSPACE_CLI, option
 from pipeline.resources import host_available_bytes
 from pipeline.workspace import Workspace
 from trainer.reporting import REPORT_TO
@@ -46,40 +47,6 @@ def check_number(name: str, value: Any, *, positive: bool = False) -> None:
     if not ok or value < 0 or (positive and value == 0):
         msg = f"`{name}` must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
         raise ValueError(msg)
-
-
-def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING,
-           shown_default: str | None = None) -> Any:
-    """A config field with its help text: ``ctrl train`` and docs/cli.md take the option's help and
-    default from here (``shown_default`` describes a default that is not a plain value)."""
-    metadata = {"help": help, "shown_default": shown_default}
-    if default_factory is not MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def option_help(cls: type, name: str) -> str:
-    """The help text of field ``name`` of the config class ``cls``."""
-    return _field(cls, name).metadata["help"]
-
-
-def option_default(cls: type, name: str) -> Any:
-    """The default of field ``name`` as the user sees it (``shown_default``, else the value)."""
-    f = _field(cls, name)
-    if f.metadata.get("shown_default") is not None:
-        return f.metadata["shown_default"]
-    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
-
-
-def _field(cls: type, name: str) -> Any:
-    for f in fields(cls):
-        if f.name == name:
-            if "help" not in f.metadata:
-                msg = f"{cls.__name__}.{name} has no help text"
-                raise KeyError(msg)
-            return f
-    msg = f"{cls.__name__} has no field {name!r}"
-    raise KeyError(msg)
 
 
 def offline_training_bytes(config: OfflineTrainConfig, num_actions: int, feature_dim: int) -> int:
@@ -136,7 +103,8 @@ class TrainingConfig:
     report_to: mirror the metrics to TensorBoard, MLflow or W&B (``trainer.reporting``).
     """
 
-    workspace: Path | None = option(None, help="Workspace directory.", shown_default="$CTRL_WORKSPACE or ./workspace")
+    workspace: Path | None = option(None, help="Workspace directory.", shown_default="$CTRL_WORKSPACE or ./workspace",
+                                    **WORKSPACE_CLI)
     model_fingerprint: str | None = option(None, help="Feature model to use (a unique prefix is enough).",
                                            shown_default="the only one cached; online: the model run")
     run_id: str | None = option(None, help="Run directory name.", shown_default="timestamp + 6 hex digits")

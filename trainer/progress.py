@@ -1,0 +1,35 @@
+"""What an offline training run's progress events say: the line a terminal's progress bar shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProgressUpdate:
+    """A progress event as a terminal shows it: the bar's text and position, and a line to print
+    above the bar (None: nothing of that kind)."""
+
+    info: str | None = None
+    completed: int | None = None
+    total: int | None = None
+    line: str | None = None
+
+
+def offline_progress(event: dict[str, Any]) -> ProgressUpdate | None:
+    """The update of one ``train_offline`` progress event (None: an event the bar ignores)."""
+    phase = event.get("phase")
+    if phase == "train":
+        val = event.get("val_expected_reward")
+        shown = f"{val:.3f}" if val is not None else "-"
+        return ProgressUpdate(
+            completed=event.get("step", 0), total=event.get("total_steps"),
+            info=f"epoch {event.get('epoch')} loss {event.get('loss', float('nan')):.4f} "
+                 f"reward {event.get('reward', float('nan')):.3f} val E[r] {shown}")
+    if phase == "fold":
+        return ProgressUpdate(info=f"cross-fitting: fold {event['fold']} of {event['num_folds']}, "
+                                   f"epoch {event.get('epoch', 0)}")
+    if phase == "evaluate":
+        return ProgressUpdate(info="evaluating")
+    return None
