@@ -6,11 +6,11 @@ from typing import Any
 
 from cli.common import app, err, rate, running, say
 from cli.options import config_parameters, with_parameters
-from features.config import FeatureConfig
+from features import config as feature_config
 
 
 @app.command("extract-features")
-@with_parameters(config_parameters(FeatureConfig))
+@with_parameters(config_parameters(feature_config.FeatureConfig))
 def extract_features(**options: Any) -> None:
     """Compute image and language features per sample once and cache them in the workspace.
 
@@ -18,7 +18,8 @@ def extract_features(**options: Any) -> None:
     import os
     import time
 
-    from features.extract import extract_features as run_extract
+    from features import FeatureConfig
+    from features import extract_features as run_extract
     from runtime.distributed import current_dist
 
     # under torchrun, rank 0 shows the progress and reports
