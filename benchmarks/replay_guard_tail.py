@@ -42,9 +42,8 @@ def replay(noise: np.ndarray, step: float, seed: int) -> tuple[float, float]:
     fit = ratio[:FIT]
     # only the factors are replayed: no outcome model, no configuration ratios
     guard = latency_guard.LatencyGuard(None, None, latency_guard.guard_slack(fit, np.ones(FIT)), {}, FIT,
-                                       fit_median=latency_guard.guard_slack(fit, np.ones(FIT), 0.5))
+                                       fit_median=latency_guard.guard_slack(fit, np.ones(FIT), 0.5), tail_step=step)
     over = []
-    latency_guard.TAIL_STEP = step
     for r in ratio[FIT:]:
         expected = guard.factor()
         over.append(r > expected)

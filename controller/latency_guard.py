@@ -27,10 +27,10 @@ order. The guard learns the order again, cheaply, and holds every greedy decisio
    fitted while a shared machine ran fast does not allow, when it slows, what no longer fits.
 5. **Tail**: the drift follows the machine's median, and the slack holds the tail of the spell
    it was fitted in; a slow spell's tail is longer. Each decided request also says whether it ran
-   over the expectation it was decided by, and a **tail factor** follows (a quantile tracker:
-   its logarithm rises by ``TAIL_STEP`` x ``GUARD_QUANTILE`` on each request over, falls by
-   ``TAIL_STEP`` x (1 - ``GUARD_QUANTILE``) on each within), so that over any long enough run of
-   decided requests about 1 - ``GUARD_QUANTILE`` of them run over, whatever the machine does.
+   over the expectation it was decided by, and a **tail factor** follows (a quantile tracker,
+   ``controller.cost.QuantileTracker``: its logarithm rises by ``TAIL_STEP`` x ``GUARD_QUANTILE`` on
+   each request over, falls by ``TAIL_STEP`` x (1 - ``GUARD_QUANTILE``) on each within), so that over
+   any long enough run of decided requests about 1 - ``GUARD_QUANTILE`` of them run over, whatever the machine does.
 6. **Decide**: a greedy decision chooses its crops among the crops values with a configuration
    expected to fit, and top-K and block count among those at its crops; where none fits, the
    configuration expected to be fastest (the budget is below what this machine does).
@@ -43,9 +43,6 @@ checks, ``ctrl evaluate``) run with the run's guard, so it measures the controll
 
 from __future__ import annotations
 
-import math
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from controller.cost import QuantileTracker, RecentWindow
 from pipeline.catalog import run_query
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
@@ -133,6 +131,7 @@ class LatencyGuard:
     slack: the factor that makes the expectation hold on ``GUARD_QUANTILE`` of the measured requests;
     stage_ratios: per stage of ``STAGES``, this machine's / A's; requests: the requests measured;
     model_s: their measured latencies summed (s), the guard's cost in model time;
+    tail_step: the tail factor's step (``TAIL_STEP``; 0 keeps it at 1);
     fit_median: the median of measured / base expectation (prediction times configuration ratio)
         over those requests: the machine's speed when the guard was fitted, which :meth:`drift`
         compares the requests decided since with (None: no drift factor).
@@ -145,10 +144,15 @@ class LatencyGuard:
     requests: int
     model_s: float = 0.0
     fit_median: float | None = None
-    _recent: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW), init=False, repr=False, compare=False)
-    _log_tail: float = field(default=0.0, init=False, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    tail_step: float = field(default=TAIL_STEP, repr=False, compare=False)
+    _recent: RecentWindow = field(default_factory=lambda: RecentWindow(DRIFT_WINDOW), init=False, repr=False,
+                                  compare=False)
+    _tail: QuantileTracker = field(init=False, repr=False, compare=False)
     _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the requests over their expectation, held at 1 - GUARD_QUANTILE of those decided
+        self._tail = QuantileTracker(1.0 - GUARD_QUANTILE, step=self.tail_step, bounds=TAIL_RANGE)
 
     @property
     def actions(self) -> tuple[Config, ...]:
@@ -171,7 +175,7 @@ class LatencyGuard:
     def tail(self) -> float:
         """The tail factor: 1.0 until :meth:`observe` sees requests run over their expectation more
         or less often than 1 - ``GUARD_QUANTILE`` of the time; within ``TAIL_RANGE``."""
-        return math.exp(self._log_tail)
+        return self._tail.value
 
     def drift(self) -> float:
         """How much slower (> 1) or faster the machine runs now than when the guard was fitted: the
@@ -179,11 +183,9 @@ class LatencyGuard:
         saw, over the fit's median; 1.0 before ``DRIFT_MIN`` of them. A shared machine's speed moves
         by a third within minutes, and a guard fitted in a fast spell would allow, in a slow one,
         configurations that no longer fit."""
-        with self._lock:
-            recent = sorted(self._recent)
-        if self.fit_median is None or len(recent) < DRIFT_MIN:
+        if self.fit_median is None or len(self._recent) < DRIFT_MIN:
             return 1.0
-        return recent[len(recent) // 2] / self.fit_median
+        return self._recent.median() / self.fit_median
 
     def observe(self, base_ms: float, measured_ms: float, expected_ms: float | None = None) -> None:
         """Record one decided request: the base expectation (:meth:`base_ms`) of the configuration it
@@ -191,13 +193,10 @@ class LatencyGuard:
         (:meth:`knob_grid`'s ``expected_ms``); each ignored unless finite and positive."""
         if not (0 < measured_ms < float("inf")):
             return
-        with self._lock:
-            if 0 < base_ms < float("inf"):
-                self._recent.append(measured_ms / base_ms)
-            if expected_ms is not None and 0 < expected_ms < float("inf"):
-                over = 1.0 if measured_ms > expected_ms else 0.0
-                step = self._log_tail + TAIL_STEP * (over - (1.0 - GUARD_QUANTILE))
-                self._log_tail = min(max(step, math.log(TAIL_RANGE[0])), math.log(TAIL_RANGE[1]))
+        if 0 < base_ms < float("inf"):
+            self._recent.append(measured_ms / base_ms)
+        if expected_ms is not None and 0 < expected_ms < float("inf"):
+            self._tail.observe(measured_ms > expected_ms)
 
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
                   budget_ms: float) -> GuardGrid:

@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from controller.cost import quantile_of
 from pipeline.knobs import Config
 from serve.calibration import MARGIN_BOUNDS, BudgetMargin, LatencyScale
 
@@ -288,19 +289,8 @@ def replay_cheapest(arrivals: Sequence[tuple[float, float]], costs_ms: Sequence[
     return met
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _p90(values: Sequence[float]) -> float:
-    return _quantile(values, 0.9)
-
-
-def _median(values: Sequence[float]) -> float:
-    return _quantile(values, 0.5)
+    return quantile_of(values, 0.9)
 
 
 @dataclass(frozen=True)
@@ -417,9 +407,7 @@ class BudgetPlanner:
         profile starts near 1 and one where they are not starts as careful as that spread."""
         if self.met_target is None or not ratios:
             return self.initial_margin
-        ordered = sorted(ratios)
-        median = ordered[len(ordered) // 2]
-        high = _p90(ordered)
+        median, high = quantile_of(ratios, 0.5), _p90(ratios)
         self.initial_margin = min(1.0, max(MARGIN_BOUNDS[0], median / high)) if high > 0 else 1.0
         with self._lock:
             self._margins.clear()
@@ -441,8 +429,8 @@ class BudgetPlanner:
         if self.cheapest_reference_ms is None or self.cheapest_config is None:
             return None
         with self._lock:
-            after = _quantile(list(self._after), LEAST_QUANTILE)
-            reply = _quantile(list(self._reply), LEAST_QUANTILE)
+            after = quantile_of(list(self._after), LEAST_QUANTILE)
+            reply = quantile_of(list(self._reply), LEAST_QUANTILE)
         scale = self.latency_scale.of(self.cheapest_config, LEAST_QUANTILE)
         return self.cheapest_reference_ms * scale + after + reply, reply
 
@@ -551,7 +539,7 @@ class BudgetPlanner:
             kept = list(self._kept.get(index, ()))
             history = list(self._history)
             served = list(self._served)
-            reply = _median(list(self._reply))
+            reply = quantile_of(self._reply, 0.5)
             was_on = self._floor_on.get(index, False)
         if len(kept) < FLOOR_MIN or not served:
             return False

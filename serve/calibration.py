@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
 from collections.abc import Mapping
 
+from controller.cost import QuantileTracker, RecentWindow
 from pipeline.knobs import Config
 from serve.config import LATENCY_SCALE_WINDOW, option_default
 
@@ -50,8 +50,8 @@ class LatencyScale:
         self.reference_ms = {tuple(int(v) for v in k): float(ms) for k, ms in reference_ms.items()
                              if math.isfinite(ms) and ms > 0}
         self.fixed, self.quantile = fixed, float(quantile)
-        self._ratios: deque[float] = deque(maxlen=int(window))
-        self._by_config: dict[Config, deque[float]] = {}
+        self._ratios = RecentWindow(window)
+        self._by_config: dict[Config, RecentWindow] = {}
         self._lock = threading.Lock()
 
     @property
@@ -59,7 +59,7 @@ class LatencyScale:
         """``fixed`` (pinned), ``measured`` (ratios recorded), ``none`` (1.0: nothing to compare with yet)."""
         if self.fixed is not None:
             return "fixed"
-        return "measured" if self._ratios else "none"
+        return "measured" if len(self._ratios) else "none"
 
     @property
     def calibrates(self) -> bool:
@@ -74,8 +74,9 @@ class LatencyScale:
             return None
         ratio = model_ms / reference
         with self._lock:
-            self._ratios.append(ratio)
-            self._by_config.setdefault(tuple(knobs), deque(maxlen=CONFIG_SCALE_WINDOW)).append(ratio)
+            own = self._by_config.setdefault(tuple(knobs), RecentWindow(CONFIG_SCALE_WINDOW))
+        self._ratios.append(ratio)
+        own.append(ratio)
         return ratio
 
     def of(self, knobs: Config, quantile: float = 0.5) -> float:
@@ -85,27 +86,20 @@ class LatencyScale:
         cannot say; pinned scales are the same for all."""
         if self.fixed is not None:
             return self.fixed
-        with self._lock:
-            own = sorted(self._by_config.get(tuple(knobs), ()))
-        if len(own) < CONFIG_SCALE_MIN:
+        own = self._by_config.get(tuple(knobs))
+        if own is None or len(own) < CONFIG_SCALE_MIN:
             return self.value
-        return own[len(own) // 2] if quantile == 0.5 else own[min(len(own) - 1, int(quantile * len(own)))]
+        return own.quantile(quantile)
 
     def ratios(self) -> list[float]:
         """The ratios recorded, oldest first."""
-        with self._lock:
-            return list(self._ratios)
+        return self._ratios.values()
 
     @property
     def value(self) -> float:
         if self.fixed is not None:
             return self.fixed
-        with self._lock:
-            ordered = sorted(self._ratios)
-        if not ordered:
-            return 1.0
-        # the sorted ratio at rank floor(quantile * n), without interpolation
-        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        return self._ratios.quantile(self.quantile, empty=1.0)
 
 
 #: the ratios kept per configuration, and the fewest that give it a scale of its own
@@ -123,12 +117,11 @@ class BudgetMargin:
     The controller's latencies and the latency scale describe one request on a free model; what
     a request takes on a loaded server also depends on the queue and on everything the latency
     scale's median does not see. Instead of modelling that, the margin tracks the outcome the
-    budget is about: after each request the controller decided, ``log(margin)`` moves by
-    ``step * (met - target)``: down by ``step * target`` after a miss, up by
-    ``step * (1 - target)`` after a request within budget. Its fixed point is the margin at which
-    a ``target`` share meets (a stochastic-approximation quantile tracker): under load it falls, the
-    controller picks cheaper configurations and the queue shortens; where the controller is more
-    careful than it needs to be it rises above 1. ``target`` None pins the margin at 1.
+    budget is about (a :class:`controller.cost.QuantileTracker` of the requests within budget):
+    after each request the controller decided, ``log(margin)`` moves down by ``step * target``
+    after a miss, up by ``step * (1 - target)`` after a request within budget. Under load it falls,
+    the controller picks cheaper configurations and the queue shortens; where the controller is
+    more careful than it needs to be it rises above 1. ``target`` None pins the margin at 1.
     """
 
     def __init__(self, target: float | None, *, step: float = MARGIN_STEP,
@@ -146,13 +139,14 @@ class BudgetMargin:
         if not low <= initial <= high:
             msg = f"the initial margin must be within the bounds {bounds!r}, got {initial!r}"
             raise ValueError(msg)
-        self.target, self.step, self.bounds = target, float(step), (float(low), float(high))
-        self._log = math.log(initial)
-        self._lock = threading.Lock()
+        self.target = target
+        self._within = QuantileTracker(target if target is not None else 0.5, step=step, bounds=bounds,
+                                       initial=initial)
+        self.step, self.bounds = self._within.step, self._within.bounds
 
     @property
     def value(self) -> float:
-        return math.exp(self._log)
+        return self._within.value
 
     def observe(self, met: bool, target: float | None = None) -> float:
         """Record whether one controller-decided request was answered within its budget; the new margin.
@@ -161,8 +155,4 @@ class BudgetMargin:
         if self.target is None:
             return 1.0
         aim = self.target if target is None else min(self.target, max(0.0, float(target)))
-        low, high = self.bounds
-        with self._lock:
-            moved = self._log + self.step * (float(met) - aim)
-            self._log = min(math.log(high), max(math.log(low), moved))
-            return math.exp(self._log)
+        return self._within.observe(met, aim)

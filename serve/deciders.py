@@ -11,7 +11,8 @@ crop count), plus, for an online run, the latency token, and picks top-K and the
 * :class:`OfflineDecider`: an offline run, as ``ctrl export`` writes it
   (:class:`controller.deploy.DeployedController`: its ``stage1`` and ``stage2``, with the table
   fallback). Its stage 2 runs before block 0 (insertion position 0): its top-K applies to
-  every block, as in the recorded data it was trained on.
+  every block, as in the recorded data it was trained on. Its choice is held to the machine's
+  measured cost (``serve.budget.guard_config`` with the server's latency scale per configuration).
 * :class:`OnlineDecider`: an online run's :class:`trainer.two_stage.TwoStageController`
   (greedy at each stage, as ``ctrl evaluate`` measures it).
 * :class:`FixedKnobs`: the knobs a request fixed itself (``knobs``), e.g. a benchmark's static
@@ -31,6 +32,8 @@ from controller.latency_guard import LatencyGuard, guarded_stage2, load_run_guar
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.knobs import Config
 from pipeline.workspace import Workspace
+from serve.budget import guard_config
+from serve.calibration import LatencyScale
 from serve.protocol import RequestError
 from serve.startup import check_controller_file
 from trainer.fallback import read_fallback
@@ -49,6 +52,7 @@ class Stage1Choice:
     decided_by: str  # controller | table | cheapest | request
     state: Any = None  # what the decider's stage 2 reuses
     question_group: str | None = None  # the family or cluster the question reads as (the fallback's table)
+    guarded_from: str | None = None  # C/K/B stage 2 chose, where the machine's cost made it run another
 
 
 @dataclass
@@ -58,6 +62,10 @@ class Stage2Inputs:
     budget_ms: float
     image_feature: torch.Tensor | None  # (Di,) the global crop's feature; None without an image
     latency_token: torch.Tensor | None  # (d,) after blocks 0..p-1, online runs only
+    #: the model time the budget allows (served ms), and the machine's measured cost of each configuration
+    #: an offline controller's choice is held to (None: not held, ``--no-config-guard``)
+    served_budget_ms: float | None = None
+    machine: LatencyScale | None = None
 
 
 class RequestDecider(Protocol):
@@ -119,11 +127,24 @@ class OfflineDecider:
                                              torch.tensor([float(inputs.budget_ms)]),
                                              torch.tensor([choice.max_crops], dtype=torch.long),
                                              inputs.tiling_crops[None].float())
-        return int(top_k[0]), int(blocks[0])
+        return held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs)
 
     def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """Nothing to learn from a request's latency: an offline controller's guard is the server's
-        (``serve.budget.guard_config``)."""
+        """Nothing to learn here from a request's latency: the machine's scale an offline controller is
+        held to is the server's (:class:`serve.calibration.LatencyScale`), which every request feeds."""
+
+
+def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage2Inputs) -> tuple[int, int]:
+    """An offline controller's stage-2 choice held to what this machine does now
+    (``serve.budget.guard_config``: each configuration's reference latency times its measured scale,
+    against the model time the budget allows); records the replaced choice in ``choice.guarded_from``."""
+    chosen = (choice.max_crops, int(top_k), int(blocks))
+    if inputs.machine is None or inputs.served_budget_ms is None:
+        return chosen[1], chosen[2]
+    run = guard_config(chosen, inputs.machine.reference_ms, inputs.machine.of, inputs.served_budget_ms)
+    if run != chosen:
+        choice.guarded_from = "/".join(str(v) for v in chosen)
+    return run[1], run[2]
 
 
 class OnlineDecider:

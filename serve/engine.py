@@ -48,12 +48,13 @@ from typing import Any
 import torch
 from PIL import Image
 
+from controller.cost import quantile_of
 from pipeline.knobs import MAX_CROPS_LIMIT
 from runtime import ModelRuntime
 from runtime.base import PrefixState
 from runtime.request import RequestExecutor
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
-from serve.budget import BudgetPlan, BudgetPlanner, guard_config
+from serve.budget import BudgetPlan, BudgetPlanner
 from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
@@ -399,7 +400,7 @@ class Engine:
             raise Overloaded(self._retry_after(self._reserved))
 
     def _retry_after(self, pending: int) -> int:
-        typical = sorted(self._service_s)[len(self._service_s) // 2] if self._service_s else 1.0
+        typical = quantile_of(self._service_s, 0.5, empty=1.0)
         return max(1, math.ceil(pending * typical))
 
     # -- the worker
@@ -460,7 +461,6 @@ class Engine:
         plan: BudgetPlan | None = None
         lang = tiling = None
         started = spent_ms = 0.0
-        guarded_from: str | None = None
 
         def stage1() -> Stage1Choice:
             nonlocal decider, plan, lang, tiling, started, spent_ms
@@ -476,18 +476,11 @@ class Engine:
             return decider.stage1(lang, tiling, plan.controller_budget_ms)  # in the controller's units
 
         def stage2(choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
-            nonlocal guarded_from
             p = choice.insertion_position
-            top_k, blocks = decider.stage2(choice, Stage2Inputs(
-                lang, tiling, plan.controller_budget_ms, prefix.image_feature,
-                prefix.latency_token if p > 0 else None))
-            if p == 0 and not fixed and not plan.cheapest and not job.unreachable and self.guard:
-                chosen = (choice.max_crops, int(top_k), int(blocks))
-                run = guard_config(chosen, self.latency_scale.reference_ms, self.latency_scale.of,
-                                   plan.controller_budget_ms * plan.latency_scale)
-                if run != chosen:
-                    guarded_from, (_, top_k, blocks) = "/".join(str(v) for v in chosen), run
-            return int(top_k), int(blocks)
+            return decider.stage2(choice, Stage2Inputs(
+                lang, tiling, plan.controller_budget_ms, prefix.image_feature, prefix.latency_token if p > 0 else None,
+                served_budget_ms=plan.controller_budget_ms * plan.latency_scale,
+                machine=self.latency_scale if self.guard else None))
 
         def counted(tokens: int) -> None:
             job.tokens_out = tokens
@@ -520,9 +513,8 @@ class Engine:
                 self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
             raise
         choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
-        p = choice.insertion_position
-        if guarded_from is None:  # what it decided ran as decided: an online run's guard follows the machine's speed
-            decider.observe(choice, top_k, blocks, parts.controller_ms + parts.model_ms)
+        p, guarded_from = choice.insertion_position, choice.guarded_from
+        decider.observe(choice, top_k, blocks, parts.controller_ms + parts.model_ms)
         ratio = None
         if p == 0:  # the configurations the reference latencies were recorded for
             ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), parts.model_ms)

@@ -547,8 +547,10 @@ class RecordingDecider:
         return Stage1Choice(2, 0, None, "controller")
 
     def stage2(self, choice, inputs):
+        from serve.deciders import held_to_machine
+
         self.image_feature = inputs.image_feature
-        return 2, 3
+        return held_to_machine(choice, 2, 3, inputs)  # as an offline controller is
 
     def observe(self, choice, top_k, blocks, measured_ms):
         pass
