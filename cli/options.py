@@ -38,12 +38,12 @@ def _cli_type(hint: Any) -> Any:
     return hint
 
 
-def config_parameters(cls: type, names: Iterable[str] | None = None, *, exclude: Iterable[str] = (),
-                      not_given: bool = False, help_of: Callable[[str], str] | None = None,
+def config_parameters(cls: type, names: Iterable[str] | None = None, *, not_given: bool = False,
+                      help_of: Callable[[str], str] | None = None,
                       field_of: dict[str, str] | None = None,
                       overrides: dict[str, dict[str, Any]] | None = None) -> list[inspect.Parameter]:
     """The command-line parameters of ``cls``'s fields (``names``: these, in this order; else
-    every field a command line sets, in field order, less ``exclude``).
+    every field a command line sets, in field order).
 
     ``not_given``: every default is None ("not given"; the config's own default applies later).
     ``field_of``: parameter name -> the field it sets, where they differ (the flag then follows
@@ -55,11 +55,8 @@ def config_parameters(cls: type, names: Iterable[str] | None = None, *, exclude:
     field_of = field_of or {}
     if names is None:
         names = [f.name for f in fields(cls) if f.init and "help" in f.metadata and f.metadata.get("cli", True)]
-    skipped = set(exclude)
     out: list[inspect.Parameter] = []
     for name in names:
-        if name in skipped:
-            continue
         f = by_name[field_of.get(name, name)]
         meta = {**f.metadata, **(overrides or {}).get(name, {})}
         kind = meta.get("type") or _cli_type(hints[f.name])
