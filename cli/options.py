@@ -18,6 +18,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from pipeline.options import flags_by_rule
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -71,20 +73,14 @@ def config_parameters(cls: type, names: Iterable[str] | None = None, *, not_give
             default = f.default_factory()
         else:
             default = inspect.Parameter.empty
-        flags = tuple(meta["flags"]) if meta.get("flags") else flags_by_rule(name, kind)
+        is_bool = kind is bool or set(typing.get_args(kind)) == {bool, type(None)}
+        flags = tuple(meta["flags"]) if meta.get("flags") else flags_by_rule(name, is_bool)
         help_text = help_of(name) if help_of is not None else meta["help"]
         info = _option(meta, help_text=help_text, default=None if default is inspect.Parameter.empty else default,
                        flags=flags)
         out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                      annotation=Annotated[kind, info]))
     return out
-
-
-def flags_by_rule(name: str, kind: Any) -> tuple[str, ...]:
-    """``--name``; ``--name/--no-name`` for a bool (``pipeline.options``)."""
-    flag = "--" + name.replace("_", "-")
-    is_bool = kind is bool or set(typing.get_args(kind)) == {bool, type(None)}
-    return (f"{flag}/--no-{flag[2:]}",) if is_bool else (flag,)
 
 
 def _option(meta: dict[str, Any], *, help_text: str, default: Any, flags: tuple[str, ...]) -> Any:

@@ -71,3 +71,17 @@ def option_default(cls: type, name: str) -> Any:
     if f.default is MISSING:
         return f.default_factory() if f.default_factory is not MISSING else None
     return f.default
+
+
+def flags_by_rule(name: str, is_bool: bool) -> tuple[str, ...]:
+    """``--name``, and ``--name/--no-name`` for a bool (the rule the module docstring states)."""
+    flag = "--" + name.replace("_", "-")
+    return (f"{flag}/--no-{flag[2:]}",) if is_bool else (flag,)
+
+
+def option_flags(cls: type, name: str) -> tuple[str, ...]:
+    """The flags of field ``name`` of ``cls``: its ``flags``, else :func:`flags_by_rule`."""
+    f = option_field(cls, name)
+    if f.metadata.get("flags"):
+        return tuple(f.metadata["flags"])
+    return flags_by_rule(name, f.type in ("bool", bool))

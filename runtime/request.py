@@ -24,7 +24,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from runtime.base import DecodeState, ModelInputs, ModelRuntime, PrefixState, greedy_decode
+from runtime.base import ModelInputs, ModelRuntime, PrefixState, greedy_decode
 from runtime.timing import RequestTiming, StageTimer
 
 
@@ -95,7 +95,6 @@ class Answer:
 
     tokens: list[int]
     active_blocks: tuple[int, ...]
-    state: DecodeState
 
 
 @dataclass
@@ -104,7 +103,6 @@ class RequestOutcome(Generic[Decision]):
 
     stage1: Decision
     inputs: ModelInputs
-    prefix: PrefixState
     top_k: int
     num_active_blocks: int
     answer: Answer
@@ -126,10 +124,11 @@ class RequestExecutor:
         self.runtime, self.timer = runtime, timer
 
     @contextmanager
-    def _configured(self, prefix: PrefixState, top_k: int, num_active_blocks: int) -> Iterator[tuple[int, ...]]:
-        """``top_k`` in blocks p.. (blocks before the insertion point ran at the default) and the
-        blocks kept for ``num_active_blocks`` (blocks 0..p-1 always: they ran)."""
-        runtime, p = self.runtime, prefix.insertion_position
+    def configured(self, insertion_position: int, top_k: int, num_active_blocks: int) -> Iterator[tuple[int, ...]]:
+        """A request's knobs after its insertion point p: ``top_k`` in blocks p.. (blocks before it
+        ran at the default) and the blocks kept for ``num_active_blocks`` (blocks 0..p-1 always:
+        they ran); yields those blocks."""
+        runtime, p = self.runtime, int(insertion_position)
         active = runtime.blocks_for(num_active_blocks, first_kept=max(p, 1))
         with runtime.knobs(top_k={i: int(top_k) for i in range(p, runtime.num_layers)}):
             yield active
@@ -150,7 +149,7 @@ class RequestExecutor:
         ``check()`` runs before each decode step (a cancellation raises there); ``on_token(n)``
         after each token, with the count of tokens so far."""
         runtime = self.runtime
-        with self._configured(prefix, top_k, num_active_blocks) as active:
+        with self.configured(prefix.insertion_position, top_k, num_active_blocks) as active:
             with self.timer.segment("suffix", timing):
                 state = runtime.prefill_suffix(prefix, active)
             first = pick(state.logits)
@@ -170,12 +169,12 @@ class RequestExecutor:
                     return pick(state.logits)
 
             tokens = greedy_decode(first, next_token, runtime.eos_id, max_tokens, until)
-        return Answer(tokens, active, state)
+        return Answer(tokens, active)
 
     def warm_up(self, prefix: PrefixState, top_k: int, num_active_blocks: int) -> None:
         """The rest of the prefill and one decode step, untimed: a configuration's one-time costs
         (allocations, kernel selection) paid before its first measured run."""
-        with self._configured(prefix, top_k, num_active_blocks) as active:
+        with self.configured(prefix.insertion_position, top_k, num_active_blocks) as active:
             state = self.runtime.prefill_suffix(prefix, active)
             self.runtime.decode_step(state, argmax_token(state.logits))
 
@@ -211,4 +210,4 @@ class RequestExecutor:
             answer = self.answer(prefix, top_k, blocks, timing, max_tokens=max_tokens, pick=pick, until=until,
                                  check=between, on_token=on_token)
         self.timer.resolve(timing)
-        return RequestOutcome(decision, model_inputs, prefix, int(top_k), int(blocks), answer, timing)
+        return RequestOutcome(decision, model_inputs, int(top_k), int(blocks), answer, timing)

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 
 from controller.cost import QuantileTracker, RecentWindow
 from pipeline.knobs import Config
-from serve.config import LATENCY_SCALE_WINDOW, option_default
+from pipeline.options import option_default
+from serve.config import LATENCY_SCALE_WINDOW, ServeConfig
 
 
 class LatencyScale:
@@ -36,7 +37,7 @@ class LatencyScale:
     """
 
     def __init__(self, reference_ms: Mapping[Config, float], *, fixed: float | None = None,
-                 quantile: float = option_default("latency_scale_quantile"),
+                 quantile: float = option_default(ServeConfig, "latency_scale_quantile"),
                  window: int = LATENCY_SCALE_WINDOW) -> None:
         if fixed is not None and not (math.isfinite(fixed) and fixed > 0):
             msg = f"the latency scale must be a positive number, got {fixed!r}"

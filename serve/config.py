@@ -1,7 +1,7 @@
 """Options of ``ctrl serve``: each option's default and help live on its field, once.
 
-The CLI builds its options from :func:`option_help` and the field defaults; docs/serving.md
-lists the same text (tests/test_serve.py checks they agree). This module imports nothing of
+The CLI builds its options from the fields (``cli/options.py``); docs/serving.md lists the
+same text (tests/test_serve.py checks they agree). This module imports nothing of
 ctrl, so that ``ctrl --help`` reads it without loading pyarrow or torch; a bad value is a
 ``ValueError`` with one line.
 """
@@ -12,15 +12,12 @@ import ipaddress
 import math
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
 
-from pipeline.execution import ExecutionOptions, execution_field
-from pipeline.options import WORKSPACE_CLI
+from pipeline.execution import DTYPE_CHOICES, ExecutionOptions, execution_field
+from pipeline.options import WORKSPACE_CLI, option, option_flags
 
-#: the values of --dtype (runtime.precision.DTYPE_CHOICES)
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: how many of the latest requests the measured latency scale is a quantile over
 LATENCY_SCALE_WINDOW = 32
 #: the prompt-token limit of a model whose runtime does not say its context length
@@ -29,149 +26,144 @@ FALLBACK_MAX_PROMPT_TOKENS = 4096
 LOOPBACK_NAMES = {"localhost"}
 
 
-def _help(text: str, **cli: Any) -> dict[str, Any]:
-    """A field's metadata: its help and its command-line form (``pipeline.options.option``'s keys)."""
-    return {"help": text, **cli}
-
-
 @dataclass
 class ServeConfig:
     """How ``ctrl serve`` runs: the model, the controller, the HTTP endpoint and its limits."""
 
-    model: str = field(default="testbed", metadata=_help(
+    model: str = option("testbed", help=
         "The model answering requests: 'embedded', 'testbed', a local MolmoE directory or a Hugging Face id "
-        "org/name[@revision] in the local cache; must be the model the controller's features came from."))
-    controller: str = field(default="latest", metadata=_help(
+        "org/name[@revision] in the local cache; must be the model the controller's features came from.")
+    controller: str = option("latest", help=
         "The controller on the request path: a run id or directory (offline or online), 'latest' (the most "
         "recently started run with a checkpoint, either phase), a checkpoint .pt or a file written by "
-        "`ctrl export`."))
-    workspace: Path | None = field(default=None, metadata=_help(
+        "`ctrl export`.")
+    workspace: Path | None = option(None, help=
         "Workspace: where runs are looked up and every request is recorded (requests/*.jsonl, view `requests`).",
-        **WORKSPACE_CLI))
-    host: str = field(default="127.0.0.1", metadata=_help(
+        **WORKSPACE_CLI)
+    host: str = option("127.0.0.1", help=
         "Address or host name to bind (an IPv6 address with or without brackets: ::1 or [::1]); anything but "
-        "loopback also needs --allow-remote."))
-    port: int = field(default=8000, metadata=_help("TCP port to listen on (0 = any free port, printed at start)."))
-    allow_remote: bool = field(default=False, metadata=_help(
-        "Allow binding to a non-loopback address (then also set --api-key).", flags=("--allow-remote",)))
-    auth_by_proxy: bool = field(default=False, metadata=_help(
+        "loopback also needs --allow-remote.")
+    port: int = option(8000, help="TCP port to listen on (0 = any free port, printed at start).")
+    allow_remote: bool = option(False, help=
+        "Allow binding to a non-loopback address (then also set --api-key).", flags=("--allow-remote",))
+    auth_by_proxy: bool = option(False, help=
         "Allow a non-loopback address without --api-key because an authenticating proxy in front of the server "
-        "checks every request.", flags=("--auth-by-proxy",)))
-    api_key: str | None = field(default=None, metadata=_help(
+        "checks every request.", flags=("--auth-by-proxy",))
+    api_key: str | None = option(None, help=
         "Require 'Authorization: Bearer KEY' on every endpoint but /health (env CTRL_API_KEY); surrounding "
         "whitespace, such as a key file's newline, is dropped from the key and from the token a client sends, "
-        "and what remains must be visible ASCII.", envvar="CTRL_API_KEY"))
+        "and what remains must be visible ASCII.", envvar="CTRL_API_KEY")
     device: str = execution_field("device")
     # a plain string checked here: a bad value is one line naming the choices, as for --device
     dtype: str = execution_field("dtype", choices=None, metavar="<auto|bfloat16|float16|float32>")
     threads: int = execution_field("threads", min=None)
-    max_queue: int = field(default=8, metadata=_help(
-        "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After."))
-    default_budget_ms: float | None = field(default=None, metadata=_help(
+    max_queue: int = option(8, help=
+        "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After.")
+    default_budget_ms: float | None = option(None, help=
         "Latency budget of a request without latency_budget_ms (default: the top of the controller's "
-        "training budget range)."))
-    latency_scale: float | None = field(default=None, metadata=_help(
+        "training budget range).")
+    latency_scale: float | None = option(None, help=
         "This machine's model time per millisecond of the latencies the controller was trained on; budgets are "
         "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds (default: "
-        "measured on the requests served, warm-up included; docs/serving.md#latency-calibration)."))
-    latency_scale_quantile: float = field(default=0.5, metadata=_help(
+        "measured on the requests served, warm-up included; docs/serving.md#latency-calibration).")
+    latency_scale_quantile: float = option(0.5, help=
         f"The measured latency scale is this quantile of the last {LATENCY_SCALE_WINDOW} requests' ratios of served "
-        "model time to the configuration's median training latency (higher: more careful decisions)."))
-    queue_aware: bool = field(default=True, metadata=_help(
+        "model time to the configuration's median training latency (higher: more careful decisions).")
+    queue_aware: bool = option(True, help=
         "Cap the budget the controller reads by what the requests waiting behind a request still need to meet "
-        "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets)."))
-    load_aware: bool = field(default=True, metadata=_help(
+        "theirs at the cheapest configuration (docs/serving.md#queue-aware-budgets).")
+    load_aware: bool = option(True, help=
         "Cap the budget the controller reads by what the requests still to come, at the arrival rate observed, "
         "need to meet budgets like it on average: an M/G/1 queue's mean waiting time "
-        "(docs/serving.md#load-aware-budgets)."))
-    burst_aware: bool = field(default=True, metadata=_help(
+        "(docs/serving.md#load-aware-budgets).")
+    burst_aware: bool = option(True, help=
         "Read arrivals as bursty as they are: the arrival rate of the last 8 requests where it is at least twice "
         "the windowed one (a burst seen within a few arrivals), and a G/G/1 wait (Kingman) with the arrival "
-        "counts' dispersion over windows of the budget (docs/serving.md#bursty-arrivals)."))
-    refuse_unreachable: bool = field(default=True, metadata=_help(
+        "counts' dispersion over windows of the budget (docs/serving.md#bursty-arrivals).")
+    refuse_unreachable: bool = option(True, help=
         "Refuse at once (503 budget_unreachable, with Retry-After) a request with a latency_budget_ms of its own "
         "when the requests ahead of it, at the cheapest configuration, leave too little of its "
         "budget for the cheapest configuration, instead of queueing it to fail; drop such a request (504) when "
         "the rest of its budget is less than the cheapest configuration takes by the time the model could start "
-        "it; serve the waiting earliest deadline first either way (docs/serving.md#overload)."))
-    cheapest_floor: bool = field(default=False, metadata=_help(
+        "it; serve the waiting earliest deadline first either way (docs/serving.md#overload).")
+    cheapest_floor: bool = option(False, help=
         "Per budget class, decide requests at the cheapest configuration while the class's controller requests "
         "have recently met their budgets less often than a replay of the same arrivals at the cheapest "
         "configuration would have. Off by default: under Poisson arrivals it cost accuracy without meeting more "
-        "budgets (docs/serving.md#the-cheapest-floor)."))
-    config_guard: bool = field(default=True, metadata=_help(
+        "budgets (docs/serving.md#the-cheapest-floor).")
+    config_guard: bool = option(True, help=
         "After stage 2, replace a configuration whose median on this machine (its reference latency times its "
         "own measured scale) exceeds the budget the controller read by the largest one at the same crops that "
-        "fits (docs/serving.md#budget-terms)."))
-    met_target: float = field(default=0.95, metadata=_help(
+        "fits (docs/serving.md#budget-terms).")
+    met_target: float = option(0.95, help=
         "The share of controller-decided requests to answer within their budget: the budget the controller reads "
         "is multiplied by a margin that falls after each request that missed and rises after each that met, so "
         "that this share is met under the server's own load; each budget class keeps its own margin and aims no "
-        "higher than the cheapest configuration can meet (0 turns the margin off; docs/serving.md#met-target)."))
-    default_max_tokens: int = field(default=16, metadata=_help("Tokens generated when a request sets no max_tokens."))
-    max_tokens_limit: int = field(default=256, metadata=_help("The largest max_tokens a request may ask for."))
-    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=_help(
+        "higher than the cheapest configuration can meet (0 turns the margin off; docs/serving.md#met-target).")
+    default_max_tokens: int = option(16, help="Tokens generated when a request sets no max_tokens.")
+    max_tokens_limit: int = option(256, help="The largest max_tokens a request may ask for.")
+    max_body_bytes: int = option(16 * 1024 * 1024, help=
         "The largest request body accepted, in bytes (413 above); also the largest image file read from "
-        "--local-images."))
-    max_prompt_chars: int = field(default=8000, metadata=_help(
+        "--local-images.")
+    max_prompt_chars: int = option(8000, help=
         "The most characters of question text a request may send (400 above): the prefill's time grows "
-        "with the prompt, quadratically, and holds the one model thread."))
-    max_prompt_tokens: int | None = field(default=None, metadata=_help(
+        "with the prompt, quadratically, and holds the one model thread.")
+    max_prompt_tokens: int | None = option(None, help=
         "The most tokens the question's formatted prompt may have, as the model's tokenizer counts them before "
         "the request is queued (400 above; the image's tokens come on top, bounded by the crops). Default: the "
         "model's context length (2048 for the embedded model and the testbed, 4096 for MolmoE-1B), "
-        f"{FALLBACK_MAX_PROMPT_TOKENS} where the runtime does not know it."))
-    queue_deadline: float = field(default=4.0, metadata=_help(
+        f"{FALLBACK_MAX_PROMPT_TOKENS} where the runtime does not know it.")
+    queue_deadline: float = option(4.0, help=
         "A request that has spent this many times its latency budget since it arrived when the model could "
         "start it is dropped instead of run (504, deadline_exceeded): its answer would come far too late, and "
-        "running it would delay every request behind it (0: never drop)."))
-    max_image_pixels: int = field(default=25_000_000, metadata=_help(
-        "The most pixels (width x height, read from the header before decoding) an image may have (400 above)."))
-    max_image_aspect: float = field(default=25.0, metadata=_help(
+        "running it would delay every request behind it (0: never drop).")
+    max_image_pixels: int = option(25_000_000, help=
+        "The most pixels (width x height, read from the header before decoding) an image may have (400 above).")
+    max_image_aspect: float = option(25.0, help=
         "The most an image's longer side may be of its shorter side (400 above): resizing a sliver of millions of "
-        "pixels costs the model thread several times what a square image of as many pixels does."))
-    max_connections: int = field(default=128, metadata=_help(
-        "The most open HTTP connections; one more is answered 503 and closed before its request is read."))
-    header_timeout_s: float = field(default=10.0, metadata=_help(
+        "pixels costs the model thread several times what a square image of as many pixels does.")
+    max_connections: int = option(128, help=
+        "The most open HTTP connections; one more is answered 503 and closed before its request is read.")
+    header_timeout_s: float = option(10.0, help=
         "Seconds a connection has to send a request's headers (from its opening or the previous reply); "
-        "then it is answered 408 and closed."))
-    body_timeout_s: float = field(default=30.0, metadata=_help(
+        "then it is answered 408 and closed.")
+    body_timeout_s: float = option(30.0, help=
         "Seconds a request's body has to arrive once its headers are in; then it is answered 408 and the "
-        "connection closed (a body of --max-body-bytes needs about 0.6 MB/s by default)."))
-    write_timeout_s: float = field(default=10.0, metadata=_help(
+        "connection closed (a body of --max-body-bytes needs about 0.6 MB/s by default).")
+    write_timeout_s: float = option(10.0, help=
         "Seconds a connection's replies may wait unread in its send buffer (a client that sends requests and "
-        "never reads the answers); then the connection is closed at once."))
-    max_pipelined: int = field(default=8, metadata=_help(
+        "never reads the answers); then the connection is closed at once.")
+    max_pipelined: int = option(8, help=
         "Requests answered in a row on one connection that its client sent before the previous reply was "
         "complete (HTTP pipelining); after them the server ends the connection, the replies written still "
-        "readable."))
-    max_uploads: int | None = field(default=None, metadata=_help(
+        "readable.")
+    max_uploads: int | None = option(None, help=
         "Request bodies received at once: a body's first byte takes a place, a body with none is read, "
         "dropped and answered 503 uploads_full with Retry-After; one client address (not loopback, and not "
         "with --auth-by-proxy, where every client has the proxy's) may hold half of them (default: 2 x "
-        "(--max-queue + 1))."))
-    allowed_hosts: str | None = field(default=None, metadata=_help(
+        "(--max-queue + 1)).")
+    allowed_hosts: str | None = option(None, help=
         "Comma-separated host names the Host header may name, '*' for any (default: on a loopback bind "
         "localhost, 127.0.0.1, ::1 and the --host value, so that a web page cannot reach the server through a "
-        "name of its own (DNS rebinding); elsewhere any)."))
-    allowed_origins: str | None = field(default=None, metadata=_help(
+        "name of its own (DNS rebinding); elsewhere any).")
+    allowed_origins: str | None = option(None, help=
         "Comma-separated origins (scheme://host[:port]) whose browser pages may call the server, with CORS "
-        "headers (default: none; a request with any other Origin header is refused with 403)."))
-    local_images: Path | None = field(default=None, metadata=_help(
+        "headers (default: none; a request with any other Origin header is refused with 403).")
+    local_images: Path | None = option(None, help=
         "Also accept image_url file paths (file:///... or /...) inside this directory (default: data: URIs only).",
-        is_dir=True))
-    served_model_name: str | None = field(default=None, metadata=_help(
-        "The model name requests must use and /v1/models lists (default: the --model value)."))
+        is_dir=True)
+    served_model_name: str | None = option(None, help=
+        "The model name requests must use and /v1/models lists (default: the --model value).")
     fast_path: bool = execution_field("fast_path", more_help=(
         "The warm-up captures the steps of the configurations the controller can choose."))
     float32_attention: bool = execution_field("float32_attention")
-    warmup: bool = field(default=True, metadata=_help(
+    warmup: bool = option(True, help=
         "Before accepting requests, run the fastest and the slowest configuration of every crops choice (twice "
-        "when the latency scale is measured), so first requests do not pay one-time costs."))
+        "when the latency scale is measured), so first requests do not pay one-time costs.")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            msg = f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+        if self.dtype not in DTYPE_CHOICES:
+            msg = f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}"
             raise ValueError(msg)
         for name in ("max_queue", "default_max_tokens", "max_tokens_limit", "max_body_bytes", "max_prompt_chars",
                      "max_prompt_tokens", "max_image_pixels"):
@@ -332,26 +324,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def option_help(name: str) -> str:
-    """The help text of a :class:`ServeConfig` field (the CLI's and the docs' option text)."""
-    for f in fields(ServeConfig):
-        if f.name == name:
-            return f.metadata["help"]
-    raise KeyError(name)
-
-
-def option_default(name: str) -> Any:
-    for f in fields(ServeConfig):
-        if f.name == name:
-            return None if f.default is MISSING else f.default
-    raise KeyError(name)
-
-
 def options_markdown() -> str:
     """The options table of docs/serving.md, from the fields (a test checks the doc holds it)."""
     lines = ["| option | default | |", "|---|---|---|"]
     for f in fields(ServeConfig):
-        flag = "--workspace/-w" if f.name == "workspace" else "--" + f.name.replace("_", "-")
+        flags = ", ".join(option_flags(ServeConfig, f.name))
         default = "" if f.default in (None, MISSING) else f"`{f.default}`"
-        lines.append(f"| `{flag}` | {default} | {f.metadata['help']} |")
+        lines.append(f"| `{flags}` | {default} | {f.metadata['help']} |")
     return "\n".join(lines)

@@ -27,8 +27,9 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
+from pipeline.options import option_default
 from pipeline.parse import RepeatedKeyError, loads_unique_keys
-from serve.config import option_default
+from serve.config import ServeConfig
 
 #: what a request may ask the server to do when the queue ahead leaves its budget no room
 WHEN_UNREACHABLE = ("refuse", "run")
@@ -94,13 +95,13 @@ class Limits:
     #: the served model answers only questions about an image (``ModelRuntime.answers_without_image``)
     image_required: bool = False
     #: the most characters of question text (the prefill's cost grows with it, quadratically)
-    max_prompt_chars: int = option_default("max_prompt_chars")
+    max_prompt_chars: int = option_default(ServeConfig, "max_prompt_chars")
     #: the most tokens of the formatted prompt (None: no limit; the server sets the model's context length)
     max_prompt_tokens: int | None = None
     #: the largest image file read from ``local_images`` (a data: URI meets the body's limit instead)
-    max_image_file_bytes: int = option_default("max_body_bytes")
+    max_image_file_bytes: int = option_default(ServeConfig, "max_body_bytes")
     #: the most the longer side of an image may be of its shorter side
-    max_image_aspect: float = option_default("max_image_aspect")
+    max_image_aspect: float = option_default(ServeConfig, "max_image_aspect")
     #: texts the model's tokenizer reads as its own control tokens (a question must not spell them)
     reserved_texts: tuple[str, ...] = ()
 

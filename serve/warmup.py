@@ -60,8 +60,7 @@ def capture_decode_steps(engine: Engine, max_tokens: int, time_limit_s: float = 
             break
         if max_crops not in lengths:
             lengths[max_crops] = int(runtime.preprocess(image, "What is in the image?", max_crops).input_ids.shape[1])
-        active = runtime.blocks_for(blocks, first_kept=max(p, 1))
-        with runtime.knobs(top_k={i: top_k for i in range(p, runtime.num_layers)}):
+        with engine.executor.configured(p, top_k, blocks) as active:
             for positions in (lengths[max_crops] + 1, lengths[max_crops] + max_tokens):  # first and last window
                 runtime.capture_decode(active, positions)
     return runtime.captured_graphs, time.perf_counter() - started
