@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any
 
 import typer
@@ -12,7 +13,7 @@ from online.train_options import PHASES, TRAIN_OPTIONS, train_option_help
 from trainer.progress import ProgressUpdate
 
 
-def _train_parameters() -> list:
+def _train_parameters() -> list[inspect.Parameter]:
     """Every ``ctrl train`` option, from the config field it sets (the phase's that has it)."""
     return [p for option in TRAIN_OPTIONS.values()
             for p in config_parameters(PHASES[option.phases()[0]], [option.name], not_given=True,
