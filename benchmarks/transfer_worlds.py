@@ -3,6 +3,7 @@
     python benchmarks/transfer_worlds.py                         # the worlds that chose the defaults
     python benchmarks/transfer_worlds.py --worlds check          # the worlds kept for checking them
     python benchmarks/transfer_worlds.py --worlds final          # worlds no choice has seen
+    python benchmarks/transfer_worlds.py --worlds tiling         # each request's tiling in the features
     python benchmarks/transfer_worlds.py --set violation_target=0.02 --out rows.jsonl
     python benchmarks/transfer_worlds.py --worlds all --render rows.jsonl   # the tables again, no training
 
@@ -19,6 +20,10 @@ table's standard errors, its largest violation rate, both mean gains over the p9
 the gap to the clairvoyant choice. ``lut_by_cluster`` is the table of questions clustered without
 labels (``trainer.clusters``) on every sample of the first world. ``--set ignore_family_labels=true``
 trains as on data without labels; the family table (the labels known) stays the reference.
+``lut_by_tiling`` (where the data has tilings and families) also knows each request's tiling: per
+(family, configuration, crops used) the training mean score and p95 latency (coarser cells where one
+has under 5 samples). The ``tiling`` worlds write their images at a scale at which the features'
+tilings are the crops the hidden latency was drawn with (``TILING_SPEC``).
 
 Worlds are cached in benchmarks/.cache/transfer (ingest + embedded-model features).
 """
@@ -51,10 +56,21 @@ class World:
     family_weights: tuple[tuple[str, float], ...] = ()
     test_family_weights: tuple[tuple[str, float], ...] | None = None
     labels: bool = True
+    # more ``SyntheticSpec`` fields of both trees as (field, value) pairs (image_scale, image_sizes,
+    # prompt_context, max_crops, ...); ``world_workspace`` names each in its cache tag
+    spec: tuple[tuple[str, object], ...] = ()
 
     def spec_options(self, test: bool) -> dict:
         weights = self.test_family_weights if test and self.test_family_weights is not None else self.family_weights
-        return {"family_weights": weights, "write_family": self.labels}
+        return {"family_weights": weights, "write_family": self.labels, **dict(self.spec)}
+
+
+#: the tiling worlds' trees: images written at 0.375 (``synthetic.truth.TILING_IMAGE_SCALE``, 84/224) of
+#: their original size, so the embedded preprocessor tiles each file as Molmo's rule tiles the original
+#: (the features' tilings are the crops the latency was drawn with); the real sets' size spread; prompts
+#: with context of a length per family; max_crops up to 12 (1-12 crops)
+TILING_SPEC: tuple[tuple[str, object], ...] = (("image_scale", 0.375), ("image_sizes", "vqa"),
+                                               ("prompt_context", True), ("max_crops", (2, 6, 12)))
 
 
 #: worlds that chose the defaults (``tune``), worlds kept out of the first choices of them (``check``,
@@ -90,7 +106,28 @@ WORLDS = {
         World("coco-okvqa-doc-unequal", ("coco_2014_vqa", "okvqa", "doc_qa"), 300, 63, 163, labels=False,
               family_weights=(("presence", 5.0), ("sport", 0.2), ("use", 3.0), ("animal_family", 0.3))),
     ),
+    # a request's tiling observable in the features (issue 68, item 6): a per-request latency model can
+    # learn from it; no family labels in the files (``lut_by_tiling`` reads the generator's)
+    "tiling": (
+        World("tiling-coco-text", ("coco_2014_vqa", "text_vqa"), 400, 71, 171, labels=False, spec=TILING_SPEC),
+        World("tiling-text-doc-okvqa", ("text_vqa", "doc_qa", "okvqa"), 300, 72, 172, labels=False,
+              spec=TILING_SPEC),
+        World("tiling-coco-doc-st", ("coco_2014_vqa", "doc_qa", "st_qa"), 300, 73, 173, labels=False,
+              spec=TILING_SPEC),
+    ),
 }
+
+#: short names of ``World.spec`` fields in a cache tag
+_TAG_NAMES = {"image_scale": "x", "image_sizes": "sizes", "prompt_context": "ctx", "max_crops": "c", "top_k": "k",
+              "num_active_blocks": "b"}
+
+
+def _tag_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "" if value else "0"
+    if isinstance(value, (tuple, list)):
+        return ".".join(_tag_value(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def world_workspace(datasets: tuple[str, ...], samples: int, seed: int, **spec_options) -> Path:
@@ -101,6 +138,9 @@ def world_workspace(datasets: tuple[str, ...], samples: int, seed: int, **spec_o
     if spec_options.get("family_weights") or spec_options.get("write_family") is False:
         weights = "".join(f"{f}{w:g}" for f, w in spec_options.get("family_weights", ()))
         tag = f"-w{weights}" + ("-unlabelled" if spec_options.get("write_family") is False else "")
+    for name, value in sorted(spec_options.items()):  # World.spec: every other field, by name
+        if name not in ("family_weights", "write_family"):
+            tag += f"-{_TAG_NAMES.get(name, name)}{_tag_value(value)}"
     return build_world(CACHE / f"{'+'.join(datasets)}-{samples}-s{seed}{tag}", datasets, seed, samples,
                        **spec_options)
 
@@ -131,6 +171,106 @@ def truth_families(data, datasets: tuple[str, ...], samples: int, seed: int, **s
     family = {(ds, build_sample_key(ds, s.metadata)[0]): s.metadata["family"]
               for ds in datasets for s in samples_of(ds, truth[ds])}
     return replace(data, family=[family[(d, k)] for d, k in zip(data.dataset, data.sample_key)])
+
+
+class TilingLookupTableDecider:
+    """``"lut_by_tiling"``: a reference table that knows each request's family and tiling.
+
+    Fitted on ``train`` (its allowed entries; ``train.family`` the labels, ``train.tiling_crops`` the
+    crops): per request and allowed configuration a, with c the crops the request's image tiles into at
+    a's max_crops (``data.tiling_crops``), the score cell is the mean training score (``score_kind`` of
+    ``OfflineData.scores``) of (family, a, c), falling back to (a, c) and then to a where a cell has
+    fewer than ``min_samples`` training samples (an unknown family or tiling skips the cells that need
+    it). The latency cell is the training ``quantile`` (p95) latency of the same cells, (family, a, c)
+    -> (a, c) -> a (``latency_by_family=False``: from (a, c) on; the families' answer and prompt lengths
+    then widen every cell, which cost 0.036 mean accuracy in ``tiling-coco-text``). Chosen: the best
+    score cell among the configurations whose latency cell fits the budget (ties -> the lower latency
+    cell); when none fits, the lowest latency cell. A labelled reference, not a deployable table. The
+    interface of ``trainer.baselines.DeterministicDecider``: ``name``, ``decide`` inside ``data.mask``,
+    one-hot ``action_probs``.
+    """
+
+    name = "lut_by_tiling"
+
+    def __init__(self, train, min_samples: int = 5, quantile: float = 0.95, latency_by_family: bool = True,
+                 score_kind: str = "recorded", name: str = "lut_by_tiling") -> None:
+        import numpy as np
+
+        if train.tiling_crops is None or train.family is None:
+            msg = "lut_by_tiling needs training data with tilings and family labels"
+            raise ValueError(msg)
+        self.action_space, self.min_samples, self.name = train.action_space, int(min_samples), name
+        self._latency_from = 0 if latency_by_family else 1  # the first latency cell: (family, a, c) or (a, c)
+        self._crops_column = train.action_space.knob_indices()[:, 0].numpy()  # per action, its max_crops column
+        crops = train.tiling_crops.numpy()[:, self._crops_column]  # (N, A): crops used at each action
+        score, latency = train.scores(score_kind).double().numpy(), train.latency_ms.double().numpy()
+        scores: dict[tuple, list[float]] = {}
+        latencies: dict[tuple, list[float]] = {}
+        for i, a in zip(*np.nonzero(train.mask.numpy())):
+            a = int(a)
+            keys = self._keys(train.family[i], a, crops[i, a])
+            for key in keys:
+                scores.setdefault(key, []).append(score[i, a])
+            for key in keys[self._latency_from:]:  # latency cells: ((family, a, c),) (a, c) and a
+                latencies.setdefault(key, []).append(latency[i, a])
+        self.score_cells = {k: (float(np.mean(v)), len(v)) for k, v in scores.items()}
+        self.latency_cells = {k: (float(np.quantile(v, quantile)), len(v)) for k, v in latencies.items()}
+
+    @staticmethod
+    def _keys(family: str | None, action: int, crops: float) -> list[tuple]:
+        """The cells of one (request, action), finest first: (family, a, c), (a, c), (a,); a cell whose
+        family or crops are unknown is left out (its key is then None)."""
+        known = crops == crops  # not NaN
+        c = int(crops) if known else None
+        return [("fac", family, action, c) if known and family is not None else None,
+                ("ac", action, c) if known else None, ("a", action)]
+
+    def _cell(self, cells: dict, keys: list[tuple]) -> float:
+        for key in keys:
+            value = cells.get(key) if key is not None else None
+            if value is not None and (value[1] >= self.min_samples or key[0] == "a"):
+                return value[0]
+        return float("nan")
+
+    def tables(self, data):
+        """(score, latency) float32 (N, A): each (request, action)'s score and latency cell (NaN: the
+        action never recorded in training)."""
+        import numpy as np
+        import torch
+
+        n, num_actions = len(data), len(self.action_space)
+        crops = (np.full((n, num_actions), np.nan) if data.tiling_crops is None
+                 else data.tiling_crops.numpy()[:, self._crops_column])
+        family = data.family or [None] * n
+        score, latency = np.full((n, num_actions), np.nan), np.full((n, num_actions), np.nan)
+        for i, a in zip(*np.nonzero(data.mask.numpy())):
+            keys = self._keys(family[i], int(a), crops[i, a])
+            score[i, a] = self._cell(self.score_cells, keys)
+            latency[i, a] = self._cell(self.latency_cells, keys[self._latency_from:])
+        return torch.from_numpy(score).float(), torch.from_numpy(latency).float()
+
+    def decide(self, data, budget_ms):
+        import torch
+
+        from trainer.baselines import best_candidate, budget_vector, require_allowed_actions
+
+        if data.action_space != self.action_space:
+            msg = "the data's action space differs from the lut_by_tiling table's (built on other data)"
+            raise ValueError(msg)
+        require_allowed_actions(data)
+        score, latency = self.tables(data)
+        seen = ~torch.isnan(latency)
+        budget = budget_vector(budget_ms, len(data))
+        fits = data.mask & seen & (latency <= budget[:, None])
+        best, found = best_candidate(fits, torch.nan_to_num(score, nan=-1e30), latency)
+        # nothing fits: the lowest latency cell (actions unseen in training last, still inside the mask)
+        fastest, _ = best_candidate(data.mask, -torch.nan_to_num(latency, nan=1e30), torch.zeros_like(latency))
+        return torch.where(found, best, fastest)
+
+    def action_probs(self, data, budget_ms):
+        import torch
+
+        return torch.nn.functional.one_hot(self.decide(data, budget_ms), len(data.action_space)).float()
 
 
 def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool) -> list[dict]:
@@ -181,6 +321,16 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
     deciders = [PolicyDecider(policy, fallback), PolicyDecider(policy, name="policy"),
                 OutcomeDecider(OutcomeModel.load(run.path / OUTCOME_FILE)), LookupTableDecider(train_data),
                 FamilyLookupTableDecider(train_data), clusters, ClairvoyantDecider()]
+    if train_data.tiling_crops is not None and train_data.family is not None:  # the labelled tiling table
+        deciders.insert(5, TilingLookupTableDecider(train_data))
+    # each request's own cost: the deployable per-request table and the ceiling of cost knowledge
+    from trainer.request_cost import RequestCostConfig, RequestScoreTable, cost_quality, fit_request_cost
+    from trainer.request_table import LatencyClairvoyantDecider, RequestTableDecider
+
+    cost = fit_request_cost(train_data, RequestCostConfig(seed=saved.seed))
+    request_scores = RequestScoreTable(train_data, cost)
+    deciders += [RequestTableDecider(cost, request_scores), LatencyClairvoyantDecider(request_scores)]
+    quality = cost_quality(cost, test)
     frame = evaluate_deciders(test, deciders, budgets, saved.reward)
     # the fallback's choice per budget: False where the table answers for the controller
     kept = None if fallback is None else fallback.controller_at(torch.tensor(budgets)).tolist()
@@ -190,7 +340,10 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
              "fallback_table": None if fallback is None else fallback.table.get("name", "lut_p95"),
              "groups": len(fallback.lookup_table().families) if fallback is not None and hasattr(
                  fallback.lookup_table(), "families") else 0,
-             "clusters": len(clusters.families)}
+             "clusters": len(clusters.families), "cost_error": quality.median_abs_error,
+             "cost_coverage": quality.coverage,
+             "request_table_at": None if fallback is None or fallback.request_table_at is None
+             else fallback.requests_at(torch.tensor([r["budget_ms"]])).tolist()[0]}
             for r in frame.iter_rows(named=True)]
 
 
@@ -208,7 +361,8 @@ def print_world(rows: list[dict]) -> dict:
         cells = []
         for b in budgets:
             r = by[(d, b)]
-            mark = "" if d != "controller" or r["fallback"] is None else ("" if r["fallback"] else "ᵗ")
+            mark = "" if d != "controller" or r["fallback"] is None else (
+                "" if r["fallback"] else "ʳ" if r.get("request_table_at") else "ᵗ")
             cells.append(f"{r['accuracy']:.3f}{mark} ({r['violation']:.0%})")
         mean = sum(by[(d, b)]["accuracy"] for b in budgets) / len(budgets)
         print(f"| {d} | " + " | ".join(cells) + f" | {mean:.3f} |")
@@ -221,6 +375,20 @@ def print_world(rows: list[dict]) -> dict:
     summary = {"world": world, "n": rows[0]["n"], "worst_z": min(z), "worst_budget": budgets[z.index(min(z))],
                "max_violation": max(r["violation"] for r in ctrl), "gain_ctrl": gain_ctrl, "gain_family": gain_family,
                "to_clairvoyant": mean["clairvoyant"] - mean["controller"]}
+    if "latency_clairvoyant" in deciders:
+        # the share of the network-to-latency_clairvoyant gap each decider closes, where that gap is over 2 points
+        wide = [b for b in budgets if by[("latency_clairvoyant", b)]["accuracy"] - by[("policy", b)]["accuracy"] > 0.02]
+        shares = {}
+        for d in deciders:
+            closed = [(by[(d, b)]["accuracy"] - by[("policy", b)]["accuracy"])
+                      / (by[("latency_clairvoyant", b)]["accuracy"] - by[("policy", b)]["accuracy"]) for b in wide]
+            shares[d] = sum(closed) / len(closed) if closed else float("nan")
+        summary["gap_closed"] = shares
+        summary["cost_error"], summary["cost_coverage"] = rows[0].get("cost_error"), rows[0].get("cost_coverage")
+        print(f"\nper-request cost model on the unseen tree: median |error| {summary['cost_error']:.1%}, its p95 "
+              f"covers {summary['cost_coverage']:.1%}; share of the policy-to-latency_clairvoyant gap closed at "
+              f"{len(wide)} budgets where it is > 2 points: "
+              + ", ".join(f"{d} {v:+.0%}" for d, v in shares.items() if v == v), flush=True)
     print(f"\nworst controller - family table: {min(z):+.2f} of its se (at {summary['worst_budget']:.0f} ms); "
           f"max violation {summary['max_violation']:.1%}; mean gain over lut_p95: controller {gain_ctrl:+.3f}, "
           f"family table {gain_family:+.3f}; clairvoyant - controller {summary['to_clairvoyant']:+.3f}", flush=True)

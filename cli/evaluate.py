@@ -109,7 +109,10 @@ def export(
 
     with handled():
         report = export_controller(workspace, run, out_path, compiled=compiled, device=device, force=force)
-    tiling = f", tiling_crops [B, {len(report.max_crops_values)}]" if report.uses_tilings else ""
+    tiling = (f", tiling_crops [B, {len(report.max_crops_values)}]"
+              if report.uses_tilings or report.uses_prompt_tokens else "")
+    # the per-request table also reads each prompt's text-token count (NaN: unknown)
+    tiling += ", prompt_tokens [B]" if report.uses_prompt_tokens else ""
     lang, image = f"lang [B, {report.lang_feature_dim}]", f"image [B, {report.image_feature_dim}]"
     say(f"{report.path} ({report.size_bytes / 1024:.0f} KiB) from {report.checkpoint}")
     if report.compiled:
@@ -121,4 +124,7 @@ def export(
         say(f"stage 2, after it: .stage2({lang}, {image} (the global crop's feature), image_present [B] bool, "
             f"budget_ms [B], max_crops [B]{tiling}) -> (top_k, num_active_blocks), int64 [B] each; "
             f"or .decide(...) for both")
+    if report.uses_prompt_tokens:
+        say("the per-request table answers at some budgets: .expected_latency(lang, tiling_crops, prompt_tokens) "
+            "-> (median ms, quantile ms, own cost) [B, A] per action")
     say(f"features of model {report.model_fingerprint[:16]}")

@@ -50,9 +50,12 @@ from trainer.baselines import (
     closest_similarity,
     nearest_family,
 )
+from trainer.data import ActionSpace
 from trainer.fallback import TableFallback, read_fallback
 from trainer.greedy import greedy_crops, greedy_within_crops
 from trainer.policy import ControllerPolicy
+from trainer.request_cost import RequestCostConfig, RequestCostModel, lookup_cells, question_clusters
+from trainer.request_table import request_table_choice
 from trainer.runs import resolve_checkpoint
 
 __all__ = ["DeployedController", "ExportReport", "compile_device", "export_controller", "load_compiled",
@@ -219,6 +222,7 @@ class DeployedController(nn.Module):
             self.family_references = table.reference_features.clone()
             self.family_of_reference = table.reference_family.clone()
             self.family_min_similarity = float(table.min_similarity)
+        self._build_request_table(fallback, budget_table)
         if fallback is None or not self.has_fallback:
             self.register_buffer("grid_midpoints", torch.zeros(0, dtype=torch.float64))
             self.register_buffer("use_controller", torch.ones(1, dtype=torch.bool))
@@ -242,6 +246,38 @@ class DeployedController(nn.Module):
         self.register_buffer("table_thresholds", thresholds)
         self.register_buffer("table_choices", choices)
         self.table_tolerance = float(budget_table.tolerance)
+
+    def _build_request_table(self, fallback: TableFallback | None, budget_table: LookupTableDecider | None) -> None:
+        """The per-request table where the fallback answers with it at some budget: its cost model (a
+        submodule, also what ``expected_latency`` reads) and score cells. Otherwise a cost model without
+        coefficients (a TorchScript module keeps one type per attribute) that answers every request with
+        the budget table's median and latency statistic of the configuration (NaN without a table)."""
+        request = None if fallback is None or not self.has_fallback else fallback.request_decider()
+        if request is not None and [tuple(a) for a in self.actions.tolist()] != list(request.action_space.actions):
+            warnings.warn("the per-request table was fitted on another action space than the controller's; the "
+                          "export leaves it out", stacklevel=3)
+            request = None
+        self.has_request_table = request is not None
+        if request is None:
+            space = ActionSpace(tuple(tuple(a) for a in self.actions.tolist()))
+            self.request_cost = RequestCostModel(space, RequestCostConfig(), self.lang_dim, 1,
+                                                 max(space.max_crops_values))
+            self.request_cost.coef.fill_(math.nan)  # no request's own cost: every row on the profile's basis
+            spread = (self.reference_latency_ms.float() if self.reference_latency_ms.numel()
+                      else torch.full((len(self.actions),), math.nan))
+            self.request_cost.profile_median_ms.copy_(spread)
+            if budget_table is not None:
+                stat = dict(zip(budget_table.action_space.actions, budget_table.latency_stat_ms.tolist()))
+                spread = torch.tensor([stat.get(tuple(a), math.nan) for a in self.actions.tolist()])
+            self.request_cost.profile_quantile_ms.copy_(spread)
+            self.register_buffer("request_cells", torch.zeros(1, 1, 1))
+            self.register_buffer("request_by_action", torch.zeros(1, len(self.actions)))
+            self.register_buffer("request_table_at", torch.zeros(1, dtype=torch.bool))
+            return
+        self.request_cost = request.model
+        self.register_buffer("request_cells", request.scores.cells.clone())
+        self.register_buffer("request_by_action", request.scores.by_action.clone())
+        self.register_buffer("request_table_at", torch.tensor(fallback.request_table_at, dtype=torch.bool))
 
     # -- pieces, written for TorchScript (no Python containers of modules, explicit types); weight
     # matrices are stored transposed, (in, out), for addmm: F.linear would transpose them per call
@@ -343,9 +379,43 @@ class DeployedController(nn.Module):
                 + top_k.flatten(1).index_select(1, self.top_k_index)
                 + blocks.flatten(1).index_select(1, self.blocks_index))
 
-    def _table_choice(self, lang: Tensor, budget_ms: Tensor) -> Tensor:
+    def _request_inputs(self, lang: Tensor, tiling_crops: Tensor | None,
+                        prompt_tokens: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The tilings (B, C) and prompt lengths (B,) the cost model reads, NaN where not given."""
+        n = lang.shape[0]
+        tiling = (torch.full((n, self.num_crops_values), float("nan"), device=lang.device) if tiling_crops is None
+                  else tiling_crops.float())
+        prompt = (torch.full((n,), float("nan"), device=lang.device) if prompt_tokens is None
+                  else prompt_tokens.float())
+        return tiling, prompt
+
+    def _request_choice(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None,
+                        prompt_tokens: Tensor | None) -> Tensor:
+        """The per-request table's action (B,): the highest expected score whose predicted quantile fits."""
+        tiling, prompt = self._request_inputs(lang, tiling_crops, prompt_tokens)
+        median, quantile, _, _ = self.request_cost(lang, tiling, prompt)
+        crops = tiling.index_select(1, self.request_cost.crops_column)
+        cluster = question_clusters(lang, self.request_cost.centres)
+        score = lookup_cells(self.request_cells, self.request_by_action, cluster, self.request_cost.group, crops)
+        return request_table_choice(median, quantile, score, budget_ms)
+
+    @torch.jit.export
+    def expected_latency(self, lang: Tensor, tiling_crops: Tensor | None = None,
+                         prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Per request and action (B, A): the cost model's predicted median and quantile latency (ms, in the
+        profile's units), and True where the request's own tiling answered (False: its configuration's
+        spread over the profile). Without a per-request table, the configuration's spread everywhere."""
+        tiling, prompt = self._request_inputs(lang, tiling_crops, prompt_tokens)
+        median, quantile, basis, _ = self.request_cost(lang, tiling, prompt)
+        if not self.has_request_table:
+            basis = torch.zeros_like(basis)
+        return median, quantile, basis
+
+    def _table_choice(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None,
+                      prompt_tokens: Tensor | None = None, branch_free: bool = False) -> Tensor:
         """The fallback table's action (B,): the global table's, or the table of the family each
-        question reads as where the families answer at this budget."""
+        question reads as where the families answer at this budget, or the per-request table's where
+        it answers at this budget."""
         row = torch.zeros(budget_ms.shape[0], dtype=torch.long, device=budget_ms.device)
         if self.num_groups > 0:
             nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
@@ -355,7 +425,13 @@ class DeployedController(nn.Module):
         # the thresholds at or below the budget, counted per row (the padding is +inf)
         scaled = budget_ms.float() * (1.0 + self.table_tolerance)
         steps = (self.table_thresholds.index_select(0, row) <= scaled[:, None]).sum(1, keepdim=True)
-        return self.table_choices.index_select(0, row).gather(1, steps).squeeze(1)
+        choice = self.table_choices.index_select(0, row).gather(1, steps).squeeze(1)
+        if self.has_request_table:
+            nearest = torch.searchsorted(self.grid_midpoints, budget_ms.double(), right=False)
+            at = self.request_table_at.index_select(0, nearest)
+            if branch_free or bool(at.any()):
+                choice = torch.where(at, self._request_choice(lang, budget_ms, tiling_crops, prompt_tokens), choice)
+        return choice
 
     @torch.jit.export
     def question_group(self, lang: Tensor) -> Tensor:
@@ -402,7 +478,8 @@ class DeployedController(nn.Module):
         return self._use_network(lang, budget_ms)
 
     def decide_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                       tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       tiling_crops: Tensor | None = None,
+                       prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(B,) action indices of :meth:`decide` and (B,) bool: True where the network decided, False
         where the table did."""
         if not self.has_fallback:
@@ -411,20 +488,23 @@ class DeployedController(nn.Module):
         use = self._use_network(lang, budget_ms)
         if bool(use.all()):
             return self._network_actions(lang, image, image_present, budget_ms, tiling_crops), use
-        table = self._table_choice(lang, budget_ms)
+        table = self._table_choice(lang, budget_ms, tiling_crops, prompt_tokens)
         if not bool(use.any()):
             return table, use
         return torch.where(use, self._network_actions(lang, image, image_present, budget_ms, tiling_crops), table), use
 
     @torch.jit.export
-    def stage1(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None) -> Tensor:
-        """Stage 1, before the vision tower: ``max_crops`` (B,) int64."""
+    def stage1(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None,
+               prompt_tokens: Tensor | None = None) -> Tensor:
+        """Stage 1, before the vision tower: ``max_crops`` (B,) int64. ``prompt_tokens`` (B,) float, optional:
+        the text tokens of each formatted prompt (NaN = unknown), read by a per-request table."""
         if not self.has_fallback:
             return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
         use = self._use_network(lang, budget_ms)
         if bool(use.all()):
             return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
-        table = self.actions.index_select(0, self._table_choice(lang, budget_ms)).select(1, 0)
+        table = self.actions.index_select(0, self._table_choice(lang, budget_ms, tiling_crops,
+                                                                prompt_tokens)).select(1, 0)
         if not bool(use.any()):
             return table
         network = self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
@@ -432,7 +512,7 @@ class DeployedController(nn.Module):
 
     @torch.jit.export
     def stage2(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor, max_crops: Tensor,
-               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               tiling_crops: Tensor | None = None, prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Stage 2, after the vision pass at ``max_crops`` (stage 1's result): ``(top_k, num_active_blocks)``,
         two (B,) int64. Raises for a ``max_crops`` value that is not in the action space."""
         crops = self._crops_columns(max_crops)
@@ -443,7 +523,7 @@ class DeployedController(nn.Module):
             if bool(use.all()):
                 action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
             else:
-                action = self._table_choice(lang, budget_ms)
+                action = self._table_choice(lang, budget_ms, tiling_crops, prompt_tokens)
                 if bool(use.any()):
                     network = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
                     action = torch.where(use, network, action)
@@ -451,16 +531,18 @@ class DeployedController(nn.Module):
         return knobs.select(1, 1), knobs.select(1, 2)
 
     def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        action, _ = self.decide_actions(lang, image, image_present, budget_ms, tiling_crops)
+                tiling_crops: Tensor | None = None,
+                prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        action, _ = self.decide_actions(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
         max_crops, top_k, num_active_blocks = self.actions.index_select(0, action).unbind(1)
         return max_crops, top_k, num_active_blocks
 
     @torch.jit.export
     def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               tiling_crops: Tensor | None = None,
+               prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``stage1`` and then ``stage2`` at its crops, in one call (the same as calling the module)."""
-        return self.forward(lang, image, image_present, budget_ms, tiling_crops)
+        return self.forward(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
 
     @torch.jit.export
     def probabilities(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
@@ -542,20 +624,40 @@ def load_deployed(path: Path) -> torch.jit.ScriptModule:
 
 class _BranchFree(nn.Module):
     """The decision without data-dependent branches, for ``torch.export``: the network and the table
-    both run and ``where`` picks (compiled, the network costs little more than the branch did)."""
+    both run and ``where`` picks (compiled, the network costs little more than the branch did). Its
+    ``forward`` takes exactly the inputs the package is called with (an optional input left at its
+    default would still be counted as one): :class:`_BranchFreeTiled` and :class:`_BranchFreeRequest`
+    take the tilings, and the prompts' lengths too."""
 
     def __init__(self, deployed: DeployedController) -> None:
         super().__init__()
         self.deployed = deployed
 
-    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+               tiling_crops: Tensor | None, prompt_tokens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         d = self.deployed
         action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops)
         if d.has_fallback:
-            action = torch.where(d._use_network(lang, budget_ms), action, d._table_choice(lang, budget_ms))
+            table = d._table_choice(lang, budget_ms, tiling_crops, prompt_tokens, branch_free=True)
+            action = torch.where(d._use_network(lang, budget_ms), action, table)
         max_crops, top_k, num_active_blocks = d.actions.index_select(0, action).unbind(1)
         return max_crops, top_k, num_active_blocks
+
+    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor,
+                budget_ms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.decide(lang, image, image_present, budget_ms, None, None)
+
+
+class _BranchFreeTiled(_BranchFree):
+    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
+                tiling_crops: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.decide(lang, image, image_present, budget_ms, tiling_crops, None)
+
+
+class _BranchFreeRequest(_BranchFree):
+    def forward(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor, tiling_crops: Tensor,
+                prompt_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.decide(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
 
 
 # Inductor's own C++ matrix products rather than calls into aten, whose per-call cost exceeds a batch-1
@@ -586,8 +688,9 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
     ``device="cuda"``) as a ``.pt2`` package that ``torch._inductor.aoti_load_package`` reads with
     torch alone (atomic). The package runs on the device it was compiled for.
 
-    The batch size stays free; a run trained with tilings takes ``tiling_crops`` as a fifth,
-    required input (NaN = unknown). Compiling needs a C++ compiler and takes a minute or two.
+    The batch size stays free; a run trained with tilings, or deployed with a per-request table, takes
+    ``tiling_crops`` as a fifth, required input (NaN = unknown), and with a per-request table
+    ``prompt_tokens`` (B,) as a sixth. Compiling needs a C++ compiler and takes a minute or two.
     """
     from torch._inductor import aoti_compile_and_package
 
@@ -596,8 +699,10 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
     n = 2  # an example batch of 1 would fix the batch size at 1
     example = (torch.zeros(n, module.lang_dim), torch.zeros(n, module.image_dim), torch.ones(n, dtype=torch.bool),
                torch.full((n,), module.budget_min_ms))
-    if module.uses_tilings:
+    if module.uses_tilings or module.has_request_table:
         example = (*example, torch.ones(n, module.num_crops_values))
+    if module.has_request_table:
+        example = (*example, torch.full((n,), 16.0))
     example = tuple(t.to(dev) for t in example)
     compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
     if not any(c and shutil.which(c) for c in compilers):
@@ -614,7 +719,8 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # the autotuner's
-            program = torch.export.export(_BranchFree(module), example,
+            wrapper = {4: _BranchFree, 5: _BranchFreeTiled, 6: _BranchFreeRequest}[len(example)](module)
+            program = torch.export.export(wrapper, example,
                                           dynamic_shapes=tuple({0: batch} for _ in example))
             aoti_compile_and_package(program, package_path=str(tmp),
                                      inductor_configs=COMPILE_OPTIONS if dev.type == "cpu" else CUDA_COMPILE_OPTIONS)
@@ -626,7 +732,7 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
 
 def load_compiled(path: Path) -> Any:
     """The package :func:`save_compiled` wrote, callable as ``(lang, image, image_present, budget_ms[,
-    tiling_crops])``; ``.loader.boxed_run([...])`` skips the wrapper's per-call argument parsing."""
+    tiling_crops[, prompt_tokens]])``; ``.loader.boxed_run([...])`` skips the wrapper's per-call argument parsing."""
     from torch._inductor import aoti_load_package
 
     return aoti_load_package(str(path))
@@ -647,6 +753,7 @@ class ExportReport:
     uses_tilings: bool
     fallback_budgets_ms: list[float]
     compiled: bool = False
+    uses_prompt_tokens: bool = False  # a per-request table answers at some budget: pass prompt_tokens too
 
 
 def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
@@ -689,4 +796,4 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
                         max_crops_values=tuple(policy.action_space.max_crops_values),
                         num_actions=len(policy.action_space.actions), uses_tilings=module.uses_tilings,
                         fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms,
-                        compiled=compiled)
+                        compiled=compiled, uses_prompt_tokens=module.has_request_table)

@@ -25,10 +25,12 @@ from pipeline.workspace import Workspace
 from trainer.data import read_sample_features, resolve_feature_model
 from trainer.fallback import answered_by, read_fallback
 from trainer.policy import ControllerPolicy
+from trainer.request_table import REQUEST_TABLE
 from trainer.runs import resolve_checkpoint, write_frame_atomic
 
 PREDICTION_COLUMNS = ("sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k", "num_active_blocks",
-                      "probability", "source", "answered_by", "question_group")
+                      "probability", "source", "answered_by", "question_group", "expected_latency_ms",
+                      "latency_quantile_ms", "cost_basis")
 
 #: every sample of the workspace, in (dataset, sample_key) order: the rows of the feature reader
 _SAMPLES_SQL = """
@@ -62,7 +64,9 @@ def read_prediction_inputs(workspace: Workspace, policy: ControllerPolicy) -> di
     return {"dataset": dataset, "sample_key": sample_key, "example_id": example_id,
             "lang": torch.from_numpy(feats.lang), "image": torch.from_numpy(image),
             "image_present": torch.from_numpy(feats.image_present),
-            "tiling_crops": torch.from_numpy(feats.tiling_crops)}
+            "tiling_crops": torch.from_numpy(feats.tiling_crops),
+            "prompt_tokens": torch.from_numpy(feats.prompt_tokens if feats.prompt_tokens is not None
+                                              else np.full(len(keys), np.nan, np.float32))}
 
 
 @torch.inference_mode()
@@ -79,7 +83,11 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     the decision is deterministic). ``answered_by`` names who decided: ``controller``, or the table
     that answered (``lut_by_question``, ``lut_by_cluster`` or ``lut_p95``); ``question_group`` the
     question family or cluster the sample reads as under the fallback's table (a family's label, a
-    cluster's leading words; null where the table has none).
+    cluster's leading words; null where the table has none). ``expected_latency_ms`` and
+    ``latency_quantile_ms`` are what the deployed cost model predicts for this sample at the chosen
+    configuration (in the profile's units), ``cost_basis`` what they rest on: ``request`` (its own tiling,
+    prompt length and question) or ``configuration`` (the configuration's spread over the profile: no
+    tiling known, or no per-request table deployed).
 
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
@@ -105,10 +113,12 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     names = deployed.group_names()
     group_index = deployed.question_group(feats["lang"]).tolist()
     groups = [names[j] if j >= 0 else None for j in group_index]
+    median, quantile, own_cost = deployed.expected_latency(feats["lang"], feats["tiling_crops"], feats["prompt_tokens"])
+    rows = torch.arange(n)
     parts = []
     for budget in budgets:
         budget_vec = torch.full((n,), budget, dtype=torch.float64)
-        chosen, by_network = deployed.decide_actions(*inputs, budget_vec, feats["tiling_crops"])
+        chosen, by_network = deployed.decide_actions(*inputs, budget_vec, feats["tiling_crops"], feats["prompt_tokens"])
         probability = torch.ones(n, dtype=torch.float64)
         if bool(by_network.any()):
             probs = deployed.probabilities(*inputs, budget_vec, feats["tiling_crops"])
@@ -121,12 +131,17 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
             "num_active_blocks": knobs[:, 2].tolist(), "probability": probability.tolist(),
             "source": ["controller" if b else "table" for b in by_network.tolist()],
             # a question unlike every cluster reads as no group: the global table answered it
-            "answered_by": ["controller" if b else (by_table if g is not None else "lut_p95")
+            "answered_by": ["controller" if b else (by_table if g is not None or by_table == REQUEST_TABLE
+                                                    else "lut_p95")
                             for b, g in zip(by_network.tolist(), groups)],
             "question_group": groups,
+            "expected_latency_ms": median[rows, chosen].double().tolist(),
+            "latency_quantile_ms": quantile[rows, chosen].double().tolist(),
+            "cost_basis": ["request" if own else "configuration" for own in own_cost[rows, chosen].tolist()],
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
                    "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
-                   "source": pl.String, "answered_by": pl.String, "question_group": pl.String}))
+                   "source": pl.String, "answered_by": pl.String, "question_group": pl.String,
+                   "expected_latency_ms": pl.Float64, "latency_quantile_ms": pl.Float64, "cost_basis": pl.String}))
     frame = pl.concat(parts).sort("dataset", "sample_key", "budget_ms", maintain_order=True)
     if out is not None:
         write_frame_atomic(frame, Path(out))

@@ -106,6 +106,8 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("fallback_confidence", "fallback_confidence", cli={"min": 0.5, "max": 0.999, "panel": REWARD}),
     TrainOption("fallback_prefers", "fallback_prefers", cli={"panel": REWARD}),
     TrainOption("fallback_table", "fallback_table", cli={"panel": REWARD}),
+    TrainOption("fallback_request_table", "fallback_request_table",
+                cli={"flags": ("--fallback-request-table/--no-fallback-request-table",), "panel": REWARD}),
     TrainOption("ignore_family_labels", "ignore_family_labels",
                 cli={"flags": ("--ignore-family-labels",), "panel": REWARD}),
     TrainOption("latency_jitter", "latency_jitter", cli={"min": 0.0, "panel": REWARD}),

@@ -25,6 +25,10 @@ the prediction text are consistent with the recorded score. Captions get a CIDEr
 quality per sample (good 0.8-1.4, poor 0.1-0.6); exp5 writes the batch mean to every
 sample of the batch and exp6 (batch size 1) writes 0.0 (D19).
 
+Images are written as thumbnails (``image_max_side``), or with ``image_scale`` at a size the
+embedded preprocessor tiles as the truth tiles the original (``truth.scaled_image_sizes``).
+Opt-in ``image_sizes="vqa"`` and ``prompt_context`` widen the size and prompt-length spreads.
+
 Latency (exp6, ms): ``T_total = 55 + vision + prefill + (n_out - 1) * step`` with
 vision = 6 + 11*(crops + 1), prefill = B*(0.9 + seq*(0.0024 + 0.00036*k)) over the whole
 ``input_ids`` length, step = B*(0.95 + 0.075*k) + 1.3, each part with mean-one lognormal
@@ -101,6 +105,19 @@ class SyntheticSpec:
     # relative frequency of question template families by name (a family not named weighs 1, 0 leaves it out)
     family_weights: tuple[tuple[str, float], ...] = ()
     write_family: bool = True  # False: the family shows only in the question's words, as in real profiles
+    # images written at their original size x image_scale (overrides image_max_side): each side becomes
+    # round(28 + image_scale * (side - 112)), Molmo's 112-px tiling margin mapped onto the embedded
+    # preprocessor's 28 px, nudged by <= 4 px where rounding would change a tiling; at
+    # synthetic.truth.TILING_IMAGE_SCALE (0.375 = 84/224) the embedded tiling of every written file
+    # (features' image_tilings) is the truth's crop count. None: thumbnails of image_max_side
+    image_scale: float | None = None
+    # original image sizes: "profile" (DatasetProfile.long_side, ASPECTS) or "vqa" (the real sets'
+    # spread where the profile differs: COCO-like photos 480-640 px mostly 4:3, DocVQA portrait pages;
+    # synthetic.truth.IMAGE_SIZE_MODELS); every other draw of the truth is the same
+    image_sizes: str = "profile"
+    # context sentences before the questions, their number drawn per sample around a mean per family
+    # (synthetic.truth.PROMPT_CONTEXT_SENTENCES): prompt tokens (family means) 17-68 instead of 12-19
+    prompt_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ class SampleTruth:
     metadata: dict  # as written in the per-sample dicts
     image_id: int | str  # also set when the metadata has none (OK-VQA, ScienceQA, ...)
     image_file: str
-    image_width: int  # original size, used by the tiling rule (the written file is a thumbnail)
+    image_width: int  # original size, used by the tiling rule (the written file is a thumbnail or scaled)
     image_height: int
     detail_need: float
     reasoning_need: float
@@ -123,7 +140,8 @@ class SampleTruth:
 def spec_fingerprint(spec: SyntheticSpec) -> str:
     """Stable hash of a spec and the generator version (for the data/ stamp file)."""
     fields = asdict(spec)
-    for name, default in (("family_weights", ()), ("write_family", True)):  # the stamps of specs without them
+    for name, default in (("family_weights", ()), ("write_family", True), ("image_scale", None),
+                          ("image_sizes", "profile"), ("prompt_context", False)):  # the stamps of specs without them
         if fields[name] == default:
             fields.pop(name)
     payload = json.dumps({"version": GENERATOR_VERSION, **fields}, sort_keys=True)
@@ -189,7 +207,8 @@ def samples_of(dataset: str, t: DatasetTruth) -> list[SampleTruth]:
 def build_truth(spec: SyntheticSpec) -> dict[str, DatasetTruth]:
     """The hidden per-dataset truth of a spec without writing anything."""
     weights = dict(spec.family_weights)
-    return {ds: build_dataset(ds, spec.num_samples, spec.seed, weights, spec.write_family) for ds in spec.datasets}
+    return {ds: build_dataset(ds, spec.num_samples, spec.seed, weights, spec.write_family, spec.image_sizes,
+                              spec.prompt_context) for ds in spec.datasets}
 
 
 def expected_score_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_keys: Sequence[str],
@@ -510,10 +529,14 @@ def _write_images(spec: SyntheticSpec, truth: dict[str, DatasetTruth], images_di
     for ds in spec.datasets:
         t = truth[ds]
         rng = stream(spec.seed, ds, 6)
+        scaled = None if spec.image_scale is None else model.scaled_image_sizes(t.image_size, spec.image_scale)
         for k, name in enumerate(t.image_files):
-            w0, h0 = (int(x) for x in t.image_size[k])
-            scale = min(1.0, spec.image_max_side / max(w0, h0)) if spec.image_max_side else 1.0
-            w, h = max(8, round(w0 * scale)), max(8, round(h0 * scale))
+            if scaled is not None:
+                w, h = (int(x) for x in scaled[k])
+            else:
+                w0, h0 = (int(x) for x in t.image_size[k])
+                scale = min(1.0, spec.image_max_side / max(w0, h0)) if spec.image_max_side else 1.0
+                w, h = max(8, round(w0 * scale)), max(8, round(h0 * scale))
             bg = tuple(int(x) for x in rng.integers(40, 216, 3))
             img = Image.new("RGB", (w, h), bg)
             draw = ImageDraw.Draw(img)
@@ -550,6 +573,12 @@ def _validate(spec: SyntheticSpec) -> None:
         raise ValueError(msg)
     for b in spec.num_active_blocks:
         exp_active_blocks(b)  # raises on values outside 1..16
+    if spec.image_scale is not None and not spec.image_scale > 0:
+        msg = f"image_scale must be > 0 (or None), got {spec.image_scale!r}"
+        raise ValueError(msg)
+    if spec.image_sizes not in model.IMAGE_SIZES:
+        msg = f"image_sizes must be one of {model.IMAGE_SIZES}, got {spec.image_sizes!r}"
+        raise ValueError(msg)
 
 
 def generate_tree(spec: SyntheticSpec, out_dir: Path, *, overwrite: bool = False) -> GeneratedTree:

@@ -20,6 +20,14 @@ from pipeline.knobs import select_tiling as knobs_select_tiling
 # -- Molmo image geometry (docs/origin_format.md §2.1)
 CROP_WINDOW_PX = 224
 TOTAL_MARGIN_PX = 112
+# -- the embedded model's preprocessor (runtime/embedded_model.py: 112-px crops, a 14-px margin a side)
+EMBEDDED_WINDOW_PX = 84
+EMBEDDED_TOTAL_MARGIN_PX = 28
+#: the ``SyntheticSpec.image_scale`` at which the embedded preprocessor tiles a written image exactly
+#: as Molmo's rule tiles its original size (window over window: 84 / 224)
+TILING_IMAGE_SCALE = EMBEDDED_WINDOW_PX / CROP_WINDOW_PX
+#: the max_crops values whose tilings a written image is made to agree on (features store 1..15)
+TILING_CHECK_MAX_CROPS = tuple(range(1, 16))
 #: global image in the sequence: start + 12 rows x (12 patches + 1 col token) + end
 GLOBAL_IMAGE_SEQ_TOKENS = 1 + 12 * 13 + 1
 
@@ -113,6 +121,39 @@ ASPECTS = np.array([0.5, 0.75, 1.0, 4 / 3, 1.5, 16 / 9, 2.0, 3.0])
 ASPECT_P = np.array([0.06, 0.16, 0.12, 0.34, 0.12, 0.1, 0.06, 0.04])
 
 
+@dataclass(frozen=True)
+class SizeModel:
+    """Original image sizes of one dataset: long side uniform in ``long_side``, aspect (width / height)
+    drawn from ``aspects`` with probabilities ``aspect_p``."""
+
+    long_side: tuple[int, int]
+    aspects: tuple[float, ...]
+    aspect_p: tuple[float, ...]
+
+
+_COCO_LIKE = SizeModel((480, 640), (4 / 3, 3 / 4, 3 / 2, 2 / 3, 1.0, 16 / 9, 9 / 16),
+                       (0.5, 0.17, 0.1, 0.05, 0.08, 0.07, 0.03))
+#: ``SyntheticSpec.image_sizes="vqa"``: the size spread of the real sets where the profile's differs
+#: (COCO photos 480-640 px, mostly 4:3; DocVQA portrait pages); the others keep their profile's
+IMAGE_SIZE_MODELS: dict[str, dict[str, SizeModel]] = {
+    "vqa": {
+        "coco_2014_vqa": _COCO_LIKE, "okvqa": _COCO_LIKE, "tally_qa": _COCO_LIKE, "coco_caption": _COCO_LIKE,
+        "doc_qa": SizeModel((1000, 2200), (0.65, 1 / 2 ** 0.5, 8.5 / 11, 0.85), (0.15, 0.4, 0.35, 0.1)),
+    },
+}
+IMAGE_SIZES = ("profile", *IMAGE_SIZE_MODELS)
+
+#: ``SyntheticSpec.prompt_context``: mean number of context sentences put before a question, per
+#: template family (each about 12 tokens; drawn per sample, Poisson); families not named get none
+PROMPT_CONTEXT_SENTENCES: dict[str, float] = {
+    "color": 0.3, "count": 1.0, "presence": 0.3, "holding": 2.0, "place": 3.0, "sport": 1.0,
+    "brand": 1.0, "written_text": 0.5, "number": 2.0, "clock_time": 1.5, "book_title": 3.0,
+    "use": 2.0, "food_origin": 3.0, "animal_family": 2.5, "decade": 4.0,
+    "document_field": 4.0, "store_name": 1.5,
+    "farthest_state": 2.0, "adaptation": 3.0, "offspring_ratio": 4.0, "common_property": 2.5,
+}
+
+
 def stream(seed: int, dataset: str, *parts: int) -> np.random.Generator:
     """An independent, reproducible random stream keyed by seed, dataset and purpose."""
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(dataset.encode()), *parts]))
@@ -131,6 +172,47 @@ def select_tiling(height: np.ndarray, width: np.ndarray, max_crops: int) -> tupl
     rows, cols = knobs_select_tiling(np.asarray(height), np.asarray(width), max_crops,
                                      window_px=CROP_WINDOW_PX, total_margin_px=TOTAL_MARGIN_PX)
     return np.atleast_1d(rows), np.atleast_1d(cols)
+
+
+def embedded_tiling(height: np.ndarray, width: np.ndarray, max_crops: int) -> tuple[np.ndarray, np.ndarray]:
+    """The embedded model's tiling of written image sizes (84-px windows, 28-px margin); (rows, cols)."""
+    rows, cols = knobs_select_tiling(np.asarray(height), np.asarray(width), max_crops,
+                                     window_px=EMBEDDED_WINDOW_PX, total_margin_px=EMBEDDED_TOTAL_MARGIN_PX)
+    return np.atleast_1d(rows), np.atleast_1d(cols)
+
+
+def scaled_image_sizes(size: np.ndarray, scale: float, max_nudge: int = 4) -> np.ndarray:
+    """(n, 2) written (width, height) for original sizes ``size`` (n, 2) at ``scale``.
+
+    Each side becomes ``round(28 + scale * (side - 112))``: the original scaled, Molmo's 112-px tiling
+    margin mapped onto the embedded preprocessor's 28 px. At ``TILING_IMAGE_SCALE`` (84 / 224) the
+    embedded tiling of the file is then the truth's tiling of the original (the scales each tiling
+    compares are equal). Where rounding would flip one of those comparisons (a side 112 + 8k is exact),
+    each side is moved by at most ``max_nudge`` px to the nearest size whose embedded tiling equals the
+    truth's at every max_crops of ``TILING_CHECK_MAX_CROPS``; if none does, the rounded size stays.
+    """
+    size = np.asarray(size, dtype=np.int64).reshape(-1, 2)
+    out = np.maximum(8, np.round(EMBEDDED_TOTAL_MARGIN_PX + scale * (size - TOTAL_MARGIN_PX))).astype(np.int64)
+    truth = [select_tiling(size[:, 1], size[:, 0], c) for c in TILING_CHECK_MAX_CROPS]
+
+    def agrees(written: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        ok = np.ones(len(written), dtype=bool)
+        for (tr, tc), c in zip(truth, TILING_CHECK_MAX_CROPS):
+            r, k = embedded_tiling(written[:, 1], written[:, 0], c)
+            ok &= (r == tr[rows]) & (k == tc[rows])
+        return ok
+
+    bad = np.flatnonzero(~agrees(out, np.arange(len(out))))
+    steps = sorted(((dw, dh) for dw in range(-max_nudge, max_nudge + 1) for dh in range(-max_nudge, max_nudge + 1)
+                    if dw or dh), key=lambda d: (abs(d[0]) + abs(d[1]), d))
+    for dw, dh in steps:
+        if not len(bad):
+            break
+        cand = np.maximum(8, out[bad] + np.array([dw, dh]))
+        ok = agrees(cand, bad)
+        out[bad[ok]] = cand[ok]
+        bad = bad[~ok]
+    return out
 
 
 def block_deficit(num_active_blocks: int) -> float:
@@ -379,18 +461,28 @@ def _image_id(profile: DatasetProfile, rng: np.random.Generator, k: int, last: i
 
 
 def build_dataset(name: str, num_samples: int, seed: int, family_weights: dict[str, float] | None = None,
-                  write_family: bool = True) -> DatasetTruth:
+                  write_family: bool = True, image_sizes: str = "profile",
+                  prompt_context: bool = False) -> DatasetTruth:
     """Build ``num_samples`` samples of dataset ``name`` in dataset order (images grouped).
 
     ``family_weights``: relative frequencies of question template families by name (a family not
     named weighs 1, 0 leaves it out; default: every template equally likely, the stream of
     earlier versions). ``write_family``: record each sample's family as ``metadata.family``
-    (False: the family shows only in the question's words, as in real profiles)."""
+    (False: the family shows only in the question's words, as in real profiles).
+    ``image_sizes``: ``"profile"`` (the profile's long side and ``ASPECTS``) or a key of
+    ``IMAGE_SIZE_MODELS`` (its datasets' sizes drawn from their own stream instead; every other
+    draw unchanged). ``prompt_context``: put ``PROMPT_CONTEXT_SENTENCES`` sentences of context
+    before each question (their own stream; nothing else changes but the question and its tokens)."""
     if name not in PROFILES:
         msg = f"unsupported synthetic dataset {name!r}; choose from {', '.join(SUPPORTED_DATASETS)}"
         raise ValueError(msg)
+    if image_sizes not in IMAGE_SIZES:
+        msg = f"image_sizes must be one of {IMAGE_SIZES}, got {image_sizes!r}"
+        raise ValueError(msg)
     prof = PROFILES[name]
     rng = stream(seed, name, 1)
+    size_model = IMAGE_SIZE_MODELS.get(image_sizes, {}).get(name)
+    size_rng = stream(seed, name, 8) if size_model is not None else None
     image_ids: list = []
     image_files: list[str] = []
     sizes: list[tuple[int, int]] = []
@@ -406,6 +498,9 @@ def build_dataset(name: str, num_samples: int, seed: int, family_weights: dict[s
             last_id = image_id
         long_side = int(rng.integers(prof.long_side[0], prof.long_side[1] + 1))
         aspect = float(rng.choice(ASPECTS, p=ASPECT_P))  # width / height
+        if size_model is not None:  # the main stream's two draws above stay, so nothing else moves
+            long_side = int(size_rng.integers(size_model.long_side[0], size_model.long_side[1] + 1))
+            aspect = float(size_rng.choice(np.array(size_model.aspects), p=np.array(size_model.aspect_p)))
         w, h = ((long_side, max(int(round(long_side / aspect)), 150)) if aspect >= 1
                 else (max(int(round(long_side * aspect)), 150), long_side))
         image_ids.append(image_id)
@@ -417,6 +512,8 @@ def build_dataset(name: str, num_samples: int, seed: int, family_weights: dict[s
             rows.append(_build_sample(prof, rng, k, image_id, q, example_counter, seen_sqa, family_weights,
                                       write_family))
             example_counter += 1 + int(rng.integers(0, 3))
+    if prompt_context:
+        _add_prompt_context(rows, stream(seed, name, 7))
     n = len(rows)
     img_ix = np.array([r["image"] for r in rows], dtype=np.int64)
     clutter_arr = np.array(clutter)
@@ -435,6 +532,35 @@ def build_dataset(name: str, num_samples: int, seed: int, family_weights: dict[s
         scores=np.array([r["scores"] for r in rows], dtype=np.float64), out_tokens=out_tokens,
         partial_prob=np.array([r["partial"] for r in rows], dtype=np.float64),
     )
+
+
+def _context_sentence(rng: np.random.Generator) -> str:
+    kind = int(rng.integers(6))
+    if kind == 0:
+        return f"This picture shows a {_pick(rng, COLORS)} {_pick(rng, OBJECTS)} near the {_pick(rng, PLACES)}."
+    if kind == 1:
+        return f"It was taken by a {_pick(rng, PEOPLE)} in the {_pick(rng, DECADES)}."
+    if kind == 2:
+        return f"Look carefully at the {_pick(rng, THINGS)} and the {_pick(rng, OBJECTS)} before answering."
+    if kind == 3:
+        return f"The {_pick(rng, OBJECTS)} and the {_pick(rng, THINGS)} in the background may both matter."
+    if kind == 4:
+        return f"The image comes from a collection about {_pick(rng, USES)} in {_pick(rng, COUNTRIES)}."
+    return "Answer with a single word or a short phrase."
+
+
+def _add_prompt_context(rows: list[dict], rng: np.random.Generator) -> None:
+    """Put context sentences before the questions (``PROMPT_CONTEXT_SENTENCES`` by family); the
+    ScienceQA questions the loader replaces with "hint\\nhint" (D18) and rows without a question stay."""
+    for row in rows:
+        meta = row["metadata"]
+        question = meta.get("question")
+        count = int(rng.poisson(PROMPT_CONTEXT_SENTENCES.get(row["family"], 0.0)))
+        if not count or not isinstance(question, str) or "\n" in question:
+            continue
+        question = " ".join([_context_sentence(rng) for _ in range(count)] + [question])
+        meta["question"] = question
+        row["text_tokens"] = count_tokens(question) + 6
 
 
 def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_id, q: int,
@@ -495,5 +621,5 @@ def _build_sample(prof: DatasetProfile, rng: np.random.Generator, k: int, image_
         row.update(preds=(good, poor, poor), scores=(1.0, 0.0, 0.0), extra={"captions": captions})
     if write_family:
         meta["family"] = family  # last key: the origin's keys keep their order
-    row.update(metadata=meta, det=det, rea=rea, text_tokens=count_tokens(question) + 6)
+    row.update(metadata=meta, det=det, rea=rea, text_tokens=count_tokens(question) + 6, family=family)
     return row

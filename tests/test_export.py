@@ -40,6 +40,7 @@ def trained(tmp_path_factory, embedded_runtime):
     shutil.copyfile(best, mixed)
     fallback = read_fallback(mixed)
     fallback.use_controller = [i % 2 == 0 for i in range(len(fallback.grid_ms))]
+    fallback.request_table = fallback.request_table_at = None  # the per-request table: its own test below
     attach_fallback(mixed, fallback)
     return ws, best, mixed
 
@@ -307,6 +308,8 @@ def test_table_steps_give_the_tables_choice_at_every_budget(stats, scores, toler
 
 def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, tmp_path):
     """The TorchScript file and the compiled package, loaded where no project code can be imported."""
+    from trainer.fallback import read_fallback
+
     ws, best, _ = trained
     out, compiled = tmp_path / "controller.pt", tmp_path / "controller.pt2"
     for path, extra, loader in ((out, [], "torch.jit.load(FILE).stage1("),
@@ -315,6 +318,9 @@ def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, t
         assert exported.exit_code == 0, exported.output
         assert str(path) in exported.stdout and "KiB" in exported.stdout and loader in exported.stdout
         assert "tiling_crops [B, 3]" in exported.stdout
+        # a per-request table that answers at some budget also reads the prompts' lengths
+        uses_prompt = read_fallback(best).request_table is not None
+        assert ("prompt_tokens [B]" in exported.stdout) == uses_prompt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.pt", "controller.pt2"]  # no temporary file
     policy, f = _inputs(ws, best)
     from trainer.fallback import read_fallback
@@ -326,7 +332,7 @@ def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, t
         args += ["--budget-ms", str(b)]
     assert runner.invoke(app, args).exit_code == 0
     inputs = tmp_path / "inputs.pt"
-    torch.save({k: f[k] for k in ("lang", "image", "image_present", "tiling_crops")} | {
+    torch.save({k: f[k] for k in ("lang", "image", "image_present", "tiling_crops", "prompt_tokens")} | {
         "budgets": torch.tensor(budgets, dtype=torch.float64)}, inputs)
     site = Path(torch.__file__).resolve().parents[1]
     script = f"""
@@ -341,7 +347,8 @@ for name, decide in (("torchscript", torch.jit.load({str(out)!r}).decide),
                      ("compiled", torch._inductor.aoti_load_package({str(compiled)!r}))):
     result = []
     for b in x["budgets"].tolist():
-        knobs = decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"])
+        extra = (x["prompt_tokens"],) if {uses_prompt} else ()
+        knobs = decide(x["lang"], x["image"], x["image_present"], torch.full((n,), b), x["tiling_crops"], *extra)
         assert all(k.dtype == torch.int64 and k.shape == (n,) for k in knobs)
         result.append(torch.stack(knobs, 1))
     torch.save(torch.stack(result), {str(tmp_path)!r} + "/" + name + ".pt")
@@ -713,3 +720,43 @@ def test_a_family_or_cluster_table_answers_per_budget_with_its_groups_or_lut_p95
     loaded = load_deployed(save_deployed(deployed, tmp_path / "c.pt"))
     assert group_names_of(loaded) == names and torch.equal(loaded.question_group(f["lang"]),
                                                            deployed.question_group(f["lang"]))
+
+
+def test_the_deployed_per_request_table_decides_as_the_training_time_one(trained, tmp_path):
+    """Expected: where the per-request table answers, the deployed module's choice is the training-time
+    ``lut_by_request`` decision for the same request (tiling, prompt length, question, budget), over the
+    whole action space; its expected latency is the cost model's prediction at that choice."""
+    from dataclasses import replace
+
+    from controller.deploy import DeployedController, load_deployed, save_deployed
+    from trainer.data import load_offline_data
+    from trainer.fallback import attach_fallback, read_fallback
+    from trainer.request_table import RequestTableDecider
+
+    ws, best, _ = trained
+    data = load_offline_data(ws.root)
+    data = replace(data, mask=torch.ones_like(data.mask))  # the deployed module decides over every action
+    request = RequestTableDecider.fit(data.subset("train"))
+    path = tmp_path / "request.pt"
+    shutil.copyfile(best, path)
+    fallback = read_fallback(path)
+    fallback.use_controller = [False] * len(fallback.grid_ms)
+    fallback.request_table = request.state()
+    fallback.request_table_at = [i % 2 == 1 for i in range(len(fallback.grid_ms))]
+    attach_fallback(path, fallback)
+    policy, f = _inputs(ws, path)
+    assert f["sample_key"] == data.sample_key and torch.equal(f["prompt_tokens"], data.prompt_tokens)
+    deployed = DeployedController(policy, read_fallback(path))
+    scripted = load_deployed(save_deployed(deployed, tmp_path / "request-export.pt"))
+    n = len(data)
+    image, present = f["image"], f["image_present"]
+    plain = read_fallback(path).lookup_table()
+    for i, budget in enumerate(fallback.grid_ms):
+        b = torch.full((n,), budget, dtype=torch.float64)
+        want = request.decide(data, budget) if i % 2 == 1 else _table_choice(plain, b.float(), f["lang"])
+        for module in (deployed, scripted):
+            got, by_network = module.decide_actions(f["lang"], image, present, b, f["tiling_crops"], f["prompt_tokens"])
+            assert not by_network.any() and torch.equal(got, want), budget
+    median, quantile, own = deployed.expected_latency(f["lang"], f["tiling_crops"], f["prompt_tokens"])
+    want_median, want_quantile, want_own, _ = request.model.predict(data)
+    assert torch.equal(median, want_median) and torch.equal(quantile, want_quantile) and torch.equal(own, want_own)

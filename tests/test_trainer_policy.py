@@ -478,7 +478,8 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     # too; the run's outcome model (outcome.pt) is a decider of its own
     assert (result.run_dir / "outcome.pt").exists()
     assert {"controller", "policy", "outcome", "oracle", "clairvoyant", "best_static", "lut_p95", "lut_by_family",
-            "lut_by_question", "lut_by_cluster", "lut_mean5", "largest", "random"} == set(evaluation["decider"])
+            "lut_by_question", "lut_by_cluster", "lut_by_request", "latency_clairvoyant", "lut_mean5", "largest",
+            "random"} == set(evaluation["decider"])
     from trainer.data import budget_grid
     from trainer.fallback import read_fallback
 

@@ -165,6 +165,10 @@ class OfflineData:
         policy records it and is applied only to data of the same feature.
     question: per sample, its question text (``samples.question``), None where none is; None when
         the data carries no text (in-memory data). Only names question clusters for people.
+    prompt_tokens float32 (N,) or None: the text tokens of the sample's formatted prompt
+        (``lang_features.num_prompt_tokens``), NaN where unknown; known before any decision.
+    output_tokens float32 (N, A) or None: the tokens the recorded run generated (exp6
+        ``num_output_tokens``, EOS included), NaN where not recorded; an outcome, like the latency.
     """
 
     action_space: ActionSpace
@@ -185,6 +189,8 @@ class OfflineData:
     family: list[str | None] | None = None
     image_feature: str = GLOBAL_IMAGE_FEATURE
     question: list[str | None] | None = None
+    prompt_tokens: torch.Tensor | None = None
+    output_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, a = len(self.dataset), len(self.action_space)
@@ -210,6 +216,10 @@ class OfflineData:
             _check("tiling_crops", self.tiling_crops, torch.float32, (n, len(self.action_space.max_crops_values)))
         if self.mean_score is not None:
             _check("mean_score", self.mean_score, torch.float32, (n, a))
+        if self.prompt_tokens is not None:
+            _check("prompt_tokens", self.prompt_tokens, torch.float32, (n,))
+        if self.output_tokens is not None:
+            _check("output_tokens", self.output_tokens, torch.float32, (n, a))
         if self.question is not None and len(self.question) != n:
             msg = f"`question` has {len(self.question)} entries, `dataset` has {n}"
             raise ValueError(msg)
@@ -255,6 +265,8 @@ class OfflineData:
             family=None if self.family is None else [self.family[i] for i in idx],
             image_feature=self.image_feature,
             question=None if self.question is None else [self.question[i] for i in idx],
+            prompt_tokens=None if self.prompt_tokens is None else self.prompt_tokens[index],
+            output_tokens=None if self.output_tokens is None else self.output_tokens[index],
         )
 
     def without_family_labels(self) -> OfflineData:
@@ -432,6 +444,7 @@ class SampleFeatures:
     tiling_crops: np.ndarray  # (N, C) float32: crops per max_crops value asked for; NaN where unknown
     image_path: list[str | None]  # the file extraction read the image from (None without a read image)
     image_size: list[tuple[int, int] | None]  # its (width, height)
+    prompt_tokens: np.ndarray | None = None  # (N,) float32: text tokens of the formatted prompt; NaN where unknown
 
 
 #: one row per (sample, model): a cache that holds a sample twice gives one of them
@@ -458,8 +471,8 @@ def read_sample_features(con: duckdb.DuckDBPyConnection, keys: str, fingerprint:
     views = view_names(con)
     ((n,),) = con.sql(f"SELECT count(*) FROM {keys}").fetchall()
     params = {"fp": fingerprint}
-    lang = con.sql(_FEATURE_SQL.format(columns="f.feature", table="lang_features", keys=keys, extra=""),
-                   params=params).to_arrow_table()
+    lang = con.sql(_FEATURE_SQL.format(columns="f.feature, f.num_prompt_tokens", table="lang_features", keys=keys,
+                                       extra=""), params=params).to_arrow_table()
     lang_rows, lang_mat = _feature_matrix(lang)
     if len(lang_rows) < n:
         missing = ", ".join(str(row) for row in np.setdiff1d(np.arange(n), lang_rows)[:3])
@@ -471,6 +484,8 @@ def read_sample_features(con: duckdb.DuckDBPyConnection, keys: str, fingerprint:
                          np.zeros((n, 0), dtype=np.float32), np.zeros(n, dtype=bool),
                          np.full((n, len(max_crops_values)), np.nan, dtype=np.float32), [None] * n, [None] * n)
     out.lang[lang_rows] = lang_mat
+    out.prompt_tokens = np.full(n, np.nan, dtype=np.float32)
+    out.prompt_tokens[lang_rows] = lang.column("num_prompt_tokens").to_numpy(zero_copy_only=False)
     if "image_features" in views:
         check_image_feature_column(con, fingerprint, image_feature)
         image_sql = _FEATURE_SQL.format(columns=f"f.{image_feature} AS feature, f.image_path, f.image_width, "
@@ -506,7 +521,8 @@ SELECT dataset, sample_key, max_crops, top_k, num_active_blocks, score::FLOAT AS
        (CASE WHEN score_exp5 IS NOT NULL AND score_exp6 IS NOT NULL THEN (score_exp5 + score_exp6) / 2
              ELSE score END)::FLOAT AS mean_score,
        latency_total_ms::FLOAT AS latency_ms, coalesce(latency_source = 'sample', false) AS latency_is_sample,
-       score IS NOT NULL AND latency_total_ms IS NOT NULL AS allowed
+       score IS NOT NULL AND latency_total_ms IS NOT NULL AS allowed,
+       num_output_tokens::FLOAT AS output_tokens
 FROM groups;
 CREATE TEMP TABLE _keys AS
 SELECT dataset, sample_key, (row_number() OVER (ORDER BY dataset, sample_key) - 1)::BIGINT AS row
@@ -544,7 +560,7 @@ class _GroupTables:
 
     action_space: ActionSpace
     keys: pa.Table  # dataset, sample_key, example_id, metadata_json, question: one row per sample, in row order
-    cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample
+    cells: pa.Table  # row, col, score, mean_score, latency_ms, latency_is_sample, output_tokens
     features: SampleFeatures
 
 
@@ -576,7 +592,7 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
     dataset = keys.column("dataset").to_pylist()
     sample_key = keys.column("sample_key").to_pylist()
     cells = {name: np.full((n, num_actions), np.nan, dtype=np.float32)
-             for name in ("score", "mean_score", "latency_ms")}
+             for name in ("score", "mean_score", "latency_ms", "output_tokens")}
     r, c = tables.cells.column("row").to_numpy(), tables.cells.column("col").to_numpy()
     for name, grid in cells.items():
         grid[r, c] = tables.cells.column(name).to_numpy(zero_copy_only=False)  # nulls arrive as NaN
@@ -595,7 +611,8 @@ def load_offline_data(workspace: Workspace | str | Path, model_fingerprint: str 
         mask=torch.from_numpy(mask), tiling_crops=torch.from_numpy(features.tiling_crops),
         mean_score=torch.from_numpy(cells["mean_score"]),
         family=family if any(f is not None for f in family) else None, image_feature=image_feature,
-        question=keys.column("question").to_pylist(),
+        question=keys.column("question").to_pylist(), prompt_tokens=torch.from_numpy(features.prompt_tokens),
+        output_tokens=torch.from_numpy(cells["output_tokens"]),
     )
 
 
@@ -616,7 +633,8 @@ def _read_group_tables(ws: Workspace, model_fingerprint: str | None, image_featu
         action_space = ActionSpace(tuple(acts))
         keys = con.sql("SELECT k.dataset, k.sample_key, s.example_id, s.metadata_json, s.question FROM _keys k "
                        "LEFT JOIN samples s USING (dataset, sample_key) ORDER BY k.row").to_arrow_table()
-        cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample FROM _g g "
+        cells = con.sql("SELECT k.row, a.col, g.score, g.mean_score, g.latency_ms, g.latency_is_sample, "
+                        "g.output_tokens FROM _g g "
                         "JOIN _keys k USING (dataset, sample_key) "
                         "JOIN _acts a USING (max_crops, top_k, num_active_blocks)").to_arrow_table()
         features = read_sample_features(con, "_keys", fingerprint, image_feature=image_feature,

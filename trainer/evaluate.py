@@ -62,6 +62,8 @@ from trainer.data import (
 from trainer.fallback import PolicyDecider, TableFallback, answered_by, fallback_table, read_fallback
 from trainer.outcome import OUTCOME_FILE, OutcomeDecider, OutcomeModel
 from trainer.policy import ControllerPolicy
+from trainer.request_cost import RequestCostConfig, RequestScoreTable, fit_request_cost
+from trainer.request_table import LatencyClairvoyantDecider, RequestTableDecider
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import RunDir, resolve_checkpoint
 
@@ -281,8 +283,11 @@ def baseline_deciders(fitted: Fitted, *, family: bool, seed: int, grid_ms: Seque
     and by the family the question reads as, as a server would run them), lut_by_cluster (with
     ``grid_ms`` and ``reward``: the per-cluster tables of questions clustered without labels,
     ``trainer.clusters``), lut_mean5 (the origin's table, docs/origin_format.md §7.9: mean latency
-    within budget x 1.05), largest, random. ``fitted`` builds the ones fitted on training samples: on
-    the train split, or out of fold in a cross-fitted run."""
+    within budget x 1.05), largest, random; with them, the deciders that read each request's own cost
+    (:mod:`trainer.request_table`): ``lut_by_request`` after the tables and the reference row
+    ``latency_clairvoyant`` after ``clairvoyant``. ``fitted`` builds the ones fitted on training samples:
+    on the train split, or out of fold in a cross-fitted run."""
+    request = _RequestDeciders(seed)
     tables = [fitted("lut_p95", LookupTableDecider)]
     if family:
         tables.append(fitted("lut_by_family", FamilyLookupTableDecider))
@@ -291,9 +296,32 @@ def baseline_deciders(fitted: Fitted, *, family: bool, seed: int, grid_ms: Seque
         grid = [float(b) for b in grid_ms]
         tables.append(fitted(CLUSTER_TABLE, lambda train: cluster_table(train.without_family_labels(), grid, reward,
                                                                         seed=seed)))
+    tables.append(fitted("lut_by_request", request.table))
     mean5 = fitted("lut_mean5", lambda train: LookupTableDecider(train, statistic="mean", tolerance=0.05))
-    return [OracleDecider(), ClairvoyantDecider(), BestStaticDecider(), *tables, mean5, LargestDecider(),
-            RandomDecider(seed=seed)]
+    return [OracleDecider(), ClairvoyantDecider(), fitted("latency_clairvoyant", request.clairvoyant),
+            BestStaticDecider(), *tables, mean5, LargestDecider(), RandomDecider(seed=seed)]
+
+
+class _RequestDeciders:
+    """``lut_by_request`` and ``latency_clairvoyant``, sharing one fit of the request cost model and
+    score table per training set (a cross-fitted run builds both on each fold's)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._fitted: dict[int, tuple[OfflineData, RequestScoreTable]] = {}
+
+    def _scores(self, train: OfflineData) -> RequestScoreTable:
+        if id(train) not in self._fitted:  # the data is kept beside its fit, so its id is not reused
+            model = fit_request_cost(train, RequestCostConfig(seed=self.seed))
+            self._fitted[id(train)] = (train, RequestScoreTable(train, model))
+        return self._fitted[id(train)][1]
+
+    def table(self, train: OfflineData) -> RequestTableDecider:
+        scores = self._scores(train)
+        return RequestTableDecider(scores.model, scores)
+
+    def clairvoyant(self, train: OfflineData) -> LatencyClairvoyantDecider:
+        return LatencyClairvoyantDecider(self._scores(train))
 
 
 def evaluate_run(workspace: Workspace | str | Path | None, run: str | Path, budgets_ms: list[float] | None = None,
@@ -428,7 +456,7 @@ def _cross_fitted_controllers(run_path: Path, models: FoldModels, fallback: Tabl
 
 
 #: the deciders a summary compares the deployed controller with, besides the best static configuration
-SUMMARY_TABLES = ("lut_by_family", "lut_by_question", "lut_by_cluster", "lut_mean5")
+SUMMARY_TABLES = ("lut_by_family", "lut_by_question", "lut_by_cluster", "lut_by_request", "lut_mean5")
 
 
 def summarize_evaluation(frame: pl.DataFrame, fallback: TableFallback | None) -> list[dict[str, Any]]:

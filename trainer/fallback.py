@@ -81,6 +81,8 @@ from trainer.policy import (
     read_checkpoint,
     tilings_in_policy_space,
 )
+from trainer.request_cost import RequestCostConfig
+from trainer.request_table import REQUEST_TABLE, RequestTableDecider
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import atomic_torch_save
 
@@ -91,10 +93,10 @@ PREFERS_CHOICES = ("auto", *FALLBACK_PREFERS)
 #: the tables a fallback may answer with (:func:`fallback_table`)
 FALLBACK_TABLES = ("auto", "family", "cluster", "p95")
 
-__all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "BudgetSwitchedTable", "PolicyDecider", "TableFallback",
-           "answered_by", "attach_fallback", "choose_family_table_at", "PREFERS_CHOICES", "fallback_table",
-           "fit_table_fallback", "read_fallback", "resolve_prefers", "switched_table", "table_kind",
-           "wilson_upper_bound"]
+__all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "BudgetSwitch", "BudgetSwitchedTable", "PolicyDecider",
+           "TableFallback", "answered_by", "attach_fallback", "choose_family_table_at", "choose_request_table_at",
+           "PREFERS_CHOICES", "fallback_table", "fit_table_fallback", "read_fallback", "resolve_prefers",
+           "switched_table", "table_kind", "wilson_upper_bound"]
 
 
 @dataclass
@@ -118,6 +120,10 @@ class TableFallback:
     family_table_at: per grid point, where ``table`` has families (``lut_by_question``,
         ``lut_by_cluster``): True where they answer, False where its global ``lut_p95`` table does
         (:func:`choose_family_table_at`); None: the families at every budget.
+    request_table: the ``state()`` of the per-request table (``lut_by_request``,
+        :class:`trainer.request_table.RequestTableDecider`) where it answers at some budget, else None.
+    request_table_at: per grid point, True where ``request_table`` answers in ``table``'s place
+        (:func:`choose_request_table_at`); None: nowhere.
     """
 
     grid_ms: list[float]
@@ -133,11 +139,18 @@ class TableFallback:
     table: dict[str, Any]
     prefers: str = "controller"
     family_table_at: list[bool] | None = None
+    request_table: dict[str, Any] | None = None
+    request_table_at: list[bool] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.grid_ms)
-        if self.family_table_at is not None and len(self.family_table_at) != n:
-            msg = f"`family_table_at` has {len(self.family_table_at)} entries for {n} grid budgets"
+        for name in ("family_table_at", "request_table_at"):
+            at = getattr(self, name)
+            if at is not None and len(at) != n:
+                msg = f"`{name}` has {len(at)} entries for {n} grid budgets"
+                raise ValueError(msg)
+        if (self.request_table is None) != (self.request_table_at is None):
+            msg = "`request_table` and `request_table_at` are given together or not at all"
             raise ValueError(msg)
         per_budget = (self.use_controller, self.controller_reward, self.table_reward, self.reward_difference_se,
                       self.controller_violation_rate, self.table_violation_rate, self.table_violation_upper)
@@ -168,10 +181,33 @@ class TableFallback:
             self.__dict__["_lookup"] = cached
         return cached[1]
 
+    def request_decider(self) -> RequestTableDecider | None:
+        """The per-request table (None where it answers nowhere), built once per ``request_table`` state."""
+        if self.request_table is None:
+            return None
+        cached = self.__dict__.get("_request")
+        if cached is None or cached[0] is not self.request_table:
+            cached = (self.request_table, RequestTableDecider.from_state(self.request_table))
+            self.__dict__["_request"] = cached
+        return cached[1]
+
     def answering_table(self) -> BatchDecider:
         """The table as the fallback answers with it: a family table's global ``lut_p95`` table at the
-        budgets ``family_table_at`` gives to it (:class:`BudgetSwitchedTable`)."""
-        return switched_table(self.lookup_table(), self.grid_ms, self.family_table_at)
+        budgets ``family_table_at`` gives to it (:class:`BudgetSwitchedTable`), the per-request table at
+        those ``request_table_at`` gives to it (:class:`BudgetSwitch`)."""
+        table = switched_table(self.lookup_table(), self.grid_ms, self.family_table_at)
+        request = self.request_decider()
+        if request is None or self.request_table_at is None or not any(self.request_table_at):
+            return table
+        return BudgetSwitch(request, table, self.grid_ms, self.request_table_at)
+
+    def requests_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
+        """bool, shape of ``budget_ms``: True where the per-request table answers for the table (nearest grid point)."""
+        b = torch.as_tensor(budget_ms, dtype=torch.float64)
+        if self.request_table_at is None:
+            return torch.zeros(b.shape, dtype=torch.bool)
+        nearest = (b[..., None] - torch.tensor(self.grid_ms, dtype=torch.float64)).abs().argmin(-1)
+        return torch.tensor(self.request_table_at, dtype=torch.bool)[nearest]
 
     @property
     def guards_network(self) -> bool:
@@ -226,12 +262,17 @@ class TableFallback:
         kept = [b for b, keep in zip(self.grid_ms, self.use_controller) if keep]
         name = self.table.get("name", "lut_p95")
         at = self.family_table_at or [True] * len(self.grid_ms)
-        rich = [b for b, keep, fam in zip(self.grid_ms, self.use_controller, at) if not keep and fam]
-        plain = [b for b, keep, fam in zip(self.grid_ms, self.use_controller, at) if not keep and not fam]
+        requests = self.request_table_at or [False] * len(self.grid_ms)
+        tabled = [(b, fam) for b, keep, fam, req in zip(self.grid_ms, self.use_controller, at, requests)
+                  if not keep and not req]
+        rich, plain = [b for b, fam in tabled if fam], [b for b, fam in tabled if not fam]
+        by_request = [b for b, keep, req in zip(self.grid_ms, self.use_controller, requests) if not keep and req]
+        extra = f"; {REQUEST_TABLE} table at {budgets(by_request)}" if by_request else ""
         if name == "lut_p95" or not plain:
-            return f"table fallback{level}: controller at {budgets(kept)}; {name} table at {budgets(rich + plain)}"
+            return (f"table fallback{level}: controller at {budgets(kept)}; {name} table at {budgets(rich + plain)}"
+                    + extra)
         return (f"table fallback{level}: controller at {budgets(kept)}; {name} table at {budgets(rich)}; "
-                f"lut_p95 table at {budgets(plain)}")
+                f"lut_p95 table at {budgets(plain)}" + extra)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -245,6 +286,8 @@ class TableFallback:
         d.setdefault("confidence", math.nan)
         d.setdefault("prefers", "table")  # the rule of checkpoints written before the choice existed
         d.setdefault("family_table_at", None)
+        d.setdefault("request_table", None)
+        d.setdefault("request_table_at", None)
         return cls(**d)
 
 
@@ -267,6 +310,27 @@ class BudgetSwitchedTable(DeterministicDecider):
         if not bool(use.any()):
             return plain
         return torch.where(use, self.table.decide(data, budget), plain)
+
+
+class BudgetSwitch(DeterministicDecider):
+    """``first`` at the budgets whose nearest point of ``grid_ms`` has ``first_at`` True, ``other`` at the
+    rest; named after ``other`` (the table it stands in for)."""
+
+    def __init__(self, first: BatchDecider, other: BatchDecider, grid_ms: list[float], first_at: list[bool]) -> None:
+        self.first, self.other, self.name = first, other, other.name
+        self.grid = torch.tensor(grid_ms, dtype=torch.float64)
+        self.first_at = torch.tensor(first_at, dtype=torch.bool)
+        self.action_space = getattr(other, "action_space", None)
+
+    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
+        budget = budget_vector(budget_ms, len(data))
+        use = self.first_at[(budget.double()[:, None] - self.grid).abs().argmin(-1)]
+        if bool(use.all()):
+            return self.first.decide(data, budget)
+        rest = self.other.decide(data, budget)
+        if not bool(use.any()):
+            return rest
+        return torch.where(use, self.first.decide(data, budget), rest)
 
 
 def switched_table(table: BatchDecider, grid_ms: list[float], family_at: list[bool] | None) -> BatchDecider:
@@ -355,6 +419,8 @@ def answered_by(fallback: TableFallback | None, budget_ms: float) -> str:
     budget = torch.tensor([float(budget_ms)])
     if bool(fallback.controller_at(budget)[0]):
         return "controller"
+    if bool(fallback.requests_at(budget)[0]):
+        return REQUEST_TABLE
     name = str(fallback.table.get("name", "lut_p95"))
     return name if fallback.table_kind != "p95" and bool(fallback.families_at(budget)[0]) else "lut_p95"
 
@@ -428,7 +494,7 @@ def resolve_prefers(prefers: str, table: BatchDecider) -> str:
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
                        reward: RewardConfig, max_violation_rate: float = VIOLATION_TARGET,
                        confidence: float = 0.95, prefers: str = "auto", table: str = "auto",
-                       seed: int = 0) -> TableFallback:
+                       seed: int = 0, request_table: bool = True) -> TableFallback:
     """Choose, per budget of ``grid_ms``, between the controller and the table ``table``
     (:func:`fallback_table`; a family or cluster table at each budget with its families or its
     global ``lut_p95`` table, :func:`choose_family_table_at`).
@@ -444,10 +510,33 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
         family_at = choose_family_table_at(answering, answering.global_table, val, grid_ms, reward,
                                            confidence=confidence, max_violation_rate=max_violation_rate)
     switched = switched_table(answering, grid_ms, family_at)
+    request_state, request_at = None, None
+    if request_table:
+        request = RequestTableDecider.fit(train, RequestCostConfig(seed=seed))
+        request_at = choose_request_table_at(request, switched, val, grid_ms, reward, confidence=confidence,
+                                             max_violation_rate=max_violation_rate)
+        if any(request_at):
+            switched, request_state = BudgetSwitch(request, switched, grid_ms, request_at), request.state()
+        else:
+            request_at = None
     fallback = compare_with_table(PolicyDecider(policy), switched, val, grid_ms, reward, answering.state(),
                                   also_count_table_on=train, max_violation_rate=max_violation_rate,
                                   confidence=confidence, prefers=resolve_prefers(prefers, answering))
-    return replace(fallback, family_table_at=family_at)
+    return replace(fallback, family_table_at=family_at, request_table=request_state, request_table_at=request_at)
+
+
+def choose_request_table_at(request: BatchDecider, table: BatchDecider, val: OfflineData, grid_ms: list[float],
+                            reward: RewardConfig, *, confidence: float = 0.95,
+                            max_violation_rate: float = VIOLATION_TARGET) -> list[bool]:
+    """Per budget of ``grid_ms`` (ascending), whether the per-request table ``request`` answers (True) in
+    place of ``table`` (the family or cluster table as it answers per budget), judged on the held-out
+    ``val`` by the rule of the module docstring with ``request`` in the controller's place and preferred:
+    it knows what ``table`` knows (the question's group, the budget) and each request's own cost besides,
+    so ``table`` answers only where it keeps the violation goal and ``request`` does not, or wins the
+    reward test with confidence. Out of fold, both are the folds' tables."""
+    verdict = compare_with_table(request, table, val, sorted(float(b) for b in grid_ms), reward, {},
+                                 max_violation_rate=max_violation_rate, confidence=confidence, prefers="controller")
+    return list(verdict.use_controller)
 
 
 def choose_family_table_at(families: BatchDecider, plain: BatchDecider, val: OfflineData, grid_ms: list[float],

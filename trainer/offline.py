@@ -58,6 +58,8 @@ from trainer.grpo import policy_loss, sample_groups
 from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, expected_reward
 from trainer.reporting import Reporter, check_report_to, make_reporter, plot_training_curves
+from trainer.request_cost import RequestCostConfig
+from trainer.request_table import RequestTableDecider
 from trainer.run_record import Progress, RunResult, check_resume, epoch_summary, resolve_config, run_row
 from trainer.runs import RunDir, rows_frame, write_table_atomic
 from trainer.warm_start import build_policy, warm_start
@@ -328,16 +330,18 @@ class OfflineTrainer:
             models = load_folds(self.run.path, self.data, self.config.cross_fit_folds)
             deployed_table = fallback_table(self.table_data, self.config.fallback_table, self.val_budgets,
                                             self.config.reward, self.config.seed)
+            deployed_request = (RequestTableDecider.fit(self.table_data, RequestCostConfig(seed=self.config.seed))
+                                if self.config.fallback_request_table else None)
             fallback = fit_cross_fitted_fallback(models, training_targets(self.data, self.config.score_target),
                                                  self.val_budgets, self.config.reward, deployed_table,
                                                  self.config.fallback_confidence, self.config.fallback_prefers,
-                                                 seed=self.config.seed)
+                                                 seed=self.config.seed, deployed_request=deployed_request)
         else:
             best = ControllerPolicy.load(self.run.best_checkpoint)
             fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
                                           self.config.reward, confidence=self.config.fallback_confidence,
                                           prefers=self.config.fallback_prefers, table=self.config.fallback_table,
-                                          seed=self.config.seed)
+                                          seed=self.config.seed, request_table=self.config.fallback_request_table)
         attach_fallback(self.run.best_checkpoint, fallback)
 
     def _write_run_row(self, **changes: Any) -> None:

@@ -1,0 +1,457 @@
+"""What one request costs and what it gets at each configuration, from its own tiling, prompt and question.
+
+A configuration's latency is not one number: MolmoE's tiling turns one ``max_crops`` into 1-12 crops
+by the image's shape, the prompt's length adds prefill tokens and the answer's length adds decode
+steps. :class:`RequestCostModel` predicts each request's latency at every configuration from what is
+known before the vision pass, with a structure that follows the work:
+
+    latency(request, C/K/B) = fixed(K, B) + image(K, B) * (crops + 1) + prompt(K, B) * prompt_tokens
+                              + per_token(K, B) * answer_tokens(cluster, K, B, crops)
+
+``crops`` is the number of crops this image tiles into at ``max_crops`` C (``image_tilings``; the +1 is
+the global crop), so two configurations that differ only in C but give the image the same crops get
+the same prediction, and a tiling the profile never saw is extrapolated along the fitted line (and
+flagged), never clamped. ``answer_tokens`` is the mean generated length of the request's question
+cluster (k-means on the language features: no labels needed) at the configuration's effect
+(top-K, blocks, crops used), shrunk toward the pooled mean where a cell is small. The four
+coefficients per (top-K, blocks) are a median regression (iteratively reweighted least absolute
+deviations) on the profile's per-sample latencies with the recorded answer lengths.
+
+The quantile is split conformal prediction with a per-request scale: the score of a held-out
+measurement is ``(latency - median) / scale`` with ``scale = sqrt((per_token * answer_sd)^2 +
+(noise * median)^2)`` (``answer_sd``: the spread of the cluster's answer lengths at that effect;
+``noise``: the relative spread left when the answer length is known), and the quantile of those
+scores over out-of-fold predictions (``folds`` folds by sample) sets ``quantile_ms = median + q *
+scale``. A request with a long, variable answer is held to a wider bound than a one-word one.
+
+A request whose tiling is unknown (no readable image) is costed from its configuration's spread over
+the profile (``cost_basis`` "configuration"); an unknown prompt length reads as the profile's median.
+
+:class:`RequestScoreTable` estimates what a configuration gives a request the same way: the mean
+score per (question cluster, top-K, blocks, crops used), shrunk toward the pooled (top-K, blocks,
+crops used) mean plus the cluster's offset. Deciders built on both are in :mod:`trainer.request_table`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from trainer.clusters import kmeans
+from trainer.data import ActionSpace, OfflineData
+
+__all__ = ["COST_BASES", "CostQuality", "RequestCostConfig", "RequestCostModel", "RequestScoreTable",
+           "cost_quality", "crops_used", "fit_request_cost", "lookup_cells", "question_clusters"]
+
+#: ``cost_basis`` values: the request's own prediction, or its configuration's spread over the profile
+COST_BASES = ("request", "configuration")
+#: the design columns of the latency regression, in order
+TERMS = ("fixed", "image", "prompt", "decode")
+
+
+@dataclass
+class RequestCostConfig:
+    """How the per-request cost model is fitted.
+
+    quantile: the latency quantile a budget is compared with (float in (0, 1), default 0.95).
+    clusters: question clusters whose answer lengths and scores are pooled (int >= 1, default 8;
+        fewer where the training data is small).
+    prior_samples: shrinkage of a cell's mean toward its parent, in samples (float >= 0, default 5).
+    folds: folds by sample of the out-of-fold predictions that calibrate the quantile (int >= 2, default 5).
+    seed: the clusters' k-means and the folds (int, default 0).
+    """
+
+    quantile: float = 0.95
+    clusters: int = 8
+    prior_samples: float = 5.0
+    folds: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quantile < 1.0:
+            msg = f"`quantile` must be in (0, 1), got {self.quantile!r}"
+            raise ValueError(msg)
+        for name, low in (("clusters", 1), ("folds", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                msg = f"`{name}` must be an integer >= {low}, got {value!r}"
+                raise ValueError(msg)
+        if not self.prior_samples >= 0:
+            msg = f"`prior_samples` must be >= 0, got {self.prior_samples!r}"
+            raise ValueError(msg)
+
+
+def crops_used(action_space: ActionSpace, tiling_crops: Tensor | None, n: int) -> Tensor:
+    """(N, A) float32: the crops each request's image tiles into at each configuration's ``max_crops``
+    (``tiling_crops`` (N, C) per ``max_crops_values`` entry; NaN where unknown, all NaN without tilings)."""
+    if tiling_crops is None:
+        return torch.full((n, len(action_space)), float("nan"))
+    column = action_space.knob_indices()[:, 0]
+    return tiling_crops.float()[:, column]
+
+
+def question_clusters(lang: Tensor, centres: Tensor) -> Tensor:
+    """(N,) int64: the cluster whose unit-length centre is most similar (cosine) to each row of ``lang``."""
+    if centres.shape[0] <= 1:
+        return torch.zeros(lang.shape[0], dtype=torch.long)
+    return torch.mm(nn.functional.normalize(lang.float(), dim=1), centres.t()).argmax(1)
+
+
+def _cluster_centres(lang: Tensor, wanted: int, seed: int) -> Tensor:
+    """(K, L) unit-length centres of the k-means clusters of ``lang``'s rows."""
+    assign = kmeans(lang, wanted, seed=seed)
+    k = int(assign.max()) + 1 if len(assign) else 1
+    x = nn.functional.normalize(lang.double(), dim=1)
+    centres = torch.zeros(k, lang.shape[1], dtype=torch.float64).index_add_(0, assign, x)
+    return nn.functional.normalize(centres, dim=1).float()
+
+
+class _CellMeans:
+    """A mean per (cluster, group, crops used), shrunk toward (group, crops used) plus the cluster's offset,
+    and per (cluster, action) for requests whose crops are unknown.
+
+    ``values`` (N, A) float with ``weight`` (N, A) bool saying which count; ``cluster`` (N,) in [0, K);
+    ``group`` (A,) in [0, G); ``crops`` (N, A) float (NaN unknown). ``max_crops`` bounds the crops axis.
+    """
+
+    def __init__(self, values: Tensor, weight: Tensor, cluster: Tensor, group: Tensor, crops: Tensor,
+                 num_clusters: int, num_groups: int, max_crops: int, prior: float) -> None:
+        n, a = values.shape
+        v = torch.where(weight, values.double(), 0.0)
+        w = weight.double()
+        known = weight & ~crops.isnan()
+        k, g, c = num_clusters, num_groups, max_crops + 1
+        cell = (cluster[:, None] * g + group[None, :]) * c + crops.nan_to_num(0).long().clamp(0, max_crops)
+        cell = torch.where(known, cell, 0)
+        kw = known.double()
+        sums = torch.zeros(k * g * c, dtype=torch.float64).index_add_(0, cell.flatten(), (v * kw).flatten())
+        counts = torch.zeros(k * g * c, dtype=torch.float64).index_add_(0, cell.flatten(), kw.flatten())
+        sums, counts = sums.view(k, g, c), counts.view(k, g, c)
+        group_sum = torch.zeros(g, dtype=torch.float64).index_add_(0, group, (v * kw).sum(0))
+        group_count = torch.zeros(g, dtype=torch.float64).index_add_(0, group, kw.sum(0))
+        group_mean = group_sum / group_count.clamp(min=1)
+        # (group, crops): toward the group's mean; a crops count never seen takes the nearest seen one
+        pooled_sum, pooled_count = sums.sum(0), counts.sum(0)
+        pooled = (pooled_sum + prior * group_mean[:, None]) / (pooled_count + prior).clamp(min=1e-12)
+        for j in range(g):
+            seen = (pooled_count[j] > 0).nonzero().flatten()
+            if len(seen):
+                nearest = (torch.arange(c)[:, None] - seen[None, :]).abs().argmin(1)
+                pooled[j] = torch.where(pooled_count[j] > 0, pooled[j], pooled[j, seen[nearest]])
+        # the cluster's offset from the pooled cells, shrunk toward none
+        residual = (sums - counts * pooled[None]).sum(2)  # (K, G)
+        offset = residual / (counts.sum(2) + prior).clamp(min=1e-12)
+        parent = pooled[None] + offset[:, :, None]
+        self.cells = ((sums + prior * parent) / (counts + prior).clamp(min=1e-12)).float()  # (K, G, C)
+        # unknown crops: per (cluster, action), toward the action's mean
+        action_mean = v.sum(0) / w.sum(0).clamp(min=1)
+        ka_sum = torch.zeros(k, a, dtype=torch.float64).index_add_(0, cluster, v)
+        ka_count = torch.zeros(k, a, dtype=torch.float64).index_add_(0, cluster, w)
+        self.by_action = ((ka_sum + prior * action_mean[None]) / (ka_count + prior).clamp(min=1e-12)).float()
+
+
+def lookup_cells(cells: Tensor, by_action: Tensor, cluster: Tensor, group: Tensor, crops: Tensor) -> Tensor:
+    """(N, A): ``cells[cluster, group, crops]`` where the crops are known (beyond the axis: its last
+    entry), ``by_action[cluster, action]`` where they are not."""
+    last = cells.shape[2] - 1
+    index = crops.nan_to_num(0.0).long().clamp(0, last)
+    known = cells[cluster[:, None], group[None, :], index]
+    return torch.where(crops.isnan(), by_action[cluster], known)
+
+
+def _median_regression(x: Tensor, y: Tensor, iterations: int = 30) -> Tensor:
+    """Coefficients (D,) minimising sum |y - x @ b| (IRLS), float64; a tiny ridge keeps a constant
+    column (e.g. one crops count only) solvable."""
+    scale = x.abs().amax(0).clamp(min=1e-9)
+    xs = x / scale
+    ridge = 1e-8 * torch.eye(x.shape[1], dtype=torch.float64) * max(1, len(y))
+    beta = torch.linalg.solve(xs.t() @ xs + ridge, xs.t() @ y)
+    for _ in range(iterations):
+        w = 1.0 / (y - xs @ beta).abs().clamp(min=1e-3 * float(y.abs().median()) + 1e-9)
+        xw = xs * w[:, None]
+        beta = torch.linalg.solve(xw.t() @ xs + ridge, xw.t() @ y)
+    return beta / scale
+
+
+class RequestCostModel(nn.Module):
+    """Per request and configuration: the predicted median latency and its calibrated quantile, in ms.
+
+    ``forward(lang (B, L), tiling_crops (B, C) NaN unknown, prompt_tokens (B,) NaN unknown)`` ->
+    ``(median_ms (B, A), quantile_ms (B, A), request_basis (B, A) bool, extrapolated (B, A) bool)``;
+    ``request_basis`` False: the configuration's spread over the profile answered (tiling unknown);
+    ``extrapolated``: the request's crops or prompt lie beyond what the fit saw. TorchScript-compatible.
+    Built by :func:`fit_request_cost`.
+    """
+
+    __jit_unused_properties__ = ["unmodelled"]
+
+    def __init__(self, action_space: ActionSpace, config: RequestCostConfig, lang_dim: int, num_clusters: int,
+                 max_crops: int) -> None:
+        super().__init__()
+        self.action_space, self.config = action_space, config
+        knobs = action_space.knob_indices()
+        groups = sorted({(int(k), int(b)) for _, k, b in knobs.tolist()})
+        group = torch.tensor([groups.index((int(k), int(b))) for _, k, b in knobs.tolist()], dtype=torch.long)
+        a, g = len(action_space), len(groups)
+        self.register_buffer("crops_column", knobs[:, 0].clone())
+        self.register_buffer("group", group)
+        self.register_buffer("coef", torch.zeros(g, len(TERMS)))
+        self.register_buffer("centres", torch.zeros(num_clusters, lang_dim))
+        self.register_buffer("answer_tokens", torch.zeros(num_clusters, g, max_crops + 1))
+        self.register_buffer("answer_tokens_by_action", torch.zeros(num_clusters, a))
+        self.register_buffer("answer_sd", torch.zeros(num_clusters, g, max_crops + 1))
+        self.register_buffer("answer_sd_by_action", torch.zeros(num_clusters, a))
+        self.register_buffer("profile_median_ms", torch.zeros(a))
+        self.register_buffer("profile_quantile_ms", torch.zeros(a))
+        self.register_buffer("default_prompt_tokens", torch.zeros(()))
+        self.register_buffer("fit_max_crops", torch.zeros(()))
+        self.register_buffer("fit_max_prompt_tokens", torch.zeros(()))
+        self.register_buffer("noise", torch.zeros(()))
+        self.register_buffer("conformal_score", torch.zeros(()))
+        self.unmodelled_text = ""  # one name per line: TorchScript keeps a string, not an empty list
+
+    @property
+    def unmodelled(self) -> list[str]:
+        """What the profile could not model: ``"tilings"``, ``"prompt lengths"``, ``"answer lengths"``."""
+        return [line for line in self.unmodelled_text.split("\n") if line]
+
+    @unmodelled.setter
+    def unmodelled(self, names: list[str]) -> None:
+        self.unmodelled_text = "\n".join(names)
+
+    def _crops(self, tiling_crops: Tensor) -> Tensor:
+        return tiling_crops.float().index_select(1, self.crops_column)
+
+    def parts(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> dict[str, Tensor]:
+        """The median's terms per request and configuration (B, A): ``fixed``, ``image`` (vision and the
+        image tokens' prefill), ``prompt`` (the prompt tokens' prefill) and ``decode``; plus ``answer_tokens``
+        (the expected generated length) and ``answer_sd``. NaN where the tiling is unknown."""
+        crops = self._crops(tiling_crops)
+        cluster = question_clusters(lang, self.centres)
+        prompt = torch.where(prompt_tokens.isnan(), self.default_prompt_tokens, prompt_tokens.float())
+        coef = self.coef.index_select(0, self.group)  # (A, 4)
+        tokens = lookup_cells(self.answer_tokens, self.answer_tokens_by_action, cluster, self.group, crops)
+        sd = lookup_cells(self.answer_sd, self.answer_sd_by_action, cluster, self.group, crops)
+        return {"fixed": coef[:, 0].expand_as(crops), "image": coef[:, 1][None, :] * (crops + 1.0),
+                "prompt": coef[:, 2][None, :] * prompt[:, None], "decode": coef[:, 3][None, :] * tokens,
+                "answer_tokens": tokens, "answer_sd": sd}
+
+    def forward(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor,
+                                                                                          Tensor]:
+        p = self.parts(lang, tiling_crops, prompt_tokens)
+        median = p["fixed"] + p["image"] + p["prompt"] + p["decode"]
+        per_token = self.coef.index_select(0, self.group)[:, 3][None, :]
+        scale = torch.sqrt((per_token * p["answer_sd"]).square() + (self.noise * median).square())
+        quantile = median + self.conformal_score * scale
+        request = ~median.isnan()
+        median = torch.where(request, median, self.profile_median_ms[None, :].expand_as(median))
+        quantile = torch.where(request, quantile, self.profile_quantile_ms[None, :].expand_as(quantile))
+        crops = self._crops(tiling_crops)
+        extrapolated = (request & (crops > self.fit_max_crops)) | (prompt_tokens > self.fit_max_prompt_tokens)[:, None]
+        return median, quantile, request, extrapolated
+
+    @torch.no_grad()
+    def predict(self, data: OfflineData) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`forward` on the requests of ``data`` (its tilings and prompt lengths where it has them)."""
+        if data.action_space != self.action_space:
+            msg = "the data's action space differs from the request cost model's (fitted on other data)"
+            raise ValueError(msg)
+        n = len(data)
+        tiling = (torch.full((n, len(self.action_space.max_crops_values)), float("nan")) if data.tiling_crops is None
+                  else data.tiling_crops)
+        prompt = torch.full((n,), float("nan")) if data.prompt_tokens is None else data.prompt_tokens
+        return self(data.lang_features, tiling, prompt)
+
+    def clusters_of(self, lang: Tensor) -> Tensor:
+        """(N,) int64: the question cluster each row of language features reads as."""
+        return question_clusters(lang, self.centres)
+
+    def to_state(self) -> dict:
+        """What :meth:`from_state` rebuilds the model from."""
+        return {"action_space": self.action_space.to_json(), "config": asdict(self.config),
+                "lang_dim": int(self.centres.shape[1]), "num_clusters": int(self.centres.shape[0]),
+                "max_crops": int(self.answer_tokens.shape[2]) - 1, "unmodelled": list(self.unmodelled),
+                "state_dict": {k: v.clone() for k, v in self.state_dict().items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> RequestCostModel:
+        model = cls(ActionSpace.from_json(state["action_space"]), RequestCostConfig(**state["config"]),
+                    int(state["lang_dim"]), int(state["num_clusters"]), int(state["max_crops"]))
+        model.load_state_dict(state["state_dict"])
+        model.unmodelled = list(state.get("unmodelled", []))
+        return model.eval()
+
+
+def _eligible(data: OfflineData) -> Tensor:
+    """(N, A) bool: measurements the latency fit may read (a per-sample latency of an allowed action)."""
+    return data.mask & data.latency_is_sample & ~data.latency_ms.isnan()
+
+
+def _fit_coefficients(design: Tensor, latency: Tensor, rows: Tensor, group: Tensor, num_groups: int,
+                      terms: Tensor) -> Tensor:
+    """(G, 4) float64 median-regression coefficients per group on the ``rows`` (N, A) bool; the terms
+    ``terms`` (4,) bool leaves out stay 0."""
+    coef = torch.zeros(num_groups, len(TERMS), dtype=torch.float64)
+    for j in range(num_groups):
+        cells = rows & (group == j)[None, :]
+        if int(cells.sum()) < int(terms.sum()):
+            continue
+        x = design[cells][:, terms]
+        coef[j, terms] = _median_regression(x, latency[cells].double())
+    return coef
+
+
+def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None) -> RequestCostModel:
+    """Fit :class:`RequestCostModel` on ``train``'s per-sample latencies (pass the train split)."""
+    config = config or RequestCostConfig()
+    if len(train) == 0:
+        msg = "the request cost model needs training samples"
+        raise ValueError(msg)
+    space = train.action_space
+    n, a = len(train), len(space)
+    crops = crops_used(space, train.tiling_crops, n)
+    known_crops = ~crops.isnan()
+    max_crops = int(crops[known_crops].max()) if bool(known_crops.any()) else max(space.max_crops_values)
+    max_crops = max(max_crops, max(space.max_crops_values))
+    centres = _cluster_centres(train.lang_features, min(config.clusters, max(1, n // 10)), config.seed)
+    model = RequestCostModel(space, config, train.lang_features.shape[1], len(centres), max_crops)
+    model.centres.copy_(centres)
+    cluster = question_clusters(train.lang_features, centres)
+    group = model.group
+
+    eligible = _eligible(train)
+    latency = torch.where(eligible, train.latency_ms, float("nan"))
+    model.profile_median_ms.copy_(torch.nanquantile(latency, 0.5, dim=0).nan_to_num(0.0))
+    model.profile_quantile_ms.copy_(torch.nanquantile(latency, config.quantile, dim=0).nan_to_num(0.0))
+
+    prompt = torch.full((n,), float("nan")) if train.prompt_tokens is None else train.prompt_tokens.float()
+    output = torch.full((n, a), float("nan")) if train.output_tokens is None else train.output_tokens.float()
+    unmodelled = []
+    if not bool(known_crops.any()):
+        unmodelled.append("tilings")
+    if bool(prompt.isnan().all()):
+        unmodelled.append("prompt lengths")
+    if bool((output.isnan() | ~eligible).all()):
+        unmodelled.append("answer lengths")
+    model.unmodelled = unmodelled
+    model.default_prompt_tokens.fill_(float(prompt.nanmedian()) if not bool(prompt.isnan().all()) else 0.0)
+    model.fit_max_crops.fill_(float(crops[known_crops].max()) if bool(known_crops.any()) else 0.0)
+    model.fit_max_prompt_tokens.fill_(float(prompt.nan_to_num(0.0).max()) if not bool(prompt.isnan().all())
+                                      else float("inf"))
+    prompt = prompt.nan_to_num(float(model.default_prompt_tokens))
+    terms = torch.tensor([True, "tilings" not in unmodelled, "prompt lengths" not in unmodelled,
+                          "answer lengths" not in unmodelled])
+    fit_rows = eligible & known_crops & (~output.isnan() | ~terms[3])
+    num_groups = int(group.max()) + 1
+
+    def answer_tables(rows: Tensor) -> tuple[_CellMeans, _CellMeans]:
+        counted = eligible & ~output.isnan()
+        counted = counted & rows[:, None]
+        means = _CellMeans(output.nan_to_num(0.0), counted, cluster, group, crops, len(centres), num_groups,
+                           max_crops, config.prior_samples)
+        centred = (output - lookup_cells(means.cells, means.by_action, cluster, group, crops)).square()
+        spread = _CellMeans(centred.nan_to_num(0.0), counted, cluster, group, crops, len(centres), num_groups,
+                            max_crops, config.prior_samples)
+        return means, spread
+
+    def design(tokens: Tensor) -> Tensor:
+        return torch.stack([torch.ones(n, a, dtype=torch.float64), (crops + 1).double().nan_to_num(0.0),
+                            prompt.double()[:, None].expand(n, a), tokens.double().nan_to_num(0.0)], dim=2)
+
+    measured = design(output)
+    everyone = torch.ones(n, dtype=torch.bool)
+    coef = _fit_coefficients(measured, train.latency_ms, fit_rows, group, num_groups, terms)
+    means, spread = answer_tables(everyone)
+    model.coef.copy_(coef.float())
+    model.answer_tokens.copy_(means.cells)
+    model.answer_tokens_by_action.copy_(means.by_action)
+    model.answer_sd.copy_(spread.cells.clamp(min=0).sqrt())
+    model.answer_sd_by_action.copy_(spread.by_action.clamp(min=0).sqrt())
+    # the relative spread left once the answer length is known
+    fitted = (measured * coef[group][None]).sum(2)
+    relative = ((train.latency_ms.double() - fitted) / fitted.clamp(min=1e-6)).abs()[fit_rows]
+    model.noise.fill_(1.4826 * float(relative.median()) if relative.numel() else 0.0)
+
+    # out of fold: the median and scale of each held-out sample from a fit without its fold
+    fold = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed)) % config.folds
+    scores = []
+    for f in range(config.folds):
+        held = fold == f
+        if not bool(held.any()) or bool(held.all()):
+            continue
+        kept = ~held
+        fold_coef = _fit_coefficients(measured, train.latency_ms, fit_rows & kept[:, None], group, num_groups, terms)
+        fold_means, fold_spread = answer_tables(kept)
+        tokens = lookup_cells(fold_means.cells, fold_means.by_action, cluster, group, crops)
+        sd = lookup_cells(fold_spread.cells, fold_spread.by_action, cluster, group, crops).clamp(min=0).sqrt()
+        median = (design(tokens) * fold_coef[group][None]).sum(2)
+        per_token = fold_coef[group][:, 3][None, :]
+        scale = torch.sqrt((per_token * sd.double()).square() + (float(model.noise) * median).square())
+        rows = held[:, None] & eligible & known_crops
+        scores.append(((train.latency_ms.double() - median) / scale.clamp(min=1e-9))[rows])
+    score = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+    if score.numel():
+        # the split-conformal rank: the ceil((n + 1) q)-th smallest score
+        rank = min(score.numel(), math.ceil((score.numel() + 1) * config.quantile))
+        model.conformal_score.fill_(float(score.sort().values[rank - 1]))
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class CostQuality:
+    """How well a cost model predicted held-out measurements: ``median_abs_error`` (relative to the measured
+    latency), ``coverage`` (the share at or below the predicted quantile), over ``num_measurements``."""
+
+    median_abs_error: float
+    coverage: float
+    num_measurements: int
+    quantile: float
+
+
+def cost_quality(model: RequestCostModel, data: OfflineData) -> CostQuality:
+    """The model's error and coverage on ``data``'s per-sample latencies whose tiling is known."""
+    median, quantile, request, _ = model.predict(data)
+    rows = _eligible(data) & request
+    measured = data.latency_ms[rows].double()
+    if measured.numel() == 0:
+        return CostQuality(float("nan"), float("nan"), 0, model.config.quantile)
+    error = ((median[rows].double() - measured).abs() / measured).median()
+    covered = (measured <= quantile[rows].double()).double().mean()
+    return CostQuality(float(error), float(covered), int(measured.numel()), model.config.quantile)
+
+
+class RequestScoreTable:
+    """The expected score of each configuration for a request: the mean training score per (question
+    cluster of ``model``, top-K, blocks, crops used), shrunk toward the pooled (top-K, blocks, crops used)
+    mean plus the cluster's offset (``prior_samples`` of the model's config); per (cluster, configuration)
+    where the crops are unknown. Two configurations that give a request the same crops get the same score."""
+
+    def __init__(self, train: OfflineData, model: RequestCostModel, score_kind: str = "mean") -> None:
+        space = model.action_space
+        if train.action_space != space:
+            msg = "the data's action space differs from the request cost model's"
+            raise ValueError(msg)
+        self.model = model
+        n = len(train)
+        crops = crops_used(space, train.tiling_crops, n)
+        cluster = model.clusters_of(train.lang_features)
+        score = train.scores(score_kind)
+        weight = train.mask & ~score.isnan()
+        cells = _CellMeans(score.nan_to_num(0.0), weight, cluster, model.group, crops, model.centres.shape[0],
+                           int(model.group.max()) + 1, model.answer_tokens.shape[2] - 1, model.config.prior_samples)
+        self.cells, self.by_action = cells.cells, cells.by_action
+
+    @classmethod
+    def from_cells(cls, model: RequestCostModel, cells: Tensor, by_action: Tensor) -> RequestScoreTable:
+        """A table of stored cells (``cells`` (K, G, C), ``by_action`` (K, A)) for ``model``'s clusters."""
+        table = cls.__new__(cls)
+        table.model, table.cells, table.by_action = model, cells, by_action
+        return table
+
+    def expected_score(self, lang: Tensor, tiling_crops: Tensor | None) -> Tensor:
+        """(N, A) float32 expected scores of the requests with language features ``lang`` and tilings."""
+        crops = crops_used(self.model.action_space, tiling_crops, len(lang))
+        return lookup_cells(self.cells, self.by_action, self.model.clusters_of(lang), self.model.group, crops)
