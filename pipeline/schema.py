@@ -538,6 +538,14 @@ REQUESTS = TableSchema(
         Column("guarded_from", _S, "the configuration the controller chose (max_crops/top_k/num_active_blocks) where "
                                    "the per-configuration guard replaced it: its median on this machine exceeded the "
                                    "budget read (docs/serving.md#budget-terms); null otherwise"),
+        Column("expected_latency_ms", _D, "the deployed cost model's predicted median latency of this request at the "
+                                          "configuration it ran, in the profile's ms (x latency_scale on this "
+                                          "machine); null for fixed knobs and controllers exported without one", "ms"),
+        Column("latency_quantile_ms", _D, "the same prediction's quantile (the cost model's, p95 by default), the "
+                                          "bound a per-request table held the budget to", "ms"),
+        Column("cost_basis", _S, "what the prediction rests on: request (this request's tiling, prompt length and "
+                                 "question) | configuration (the configuration's spread over the profile: no "
+                                 "tiling, or no per-request table deployed)"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
         Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),

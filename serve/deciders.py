@@ -21,6 +21,7 @@ crop count), plus, for an online run, the latency token, and picks top-K and the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +54,11 @@ class Stage1Choice:
     state: Any = None  # what the decider's stage 2 reuses
     question_group: str | None = None  # the family or cluster the question reads as (the fallback's table)
     guarded_from: str | None = None  # C/K/B stage 2 chose, where the machine's cost made it run another
+    #: the deployed cost model's prediction for this request at the configuration it ran (profile ms), and what
+    #: it rested on: ``request`` (its own tiling, prompt and question) or ``configuration`` (the profile's spread)
+    expected_latency_ms: float | None = None
+    latency_quantile_ms: float | None = None
+    cost_basis: str | None = None
 
 
 @dataclass
@@ -66,6 +72,8 @@ class Stage2Inputs:
     #: an offline controller's choice is held to (None: not held, ``--no-config-guard``)
     served_budget_ms: float | None = None
     machine: LatencyScale | None = None
+    #: the text tokens of the formatted prompt (NaN: not counted; read by a per-request table)
+    prompt_tokens: float = math.nan
 
 
 class RequestDecider(Protocol):
@@ -80,7 +88,8 @@ class RequestDecider(Protocol):
     #: (empty: unknown; the server then cannot measure its latency scale)
     reference_latency_ms: dict[Config, float]
 
-    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+        """A decider whose ``reads_prompt_tokens`` is True also takes ``prompt_tokens=`` (float)."""
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]: ...
 
@@ -108,40 +117,78 @@ class OfflineDecider:
         self.image_dim = int(deployed.image_dim)
         self.reference_latency_ms = reference_latencies(deployed)
         self.group_names = group_names_of(deployed)
+        # a per-request table answers at some budget: it reads the prompt's length too (files exported
+        # before the cost model was deployed have neither)
+        self.reads_prompt_tokens = bool(getattr(deployed, "has_request_table", False))
+        self.has_cost_model = hasattr(deployed, "expected_latency")
+        self._actions = [tuple(int(v) for v in a) for a in deployed.actions.tolist()]
 
     def _decided_by(self, budget: torch.Tensor, lang: torch.Tensor) -> str:
         return "controller" if bool(self.deployed.network_decides(budget, lang)[0]) else "table"
 
-    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+    def _prompt(self, prompt_tokens: float) -> torch.Tensor | None:
+        return torch.tensor([float(prompt_tokens)]) if self.reads_prompt_tokens else None
+
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float,
+               prompt_tokens: float = math.nan) -> Stage1Choice:
         budget = torch.tensor([float(budget_ms)])
-        max_crops = int(self.deployed.stage1(lang[None].float(), budget, tiling_crops[None].float())[0])
+        lang_row, tiling = lang[None].float(), tiling_crops[None].float()
+        if self.reads_prompt_tokens:
+            max_crops = int(self.deployed.stage1(lang_row, budget, tiling, self._prompt(prompt_tokens))[0])
+        else:
+            max_crops = int(self.deployed.stage1(lang_row, budget, tiling)[0])
         group = None
         if self.group_names:
-            index = int(self.deployed.question_group(lang[None].float())[0])
+            index = int(self.deployed.question_group(lang_row)[0])
             group = self.group_names[index] if index >= 0 else None
-        return Stage1Choice(max_crops, 0, None, self._decided_by(budget, lang[None].float()), question_group=group)
+        cost = None
+        if self.has_cost_model:  # this request's predicted latency at every configuration (profile ms)
+            median, quantile, own = self.deployed.expected_latency(lang_row, tiling,
+                                                                   torch.tensor([float(prompt_tokens)]))
+            cost = (median[0], quantile[0], own[0])
+        return Stage1Choice(max_crops, 0, None, self._decided_by(budget, lang_row), state=cost, question_group=group)
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         image, present = _image(inputs.image_feature, self.image_dim)
-        top_k, blocks = self.deployed.stage2(inputs.lang[None].float(), image, present,
-                                             torch.tensor([float(inputs.budget_ms)]),
-                                             torch.tensor([choice.max_crops], dtype=torch.long),
-                                             inputs.tiling_crops[None].float())
-        return held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs)
+        args = (inputs.lang[None].float(), image, present, torch.tensor([float(inputs.budget_ms)]),
+                torch.tensor([choice.max_crops], dtype=torch.long), inputs.tiling_crops[None].float())
+        if self.reads_prompt_tokens:
+            top_k, blocks = self.deployed.stage2(*args, self._prompt(inputs.prompt_tokens))
+        else:
+            top_k, blocks = self.deployed.stage2(*args)
+        own_cost = None
+        if choice.state is not None:
+            median, _, own = choice.state
+            # the guard holds this request to its own predicted cost where the model made one
+            own_cost = {a: float(m) for a, m, o in zip(self._actions, median.tolist(), own.tolist()) if o}
+        top_k, blocks = held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs, own_cost or None)
+        if choice.state is not None:
+            median, quantile, own = choice.state
+            ran = self._actions.index((choice.max_crops, top_k, blocks)) if (
+                (choice.max_crops, top_k, blocks) in self._actions) else None
+            if ran is not None:
+                choice.expected_latency_ms, choice.latency_quantile_ms = float(median[ran]), float(quantile[ran])
+                choice.cost_basis = "request" if bool(own[ran]) else "configuration"
+        return top_k, blocks
 
     def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
         """Nothing to learn here from a request's latency: the machine's scale an offline controller is
         held to is the server's (:class:`serve.calibration.LatencyScale`), which every request feeds."""
 
 
-def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage2Inputs) -> tuple[int, int]:
+def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage2Inputs,
+                    request_cost_ms: dict[Config, float] | None = None) -> tuple[int, int]:
     """An offline controller's stage-2 choice held to what this machine does now
     (``serve.budget.guard_config``: each configuration's reference latency times its measured scale,
-    against the model time the budget allows); records the replaced choice in ``choice.guarded_from``."""
+    against the model time the budget allows); records the replaced choice in ``choice.guarded_from``.
+    ``request_cost_ms``: this request's own predicted latency per configuration (profile ms, the
+    deployed cost model's), read in place of the configurations' medians where given."""
     chosen = (choice.max_crops, int(top_k), int(blocks))
     if inputs.machine is None or inputs.served_budget_ms is None:
         return chosen[1], chosen[2]
-    run = guard_config(chosen, inputs.machine.reference_ms, inputs.machine.of, inputs.served_budget_ms)
+    reference = inputs.machine.reference_ms if request_cost_ms is None else {
+        **inputs.machine.reference_ms, **request_cost_ms}
+    run = guard_config(chosen, reference, inputs.machine.of, inputs.served_budget_ms)
     if run != chosen:
         choice.guarded_from = "/".join(str(v) for v in chosen)
     return run[1], run[2]

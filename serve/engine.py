@@ -460,19 +460,25 @@ class Engine:
         # set by stage 1, read by stage 2 and the record
         plan: BudgetPlan | None = None
         lang = tiling = None
+        prompt_tokens = math.nan
         started = spent_ms = 0.0
 
         def stage1() -> Stage1Choice:
-            nonlocal decider, plan, lang, tiling, started, spent_ms
+            nonlocal decider, plan, lang, tiling, prompt_tokens, started, spent_ms
             started = time.perf_counter()
             lang = runtime.lang_features([req.question])[0]
             tiling = _tiling(runtime, req.image, decider.max_crops_values)
+            reads_prompt = getattr(decider, "reads_prompt_tokens", False)
+            if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
+                prompt_tokens = float(runtime.preprocess(None, req.question, 1).num_text_tokens)
             now = time.perf_counter()
             spent_ms = (now - job.arrival) * 1000.0
             plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
                                      waiting_left_ms=() if fixed else self._waiting_left_ms(now))
             if (plan.cheapest or (job.unreachable and not fixed)) and self.cheapest:
                 decider = self.cheapest
+            if reads_prompt and decider is self.decider:
+                return decider.stage1(lang, tiling, plan.controller_budget_ms, prompt_tokens=prompt_tokens)
             return decider.stage1(lang, tiling, plan.controller_budget_ms)  # in the controller's units
 
         def stage2(choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
@@ -480,7 +486,7 @@ class Engine:
             return decider.stage2(choice, Stage2Inputs(
                 lang, tiling, plan.controller_budget_ms, prefix.image_feature, prefix.latency_token if p > 0 else None,
                 served_budget_ms=plan.controller_budget_ms * plan.latency_scale,
-                machine=self.latency_scale if self.guard else None))
+                machine=self.latency_scale if self.guard else None, prompt_tokens=prompt_tokens))
 
         def counted(tokens: int) -> None:
             job.tokens_out = tokens
@@ -534,7 +540,7 @@ class Engine:
         result = Result(text, finish, prompt_tokens, len(tokens), {})
         result.record = self._record(job, "ok", queue_ms=queue_ms, waited_ms=waited_ms, knobs=knobs, plan=plan,
                                      decided_by=choice.decided_by, question_group=choice.question_group,
-                                     guarded_from=guarded_from,
+                                     guarded_from=guarded_from, cost=choice,
                                      latency=latency, num_crops=outcome.inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      finish_reason=finish, stop_hit=stop_hit, stages=outcome.timing) if record else {}
@@ -556,7 +562,7 @@ class Engine:
     def _record(self, job: Job, status: str, *, queue_ms: float, waited_ms: float | None = None,
                 plan: BudgetPlan | None = None, knobs: dict[str, int] | None = None, decided_by: str | None = None,
                 question_group: str | None = None, guarded_from: str | None = None,
-                latency: dict[str, float | None] | None = None,
+                cost: Stage1Choice | None = None, latency: dict[str, float | None] | None = None,
                 num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
                 answer: str | None = None, finish_reason: str | None = None, stop_hit: str | None = None,
@@ -576,6 +582,7 @@ class Engine:
             "waited_ms": waited_ms,
             **{name: getattr(plan, name, None) for name in PLAN_COLUMNS},
             "decided_by": decided_by, "question_group": question_group, "guarded_from": guarded_from,
+            **{name: getattr(cost, name, None) for name in COST_COLUMNS},
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
             "stream": job.request.stream, "temperature": job.request.temperature, "top_p": job.request.top_p,
@@ -607,6 +614,9 @@ class Engine:
         self.served += 1
         return row
 
+
+#: the deployed cost model's prediction for the request at the configuration it ran (``Stage1Choice``)
+COST_COLUMNS = ("expected_latency_ms", "latency_quantile_ms", "cost_basis")
 
 #: what a cancelled request's record calls the segment it stopped in
 _STAGE_NAMES = {"prefix": "the vision pass and the prefill", "suffix": "the prefill", "decode": "decoding"}

@@ -29,6 +29,7 @@ sum_a pi(a|x) r(x, a) on the val split over the budget grid: the honest measure 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ import torch
 
 from pipeline.errors import CtrlError
 from pipeline.schema import METRICS, REWARD_TERMS
-from pipeline.workspace import Workspace
+from pipeline.workspace import Workspace, write_bytes_atomic
 from trainer.config import OfflineTrainConfig, check_training_memory
 from trainer.constraint import ViolationConstraint
 from trainer.crossfit import check_folds, deployed_data, fit_cross_fitted_fallback, load_folds, train_folds
@@ -58,10 +59,16 @@ from trainer.grpo import policy_loss, sample_groups
 from trainer.outcome import OUTCOME_FILE, OutcomeConfig, OutcomeDecider, OutcomeModel, fit_outcome_model
 from trainer.policy import ControllerPolicy, expected_reward
 from trainer.reporting import Reporter, check_report_to, make_reporter, plot_training_curves
-from trainer.request_cost import RequestCostConfig
+from trainer.request_cost import (
+    REQUEST_COST_CHECK,
+    REQUEST_COST_FILE,
+    RequestCostConfig,
+    cost_quality,
+    fit_request_cost,
+)
 from trainer.request_table import RequestTableDecider
 from trainer.run_record import Progress, RunResult, check_resume, epoch_summary, resolve_config, run_row
-from trainer.runs import RunDir, rows_frame, write_table_atomic
+from trainer.runs import RunDir, atomic_torch_save, rows_frame, write_table_atomic
 from trainer.warm_start import build_policy, warm_start
 
 
@@ -134,6 +141,20 @@ class OfflineTrainer:
         outcome.save(self.run.path / OUTCOME_FILE)
         return outcome
 
+    def _fit_request_cost(self) -> None:
+        """The per-request cost model of the train split, checked on the val split's latencies and saved
+        as ``request_cost.pt`` with its check (``request_cost.json``): what the run's request table and
+        ``ctrl export`` build on is fitted again on the deployed data; this file says how well it predicts."""
+        model = fit_request_cost(self.train_recorded, RequestCostConfig(seed=self.config.seed))
+        quality = cost_quality(model, self.val_split)
+        atomic_torch_save(model.to_state(), self.run.path / REQUEST_COST_FILE)
+        check = {"median_abs_error": quality.median_abs_error, "coverage": quality.coverage,
+                 "quantile": quality.quantile, "num_measurements": quality.num_measurements,
+                 "unmodelled": model.unmodelled}
+        write_bytes_atomic(self.run.path / REQUEST_COST_CHECK, (json.dumps(check, indent=2) + "\n").encode())
+        if not self.is_fold:
+            self.notify({"phase": "cost_model", **check})
+
     def _warm_start(self, outcome: OutcomeModel) -> None:
         """Fit the policy to the start decider's choices (``warm_start_target``: ``outcome``'s or the table's)."""
         start = OutcomeDecider(outcome) if self.config.warm_start_target == "outcome" else None
@@ -175,6 +196,8 @@ class OfflineTrainer:
         self.policy = build_policy(self.config, self.train_split)
         if not self.resuming:
             self._warm_start(self._fit_outcome_model())
+            if not self.is_fold:
+                self._fit_request_cost()
         self._optimisation()
         if self.resuming:
             self._restore(self.run.load_last())

@@ -32,4 +32,20 @@ def offline_progress(event: dict[str, Any]) -> ProgressUpdate | None:
                                    f"epoch {event.get('epoch', 0)}")
     if phase == "evaluate":
         return ProgressUpdate(info="evaluating")
+    if phase == "cost_model":
+        return ProgressUpdate(line=cost_model_line(event))
     return None
+
+
+def cost_model_line(event: dict[str, Any]) -> str:
+    """The per-request cost model's check on held-out latencies, and what the profile could not model."""
+    n = int(event.get("num_measurements") or 0)
+    if n == 0:
+        text = "request cost model: no held-out per-sample latency with a known tiling to check it on"
+    else:
+        text = (f"request cost model: median |error| {event['median_abs_error']:.1%} of the val split's latencies, "
+                f"its p{round(100 * event['quantile'])} covers {event['coverage']:.1%} ({n:,} measurements)")
+    missing = event.get("unmodelled") or []
+    if missing:
+        text += f"; the profile has no {', no '.join(missing)}: not modelled (each request's is read as the profile's)"
+    return text

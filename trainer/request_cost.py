@@ -6,23 +6,25 @@ steps. :class:`RequestCostModel` predicts each request's latency at every config
 known before the vision pass, with a structure that follows the work:
 
     latency(request, C/K/B) = fixed(K, B) + image(K, B) * (crops + 1) + prompt(K, B) * prompt_tokens
-                              + per_token(K, B) * answer_tokens(cluster, K, B, crops)
+                              + per_token(K, B) * answer_tokens(question, C/K/B)
 
 ``crops`` is the number of crops this image tiles into at ``max_crops`` C (``image_tilings``; the +1 is
 the global crop), so two configurations that differ only in C but give the image the same crops get
 the same prediction, and a tiling the profile never saw is extrapolated along the fitted line (and
-flagged), never clamped. ``answer_tokens`` is the mean generated length of the request's question
-cluster (k-means on the language features: no labels needed) at the configuration's effect
-(top-K, blocks, crops used), shrunk toward the pooled mean where a cell is small. The four
-coefficients per (top-K, blocks) are a median regression (iteratively reweighted least absolute
-deviations) on the profile's per-sample latencies with the recorded answer lengths.
+flagged), never clamped. ``answer_tokens`` is the median of the request's predicted answer length: a
+multinomial logistic regression (a linear probe, L2 chosen on held-out samples) from its language
+features to the generated lengths the profile recorded for it, plus the configuration's mean shift
+of the length (no family labels needed; it tells short and long answers apart far better than the
+question clusters do, docs/results.md). The four
+coefficients per (top-K, blocks) are a median regression (iteratively reweighted
+least absolute deviations) on the profile's per-sample latencies with the recorded answer lengths.
 
-The quantile is split conformal prediction with a per-request scale: the score of a held-out
-measurement is ``(latency - median) / scale`` with ``scale = sqrt((per_token * answer_sd)^2 +
-(noise * median)^2)`` (``answer_sd``: the spread of the cluster's answer lengths at that effect;
-``noise``: the relative spread left when the answer length is known), and the quantile of those
-scores over out-of-fold predictions (``folds`` folds by sample) sets ``quantile_ms = median + q *
-scale``. A request with a long, variable answer is held to a wider bound than a one-word one.
+The quantile is conformalized quantile regression (Romano et al., 2019): the same formula at the
+``quantile`` of the request's predicted answer length gives a first bound, and the ``quantile`` of the held-out
+excesses ``(latency - bound) / median`` over out-of-fold predictions (``folds`` folds by sample)
+widens it: ``quantile_ms = bound + q * median``. A question whose answers are one word is held to a
+tight bound, one whose answers run long or vary to a wide one, and the share covered is the level
+asked for on requests like the profile's.
 
 A request whose tiling is unknown (no readable image) is costed from its configuration's spread over
 the profile (``cost_basis`` "configuration"); an unknown prompt length reads as the profile's median.
@@ -43,9 +45,13 @@ from torch import Tensor, nn
 from trainer.clusters import kmeans
 from trainer.data import ActionSpace, OfflineData
 
-__all__ = ["COST_BASES", "CostQuality", "RequestCostConfig", "RequestCostModel", "RequestScoreTable",
+__all__ = ["COST_BASES", "REQUEST_COST_CHECK", "REQUEST_COST_FILE", "CostQuality", "RequestCostConfig",
+           "RequestCostModel", "RequestScoreTable",
            "cost_quality", "crops_used", "fit_request_cost", "lookup_cells", "question_clusters"]
 
+#: the run's cost model (fitted on the train split) and its check on the val split, in the run directory
+REQUEST_COST_FILE = "request_cost.pt"
+REQUEST_COST_CHECK = "request_cost.json"
 #: ``cost_basis`` values: the request's own prediction, or its configuration's spread over the profile
 COST_BASES = ("request", "configuration")
 #: the design columns of the latency regression, in order
@@ -84,6 +90,7 @@ class RequestCostConfig:
             raise ValueError(msg)
 
 
+
 def crops_used(action_space: ActionSpace, tiling_crops: Tensor | None, n: int) -> Tensor:
     """(N, A) float32: the crops each request's image tiles into at each configuration's ``max_crops``
     (``tiling_crops`` (N, C) per ``max_crops_values`` entry; NaN where unknown, all NaN without tilings)."""
@@ -104,8 +111,8 @@ def _cluster_centres(lang: Tensor, wanted: int, seed: int) -> Tensor:
     """(K, L) unit-length centres of the k-means clusters of ``lang``'s rows."""
     assign = kmeans(lang, wanted, seed=seed)
     k = int(assign.max()) + 1 if len(assign) else 1
-    x = nn.functional.normalize(lang.double(), dim=1)
-    centres = torch.zeros(k, lang.shape[1], dtype=torch.float64).index_add_(0, assign, x)
+    unit = nn.functional.normalize(lang.double(), dim=1)
+    centres = torch.zeros(k, lang.shape[1], dtype=torch.float64).index_add_(0, assign, unit)
     return nn.functional.normalize(centres, dim=1).float()
 
 
@@ -162,6 +169,56 @@ def lookup_cells(cells: Tensor, by_action: Tensor, cluster: Tensor, group: Tenso
     return torch.where(crops.isnan(), by_action[cluster], known)
 
 
+#: longest answer the length probe keeps apart (longer ones count in its last bin)
+MAX_ANSWER_TOKENS = 512
+
+
+def _fit_length_probe(lang: Tensor, tokens: Tensor, counted: Tensor, bins: int, seed: int,
+                      l2: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """A multinomial logistic regression from the standardised language features to each sample's answer
+    length (its histogram over the configurations it ran, ``bins`` bins, the last holding every longer
+    answer): (mean (L,), std (L,), weight (L, T), bias (T,), the L2 weight chosen). The L2 weight is
+    chosen among a few by the cross-entropy of a fifth of the samples held out, unless given."""
+    value = tokens.nan_to_num(0.0).round().long().clamp(0, bins - 1)
+    target = torch.zeros(len(lang), bins, dtype=torch.float64).scatter_add_(1, value, counted.double())
+    keep = target.sum(1) > 0
+    x_all, target = lang[keep].double(), target[keep] / target[keep].sum(1, keepdim=True)
+    mean, std = x_all.mean(0), x_all.std(0).nan_to_num(1.0) + 1e-6
+    x_all = (x_all - mean) / std
+    prior = target.mean(0).clamp(min=1e-6)
+
+    def fit(x: Tensor, y: Tensor, weight: float) -> tuple[Tensor, Tensor]:
+        w = torch.zeros(x.shape[1], bins, dtype=torch.float64, requires_grad=True)
+        b = prior.log().clone().requires_grad_(True)
+        optimizer = torch.optim.LBFGS([w, b], max_iter=100, line_search_fn="strong_wolfe")
+
+        def closure() -> Tensor:
+            optimizer.zero_grad()
+            loss = -(y * torch.log_softmax(x @ w + b, dim=1)).sum(1).mean() + weight * w.square().sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        return w.detach(), b.detach()
+
+    if l2 is None:
+        held = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed)) % 5 == 0
+        losses = {}
+        for weight in (1e-4, 1e-3, 1e-2, 1e-1):
+            w, b = fit(x_all[~held], target[~held], weight)
+            losses[weight] = float(-(target[held] * torch.log_softmax(x_all[held] @ w + b, dim=1)).sum(1).mean())
+        l2 = min(losses, key=losses.__getitem__)
+    w, b = fit(x_all, target, l2)
+    return mean.float(), std.float(), w.float(), b.float(), l2
+
+
+def _probe_quantiles(lang: Tensor, mean: Tensor, std: Tensor, weight: Tensor, bias: Tensor,
+                     levels: tuple[float, float]) -> tuple[Tensor, Tensor]:
+    """(B,) each: the answer length at the two ``levels`` of each request's predicted distribution."""
+    cdf = torch.softmax(((lang.float() - mean) / std) @ weight + bias, dim=1).cumsum(1)
+    return (cdf < levels[0] - 1e-6).sum(1).float(), (cdf < levels[1] - 1e-6).sum(1).float()
+
+
 def _median_regression(x: Tensor, y: Tensor, iterations: int = 30) -> Tensor:
     """Coefficients (D,) minimising sum |y - x @ b| (IRLS), float64; a tiny ridge keeps a constant
     column (e.g. one crops count only) solvable."""
@@ -189,9 +246,10 @@ class RequestCostModel(nn.Module):
     __jit_unused_properties__ = ["unmodelled"]
 
     def __init__(self, action_space: ActionSpace, config: RequestCostConfig, lang_dim: int, num_clusters: int,
-                 max_crops: int) -> None:
+                 max_crops: int, length_bins: int = 1) -> None:
         super().__init__()
         self.action_space, self.config = action_space, config
+        self.config_quantile = float(config.quantile)
         knobs = action_space.knob_indices()
         groups = sorted({(int(k), int(b)) for _, k, b in knobs.tolist()})
         group = torch.tensor([groups.index((int(k), int(b))) for _, k, b in knobs.tolist()], dtype=torch.long)
@@ -200,16 +258,19 @@ class RequestCostModel(nn.Module):
         self.register_buffer("group", group)
         self.register_buffer("coef", torch.zeros(g, len(TERMS)))
         self.register_buffer("centres", torch.zeros(num_clusters, lang_dim))
-        self.register_buffer("answer_tokens", torch.zeros(num_clusters, g, max_crops + 1))
-        self.register_buffer("answer_tokens_by_action", torch.zeros(num_clusters, a))
-        self.register_buffer("answer_sd", torch.zeros(num_clusters, g, max_crops + 1))
-        self.register_buffer("answer_sd_by_action", torch.zeros(num_clusters, a))
+        self.max_crops = int(max_crops)
+        # the answer length: the language features' multinomial probe of it, per request, plus each
+        # configuration's mean shift of it
+        self.register_buffer("length_mean", torch.zeros(lang_dim))
+        self.register_buffer("length_std", torch.ones(lang_dim))
+        self.register_buffer("length_weight", torch.zeros(lang_dim, length_bins))
+        self.register_buffer("length_bias", torch.zeros(length_bins))
+        self.register_buffer("length_shift", torch.zeros(a))
         self.register_buffer("profile_median_ms", torch.zeros(a))
         self.register_buffer("profile_quantile_ms", torch.zeros(a))
         self.register_buffer("default_prompt_tokens", torch.zeros(()))
         self.register_buffer("fit_max_crops", torch.zeros(()))
         self.register_buffer("fit_max_prompt_tokens", torch.zeros(()))
-        self.register_buffer("noise", torch.zeros(()))
         self.register_buffer("conformal_score", torch.zeros(()))
         self.unmodelled_text = ""  # one name per line: TorchScript keeps a string, not an empty list
 
@@ -228,24 +289,25 @@ class RequestCostModel(nn.Module):
     def parts(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> dict[str, Tensor]:
         """The median's terms per request and configuration (B, A): ``fixed``, ``image`` (vision and the
         image tokens' prefill), ``prompt`` (the prompt tokens' prefill) and ``decode``; plus ``answer_tokens``
-        (the expected generated length) and ``answer_sd``. NaN where the tiling is unknown."""
+        (the median generated length), ``answer_tokens_high`` (its ``quantile``) and ``decode_high`` (the
+        decode term at that length). NaN where the tiling is unknown."""
         crops = self._crops(tiling_crops)
-        cluster = question_clusters(lang, self.centres)
         prompt = torch.where(prompt_tokens.isnan(), self.default_prompt_tokens, prompt_tokens.float())
         coef = self.coef.index_select(0, self.group)  # (A, 4)
-        tokens = lookup_cells(self.answer_tokens, self.answer_tokens_by_action, cluster, self.group, crops)
-        sd = lookup_cells(self.answer_sd, self.answer_sd_by_action, cluster, self.group, crops)
+        median_tokens, high_tokens = _probe_quantiles(lang, self.length_mean, self.length_std, self.length_weight,
+                                                      self.length_bias, (0.5, self.config_quantile))
+        tokens = (median_tokens[:, None] + self.length_shift[None, :]).clamp(min=0.0)
+        high = (high_tokens[:, None] + self.length_shift[None, :]).clamp(min=0.0)
         return {"fixed": coef[:, 0].expand_as(crops), "image": coef[:, 1][None, :] * (crops + 1.0),
                 "prompt": coef[:, 2][None, :] * prompt[:, None], "decode": coef[:, 3][None, :] * tokens,
-                "answer_tokens": tokens, "answer_sd": sd}
+                "answer_tokens": tokens, "answer_tokens_high": high, "decode_high": coef[:, 3][None, :] * high}
 
     def forward(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor,
                                                                                           Tensor]:
         p = self.parts(lang, tiling_crops, prompt_tokens)
-        median = p["fixed"] + p["image"] + p["prompt"] + p["decode"]
-        per_token = self.coef.index_select(0, self.group)[:, 3][None, :]
-        scale = torch.sqrt((per_token * p["answer_sd"]).square() + (self.noise * median).square())
-        quantile = median + self.conformal_score * scale
+        before_decode = p["fixed"] + p["image"] + p["prompt"]
+        median = before_decode + p["decode"]
+        quantile = before_decode + p["decode_high"] + self.conformal_score * median
         request = ~median.isnan()
         median = torch.where(request, median, self.profile_median_ms[None, :].expand_as(median))
         quantile = torch.where(request, quantile, self.profile_quantile_ms[None, :].expand_as(quantile))
@@ -273,13 +335,15 @@ class RequestCostModel(nn.Module):
         """What :meth:`from_state` rebuilds the model from."""
         return {"action_space": self.action_space.to_json(), "config": asdict(self.config),
                 "lang_dim": int(self.centres.shape[1]), "num_clusters": int(self.centres.shape[0]),
-                "max_crops": int(self.answer_tokens.shape[2]) - 1, "unmodelled": list(self.unmodelled),
+                "max_crops": self.max_crops, "unmodelled": list(self.unmodelled),
+                "length_bins": int(self.length_bias.shape[0]),
                 "state_dict": {k: v.clone() for k, v in self.state_dict().items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> RequestCostModel:
         model = cls(ActionSpace.from_json(state["action_space"]), RequestCostConfig(**state["config"]),
-                    int(state["lang_dim"]), int(state["num_clusters"]), int(state["max_crops"]))
+                    int(state["lang_dim"]), int(state["num_clusters"]), int(state["max_crops"]),
+                    int(state.get("length_bins", 1)))
         model.load_state_dict(state["state_dict"])
         model.unmodelled = list(state.get("unmodelled", []))
         return model.eval()
@@ -316,10 +380,13 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
     known_crops = ~crops.isnan()
     max_crops = int(crops[known_crops].max()) if bool(known_crops.any()) else max(space.max_crops_values)
     max_crops = max(max_crops, max(space.max_crops_values))
+    prompt = torch.full((n,), float("nan")) if train.prompt_tokens is None else train.prompt_tokens.float()
     centres = _cluster_centres(train.lang_features, min(config.clusters, max(1, n // 10)), config.seed)
-    model = RequestCostModel(space, config, train.lang_features.shape[1], len(centres), max_crops)
-    model.centres.copy_(centres)
-    cluster = question_clusters(train.lang_features, centres)
+    output = torch.full((n, a), float("nan")) if train.output_tokens is None else train.output_tokens.float()
+    longest = int(output[~output.isnan()].max()) if bool((~output.isnan()).any()) else 0
+    bins = min(max(longest, 0), MAX_ANSWER_TOKENS) + 1
+    model = RequestCostModel(space, config, train.lang_features.shape[1], len(centres), max_crops, bins)
+    model.centres.copy_(centres)  # the score table's question clusters
     group = model.group
 
     eligible = _eligible(train)
@@ -327,7 +394,6 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
     model.profile_median_ms.copy_(torch.nanquantile(latency, 0.5, dim=0).nan_to_num(0.0))
     model.profile_quantile_ms.copy_(torch.nanquantile(latency, config.quantile, dim=0).nan_to_num(0.0))
 
-    prompt = torch.full((n,), float("nan")) if train.prompt_tokens is None else train.prompt_tokens.float()
     output = torch.full((n, a), float("nan")) if train.output_tokens is None else train.output_tokens.float()
     unmodelled = []
     if not bool(known_crops.any()):
@@ -347,15 +413,29 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
     fit_rows = eligible & known_crops & (~output.isnan() | ~terms[3])
     num_groups = int(group.max()) + 1
 
-    def answer_tables(rows: Tensor) -> tuple[_CellMeans, _CellMeans]:
-        counted = eligible & ~output.isnan()
-        counted = counted & rows[:, None]
-        means = _CellMeans(output.nan_to_num(0.0), counted, cluster, group, crops, len(centres), num_groups,
-                           max_crops, config.prior_samples)
-        centred = (output - lookup_cells(means.cells, means.by_action, cluster, group, crops)).square()
-        spread = _CellMeans(centred.nan_to_num(0.0), counted, cluster, group, crops, len(centres), num_groups,
-                            max_crops, config.prior_samples)
-        return means, spread
+    probe_l2: list[float] = []
+
+    def answer_lengths(rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, A) each: every sample's median answer length and its ``quantile``, the probe and shifts
+        fitted on ``rows``' samples (into the model when ``rows`` is every sample)."""
+        counted = eligible & rows[:, None] & ~output.isnan()
+        mean, std, weight, bias, l2 = _fit_length_probe(train.lang_features[rows], output[rows], counted[rows], bins,
+                                                        config.seed, probe_l2[0] if probe_l2 else None)
+        probe_l2.append(l2)
+        w = counted.double()
+        overall = float((output.nan_to_num(0.0) * w).sum() / w.sum().clamp(min=1))
+        shift = ((output.nan_to_num(0.0) * w).sum(0) / w.sum(0).clamp(min=1) - overall).float()
+        shift = torch.where(w.sum(0) > 0, shift, torch.zeros_like(shift))
+        median_tokens, high_tokens = _probe_quantiles(train.lang_features, mean, std, weight, bias,
+                                                      (0.5, config.quantile))
+        if rows.all():
+            model.length_mean.copy_(mean)
+            model.length_std.copy_(std)
+            model.length_weight.copy_(weight)
+            model.length_bias.copy_(bias)
+            model.length_shift.copy_(shift)
+        return ((median_tokens[:, None] + shift[None, :]).clamp(min=0.0),
+                (high_tokens[:, None] + shift[None, :]).clamp(min=0.0))
 
     def design(tokens: Tensor) -> Tensor:
         return torch.stack([torch.ones(n, a, dtype=torch.float64), (crops + 1).double().nan_to_num(0.0),
@@ -364,18 +444,10 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
     measured = design(output)
     everyone = torch.ones(n, dtype=torch.bool)
     coef = _fit_coefficients(measured, train.latency_ms, fit_rows, group, num_groups, terms)
-    means, spread = answer_tables(everyone)
     model.coef.copy_(coef.float())
-    model.answer_tokens.copy_(means.cells)
-    model.answer_tokens_by_action.copy_(means.by_action)
-    model.answer_sd.copy_(spread.cells.clamp(min=0).sqrt())
-    model.answer_sd_by_action.copy_(spread.by_action.clamp(min=0).sqrt())
-    # the relative spread left once the answer length is known
-    fitted = (measured * coef[group][None]).sum(2)
-    relative = ((train.latency_ms.double() - fitted) / fitted.clamp(min=1e-6)).abs()[fit_rows]
-    model.noise.fill_(1.4826 * float(relative.median()) if relative.numel() else 0.0)
+    answer_lengths(everyone)  # the probe's weights into the model
 
-    # out of fold: the median and scale of each held-out sample from a fit without its fold
+    # out of fold: each held-out sample's median and first bound from a fit without its fold
     fold = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed)) % config.folds
     scores = []
     for f in range(config.folds):
@@ -384,14 +456,11 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
             continue
         kept = ~held
         fold_coef = _fit_coefficients(measured, train.latency_ms, fit_rows & kept[:, None], group, num_groups, terms)
-        fold_means, fold_spread = answer_tables(kept)
-        tokens = lookup_cells(fold_means.cells, fold_means.by_action, cluster, group, crops)
-        sd = lookup_cells(fold_spread.cells, fold_spread.by_action, cluster, group, crops).clamp(min=0).sqrt()
-        median = (design(tokens) * fold_coef[group][None]).sum(2)
-        per_token = fold_coef[group][:, 3][None, :]
-        scale = torch.sqrt((per_token * sd.double()).square() + (float(model.noise) * median).square())
+        fold_tokens, fold_high = answer_lengths(kept)
+        median = (design(fold_tokens) * fold_coef[group][None]).sum(2)
+        bound = (design(fold_high) * fold_coef[group][None]).sum(2)
         rows = held[:, None] & eligible & known_crops
-        scores.append(((train.latency_ms.double() - median) / scale.clamp(min=1e-9))[rows])
+        scores.append(((train.latency_ms.double() - bound) / median.clamp(min=1e-9))[rows])
     score = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
     if score.numel():
         # the split-conformal rank: the ceil((n + 1) q)-th smallest score
@@ -441,7 +510,7 @@ class RequestScoreTable:
         score = train.scores(score_kind)
         weight = train.mask & ~score.isnan()
         cells = _CellMeans(score.nan_to_num(0.0), weight, cluster, model.group, crops, model.centres.shape[0],
-                           int(model.group.max()) + 1, model.answer_tokens.shape[2] - 1, model.config.prior_samples)
+                           int(model.group.max()) + 1, model.max_crops, model.config.prior_samples)
         self.cells, self.by_action = cells.cells, cells.by_action
 
     @classmethod
