@@ -15,6 +15,10 @@ network, so that the network always runs — the slow case):
 * ``exported``: the file ``ctrl export`` writes, loaded with ``torch.jit.load``, its ``decide``;
   ``exported, stage1 + stage2``: the same file called as a server calls it, ``stage1`` and then
   ``stage2`` at its crops (stage 2 computes the language and budget features again);
+* ``exported, lut_by_request answers``: the file of the same policy with a per-request table answering
+  at every budget (its cost model and score table, ``trainer.request_table``), given the prompts'
+  lengths; ``exported, expected_latency``: that file's cost model alone, every configuration of each
+  request;
 * ``compiled``: the package ``ctrl export --compiled`` writes (AOTInductor), loaded with
   ``torch._inductor.aoti_load_package`` and called as a function; ``compiled, boxed_run``: the same
   package through ``.loader.boxed_run([...])``, which skips the wrapper's per-call argument
@@ -80,6 +84,28 @@ def build(lang_dim: int, image_dim: int, hidden_dim: int = 128):
                              table_violation_rate=nan, table_violation_upper=nan, max_violation_rate=0.05,
                              confidence=0.95, table=LookupTableDecider(data).state())
     return data, tilings, policy, fallback, DeployedController(policy, fallback).eval()
+
+
+def with_request_table(data, tilings, policy, fallback):
+    """The same policy deployed with a per-request table (``lut_by_request``) answering at every budget, and
+    the prompt lengths it reads: the cost model and score table fitted on ``data`` with drawn prompt and
+    answer lengths (their values do not change what a decision costs)."""
+    from dataclasses import replace
+
+    import torch
+
+    from controller.deploy import DeployedController
+    from trainer.request_table import RequestTableDecider
+
+    g = torch.Generator().manual_seed(2)
+    n, a = len(data), len(data.action_space)
+    prompt = torch.randint(10, 200, (n,), generator=g).float()
+    outputs = torch.randint(1, 12, (n, a), generator=g).float()
+    data = replace(data, tiling_crops=tilings, prompt_tokens=prompt, output_tokens=outputs)
+    request = RequestTableDecider.fit(data)
+    table = replace(fallback, use_controller=[False] * len(fallback.grid_ms), request_table=request.state(),
+                    request_table_at=[True] * len(fallback.grid_ms))
+    return prompt, DeployedController(policy, table).eval()
 
 
 def multiply_adds(deployed) -> int:
@@ -172,6 +198,23 @@ def latency_table(repeats: int, batch_repeats: int, compiled: bool = True, hidde
         for name, fn in (("training-time", training_time), ("deployed (eager)", deployed), *paths):
             one = _stats(timed(fn, singles, warmup), 1e6)
             many = _stats(timed(fn, batches, 20), 1e3)
+            rows.append(f"| {label} | {name} | {one[0]:.0f} | {one[1]:.0f} | {one[2]:.0f} | "
+                        f"{many[0]:.2f} | {many[1]:.2f} | {many[2]:.2f} |")
+            print(rows[-1], flush=True)
+        # the per-request table answering for the network, and its cost model alone (every configuration)
+        prompt, by_request = with_request_table(data, tilings, policy, fallback)
+        with tempfile.TemporaryDirectory() as tmp:
+            exported = load_deployed(save_deployed(by_request, Path(tmp) / "controller.pt"))
+        with_prompt = [(*args, prompt[i % n:i % n + 1]) for i, args in enumerate(singles)]
+        batch_rows = [(i * 1000) % (n - 1000) for i in range(20 + batch_repeats)]
+        batches_prompt = [(*args, prompt[j:j + 1000]) for args, j in zip(batches, batch_rows)]
+        for name, fn, single, batch in (
+                ("exported, lut_by_request answers", exported.decide, with_prompt, batches_prompt),
+                ("exported, expected_latency (every configuration)",
+                 lambda lang, image, present, budget, tiling, tokens: exported.expected_latency(lang, tiling, tokens),
+                 with_prompt, batches_prompt)):
+            one = _stats(timed(fn, single, warmup), 1e6)
+            many = _stats(timed(fn, batch, 20), 1e3)
             rows.append(f"| {label} | {name} | {one[0]:.0f} | {one[1]:.0f} | {one[2]:.0f} | "
                         f"{many[0]:.2f} | {many[1]:.2f} | {many[2]:.2f} |")
             print(rows[-1], flush=True)

@@ -106,7 +106,7 @@ WORLDS = {
         World("coco-okvqa-doc-unequal", ("coco_2014_vqa", "okvqa", "doc_qa"), 300, 63, 163, labels=False,
               family_weights=(("presence", 5.0), ("sport", 0.2), ("use", 3.0), ("animal_family", 0.3))),
     ),
-    # a request's tiling observable in the features (issue 68, item 6): a per-request latency model can
+    # a request's tiling observable in the features, so that a per-request latency model can
     # learn from it; no family labels in the files (``lut_by_tiling`` reads the generator's)
     "tiling": (
         World("tiling-coco-text", ("coco_2014_vqa", "text_vqa"), 400, 71, 171, labels=False, spec=TILING_SPEC),

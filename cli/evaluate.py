@@ -124,7 +124,7 @@ def export(
         say(f"stage 2, after it: .stage2({lang}, {image} (the global crop's feature), image_present [B] bool, "
             f"budget_ms [B], max_crops [B]{tiling}) -> (top_k, num_active_blocks), int64 [B] each; "
             f"or .decide(...) for both")
-    if report.uses_prompt_tokens:
-        say("the per-request table answers at some budgets: .expected_latency(lang, tiling_crops, prompt_tokens) "
-            "-> (median ms, quantile ms, own cost) [B, A] per action")
+    if report.has_cost_model:
+        say(f"each request's own cost: .expected_latency({lang}, tiling_crops, prompt_tokens) -> (median ms, "
+            "quantile ms, own cost) [B, A], per row of .actions")
     say(f"features of model {report.model_fingerprint[:16]}")

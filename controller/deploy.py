@@ -248,16 +248,19 @@ class DeployedController(nn.Module):
         self.table_tolerance = float(budget_table.tolerance)
 
     def _build_request_table(self, fallback: TableFallback | None, budget_table: LookupTableDecider | None) -> None:
-        """The per-request table where the fallback answers with it at some budget: its cost model (a
-        submodule, also what ``expected_latency`` reads) and score cells. Otherwise a cost model without
-        coefficients (a TorchScript module keeps one type per attribute) that answers every request with
-        the budget table's median and latency statistic of the configuration (NaN without a table)."""
-        request = None if fallback is None or not self.has_fallback else fallback.request_decider()
+        """The fallback's per-request table: its cost model (a submodule, what ``expected_latency`` reads and
+        a server's guard holds a request to) and its score cells (read where it answers at some budget,
+        ``has_request_table``). Without one, a cost model without coefficients (a TorchScript module keeps
+        one type per attribute) that answers every request with the budget table's median and latency
+        statistic of the configuration (NaN without a table)."""
+        request = None if fallback is None else fallback.request_decider()
         if request is not None and [tuple(a) for a in self.actions.tolist()] != list(request.action_space.actions):
             warnings.warn("the per-request table was fitted on another action space than the controller's; the "
                           "export leaves it out", stacklevel=3)
             request = None
-        self.has_request_table = request is not None
+        self.has_cost_model = request is not None
+        self.has_request_table = (request is not None and self.has_fallback and fallback.request_table_at is not None
+                                  and any(fallback.request_table_at))
         if request is None:
             space = ActionSpace(tuple(tuple(a) for a in self.actions.tolist()))
             self.request_cost = RequestCostModel(space, RequestCostConfig(), self.lang_dim, 1,
@@ -277,7 +280,8 @@ class DeployedController(nn.Module):
         self.request_cost = request.model
         self.register_buffer("request_cells", request.scores.cells.clone())
         self.register_buffer("request_by_action", request.scores.by_action.clone())
-        self.register_buffer("request_table_at", torch.tensor(fallback.request_table_at, dtype=torch.bool))
+        at = fallback.request_table_at if self.has_request_table else [False] * len(fallback.grid_ms)
+        self.register_buffer("request_table_at", torch.tensor(at, dtype=torch.bool))
 
     # -- pieces, written for TorchScript (no Python containers of modules, explicit types); weight
     # matrices are stored transposed, (in, out), for addmm: F.linear would transpose them per call
@@ -404,10 +408,10 @@ class DeployedController(nn.Module):
                          prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Per request and action (B, A): the cost model's predicted median and quantile latency (ms, in the
         profile's units), and True where the request's own tiling answered (False: its configuration's
-        spread over the profile). Without a per-request table, the configuration's spread everywhere."""
+        spread over the profile). Without a cost model, the configuration's spread everywhere."""
         tiling, prompt = self._request_inputs(lang, tiling_crops, prompt_tokens)
         median, quantile, basis, _ = self.request_cost(lang, tiling, prompt)
-        if not self.has_request_table:
+        if not self.has_cost_model:
             basis = torch.zeros_like(basis)
         return median, quantile, basis
 
@@ -754,6 +758,7 @@ class ExportReport:
     fallback_budgets_ms: list[float]
     compiled: bool = False
     uses_prompt_tokens: bool = False  # a per-request table answers at some budget: pass prompt_tokens too
+    has_cost_model: bool = False  # expected_latency predicts each request's own cost
 
 
 def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoint: str | Path,
@@ -796,4 +801,5 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
                         max_crops_values=tuple(policy.action_space.max_crops_values),
                         num_actions=len(policy.action_space.actions), uses_tilings=module.uses_tilings,
                         fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms,
-                        compiled=compiled, uses_prompt_tokens=module.has_request_table)
+                        compiled=compiled, uses_prompt_tokens=module.has_request_table,
+                        has_cost_model=module.has_cost_model)

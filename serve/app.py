@@ -41,7 +41,17 @@ from starlette.requests import ClientDisconnect
 
 from serve.config import normalize_api_key
 from serve.connections import ConnectionLimits, UploadPlaces
-from serve.engine import LATENCY_PARTS, Cancelled, Engine, Job, LogUnavailable, Overloaded, Result, new_job
+from serve.engine import (
+    COST_COLUMNS,
+    LATENCY_PARTS,
+    Cancelled,
+    Engine,
+    Job,
+    LogUnavailable,
+    Overloaded,
+    Result,
+    new_job,
+)
 from serve.protocol import ChatRequest, Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
 from serve.streaming import DISCONNECT_POLL_S, stream_reply
 
@@ -444,4 +454,5 @@ def _ctrl(row: dict[str, Any]) -> dict[str, Any]:
         "arrival_scv": row.get("arrival_scv"), "floor": row.get("floor"),
         "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
         "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
+        **{name: row.get(name) for name in COST_COLUMNS},
     }

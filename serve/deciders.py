@@ -117,23 +117,24 @@ class OfflineDecider:
         self.image_dim = int(deployed.image_dim)
         self.reference_latency_ms = reference_latencies(deployed)
         self.group_names = group_names_of(deployed)
-        # a per-request table answers at some budget: it reads the prompt's length too (files exported
-        # before the cost model was deployed have neither)
-        self.reads_prompt_tokens = bool(getattr(deployed, "has_request_table", False))
+        # a deployed cost model reads the prompt's length (files exported before it was deployed have none);
+        # the stages read it where a per-request table answers at some budget
         self.has_cost_model = hasattr(deployed, "expected_latency")
+        self.reads_prompt_tokens = bool(getattr(deployed, "has_cost_model", False))
+        self.table_reads_prompt = bool(getattr(deployed, "has_request_table", False))
         self._actions = [tuple(int(v) for v in a) for a in deployed.actions.tolist()]
 
     def _decided_by(self, budget: torch.Tensor, lang: torch.Tensor) -> str:
         return "controller" if bool(self.deployed.network_decides(budget, lang)[0]) else "table"
 
     def _prompt(self, prompt_tokens: float) -> torch.Tensor | None:
-        return torch.tensor([float(prompt_tokens)]) if self.reads_prompt_tokens else None
+        return torch.tensor([float(prompt_tokens)]) if self.table_reads_prompt else None
 
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float,
                prompt_tokens: float = math.nan) -> Stage1Choice:
         budget = torch.tensor([float(budget_ms)])
         lang_row, tiling = lang[None].float(), tiling_crops[None].float()
-        if self.reads_prompt_tokens:
+        if self.table_reads_prompt:
             max_crops = int(self.deployed.stage1(lang_row, budget, tiling, self._prompt(prompt_tokens))[0])
         else:
             max_crops = int(self.deployed.stage1(lang_row, budget, tiling)[0])
@@ -152,7 +153,7 @@ class OfflineDecider:
         image, present = _image(inputs.image_feature, self.image_dim)
         args = (inputs.lang[None].float(), image, present, torch.tensor([float(inputs.budget_ms)]),
                 torch.tensor([choice.max_crops], dtype=torch.long), inputs.tiling_crops[None].float())
-        if self.reads_prompt_tokens:
+        if self.table_reads_prompt:
             top_k, blocks = self.deployed.stage2(*args, self._prompt(inputs.prompt_tokens))
         else:
             top_k, blocks = self.deployed.stage2(*args)

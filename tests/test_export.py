@@ -319,8 +319,9 @@ def test_exported_files_decide_like_predict_in_a_process_without_ctrl(trained, t
         assert str(path) in exported.stdout and "KiB" in exported.stdout and loader in exported.stdout
         assert "tiling_crops [B, 3]" in exported.stdout
         # a per-request table that answers at some budget also reads the prompts' lengths
-        uses_prompt = read_fallback(best).request_table is not None
+        uses_prompt = any(read_fallback(best).request_table_at or [])
         assert ("prompt_tokens [B]" in exported.stdout) == uses_prompt
+        assert ".expected_latency(" in exported.stdout  # every run deploys its cost model
     assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.pt", "controller.pt2"]  # no temporary file
     policy, f = _inputs(ws, best)
     from trainer.fallback import read_fallback

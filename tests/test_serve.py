@@ -209,6 +209,8 @@ def test_openai_client_text_request_gets_an_answer_with_the_knobs_and_latencies(
     # the model time holds the prefill and the decode steps, and the rest of the request is outside it
     assert latency["prefill"] + latency["decode"] <= latency["model"] <= latency["total"] - latency["stage1"]
     assert extra["met"] == (latency["total"] <= extra["budget_ms"])
+    # no image, no tiling: the prediction is the configuration's spread over the profile
+    assert extra["cost_basis"] == "configuration" and extra["latency_quantile_ms"] >= extra["expected_latency_ms"] > 0
 
 
 def test_openai_client_image_request_with_a_budget(server_a, serve_ws, embedded_runtime):
@@ -231,9 +233,22 @@ def test_openai_client_image_request_with_a_budget(server_a, serve_ws, embedded_
 
     best = ws.runs_dir / "offline-run" / "checkpoints" / "best.pt"
     deployed = DeployedController(ControllerPolicy.load(best), read_fallback(best))
-    index = int(deployed.question_group(embedded_runtime.lang_features(["What color is the shape?"]))[0])
+    lang = embedded_runtime.lang_features(["What color is the shape?"])
+    index = int(deployed.question_group(lang)[0])
     assert index >= 0
     assert extra["question_group"] == deployed.group_names()[index]
+    # the request's own predicted cost at the configuration it ran: its tiling is known (an image), and
+    # its prompt's length is counted as the features count it
+    tiling = torch.tensor([[float(r * c) for r, c in (embedded_runtime.tiling(image.width, image.height, m)
+                                                      for m in deployed.max_crops_values.tolist())]])
+    prompt = torch.tensor([float(embedded_runtime.preprocess(None, "What color is the shape?", 1).num_text_tokens)])
+    median, quantile, own = deployed.expected_latency(lang, tiling, prompt)
+    ran = [tuple(a) for a in deployed.actions.tolist()].index(
+        tuple(extra["knobs"][k] for k in ("max_crops", "top_k", "num_active_blocks")))
+    assert extra["expected_latency_ms"] == pytest.approx(float(median[0, ran]))
+    assert extra["latency_quantile_ms"] == pytest.approx(float(quantile[0, ran]))
+    assert extra["cost_basis"] == ("request" if bool(own[0, ran]) else "configuration")
+    assert extra["latency_quantile_ms"] >= extra["expected_latency_ms"] > 0
 
 
 def test_fixed_knobs_are_applied_on_the_execution_path(server_a, serve_ws, embedded_runtime):

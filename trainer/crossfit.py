@@ -194,14 +194,15 @@ def load_folds(run_dir: Path, data: OfflineData, folds: int) -> FoldModels:
 def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms: list[float], reward: RewardConfig,
                               deployed_table: LookupTableDecider | QuestionFamilyTableDecider, confidence: float,
                               prefers: str = "auto", seed: int = 0,
-                              deployed_request: RequestTableDecider | None = None) -> TableFallback:
+                              deployed_request: RequestTableDecider | None = None,
+                              request_table: bool = False) -> TableFallback:
     """The fallback rule on every sample, out of fold: fold k's network against fold k's table (of
     ``deployed_table``'s kind; a family or cluster table with its families or its global table per
     budget, :func:`trainer.fallback.choose_family_table_at`, also out of fold) on the samples of
     fold k, pooled over the folds (``targets``: all samples with the training scores). The deployed
-    fallback answers with ``deployed_table``, and with ``deployed_request`` (the per-request table, None:
-    not considered) at the budgets where fold k's per-request table beats fold k's table out of fold
-    (:func:`trainer.fallback.choose_request_table_at`)."""
+    fallback answers with ``deployed_table``; ``deployed_request`` (the per-request table, stored with it
+    for its cost model) answers in its place, with ``request_table``, at the budgets where fold k's
+    per-request table beats fold k's table out of fold (:func:`trainer.fallback.choose_request_table_at`)."""
     kind = table_kind(deployed_table)
     tables = [fallback_table(models.train[k], kind, grid_ms, reward, seed) for k in range(models.folds)]
     family_at = None
@@ -211,15 +212,14 @@ def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms:
                                            targets, grid_ms, reward, confidence=confidence)
     network = models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k]))
     table = models.out_of_fold(deployed_table.name, lambda k: switched_table(tables[k], grid_ms, family_at))
-    request_state, request_at = None, None
-    if deployed_request is not None:
+    request_state = None if deployed_request is None else deployed_request.state()
+    request_at = None if deployed_request is None else [False] * len(grid_ms)
+    if deployed_request is not None and request_table:
         request = models.out_of_fold(REQUEST_TABLE, lambda k: RequestTableDecider.fit(
             models.train[k], RequestCostConfig(seed=seed)))
         request_at = choose_request_table_at(request, table, targets, grid_ms, reward, confidence=confidence)
         if any(request_at):
-            table, request_state = BudgetSwitch(request, table, grid_ms, request_at), deployed_request.state()
-        else:
-            request_at = None
+            table = BudgetSwitch(request, table, grid_ms, request_at)
     fallback = compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(),
                                   confidence=confidence, prefers=resolve_prefers(prefers, deployed_table))
     return replace(fallback, family_table_at=family_at, request_table=request_state, request_table_at=request_at)

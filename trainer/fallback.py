@@ -121,9 +121,11 @@ class TableFallback:
         ``lut_by_cluster``): True where they answer, False where its global ``lut_p95`` table does
         (:func:`choose_family_table_at`); None: the families at every budget.
     request_table: the ``state()`` of the per-request table (``lut_by_request``,
-        :class:`trainer.request_table.RequestTableDecider`) where it answers at some budget, else None.
+        :class:`trainer.request_table.RequestTableDecider`): its cost model is deployed with the
+        controller (each request's predicted latency, the server's guard) whether or not the table
+        answers anywhere; None for a run without one.
     request_table_at: per grid point, True where ``request_table`` answers in ``table``'s place
-        (:func:`choose_request_table_at`); None: nowhere.
+        (:func:`choose_request_table_at`; all False where it may not answer).
     """
 
     grid_ms: list[float]
@@ -182,7 +184,7 @@ class TableFallback:
         return cached[1]
 
     def request_decider(self) -> RequestTableDecider | None:
-        """The per-request table (None where it answers nowhere), built once per ``request_table`` state."""
+        """The per-request table (None for a run without one), built once per ``request_table`` state."""
         if self.request_table is None:
             return None
         cached = self.__dict__.get("_request")
@@ -494,7 +496,7 @@ def resolve_prefers(prefers: str, table: BatchDecider) -> str:
 def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: OfflineData, grid_ms: list[float],
                        reward: RewardConfig, max_violation_rate: float = VIOLATION_TARGET,
                        confidence: float = 0.95, prefers: str = "auto", table: str = "auto",
-                       seed: int = 0, request_table: bool = True) -> TableFallback:
+                       seed: int = 0, request_table: bool = False) -> TableFallback:
     """Choose, per budget of ``grid_ms``, between the controller and the table ``table``
     (:func:`fallback_table`; a family or cluster table at each budget with its families or its
     global ``lut_p95`` table, :func:`choose_family_table_at`).
@@ -510,15 +512,14 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
         family_at = choose_family_table_at(answering, answering.global_table, val, grid_ms, reward,
                                            confidence=confidence, max_violation_rate=max_violation_rate)
     switched = switched_table(answering, grid_ms, family_at)
-    request_state, request_at = None, None
+    request = RequestTableDecider.fit(train, RequestCostConfig(seed=seed))
+    request_at = [False] * len(grid_ms)
     if request_table:
-        request = RequestTableDecider.fit(train, RequestCostConfig(seed=seed))
         request_at = choose_request_table_at(request, switched, val, grid_ms, reward, confidence=confidence,
                                              max_violation_rate=max_violation_rate)
         if any(request_at):
-            switched, request_state = BudgetSwitch(request, switched, grid_ms, request_at), request.state()
-        else:
-            request_at = None
+            switched = BudgetSwitch(request, switched, grid_ms, request_at)
+    request_state = request.state()
     fallback = compare_with_table(PolicyDecider(policy), switched, val, grid_ms, reward, answering.state(),
                                   also_count_table_on=train, max_violation_rate=max_violation_rate,
                                   confidence=confidence, prefers=resolve_prefers(prefers, answering))

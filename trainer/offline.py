@@ -353,12 +353,12 @@ class OfflineTrainer:
             models = load_folds(self.run.path, self.data, self.config.cross_fit_folds)
             deployed_table = fallback_table(self.table_data, self.config.fallback_table, self.val_budgets,
                                             self.config.reward, self.config.seed)
-            deployed_request = (RequestTableDecider.fit(self.table_data, RequestCostConfig(seed=self.config.seed))
-                                if self.config.fallback_request_table else None)
+            deployed_request = RequestTableDecider.fit(self.table_data, RequestCostConfig(seed=self.config.seed))
             fallback = fit_cross_fitted_fallback(models, training_targets(self.data, self.config.score_target),
                                                  self.val_budgets, self.config.reward, deployed_table,
                                                  self.config.fallback_confidence, self.config.fallback_prefers,
-                                                 seed=self.config.seed, deployed_request=deployed_request)
+                                                 seed=self.config.seed, deployed_request=deployed_request,
+                                                 request_table=self.config.fallback_request_table)
         else:
             best = ControllerPolicy.load(self.run.best_checkpoint)
             fallback = fit_table_fallback(best, self.train_recorded, self.val_split, self.val_budgets,
