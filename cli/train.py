@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Annotated, Any
 
 import typer
@@ -63,7 +64,8 @@ def train(
 
 def _train_offline(config: Any) -> None:
     from trainer import evaluation_title, read_fallback, train_offline
-    from trainer.progress import offline_progress
+    from trainer.progress import cost_model_line, offline_progress
+    from trainer.request_cost import REQUEST_COST_CHECK
 
     run = config.resume or config.run_id or "RUN"
     with running("train", interrupted=f"resume with --resume {run} (the last finished epoch is checkpointed)",
@@ -75,6 +77,9 @@ def _train_offline(config: Any) -> None:
     fallback = read_fallback(result.best_checkpoint)
     if fallback is not None:
         say(fallback.describe())
+    check = result.run_dir / REQUEST_COST_CHECK
+    if check.exists():
+        say(cost_model_line(json.loads(check.read_text())))
     if result.evaluation is not None:
         from trainer.evaluate import format_summary_table, summarize_evaluation
 

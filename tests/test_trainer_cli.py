@@ -80,7 +80,11 @@ def test_train_evaluate_predict(ws, tmp_path):
     assert predicted.exit_code == 0, predicted.output
     frame = pl.read_csv(out)
     assert frame.columns == ["sample_key", "dataset", "example_id", "budget_ms", "max_crops", "top_k",
-                             "num_active_blocks", "probability", "source", "answered_by", "question_group"]
+                             "num_active_blocks", "probability", "source", "answered_by", "question_group",
+                             "expected_latency_ms", "latency_quantile_ms", "cost_basis"]
+    # the deployed cost model's prediction at the chosen configuration: its quantile bounds its median
+    assert (frame["latency_quantile_ms"] >= frame["expected_latency_ms"]).all()
+    assert set(frame["cost_basis"]) <= {"request", "configuration"}
     # who answered: the network, or the fallback's table by name; the question's family as the table reads it
     assert set(frame["answered_by"]) <= {"controller", "lut_by_question", "lut_p95"}
     assert ((frame["source"] == "controller") == (frame["answered_by"] == "controller")).all()

@@ -152,8 +152,6 @@ class OfflineTrainer:
                  "quantile": quality.quantile, "num_measurements": quality.num_measurements,
                  "unmodelled": model.unmodelled}
         write_bytes_atomic(self.run.path / REQUEST_COST_CHECK, (json.dumps(check, indent=2) + "\n").encode())
-        if not self.is_fold:
-            self.notify({"phase": "cost_model", **check})
 
     def _warm_start(self, outcome: OutcomeModel) -> None:
         """Fit the policy to the start decider's choices (``warm_start_target``: ``outcome``'s or the table's)."""

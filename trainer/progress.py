@@ -32,13 +32,12 @@ def offline_progress(event: dict[str, Any]) -> ProgressUpdate | None:
                                    f"epoch {event.get('epoch', 0)}")
     if phase == "evaluate":
         return ProgressUpdate(info="evaluating")
-    if phase == "cost_model":
-        return ProgressUpdate(line=cost_model_line(event))
     return None
 
 
 def cost_model_line(event: dict[str, Any]) -> str:
-    """The per-request cost model's check on held-out latencies, and what the profile could not model."""
+    """The per-request cost model's check on held-out latencies (a run's ``request_cost.json``), and what
+    the profile could not model."""
     n = int(event.get("num_measurements") or 0)
     if n == 0:
         text = "request cost model: no held-out per-sample latency with a known tiling to check it on"

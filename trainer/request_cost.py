@@ -182,6 +182,11 @@ def _fit_length_probe(lang: Tensor, tokens: Tensor, counted: Tensor, bins: int, 
     value = tokens.nan_to_num(0.0).round().long().clamp(0, bins - 1)
     target = torch.zeros(len(lang), bins, dtype=torch.float64).scatter_add_(1, value, counted.double())
     keep = target.sum(1) > 0
+    if int(keep.sum()) < 2:  # nothing to learn the length from: every request reads as the lengths' mode
+        bias = torch.full((bins,), -30.0)
+        bias[int(target.sum(0).argmax())] = 0.0
+        return (torch.zeros(lang.shape[1]), torch.ones(lang.shape[1]), torch.zeros(lang.shape[1], bins), bias,
+                l2 if l2 is not None else 0.0)
     x_all, target = lang[keep].double(), target[keep] / target[keep].sum(1, keepdim=True)
     mean, std = x_all.mean(0), x_all.std(0).nan_to_num(1.0) + 1e-6
     x_all = (x_all - mean) / std
@@ -201,8 +206,10 @@ def _fit_length_probe(lang: Tensor, tokens: Tensor, counted: Tensor, bins: int, 
         optimizer.step(closure)
         return w.detach(), b.detach()
 
+    held = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed)) % 5 == 0
+    if l2 is None and (not bool(held.any()) or bool(held.all())):
+        l2 = 1e-2  # too few samples to hold any out
     if l2 is None:
-        held = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed)) % 5 == 0
         losses = {}
         for weight in (1e-4, 1e-3, 1e-2, 1e-1):
             w, b = fit(x_all[~held], target[~held], weight)

@@ -58,13 +58,20 @@ class RequestTableDecider(DeterministicDecider):
         return request_table_choice(median, quantile, score, budget_vector(budget_ms, len(data)), data.mask)
 
     def state(self) -> dict:
-        """The table as plain values (checkpoints): :meth:`from_state` rebuilds it without the data."""
-        return {"kind": "request", "name": self.name, "cost_model": self.model.to_state(),
+        """The table as plain values (checkpoints; compared as values): :meth:`from_state` rebuilds it
+        without the data."""
+        model = self.model.to_state()
+        model["state_dict"] = {name: {"values": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}
+                               for name, t in model["state_dict"].items()}
+        return {"kind": "request", "name": self.name, "cost_model": model,
                 "score_cells": self.scores.cells.tolist(), "score_by_action": self.scores.by_action.tolist()}
 
     @classmethod
     def from_state(cls, state: dict) -> RequestTableDecider:
-        model = RequestCostModel.from_state(state["cost_model"])
+        stored = dict(state["cost_model"])
+        stored["state_dict"] = {name: torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]))
+                                for name, t in stored["state_dict"].items()}
+        model = RequestCostModel.from_state(stored)
         scores = RequestScoreTable.from_cells(model, torch.tensor(state["score_cells"], dtype=torch.float32),
                                               torch.tensor(state["score_by_action"], dtype=torch.float32))
         return cls(model, scores, name=state.get("name", REQUEST_TABLE))
