@@ -167,12 +167,18 @@ class TableFallback:
             msg = f"`prefers` must be one of {FALLBACK_PREFERS}, got {self.prefers!r}"
             raise ValueError(msg)
 
+    def _at_nearest(self, flags: list[bool] | None, budget_ms: torch.Tensor, missing: bool) -> torch.Tensor:
+        """bool, shape of ``budget_ms``: each budget's nearest grid point's entry of ``flags`` (``missing``
+        everywhere where there are none)."""
+        b = torch.as_tensor(budget_ms, dtype=torch.float64)
+        if flags is None:
+            return torch.full(b.shape, missing, dtype=torch.bool)
+        nearest = (b[..., None] - torch.tensor(self.grid_ms, dtype=torch.float64)).abs().argmin(-1)
+        return torch.tensor(flags, dtype=torch.bool)[nearest]
+
     def controller_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
         """bool, shape of ``budget_ms``: True where the controller decides (nearest grid point)."""
-        grid = torch.tensor(self.grid_ms, dtype=torch.float64)
-        b = torch.as_tensor(budget_ms, dtype=torch.float64)
-        nearest = (b[..., None] - grid).abs().argmin(-1)
-        return torch.tensor(self.use_controller, dtype=torch.bool)[nearest]
+        return self._at_nearest(self.use_controller, budget_ms, True)
 
     def lookup_table(self) -> LookupTableDecider | QuestionFamilyTableDecider:
         """The stored table itself (for a family table: its families at every budget), built once per
@@ -205,11 +211,7 @@ class TableFallback:
 
     def requests_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
         """bool, shape of ``budget_ms``: True where the per-request table answers for the table (nearest grid point)."""
-        b = torch.as_tensor(budget_ms, dtype=torch.float64)
-        if self.request_table_at is None:
-            return torch.zeros(b.shape, dtype=torch.bool)
-        nearest = (b[..., None] - torch.tensor(self.grid_ms, dtype=torch.float64)).abs().argmin(-1)
-        return torch.tensor(self.request_table_at, dtype=torch.bool)[nearest]
+        return self._at_nearest(self.request_table_at, budget_ms, False)
 
     @property
     def guards_network(self) -> bool:
@@ -230,11 +232,7 @@ class TableFallback:
 
     def families_at(self, budget_ms: torch.Tensor) -> torch.Tensor:
         """bool, shape of ``budget_ms``: True where a family table answers with its families (nearest grid point)."""
-        b = torch.as_tensor(budget_ms, dtype=torch.float64)
-        if self.family_table_at is None:
-            return torch.ones(b.shape, dtype=torch.bool)
-        nearest = (b[..., None] - torch.tensor(self.grid_ms, dtype=torch.float64)).abs().argmin(-1)
-        return torch.tensor(self.family_table_at, dtype=torch.bool)[nearest]
+        return self._at_nearest(self.family_table_at, budget_ms, True)
 
     def budget_table(self) -> LookupTableDecider:
         """The fallback's ``lut_p95`` table (a question-family table's global one): one configuration
@@ -293,27 +291,6 @@ class TableFallback:
         return cls(**d)
 
 
-class BudgetSwitchedTable(DeterministicDecider):
-    """A family table that answers with its families at some budgets and with its global
-    ``lut_p95`` table at the others (nearest point of ``grid_ms``)."""
-
-    def __init__(self, table: QuestionFamilyTableDecider, grid_ms: list[float], family_at: list[bool]) -> None:
-        self.table, self.name = table, table.name
-        self.grid = torch.tensor(grid_ms, dtype=torch.float64)
-        self.family_at = torch.tensor(family_at, dtype=torch.bool)
-        self.action_space = table.action_space
-
-    def decide(self, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
-        budget = budget_vector(budget_ms, len(data))
-        use = self.family_at[(budget.double()[:, None] - self.grid).abs().argmin(-1)]
-        if bool(use.all()):
-            return self.table.decide(data, budget)
-        plain = self.table.global_table.decide(data, budget)
-        if not bool(use.any()):
-            return plain
-        return torch.where(use, self.table.decide(data, budget), plain)
-
-
 class BudgetSwitch(DeterministicDecider):
     """``first`` at the budgets whose nearest point of ``grid_ms`` has ``first_at`` True, ``other`` at the
     rest; named after ``other`` (the table it stands in for)."""
@@ -333,6 +310,15 @@ class BudgetSwitch(DeterministicDecider):
         if not bool(use.any()):
             return rest
         return torch.where(use, self.first.decide(data, budget), rest)
+
+
+class BudgetSwitchedTable(BudgetSwitch):
+    """A family table that answers with its families at some budgets and with its global
+    ``lut_p95`` table at the others (nearest point of ``grid_ms``); named after the family table."""
+
+    def __init__(self, table: QuestionFamilyTableDecider, grid_ms: list[float], family_at: list[bool]) -> None:
+        super().__init__(table, table.global_table, grid_ms, family_at)
+        self.table, self.name = table, table.name
 
 
 def switched_table(table: BatchDecider, grid_ms: list[float], family_at: list[bool] | None) -> BatchDecider:

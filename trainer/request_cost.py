@@ -297,7 +297,7 @@ class RequestCostModel(nn.Module):
         """The median's terms per request and configuration (B, A): ``fixed``, ``image`` (vision and the
         image tokens' prefill), ``prompt`` (the prompt tokens' prefill) and ``decode``; plus ``answer_tokens``
         (the median generated length), ``answer_tokens_high`` (its ``quantile``) and ``decode_high`` (the
-        decode term at that length). NaN where the tiling is unknown."""
+        decode term at that length), and ``crops`` (the crops the image gets). NaN where the tiling is unknown."""
         crops = self._crops(tiling_crops)
         prompt = torch.where(prompt_tokens.isnan(), self.default_prompt_tokens, prompt_tokens.float())
         coef = self.coef.index_select(0, self.group)  # (A, 4)
@@ -307,7 +307,8 @@ class RequestCostModel(nn.Module):
         high = (high_tokens[:, None] + self.length_shift[None, :]).clamp(min=0.0)
         return {"fixed": coef[:, 0].expand_as(crops), "image": coef[:, 1][None, :] * (crops + 1.0),
                 "prompt": coef[:, 2][None, :] * prompt[:, None], "decode": coef[:, 3][None, :] * tokens,
-                "answer_tokens": tokens, "answer_tokens_high": high, "decode_high": coef[:, 3][None, :] * high}
+                "answer_tokens": tokens, "answer_tokens_high": high, "decode_high": coef[:, 3][None, :] * high,
+                "crops": crops}
 
     def forward(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor,
                                                                                           Tensor]:
@@ -318,7 +319,7 @@ class RequestCostModel(nn.Module):
         request = ~median.isnan()
         median = torch.where(request, median, self.profile_median_ms[None, :].expand_as(median))
         quantile = torch.where(request, quantile, self.profile_quantile_ms[None, :].expand_as(quantile))
-        crops = self._crops(tiling_crops)
+        crops = p["crops"]
         extrapolated = (request & (crops > self.fit_max_crops)) | (prompt_tokens > self.fit_max_prompt_tokens)[:, None]
         return median, quantile, request, extrapolated
 
