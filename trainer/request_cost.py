@@ -15,13 +15,13 @@ flagged), never clamped. ``answer_tokens`` is the median of the request's predic
 multinomial logistic regression (a linear probe, L2 chosen on held-out samples) from its language
 features to the generated lengths the profile recorded for it, plus the configuration's mean shift
 of the length (no family labels needed; it tells short and long answers apart far better than the
-question clusters do, docs/results.md). The four
-coefficients per (top-K, blocks) are a median regression (iteratively reweighted
-least absolute deviations) on the profile's per-sample latencies with the recorded answer lengths.
+question clusters do, docs/results.md). The four coefficients per (top-K, blocks) are a median
+regression (iteratively reweighted least absolute deviations) on the profile's per-sample latencies
+with the recorded answer lengths.
 
 The quantile is conformalized quantile regression (Romano et al., 2019): the same formula at the
-``quantile`` of the request's predicted answer length gives a first bound, and the ``quantile`` of the held-out
-excesses ``(latency - bound) / median`` over out-of-fold predictions (``folds`` folds by sample)
+``quantile`` of the request's predicted answer length gives a first bound, and the ``quantile`` of the
+held-out excesses ``(latency - bound) / median`` over out-of-fold predictions (``folds`` folds by sample)
 widens it: ``quantile_ms = bound + q * median``. A question whose answers are one word is held to a
 tight bound, one whose answers run long or vary to a wide one, and the share covered is the level
 asked for on requests like the profile's.
@@ -45,15 +45,13 @@ from torch import Tensor, nn
 from trainer.clusters import kmeans
 from trainer.data import ActionSpace, OfflineData
 
-__all__ = ["COST_BASES", "REQUEST_COST_CHECK", "REQUEST_COST_FILE", "CostQuality", "RequestCostConfig",
+__all__ = ["REQUEST_COST_CHECK", "REQUEST_COST_FILE", "CostQuality", "RequestCostConfig",
            "RequestCostModel", "RequestScoreTable",
            "cost_quality", "crops_used", "fit_request_cost", "lookup_cells", "question_clusters"]
 
 #: the run's cost model (fitted on the train split) and its check on the val split, in the run directory
 REQUEST_COST_FILE = "request_cost.pt"
 REQUEST_COST_CHECK = "request_cost.json"
-#: ``cost_basis`` values: the request's own prediction, or its configuration's spread over the profile
-COST_BASES = ("request", "configuration")
 #: the design columns of the latency regression, in order
 TERMS = ("fixed", "image", "prompt", "decode")
 
