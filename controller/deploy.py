@@ -190,7 +190,7 @@ class DeployedController(nn.Module):
 
     def _build_fallback(self, fallback: TableFallback | None) -> None:
         # per action, the median latency of the training split (NaN: unseen there; empty: unknown), the
-        # latencies the budgets are in: a server measures its own against them (serve.calibration)
+        # latencies the budgets are in: a server measures its own against them (controller.cost.LatencyScale)
         reference = torch.zeros(0, dtype=torch.float64)
         table = None if fallback is None else fallback.lookup_table()
         budget_table = None if fallback is None else fallback.budget_table()

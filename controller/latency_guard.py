@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from controller.cost import QuantileTracker, RecentWindow
+from controller.machine import CostGrid, GuardGrid
 from pipeline.catalog import run_query
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
@@ -105,23 +106,6 @@ def guard_slack(measured_ms: np.ndarray, expected_ms: np.ndarray, quantile: floa
     return float(np.quantile(measured[ok] / expected[ok], quantile))
 
 
-@dataclass(frozen=True)
-class GuardGrid:
-    """A request's view of the guard over a controller's knob values, each (C, K, B): ``allowed``,
-    ``expected_ms`` (what it is expected to take now; inf where unknown: the tail factor's
-    reference) and ``base_ms`` (before slack, drift and tail: the drift factor's reference), both
-    given back to :meth:`LatencyGuard.observe` with the measured latency."""
-
-    allowed: torch.Tensor
-    expected_ms: torch.Tensor
-    base_ms: torch.Tensor
-
-    @property
-    def crops_allowed(self) -> torch.Tensor:
-        """(C,) the crops values with at least one allowed configuration: stage 1's choices."""
-        return self.allowed.flatten(1).any(1)
-
-
 @dataclass
 class LatencyGuard:
     """The expected latency of every configuration for a request on this machine, and which fit.
@@ -148,7 +132,6 @@ class LatencyGuard:
     _recent: RecentWindow = field(default_factory=lambda: RecentWindow(DRIFT_WINDOW), init=False, repr=False,
                                   compare=False)
     _tail: QuantileTracker = field(init=False, repr=False, compare=False)
-    _grids: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # the requests over their expectation, held at 1 - GUARD_QUANTILE of those decided
@@ -198,35 +181,21 @@ class LatencyGuard:
         if expected_ms is not None and 0 < expected_ms < float("inf"):
             self._tail.observe(measured_ms > expected_ms)
 
+    def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float) -> CostGrid:
+        """One request's cost of each of the guard's configurations (``lang`` (Dl,), ``tiling_crops`` (C,)
+        or None): :meth:`base_ms` and, as the factor of every one, :meth:`factor` now."""
+        base = self.base_ms(lang[None] if lang.dim() == 1 else lang,
+                            None if tiling_crops is None
+                            else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0].float()
+        factor = self.factor()
+        return CostGrid(self.actions, base, lambda _config: factor, float(budget_ms), "guard")
+
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
                   budget_ms: float) -> GuardGrid:
         """For one request, over ``controller``'s knob values (C, K, B): the configurations expected to
         fit ``budget_ms`` (only the fastest expected one where none does), and the expectations."""
-        base = self.base_ms(lang[None] if lang.dim() == 1 else lang,
-                            None if tiling_crops is None
-                            else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0]
         values = (controller.max_crops_values, controller.top_k_values, controller.num_active_blocks_values)
-        actions, cells = self._grid_index(values)
-        grid = torch.full(tuple(len(v) for v in values), float("inf"))
-        grid.view(-1)[cells] = base[actions].float()
-        expected = grid * self.factor()
-        allowed = expected <= budget_ms
-        if not allowed.any():
-            allowed = expected == expected.min()
-        return GuardGrid(allowed, expected, grid)
-
-    def _grid_index(self, values: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For knob values (crops, top-K, blocks): the guard's actions among them and their flat cells
-        in the (C, K, B) grid; worked out once per set of values (every request asks)."""
-        if values not in self._grids:
-            known = [(a, (values[0].index(c) * len(values[1]) + values[1].index(k)) * len(values[2])
-                      + values[2].index(b)) for a, (c, k, b) in enumerate(self.actions)
-                     if c in values[0] and k in values[1] and b in values[2]]
-            if not known:
-                msg = "the latency guard knows none of the controller's configurations (another action space)"
-                raise CtrlError(msg)
-            self._grids[values] = (torch.tensor([a for a, _ in known]), torch.tensor([cell for _, cell in known]))
-        return self._grids[values]
+        return self.grid(lang, tiling_crops, budget_ms).over(values)
 
     def summary(self) -> dict[str, Any]:
         """What a person reads of the guard (progress line, docs): its ratios, slack and size."""

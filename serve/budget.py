@@ -17,11 +17,11 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    queue's mean waiting time (Pollaczek-Khinchine). It moves the controller to cheaper
    configurations when arrivals come faster than its choices are served, before a queue forms,
    and back when they slow; the tail beyond the mean is the margin's to keep.
-4. **The latency scale** (:class:`serve.calibration.LatencyScale`): the budget is divided by it to
+4. **The latency scale** (:class:`controller.cost.LatencyScale`): the budget is divided by it to
    read in the profile's milliseconds.
 5. **The margin of the request's budget class** (:func:`budget_class`): each class of budgets, by
    their ratio to the cheapest configuration's expected time, keeps its own
-   :class:`serve.calibration.BudgetMargin`, so that a stream of budgets nothing can meet moves no
+   :class:`BudgetMargin`, so that a stream of budgets nothing can meet moves no
    other class. A class aims at the smaller of ``met_target`` and what the cheapest configuration
    would meet in it (:func:`cheapest_met_share`: the latencies just served, at the cheapest
    configuration's reference, queued at the arrival rate observed), and its margin stops where
@@ -29,7 +29,8 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    that it would only slow its recovery.
 6. **The cheapest rule**: a budget that reads below every configuration's reference latency takes
    the cheapest configuration, the controller not asked (it would extrapolate).
-7. **The per-configuration guard** (:func:`guard_config`, after stage 2): a configuration whose own
+7. **The per-configuration guard** (the decider's :class:`controller.machine.MachineCost`, after
+   stage 2; its rule :func:`controller.cost.guard_config`): a configuration whose own
    measured scale says its median takes more than the whole budget the controller read is replaced
    by the largest one at the same crops that fits.
 
@@ -41,12 +42,65 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from controller.cost import quantile_of
+from controller.cost import LatencyScale, QuantileTracker, quantile_of
 from pipeline.knobs import Config
-from serve.calibration import MARGIN_BOUNDS, BudgetMargin, LatencyScale
+
+#: how far one request moves the budget margin (log scale, per unit of met - target)
+MARGIN_STEP = 0.1
+#: the budget margin's range: at most this much tighter / looser than the budget left
+MARGIN_BOUNDS = (0.2, 1.5)
+
+
+class BudgetMargin:
+    """The share of the budget left that the controller reads, adjusted on the requests served so
+    that a ``target`` share of them is answered within budget.
+
+    The controller's latencies and the latency scale describe one request on a free model; what
+    a request takes on a loaded server also depends on the queue and on everything the latency
+    scale's median does not see. Instead of modelling that, the margin tracks the outcome the
+    budget is about (a :class:`controller.cost.QuantileTracker` of the requests within budget):
+    after each request the controller decided, ``log(margin)`` moves down by ``step * target``
+    after a miss, up by ``step * (1 - target)`` after a request within budget. Under load it falls,
+    the controller picks cheaper configurations and the queue shortens; where the controller is
+    more careful than it needs to be it rises above 1. ``target`` None pins the margin at 1.
+    """
+
+    def __init__(self, target: float | None, *, step: float = MARGIN_STEP,
+                 bounds: tuple[float, float] = MARGIN_BOUNDS, initial: float = 1.0) -> None:
+        if target is not None and not (math.isfinite(target) and 0.0 < target < 1.0):
+            msg = f"the met target must be in (0, 1), got {target!r}"
+            raise ValueError(msg)
+        if not (math.isfinite(step) and step > 0):
+            msg = f"the margin step must be a positive number, got {step!r}"
+            raise ValueError(msg)
+        low, high = bounds
+        if not 0 < low <= 1.0 <= high:
+            msg = f"the margin bounds must hold 1 and be positive, got {bounds!r}"
+            raise ValueError(msg)
+        if not low <= initial <= high:
+            msg = f"the initial margin must be within the bounds {bounds!r}, got {initial!r}"
+            raise ValueError(msg)
+        self.target = target
+        self._within = QuantileTracker(target if target is not None else 0.5, step=step, bounds=bounds,
+                                       initial=initial)
+        self.step, self.bounds = self._within.step, self._within.bounds
+
+    @property
+    def value(self) -> float:
+        return self._within.value
+
+    def observe(self, met: bool, target: float | None = None) -> float:
+        """Record whether one controller-decided request was answered within its budget; the new margin.
+        ``target``: this request's own target (a lower one where the budget could not be met more often),
+        else the margin's."""
+        if self.target is None:
+            return 1.0
+        aim = self.target if target is None else min(self.target, max(0.0, float(target)))
+        return self._within.observe(met, aim)
+
 
 #: the lower edges of the budget classes, in multiples of the cheapest configuration's expected time
 #: (the first class holds the budgets below it: nothing is expected to meet them)
@@ -71,23 +125,6 @@ LEAST_QUANTILE = 0.1
 #: the floor: arrivals replayed at the cheapest configuration, a class's recent controller requests
 #: compared with that replay, the fewest that decide, and how far below the replay they may fall
 FLOOR_ARRIVALS, FLOOR_WINDOW, FLOOR_MIN, FLOOR_TOLERANCE = 256, 64, 20, 0.02
-
-
-def guard_config(chosen: Config, reference_ms: Mapping[Config, float],
-                 scale_of: Callable[[Config], float], allowed_ms: float) -> Config:
-    """The configuration to run for a controller's ``chosen`` one when the budget allows the model
-    ``allowed_ms`` (served ms): ``chosen`` itself when its expected time (its reference latency times its
-    own scale) fits or it has no reference; else, among the configurations at its crops (the vision
-    pass has run at them) with a reference no larger than its own, the one with the largest reference
-    whose expected time fits (the most compute the budget affords: accuracy rises with it across the
-    profiled space), or the fastest expected one where none fits."""
-    if chosen not in reference_ms or reference_ms[chosen] * scale_of(chosen) <= allowed_ms:
-        return chosen
-    same_crops = [c for c in reference_ms if c[0] == chosen[0] and reference_ms[c] <= reference_ms[chosen]]
-    fitting = [c for c in same_crops if reference_ms[c] * scale_of(c) <= allowed_ms]
-    if fitting:
-        return max(fitting, key=lambda c: (reference_ms[c], c))
-    return min(same_crops, key=lambda c: (reference_ms[c] * scale_of(c), c))
 
 
 def budget_class(budget_ms: float, cheapest_ms: float | None) -> int:

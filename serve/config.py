@@ -15,11 +15,10 @@ import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from controller.cost import LATENCY_SCALE_QUANTILE, LATENCY_SCALE_WINDOW
 from pipeline.execution import DTYPE_CHOICES, ExecutionOptions, execution_field
 from pipeline.options import WORKSPACE_CLI, option, option_flags
 
-#: how many of the latest requests the measured latency scale is a quantile over
-LATENCY_SCALE_WINDOW = 32
 #: the prompt-token limit of a model whose runtime does not say its context length
 FALLBACK_MAX_PROMPT_TOKENS = 4096
 #: host names that always mean loopback
@@ -66,7 +65,7 @@ class ServeConfig:
         "This machine's model time per millisecond of the latencies the controller was trained on; budgets are "
         "divided by it before the controller reads them. 1 reads budgets as the profile's milliseconds (default: "
         "measured on the requests served, warm-up included; docs/serving.md#latency-calibration).")
-    latency_scale_quantile: float = option(0.5, help=
+    latency_scale_quantile: float = option(LATENCY_SCALE_QUANTILE, help=
         f"The measured latency scale is this quantile of the last {LATENCY_SCALE_WINDOW} requests' ratios of served "
         "model time to the configuration's median training latency (higher: more careful decisions).")
     queue_aware: bool = option(True, help=

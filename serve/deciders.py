@@ -12,9 +12,11 @@ crop count), plus, for an online run, the latency token, and picks top-K and the
   (:class:`controller.deploy.DeployedController`: its ``stage1`` and ``stage2``, with the table
   fallback). Its stage 2 runs before block 0 (insertion position 0): its top-K applies to
   every block, as in the recorded data it was trained on. Its choice is held to the machine's
-  measured cost (``serve.budget.guard_config`` with the server's latency scale per configuration).
+  measured cost (its :class:`controller.machine.MachineCost`: the request's own predicted cost, or
+  the configuration's median, times the server's latency scale per configuration).
 * :class:`OnlineDecider`: an online run's :class:`trainer.two_stage.TwoStageController`
-  (greedy at each stage, as ``ctrl evaluate`` measures it).
+  (greedy at each stage, as ``ctrl evaluate`` measures it), held to the run's latency guard
+  (its cost model's grids) where the run measured one.
 * :class:`FixedKnobs`: the knobs a request fixed itself (``knobs``), e.g. a benchmark's static
   configuration; the controller does not run.
 """
@@ -28,13 +30,13 @@ from typing import Any, Protocol
 
 import torch
 
+from controller.cost import LatencyScale
 from controller.deploy import DeployedController, group_names_of, load_deployed
 from controller.latency_guard import LatencyGuard, guarded_stage2, load_run_guard
+from controller.machine import CostGrid, MachineCost
 from pipeline.errors import CacheMismatchError, CtrlError
 from pipeline.knobs import Config
 from pipeline.workspace import Workspace
-from serve.budget import guard_config
-from serve.calibration import LatencyScale
 from serve.protocol import RequestError
 from serve.startup import check_controller_file
 from trainer.fallback import read_fallback
@@ -59,6 +61,8 @@ class Stage1Choice:
     expected_latency_ms: float | None = None
     latency_quantile_ms: float | None = None
     cost_basis: str | None = None
+    #: the machine's cost grid the choice was held to (what the cost model compares the served latency with)
+    cost_grid: CostGrid | None = None
 
 
 @dataclass
@@ -68,10 +72,9 @@ class Stage2Inputs:
     budget_ms: float
     image_feature: torch.Tensor | None  # (Di,) the global crop's feature; None without an image
     latency_token: torch.Tensor | None  # (d,) after blocks 0..p-1, online runs only
-    #: the model time the budget allows (served ms), and the machine's measured cost of each configuration
-    #: an offline controller's choice is held to (None: not held, ``--no-config-guard``)
+    #: the model time the budget allows (served ms), which an offline controller's choice is held to on the
+    #: machine's cost (None: not held, ``--no-config-guard``)
     served_budget_ms: float | None = None
-    machine: LatencyScale | None = None
     #: the text tokens of the formatted prompt (NaN: not counted; read by a per-request table)
     prompt_tokens: float = math.nan
 
@@ -87,14 +90,14 @@ class RequestDecider(Protocol):
     #: per configuration (max_crops, top_k, blocks), the median latency the controller was trained on
     #: (empty: unknown; the server then cannot measure its latency scale)
     reference_latency_ms: dict[Config, float]
+    #: the machine's cost model it decides with; the server records every request it serves there
+    cost: MachineCost
+    #: whether stage 1 takes ``prompt_tokens=`` (the formatted prompt's text tokens, float)
+    reads_prompt_tokens: bool
 
-    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
-        """A decider whose ``reads_prompt_tokens`` is True also takes ``prompt_tokens=`` (float)."""
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice: ...
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]: ...
-
-    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """A request it decided was served in ``measured_ms`` (stage 1 to the last token)."""
 
 
 def _image(feature: torch.Tensor | None, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,13 +112,14 @@ class OfflineDecider:
 
     phase = "offline"
 
-    def __init__(self, deployed: Any, controller_run: str) -> None:
+    def __init__(self, deployed: Any, controller_run: str, cost: MachineCost | None = None) -> None:
         self.deployed = deployed
         self.controller_run = controller_run
         self.max_crops_values = tuple(int(v) for v in deployed.max_crops_values.tolist())
         self.budget_range_ms = (float(deployed.budget_min_ms), float(deployed.budget_max_ms))
         self.image_dim = int(deployed.image_dim)
         self.reference_latency_ms = reference_latencies(deployed)
+        self.cost = cost if cost is not None else MachineCost(LatencyScale(self.reference_latency_ms))
         self.group_names = group_names_of(deployed)
         # a deployed cost model reads the prompt's length (files exported before it was deployed have none);
         # the stages read it where a per-request table answers at some budget
@@ -162,7 +166,7 @@ class OfflineDecider:
             median, _, own = choice.state
             # the guard holds this request to its own predicted cost where the model made one
             own_cost = {a: float(m) for a, m, o in zip(self._actions, median.tolist(), own.tolist()) if o}
-        top_k, blocks = held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs, own_cost or None)
+        top_k, blocks = held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs, self.cost, own_cost or None)
         if choice.state is not None:
             median, quantile, own = choice.state
             ran = self._actions.index((choice.max_crops, top_k, blocks)) if (
@@ -172,24 +176,19 @@ class OfflineDecider:
                 choice.cost_basis = "request" if bool(own[ran]) else "configuration"
         return top_k, blocks
 
-    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """Nothing to learn here from a request's latency: the machine's scale an offline controller is
-        held to is the server's (:class:`serve.calibration.LatencyScale`), which every request feeds."""
 
-
-def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage2Inputs,
+def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage2Inputs, cost: MachineCost,
                     request_cost_ms: dict[Config, float] | None = None) -> tuple[int, int]:
-    """An offline controller's stage-2 choice held to what this machine does now
-    (``serve.budget.guard_config``: each configuration's reference latency times its measured scale,
-    against the model time the budget allows); records the replaced choice in ``choice.guarded_from``.
-    ``request_cost_ms``: this request's own predicted latency per configuration (profile ms, the
-    deployed cost model's), read in place of the configurations' medians where given."""
+    """An offline controller's stage-2 choice held to what this machine does now (``cost``'s grid at the
+    model time the budget allows: :meth:`controller.machine.CostGrid.held`); records the grid in
+    ``choice.cost_grid`` and the replaced choice in ``choice.guarded_from``. ``request_cost_ms``: this
+    request's own predicted latency per configuration (profile ms, the deployed cost model's), read in
+    place of the configurations' medians where given."""
     chosen = (choice.max_crops, int(top_k), int(blocks))
-    if inputs.machine is None or inputs.served_budget_ms is None:
+    if inputs.served_budget_ms is None:
         return chosen[1], chosen[2]
-    reference = inputs.machine.reference_ms if request_cost_ms is None else {
-        **inputs.machine.reference_ms, **request_cost_ms}
-    run = guard_config(chosen, reference, inputs.machine.of, inputs.served_budget_ms)
+    choice.cost_grid = cost.grid(inputs.lang, inputs.tiling_crops, inputs.served_budget_ms, request_ms=request_cost_ms)
+    run = choice.cost_grid.held(chosen)
     if run != chosen:
         choice.guarded_from = "/".join(str(v) for v in chosen)
     return run[1], run[2]
@@ -201,30 +200,38 @@ class OnlineDecider:
 
     phase = "online"
 
+    reads_prompt_tokens = False
+
     def __init__(self, controller: TwoStageController, controller_run: str,
-                 guard: LatencyGuard | None = None) -> None:
+                 guard: LatencyGuard | None = None, cost: MachineCost | None = None) -> None:
         self.controller = controller.eval()
         self.controller_run = controller_run
-        self.guard = guard
+        # an online run's budgets were measured on the serving path at training time; nothing records
+        # them per configuration, so the scale stays 1 unless --latency-scale pins it
+        self.cost = cost if cost is not None else MachineCost(LatencyScale({}), guard)
         self.max_crops_values = tuple(controller.max_crops_values)
         cfg = controller.policy.config
         self.budget_range_ms = (float(cfg.budget_min_ms), float(cfg.budget_max_ms))
         self.image_dim = int(cfg.image_feature_dim)
-        # an online run's budgets were measured on the serving path at training time; nothing records
-        # them per configuration, so the scale stays 1 unless --latency-scale pins it
         self.reference_latency_ms: dict[Config, float] = {}
+
+    @property
+    def guard(self) -> LatencyGuard | None:
+        return self.cost.guard
 
     @torch.no_grad()
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
         s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float())
         crops_scores = s1.crops_log_probs[0]
-        guarded = None
-        if self.guard is not None:  # among the crops with a configuration expected to fit
-            guarded = self.guard.knob_grid(self.controller, lang, tiling_crops, float(budget_ms))
+        grid = guarded = None
+        if self.cost.guard is not None:  # among the crops with a configuration expected to fit
+            grid = self.cost.grid(lang, tiling_crops, float(budget_ms))
+            guarded = grid.over((self.controller.max_crops_values, self.controller.top_k_values,
+                                 self.controller.num_active_blocks_values))
             crops_scores = crops_scores.masked_fill(~guarded.crops_allowed, float("-inf"))
         c, pi = int(crops_scores.argmax()), int(s1.insertion_log_probs[0].argmax())
         return Stage1Choice(self.controller.max_crops_values[c], self.controller.insertion_positions[pi],
-                            s1.budget_token[0], "controller", (s1, c, pi, guarded))
+                            s1.budget_token[0], "controller", (s1, c, pi, guarded), cost_grid=grid)
 
     @torch.no_grad()
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
@@ -239,30 +246,23 @@ class OnlineDecider:
             k, b = int(top_k_lp[0].argmax()), int(blocks_lp[0].argmax())
         return self.controller.top_k_values[k], self.controller.num_active_blocks_values[b]
 
-    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """A served request's measured latency (stage 1 to the last token), for the guard's drift and tail
-        factors."""
-        guarded = choice.state[3] if choice.state is not None else None
-        if self.guard is None or guarded is None:
-            return
-        c = self.controller.max_crops_values.index(choice.max_crops)
-        k, b = self.controller.top_k_values.index(top_k), self.controller.num_active_blocks_values.index(blocks)
-        self.guard.observe(float(guarded.base_ms[c, k, b]), measured_ms, float(guarded.expected_ms[c, k, b]))
-
 
 class FixedKnobs:
     """The knobs a request set itself; checked against the model's ranges."""
 
     phase = "request"
     controller_run = "request"
+    reads_prompt_tokens = False
 
-    def __init__(self, knobs: dict[str, int], num_experts: int, num_layers: int, max_crops_limit: int) -> None:
+    def __init__(self, knobs: dict[str, int], num_experts: int, num_layers: int, max_crops_limit: int,
+                 cost: MachineCost) -> None:
         limits = {"max_crops": max_crops_limit, "top_k": num_experts, "num_active_blocks": num_layers}
         for name, limit in limits.items():
             if not 1 <= knobs[name] <= limit:
                 msg = f"`knobs.{name}` must be in 1..{limit} for this model, got {knobs[name]}"
                 raise RequestError(400, msg, f"knobs.{name}", "invalid_value")
         self.knobs = knobs
+        self.cost = cost  # the server's: its requests still tell the machine's scale
         self.max_crops_values = (knobs["max_crops"],)
         self.budget_range_ms = (0.0, 0.0)
         self.reference_latency_ms: dict[Config, float] = {}
@@ -273,8 +273,6 @@ class FixedKnobs:
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.knobs["top_k"], self.knobs["num_active_blocks"]
 
-    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """Nothing to learn from a request's latency: the request chose its knobs."""
 
 
 class CheapestConfig:
@@ -283,9 +281,11 @@ class CheapestConfig:
     controller is never asked: below its training range its choices are extrapolation."""
 
     phase = "offline"
+    reads_prompt_tokens = False
 
     def __init__(self, decider: RequestDecider) -> None:
         reference = decider.reference_latency_ms
+        self.cost = decider.cost
         self.config = min(reference, key=lambda c: (reference[c], c))
         self.controller_run = decider.controller_run
         self.max_crops_values = (self.config[0],)
@@ -299,8 +299,6 @@ class CheapestConfig:
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
         return self.config[1], self.config[2]
 
-    def observe(self, choice: Stage1Choice, top_k: int, blocks: int, measured_ms: float) -> None:
-        """Nothing to learn from a request's latency: it always decides the cheapest configuration."""
 
 
 def reference_latencies(deployed: Any) -> dict[Config, float]:

@@ -48,14 +48,13 @@ from typing import Any
 import torch
 from PIL import Image
 
-from controller.cost import quantile_of
+from controller.cost import LatencyScale, quantile_of
 from pipeline.knobs import MAX_CROPS_LIMIT
 from runtime import ModelRuntime
 from runtime.base import PrefixState
 from runtime.request import RequestExecutor
 from runtime.timing import RequestTiming, StageTimer, cpu_threads
 from serve.budget import BudgetPlan, BudgetPlanner
-from serve.calibration import LatencyScale
 from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
@@ -235,8 +234,9 @@ class Engine:
         self.threads = int(threads)
         self.log = request_log
         self.metrics = metrics if metrics is not None else ServeMetrics()
-        self.latency_scale = latency_scale if latency_scale is not None else LatencyScale(
-            decider.reference_latency_ms)
+        if latency_scale is not None:  # the server's pinned or configured scale, read by the decider's cost model
+            decider.cost = decider.cost.with_scale(latency_scale)
+        self.latency_scale = decider.cost.scale
         self.planner = BudgetPlanner(decider.reference_latency_ms, self.latency_scale, met_target=met_target,
                                      queue_aware=queue_aware, load_aware=load_aware, burst_aware=burst_aware,
                                      cheapest_floor=cheapest_floor)
@@ -456,7 +456,7 @@ class Engine:
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
         fixed = req.knobs is not None
         decider: RequestDecider = self.decider if not fixed else FixedKnobs(
-            req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT)
+            req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT, self.decider.cost)
         # set by stage 1, read by stage 2 and the record
         plan: BudgetPlan | None = None
         lang = tiling = None
@@ -468,7 +468,7 @@ class Engine:
             started = time.perf_counter()
             lang = runtime.lang_features([req.question])[0]
             tiling = _tiling(runtime, req.image, decider.max_crops_values)
-            reads_prompt = getattr(decider, "reads_prompt_tokens", False)
+            reads_prompt = decider.reads_prompt_tokens
             if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
                 prompt_tokens = float(runtime.preprocess(None, req.question, 1).num_text_tokens)
             now = time.perf_counter()
@@ -485,8 +485,8 @@ class Engine:
             p = choice.insertion_position
             return decider.stage2(choice, Stage2Inputs(
                 lang, tiling, plan.controller_budget_ms, prefix.image_feature, prefix.latency_token if p > 0 else None,
-                served_budget_ms=plan.controller_budget_ms * plan.latency_scale,
-                machine=self.latency_scale if self.guard else None, prompt_tokens=prompt_tokens))
+                served_budget_ms=plan.controller_budget_ms * plan.latency_scale if self.guard else None,
+                prompt_tokens=prompt_tokens))
 
         def counted(tokens: int) -> None:
             job.tokens_out = tokens
@@ -520,10 +520,9 @@ class Engine:
             raise
         choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
         p, guarded_from = choice.insertion_position, choice.guarded_from
-        decider.observe(choice, top_k, blocks, parts.controller_ms + parts.model_ms)
-        ratio = None
-        if p == 0:  # the configurations the reference latencies were recorded for
-            ratio = self.latency_scale.observe((choice.max_crops, top_k, blocks), parts.model_ms)
+        # the scale counts the layout the reference latencies were recorded for (insertion position 0)
+        ratio = decider.cost.observe(choice.cost_grid, (choice.max_crops, top_k, blocks), model_ms=parts.model_ms,
+                                     measured_ms=parts.controller_ms + parts.model_ms, insertion_position=p)
         adjustable = not fixed and plan.budget_class != "<1x"
         self.planner.observe_served(after_ms=total_ms - spent_ms - parts.model_ms, adjustable=adjustable,
                                     service_ms=(time.perf_counter() - started) * 1000.0,

@@ -17,11 +17,11 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
+from controller.cost import LatencyScale
 from pipeline.catalog import build_catalog
 from pipeline.workspace import Workspace
 from runtime import load_runtime
 from serve.app import create_app
-from serve.calibration import LatencyScale
 from serve.config import FALLBACK_MAX_PROMPT_TOKENS, ServeConfig
 from serve.connections import DROP_REASONS, ConnectionLimits, UploadPlaces, protocol_class
 from serve.deciders import find_controller, load_decider

@@ -260,7 +260,7 @@ def test_the_server_holds_an_online_controller_to_its_runs_guard():
     # served requests that took twice their expectation: the guard now expects (2, 8, 12) at 140 ms
     choice = guarded.stage1(lang, tiling, 75.0)
     for _ in range(8):
-        guarded.observe(choice, 8, 12, 140.0)
+        guarded.cost.observe(choice.cost_grid, (2, 8, 12), model_ms=140.0, measured_ms=140.0, insertion_position=1)
     assert guard.drift() == pytest.approx(2.0)
     assert guard.tail() == pytest.approx(math.exp(8 * 0.05 * 0.95))  # each over the 70 ms it was decided by
     assert decide(guarded, 75.0) == (2, 4, 12)

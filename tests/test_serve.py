@@ -549,10 +549,15 @@ class RecordingDecider:
     phase, controller_run = "offline", "recording"
     max_crops_values = (1, 2)
     budget_range_ms = (10.0, 1000.0)
+    reads_prompt_tokens = False
 
     def __init__(self, reference_latency_ms: dict | None = None) -> None:
+        from controller.cost import LatencyScale
+        from controller.machine import MachineCost
+
         self.budgets: list[float] = []
         self.reference_latency_ms = reference_latency_ms or {}
+        self.cost = MachineCost(LatencyScale(self.reference_latency_ms))
 
     def stage1(self, lang, tiling_crops, budget_ms):
         from serve.deciders import Stage1Choice
@@ -565,10 +570,7 @@ class RecordingDecider:
         from serve.deciders import held_to_machine
 
         self.image_feature = inputs.image_feature
-        return held_to_machine(choice, 2, 3, inputs)  # as an offline controller is
-
-    def observe(self, choice, top_k, blocks, measured_ms):
-        pass
+        return held_to_machine(choice, 2, 3, inputs, self.cost)  # as an offline controller is
 
 
 def decider_spent(row: dict) -> float:
@@ -750,7 +752,7 @@ def serve_once(engine, budget_ms: float = 900.0) -> dict:
 
 
 def test_the_controller_reads_budgets_divided_by_the_measured_latency_scale(embedded_runtime, tmp_path):
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
 
     decider = RecordingDecider({(2, 2, 3): 10.0})  # the controller's median training latency of its 2/2/3
     scale = LatencyScale(decider.reference_latency_ms, quantile=0.5)
@@ -773,7 +775,7 @@ def test_the_controller_reads_budgets_divided_by_the_measured_latency_scale(embe
 
 
 def test_a_fixed_latency_scale_is_applied_and_never_measured(embedded_runtime, tmp_path):
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
 
     decider = RecordingDecider({(2, 2, 3): 10.0})
     engine = in_process_engine(embedded_runtime, decider, tmp_path, LatencyScale(decider.reference_latency_ms,
@@ -787,7 +789,7 @@ def test_a_fixed_latency_scale_is_applied_and_never_measured(embedded_runtime, t
 def test_the_budget_margin_tracks_a_met_share():
     import math
 
-    from serve.calibration import BudgetMargin
+    from serve.budget import BudgetMargin
 
     margin = BudgetMargin(0.9, step=0.1, bounds=(0.5, 1.2))
     assert margin.value == 1.0
@@ -815,7 +817,7 @@ def test_the_budget_margin_tracks_a_met_share():
 def test_a_missed_budget_shrinks_the_budget_the_controller_reads_next(embedded_runtime, tmp_path):
     import math
 
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
     from serve.engine import new_job
     from serve.protocol import ChatRequest
 
@@ -840,7 +842,7 @@ def test_a_missed_budget_shrinks_the_budget_the_controller_reads_next(embedded_r
 
 def test_the_margin_judges_a_request_on_the_clients_clock(embedded_runtime, tmp_path):
     """Within budget on the server's clock, past it once the reply's time is added: a miss for the margin."""
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
 
     decider = RecordingDecider({(2, 2, 3): 0.001})
     engine = in_process_engine(embedded_runtime, decider, tmp_path,
@@ -896,7 +898,7 @@ def test_queue_cap_leaves_each_waiting_request_room_for_the_cheapest_configurati
 
 def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded_runtime, tmp_path):
     """Two requests wait behind the one deciding; the controller's budget leaves them room."""
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
     from serve.engine import new_job
     from serve.protocol import ChatRequest
 
@@ -924,7 +926,7 @@ def test_the_controller_reads_the_budget_capped_by_the_requests_waiting(embedded
 
 
 def test_the_guard_runs_a_smaller_configuration_when_the_chosen_one_cannot_fit(embedded_runtime, tmp_path):
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
 
     decider = RecordingDecider({(2, 2, 3): 100.0, (2, 1, 3): 5.0})  # it always chooses 2/2/3
     engine = in_process_engine(embedded_runtime, decider, tmp_path,
@@ -943,8 +945,8 @@ def test_arrivals_are_counted_at_the_door_apart_by_who_chooses_their_cost(embedd
     """Five controller requests that reached the server 0.1 s apart read as 10 requests/s (however late
     they were parsed); requests with fixed knobs and budgets below the cheapest configuration are
     counted apart, as load the controller does not choose."""
+    from controller.cost import LatencyScale
     from pipeline.workspace import Workspace
-    from serve.calibration import LatencyScale
     from serve.engine import Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
@@ -973,8 +975,8 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
     and one without a budget of its own are queued."""
     import json
 
+    from controller.cost import LatencyScale
     from pipeline.workspace import Workspace
-    from serve.calibration import LatencyScale
     from serve.engine import BudgetUnreachable, Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
@@ -1014,8 +1016,8 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
     """The cheapest configuration takes 200 ms: a 300 ms request that waited 150 ms can no longer make it."""
     import json
 
+    from controller.cost import LatencyScale
     from pipeline.workspace import Workspace
-    from serve.calibration import LatencyScale
     from serve.engine import BudgetLeftBehind, Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
@@ -1072,7 +1074,7 @@ def test_a_model_that_needs_an_image_refuses_a_question_without_one(embedded_run
 
 
 def test_a_budget_below_every_reference_latency_takes_the_cheapest_configuration(embedded_runtime, tmp_path):
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
 
     decider = RecordingDecider({(2, 2, 3): 10.0, (1, 2, 3): 5.0, (1, 4, 4): 7.0})
     engine = in_process_engine(embedded_runtime, decider, tmp_path,
@@ -1162,7 +1164,7 @@ def test_the_budget_a_served_request_reads_is_its_budget_less_the_time_spent_and
     """Budget 900 ms, 100 ms spent before stage 1, a reserve of 50 ms (the p90 of the recorded
     overheads), latency scale 2, margin 0.8: the controller reads (900 - 100 - 50) x 0.8 / 2 = 300 ms,
     less the few ms stage 1 itself takes before it decides."""
-    from serve.calibration import LatencyScale
+    from controller.cost import LatencyScale
     from serve.engine import new_job
     from serve.protocol import ChatRequest
 

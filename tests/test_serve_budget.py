@@ -6,20 +6,20 @@ import math
 
 import pytest
 
+from controller.cost import LatencyScale, guard_config
 from serve.budget import (
     CLASS_MARGIN_FLOORS,
     ArrivalRate,
+    BudgetMargin,
     BudgetPlanner,
     Load,
     arrival_cap_ms,
     budget_class,
     cheapest_met_share,
     class_name,
-    guard_config,
     mean_wait_ms,
     queue_cap_ms,
 )
-from serve.calibration import BudgetMargin, LatencyScale
 
 REFERENCE = {(2, 4, 12): 20.0, (6, 8, 14): 50.0}
 

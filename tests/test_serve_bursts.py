@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from controller.cost import LatencyScale
 from serve.arrivals import ArrivalSpecError, arrival_times, bursts, parse_arrivals, read_trace
 from serve.budget import ArrivalRate, BudgetPlanner, Load, arrival_cap_ms, mean_wait_ms, replay_cheapest
-from serve.calibration import LatencyScale
 from serve.queueing import DeadlineQueue, service_order
 
 # -- arrival processes

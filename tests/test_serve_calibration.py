@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from serve.calibration import LatencyScale
+from controller.cost import LatencyScale
 
 REFERENCE = {(2, 4, 12): 20.0, (10, 8, 16): 80.0, (6, 4, 12): float("nan")}
 

@@ -132,7 +132,7 @@ class LookupTableDecider(DeterministicDecider):
     when none fits, the configuration with the lowest statistic. The choice depends on the
     budget only; per sample the best-ranked configuration that is recorded for it is used.
     Besides, ``latency_median_ms``: the median latency per configuration, which a server
-    compares its own measured latencies with (``serve.calibration``).
+    compares its own measured latencies with (``controller.cost.LatencyScale``).
 
     * ``LookupTableDecider(train)``: ``"lut_p95"``, p95 latency within the budget.
     * ``LookupTableDecider(train, statistic="mean", tolerance=0.05)``: ``"lut_mean5"``, the
