@@ -59,13 +59,12 @@ from torch import nn
 from pipeline import knobs
 from runtime.base import ModelLoadError
 from runtime.cache import cache_tmp_dir, default_cache_root
+from runtime.formats import EMBEDDED_VERSION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 EMBEDDED_FORMAT = "ctrl-embedded-vlm"
-#: bump when the build recipe changes: it names the cache directory and enters the fingerprint
-EMBEDDED_VERSION = 1
 MARKER_FILE = "ctrl_embedded.json"
 #: the file in a trained testbed directory that records its recipe and training log
 RECIPE_FILE = "testbed.json"
