@@ -405,15 +405,18 @@ class DeployedController(nn.Module):
 
     @torch.jit.export
     def expected_latency(self, lang: Tensor, tiling_crops: Tensor | None = None,
-                         prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                         prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per request and action (B, A): the cost model's predicted median and quantile latency (ms, in the
-        profile's units), and True where the request's own tiling answered (False: its configuration's
-        spread over the profile). Without a cost model, the configuration's spread everywhere."""
+        profile's units), True where the request's own tiling answered (False: its configuration's
+        spread over the profile), and True where its crops or prompt lie beyond what the fit saw (the
+        prediction extrapolated along the fitted line). Without a cost model, the configuration's spread
+        everywhere and nothing extrapolated."""
         tiling, prompt = self._request_inputs(lang, tiling_crops, prompt_tokens)
-        median, quantile, basis, _ = self.request_cost(lang, tiling, prompt)
+        median, quantile, basis, extrapolated = self.request_cost(lang, tiling, prompt)
         if not self.has_cost_model:
             basis = torch.zeros_like(basis)
-        return median, quantile, basis
+            extrapolated = torch.zeros_like(extrapolated)
+        return median, quantile, basis, extrapolated
 
     def _table_choice(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None,
                       prompt_tokens: Tensor | None = None, branch_free: bool = False) -> Tensor:
@@ -555,6 +558,16 @@ class DeployedController(nn.Module):
         policy's joint distribution (the decision is its sequential greedy choice, not its mode)."""
         scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
         return scores.softmax(-1)
+
+
+def cost_basis(own_cost: bool, extrapolated: bool) -> str:
+    """What a cost-model prediction rests on, as a record names it: ``request`` (this request's own tiling,
+    prompt length and question, within what the fit saw), ``extrapolated`` (its own, with crops or a
+    prompt beyond the fit's range: read along the fitted line) or ``configuration`` (the configuration's
+    spread over the profile: no tiling known, or no cost model deployed)."""
+    if not own_cost:
+        return "configuration"
+    return "extrapolated" if extrapolated else "request"
 
 
 def group_names_of(module: Any) -> list[str]:

@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from controller.deploy import DeployedController
+from controller.deploy import DeployedController, cost_basis
 from pipeline.catalog import connect, view_names
 from pipeline.errors import CtrlError
 from pipeline.workspace import Workspace
@@ -85,9 +85,8 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     question family or cluster the sample reads as under the fallback's table (a family's label, a
     cluster's leading words; null where the table has none). ``expected_latency_ms`` and
     ``latency_quantile_ms`` are what the deployed cost model predicts for this sample at the chosen
-    configuration (in the profile's units), ``cost_basis`` what they rest on: ``request`` (its own tiling,
-    prompt length and question) or ``configuration`` (the configuration's spread over the profile: no
-    tiling known, or no per-request table deployed).
+    configuration (in the profile's units), ``cost_basis`` what they rest on
+    (:func:`controller.deploy.cost_basis`: ``request``, ``extrapolated`` or ``configuration``).
 
     Raises CacheMismatchError when the workspace's features come from another model than the
     checkpoint's, CtrlError when features are missing or the output suffix is unknown.
@@ -113,7 +112,8 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
     names = deployed.group_names()
     group_index = deployed.question_group(feats["lang"]).tolist()
     groups = [names[j] if j >= 0 else None for j in group_index]
-    median, quantile, own_cost = deployed.expected_latency(feats["lang"], feats["tiling_crops"], feats["prompt_tokens"])
+    median, quantile, own_cost, far = deployed.expected_latency(feats["lang"], feats["tiling_crops"],
+                                                                feats["prompt_tokens"])
     rows = torch.arange(n)
     parts = []
     for budget in budgets:
@@ -137,7 +137,8 @@ def predict(workspace: Workspace | str | Path | None, run_or_checkpoint: str | P
             "question_group": groups,
             "expected_latency_ms": median[rows, chosen].double().tolist(),
             "latency_quantile_ms": quantile[rows, chosen].double().tolist(),
-            "cost_basis": ["request" if own else "configuration" for own in own_cost[rows, chosen].tolist()],
+            "cost_basis": [cost_basis(own, beyond) for own, beyond in
+                           zip(own_cost[rows, chosen].tolist(), far[rows, chosen].tolist())],
         }, schema={"sample_key": pl.String, "dataset": pl.String, "example_id": pl.String, "budget_ms": pl.Float64,
                    "max_crops": pl.Int64, "top_k": pl.Int64, "num_active_blocks": pl.Int64, "probability": pl.Float64,
                    "source": pl.String, "answered_by": pl.String, "question_group": pl.String,

@@ -544,8 +544,9 @@ REQUESTS = TableSchema(
         Column("latency_quantile_ms", _D, "the same prediction's quantile (the cost model's, p95 by default), the "
                                           "bound a per-request table held the budget to", "ms"),
         Column("cost_basis", _S, "what the prediction rests on: request (this request's tiling, prompt length and "
-                                 "question) | configuration (the configuration's spread over the profile: no "
-                                 "tiling, or no per-request table deployed)"),
+                                 "question) | extrapolated (its own, with crops or a prompt beyond what the cost "
+                                 "model was fitted on: read along the fitted line) | configuration (the "
+                                 "configuration's spread over the profile: no tiling, or no cost model deployed)"),
         Column("max_crops", _L, "knob: crops choice", "crops"),
         Column("insertion_position", _L, "decoder blocks run before stage 2 (0: stage 2 before block 0)", "blocks"),
         Column("top_k", _L, "knob: experts per token (of the blocks after the insertion position)"),

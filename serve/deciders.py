@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from controller.cost import LatencyScale
-from controller.deploy import DeployedController, group_names_of, load_deployed
+from controller.deploy import DeployedController, cost_basis, group_names_of, load_deployed
 from controller.latency_guard import LatencyGuard, guarded_stage2, load_run_guard
 from controller.machine import CostGrid, MachineCost
 from pipeline.errors import CacheMismatchError, CtrlError
@@ -57,7 +57,7 @@ class Stage1Choice:
     question_group: str | None = None  # the family or cluster the question reads as (the fallback's table)
     guarded_from: str | None = None  # C/K/B stage 2 chose, where the machine's cost made it run another
     #: the deployed cost model's prediction for this request at the configuration it ran (profile ms), and what
-    #: it rested on: ``request`` (its own tiling, prompt and question) or ``configuration`` (the profile's spread)
+    #: it rested on (:func:`controller.deploy.cost_basis`)
     expected_latency_ms: float | None = None
     latency_quantile_ms: float | None = None
     cost_basis: str | None = None
@@ -148,9 +148,10 @@ class OfflineDecider:
             group = self.group_names[index] if index >= 0 else None
         cost = None
         if self.has_cost_model:  # this request's predicted latency at every configuration (profile ms)
-            median, quantile, own = self.deployed.expected_latency(lang_row, tiling,
-                                                                   torch.tensor([float(prompt_tokens)]))
-            cost = (median[0], quantile[0], own[0])
+            predicted = self.deployed.expected_latency(lang_row, tiling, torch.tensor([float(prompt_tokens)]))
+            # a file exported before the extrapolation flag gives three outputs
+            far = predicted[3][0] if len(predicted) > 3 else torch.zeros_like(predicted[2][0])
+            cost = (predicted[0][0], predicted[1][0], predicted[2][0], far)
         return Stage1Choice(max_crops, 0, None, self._decided_by(budget, lang_row), state=cost, question_group=group)
 
     def stage2(self, choice: Stage1Choice, inputs: Stage2Inputs) -> tuple[int, int]:
@@ -163,17 +164,17 @@ class OfflineDecider:
             top_k, blocks = self.deployed.stage2(*args)
         own_cost = None
         if choice.state is not None:
-            median, _, own = choice.state
+            median, _, own, _ = choice.state
             # the guard holds this request to its own predicted cost where the model made one
             own_cost = {a: float(m) for a, m, o in zip(self._actions, median.tolist(), own.tolist()) if o}
         top_k, blocks = held_to_machine(choice, int(top_k[0]), int(blocks[0]), inputs, self.cost, own_cost or None)
         if choice.state is not None:
-            median, quantile, own = choice.state
+            median, quantile, own, far = choice.state
             ran = self._actions.index((choice.max_crops, top_k, blocks)) if (
                 (choice.max_crops, top_k, blocks) in self._actions) else None
             if ran is not None:
                 choice.expected_latency_ms, choice.latency_quantile_ms = float(median[ran]), float(quantile[ran])
-                choice.cost_basis = "request" if bool(own[ran]) else "configuration"
+                choice.cost_basis = cost_basis(bool(own[ran]), bool(far[ran]))
         return top_k, blocks
 
 

@@ -87,3 +87,4 @@ def test_progress_events_read_as_the_terminal_shows_them():
                               "reward": 0.25, "val_expected_reward": None})
     assert (epoch.completed, epoch.total) == (7, 70)
     assert epoch.info == "epoch 1 loss 0.5000 reward 0.250 val E[r] -"
+    assert offline_progress({"phase": "fit", "model": "request cost model"}).info == "fitting the request cost model"

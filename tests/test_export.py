@@ -729,7 +729,7 @@ def test_the_deployed_per_request_table_decides_as_the_training_time_one(trained
     whole action space; its expected latency is the cost model's prediction at that choice."""
     from dataclasses import replace
 
-    from controller.deploy import DeployedController, load_deployed, save_deployed
+    from controller.deploy import DeployedController, cost_basis, load_deployed, save_deployed
     from trainer.data import load_offline_data
     from trainer.fallback import attach_fallback, read_fallback
     from trainer.request_table import RequestTableDecider
@@ -758,6 +758,13 @@ def test_the_deployed_per_request_table_decides_as_the_training_time_one(trained
         for module in (deployed, scripted):
             got, by_network = module.decide_actions(f["lang"], image, present, b, f["tiling_crops"], f["prompt_tokens"])
             assert not by_network.any() and torch.equal(got, want), budget
-    median, quantile, own = deployed.expected_latency(f["lang"], f["tiling_crops"], f["prompt_tokens"])
-    want_median, want_quantile, want_own, _ = request.model.predict(data)
+    median, quantile, own, far = deployed.expected_latency(f["lang"], f["tiling_crops"], f["prompt_tokens"])
+    want_median, want_quantile, want_own, want_far = request.model.predict(data)
     assert torch.equal(median, want_median) and torch.equal(quantile, want_quantile) and torch.equal(own, want_own)
+    assert torch.equal(far, want_far)
+    # an image tiling into more crops than any the cost model was fitted on: read along the line, flagged
+    beyond = torch.full_like(f["tiling_crops"], float(deployed.request_cost.fit_max_crops) + 3.0)
+    _, _, own_beyond, far_beyond = deployed.expected_latency(f["lang"], beyond, f["prompt_tokens"])
+    assert own_beyond.all() and far_beyond.all()
+    assert [cost_basis(True, False), cost_basis(True, True), cost_basis(False, True)] == [
+        "request", "extrapolated", "configuration"]

@@ -242,13 +242,22 @@ def test_openai_client_image_request_with_a_budget(server_a, serve_ws, embedded_
     tiling = torch.tensor([[float(r * c) for r, c in (embedded_runtime.tiling(image.width, image.height, m)
                                                       for m in deployed.max_crops_values.tolist())]])
     prompt = torch.tensor([float(embedded_runtime.preprocess(None, "What color is the shape?", 1).num_text_tokens)])
-    median, quantile, own = deployed.expected_latency(lang, tiling, prompt)
+    median, quantile, own, far = deployed.expected_latency(lang, tiling, prompt)
     ran = [tuple(a) for a in deployed.actions.tolist()].index(
         tuple(extra["knobs"][k] for k in ("max_crops", "top_k", "num_active_blocks")))
     assert extra["expected_latency_ms"] == pytest.approx(float(median[0, ran]))
     assert extra["latency_quantile_ms"] == pytest.approx(float(quantile[0, ran]))
-    assert extra["cost_basis"] == ("request" if bool(own[0, ran]) else "configuration")
+    assert extra["cost_basis"] == ("configuration" if not bool(own[0, ran])
+                                   else "extrapolated" if bool(far[0, ran]) else "request")
     assert extra["latency_quantile_ms"] >= extra["expected_latency_ms"] > 0
+    # an image tiling into more crops than the cost model was fitted on: its record says the cost was extrapolated
+    from serve.deciders import OfflineDecider, Stage2Inputs
+
+    decider = OfflineDecider(deployed, "offline-run")
+    beyond = torch.full_like(tiling[0], float(deployed.request_cost.fit_max_crops) + 3.0)
+    choice = decider.stage1(lang[0], beyond, 5000.0, prompt_tokens=float(prompt[0]))
+    decider.stage2(choice, Stage2Inputs(lang[0], beyond, 5000.0, None, None, prompt_tokens=float(prompt[0])))
+    assert choice.cost_basis == "extrapolated" and choice.expected_latency_ms > 0
 
 
 def test_fixed_knobs_are_applied_on_the_execution_path(server_a, serve_ws, embedded_runtime):

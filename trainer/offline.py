@@ -134,6 +134,8 @@ class OfflineTrainer:
         """The outcome model of the train split, saved as ``outcome.pt``: the evaluation decider
         ``outcome`` and, with ``warm_start_target="outcome"``, the decider the warm start fits."""
         config = self.config
+        if not self.is_fold:
+            self.notify({"phase": "fit", "model": "outcome model"})
         outcome = fit_outcome_model(self.train_split, self.val_split,
                                     OutcomeConfig(quantile=config.outcome_quantile, seed=config.seed,
                                                   use_tilings=config.outcome_tilings,
@@ -145,6 +147,7 @@ class OfflineTrainer:
         """The per-request cost model of the train split, checked on the val split's latencies and saved
         as ``request_cost.pt`` with its check (``request_cost.json``): what the run's request table and
         ``ctrl export`` build on is fitted again on the deployed data; this file says how well it predicts."""
+        self.notify({"phase": "fit", "model": "request cost model"})
         model = fit_request_cost(self.train_recorded, RequestCostConfig(seed=self.config.seed))
         quality = cost_quality(model, self.val_split)
         atomic_torch_save(model.to_state(), self.run.path / REQUEST_COST_FILE)
@@ -380,7 +383,8 @@ def train_offline(config: OfflineTrainConfig, progress: Callable[[dict], None] |
 
     ``progress(dict)`` is called after every step (``phase="train"``: epoch, step, total_steps,
     loss, reward, val_expected_reward of the last epoch, best_val_expected_reward), after every
-    epoch (``phase="epoch"``) and before the final evaluation (``phase="evaluate"``).
+    epoch (``phase="epoch"``), before the outcome and request cost models are fitted (``phase="fit"``:
+    model) and before the final evaluation (``phase="evaluate"``).
     ``data``: an in-memory ``OfflineData`` to train on instead of the workspace's (benchmarks);
     the run directory is still written under ``config.workspace``.
     """

@@ -30,6 +30,8 @@ def offline_progress(event: dict[str, Any]) -> ProgressUpdate | None:
     if phase == "fold":
         return ProgressUpdate(info=f"cross-fitting: fold {event['fold']} of {event['num_folds']}, "
                                    f"epoch {event.get('epoch', 0)}")
+    if phase == "fit":  # a model fitted before the first step (the cost model takes seconds at full width)
+        return ProgressUpdate(info=f"fitting the {event['model']}")
     if phase == "evaluate":
         return ProgressUpdate(info="evaluating")
     return None
