@@ -14,9 +14,11 @@ order. The guard learns the order again, cheaply, and holds every greedy decisio
    configuration's recorded latency rescaled stage by stage, over its recorded latency (train
    split means): ``1 + sum_s (ratio_s - 1) * stage_s / total``. A machine with a prefill three
    times as slow makes the configurations with many crops dearer than the rest.
-3. **Per request**, the expected latency of each configuration is the parent run's outcome model's
-   latency quantile (``trainer.outcome``: per sample, from the question and the image's tiling,
-   known before the vision pass) times the configuration's ratio times one **slack**: the
+3. **Per request**, the expected latency of each configuration is a latency quantile of the parent
+   run's (per sample, from the question and the image's tiling, known before the vision pass: its
+   request cost model, ``trainer.request_cost``, or its outcome model, ``trainer.outcome``, whichever
+   predicts the guard's measured requests more tightly: the smaller ratio of the 95th to the 50th
+   percentile of measured / predicted) times the configuration's ratio times one **slack**: the
    ``GUARD_QUANTILE`` quantile of measured / predicted over the guard's requests. The slack
    holds what the ratios leave out (the online request's own cost, the machine's tail, the
    prediction's error), so that on the measured requests the guard's expectation is met at that
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,12 +60,15 @@ from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
 from trainer.outcome import OutcomeModel
+from trainer.request_cost import RequestCostModel
 from trainer.runs import atomic_torch_save
 from trainer.two_stage import TwoStageController
 
 #: the guard of an online run, in its run directory
 GUARD_FILE = "latency_guard.pt"
-GUARD_FORMAT = 1
+GUARD_FORMAT = 2
+#: the predictors a guard can read a request's latency from, by the name its file records
+PREDICTORS: dict[str, Any] = {"outcome": OutcomeModel, "request_cost": RequestCostModel}
 #: the share of the guard's measured requests whose expectation must be met (the slack's quantile)
 GUARD_QUANTILE = 0.95
 #: the timed stages whose ratios the guard measures (``measurements`` columns ``latency_<stage>_ms``)
@@ -106,28 +111,45 @@ def guard_slack(measured_ms: np.ndarray, expected_ms: np.ndarray, quantile: floa
     return float(np.quantile(measured[ok] / expected[ok], quantile))
 
 
+class LatencyPredictor(Protocol):
+    """What the guard reads a request's latency from (``trainer.outcome.OutcomeModel``,
+    ``trainer.request_cost.RequestCostModel``)."""
+
+    action_space: Any
+
+    def latency_before_vision(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor: ...
+
+    def to_state(self) -> dict: ...
+
+
 @dataclass
 class LatencyGuard:
     """The expected latency of every configuration for a request on this machine, and which fit.
 
-    outcome: the parent offline run's outcome model (its latency quantile, machine A's milliseconds);
-    config_ratio: (A,) per configuration of ``outcome.action_space``, this machine's / A's;
+    predictor: what predicts a request's latency quantile at every configuration before the vision
+        pass, in machine A's milliseconds: the parent offline run's request cost model or its outcome
+        model (:data:`PREDICTORS`; ``predictor_name`` says which);
+    config_ratio: (A,) per configuration of ``predictor.action_space``, this machine's / A's;
     slack: the factor that makes the expectation hold on ``GUARD_QUANTILE`` of the measured requests;
     stage_ratios: per stage of ``STAGES``, this machine's / A's; requests: the requests measured;
     model_s: their measured latencies summed (s), the guard's cost in model time;
     tail_step: the tail factor's step (``TAIL_STEP``; 0 keeps it at 1);
     fit_median: the median of measured / base expectation (prediction times configuration ratio)
         over those requests: the machine's speed when the guard was fitted, which :meth:`drift`
-        compares the requests decided since with (None: no drift factor).
+        compares the requests decided since with (None: no drift factor);
+    spread: per predictor measured, the 95th over the 50th percentile of measured / base expectation
+        on the guard's requests (how tightly it predicts this machine; the guard reads the tightest).
     """
 
-    outcome: OutcomeModel
+    predictor: LatencyPredictor
     config_ratio: torch.Tensor
     slack: float
     stage_ratios: dict[str, float]
     requests: int
     model_s: float = 0.0
     fit_median: float | None = None
+    predictor_name: str = "outcome"
+    spread: dict[str, float] = field(default_factory=dict)
     tail_step: float = field(default=TAIL_STEP, repr=False, compare=False)
     _recent: RecentWindow = field(default_factory=lambda: RecentWindow(DRIFT_WINDOW), init=False, repr=False,
                                   compare=False)
@@ -139,12 +161,12 @@ class LatencyGuard:
 
     @property
     def actions(self) -> tuple[Config, ...]:
-        return self.outcome.action_space.actions
+        return self.predictor.action_space.actions
 
     def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
-        """(N, A) the outcome model's quantile times each configuration's ratio, for N requests
+        """(N, A) the predictor's quantile times each configuration's ratio, for N requests
         (``lang`` (N, Dl), ``tiling_crops`` (N, C) or None): the expectation before slack, drift and tail."""
-        return self.outcome.latency_before_vision(lang, tiling_crops) * self.config_ratio
+        return self.predictor.latency_before_vision(lang, tiling_crops) * self.config_ratio
 
     def expected_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
         """(N, A) expected latency here (ms) of each configuration: :meth:`base_ms` times
@@ -200,11 +222,12 @@ class LatencyGuard:
     def summary(self) -> dict[str, Any]:
         """What a person reads of the guard (progress line, docs): its ratios, slack and size."""
         return {"stage_ratios": dict(self.stage_ratios), "slack": self.slack, "requests": self.requests,
-                "model_s": self.model_s,
+                "model_s": self.model_s, "predictor": self.predictor_name, "spread": dict(self.spread),
                 "config_ratio_range": [float(self.config_ratio.min()), float(self.config_ratio.max())]}
 
     def save(self, path: Path) -> Path:
-        return atomic_torch_save({"format": GUARD_FORMAT, "outcome": self.outcome.to_state(),
+        return atomic_torch_save({"format": GUARD_FORMAT, "predictor_name": self.predictor_name,
+                                  "predictor": self.predictor.to_state(), "spread": dict(self.spread),
                                   "config_ratio": self.config_ratio, "slack": self.slack,
                                   "stage_ratios": dict(self.stage_ratios), "requests": self.requests,
                                   "model_s": self.model_s, "fit_median": self.fit_median}, path)
@@ -212,12 +235,17 @@ class LatencyGuard:
     @classmethod
     def load(cls, path: Path) -> LatencyGuard:
         state = torch.load(path, weights_only=True)
-        if state.get("format") != GUARD_FORMAT:
-            msg = f"{path}: latency guard format {state.get('format')!r}, this version reads {GUARD_FORMAT}"
+        version = state.get("format")
+        if version not in (1, GUARD_FORMAT):
+            msg = f"{path}: latency guard format {version!r}, this version reads 1 and {GUARD_FORMAT}"
             raise CtrlError(msg)
-        return cls(OutcomeModel.from_state(state["outcome"]), state["config_ratio"].float(), float(state["slack"]),
+        # format 1 predicted with the outcome model alone
+        name = state.get("predictor_name", "outcome")
+        predictor = PREDICTORS[name].from_state(state["predictor"] if version == GUARD_FORMAT else state["outcome"])
+        return cls(predictor, state["config_ratio"].float(), float(state["slack"]),
                    {k: float(v) for k, v in state["stage_ratios"].items()}, int(state["requests"]),
-                   float(state["model_s"]), state.get("fit_median"))
+                   float(state["model_s"]), state.get("fit_median"), name,
+                   {k: float(v) for k, v in state.get("spread", {}).items()})
 
 
 def load_run_guard(run_path: Path) -> LatencyGuard | None:

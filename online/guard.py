@@ -1,6 +1,7 @@
 """Measuring an online run's latency guard on this machine (``controller.latency_guard`` says what it
 is and how decisions keep to it): every configuration once on a few training samples, against the
-latencies and stage times the profile recorded."""
+latencies and stage times the profile recorded, and against the parent run's two predictors of a
+request's latency (its request cost model and its outcome model): the guard reads the tighter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from controller.latency_guard import STAGES, LatencyGuard, config_ratios, guard_slack, recorded_stage_ms, stage_ratios
+from controller.latency_guard import (
+    STAGES,
+    LatencyGuard,
+    LatencyPredictor,
+    config_ratios,
+    guard_slack,
+    recorded_stage_ms,
+    stage_ratios,
+)
 from online.data import OnlineSamples
 from online.rollout import Rollout, RolloutExecutor
 from pipeline.errors import CtrlError
@@ -18,6 +27,7 @@ from pipeline.knobs import Config
 from pipeline.workspace import Workspace
 from trainer.data import OfflineData
 from trainer.outcome import OUTCOME_FILE, OutcomeModel
+from trainer.request_cost import REQUEST_COST_FILE, RequestCostModel
 from trainer.two_stage import TwoStageController
 
 
@@ -30,30 +40,32 @@ def _mean(values: np.ndarray) -> float:
 def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageController, rows: list[int],
                           workspace: Workspace, parent_path: Path, data: OfflineData,
                           progress: Any = None) -> LatencyGuard | None:
-    """Run every configuration of the parent run's outcome model once on ``rows`` and fit the guard
-    (module docstring). None where the parent run has no outcome model (nothing to predict from).
+    """Run every configuration of the parent run's action space once on ``rows`` and fit the guard
+    (module docstring). None where the parent run has neither predictor (nothing to predict from).
 
     ``data``: the workspace's offline data (recorded latencies and stage times, its train split);
     ``progress(done, total)`` after each configuration."""
-    outcome_path = Path(parent_path) / OUTCOME_FILE
-    if not outcome_path.exists():
+    predictors = parent_predictors(Path(parent_path))
+    if not predictors:
         return None
-    outcome = OutcomeModel.load(outcome_path)
-    if tuple(outcome.action_space.max_crops_values) != tuple(controller.max_crops_values):
-        msg = (f"{outcome_path}: max_crops values {list(outcome.action_space.max_crops_values)}, the controller's "
-               f"{list(controller.max_crops_values)}: the outcome model belongs to another action space")
-        raise CtrlError(msg)
+    for name, (path, predictor) in predictors.items():
+        if tuple(predictor.action_space.max_crops_values) != tuple(controller.max_crops_values):
+            msg = (f"{path}: max_crops values {list(predictor.action_space.max_crops_values)}, the controller's "
+                   f"{list(controller.max_crops_values)}: the {name.replace('_', ' ')} model belongs to another "
+                   "action space")
+            raise CtrlError(msg)
+    space_path, space_of = next(iter(predictors.values()))  # both predictors share the action space
     samples: OnlineSamples = executor.samples
     stages = recorded_stage_ms(workspace, data)  # (S, N, A)
     col_of = {knobs: a for a, knobs in enumerate(data.action_space.actions)}
     row_of = {key: i for i, key in enumerate(zip(data.dataset, data.sample_key))}
     train = [i for i, split in enumerate(data.split) if split == "train"] or list(range(len(data)))
     position = controller.insertion_positions.index(1) if 1 in controller.insertion_positions else 0
-    actions = [a for a in outcome.action_space.actions if a in col_of and a[0] in controller.max_crops_values
+    actions = [a for a in space_of.action_space.actions if a in col_of and a[0] in controller.max_crops_values
                and a[1] in controller.top_k_values and a[2] in controller.num_active_blocks_values
                and bool(controller.blocks_valid[position, controller.num_active_blocks_values.index(a[2])])]
     if not actions:
-        msg = f"{outcome_path}: none of its configurations is in the workspace's recorded data"
+        msg = f"{space_path}: none of its configurations is in the workspace's recorded data"
         raise CtrlError(msg)
     runs: list[tuple[Rollout, Config]] = []
     for done, (crops, top_k, blocks) in enumerate(actions, 1):
@@ -70,7 +82,7 @@ def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageControl
         if i is not None:
             recorded[j] = stages[:, i, col_of[knobs]]
     ratios = stage_ratios(measured, recorded)
-    columns = [col_of.get(a) for a in outcome.action_space.actions]
+    columns = [col_of.get(a) for a in space_of.action_space.actions]
     stage_mean = np.full((len(columns), len(STAGES)), np.nan)
     total_mean = np.full(len(columns), np.nan)
     latency = data.latency_ms.numpy()
@@ -80,10 +92,29 @@ def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageControl
             total_mean[a] = _mean(latency[train, col])
     ratio = torch.tensor(config_ratios(ratios, stage_mean, total_mean), dtype=torch.float32)
     rows_run = torch.tensor([r.sample for r, _ in runs])
-    predicted = outcome.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run])
-    index = {a: k for k, a in enumerate(outcome.action_space.actions)}
-    expected = np.array([float(predicted[j, index[knobs]] * ratio[index[knobs]]) for j, (_, knobs) in enumerate(runs)])
+    index = {a: k for k, a in enumerate(space_of.action_space.actions)}
     total = np.array([r.latency_total_ms for r, _ in runs])
-    slack = guard_slack(total, expected)
-    return LatencyGuard(outcome, ratio, slack, dict(zip(STAGES, ratios.tolist())), len(runs),
-                        float(total.sum()) / 1000, guard_slack(total, expected, 0.5))
+    expected, spread = {}, {}
+    for name, (_, predictor) in predictors.items():
+        predicted = predictor.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run])
+        expected[name] = np.array([float(predicted[j, index[knobs]] * ratio[index[knobs]])
+                                   for j, (_, knobs) in enumerate(runs)])
+        spread[name] = guard_slack(total, expected[name]) / guard_slack(total, expected[name], 0.5)
+    chosen = min(spread, key=lambda name: (spread[name], name))
+    return LatencyGuard(predictors[chosen][1], ratio, guard_slack(total, expected[chosen]),
+                        dict(zip(STAGES, ratios.tolist())), len(runs), float(total.sum()) / 1000,
+                        guard_slack(total, expected[chosen], 0.5), chosen, spread)
+
+
+def parent_predictors(parent_path: Path) -> dict[str, tuple[Path, LatencyPredictor]]:
+    """The parent offline run's predictors of a request's latency that it saved, by name: its request
+    cost model (``request_cost.pt``) and its outcome model (``outcome.pt``), both over its action space."""
+    found: dict[str, tuple[Path, LatencyPredictor]] = {}
+    if (parent_path / REQUEST_COST_FILE).exists():
+        path = parent_path / REQUEST_COST_FILE
+        found["request_cost"] = (path, RequestCostModel.from_state(torch.load(path, weights_only=True)))
+    if (parent_path / OUTCOME_FILE).exists():
+        found["outcome"] = (parent_path / OUTCOME_FILE, OutcomeModel.load(parent_path / OUTCOME_FILE))
+    if len(found) == 2 and found["request_cost"][1].action_space != found["outcome"][1].action_space:
+        del found["request_cost"]  # not the run's own action space: the outcome model is
+    return found

@@ -16,8 +16,12 @@ def online_progress(event: dict[str, Any]) -> ProgressUpdate | None:
         return ProgressUpdate(info=f"latency guard: configuration {event['done']} of {event['total']}")
     if phase == "guarded":
         ratios = ", ".join(f"{stage} x{ratio:.2f}" for stage, ratio in event["stage_ratios"].items())
+        spread = event.get("spread") or {}
+        read = (f"; predicted by the {event['predictor'].replace('_', ' ')} model (p95/p50 "
+                + ", ".join(f"{name.replace('_', ' ')} x{value:.2f}" for name, value in sorted(spread.items())) + ")"
+                if spread else "")
         return ProgressUpdate(line=f"latency guard: {ratios} against the profile, slack x{event['slack']:.2f} "
-                                   f"({event['requests']} requests)")
+                                   f"({event['requests']} requests){read}")
     if phase == "evaluate":
         return ProgressUpdate(info="evaluating on the test split with the model")
     if phase == "step":

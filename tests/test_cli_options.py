@@ -83,6 +83,11 @@ def test_progress_events_read_as_the_terminal_shows_them():
         "step 10: held-out gain over the start +0.012 [-0.003, +0.027] on 48 paired requests, late 10% "
         "(start 12%); kept: step 10")
     assert online_progress({"phase": "rollouts"}) is None
+    guarded = online_progress({"phase": "guarded", "stage_ratios": {"vision": 1.0, "prefill": 3.3}, "slack": 1.12,
+                               "requests": 216, "predictor": "request_cost",
+                               "spread": {"request_cost": 1.4, "outcome": 1.9}})
+    assert guarded.line == ("latency guard: vision x1.00, prefill x3.30 against the profile, slack x1.12 (216 requests)"
+                            "; predicted by the request cost model (p95/p50 outcome x1.90, request cost x1.40)")
     epoch = offline_progress({"phase": "train", "step": 7, "total_steps": 70, "epoch": 1, "loss": 0.5,
                               "reward": 0.25, "val_expected_reward": None})
     assert (epoch.completed, epoch.total) == (7, 70)

@@ -157,6 +157,19 @@ def test_a_guard_survives_its_file(tmp_path):
     assert again.summary() == guard.summary() and again.fit_median == 0.9 and again.drift() == 1.0
 
 
+def test_a_guard_of_the_first_format_reads_its_outcome_model(tmp_path):
+    guard = LatencyGuard(_outcome(PREDICTED), torch.tensor([1.0] * 4 + [2.0] * 4), 1.1, {"prefill": 3.0}, 8,
+                         model_s=4.5, fit_median=0.9)
+    old = {"format": 1, "outcome": guard.predictor.to_state(), "config_ratio": guard.config_ratio, "slack": 1.1,
+           "stage_ratios": {"prefill": 3.0}, "requests": 8, "model_s": 4.5, "fit_median": 0.9}
+    torch.save(old, tmp_path / "old.pt")
+    again = LatencyGuard.load(tmp_path / "old.pt")
+    assert again.predictor_name == "outcome" and again.spread == {}
+    # the outcome model predicts 50 ms for (2, 4, 12) and 100 for (6, 4, 12), the latter twice as dear here
+    expected = again.expected_ms(torch.zeros(1, LANG), None)[0]
+    assert expected[0] == pytest.approx(50.0 * 1.1) and expected[4] == pytest.approx(100.0 * 2.0 * 1.1)
+
+
 def test_guarded_stage_2_takes_the_most_probable_allowed_pair_the_position_permits():
     top_k = torch.tensor([0.0, -1.0])
     blocks = torch.tensor([float("-inf"), -0.5, -2.0])  # the first block count not permitted here
@@ -229,6 +242,9 @@ def test_an_online_run_fits_its_guard_and_decides_under_it(guard_ws, embedded_ru
     assert set(guard.stage_ratios) == {"vision", "prefill", "decode"} and guard.slack > 0
     assert 0 < guard.fit_median <= guard.slack  # a median of the ratios the slack is the 95th percentile of
     assert result.checks and (result.run_dir / GUARD_FILE).exists()
+    # both of the parent run's predictors were measured on the guard's requests; it reads the tighter one
+    assert set(guard.spread) == {"request_cost", "outcome"} and all(v >= 1.0 for v in guard.spread.values())
+    assert guard.spread[guard.predictor_name] == min(guard.spread.values())
     unguarded = train_online(OnlineTrainConfig(**base, run_id="unguarded", guard_samples=0), runtime=embedded_runtime)
     assert load_run_guard(unguarded.run_dir) is None
 

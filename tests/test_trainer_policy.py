@@ -488,7 +488,9 @@ def test_train_offline_moves_every_parameter_and_improves(trained_ws):
     controller = evaluation.filter(pl.col("decider") == "controller")
     assert controller.height == 2 and controller["expected_reward"].is_not_null().all()
     assert (result.run_dir / "evaluation.png").stat().st_size > 0
-    assert updates and {"loss", "reward", "val_expected_reward"} <= updates[0].keys()
+    steps = [u for u in updates if u.get("phase") == "train"]
+    assert steps and {"loss", "reward", "val_expected_reward"} <= steps[0].keys()
+    assert [u["model"] for u in updates if u.get("phase") == "fit"] == ["outcome model", "request cost model"]
 
 
 def _initial_state(ws: Workspace, result) -> dict:
