@@ -45,6 +45,7 @@ checks, ``ctrl evaluate``) run with the run's guard, so it measures the controll
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,6 +70,8 @@ GUARD_FILE = "latency_guard.pt"
 GUARD_FORMAT = 2
 #: the predictors a guard can read a request's latency from, by the name its file records
 PREDICTORS: dict[str, Any] = {"outcome": OutcomeModel, "request_cost": RequestCostModel}
+#: the predictors that read a request's prompt length
+READS_PROMPT = frozenset({"request_cost"})
 #: the share of the guard's measured requests whose expectation must be met (the slack's quantile)
 GUARD_QUANTILE = 0.95
 #: the timed stages whose ratios the guard measures (``measurements`` columns ``latency_<stage>_ms``)
@@ -117,7 +120,9 @@ class LatencyPredictor(Protocol):
 
     action_space: Any
 
-    def latency_before_vision(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor: ...
+    def latency_before_vision(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
+        """(N, A) a latency quantile per configuration; a predictor that reads the prompt's length takes
+        ``prompt_tokens=`` (N,) too (:data:`READS_PROMPT`)."""
 
     def to_state(self) -> dict: ...
 
@@ -163,9 +168,17 @@ class LatencyGuard:
     def actions(self) -> tuple[Config, ...]:
         return self.predictor.action_space.actions
 
-    def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
+    @property
+    def reads_prompt_tokens(self) -> bool:
+        """Whether its predictor reads the prompt's length (a request's ``prompt_tokens``)."""
+        return self.predictor_name in READS_PROMPT
+
+    def base_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
+                prompt_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """(N, A) the predictor's quantile times each configuration's ratio, for N requests
         (``lang`` (N, Dl), ``tiling_crops`` (N, C) or None): the expectation before slack, drift and tail."""
+        if self.reads_prompt_tokens:
+            return self.predictor.latency_before_vision(lang, tiling_crops, prompt_tokens) * self.config_ratio
         return self.predictor.latency_before_vision(lang, tiling_crops) * self.config_ratio
 
     def expected_ms(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None) -> torch.Tensor:
@@ -203,21 +216,24 @@ class LatencyGuard:
         if expected_ms is not None and 0 < expected_ms < float("inf"):
             self._tail.observe(measured_ms > expected_ms)
 
-    def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float) -> CostGrid:
+    def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float,
+             prompt_tokens: float = math.nan) -> CostGrid:
         """One request's cost of each of the guard's configurations (``lang`` (Dl,), ``tiling_crops`` (C,)
-        or None): :meth:`base_ms` and, as the factor of every one, :meth:`factor` now."""
+        or None, its prompt's text tokens): :meth:`base_ms` and, as the factor of every one, :meth:`factor`
+        now."""
         base = self.base_ms(lang[None] if lang.dim() == 1 else lang,
                             None if tiling_crops is None
-                            else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops))[0].float()
+                            else (tiling_crops[None] if tiling_crops.dim() == 1 else tiling_crops),
+                            torch.tensor([float(prompt_tokens)]))[0].float()
         factor = self.factor()
         return CostGrid(self.actions, base, lambda _config: factor, float(budget_ms), "guard")
 
     def knob_grid(self, controller: TwoStageController, lang: torch.Tensor, tiling_crops: torch.Tensor | None,
-                  budget_ms: float) -> GuardGrid:
+                  budget_ms: float, prompt_tokens: float = math.nan) -> GuardGrid:
         """For one request, over ``controller``'s knob values (C, K, B): the configurations expected to
         fit ``budget_ms`` (only the fastest expected one where none does), and the expectations."""
         values = (controller.max_crops_values, controller.top_k_values, controller.num_active_blocks_values)
-        return self.grid(lang, tiling_crops, budget_ms).over(values)
+        return self.grid(lang, tiling_crops, budget_ms, prompt_tokens).over(values)
 
     def summary(self) -> dict[str, Any]:
         """What a person reads of the guard (progress line, docs): its ratios, slack and size."""

@@ -130,7 +130,8 @@ def _cells(configs: tuple[Config, ...], values: tuple[tuple[int, ...], ...]) -> 
 class RequestGuard(Protocol):
     """What the cost model reads of an online run's latency guard (``controller.latency_guard.LatencyGuard``)."""
 
-    def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float) -> CostGrid: ...
+    def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float,
+             prompt_tokens: float = math.nan) -> CostGrid: ...
 
     def observe(self, base_ms: float, measured_ms: float, expected_ms: float | None = None) -> None: ...
 
@@ -156,13 +157,13 @@ class MachineCost:
         return MachineCost(scale, self.guard)
 
     def grid(self, lang: torch.Tensor | None, tiling_crops: torch.Tensor | None, budget_ms: float, *,
-             request_ms: Mapping[Config, float] | None = None) -> CostGrid:
-        """One request's :class:`CostGrid` at ``budget_ms``: the guard's (``lang`` (Dl,) and
-        ``tiling_crops`` (C,) are its inputs) where there is one; else the profile's medians, with
+             request_ms: Mapping[Config, float] | None = None, prompt_tokens: float = math.nan) -> CostGrid:
+        """One request's :class:`CostGrid` at ``budget_ms``: the guard's (``lang`` (Dl,), ``tiling_crops``
+        (C,) and ``prompt_tokens`` are its inputs) where there is one; else the profile's medians, with
         ``request_ms`` (this request's own predicted cost per configuration, profile ms) read in their
         place where given, times the latency scale of each configuration (budget in served ms)."""
         if self.guard is not None:
-            return self.guard.grid(lang, tiling_crops, budget_ms)
+            return self.guard.grid(lang, tiling_crops, budget_ms, prompt_tokens)
         base = dict(self.scale.reference_ms)
         if request_ms:
             base.update(request_ms)

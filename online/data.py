@@ -26,7 +26,8 @@ class OnlineSamples:
     lang (N, Dl) and image (N, Di) float32 are the cached features, image the global-crop one
     (``image_features.global_feature``, what stage 2 reads offline and what a request's own vision
     pass gives, ``PrefixState.image_feature``); image_present (N,) bool is False where the sample
-    has no readable image (image_path None too).
+    has no readable image (image_path None too); prompt_tokens (N,) float32 the text tokens of its
+    formatted prompt (``lang_features.num_prompt_tokens``; NaN where unknown).
     """
 
     dataset: list[str]
@@ -41,6 +42,11 @@ class OnlineSamples:
     model_fingerprint: str
     image_size: list[tuple[int, int] | None] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens is None:
+            self.prompt_tokens = torch.full((len(self.sample_key),), float("nan"))
 
     def __len__(self) -> int:
         return len(self.sample_key)
@@ -99,7 +105,9 @@ def load_online_samples(workspace: Workspace, model_fingerprint: str, images_dir
         lang=torch.from_numpy(np.ascontiguousarray(feats.lang[kept])), image=torch.from_numpy(image),
         image_present=torch.from_numpy(present), model_fingerprint=model_fingerprint,
         skipped={k: v for k, v in skipped.items() if v},
-        image_size=[feats.image_size[i] if present[j] else None for j, i in enumerate(kept)])
+        image_size=[feats.image_size[i] if present[j] else None for j, i in enumerate(kept)],
+        prompt_tokens=None if feats.prompt_tokens is None else torch.from_numpy(
+            np.ascontiguousarray(feats.prompt_tokens[kept], dtype=np.float32)))
 
 
 #: the workspace's samples, in (dataset, sample_key) order: the rows of the feature reader

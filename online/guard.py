@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from controller.latency_guard import (
+    READS_PROMPT,
     STAGES,
     LatencyGuard,
     LatencyPredictor,
@@ -96,7 +97,9 @@ def measure_latency_guard(executor: RolloutExecutor, controller: TwoStageControl
     total = np.array([r.latency_total_ms for r, _ in runs])
     expected, spread = {}, {}
     for name, (_, predictor) in predictors.items():
-        predicted = predictor.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run])
+        predicted = (predictor.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run],
+                                                     samples.prompt_tokens[rows_run]) if name in READS_PROMPT
+                     else predictor.latency_before_vision(samples.lang[rows_run], executor.tiling_crops[rows_run]))
         expected[name] = np.array([float(predicted[j, index[knobs]] * ratio[index[knobs]])
                                    for j, (_, knobs) in enumerate(runs)])
         spread[name] = guard_slack(total, expected[name]) / guard_slack(total, expected[name], 0.5)

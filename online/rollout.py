@@ -237,7 +237,8 @@ class RolloutExecutor:
             crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
             if decisions.greedy and decisions.guard is not None and decisions.force is None:
                 # the guard's time is the controller's: inside the request's budget
-                guarded = decisions.guard.knob_grid(ctrl, self.samples.lang[sample], self.tiling_crops[sample], budget)
+                guarded = decisions.guard.knob_grid(ctrl, self.samples.lang[sample], self.tiling_crops[sample], budget,
+                                                    float(self.samples.prompt_tokens[sample]))
         # drawn even when overridden below: the generator advances the same way on every rank and in every mode
         crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=generator)
         insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)

@@ -201,8 +201,6 @@ class OnlineDecider:
 
     phase = "online"
 
-    reads_prompt_tokens = False
-
     def __init__(self, controller: TwoStageController, controller_run: str,
                  guard: LatencyGuard | None = None, cost: MachineCost | None = None) -> None:
         self.controller = controller.eval()
@@ -220,13 +218,19 @@ class OnlineDecider:
     def guard(self) -> LatencyGuard | None:
         return self.cost.guard
 
+    @property
+    def reads_prompt_tokens(self) -> bool:
+        """Where its guard predicts from the prompt's length too (the request cost model)."""
+        return self.guard is not None and self.guard.reads_prompt_tokens
+
     @torch.no_grad()
-    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float) -> Stage1Choice:
+    def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float,
+               prompt_tokens: float = math.nan) -> Stage1Choice:
         s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float())
         crops_scores = s1.crops_log_probs[0]
         grid = guarded = None
         if self.cost.guard is not None:  # among the crops with a configuration expected to fit
-            grid = self.cost.grid(lang, tiling_crops, float(budget_ms))
+            grid = self.cost.grid(lang, tiling_crops, float(budget_ms), prompt_tokens=prompt_tokens)
             guarded = grid.over((self.controller.max_crops_values, self.controller.top_k_values,
                                  self.controller.num_active_blocks_values))
             crops_scores = crops_scores.masked_fill(~guarded.crops_allowed, float("-inf"))

@@ -58,7 +58,7 @@ class RecordingGuard:
     def __init__(self) -> None:
         self.seen: list[tuple[float, float, float | None]] = []
 
-    def grid(self, lang, tiling_crops, budget_ms):
+    def grid(self, lang, tiling_crops, budget_ms, prompt_tokens=float("nan")):
         return CostGrid(((2, 4, 12), (6, 8, 16)), torch.tensor([10.0, 50.0]), lambda _config: 2.0, budget_ms, "guard")
 
     def observe(self, base_ms, measured_ms, expected_ms=None):

@@ -190,3 +190,18 @@ def test_the_model_scripts_and_round_trips(exact):
     for out in (scripted(lang, tiling, prompt), rebuilt(lang, tiling, prompt)):
         for got, want in zip(out, exact(lang, tiling, prompt)):
             assert torch.equal(got, want)
+
+
+def test_an_online_guard_reading_the_cost_model_takes_the_prompts_length(exact):
+    from controller.latency_guard import LatencyGuard
+
+    # every configuration twice as dear here as in the profile, slack 1.0: the guard's base is the
+    # quantile at each configuration x 2
+    guard = LatencyGuard(exact, torch.full((4,), 2.0), 1.0, {}, 4, predictor_name="request_cost")
+    assert guard.reads_prompt_tokens
+    lang, tiling, _ = request(SHORT, 2, 6, 40)
+    short = guard.grid(lang[0], tiling[0], 1e6, prompt_tokens=40.0)
+    long = guard.grid(lang[0], tiling[0], 1e6, prompt_tokens=200.0)
+    # 160 more prompt tokens: + 0.5 x 160 at top-K 4, + 0.6 x 160 at top-K 8 in the profile, twice that here
+    assert [long.expected(a) - short.expected(a) for a in SPACE.actions] == pytest.approx(
+        [160.0, 192.0, 160.0, 192.0], rel=0.02)

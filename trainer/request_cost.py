@@ -333,15 +333,17 @@ class RequestCostModel(nn.Module):
         prompt = torch.full((n,), float("nan")) if data.prompt_tokens is None else data.prompt_tokens
         return self(data.lang_features, tiling, prompt)
 
-    def latency_before_vision(self, lang: Tensor, tiling_crops: Tensor | None) -> Tensor:
+    def latency_before_vision(self, lang: Tensor, tiling_crops: Tensor | None,
+                              prompt_tokens: Tensor | None = None) -> Tensor:
         """(N, A) each request's latency quantile at every configuration from what is known before the vision
-        pass (the question and the image's tiling; the prompt's length read as the profile's median): what an
-        online run's latency guard predicts with (``controller.latency_guard``)."""
+        pass (the question, the image's tiling and the prompt's length; an unknown one read as the profile's
+        median): what an online run's latency guard predicts with (``controller.latency_guard``)."""
         n = lang.shape[0]
         if tiling_crops is None:
             tiling_crops = torch.full((n, len(self.action_space.max_crops_values)), float("nan"))
+        prompt = torch.full((n,), float("nan")) if prompt_tokens is None else prompt_tokens.float().reshape(n)
         with torch.no_grad():
-            _, quantile, _, _ = self.forward(lang.float(), tiling_crops.float(), torch.full((n,), float("nan")))
+            _, quantile, _, _ = self.forward(lang.float(), tiling_crops.float(), prompt)
         return quantile
 
     def clusters_of(self, lang: Tensor) -> Tensor:
