@@ -671,6 +671,10 @@ def test_table_fallback_keeps_the_controller_exactly_where_it_wins_on_val(tmp_pa
     # the defaults: 0.95, and "auto" prefers the controller where the table is lut_p95 (no family labels here)
     fallback = fit_table_fallback(policy, train, val, grid, reward)
     assert fallback.confidence == 0.95 and fallback.prefers == "controller"
+    # the per-request table may take the table's place, never the network's: the network keeps its budgets
+    with_request = fit_table_fallback(policy, train, val, grid, reward, request_table=True)
+    assert with_request.use_controller == fallback.use_controller
+    assert not any(r and c for r, c in zip(with_request.request_table_at, with_request.use_controller))
 
     deployed = PolicyDecider(policy, fallback)
     for budget, keep in zip(fallback.grid_ms, fallback.use_controller):
@@ -740,3 +744,10 @@ def test_wilson_upper_bound_solves_the_score_equation():
     assert wilson_upper_bound(5, 100, 0.5) == pytest.approx(0.05)  # z = 0: the point estimate
     assert wilson_upper_bound(24, 532, 0.95) > 0.05 > wilson_upper_bound(15, 532, 0.95)  # 4.5 % is not safe, 2.8 % is
     assert wilson_upper_bound(0, 0, 0.95) == 1.0 and wilson_upper_bound(10, 10, 0.95) == 1.0
+
+
+def test_the_per_request_table_answers_only_where_the_table_would():
+    from trainer.fallback import tables_only
+
+    # network at budgets 0 and 3; the per-request table beat the table at 0 and 1
+    assert tables_only([True, False, False, True], [True, True, False, False]) == [False, True, False, False]

@@ -295,9 +295,9 @@ class OfflineTrainConfig(TrainingConfig):
     fallback_request_table: the per-request table (``lut_by_request``, ``trainer.request_table``: each
         request's own latency quantile from its tiling, prompt and question, and its cluster's score at
         the crops it gets) may answer in that table's place (bool, default False), at the budgets where
-        held-out data does not favour the table with confidence (``trainer.fallback.choose_request_table_at``).
-        Its cost model is deployed either way. Off by default: on the tiling worlds it answered at budgets
-        where the network was better on unseen samples (docs/results.md).
+        the table answers and held-out data does not favour the table with confidence
+        (``trainer.fallback.choose_request_table_at``, ``trainer.fallback.tables_only``). Its cost model is
+        deployed either way (docs/results.md).
     ignore_family_labels: train, deploy and evaluate as if the data recorded no question family
         (bool): how a profile without labels behaves.
 
@@ -372,8 +372,8 @@ class OfflineTrainConfig(TrainingConfig):
                      "questions), auto (family where the data labels families, else cluster) or p95 (lut_p95).")
     fallback_request_table: bool = option(
         False, help="The per-request table (lut_by_request: each request's own latency from its tiling, prompt and "
-                    "question) may answer in the fallback table's place where held-out data does not favour the "
-                    "table.")
+                    "question) may answer in the fallback table's place where the table answers and held-out data "
+                    "does not favour the table.")
     ignore_family_labels: bool = option(
         False, help="Train, deploy and evaluate as if the data recorded no question family.")
     num_val_budgets: int = option(8, help="Budgets of the validation grid.")

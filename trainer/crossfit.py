@@ -34,7 +34,6 @@ from trainer.baselines import BatchDecider, LookupTableDecider, QuestionFamilyTa
 from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.fallback import (
-    BudgetSwitch,
     PolicyDecider,
     TableFallback,
     choose_family_table_at,
@@ -44,6 +43,7 @@ from trainer.fallback import (
     resolve_prefers,
     switched_table,
     table_kind,
+    tables_only,
 )
 from trainer.policy import ControllerPolicy
 from trainer.request_cost import RequestCostConfig
@@ -213,14 +213,13 @@ def fit_cross_fitted_fallback(models: FoldModels, targets: OfflineData, grid_ms:
     network = models.out_of_fold("policy", lambda k: PolicyDecider(models.policies[k]))
     table = models.out_of_fold(deployed_table.name, lambda k: switched_table(tables[k], grid_ms, family_at))
     request_state = None if deployed_request is None else deployed_request.state()
+    fallback = compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(),
+                                  confidence=confidence, prefers=resolve_prefers(prefers, deployed_table))
     request_at = None if deployed_request is None else [False] * len(grid_ms)
     if deployed_request is not None and request_table:
         request = models.out_of_fold(REQUEST_TABLE, lambda k: RequestTableDecider.fit(
             models.train[k], RequestCostConfig(seed=seed)))
-        request_at = choose_request_table_at(request, table, targets, grid_ms, reward, confidence=confidence)
-        if any(request_at):
-            table = BudgetSwitch(request, table, grid_ms, request_at)
-    fallback = compare_with_table(network, table, targets, grid_ms, reward, deployed_table.state(),
-                                  confidence=confidence, prefers=resolve_prefers(prefers, deployed_table))
+        beats_table = choose_request_table_at(request, table, targets, grid_ms, reward, confidence=confidence)
+        request_at = tables_only(fallback.use_controller, beats_table)
     return replace(fallback, family_table_at=family_at, request_table=request_state, request_table_at=request_at)
 

@@ -96,7 +96,7 @@ FALLBACK_TABLES = ("auto", "family", "cluster", "p95")
 __all__ = ["FALLBACK_PREFERS", "FALLBACK_TABLES", "BudgetSwitch", "BudgetSwitchedTable", "PolicyDecider",
            "TableFallback", "answered_by", "attach_fallback", "choose_family_table_at", "choose_request_table_at",
            "PREFERS_CHOICES", "fallback_table", "fit_table_fallback", "read_fallback", "resolve_prefers",
-           "switched_table", "table_kind", "wilson_upper_bound"]
+           "switched_table", "table_kind", "tables_only", "wilson_upper_bound"]
 
 
 @dataclass
@@ -499,17 +499,22 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
                                            confidence=confidence, max_violation_rate=max_violation_rate)
     switched = switched_table(answering, grid_ms, family_at)
     request = RequestTableDecider.fit(train, RequestCostConfig(seed=seed))
-    request_at = [False] * len(grid_ms)
-    if request_table:
-        request_at = choose_request_table_at(request, switched, val, grid_ms, reward, confidence=confidence,
-                                             max_violation_rate=max_violation_rate)
-        if any(request_at):
-            switched = BudgetSwitch(request, switched, grid_ms, request_at)
-    request_state = request.state()
     fallback = compare_with_table(PolicyDecider(policy), switched, val, grid_ms, reward, answering.state(),
                                   also_count_table_on=train, max_violation_rate=max_violation_rate,
                                   confidence=confidence, prefers=resolve_prefers(prefers, answering))
-    return replace(fallback, family_table_at=family_at, request_table=request_state, request_table_at=request_at)
+    request_at = [False] * len(grid_ms)
+    if request_table:
+        request_at = tables_only(fallback.use_controller, choose_request_table_at(
+            request, switched, val, grid_ms, reward, confidence=confidence, max_violation_rate=max_violation_rate))
+    return replace(fallback, family_table_at=family_at, request_table=request.state(), request_table_at=request_at)
+
+
+def tables_only(use_controller: list[bool], request_at: list[bool]) -> list[bool]:
+    """Where the per-request table answers: where it beat the table (``request_at``) and the table answers
+    (not the network). It is a better table, not a better network: judged against the network too, it won
+    out of fold at budgets where the network was better on unseen samples (docs/results.md), a per-budget
+    test run at every budget of the grid."""
+    return [bool(r) and not bool(c) for c, r in zip(use_controller, request_at)]
 
 
 def choose_request_table_at(request: BatchDecider, table: BatchDecider, val: OfflineData, grid_ms: list[float],
