@@ -511,9 +511,8 @@ def fit_table_fallback(policy: ControllerPolicy, train: OfflineData, val: Offlin
 
 def tables_only(use_controller: list[bool], request_at: list[bool]) -> list[bool]:
     """Where the per-request table answers: where it beat the table (``request_at``) and the table answers
-    (not the network). It is a better table, not a better network: judged against the network too, it won
-    out of fold at budgets where the network was better on unseen samples (docs/results.md), a per-budget
-    test run at every budget of the grid."""
+    (not the network). It is a better table, not a better network: the network's budgets stay decided
+    against the table alone, so one more per-budget test cannot take them from it by chance."""
     return [bool(r) and not bool(c) for c, r in zip(use_controller, request_at)]
 
 
