@@ -23,7 +23,12 @@ trains as on data without labels; the family table (the labels known) stays the 
 ``lut_by_tiling`` (where the data has tilings and families) also knows each request's tiling: per
 (family, configuration, crops used) the training mean score and p95 latency (coarser cells where one
 has under 5 samples). The ``tiling`` worlds write their images at a scale at which the features'
-tilings are the crops the hidden latency was drawn with (``TILING_SPEC``).
+tilings are the crops the hidden latency was drawn with (``TILING_SPEC``). ``cost_clairvoyant`` (where
+``latency_clairvoyant`` is shown) splits that reference's lead in two: the same expected scores, each
+request's *expected* latency known from the hidden truth (its tiling, prompt and answer-length law, without
+the draw's noise), held to it times the training tree's 95th percentile of measured / expected: what a perfect
+cost model could buy a table. Its lead over a decider is what cost knowledge can still add; the rest of
+``latency_clairvoyant``'s is the draw, which no decision made before the request runs can know.
 
 Worlds are cached in benchmarks/.cache/transfer (ingest + embedded-model features).
 """
@@ -157,6 +162,49 @@ def truth_scores(data, datasets: tuple[str, ...], samples: int, seed: int, **spe
     score = torch.from_numpy(expected_score_matrix(spec, data.dataset, data.sample_key, configs))
     score = torch.where(data.mask, score, float("nan"))
     return replace(data, score=score, mean_score=score)
+
+
+def truth_latencies(data, datasets: tuple[str, ...], samples: int, seed: int, **spec_options):
+    """(N, A) float32: the hidden expected latency of every (sample, configuration) of ``data``."""
+    import torch
+
+    from synthetic import SyntheticSpec, expected_latency_matrix
+
+    configs = [tuple(int(v) for v in k) for k in data.action_space.knob_values().tolist()]
+    spec = SyntheticSpec(datasets=datasets, num_samples=samples, seed=seed, **spec_options)
+    return torch.from_numpy(expected_latency_matrix(spec, data.dataset, data.sample_key, configs))
+
+
+class CostClairvoyantDecider:
+    """``cost_clairvoyant``: the request table's expected scores; each request's expected latency known (the
+    hidden truth's), times ``factor``; the most accurate configuration it fits, else the fastest. A reference
+    of the benchmark only: nothing outside a generated world knows the expected latency."""
+
+    name = "cost_clairvoyant"
+
+    def __init__(self, scores, expected_ms, factor: float) -> None:
+        self.scores, self.expected_ms, self.factor = scores, expected_ms, float(factor)
+        self.action_space = scores.model.action_space
+
+    def decide(self, data, budget_ms):
+        import torch
+
+        from trainer.baselines import best_candidate, budget_vector
+
+        if len(data) != self.expected_ms.shape[0]:
+            msg = "cost_clairvoyant decides the samples whose expected latencies it was given"
+            raise ValueError(msg)
+        score = self.scores.expected_score(data.lang_features, data.tiling_crops)
+        bound = self.expected_ms * self.factor
+        fits = data.mask & (bound <= budget_vector(budget_ms, len(data))[:, None])
+        best, found = best_candidate(fits, score, bound)
+        fastest, _ = best_candidate(data.mask, -bound, torch.zeros_like(bound))
+        return torch.where(found, best, fastest)
+
+    def action_probs(self, data, budget_ms):
+        import torch
+
+        return torch.nn.functional.one_hot(self.decide(data, budget_ms), len(data.action_space)).float()
 
 
 def truth_families(data, datasets: tuple[str, ...], samples: int, seed: int, **spec_options):
@@ -330,6 +378,13 @@ def evaluate_world(world: World, overrides: dict, folds: int | None, reuse: bool
     cost = fit_request_cost(train_data, RequestCostConfig(seed=saved.seed))
     request_scores = RequestScoreTable(train_data, cost)
     deciders += [RequestTableDecider(cost, request_scores), LatencyClairvoyantDecider(request_scores)]
+    # the expected latency known: its measured / expected spread over the training tree sets the bound
+    expected_train = truth_latencies(train_data, world.datasets, world.samples, world.train_seed,
+                                     **world.spec_options(test=False))
+    ratio = (train_data.latency_ms / expected_train)[train_data.mask & ~train_data.latency_ms.isnan()]
+    factor = float(torch.quantile(ratio.double(), 0.95))
+    deciders.append(CostClairvoyantDecider(request_scores, truth_latencies(
+        test, world.datasets, world.samples, world.test_seed, **world.spec_options(test=True)), factor))
     quality = cost_quality(cost, test)
     frame = evaluate_deciders(test, deciders, budgets, saved.reward)
     # the fallback's choice per budget: False where the table answers for the controller
@@ -384,11 +439,18 @@ def print_world(rows: list[dict]) -> dict:
                       / (by[("latency_clairvoyant", b)]["accuracy"] - by[("policy", b)]["accuracy"]) for b in wide]
             shares[d] = sum(closed) / len(closed) if closed else float("nan")
         summary["gap_closed"] = shares
+        if "cost_clairvoyant" in deciders:  # the share of the lead that cost knowledge could buy at all
+            knowable = [(by[("cost_clairvoyant", b)]["accuracy"] - by[("policy", b)]["accuracy"])
+                        / (by[("latency_clairvoyant", b)]["accuracy"] - by[("policy", b)]["accuracy"]) for b in wide]
+            summary["gap_knowable"] = sum(knowable) / len(knowable) if knowable else float("nan")
         summary["cost_error"], summary["cost_coverage"] = rows[0].get("cost_error"), rows[0].get("cost_coverage")
         print(f"\nper-request cost model on the unseen tree: median |error| {summary['cost_error']:.1%}, its p95 "
               f"covers {summary['cost_coverage']:.1%}; share of the policy-to-latency_clairvoyant gap closed at "
               f"{len(wide)} budgets where it is > 2 points: "
               + ", ".join(f"{d} {v:+.0%}" for d, v in shares.items() if v == v), flush=True)
+        if "gap_knowable" in summary:
+            print(f"of that gap, cost_clairvoyant (the expected latency known, no draw) reaches "
+                  f"{summary['gap_knowable']:+.0%}: the rest is the draw", flush=True)
     print(f"\nworst controller - family table: {min(z):+.2f} of its se (at {summary['worst_budget']:.0f} ms); "
           f"max violation {summary['max_violation']:.1%}; mean gain over lut_p95: controller {gain_ctrl:+.3f}, "
           f"family table {gain_family:+.3f}; clairvoyant - controller {summary['to_clairvoyant']:+.3f}", flush=True)

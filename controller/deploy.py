@@ -28,6 +28,7 @@ The module is TorchScript-compatible and is what ``ctrl export`` writes
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -62,9 +63,11 @@ __all__ = ["DeployedController", "ExportReport", "compile_device", "export_contr
            "load_deployed", "save_compiled", "save_deployed", "step_lookup", "table_rows", "table_steps"]
 
 
-def _folded(linear: nn.Linear, mean: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
-    """``linear((x - mean) / std)`` as ``x @ w.T + b``: (w, b) in float64, then float32."""
-    w = linear.weight.double() / std.double()[None, :]
+def _folded(linear: nn.Linear, mean: Tensor, std: Tensor, columns: int | None = None) -> tuple[Tensor, Tensor]:
+    """``linear((x - mean) / std)`` as ``x @ w.T + b``: (w, b) in float64, then float32. With ``columns``, x is
+    the first ``columns`` inputs of ``linear`` (the rest are added by the caller)."""
+    weight = linear.weight if columns is None else linear.weight[:, :columns]
+    w = weight.double() / std.double()[None, :]
     b = linear.bias.double() - w @ mean.double()
     return w.float().contiguous(), b.float().contiguous()
 
@@ -115,7 +118,11 @@ class DeployedController(nn.Module):
             self.register_buffer("blocks_index", policy.blocks_index.clone())
             parts = policy.parts()
             # stage 1
-            w, b = _folded(parts.lang.linear, policy.lang_mean, policy.lang_std)
+            lin = parts.lang.linear
+            w, b = _folded(lin, policy.lang_mean, policy.lang_std, columns=self.lang_dim)
+            self._build_network_cost(policy, lin)
+            if self.reads_request_cost:  # ((log m - centre) / spread) Wc.T: the centre's part moves into the bias
+                b = b - self.cost_center * self.cost_w.sum(0)
             self.register_buffer("lang_w", w.t().contiguous())
             self.register_buffer("lang_b", b)
             self._norm("lang_ln", parts.lang.norm)
@@ -177,6 +184,9 @@ class DeployedController(nn.Module):
             self.register_buffer("crops_column", column)
             self.max_crops_text = ", ".join(str(v) for v in space.max_crops_values)
             self._build_fallback(fallback)
+            # the decision reads each prompt's length where a per-request table answers or the network reads
+            # the cost model
+            self.reads_prompt_tokens = bool(self.has_request_table or self.reads_request_cost)
 
     def _linear(self, name: str, linear: nn.Linear, scale: float = 1.0) -> None:
         """Buffers ``<name>_w`` (the weight transposed, (in, out), times ``scale``) and ``<name>_b``."""
@@ -187,6 +197,23 @@ class DeployedController(nn.Module):
         """Buffers ``<name>_w`` and ``<name>_b``: a LayerNorm's scale and shift."""
         self.register_buffer(f"{name}_w", norm.weight.detach().clone())
         self.register_buffer(f"{name}_b", norm.bias.detach().clone())
+
+    def _build_network_cost(self, policy: ControllerPolicy, lang_linear: nn.Linear) -> None:
+        """The network's own request cost model (``network_cost``) and its input's columns of the language
+        projection, standardisation folded in (``cost_w`` (A, H), ``cost_center``); a network that reads none
+        keeps a cost model without coefficients that is never called (TorchScript keeps one type)."""
+        self.reads_request_cost = policy.request_cost is not None
+        if policy.request_cost is None:
+            self.network_cost = RequestCostModel(policy.action_space, RequestCostConfig(), self.lang_dim, 1,
+                                                 max(policy.action_space.max_crops_values))
+            self.register_buffer("cost_w", torch.zeros(len(policy.action_space), lang_linear.out_features))
+            self.register_buffer("cost_center", torch.zeros(()))
+            return
+        self.network_cost = copy.deepcopy(policy.request_cost).eval()
+        spread = float(policy.cost_std)
+        self.register_buffer("cost_w", (lang_linear.weight[:, self.lang_dim:].double() / spread).t().float()
+                             .contiguous().detach())
+        self.register_buffer("cost_center", policy.cost_mean.detach().clone().float())
 
     def _build_fallback(self, fallback: TableFallback | None) -> None:
         # per action, the median latency of the training split (NaN: unseen there; empty: unknown), the
@@ -288,13 +315,20 @@ class DeployedController(nn.Module):
     def _layer_norm(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         return F.layer_norm(x, [x.shape[-1]], w, b, self.eps)
 
-    def _stage1_features(self, lang: Tensor, budget_ms: Tensor,
-                         tiling_crops: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _stage1_features(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None,
+                         prompt_tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What both stages read: the projected language features (B, H), the budget encoding (B, Hb),
-        the standardised tiling (B, C) (0 where unknown) and the tiling-known flag (B, 1)."""
+        the standardised tiling (B, C) (0 where unknown) and the tiling-known flag (B, 1). A network that
+        reads the request cost model adds its input: the log of each configuration's predicted median."""
         n = lang.shape[0]
-        lang_h = F.relu(self._layer_norm(torch.addmm(self.lang_b, lang.float(), self.lang_w), self.lang_ln_w,
-                                         self.lang_ln_b))
+        lang_pre = torch.addmm(self.lang_b, lang.float(), self.lang_w)
+        if self.reads_request_cost:
+            tiling_in, prompt_in = self._request_inputs(lang, tiling_crops, prompt_tokens)
+            median = self.network_cost(lang.float(), tiling_in, prompt_in)[0]
+            logs = torch.log(median.clamp(min=1.0))
+            logs = torch.where(torch.isnan(logs), self.cost_center.expand_as(logs), logs)  # unknown: standardised 0
+            lang_pre = torch.addmm(lang_pre, logs, self.cost_w)
+        lang_h = F.relu(self._layer_norm(lang_pre, self.lang_ln_w, self.lang_ln_b))
         position = ((budget_ms.float() - self.budget_min_ms) / (self.budget_max_ms - self.budget_min_ms)).clamp(0, 1)
         angles = position.unsqueeze(1) * self.frequencies
         enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
@@ -346,30 +380,31 @@ class DeployedController(nn.Module):
         candidates = self.action_crops.unsqueeze(0) == crops.unsqueeze(1)
         return greedy_within_crops(top_k, blocks, self.action_top_k, self.action_blocks, candidates)
 
-    def _network_crops(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None) -> Tensor:
+    def _network_crops(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None,
+                       prompt_tokens: Tensor | None = None) -> Tensor:
         """The network's stage-1 choice, (B,) crops columns. Every crops value of the space has an action
         (the values are read off the actions), so the argmax ranges over all of them."""
-        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops, prompt_tokens)
         return greedy_crops(self._crops_logits(lang_h, budget_h, tiling, known))
 
     def _network_stage2(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                        tiling_crops: Tensor | None, crops: Tensor) -> Tensor:
+                        tiling_crops: Tensor | None, crops: Tensor, prompt_tokens: Tensor | None = None) -> Tensor:
         """The network's stage-2 choice at the crops columns ``crops``, (B,) action indices."""
-        lang_h, budget_h, tiling, _ = self._stage1_features(lang, budget_ms, tiling_crops)
+        lang_h, budget_h, tiling, _ = self._stage1_features(lang, budget_ms, tiling_crops, prompt_tokens)
         return self._stage2_action(self._stage2_context(lang_h, budget_h, image, image_present), tiling, crops)
 
     def _network_actions(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                         tiling_crops: Tensor | None) -> Tensor:
+                         tiling_crops: Tensor | None, prompt_tokens: Tensor | None = None) -> Tensor:
         """Both stages of the network in one pass (the features stage 1 computes serve stage 2), (B,) actions."""
-        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops, prompt_tokens)
         crops = greedy_crops(self._crops_logits(lang_h, budget_h, tiling, known))
         return self._stage2_action(self._stage2_context(lang_h, budget_h, image, image_present), tiling, crops)
 
     def _network_scores(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                        tiling_crops: Tensor | None) -> Tensor:
+                        tiling_crops: Tensor | None, prompt_tokens: Tensor | None = None) -> Tensor:
         """Per action, the joint log-probability up to a per-row constant (B, A)."""
         n = lang.shape[0]
-        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops)
+        lang_h, budget_h, tiling, known = self._stage1_features(lang, budget_ms, tiling_crops, prompt_tokens)
         crops_logits = self._crops_logits(lang_h, budget_h, tiling, known)
         hidden = self._stage2_context(lang_h, budget_h, image, image_present).unsqueeze(1) + self.choice
         if self.uses_tilings:
@@ -490,15 +525,16 @@ class DeployedController(nn.Module):
         """(B,) action indices of :meth:`decide` and (B,) bool: True where the network decided, False
         where the table did."""
         if not self.has_fallback:
-            return (self._network_actions(lang, image, image_present, budget_ms, tiling_crops),
+            return (self._network_actions(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens),
                     torch.ones(lang.shape[0], dtype=torch.bool, device=lang.device))
         use = self._use_network(lang, budget_ms)
         if bool(use.all()):
-            return self._network_actions(lang, image, image_present, budget_ms, tiling_crops), use
+            return self._network_actions(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens), use
         table = self._table_choice(lang, budget_ms, tiling_crops, prompt_tokens)
         if not bool(use.any()):
             return table, use
-        return torch.where(use, self._network_actions(lang, image, image_present, budget_ms, tiling_crops), table), use
+        network = self._network_actions(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
+        return torch.where(use, network, table), use
 
     @torch.jit.export
     def stage1(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None,
@@ -506,15 +542,18 @@ class DeployedController(nn.Module):
         """Stage 1, before the vision tower: ``max_crops`` (B,) int64. ``prompt_tokens`` (B,) float, optional:
         the text tokens of each formatted prompt (NaN = unknown), read by a per-request table."""
         if not self.has_fallback:
-            return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+            crops = self._network_crops(lang, budget_ms, tiling_crops, prompt_tokens)
+            return self.max_crops_values.index_select(0, crops)
         use = self._use_network(lang, budget_ms)
         if bool(use.all()):
-            return self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+            crops = self._network_crops(lang, budget_ms, tiling_crops, prompt_tokens)
+            return self.max_crops_values.index_select(0, crops)
         table = self.actions.index_select(0, self._table_choice(lang, budget_ms, tiling_crops,
                                                                 prompt_tokens)).select(1, 0)
         if not bool(use.any()):
             return table
-        network = self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops))
+        network = self.max_crops_values.index_select(0, self._network_crops(lang, budget_ms, tiling_crops,
+                                                                             prompt_tokens))
         return torch.where(use, network, table)
 
     @torch.jit.export
@@ -524,15 +563,16 @@ class DeployedController(nn.Module):
         two (B,) int64. Raises for a ``max_crops`` value that is not in the action space."""
         crops = self._crops_columns(max_crops)
         if not self.has_fallback:
-            action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+            action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops, prompt_tokens)
         else:
             use = self._use_network(lang, budget_ms)
             if bool(use.all()):
-                action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+                action = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops, prompt_tokens)
             else:
                 action = self._table_choice(lang, budget_ms, tiling_crops, prompt_tokens)
                 if bool(use.any()):
-                    network = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops)
+                    network = self._network_stage2(lang, image, image_present, budget_ms, tiling_crops, crops,
+                                                   prompt_tokens)
                     action = torch.where(use, network, action)
         knobs = self.actions.index_select(0, action)
         return knobs.select(1, 1), knobs.select(1, 2)
@@ -553,10 +593,10 @@ class DeployedController(nn.Module):
 
     @torch.jit.export
     def probabilities(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
-                      tiling_crops: Tensor | None = None) -> Tensor:
+                      tiling_crops: Tensor | None = None, prompt_tokens: Tensor | None = None) -> Tensor:
         """pi(a | x, budget) of the network over the action space (B, A), ignoring the fallback: the
         policy's joint distribution (the decision is its sequential greedy choice, not its mode)."""
-        scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops)
+        scores = self._network_scores(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
         return scores.softmax(-1)
 
 
@@ -653,7 +693,7 @@ class _BranchFree(nn.Module):
     def decide(self, lang: Tensor, image: Tensor, image_present: Tensor, budget_ms: Tensor,
                tiling_crops: Tensor | None, prompt_tokens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         d = self.deployed
-        action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops)
+        action = d._network_actions(lang, image, image_present, budget_ms, tiling_crops, prompt_tokens)
         if d.has_fallback:
             table = d._table_choice(lang, budget_ms, tiling_crops, prompt_tokens, branch_free=True)
             action = torch.where(d._use_network(lang, budget_ms), action, table)
@@ -706,8 +746,9 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
     torch alone (atomic). The package runs on the device it was compiled for.
 
     The batch size stays free; a run trained with tilings, or deployed with a per-request table, takes
-    ``tiling_crops`` as a fifth, required input (NaN = unknown), and with a per-request table
-    ``prompt_tokens`` (B,) as a sixth. Compiling needs a C++ compiler and takes a minute or two.
+    ``tiling_crops`` as a fifth, required input (NaN = unknown), and with a per-request table or a network
+    that reads the request cost model ``prompt_tokens`` (B,) as a sixth. Compiling needs a C++ compiler and
+    takes a minute or two.
     """
     from torch._inductor import aoti_compile_and_package
 
@@ -716,9 +757,9 @@ def save_compiled(module: DeployedController, path: Path, device: str = "cpu") -
     n = 2  # an example batch of 1 would fix the batch size at 1
     example = (torch.zeros(n, module.lang_dim), torch.zeros(n, module.image_dim), torch.ones(n, dtype=torch.bool),
                torch.full((n,), module.budget_min_ms))
-    if module.uses_tilings or module.has_request_table:
+    if module.uses_tilings or module.reads_prompt_tokens:
         example = (*example, torch.ones(n, module.num_crops_values))
-    if module.has_request_table:
+    if module.reads_prompt_tokens:
         example = (*example, torch.full((n,), 16.0))
     example = tuple(t.to(dev) for t in example)
     compilers = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
@@ -770,7 +811,7 @@ class ExportReport:
     uses_tilings: bool
     fallback_budgets_ms: list[float]
     compiled: bool = False
-    uses_prompt_tokens: bool = False  # a per-request table answers at some budget: pass prompt_tokens too
+    uses_prompt_tokens: bool = False  # a per-request table answers at some budget, or the network reads the cost model
     has_cost_model: bool = False  # expected_latency predicts each request's own cost
 
 
@@ -814,5 +855,5 @@ def export_controller(workspace: Workspace | str | Path | None, run_or_checkpoin
                         max_crops_values=tuple(policy.action_space.max_crops_values),
                         num_actions=len(policy.action_space.actions), uses_tilings=module.uses_tilings,
                         fallback_budgets_ms=[] if fallback is None else fallback.fallback_budgets_ms,
-                        compiled=compiled, uses_prompt_tokens=module.has_request_table,
+                        compiled=compiled, uses_prompt_tokens=module.reads_prompt_tokens,
                         has_cost_model=module.has_cost_model)

@@ -114,6 +114,8 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("cross_fit_folds", "cross_fit_folds", cli={"min": 0, "panel": REWARD}),
     TrainOption("holdout_dataset", "holdout_dataset"),
     TrainOption("use_tilings", "use_tilings", cli={"flags": ("--use-tilings/--no-tilings",)}),
+    TrainOption("request_cost_input", "request_cost_input",
+                cli={"flags": ("--request-cost-input/--no-request-cost-input",)}),
     TrainOption("hidden_dim", "hidden_dim", cli={"min": 8}),
     TrainOption("run_id", "run_id"),
     TrainOption("resume", "resume"),

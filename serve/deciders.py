@@ -122,10 +122,13 @@ class OfflineDecider:
         self.cost = cost if cost is not None else MachineCost(LatencyScale(self.reference_latency_ms))
         self.group_names = group_names_of(deployed)
         # a deployed cost model reads the prompt's length (files exported before it was deployed have none);
-        # the stages read it where a per-request table answers at some budget
+        # the stages read it where a per-request table answers at some budget or the network reads the cost
+        # model (files exported before the network could read it say so by has_request_table alone)
         self.has_cost_model = hasattr(deployed, "expected_latency")
         self.reads_prompt_tokens = bool(getattr(deployed, "has_cost_model", False))
-        self.table_reads_prompt = bool(getattr(deployed, "has_request_table", False))
+        self.table_reads_prompt = bool(getattr(deployed, "reads_prompt_tokens",
+                                               getattr(deployed, "has_request_table", False)))
+        self.reads_prompt_tokens = self.reads_prompt_tokens or self.table_reads_prompt
         self._actions = [tuple(int(v) for v in a) for a in deployed.actions.tolist()]
 
     def _decided_by(self, budget: torch.Tensor, lang: torch.Tensor) -> str:
@@ -220,13 +223,15 @@ class OnlineDecider:
 
     @property
     def reads_prompt_tokens(self) -> bool:
-        """Where its guard predicts from the prompt's length too (the request cost model)."""
-        return self.guard is not None and self.guard.reads_prompt_tokens
+        """Where its guard or its network predicts from the prompt's length too (the request cost model)."""
+        return ((self.guard is not None and self.guard.reads_prompt_tokens)
+                or self.controller.policy.config.use_request_cost)
 
     @torch.no_grad()
     def stage1(self, lang: torch.Tensor, tiling_crops: torch.Tensor, budget_ms: float,
                prompt_tokens: float = math.nan) -> Stage1Choice:
-        s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float())
+        s1 = self.controller.stage1(lang[None].float(), torch.tensor([float(budget_ms)]), tiling_crops[None].float(),
+                                    torch.tensor([float(prompt_tokens)]))
         crops_scores = s1.crops_log_probs[0]
         grid = guarded = None
         if self.cost.guard is not None:  # among the crops with a configuration expected to fit

@@ -13,6 +13,7 @@ from synthetic.tree import (
     SyntheticSpec,
     build_truth,
     exp5_batch_size,
+    expected_latency_matrix,
     expected_score_matrix,
     generate_tree,
     image_filename,
@@ -32,6 +33,7 @@ __all__ = [
     # the hidden truth
     "SampleTruth",
     "build_truth",
+    "expected_latency_matrix",
     "expected_score_matrix",
     "samples_of",
     "SUPPORTED_DATASETS",

@@ -45,7 +45,7 @@ import hashlib
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -216,12 +216,26 @@ def expected_score_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_k
     """(N, C) float32: the hidden expected score (exp6) of sample i, named by ``datasets[i]`` and
     ``sample_keys[i]`` as ingest keys it, under each of ``configs``: what a decision on that sample
     is worth without outcome noise. A KeyError names a sample the spec does not generate."""
+    return _truth_matrix(spec, datasets, sample_keys, configs,
+                         lambda t, c: t.expected_score(*c, experiment="exp6"))
+
+
+def expected_latency_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_keys: Sequence[str],
+                            configs: Sequence[Config]) -> np.ndarray:
+    """(N, C) float32: the hidden expected total latency (ms) of each sample under each configuration, without
+    the measurement noise, the outcome's answer length or the slow outliers a recorded latency draws: what a
+    perfect cost model could know of a request. Rows and errors as :func:`expected_score_matrix`."""
+    return _truth_matrix(spec, datasets, sample_keys, configs, lambda t, c: t.expected_latency(*c))
+
+
+def _truth_matrix(spec: SyntheticSpec, datasets: Sequence[str], sample_keys: Sequence[str], configs: Sequence[Config],
+                  column: Callable[[DatasetTruth, Config], np.ndarray]) -> np.ndarray:
     truth = build_truth(spec)
     rows: dict[tuple[str, str], np.ndarray] = {}
     for ds in spec.datasets:
-        scores = np.stack([truth[ds].expected_score(*c, experiment="exp6") for c in configs], axis=1)
+        values = np.stack([column(truth[ds], c) for c in configs], axis=1)
         for s in samples_of(ds, truth[ds]):
-            rows[(ds, build_sample_key(ds, s.metadata)[0])] = scores[s.index]
+            rows[(ds, build_sample_key(ds, s.metadata)[0])] = values[s.index]
     return np.stack([rows[(ds, key)] for ds, key in zip(datasets, sample_keys)]).astype(np.float32)
 
 

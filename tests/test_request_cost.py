@@ -166,6 +166,20 @@ def test_lut_by_request_holds_each_request_to_its_own_quantile():
         assert (chosen[nothing_fits] == quantile[nothing_fits].argmin(1)).all()
 
 
+def test_a_request_table_state_with_tensors_loads_as_one_with_plain_values():
+    train = make_world(200, seed=4)
+    model = fit_request_cost(train, RequestCostConfig(clusters=2))
+    decider = RequestTableDecider(model, RequestScoreTable(train, model))
+    state = decider.state()
+    # the layout runs stored before the state held plain values: the cost model's tensors themselves
+    older = {**state, "cost_model": {**state["cost_model"], "state_dict": model.to_state()["state_dict"]}}
+    test = make_world(50, seed=5, split="test")
+    for budget in (80.0, 200.0):
+        want = decider.decide(test, budget)
+        assert torch.equal(RequestTableDecider.from_state(older).decide(test, budget), want)
+        assert torch.equal(RequestTableDecider.from_state(state).decide(test, budget), want)
+
+
 def test_latency_clairvoyant_reads_the_measured_latency():
     train = make_world(100, seed=8)
     model = fit_request_cost(train, RequestCostConfig(clusters=2))

@@ -258,6 +258,8 @@ class OfflineTrainConfig(TrainingConfig):
     hidden_dim: width of the network (int). dropout: of its layers.
     use_tilings: feed each image's tiling (crops per max_crops choice, ``image_tilings``) to
         both stages (bool; unknown tilings read as the training mean).
+    request_cost_input: feed each request's predicted latency at every configuration (the per-request
+        cost model of the train split, out of fold on the rows it was fitted on) to both stages (bool).
     budget_margin: the encoder's normalisation range is the budget range widened by this
         fraction on each side (float).
 
@@ -351,6 +353,9 @@ class OfflineTrainConfig(TrainingConfig):
                                        "(docs/export.md).")
     dropout: float = option(0.0, help="Dropout of the controller's layers.")
     use_tilings: bool = option(True, help="Feed each image's tiling (crops per max_crops choice) to both stages.")
+    request_cost_input: bool = option(
+        False, help="Feed each request's predicted latency at every configuration (the per-request cost model) "
+                    "to both stages of the network.")
     budget_margin: float = option(0.0, help="Widen the budget encoder's range by this fraction on each side.")
     cross_fit_folds: int = option(5, help="K-fold cross-fitting: K more networks, each without one fold, decide the "
                                           "fallback and the evaluation on every sample out of fold (0 = off).")

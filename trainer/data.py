@@ -169,6 +169,10 @@ class OfflineData:
         (``lang_features.num_prompt_tokens``), NaN where unknown; known before any decision.
     output_tokens float32 (N, A) or None: the tokens the recorded run generated (exp6
         ``num_output_tokens``, EOS included), NaN where not recorded; an outcome, like the latency.
+    request_latency_ms float32 (N, A) or None: each request's predicted median latency at every
+        configuration from a per-request cost model that did not see the request (out of fold): what a
+        policy that reads the cost model (``PolicyConfig.use_request_cost``) reads in place of its own
+        model's prediction. The trainer sets it on its training rows; None = the policy predicts.
     """
 
     action_space: ActionSpace
@@ -191,6 +195,7 @@ class OfflineData:
     question: list[str | None] | None = None
     prompt_tokens: torch.Tensor | None = None
     output_tokens: torch.Tensor | None = None
+    request_latency_ms: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, a = len(self.dataset), len(self.action_space)
@@ -218,8 +223,9 @@ class OfflineData:
             _check("mean_score", self.mean_score, torch.float32, (n, a))
         if self.prompt_tokens is not None:
             _check("prompt_tokens", self.prompt_tokens, torch.float32, (n,))
-        if self.output_tokens is not None:
-            _check("output_tokens", self.output_tokens, torch.float32, (n, a))
+        for name in ("output_tokens", "request_latency_ms"):
+            if getattr(self, name) is not None:
+                _check(name, getattr(self, name), torch.float32, (n, a))
         if self.question is not None and len(self.question) != n:
             msg = f"`question` has {len(self.question)} entries, `dataset` has {n}"
             raise ValueError(msg)
@@ -267,6 +273,7 @@ class OfflineData:
             question=None if self.question is None else [self.question[i] for i in idx],
             prompt_tokens=None if self.prompt_tokens is None else self.prompt_tokens[index],
             output_tokens=None if self.output_tokens is None else self.output_tokens[index],
+            request_latency_ms=None if self.request_latency_ms is None else self.request_latency_ms[index],
         )
 
     def without_family_labels(self) -> OfflineData:

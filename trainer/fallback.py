@@ -79,6 +79,7 @@ from trainer.policy import (
     data_log_probs,
     mask_in_policy_space,
     read_checkpoint,
+    request_ms_in_policy_space,
     tilings_in_policy_space,
 )
 from trainer.request_cost import RequestCostConfig
@@ -375,7 +376,9 @@ class PolicyDecider:
         mask, to_data = mask_in_policy_space(self.policy, data)
         with self._evaluating():
             chosen = policy_greedy(self.policy, data.image_features, data.image_present, data.lang_features, budget,
-                                   mask, tiling_crops=tilings_in_policy_space(self.policy, data))
+                                   mask, tiling_crops=tilings_in_policy_space(self.policy, data),
+                                   prompt_tokens=data.prompt_tokens,
+                                   request_ms=request_ms_in_policy_space(self.policy, data))
         if to_data is not None:
             chosen = to_data[chosen]
         if use is None or bool(use.all()):

@@ -75,14 +75,16 @@ def sequential_greedy(crops_scores: Tensor, top_k_scores: Tensor, blocks_scores:
 @torch.no_grad()
 def policy_greedy(policy: ControllerPolicy, image: Tensor, image_present: Tensor, lang: Tensor,
                   budget_ms: Tensor | float, allowed: Tensor | None = None, *,
-                  tiling_crops: Tensor | None = None) -> Tensor:
+                  tiling_crops: Tensor | None = None, prompt_tokens: Tensor | None = None,
+                  request_ms: Tensor | None = None) -> Tensor:
     """The policy's greedy decision, (N,) indices into ``policy.action_space``, over ``allowed`` (N, A)
     (None = the whole action space). Inputs as for :meth:`ControllerPolicy.log_probs`."""
     if allowed is not None and not bool(allowed.any(-1).all()):
         empty = int((~allowed.any(-1)).sum())
         msg = f"{empty} of {len(allowed)} rows have an empty action mask: no recorded configuration to choose from"
         raise CtrlError(msg)
-    crops_lp, lang_h, budget_h = policy.stage1(lang, budget_ms, tiling_crops=tiling_crops)
+    crops_lp, lang_h, budget_h = policy.stage1(lang, budget_ms, tiling_crops=tiling_crops, prompt_tokens=prompt_tokens,
+                                               request_ms=request_ms)
     hidden = policy.stage2_hidden(image, image_present, lang_h, budget_h, tiling_crops=tiling_crops)
     top_k_lp, blocks_lp = policy.stage2_heads(hidden)
     return sequential_greedy(crops_lp, top_k_lp, blocks_lp, policy.knob_indices, allowed)

@@ -95,6 +95,9 @@ class _Rows:
         self.mask = data.mask[index]
         tilings = getattr(data, "tiling_crops", None)
         self.tiling_crops = None if tilings is None else tilings[index]
+        prompt, predicted = getattr(data, "prompt_tokens", None), getattr(data, "request_latency_ms", None)
+        self.prompt_tokens = None if prompt is None else prompt[index]
+        self.request_latency_ms = None if predicted is None else predicted[index]
 
     def __len__(self) -> int:
         return int(self.mask.shape[0])

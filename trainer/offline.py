@@ -33,6 +33,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,9 @@ from trainer.request_cost import (
     REQUEST_COST_CHECK,
     REQUEST_COST_FILE,
     RequestCostConfig,
+    RequestCostModel,
     cost_quality,
-    fit_request_cost,
+    fit_request_cost_out_of_fold,
 )
 from trainer.request_table import RequestTableDecider
 from trainer.run_record import Progress, RunResult, check_resume, epoch_summary, resolve_config, run_row
@@ -128,6 +130,7 @@ class OfflineTrainer:
         self.last_val: float | None = None  # the last epoch's validation expected reward
         self.is_fold = run_dir is not None
         self.reporter = Reporter()  # the run's --report-to backend once training starts; folds report nothing
+        self.request_cost: RequestCostModel | None = None  # the train split's (``_request_cost_model``)
 
     # -- the start: a new run's outcome model and warm start, or a resumed run's state
     def _fit_outcome_model(self) -> OutcomeModel:
@@ -143,12 +146,22 @@ class OfflineTrainer:
         outcome.save(self.run.path / OUTCOME_FILE)
         return outcome
 
+    def _request_cost_model(self) -> RequestCostModel:
+        """The per-request cost model of the train split (fitted once per run); the train rows' out-of-fold
+        predictions join ``train_split`` (``request_latency_ms``), which a policy with ``request_cost_input``
+        trains on."""
+        if self.request_cost is None:
+            self.notify({"phase": "fit", "model": "request cost model"})
+            self.request_cost, out_of_fold = fit_request_cost_out_of_fold(self.train_recorded,
+                                                                          RequestCostConfig(seed=self.config.seed))
+            self.train_split = replace(self.train_split, request_latency_ms=out_of_fold)
+        return self.request_cost
+
     def _fit_request_cost(self) -> None:
         """The per-request cost model of the train split, checked on the val split's latencies and saved
         as ``request_cost.pt`` with its check (``request_cost.json``): what the run's request table and
         ``ctrl export`` build on is fitted again on the deployed data; this file says how well it predicts."""
-        self.notify({"phase": "fit", "model": "request cost model"})
-        model = fit_request_cost(self.train_recorded, RequestCostConfig(seed=self.config.seed))
+        model = self._request_cost_model()
         quality = cost_quality(model, self.val_split)
         atomic_torch_save(model.to_state(), self.run.path / REQUEST_COST_FILE)
         check = {"median_abs_error": quality.median_abs_error, "coverage": quality.coverage,
@@ -194,7 +207,8 @@ class OfflineTrainer:
         """Start (or resume) the run, train its epochs, then its folds, fallback and evaluation."""
         self.started = time.perf_counter()
         self.run.write_config(self.config.to_json())
-        self.policy = build_policy(self.config, self.train_split)
+        cost = self._request_cost_model() if self.config.request_cost_input else None
+        self.policy = build_policy(self.config, self.train_split, cost)
         if not self.resuming:
             self._warm_start(self._fit_outcome_model())
             if not self.is_fold:

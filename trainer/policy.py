@@ -27,6 +27,14 @@ direct per-sample predictor of the vision and prefill cost of each crops choice.
 the standardised log(1 + crops) of every choice, stage 2 adds a per-choice term. Missing
 tilings (no readable image, or a caller without them) read as the training mean.
 
+A policy may also read a per-request cost model (``use_request_cost``,
+:class:`trainer.request_cost.RequestCostModel`, fitted on its training split and kept inside the
+policy): the standardised log of each request's predicted median latency at every configuration,
+from its question, tiling and prompt length (all known before the vision tower), joins the language
+features before their projection, so both stages read it. Training passes out-of-fold predictions
+for the rows the cost model was fitted on (``OfflineData.request_latency_ms``): in-sample ones would
+teach the network to trust the model more than it may on an unseen request.
+
 The budget enters through a sinusoidal encoding followed by an MLP (``docs/origin_format.md``
 §7.2), but normalised over the training budget range (never the origin's fixed 50-500 ms,
 §9 D22) with frequencies chosen so that every dimension varies over that range; budgets outside
@@ -45,6 +53,7 @@ from torch import Tensor, nn
 
 from pipeline.errors import CacheMismatchError, CtrlError
 from trainer.data import GLOBAL_IMAGE_FEATURE, IMAGE_FEATURE_COLUMNS, ActionSpace, OfflineData
+from trainer.request_cost import RequestCostModel
 from trainer.reward import RewardConfig, compute_reward
 from trainer.runs import atomic_torch_save
 
@@ -101,6 +110,9 @@ class PolicyConfig:
     use_tilings: read ``tiling_crops`` (bool, default False): the crops each max_crops choice
         gives for this image, in both stages. False = features and budget only (the
         ``tiling_crops`` arguments are then ignored).
+    use_request_cost: read a per-request cost model's predicted latency of every configuration
+        (bool, default False; the model is attached with :meth:`ControllerPolicy.attach_request_cost`
+        and saved in the checkpoint).
     """
 
     lang_feature_dim: int
@@ -115,6 +127,7 @@ class PolicyConfig:
     dropout: float = 0.0
     use_tilings: bool = False
     image_feature: str = GLOBAL_IMAGE_FEATURE
+    use_request_cost: bool = False
 
     def __post_init__(self) -> None:
         if self.image_feature not in IMAGE_FEATURE_COLUMNS:
@@ -280,7 +293,10 @@ class ControllerPolicy(nn.Module):
     ``image_present`` bool (N,); ``lang`` float32 (N, Dl); ``budget_ms`` float (N,) or a
     scalar; ``mask`` bool (N, A), the actions allowed per sample (None = all); optional
     ``tiling_crops`` float (N, C): per ``action_space.max_crops_values`` entry, the crops
-    (rows * cols) of this image's tiling, NaN where unknown (None = all unknown).
+    (rows * cols) of this image's tiling, NaN where unknown (None = all unknown); optional
+    ``prompt_tokens`` float (N,) (NaN unknown) and ``request_ms`` float (N, A), read only with
+    ``use_request_cost``: the prompt's length the cost model reads, or the cost model's prediction
+    itself in its place (training rows, out of fold).
     Features are standardised with per-dimension statistics stored as buffers
     (:meth:`set_feature_normalization`, computed on the training split).
     """
@@ -308,8 +324,14 @@ class ControllerPolicy(nn.Module):
         hb = config.budget_hidden_dim
         # tiling inputs of stage 1: standardised log(1 + crops) per choice + a "known" flag
         self.tiling_dim = num_crops + 1 if config.use_tilings else 0
+        # the per-request cost model's prediction joins the language features (attach_request_cost)
+        self.request_cost: RequestCostModel | None = None
+        self.cost_dim = len(action_space) if config.use_request_cost else 0
+        if config.use_request_cost:
+            self.register_buffer("cost_mean", torch.zeros(()))
+            self.register_buffer("cost_std", torch.ones(()))
         # stage 1: crops, before the vision tower (language + budget + image tiling)
-        self.lang_proj = projection(config.lang_feature_dim, h, d)
+        self.lang_proj = projection(config.lang_feature_dim + self.cost_dim, h, d)
         self.stage1_fusion = projection(h + hb + self.tiling_dim, h, d)
         self.crops_head = mlp_head(h, h, num_crops)
         # stage 2: top_k and blocks, after vision (language + image + budget + stage-1 choice)
@@ -370,6 +392,41 @@ class ControllerPolicy(nn.Module):
                 self.image_mean.copy_(present.mean(0))
                 self.image_std.copy_(present.std(0, correction=0).clamp_min(1e-6))
 
+    def attach_request_cost(self, model: RequestCostModel, latency_ms: Tensor | None = None) -> None:
+        """Keep ``model`` as the policy's cost model (``use_request_cost``); with ``latency_ms`` (N, A), the
+        predictions the policy trains on, standardise its input by their log's mean and spread."""
+        if not self.config.use_request_cost:
+            msg = "this policy was built without use_request_cost: it has no input for a cost model"
+            raise ValueError(msg)
+        if model.action_space != self.action_space:
+            msg = "the request cost model was fitted on another action space than the policy's"
+            raise ValueError(msg)
+        self.request_cost = model.eval()
+        if latency_ms is not None:
+            logs = torch.log(latency_ms.float().clamp(min=1.0))
+            logs = logs[~logs.isnan()]
+            if len(logs):
+                with torch.no_grad():
+                    self.cost_mean.fill_(float(logs.mean()))
+                    self.cost_std.fill_(max(float(logs.std(correction=0)), 1e-3) if len(logs) > 1 else 1.0)
+
+    def _cost_features(self, lang: Tensor, tiling_crops: Tensor | None, prompt_tokens: Tensor | None,
+                       request_ms: Tensor | None) -> Tensor:
+        """(N, A) the standardised log of each request's predicted median latency per configuration."""
+        if request_ms is None:
+            if self.request_cost is None:
+                msg = "this policy reads a request cost model, and none is attached (attach_request_cost)"
+                raise CtrlError(msg)
+            n = lang.shape[0]
+            tiling = (torch.full((n, len(self.action_space.max_crops_values)), float("nan"), device=lang.device)
+                      if tiling_crops is None else torch.as_tensor(tiling_crops, dtype=torch.float32))
+            prompt = (torch.full((n,), float("nan"), device=lang.device) if prompt_tokens is None
+                      else torch.as_tensor(prompt_tokens, dtype=torch.float32).reshape(n))
+            with torch.no_grad():
+                request_ms = self.request_cost(lang.float(), tiling, prompt)[0]
+        logs = torch.log(request_ms.float().clamp(min=1.0))
+        return torch.nan_to_num((logs - self.cost_mean) / self.cost_std, nan=0.0)
+
     def _check_inputs(self, image: Tensor, lang: Tensor) -> None:
         want = (self.config.image_feature_dim, self.config.lang_feature_dim)
         if image.shape[-1] != want[0] or lang.shape[-1] != want[1]:
@@ -391,15 +448,16 @@ class ControllerPolicy(nn.Module):
         return torch.nan_to_num((torch.log1p(t) - self.tiling_mean) / self.tiling_std, nan=0.0)
 
     # -- the two stages
-    def stage1(self, lang: Tensor, budget_ms: Tensor | float, *,
-               tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def stage1(self, lang: Tensor, budget_ms: Tensor | float, *, tiling_crops: Tensor | None = None,
+               prompt_tokens: Tensor | None = None, request_ms: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Stage 1: log p1(crops | lang, budget, tiling) (N, C), the projected language features (N, H)
         and the budget encoding (N, budget_hidden_dim) that stage 2 (offline or online) reuses.
 
         ``tiling_crops`` (N, C), optional: the crops this image tiles into at each
-        ``action_space.max_crops_values`` entry (NaN or None = unknown)."""
+        ``action_space.max_crops_values`` entry (NaN or None = unknown). ``prompt_tokens``, ``request_ms``:
+        as in the class docstring."""
         self._check_lang(lang)
-        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops, prompt_tokens, request_ms)
 
     def _check_lang(self, lang: Tensor) -> None:
         if lang.shape[-1] != self.config.lang_feature_dim:
@@ -408,10 +466,13 @@ class ControllerPolicy(nn.Module):
                    "Hint: use features extracted with the model the policy was trained on.")
             raise CacheMismatchError(msg)
 
-    def _stage1(self, lang: Tensor, budget: Tensor,
-                tiling_crops: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _stage1(self, lang: Tensor, budget: Tensor, tiling_crops: Tensor | None = None,
+                prompt_tokens: Tensor | None = None, request_ms: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         t = self.training
-        lang_h = apply_sequential(self.lang_proj, (lang.float() - self.lang_mean) / self.lang_std, t)
+        lang_in = (lang.float() - self.lang_mean) / self.lang_std
+        if self.cost_dim:
+            lang_in = torch.cat([lang_in, self._cost_features(lang, tiling_crops, prompt_tokens, request_ms)], dim=-1)
+        lang_h = apply_sequential(self.lang_proj, lang_in, t)
         budget_h = self.budget_encoder.forward(budget)
         parts = [lang_h, budget_h]
         if self.tiling_dim:
@@ -458,16 +519,19 @@ class ControllerPolicy(nn.Module):
         budget = torch.as_tensor(budget_ms, dtype=torch.float32)
         return budget.expand(n) if budget.dim() == 0 else budget.reshape(n)
 
-    def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float, *, tiling_crops: Tensor | None = None) -> Tensor:
+    def crops_log_probs(self, lang: Tensor, budget_ms: Tensor | float, *, tiling_crops: Tensor | None = None,
+                        prompt_tokens: Tensor | None = None, request_ms: Tensor | None = None) -> Tensor:
         """Stage 1 alone: log p1(crops | lang, budget, tiling), (N, C) over ``action_space.max_crops_values``."""
-        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops)[0]
+        return self._stage1(lang, self._budget(budget_ms, lang.shape[0]), tiling_crops, prompt_tokens, request_ms)[0]
 
     def log_probs(self, image: Tensor, image_present: Tensor, lang: Tensor, budget_ms: Tensor | float,
-                  mask: Tensor | None = None, *, tiling_crops: Tensor | None = None) -> Tensor:
+                  mask: Tensor | None = None, *, tiling_crops: Tensor | None = None,
+                  prompt_tokens: Tensor | None = None, request_ms: Tensor | None = None) -> Tensor:
         """log pi(a | x) over the joint action space, (N, A): -inf outside ``mask``, rows sum to 1."""
         self._check_inputs(image, lang)
         n = lang.shape[0]
-        crops_lp, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, n), tiling_crops)
+        crops_lp, lang_h, budget_h = self._stage1(lang, self._budget(budget_ms, n), tiling_crops, prompt_tokens,
+                                                  request_ms)
         top_k_lp, blocks_lp = self._stage2(image, image_present, lang_h, budget_h, tiling_crops)
         joint = (crops_lp.index_select(1, self.crops_index)  # (N, A); index_select beats fancy indexing
                  + top_k_lp.flatten(1).index_select(1, self.top_k_index)
@@ -494,6 +558,8 @@ class ControllerPolicy(nn.Module):
             "image_feature_dim": self.config.image_feature_dim,
             "image_feature": self.config.image_feature,
             "budget_range_ms": [self.config.budget_min_ms, self.config.budget_max_ms],
+            # how to rebuild the cost model the state_dict's request_cost.* entries fill
+            **({"request_cost": self.request_cost.layout()} if self.request_cost is not None else {}),
             **(extra or {}),
         }
         return atomic_torch_save(payload, Path(path))
@@ -511,6 +577,8 @@ class ControllerPolicy(nn.Module):
             raise CtrlError(msg)
         policy = cls(PolicyConfig(**payload["config"]), ActionSpace.from_json(payload["action_space"]),
                      payload["model_fingerprint"])
+        if policy.config.use_request_cost:
+            policy.attach_request_cost(RequestCostModel.from_layout(payload["request_cost"]))
         policy.load_state_dict(payload["state_dict"], strict=True)  # never strict=False (§9 D25)
         policy.eval()
         if model_fingerprint is not None:
@@ -585,12 +653,22 @@ def tilings_in_policy_space(policy: ControllerPolicy, data: OfflineData) -> Tens
     return out
 
 
+def request_ms_in_policy_space(policy: ControllerPolicy, data: OfflineData) -> Tensor | None:
+    """``data.request_latency_ms`` where the policy reads it and it is in the policy's action space (else None:
+    the policy's own cost model predicts)."""
+    if not policy.config.use_request_cost or tuple(policy.action_space.actions) != tuple(data.action_space.actions):
+        return None
+    return getattr(data, "request_latency_ms", None)
+
+
 def data_log_probs(policy: ControllerPolicy, data: OfflineData, budget_ms: Tensor | float) -> Tensor:
     """log pi over ``data.action_space`` (N, A_data) under ``data.mask``; -inf elsewhere."""
     check_image_feature(policy, data)
     mask, to_data = mask_in_policy_space(policy, data)
     lp = policy.log_probs(data.image_features, data.image_present, data.lang_features, budget_ms, mask,
-                          tiling_crops=tilings_in_policy_space(policy, data))
+                          tiling_crops=tilings_in_policy_space(policy, data),
+                          prompt_tokens=getattr(data, "prompt_tokens", None),
+                          request_ms=request_ms_in_policy_space(policy, data))
     if to_data is None:
         return lp
     out = torch.full((len(data), len(data.action_space.actions)), float("-inf"))

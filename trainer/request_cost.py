@@ -47,7 +47,8 @@ from trainer.data import ActionSpace, OfflineData
 
 __all__ = ["REQUEST_COST_CHECK", "REQUEST_COST_FILE", "CostQuality", "RequestCostConfig",
            "RequestCostModel", "RequestScoreTable",
-           "cost_quality", "crops_used", "fit_request_cost", "lookup_cells", "question_clusters"]
+           "cost_quality", "crops_used", "fit_request_cost", "fit_request_cost_out_of_fold",
+           "lookup_cells", "question_clusters"]
 
 #: the run's cost model (fitted on the train split) and its check on the val split, in the run directory
 REQUEST_COST_FILE = "request_cost.pt"
@@ -350,22 +351,32 @@ class RequestCostModel(nn.Module):
         """(N,) int64: the question cluster each row of language features reads as."""
         return question_clusters(lang, self.centres)
 
-    def to_state(self) -> dict:
-        """What :meth:`from_state` rebuilds the model from."""
+    def layout(self) -> dict:
+        """Everything but the tensors (plain values): what :meth:`from_layout` builds an empty model of, for a
+        holder whose state_dict carries the tensors (a policy that reads the model)."""
         return {"action_space": self.action_space.to_json(), "config": asdict(self.config),
                 "lang_dim": int(self.centres.shape[1]), "num_clusters": int(self.centres.shape[0]),
                 "max_crops": self.max_crops, "unmodelled": list(self.unmodelled),
-                "length_bins": int(self.length_bias.shape[0]),
-                "state_dict": {k: v.clone() for k, v in self.state_dict().items()}}
+                "length_bins": int(self.length_bias.shape[0])}
+
+    def to_state(self) -> dict:
+        """What :meth:`from_state` rebuilds the model from: its layout and its tensors."""
+        return {**self.layout(), "state_dict": {k: v.clone() for k, v in self.state_dict().items()}}
+
+    @classmethod
+    def from_layout(cls, layout: dict) -> RequestCostModel:
+        """A model of ``layout``'s shape with zero coefficients (load a state_dict into it)."""
+        model = cls(ActionSpace.from_json(layout["action_space"]), RequestCostConfig(**layout["config"]),
+                    int(layout["lang_dim"]), int(layout["num_clusters"]), int(layout["max_crops"]),
+                    int(layout.get("length_bins", 1)))
+        model.unmodelled = list(layout.get("unmodelled", []))
+        return model.eval()
 
     @classmethod
     def from_state(cls, state: dict) -> RequestCostModel:
-        model = cls(ActionSpace.from_json(state["action_space"]), RequestCostConfig(**state["config"]),
-                    int(state["lang_dim"]), int(state["num_clusters"]), int(state["max_crops"]),
-                    int(state.get("length_bins", 1)))
+        model = cls.from_layout(state)
         model.load_state_dict(state["state_dict"])
-        model.unmodelled = list(state.get("unmodelled", []))
-        return model.eval()
+        return model
 
 
 def _eligible(data: OfflineData) -> Tensor:
@@ -389,6 +400,15 @@ def _fit_coefficients(design: Tensor, latency: Tensor, rows: Tensor, group: Tens
 
 def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None) -> RequestCostModel:
     """Fit :class:`RequestCostModel` on ``train``'s per-sample latencies (pass the train split)."""
+    return fit_request_cost_out_of_fold(train, config)[0]
+
+
+def fit_request_cost_out_of_fold(train: OfflineData, config: RequestCostConfig | None = None
+                                 ) -> tuple[RequestCostModel, Tensor]:
+    """:func:`fit_request_cost`, and (N, A) each training request's predicted median latency from the fit of
+    the folds without it (the folds that calibrate the quantile): what a model that learns from the cost
+    model's predictions may read for these rows. A request whose tiling is unknown reads its configuration's
+    median over the profile, as :meth:`RequestCostModel.forward` answers it."""
     config = config or RequestCostConfig()
     if len(train) == 0:
         msg = "the request cost model needs training samples"
@@ -469,6 +489,7 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
     # out of fold: each held-out sample's median and first bound from a fit without its fold
     fold = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed)) % config.folds
     scores = []
+    out_of_fold = torch.full((n, a), float("nan"))
     for f in range(config.folds):
         held = fold == f
         if not bool(held.any()) or bool(held.all()):
@@ -478,6 +499,7 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
         fold_tokens, fold_high = answer_lengths(kept)
         median = (design(fold_tokens) * fold_coef[group][None]).sum(2)
         bound = (design(fold_high) * fold_coef[group][None]).sum(2)
+        out_of_fold[held] = median[held].float()
         rows = held[:, None] & eligible & known_crops
         scores.append(((train.latency_ms.double() - bound) / median.clamp(min=1e-9))[rows])
     score = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
@@ -485,7 +507,12 @@ def fit_request_cost(train: OfflineData, config: RequestCostConfig | None = None
         # the split-conformal rank: the ceil((n + 1) q)-th smallest score
         rank = min(score.numel(), math.ceil((score.numel() + 1) * config.quantile))
         model.conformal_score.fill_(float(score.sort().values[rank - 1]))
-    return model.eval()
+    model.eval()
+    with torch.no_grad():  # the whole fit's prediction where no fold answered (one sample, one fold)
+        full = model.predict(train)[0]
+    out_of_fold = torch.where(out_of_fold.isnan(), full, out_of_fold)
+    out_of_fold = torch.where(known_crops, out_of_fold, model.profile_median_ms[None, :].expand(n, a))
+    return model, out_of_fold
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ class RequestTableDecider(DeterministicDecider):
     @classmethod
     def from_state(cls, state: dict) -> RequestTableDecider:
         stored = dict(state["cost_model"])
-        stored["state_dict"] = {name: torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]))
+        # a run written before the state held plain values stored the tensors themselves: both load
+        stored["state_dict"] = {name: t if isinstance(t, torch.Tensor)
+                                else torch.tensor(t["values"], dtype=getattr(torch, t["dtype"]))
                                 for name, t in stored["state_dict"].items()}
         model = RequestCostModel.from_state(stored)
         scores = RequestScoreTable.from_cells(model, torch.tensor(state["score_cells"], dtype=torch.float32),

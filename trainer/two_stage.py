@@ -133,10 +133,13 @@ class TwoStageController(nn.Module):
         return self.policy.action_space.num_active_blocks_values
 
     # -- stages
-    def stage1(self, lang: Tensor, budget_ms: Tensor | float, tiling_crops: Tensor | None = None) -> Stage1Output:
+    def stage1(self, lang: Tensor, budget_ms: Tensor | float, tiling_crops: Tensor | None = None,
+               prompt_tokens: Tensor | None = None) -> Stage1Output:
         """``tiling_crops`` (N, C): the crops the image tiles into at each max_crops value (NaN:
-        no image); read only by policies trained with ``use_tilings``."""
-        crops_lp, lang_h, budget_h = self.policy.stage1(lang, budget_ms, tiling_crops=tiling_crops)
+        no image); read only by policies trained with ``use_tilings``. ``prompt_tokens`` (N,): each
+        prompt's text tokens (NaN: unknown), read only by policies that read a request cost model."""
+        crops_lp, lang_h, budget_h = self.policy.stage1(lang, budget_ms, tiling_crops=tiling_crops,
+                                                        prompt_tokens=prompt_tokens)
         logits = apply_sequential(self.insertion_head, torch.cat([lang_h, budget_h], dim=-1), self.training)
         insertion_lp = logits.masked_fill(~self.insertion_valid, float("-inf")).log_softmax(-1)
         token = F.layer_norm(self.budget_token_proj(budget_h), (self.two_stage.hidden_size,))
@@ -162,7 +165,7 @@ class TwoStageController(nn.Module):
         (``latency_token_fn(embeds, p)``, once per distinct prefix), so the budget token learns
         from stage 2's reward too. This is the one forward per optimiser step that DDP wraps.
         """
-        s1 = self.stage1(batch.lang, batch.budget_ms, batch.tiling_crops)
+        s1 = self.stage1(batch.lang, batch.budget_ms, batch.tiling_crops, batch.prompt_tokens)
         tokens = []
         for u, embeds in enumerate(batch.prefix_embeds):
             m = int(batch.prefix_first_member[u])
@@ -217,7 +220,8 @@ class RolloutBatch:
     crops_index, insertion_index, top_k_index, blocks_index (M,) long; prefix_embeds: U
     detached decoder-input tensors (1, seq, d) without the budget token; prefix_of_member (M,)
     long into them; prefix_first_member (U,) long: a member of each prefix (its stage-1 inputs
-    are those of the whole prefix); tiling_crops (M, C) as in :meth:`TwoStageController.stage1`.
+    are those of the whole prefix); tiling_crops (M, C) and prompt_tokens (M,) as in
+    :meth:`TwoStageController.stage1`.
     """
 
     lang: Tensor
@@ -232,6 +236,7 @@ class RolloutBatch:
     prefix_of_member: Tensor
     prefix_first_member: Tensor
     tiling_crops: Tensor | None = None
+    prompt_tokens: Tensor | None = None
 
 
 def set_budget_range(policy: ControllerPolicy, min_ms: float, max_ms: float) -> None:

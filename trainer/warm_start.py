@@ -15,20 +15,29 @@ from trainer.config import OfflineTrainConfig
 from trainer.data import OfflineData
 from trainer.grpo import rows_log_probs
 from trainer.policy import ControllerPolicy, PolicyConfig, budget_normalization_range
+from trainer.request_cost import RequestCostModel
 
 __all__ = ["build_policy", "warm_start"]
 
 
-def build_policy(config: OfflineTrainConfig, train: OfflineData) -> ControllerPolicy:
-    """A fresh policy for ``train``'s features and action space (weights from ``config.seed``)."""
+def build_policy(config: OfflineTrainConfig, train: OfflineData, request_cost: RequestCostModel | None = None
+                 ) -> ControllerPolicy:
+    """A fresh policy for ``train``'s features and action space (weights from ``config.seed``); with
+    ``config.request_cost_input``, it reads ``request_cost`` (its input standardised over
+    ``train.request_latency_ms``, the predictions it trains on)."""
     lo, hi = budget_normalization_range(config.budget_min_ms, config.budget_max_ms, config.budget_margin)
     policy_config = PolicyConfig(lang_feature_dim=train.lang_features.shape[1],
                                  image_feature_dim=train.image_features.shape[1], budget_min_ms=lo, budget_max_ms=hi,
                                  hidden_dim=config.hidden_dim, dropout=config.dropout, use_tilings=config.use_tilings,
-                                 image_feature=train.image_feature)
+                                 image_feature=train.image_feature, use_request_cost=config.request_cost_input)
     torch.manual_seed(config.seed)  # initial weights depend on the seed only
     policy = ControllerPolicy(policy_config, train.action_space, train.model_fingerprint)
     policy.set_feature_normalization(train.image_features, train.image_present, train.lang_features, train.tiling_crops)
+    if config.request_cost_input:
+        if request_cost is None:
+            msg = "request_cost_input needs the train split's request cost model"
+            raise ValueError(msg)
+        policy.attach_request_cost(request_cost, train.request_latency_ms)
     return policy
 
 
