@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
-
 from test_request_cost import C10K8, SPACE, make_world
+
 from trainer.config import OfflineTrainConfig
 from trainer.greedy import policy_greedy
 from trainer.policy import ControllerPolicy, PolicyConfig
