@@ -278,6 +278,9 @@ class RequestCostModel(nn.Module):
         self.register_buffer("fit_max_crops", torch.zeros(()))
         self.register_buffer("fit_max_prompt_tokens", torch.zeros(()))
         self.register_buffer("conformal_score", torch.zeros(()))
+        # the probe's two levels as :func:`_probe_quantiles` compares them (derived from the config, not stored)
+        self.register_buffer("length_levels", torch.tensor([0.5 - 1e-6, self.config_quantile - 1e-6]),
+                             persistent=False)
         self.unmodelled_text = ""  # one name per line: TorchScript keeps a string, not an empty list
 
     @property
@@ -311,15 +314,23 @@ class RequestCostModel(nn.Module):
 
     def forward(self, lang: Tensor, tiling_crops: Tensor, prompt_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor,
                                                                                           Tensor]:
-        p = self.parts(lang, tiling_crops, prompt_tokens)
-        before_decode = p["fixed"] + p["image"] + p["prompt"]
-        median = before_decode + p["decode"]
-        quantile = before_decode + p["decode_high"] + self.conformal_score * median
+        # the terms of :meth:`parts`, in as few ops as TorchScript runs them: a batch-1 call is the ops' dispatch
+        crops = tiling_crops.float().index_select(1, self.crops_column)  # (B, A)
+        prompt_in = prompt_tokens.float()
+        prompt = torch.where(prompt_in.isnan(), self.default_prompt_tokens, prompt_in).unsqueeze(1)  # (B, 1)
+        # the probe's logits as _probe_quantiles computes them (addmm rounds differently and can move a length)
+        logits = torch.mm((lang.float() - self.length_mean) / self.length_std, self.length_weight) + self.length_bias
+        below = logits.softmax(1).cumsum(1).unsqueeze(2) < self.length_levels  # (B, T, 2)
+        lengths = below.sum(1, dtype=torch.float32)  # (B, 2): the median and the quantile of the answer length
+        fixed, image, per_prompt, per_token = self.coef.index_select(0, self.group).t().unbind(0)  # (A,) each
+        before_decode = torch.addcmul(torch.addcmul(fixed, image, crops + 1.0), per_prompt, prompt)
+        tokens, high = (lengths.unsqueeze(2) + self.length_shift).clamp_(min=0.0).unbind(1)  # (B, A) each
+        median = torch.addcmul(before_decode, per_token, tokens)
+        quantile = torch.addcmul(torch.addcmul(before_decode, per_token, high), self.conformal_score, median)
         request = ~median.isnan()
-        median = torch.where(request, median, self.profile_median_ms[None, :].expand_as(median))
-        quantile = torch.where(request, quantile, self.profile_quantile_ms[None, :].expand_as(quantile))
-        crops = p["crops"]
-        extrapolated = (request & (crops > self.fit_max_crops)) | (prompt_tokens > self.fit_max_prompt_tokens)[:, None]
+        median = torch.where(request, median, self.profile_median_ms)
+        quantile = torch.where(request, quantile, self.profile_quantile_ms)
+        extrapolated = (request & (crops > self.fit_max_crops)) | (prompt_in > self.fit_max_prompt_tokens).unsqueeze(1)
         return median, quantile, request, extrapolated
 
     @torch.no_grad()
