@@ -68,21 +68,37 @@ def default_fast_path(device: torch.device | str) -> bool:
     return torch.device(device).type in ("cuda", "cpu")
 
 
+#: the compute capabilities (majors) whose bfloat16 grouped GEMM torch runs as one kernel (CUTLASS:
+#: Hopper, Blackwell); elsewhere it may loop over the groups reading their offsets on the host, which a
+#: CUDA graph cannot capture and which syncs a decode step twice per block
+GROUPED_MM_CAPABILITIES = (9, 10)
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :data:`grouped_mm` runs for weights of ``dtype`` on ``device``: on a
-    CPU for every dtype; on a GPU for bfloat16 from SM80 on (what torch's kernels cover)."""
+    """Whether the fast path multiplies the experts with :data:`grouped_mm` for weights of ``dtype`` on
+    ``device``: on a CPU for every dtype; on a GPU for bfloat16 on the capabilities of
+    :data:`GROUPED_MM_CAPABILITIES`, where a tiny call also captures into a CUDA graph. Other GPUs (an
+    A100, L4, L40S, RTX 4090) take the sync-free path without it: a decode step gathers its token's K
+    experts' weights and multiplies them batched (a copy of those weights per block and step), a
+    prefill runs the experts module's own loop."""
     if grouped_mm is None:
         return False
     if device.type == "cpu":
         return True
     if device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(device)[0] < 8:
+    if torch.cuda.get_device_capability(device)[0] not in GROUPED_MM_CAPABILITIES:
         return False
-    try:  # a kernel can still be missing from a build: one tiny call tells
-        a = torch.zeros(2, 16, dtype=dtype, device=device)
-        b = torch.zeros(2, 16, 16, dtype=dtype, device=device)
-        grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+    try:  # a kernel can still be missing from a build, or sync: it must run and capture
+        with torch.cuda.device(device):
+            a = torch.zeros(2, 16, dtype=dtype, device=device)
+            b = torch.zeros(2, 16, 16, dtype=dtype, device=device)
+            offsets = torch.tensor([1, 2], dtype=torch.int32, device=device)
+            grouped_mm(a, b.transpose(1, 2), offs=offsets)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                grouped_mm(a, b.transpose(1, 2), offs=offsets)
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -164,7 +180,9 @@ class FastDecoder:
         self.kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.num_experts = int(cfg.num_experts)
-        self.context_length = int(cfg.max_position_embeddings)
+        #: the positions a captured decode step's cache spans at first: the trained context where the
+        #: config names it (MolmoE-1B: 4,096 of the rope table's 32,768); a longer request grows it
+        self.context_length = int(getattr(cfg, "max_sequence_length", None) or cfg.max_position_embeddings)
         self.scaling = self.head_dim ** -0.5
         weight = layers[0].mlp.experts.gate_up_proj
         self.weight_dtype = weight.dtype
@@ -562,24 +580,29 @@ class FastDecoder:
         return captured
 
     def _capture(self, blocks: Sequence[int], window: int) -> _Graph:
-        """Capture the step of ``blocks`` over ``window`` positions. Its warm-up and capture write
-        K/V at the window's last position, which a request writes before it ever reads it."""
+        """Capture the step of ``blocks`` over ``window`` positions, on the model's device. Its warm-up
+        and capture write K/V at the window's last position, which a request writes before it ever
+        reads it; the step's inputs (token, position) are the request's again afterwards, whether the
+        capture worked or not (the uncaptured step that follows a failure reads them)."""
         started = time.perf_counter()
         saved_token, saved_position = self._token.clone(), self._position.clone()
-        self._position.fill_(window - 1)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # kernels chosen and workspaces allocated outside the capture
-                self._step(blocks, window)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(blocks, window)
-        self._token.copy_(saved_token)
-        self._position.copy_(saved_position)
+        try:
+            self._position.fill_(window - 1)
+            with torch.cuda.device(self.device):  # a model on cuda:N captures there, not on cuda:0
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # kernels chosen and workspaces allocated outside the capture
+                        self._step(blocks, window)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._step(blocks, window)
+        finally:
+            self._token.copy_(saved_token)
+            self._position.copy_(saved_position)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - started
         return _Graph(graph, logits)
@@ -636,16 +659,17 @@ class GraphedFunction:
         return static_output.clone()
 
     def _capture(self, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode(False):
-            static_input = x.detach().clone()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.fn(static_input)  # kernels chosen and workspaces allocated outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_output = self.fn(static_input)
+        with torch.cuda.device(self.device):  # the function's device, not the current one
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(False):
+                static_input = x.detach().clone()
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.fn(static_input)  # kernels chosen and workspaces allocated outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                static_output = self.fn(static_input)
         return static_input, graph, static_output

@@ -119,6 +119,9 @@ class MolmoEArchitecture:
     pool_w: int
     pad_embed: bool
     float32_attention: bool
+    #: the context the model was trained on (``max_sequence_length``; 4,096 for MolmoE-1B, whose rope
+    #: table spans ``max_position_embeddings`` 32,768): what a KV cache is sized for at first
+    max_sequence_length: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -172,6 +175,7 @@ class MolmoEArchitecture:
                 vit_num_pos=_integer(vb, "image_num_pos", 577), patch_px=_integer(vb, "image_patch_size", 14),
                 crop_px=int(crop[0]), vit_layers=tuple(int(i) for i in (cfg.get("vit_layers") or [-1])),
                 pool_h=_integer(cfg, "image_pooling_h", 2), pool_w=_integer(cfg, "image_pooling_w", 2),
+                max_sequence_length=_integer(cfg, "max_sequence_length", None),
                 pad_embed=bool(cfg.get("image_padding_embed")), float32_attention=bool(cfg.get("float32_attention",
                                                                                              True)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -469,7 +473,9 @@ def olmoe_config(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_i
         rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
         num_experts=arch.num_experts, num_experts_per_tok=arch.top_k, norm_topk_prob=False,
         tie_word_embeddings=False, attention_bias=False, clip_qkv=None,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None)
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
+        # kept as an attribute of the config: the fast path sizes its KV cache for it
+        max_sequence_length=arch.max_sequence_length)
 
 
 def build_decoder(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_id: int | None) -> OlmoeForCausalLM:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -329,6 +329,65 @@ def test_the_cache_grows_mid_generation_and_keeps_what_it_holds(embedded_runtime
         got = embedded_runtime.generate(inputs, max_new_tokens=new).token_ids
         assert embedded_runtime.fast.capacity >= 130
     assert got == expected
+
+
+class _Stream:
+    """A stand-in for a CUDA stream on a CPU: the capture's orchestration without a device."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def _capture_fails_at_the_graph(monkeypatch) -> None:
+    """torch.cuda as a capture on a CPU sees it, up to the graph itself, which fails as a kernel that
+    cannot be captured does: the two warm-up steps run (they move the step's token and position)."""
+    monkeypatch.setattr(torch.cuda, "device", lambda device: nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+
+    def graph(graph: object, pool: object = None, stream: object = None) -> None:
+        msg = "operation not permitted when stream is capturing"
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+
+def test_a_capture_that_fails_mid_request_leaves_its_tokens_as_eager_gives_them(eager, fused, monkeypatch):
+    inputs = inputs_for(eager, (320, 240), 4)
+    expected = eager.generate(inputs, max_new_tokens=8).token_ids
+    decoder = fused.fast
+    _capture_fails_at_the_graph(monkeypatch)
+    decoder.use_graphs, decoder._pool = True, None
+    try:
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            got = fused.generate(inputs, max_new_tokens=8).token_ids
+        assert decoder.use_graphs is False and "not permitted" in decoder.graph_error
+    finally:
+        decoder.use_graphs, decoder.graph_error, decoder._pool = False, None, None
+        decoder.release()
+    # the first step's capture failed after its warm-up had moved the step's token and position; the
+    # uncaptured step that follows reads the request's own again
+    assert len(expected) == 8 and got == expected
+
+
+def test_a_captured_steps_cache_spans_the_trained_context_not_the_rope_table(fast):
+    decoder = fast.fast
+    assert decoder.context_length == 4096  # max_sequence_length; max_position_embeddings is 32,768
+    decoder.release()
+    decoder.use_graphs = True  # what sizes the cache for the whole context at once
+    try:
+        decoder.ensure_capacity(100)
+        assert decoder.capacity == 4096
+        per_position = 2 * decoder.keys[:, :, 0].numel() * decoder.keys.element_size()
+        assert decoder.memory_bytes()["kv_cache"] == 4096 * per_position
+        decoder.ensure_capacity(5000)  # a longer request grows it (its graphs are captured again)
+        assert decoder.capacity == 8192
+    finally:
+        decoder.use_graphs = False
+        decoder.release()
 
 
 def test_windows_are_powers_of_two():
