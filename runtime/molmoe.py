@@ -140,8 +140,9 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         self.dtype = resolve_dtype(dtype, self.device)
         self.arch, _ = read_architecture(self.path)
         # before any module exists: a config.json whose sizes cannot fit is refused in a moment
+        self._float32_attention = bool(float32_attention)
         check_fits(str(self.path), lambda dtype: self.arch.parameters_at_least() * dtype.itemsize, self.dtype,
-                   self.device)
+                   self.device, cache_bytes=self._cache_bytes)
         self.tokenizer = load_molmo_tokenizer(self.path)
         self.image_config = MolmoImageConfig.from_dir(self.path)
         self._check_geometry()
@@ -165,13 +166,18 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         self.weights_fingerprint = checkpoint_fingerprint(self.path, digests)
         self.fingerprint = qualify_fingerprint(self.weights_fingerprint, self.dtype)
 
+    def _cache_bytes(self, dtype: torch.dtype) -> int:
+        """The KV cache the memory check counts beside the weights (the fast path's, at the trained context)."""
+        return self.arch.kv_cache_bytes(dtype, self.device, self._float32_attention)
+
     def _load_weights(self, vision: nn.Module, decoder: nn.Module) -> dict[Path, str]:
         """Stream the checkpoint into the meta-device modules (module docstring); returns the
         digests of the weight files hashed on the way (those not known before)."""
         index = WeightIndex(self.path)
         targets = weight_targets(self.arch)
         check_targets(index, targets)
-        check_fits(str(self.path), lambda dtype: target_bytes(targets, dtype), self.dtype, self.device)
+        check_fits(str(self.path), lambda dtype: target_bytes(targets, dtype), self.dtype, self.device,
+                   cache_bytes=self._cache_bytes)
         state, digests = stream_weights(index, targets, self.dtype, self.device,
                                         hash_files=fingerprint.unknown_weight_files(self.path))
         for prefix, module in (("vision.", vision), ("decoder.", decoder)):

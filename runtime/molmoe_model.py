@@ -184,6 +184,14 @@ class MolmoEArchitecture:
         arch._check(source)
         return arch
 
+    def kv_cache_bytes(self, dtype: torch.dtype, device: torch.device, float32_attention: bool = False) -> int:
+        """What the fast path's KV cache holds from its first captured step: keys and values of every
+        block for the trained context (``max_sequence_length``, else ``max_position_embeddings``), in the
+        attention's dtype (float32 on a CPU or with ``float32_attention``, else ``dtype``)."""
+        positions = self.max_sequence_length or self.max_position_embeddings
+        itemsize = 4 if float32_attention or device.type == "cpu" else dtype.itemsize
+        return 2 * self.n_layers * self.n_kv_heads * positions * self.head_dim * itemsize
+
     def parameters_at_least(self) -> int:
         """A lower bound on the checkpoint's parameter count, from the sizes alone (expert and
         attention matrices, the input embedding, the ViT's matrices): what the memory check reads

@@ -103,6 +103,38 @@ def test_check_fits_names_the_need_the_free_memory_and_the_dtype_that_fits():
     check_fits("ckpt", need, torch.bfloat16, torch.device("cpu"), available=15 * GIB)  # 13.5 + 1 GiB to run
 
 
+def test_check_fits_counts_the_kv_cache_beside_the_weights():
+    def need(dtype):
+        return (27 if dtype == torch.float32 else 13.5) * GIB
+
+    def cache(dtype):  # the fast path's cache at the trained context: 0.5 GiB in bfloat16, 1 GiB in float32
+        return (1.0 if dtype == torch.float32 else 0.5) * GIB
+
+    check_fits("ckpt", need, torch.bfloat16, torch.device("cpu"), available=15 * GIB, cache_bytes=cache)  # 15.0
+    with pytest.raises(ModelLoadError, match=r"13\.5 GiB in bfloat16 \(\+0\.5 GiB of KV cache and 1 GiB to run\)"):
+        check_fits("ckpt", need, torch.bfloat16, torch.device("cpu"), available=14.9 * GIB, cache_bytes=cache)
+    # float32 weights and cache do not fit in 28.5 GiB, bfloat16's do
+    with pytest.raises(ModelLoadError, match=r"--dtype bfloat16 \(13\.5 GiB\) would fit"):
+        check_fits("ckpt", need, torch.float32, torch.device("cpu"), available=28.5 * GIB, cache_bytes=cache)
+
+
+def test_molmoe_1bs_cache_at_the_trained_context_is_512_mib_in_bfloat16():
+    from molmoe_origin import SKIP_REASON, reference_dir
+
+    from runtime.molmoe_model import MolmoEArchitecture
+
+    reference = reference_dir()
+    if reference is None:
+        pytest.skip(SKIP_REASON)
+    arch = MolmoEArchitecture.from_config(json.loads((reference / "origin/configs/model/config.json").read_text()))
+    assert (arch.max_sequence_length, arch.max_position_embeddings) == (4096, 32768)
+    cuda = torch.device("cuda")
+    # 2 (keys, values) x 16 blocks x 16 key-value heads x 4,096 positions x 128 dims
+    assert arch.kv_cache_bytes(torch.bfloat16, cuda) == 2 * 16 * 16 * 4096 * 128 * 2 == 512 * 2**20
+    assert arch.kv_cache_bytes(torch.bfloat16, cuda, float32_attention=True) == 2**30
+    assert arch.kv_cache_bytes(torch.bfloat16, torch.device("cpu")) == 2**30  # a CPU attends in float32
+
+
 def test_host_memory_is_read_from_the_system():
     available = host_available_bytes()
     total = int(next(line for line in Path("/proc/meminfo").read_text().splitlines()
@@ -115,8 +147,8 @@ def test_a_model_that_does_not_fit_is_refused_before_any_weight_is_read(tiny_mol
 
     monkeypatch.setattr("runtime.memory.host_available_bytes", lambda: 900 << 20)
     monkeypatch.setattr("runtime.molmoe.stream_weights", lambda *a, **k: pytest.fail("weights were read"))
-    with pytest.raises(ModelLoadError, match=r"need \d+\.\d GiB in float32 \(\+1 GiB to run\) and 0\.9 GiB of "
-                                             r"host memory is free; no --dtype fits"):
+    with pytest.raises(ModelLoadError, match=r"need \d+\.\d GiB in float32 \(\+\d+\.\d GiB of KV cache and 1 GiB "
+                                             r"to run\) and 0\.9 GiB of host memory is free; no --dtype fits"):
         MolmoERuntime(tiny_molmoe_dir)
     generate_dataset(tmp_path / "ds", num_samples=1, seed=1)
     result = CliRunner().invoke(app, ["profile", "--model", str(tiny_molmoe_dir), "--dataset", str(tmp_path / "ds"),
