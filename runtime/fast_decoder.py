@@ -417,6 +417,14 @@ class FastDecoder:
         return F.rms_norm(x, (x.shape[-1],), weight, norm.variance_epsilon)
 
     def _qkv_weight(self, index: int, attn: nn.Module) -> torch.Tensor:
+        """The block's q, k and v weights as one (rows, d) tensor: the loader's fused tensor where the
+        three are its views (MolmoE: its checkpoint stores them fused), else a copy made once."""
+        fused = getattr(attn, "fused_qkv_weight", None)
+        if (fused is not None and fused.dtype == attn.q_proj.weight.dtype
+                and fused.data_ptr() == attn.q_proj.weight.data_ptr()
+                and attn.v_proj.weight.data_ptr() + attn.v_proj.weight.numel() * fused.element_size()
+                == fused.data_ptr() + fused.numel() * fused.element_size()):
+            return fused
         weight = self._qkv.get(index)
         if weight is None:
             with torch.inference_mode(False):

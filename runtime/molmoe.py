@@ -55,6 +55,7 @@ from runtime.molmoe_model import (
     build_decoder,
     is_molmoe_config,
     read_architecture,
+    split_fused_attention,
     weight_targets,
 )
 from runtime.molmoe_processor import IMAGE_TOKENS, MolmoImageConfig, MolmoProcessor, load_molmo_tokenizer
@@ -180,8 +181,11 @@ class MolmoERuntime(OlmoeDecoderRuntime):
                    cache_bytes=self._cache_bytes)
         state, digests = stream_weights(index, targets, self.dtype, self.device,
                                         hash_files=fingerprint.unknown_weight_files(self.path))
+        fused = split_fused_attention(state, self.arch)
         for prefix, module in (("vision.", vision), ("decoder.", decoder)):
             assign_weights(module, {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)}, self.path)
+        for i, weight in fused.items():  # q/k/v_proj are views of it: the fast path's one product reads it
+            decoder.model.layers[i].self_attn.fused_qkv_weight = weight
         return digests
 
     def set_execution(self, fast_path: bool | None = None, float32_attention: bool = False) -> None:

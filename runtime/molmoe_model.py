@@ -503,8 +503,9 @@ def build_decoder(arch: MolmoEArchitecture, eos_token_id: int | None, pad_token_
 def weight_targets(arch: MolmoEArchitecture) -> dict[str, Target]:
     """Every tensor of the vision backbone (``vision.<name>``) and the decoder (``decoder.<name>``,
     ``OlmoeForCausalLM`` names) and the origin checkpoint tensors that fill it: the experts of a
-    block stacked into one ``gate_up_proj`` / ``down_proj`` each, the fused QKV split, the two
-    embedding tables of ``wte`` concatenated."""
+    block stacked into one ``gate_up_proj`` / ``down_proj`` each, the fused QKV kept as one tensor
+    (``self_attn.qkv_proj.weight``, which :func:`split_fused_attention` turns into the q/k/v
+    projections' views), the two embedding tables of ``wte`` concatenated."""
     t, d, kv = DECODER_PREFIX, arch.d_model, arch.n_kv_heads * arch.head_dim
     inter = arch.expert_hidden
 
@@ -520,12 +521,8 @@ def weight_targets(arch: MolmoEArchitecture) -> dict[str, Target]:
                "decoder.lm_head.weight": whole("lm_head.weight", arch.vocab_size, d)}
     for i in range(arch.n_layers):
         src, dst = f"{t}blocks.{i}.", f"decoder.model.layers.{i}."
-        qkv = (d + 2 * kv, d)
         targets.update({
-            f"{dst}self_attn.q_proj.weight": Target((d, d), (Piece(f"{src}attn.att_proj.weight", qkv, (0, d)),)),
-            f"{dst}self_attn.k_proj.weight": Target((kv, d), (Piece(f"{src}attn.att_proj.weight", qkv, (d, d + kv)),)),
-            f"{dst}self_attn.v_proj.weight": Target((kv, d), (Piece(f"{src}attn.att_proj.weight", qkv,
-                                                                    (d + kv, d + 2 * kv)),)),
+            f"{dst}{FUSED_QKV}": whole(f"{src}attn.att_proj.weight", d + 2 * kv, d),
             f"{dst}self_attn.o_proj.weight": whole(f"{src}attn.attn_out.weight", d, d),
             f"{dst}self_attn.q_norm.weight": whole(f"{src}attn.q_norm.weight", d),
             f"{dst}self_attn.k_norm.weight": whole(f"{src}attn.k_norm.weight", kv),
@@ -545,6 +542,26 @@ def weight_targets(arch: MolmoEArchitecture) -> dict[str, Target]:
     for name, tensor in vision.items():
         targets[f"vision.{name}"] = whole(VISION_PREFIX + name, *tensor.shape)
     return targets
+
+
+#: the target of a block's fused query, key and value projection (the checkpoint's ``att_proj``)
+FUSED_QKV = "self_attn.qkv_proj.weight"
+
+
+def split_fused_attention(state: dict[str, torch.Tensor], arch: MolmoEArchitecture) -> dict[int, torch.Tensor]:
+    """Replace each block's fused QKV tensor in ``state`` (:func:`weight_targets`) by the q, k and v
+    projections' weights as row views of it, so one copy serves the eager path's three products and
+    the fast path's one; returns the fused tensors by block (the fast path reads them)."""
+    d, kv = arch.d_model, arch.n_kv_heads * arch.head_dim
+    fused = {}
+    for i in range(arch.n_layers):
+        dst = f"decoder.model.layers.{i}."
+        weight = state.pop(f"{dst}{FUSED_QKV}")
+        state[f"{dst}self_attn.q_proj.weight"] = weight[:d]
+        state[f"{dst}self_attn.k_proj.weight"] = weight[d:d + kv]
+        state[f"{dst}self_attn.v_proj.weight"] = weight[d + kv:]
+        fused[i] = weight
+    return fused
 
 
 def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:

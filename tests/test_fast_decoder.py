@@ -390,6 +390,22 @@ def test_a_captured_steps_cache_spans_the_trained_context_not_the_rope_table(fas
         decoder.release()
 
 
+def test_the_fused_qkv_product_reads_the_checkpoints_tensor_without_a_copy(eager, fused):
+    attn = fused.decoder.model.layers[0].self_attn
+    fused_weight = attn.fused_qkv_weight  # the checkpoint's att_proj, loaded once
+    d = attn.q_proj.weight.shape[0]
+    kv = attn.k_proj.weight.shape[0]
+    assert fused_weight.shape == (d + 2 * kv, attn.q_proj.weight.shape[1])
+    # the three projections are its rows, not copies
+    assert attn.q_proj.weight.data_ptr() == fused_weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == fused_weight[d + kv:].data_ptr()
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), fused_weight)
+    fused.fast.release()
+    inputs = inputs_for(eager, (320, 240), 4)
+    assert fused.generate(inputs, max_new_tokens=4).token_ids == eager.generate(inputs, max_new_tokens=4).token_ids
+    assert fused.fast.memory_bytes()["fused_weights"] == 0
+
+
 def test_windows_are_powers_of_two():
     assert [bucket_for(n) for n in (1, 64, 65, 600, 1024, 1025, 4000)] == [64, 64, 128, 1024, 1024, 2048, 4096]
 
