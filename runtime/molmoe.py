@@ -306,11 +306,16 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         embeds = self.text_embeddings(ids)
         feature = None
         if inputs.images is not None:
+            # which image tokens land in the prompt, found on the host from the preprocessor's positions
+            # (a boolean mask on the device would stop the host until the vision pass is done)
+            idx = inputs.image_input_idx.reshape(-1).cpu().numpy()  # type: ignore[attr-defined]
+            rows = np.flatnonzero((idx >= 0) & (idx < embeds.shape[1]))
+            positions = torch.from_numpy(idx[rows]).to(self.device, non_blocking=True)
+            rows_index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             feats, feature = self._image_tokens(inputs, global_crop=image_feature)  # type: ignore[arg-type]
-            idx = inputs.image_input_idx.to(self.device).reshape(-1)  # type: ignore[attr-defined]
-            valid = (idx >= 0) & (idx < embeds.shape[1])
             # added to the <im_patch> embeddings, as the origin does
-            embeds[0].index_add_(0, idx[valid], feats.reshape(idx.shape[0], -1)[valid].to(embeds.dtype))
+            tokens = feats.reshape(idx.shape[0], -1).index_select(0, rows_index)
+            embeds[0].index_add_(0, positions, tokens.to(embeds.dtype))
         return embeds, feature
 
     # -- module handles

@@ -406,6 +406,22 @@ def test_the_fused_qkv_product_reads_the_checkpoints_tensor_without_a_copy(eager
     assert fused.fast.memory_bytes()["fused_weights"] == 0
 
 
+def test_placing_the_image_tokens_reads_nothing_from_the_device(fast):
+    inputs = inputs_for(fast, (640, 480), 6)
+    assert int((inputs.image_input_idx < 0).sum()) > 0  # padding positions the placement skips
+    with torch.inference_mode(), fast.precision_context(), OpTrace() as trace:
+        embeds, _ = fast._embed(inputs)
+    # the positions are found on the host from the preprocessor's, so the vision pass need not finish first
+    assert trace.syncs == []
+    with torch.inference_mode(), fast.precision_context():  # the same embeddings as the mask gave
+        text = fast.text_embeddings(inputs.input_ids)
+        feats, _ = fast._image_tokens(inputs, global_crop=False)
+        idx = inputs.image_input_idx.reshape(-1)
+        valid = (idx >= 0) & (idx < text.shape[1])
+        text[0].index_add_(0, idx[valid], feats.reshape(idx.shape[0], -1)[valid].to(text.dtype))
+    assert torch.equal(embeds, text)
+
+
 def test_windows_are_powers_of_two():
     assert [bucket_for(n) for n in (1, 64, 65, 600, 1024, 1025, 4000)] == [64, 64, 128, 1024, 1024, 2048, 4096]
 
