@@ -540,7 +540,8 @@ class DeployedController(nn.Module):
     def stage1(self, lang: Tensor, budget_ms: Tensor, tiling_crops: Tensor | None = None,
                prompt_tokens: Tensor | None = None) -> Tensor:
         """Stage 1, before the vision tower: ``max_crops`` (B,) int64. ``prompt_tokens`` (B,) float, optional:
-        the text tokens of each formatted prompt (NaN = unknown), read by a per-request table."""
+        the text tokens of each formatted prompt (NaN = unknown), read by a per-request table and by a network
+        that reads the request cost model (``reads_prompt_tokens``)."""
         if not self.has_fallback:
             crops = self._network_crops(lang, budget_ms, tiling_crops, prompt_tokens)
             return self.max_crops_values.index_select(0, crops)

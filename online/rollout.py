@@ -104,7 +104,7 @@ class StepRollouts:
             prefix_embeds=self.prefix_embeds, prefix_of_member=ints("prefix"),
             prefix_first_member=torch.tensor(self.prefix_first_member, dtype=torch.long, device=device),
             tiling_crops=None if tiling_crops is None else tiling_crops[rows].to(device),
-            prompt_tokens=None if samples.prompt_tokens is None else samples.prompt_tokens[rows].float().to(device))
+            prompt_tokens=samples.prompt_tokens[rows].float().to(device))
 
 
 @dataclass(frozen=True)
@@ -233,15 +233,14 @@ class RolloutExecutor:
         lang = self.samples.lang[sample][None].to(device)
         guarded = None
         with self.timer.segment("stage1", head):
-            prompt = self.samples.prompt_tokens
+            prompt = self.samples.prompt_tokens[sample]  # NaN where unknown (OnlineSamples fills it)
             s1 = ctrl.stage1(lang, torch.tensor([budget], dtype=torch.float32, device=device),
-                             self.tiling_crops[sample][None].to(device),
-                             None if prompt is None else prompt[sample][None].float().to(device))
+                             self.tiling_crops[sample][None].to(device), prompt[None].float().to(device))
             crops_probs, insertion_probs = s1.crops_log_probs[0].exp(), s1.insertion_log_probs[0].exp()
             if decisions.greedy and decisions.guard is not None and decisions.force is None:
                 # the guard's time is the controller's: inside the request's budget
                 guarded = decisions.guard.knob_grid(ctrl, self.samples.lang[sample], self.tiling_crops[sample], budget,
-                                                    float(self.samples.prompt_tokens[sample]))
+                                                    float(prompt))
         # drawn even when overridden below: the generator advances the same way on every rank and in every mode
         crops_pick = torch.multinomial(crops_probs.cpu(), group_size, replacement=True, generator=generator)
         insertion_pick = torch.multinomial(insertion_probs.cpu(), group_size, replacement=True, generator=generator)

@@ -87,6 +87,20 @@ def test_a_requests_prediction_follows_its_crops_prompt_and_cluster(exact):
     assert float(long_median[0, C4K4]) == pytest.approx(76.0, abs=0.15)
 
 
+def test_the_prediction_is_the_sum_of_its_parts():
+    # a noisy profile, so that the median and the quantile of the answer length differ
+    model = fit_request_cost(make_world(300, seed=11, noise=0.1), RequestCostConfig(clusters=2))
+    test = make_world(40, seed=12, split="test")
+    test.prompt_tokens[:3] = float("nan")  # read as the profile's median in both
+    median, quantile, _, _ = model.predict(test)
+    parts = model.parts(test.lang_features, test.tiling_crops, test.prompt_tokens)
+    before_decode = parts["fixed"] + parts["image"] + parts["prompt"]
+    torch.testing.assert_close(median, before_decode + parts["decode"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(quantile, before_decode + parts["decode_high"] + model.conformal_score * median,
+                               rtol=0, atol=1e-4)
+    assert not torch.equal(parts["answer_tokens"], parts["answer_tokens_high"])
+
+
 def test_a_long_prompt_raises_the_predicted_prefill(exact):
     short, _, _, _ = exact(*request(SHORT, 2, 6, 40))
     long, _, _, _ = exact(*request(SHORT, 2, 6, 200))

@@ -519,9 +519,8 @@ def fit_request_cost_out_of_fold(train: OfflineData, config: RequestCostConfig |
         rank = min(score.numel(), math.ceil((score.numel() + 1) * config.quantile))
         model.conformal_score.fill_(float(score.sort().values[rank - 1]))
     model.eval()
-    with torch.no_grad():  # the whole fit's prediction where no fold answered (one sample, one fold)
-        full = model.predict(train)[0]
-    out_of_fold = torch.where(out_of_fold.isnan(), full, out_of_fold)
+    if bool(out_of_fold.isnan().any()):  # no fold answered (too few samples): the whole fit's prediction
+        out_of_fold = torch.where(out_of_fold.isnan(), model.predict(train)[0], out_of_fold)
     out_of_fold = torch.where(known_crops, out_of_fold, model.profile_median_ms[None, :].expand(n, a))
     return model, out_of_fold
 
