@@ -7,7 +7,9 @@ One model is loaded and switched between the two paths (``runtime.set_execution`
 the same weights and the full-size model fits once. Per configuration (max_crops/top_k/blocks;
 a 640x480 image, which MolmoE tiles into ``max_crops`` crops: 4 crops = about 600 prompt tokens)
 each path generates ``--warmup`` times unmeasured (a CUDA graph is captured there), then the
-paths alternate for ``--rounds`` rounds, each round timed with the hooks ``ctrl profile`` uses
+paths alternate for ``--rounds`` rounds (the eager path for only ``--eager-rounds`` of them, where
+it is asked for parity alone), each generating exactly ``--max-new-tokens`` tokens (the
+end-of-sequence token does not stop a timed request), each round timed with the hooks ``ctrl profile`` uses
 (``runtime.timing.GenerateTimer``): vision, prefill, the median decode step, the whole request.
 Besides: the host-side time of a decode step (the call alone, no synchronisation after it: what
 the host spends before it may launch the next step), the GPU's peak memory above the weights
@@ -23,10 +25,13 @@ vision, so this is how enough rounds fit.
 two unmeasured runs) and writes, per configuration, its operators by host time and by device time
 (``ops-C-K-B.txt``), a Chrome trace (``trace-C-K-B.json.gz``) and, in ``profile.json``, the request's
 wall time, how many kernels it launched and how long the GPU was busy, the same for the prefill
-alone: a GPU busy for a small part of the wall time is waiting for the host to launch its kernels.
+alone and for one decode step (a replayed graph's kernels are counted as launched): a GPU busy for a
+small part of the wall time is waiting for the host to launch its kernels.
 
-The knob table checks the trade-off: every pair of configurations that differ in one knob only
-must cost more at the higher setting (by the median total), on each path.
+The knob table checks the trade-off: of every pair of configurations that differ in one knob only,
+the higher setting must not be faster by the median total beyond the larger of the two's round
+spreads (interquartile range), on each path; it prints each pair's cost, so that each knob's
+price on the card is visible. Graphs captured during timed rounds are counted per configuration.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +128,16 @@ def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path
                     if cuda:
                         torch.cuda.synchronize(runtime.device)
                     prefill_ms = (time.perf_counter() - started) * 1000.0
+                # one decode step alone (the request's first window), profiled the same way
+                session = runtime.fast.session(active, embeds.shape[0])
+                token = int(runtime.fast.logits(embeds[-1:]).argmax())
+                runtime.fast.step(session, token)  # a first step outside the profile (its capture, if any)
+                if cuda:
+                    torch.cuda.synchronize(runtime.device)
+                with profile(activities=activities) as step_prof:
+                    runtime.fast.step(session, token)
+                    if cuda:
+                        torch.cuda.synchronize(runtime.device)
         averages = prof.key_averages()
         tables = [f"{name}: wall {wall_ms:.1f} ms under the profiler, {len(result.token_ids)} tokens",
                   "by host time", averages.table(sort_by="self_cpu_time_total", row_limit=25)]
@@ -136,15 +153,21 @@ def profile_requests(runtime, configs: list[tuple[int, int, int]], out_dir: Path
         trace.unlink()
         launched, busy = kernels(prof)
         prefill_launched, prefill_busy = kernels(prefill_prof)
+        step_launched, step_busy = kernels(step_prof)
         row = {"config": name, "prompt_tokens": int(inputs.input_ids.shape[1]), "wall_ms": wall_ms,
                "tokens": len(result.token_ids), "kernels": launched, "gpu_busy_ms": busy,
                "host_ops": sum(1 for e in prof.events()
                                if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
-               "prefill_wall_ms": prefill_ms, "prefill_kernels": prefill_launched, "prefill_gpu_busy_ms": prefill_busy}
+               "prefill_wall_ms": prefill_ms, "prefill_kernels": prefill_launched, "prefill_gpu_busy_ms": prefill_busy,
+               "step_kernels": step_launched, "step_gpu_busy_ms": step_busy,
+               "step_host_ops": sum(1 for e in step_prof.events()
+                                    if e.device_type == DeviceType.CPU and e.name.startswith("aten::"))}
         rows.append(row)
         log(f"{name}: wall {wall_ms:.1f} ms under the profiler, {row['kernels']} kernels, GPU busy "
             f"{row['gpu_busy_ms'] or 0:.1f} ms, {row['host_ops']} aten ops; the prefill alone {prefill_ms:.1f} ms, "
-            f"{row['prefill_kernels']} kernels, GPU busy {row['prefill_gpu_busy_ms'] or 0:.1f} ms")
+            f"{row['prefill_kernels']} kernels, GPU busy {row['prefill_gpu_busy_ms'] or 0:.1f} ms; a decode step "
+            f"{row['step_kernels']} kernels ({row['step_host_ops']} aten ops), GPU busy "
+            f"{row['step_gpu_busy_ms'] or 0:.2f} ms")
     (out_dir / "profile.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
@@ -169,9 +192,27 @@ def _host_step_ms(runtime, inputs, steps: int) -> list[float]:
     return times
 
 
+@contextmanager
+def every_token(runtime) -> Iterator[None]:
+    """Generation that runs to ``max_new_tokens`` inside the block: the end-of-sequence token does not
+    stop it (a request that stopped early would be timed over fewer steps than the others)."""
+    saved = runtime.eos_id
+    runtime.eos_id = -1  # no token id
+    try:
+        yield
+    finally:
+        runtime.eos_id = saved
+
+
 def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, warmup: int = 2,
-            max_new_tokens: int = 8, paths: tuple[str, ...] = ("eager", "fast"), log=print) -> dict:
-    """Every figure of the module docstring for ``runtime`` (both paths), as one JSON-able dict."""
+            max_new_tokens: int = 8, paths: tuple[str, ...] = ("eager", "fast"), eager_rounds: int | None = None,
+            log=print) -> dict:
+    """Every figure of the module docstring for ``runtime`` (both paths), as one JSON-able dict.
+
+    ``rounds`` timed rounds per path; ``eager_rounds`` (None: ``rounds``) for every path but the
+    fast one, which alternate with the fast path's first rounds (the eager path for parity only,
+    the fast path's medians over all of its rounds). ``captures_in_timing`` counts the CUDA graphs
+    captured during a configuration's timed rounds (a timed round that captured is not its speed)."""
     import torch
 
     from runtime.timing import GenerateTimer
@@ -187,6 +228,7 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
     def use(path: str) -> None:  # the runtime keeps each path's state (graphs, cache) across switches
         runtime.set_execution(path == "fast", float32_attention=attention32)
 
+    others = rounds if eager_rounds is None else int(eager_rounds)
     try:
         for max_crops, top_k, blocks in configs:
             inputs = runtime.preprocess(image, QUESTION, max_crops)
@@ -194,14 +236,18 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
             timed: dict[str, list] = {p: [] for p in paths}
             host: dict[str, list[float]] = {}
             peak: dict[str, int | None] = {}
-            with runtime.knobs(top_k=top_k, num_active_blocks=blocks), GenerateTimer(runtime) as timer:
+            with runtime.knobs(top_k=top_k, num_active_blocks=blocks), GenerateTimer(runtime) as timer, \
+                    every_token(runtime):
                 for path in paths:  # warm-up (graphs captured), the tokens, the host time of a step
                     use(path)
                     for _ in range(warmup):
                         tokens[path] = runtime.generate(inputs, max_new_tokens).token_ids
                     host[path] = _host_step_ms(runtime, inputs, max(4, max_new_tokens))
-                for _ in range(rounds):
+                captures = runtime.graph_captures
+                for i in range(max(rounds, others)):
                     for path in paths:
+                        if i >= (rounds if path == "fast" else others):
+                            continue
                         use(path)
                         if cuda:
                             torch.cuda.synchronize(runtime.device)
@@ -213,10 +259,12 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
                             peak[path] = max(peak.get(path) or 0, torch.cuda.max_memory_allocated(runtime.device))
             row = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks,
                    "prompt_tokens": int(inputs.input_ids.shape[1]), "crops": inputs.num_crops,
-                   "same_tokens": len({tuple(t) for t in tokens.values()}) == 1}
+                   "same_tokens": len({tuple(t) for t in tokens.values()}) == 1,
+                   "captures_in_timing": runtime.graph_captures - captures}
             for path in paths:
                 runs = timed[path]
                 row[path] = {
+                    "rounds": len(runs), "totals_ms": [t.total_ms for t in runs],
                     "total_ms": _median([t.total_ms for t in runs]),
                     "vision_ms": _median([t.vision_ms for t in runs if t.vision_ms is not None]),
                     "prefill_ms": _median([t.prefill_ms for t in runs]),
@@ -231,12 +279,16 @@ def measure(runtime, configs: list[tuple[int, int, int]], *, rounds: int = 5, wa
     finally:
         runtime.set_execution(saved, float32_attention=attention32)
     memory = fast_path.memory_bytes()
-    result = {"rows": rows, "paths": list(paths), "rounds": rounds, "max_new_tokens": max_new_tokens,
+    result = {"rows": rows, "paths": list(paths), "rounds": rounds, "eager_rounds": others,
+              "max_new_tokens": max_new_tokens,
               "device": str(runtime.device), "dtype": str(runtime.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "weights_bytes": weights, "fast_memory_bytes": memory,
               "graphs": fast_path.stats.graphs, "graph_capture_s": fast_path.stats.capture_s,
               "graph_error": fast_path.graph_error, "vision_graphs": vision_graphs(runtime),
+              "prefill_graphs": None if fast_path.prefill_graphs is None else {
+                  "graphs": len(fast_path.prefill_graphs), "capture_s": fast_path.prefill_graphs.stats.capture_s,
+                  "error": fast_path.prefill_graphs.error},
               "knob_costs": {path: knob_costs(rows, path) for path in paths}}
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(runtime.device)
@@ -299,25 +351,44 @@ def measure_decoder(runtime, configs: list[tuple[int, int, int]], *, rounds: int
 
 
 def vision_graphs(runtime) -> dict | None:
-    """The ViT's captured shapes and any capture error (MolmoE on a GPU's fast path), else None."""
-    runner = getattr(getattr(runtime, "vision_backbone", None), "vit_runner", None)
+    """The vision tower's captured shapes and any capture error (MolmoE on a GPU's fast path), else None."""
+    runner = getattr(getattr(runtime, "vision_backbone", None), "runner", None)
     return None if runner is None else {"graphs": runner.graphs, "error": runner.error}
 
 
+def spread_ms(totals: list[float]) -> float:
+    """The noise of one configuration's timed rounds: their interquartile range (0 for one round)."""
+    if len(totals) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(totals, n=4, method="inclusive")
+    return q3 - q1
+
+
 def knob_costs(rows: list[dict], path: str) -> dict:
-    """Pairs of configurations differing in one knob: the higher setting must take longer (median total)."""
+    """Pairs of configurations differing in one knob, the higher setting's median total against the
+    lower one's, with a tolerance: the larger of the two configurations' round spreads
+    (:func:`spread_ms`). A violation is a higher setting faster by more than the tolerance; a
+    difference within it is ``flat`` (the knob's cost is below what the rounds resolve)."""
     keys = ("max_crops", "top_k", "num_active_blocks")
-    pairs, violations = 0, []
+    pairs, violations, flat, table = 0, [], [], []
     for a in rows:
         for b in rows:
             differ = [k for k in keys if a[k] != b[k]]
             if len(differ) != 1 or a[differ[0]] >= b[differ[0]]:
                 continue
             pairs += 1
+            knob = differ[0]
             cheap, dear = a[path]["total_ms"], b[path]["total_ms"]
-            if not dear > cheap:
-                violations.append(f"{differ[0]} {a[differ[0]]} -> {b[differ[0]]}: {cheap:.1f} -> {dear:.1f} ms")
-    return {"pairs": pairs, "violations": violations}
+            tolerance = max(spread_ms(a[path].get("totals_ms") or []), spread_ms(b[path].get("totals_ms") or []))
+            line = (f"{knob} {a[knob]} -> {b[knob]}: {cheap:.1f} -> {dear:.1f} ms ({dear - cheap:+.1f}, "
+                    f"tolerance {tolerance:.1f})")
+            table.append({"knob": knob, "low": a[knob], "high": b[knob], "low_ms": cheap, "high_ms": dear,
+                          "cost_ms": dear - cheap, "tolerance_ms": tolerance})
+            if dear < cheap - tolerance or (tolerance == 0 and not dear > cheap):
+                violations.append(line)
+            elif dear <= cheap + tolerance:
+                flat.append(line)
+    return {"pairs": pairs, "violations": violations, "flat": flat, "table": table}
 
 
 def format_row(row: dict, paths: tuple[str, ...]) -> str:
@@ -337,6 +408,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="max_crops/top_k/blocks, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--eager-rounds", type=int,
+                        help="timed rounds of the paths other than fast (default: --rounds)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (0: torch's default)")
@@ -367,14 +440,18 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
         return
     result = measure(runtime, parse_configs(args.configs), rounds=args.rounds, warmup=args.warmup,
-                     max_new_tokens=args.max_new_tokens, paths=tuple(args.paths.split(",")))
+                     max_new_tokens=args.max_new_tokens, paths=tuple(args.paths.split(",")),
+                     eager_rounds=args.eager_rounds)
     print(f"{result['device']} ({result.get('gpu') or result['cpu']}), {result['dtype']}, {result['threads']} "
           f"thread(s), torch {torch.__version__}; medians of {args.rounds} alternating rounds; "
           f"graphs {result['graphs']} ({result['graph_capture_s']:.1f}s to capture); fast-path memory "
           f"{ {k: round(v / 2**20, 1) for k, v in result['fast_memory_bytes'].items()} } MiB")
     for path, costs in result["knob_costs"].items():
         print(f"knob table, {path}: {costs['pairs']} one-knob pairs, "
-              + ("every knob costs latency" if not costs["violations"] else "; ".join(costs["violations"])))
+              + ("no higher setting is faster" if not costs["violations"] else "; ".join(costs["violations"])))
+        for entry in costs["table"]:
+            print(f"  {entry['knob']} {entry['low']} -> {entry['high']}: {entry['cost_ms']:+.1f} ms "
+                  f"(tolerance {entry['tolerance_ms']:.1f})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

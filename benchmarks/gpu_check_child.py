@@ -180,8 +180,8 @@ def speed(args: dict) -> dict:
     from runtime.molmoe import MolmoERuntime
 
     runtime = MolmoERuntime(Path(args["checkpoint"]), args["device"], dtype="bfloat16", fast_path=True)
-    result = measure(runtime, parse_configs(args["configs"]), rounds=args.get("rounds", 3), warmup=2,
-                     max_new_tokens=8, log=lambda line: print(line, flush=True))
+    result = measure(runtime, parse_configs(args["configs"]), rounds=args.get("rounds", 7), warmup=2,
+                     max_new_tokens=8, eager_rounds=args.get("eager_rounds"), log=lambda line: print(line, flush=True))
     compared = []
     for size, max_crops in PARITY_CASES:
         image = None if size is None else random_image(*size, seed=3)

@@ -578,6 +578,10 @@ REQUESTS = TableSchema(
                       "(the latency scale compares it with the profile)"),
             ("total", "arrival to the answer's text, as the client waits for it"))),
         Column("met", _B, "latency_total_ms <= budget_ms"),
+        Column("captured", _B, "a CUDA graph (a decode step's window, the ViT's array count) was captured while the "
+                               "request ran, a one-time cost the warm-up did not take off it "
+                               "(docs/serving.md#warm-up); false without CUDA graphs, null in logs written before "
+                               "it was recorded or for requests that never reached the model"),
         Column("answer", _S, "the generated text"),
         Column("error", _S, "what failed, for status error"),
     ),

@@ -338,6 +338,12 @@ class ModelRuntime(ABC):
         ``cuda_graphs``, ``attention_dtype``); a runtime without a fast path runs the eager one."""
         return {"compiled": False, "cuda_graphs": False, "attention_dtype": "float32"}
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graph captures run since the model loaded (decode steps, the vision tower): a
+        served request during which it grew paid a capture (0 without graphs)."""
+        return 0
+
     # -- limits and cancellation
     @property
     def context_length(self) -> int | None:

@@ -192,13 +192,27 @@ class OlmoeDecoderRuntime(ModelRuntime):
         """Decode steps held as CUDA graphs (0 on the eager path and on a CPU)."""
         return 0 if self.fast is None else self.fast.stats.graphs
 
-    def capture_decode(self, blocks: Sequence[int], positions: int) -> None:
-        """Capture the decode step of ``blocks`` at the current top-K for requests of up to
-        ``positions`` positions now, rather than at its first use (a server's warm-up; nothing
-        without CUDA graphs)."""
-        if self.fast is not None:
-            with torch.inference_mode(), self.precision_context():
-                self.fast.capture(blocks, positions)
+    @property
+    def graph_captures(self) -> int:
+        return sum(fast.graph_captures for fast in self._fast_decoders.values())
+
+    def capture_decode(self, blocks: Sequence[int], positions: int) -> bool:
+        """Capture the decode step of ``blocks`` at the current top-K for the window of a request at
+        ``positions`` positions now, rather than at its first use (a server's warm-up). Returns
+        whether a graph was captured (False without CUDA graphs or when it is held already)."""
+        if self.fast is None:
+            return False
+        with torch.inference_mode(), self.precision_context():
+            return self.fast.capture(blocks, positions)
+
+    def capture_prefill(self, blocks: Sequence[int], tokens: int) -> int:
+        """Capture the prefill of ``blocks`` at the current top-K for prompts of ``tokens`` tokens'
+        bucket now, rather than in the first request of that length (a server's warm-up, between
+        requests). Returns the graphs captured (0 without prefill graphs or where they are held)."""
+        if self.fast is None:
+            return 0
+        with torch.inference_mode(), self.precision_context():
+            return self.fast.capture_prefill(blocks, tokens)
 
     # -- two-stage execution (online phase)
     @property

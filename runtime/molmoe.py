@@ -46,6 +46,7 @@ from runtime.base import (
     resolve_device,
     resolve_importance_scores,
 )
+from runtime.cuda_graphs import GraphCache
 from runtime.decoder_runtime import OlmoeDecoderRuntime
 from runtime.fast_decoder import GraphedFunction
 from runtime.memory import check_fits
@@ -65,6 +66,8 @@ from runtime.weights import WeightIndex, check_targets, stream_weights, target_b
 _PROMPT_TEMPLATE = " User: {question} Assistant:"  # message_format "role", always_start_with_space
 #: bump when the native implementation changes what it computes: it enters the fingerprint
 NATIVE_VERSION = 1
+#: ViT graphs kept (one per number of image arrays: at most 13 for MolmoE-1B's 12 crops and the global image)
+MAX_VIT_GRAPHS = 16
 
 
 @dataclass
@@ -194,11 +197,34 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         the image features do not change)."""
         super().set_execution(fast_path, float32_attention)
         if self.fast is None or not self.fast.use_graphs:
-            self.vision_backbone.vit_runner = None
+            self.vision_backbone.runner = None
             return
         if getattr(self, "_vit_graphs", None) is None:  # kept: switching paths keeps the captured graphs
-            self._vit_graphs = GraphedFunction(self.vision_backbone.vit_features, self.device)
-        self.vision_backbone.vit_runner = self._vit_graphs
+            cache = GraphCache.for_device(self.device, max_graphs=MAX_VIT_GRAPHS, label="vision tower")
+            self._vit_graphs = GraphedFunction(self.vision_backbone.encode, cache)
+        self.vision_backbone.runner = self._vit_graphs
+
+    @property
+    def graph_captures(self) -> int:
+        vit = getattr(self, "_vit_graphs", None)
+        return super().graph_captures + (0 if vit is None else vit.cache.stats.captures)
+
+    def capture_vision(self, arrays: int) -> bool:
+        """Capture the ViT for ``arrays`` image arrays (crops and the global image) now, rather than
+        in the first request with that many (a server's warm-up). Returns whether a graph was
+        captured (False without ViT graphs or when it is held already)."""
+        runner = self.vision_backbone.runner
+        if not isinstance(runner, GraphedFunction) or not runner.cache.enabled:
+            return False
+        a = self.arch
+        # what a request passes: the processor's float32 arrays and masks, batch 1; values do not matter to a capture
+        patches = a.patches_per_side ** 2
+        images = torch.zeros(1, int(arrays), patches, a.patch_px * a.patch_px * 3, device=self.device)
+        masks = torch.ones(1, int(arrays), patches, device=self.device)
+        before = runner.cache.stats.captures
+        with torch.inference_mode(), self.precision_context():
+            runner(images, masks)
+        return runner.cache.stats.captures > before
 
     def _check_geometry(self) -> None:
         ic, a = self.image_config, self.arch
@@ -266,12 +292,15 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         if global_crop and own is None and self.vision_backbone.pad_embed is not None:
             msg = "inputs without global_image_mask (use MolmoERuntime.preprocess) for a model with padding embeddings"
             raise ValueError(msg)
+        if own is not None and inputs.image_masks is not None and torch.equal(own, inputs.image_masks[0]):
+            own = None  # compared on the host: array 0's tokens are the global image's own
         tokens, global_tokens = self.vision_backbone(inputs.images[None].to(self.device), masks,
                                                      None if own is None else own[None].to(self.device))
         if not global_crop:
             return tokens[0], None
-        placed = inputs.image_input_idx[0].to(self.device) >= 0
-        return tokens[0], image_token_mean(global_tokens[0][placed])
+        # the placed rows found on the host: a boolean mask on the device would wait for the vision pass
+        placed = torch.nonzero(inputs.image_input_idx[0] >= 0).squeeze(1).to(self.device)
+        return tokens[0], image_token_mean(global_tokens[0].index_select(0, placed))
 
     def encode_images(self, batch: Sequence[ModelInputs]) -> ImageFeatures:
         """Means of the projected image tokens the processor places (image_input_idx >= 0): of all

@@ -362,9 +362,9 @@ class MolmoImageProjector(nn.Module):
 class MolmoVisionBackbone(nn.Module):
     """Origin ``MolmoPretrainedVisionBackbone``: ViT -> padding embeddings -> 2x2 attention
     pooling (mean query) -> projector; a forward hook on it brackets the whole vision path.
-    ``vit_runner``: what runs :meth:`vit_features` (the fast path's CUDA graphs; None: called as is)."""
+    ``runner``: what runs :meth:`encode` (the fast path's CUDA graphs; None: called as is)."""
 
-    vit_runner: Callable[[torch.Tensor], torch.Tensor] | None = None
+    runner: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, arch: MolmoEArchitecture) -> None:
         super().__init__()
@@ -384,19 +384,24 @@ class MolmoVisionBackbone(nn.Module):
         first crop's padding, which changes with the tiling. ``global_masks`` (batch, patches),
         the global image's own fractions, give its tokens as at max_crops 1 (where row 0 is its
         own): only the padding, pooling and projector run again for that one array, from the
-        same ViT states, and only where the padding differs. Without them the global tokens
-        are array 0's."""
+        same ViT states. Pass them only where they differ from ``image_masks[:, 0]`` (the caller
+        compares the processor's tensors on the host); without them the global tokens are array 0's."""
+        run = self.encode if self.runner is None else self.runner
+        tokens, global_feats = run(images, image_masks)
+        if self.pad_embed is None or global_masks is None:
+            return tokens, tokens[:, 0]
+        return tokens, self.pool_and_project(global_feats[:, None], global_masks[:, None])[:, 0]
+
+    def encode(self, images: torch.Tensor, image_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole vision path of (batch, arrays, patches, pixels) ``images``, fixed shapes and no
+        host read (what a CUDA graph captures): the tokens (batch, arrays, tokens, d_model) and the
+        global image's ViT features (batch, patches, width) for its own padding."""
         batch, arrays, num_patches, pixels = images.shape
         flat = images.reshape(batch * arrays, num_patches, pixels)
         # arrays that are all -1 are batch padding: their features are zeroed
         real = torch.all(flat != -1, dim=(1, 2), keepdim=True)
-        run = self.vit_features if self.vit_runner is None else self.vit_runner
-        feats = run(flat) * real
-        feats = feats.reshape(batch, arrays, num_patches, -1)
-        tokens = self.pool_and_project(feats, image_masks)
-        if self.pad_embed is None or global_masks is None or torch.equal(global_masks, image_masks[:, 0]):
-            return tokens, tokens[:, 0]
-        return tokens, self.pool_and_project(feats[:, :1], global_masks[:, None])[:, 0]
+        feats = (self.vit_features(flat) * real).reshape(batch, arrays, num_patches, -1)
+        return self.pool_and_project(feats, image_masks), feats[:, 0]
 
     def vit_features(self, patches: torch.Tensor) -> torch.Tensor:
         """(n, patches, pixels) -> the ViT's hidden states at ``vit_layers``, concatenated, without

@@ -159,6 +159,10 @@ class ServeConfig:
     warmup: bool = option(True, help=
         "Before accepting requests, run the fastest and the slowest configuration of every crops choice (twice "
         "when the latency scale is measured), so first requests do not pay one-time costs.")
+    warmup_capture_s: float = option(300.0, help=
+        "With CUDA graphs, the most seconds the warm-up spends capturing the graphs served requests can reach "
+        "(the ViT per array count, each configuration's decode step per attention window); the rest are captured "
+        "by the first request that needs them (docs/serving.md#warm-up).")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -229,6 +233,10 @@ class ServeConfig:
         if isinstance(self.queue_deadline, bool) or not (math.isfinite(self.queue_deadline)
                                                           and self.queue_deadline >= 0):
             msg = f"--queue-deadline must be a number >= 0 (times the budget; 0: never), got {self.queue_deadline!r}"
+            raise ValueError(msg)
+        if not (math.isfinite(self.warmup_capture_s) and self.warmup_capture_s >= 0):
+            msg = (f"--warmup-capture-s must be a number of seconds >= 0 (0: capture nothing ahead), "
+                   f"got {self.warmup_capture_s!r}")
             raise ValueError(msg)
         if not (math.isfinite(self.met_target) and 0 <= self.met_target < 1):
             msg = f"--met-target must be in [0, 1) (0: no margin), got {self.met_target!r}"

@@ -113,6 +113,9 @@ class Job:
     #: admitted although the queue ahead left its budget no room (``when_unreachable: run``): it runs at the
     #: cheapest configuration
     unreachable: bool = False
+    #: the model's CUDA graph captures when the request reached it (None before): its record says
+    #: whether it paid one
+    captures_at_start: int | None = None
 
     def emit(self, text: str) -> None:
         """Queue a part of a streamed answer for the handler (thread-safe; never waits for the client)."""
@@ -491,6 +494,7 @@ class Engine:
         def counted(tokens: int) -> None:
             job.tokens_out = tokens
 
+        job.captures_at_start = runtime.graph_captures
         try:
             if record:  # a request queued when the workspace went: refused before the model runs it
                 self.check_log()
@@ -571,6 +575,7 @@ class Engine:
         total = latency.get("total")
         met = None if total is None else bool(total <= job.budget_ms)
         decider = self.decider if job.request.knobs is None else None
+        captures = None if job.captures_at_start is None else self.runtime.graph_captures - job.captures_at_start
         row: dict[str, Any] = {
             "request_id": job.request_id, "time": job.arrival_time, "status": status,
             "model": self.model_name, "model_fingerprint": self.runtime.fingerprint,
@@ -587,10 +592,12 @@ class Engine:
             "stream": job.request.stream, "temperature": job.request.temperature, "top_p": job.request.top_p,
             "seed": job.seed, "finish_reason": finish_reason, "stop_hit": stop_hit,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},
-            "met": met, "answer": answer, "error": error,
+            "met": met, "captured": None if captures is None else captures > 0, "answer": answer, "error": error,
         }
         if job.request_id.startswith("warmup-"):
             return row
+        if captures:
+            self.metrics.graph_captures.labels(during="request").inc(captures)
         if status == "ok" and decider is not None and total is not None and plan is not None:
             # judged on the client's clock: the reply's time comes after the server's total
             kept = total + plan.reply_reserve_ms <= job.budget_ms

@@ -27,6 +27,8 @@ ctrl_request_log_failures_total        requests the request log could not record
                                        removed, after which requests are refused)
 ctrl_connections_dropped_total{reason} connections closed before their request was complete:
                                        too_many_connections, header_timeout, body_timeout, client_left
+ctrl_graph_captures_total{during}      CUDA graphs captured (decode steps, the ViT): during the warm-up, or
+                                       during a served request, which paid for it (its log row: captured)
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class ServeMetrics:
                                     registry=self.registry)
         self.connections_dropped = Counter("ctrl_connections_dropped", "Connections closed before their request "
                                            "was complete", ["reason"], registry=self.registry)
+        self.graph_captures = Counter("ctrl_graph_captures", "CUDA graphs captured, during the warm-up or "
+                                      "during a served request", ["during"], registry=self.registry)
 
     def observe(self, row: dict[str, Any]) -> None:
         """Count one finished request from its ``requests`` row."""

@@ -28,7 +28,7 @@ from serve.deciders import find_controller, load_decider
 from serve.engine import Engine
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
-from serve.warmup import capture_decode_steps, warm_up
+from serve.warmup import capture_graphs, warm_up
 
 
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:
@@ -63,11 +63,17 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
         measured = (f"; latency scale {scale.value:.2f}, margins start at {engine.planner.initial_margin:.2f}"
                     if scale.calibrates else "")
         log(f"warm-up: {len(results)} requests of {config.default_max_tokens} tokens{measured}")
-        graphs, seconds = capture_decode_steps(engine, config.default_max_tokens)
-        if graphs:
+        captured = capture_graphs(engine, config.default_max_tokens, config.max_tokens_limit,
+                                  config.warmup_capture_s)
+        if engine.runtime.execution["cuda_graphs"]:
             memory = engine.runtime.fast.memory_bytes()
-            log(f"warm-up: {graphs} decode steps captured as CUDA graphs in {seconds:.1f}s (graph pool "
-                f"{memory['graph_pool'] / 2**20:.0f} MiB, KV cache {memory['kv_cache'] / 2**20:.0f} MiB)")
+            left = (f"; {captured.left} left to their first request (--warmup-capture-s {config.warmup_capture_s:g} "
+                    "ran out)" if captured.left else "")
+            log(f"warm-up: {captured.decode_graphs} decode steps, {captured.prefill_graphs} prefill blocks and "
+                f"{captured.vision_graphs} ViT array counts captured as CUDA graphs in {captured.seconds:.1f}s "
+                f"(graph pool {memory['graph_pool'] / 2**20:.0f} MiB, KV cache "
+                f"{memory['kv_cache'] / 2**20:.0f} MiB){left}")
+        engine.metrics.graph_captures.labels(during="warmup").inc(engine.runtime.graph_captures)
     return engine
 
 

@@ -1,16 +1,20 @@
 """The warm-up before ``ctrl serve`` takes requests: each crops choice's fastest and slowest
 configuration run once or twice, unrecorded (first requests do not pay one-time costs, and the
-measured latency scale starts from them), then the decode steps the controller can choose
-captured as CUDA graphs on a GPU."""
+measured latency scale starts from them), then on a GPU every CUDA graph a served request can
+reach captured: the ViT at each array count and the decode steps the controller can choose at
+each attention window the served prompts reach."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 from PIL import Image
 
 from pipeline.knobs import Config
+from runtime.fast_decoder import bucket_for, prefill_bucket_for
 from runtime.timing import cpu_threads
 from serve.engine import Engine, Result, new_job
 from serve.protocol import ChatRequest
@@ -44,26 +48,119 @@ def decode_configs(engine: Engine) -> list[tuple[int, int, int, int]]:
     return [(c, 0, k, b) for c, k, b in warmup_configs(engine)]
 
 
-def capture_decode_steps(engine: Engine, max_tokens: int, time_limit_s: float = 120.0) -> tuple[int, float]:
-    """Capture the decode steps of :func:`decode_configs` as CUDA graphs before serving (a prompt
-    of the warm-up image at each crops choice, up to ``max_tokens`` tokens): first requests do not
-    pay the capture. Stops after ``time_limit_s`` (the rest are captured at first use). Returns
-    (graphs held, seconds); (0, 0) without CUDA graphs."""
+#: prompt tokens a question may add beyond the warm-up's own before its decode steps reach a window
+#: the warm-up did not capture (a served prompt is the image's tokens plus its question's)
+QUESTION_ALLOWANCE_TOKENS = 64
+#: image sides (px) the tilings reachable at a max_crops are read from: every aspect ratio and scale
+#: from a thumbnail to past the largest tiling (MolmoE-1B: 12 crops of 336 px windows)
+_SIDES = np.unique(np.geomspace(32, 8192, 48).astype(int))
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """One shape a served request can take at a max_crops choice: its image arrays (crops and the
+    global image; 0 for a text-only request) and its prompt's tokens with the warm-up's question."""
+
+    arrays: int
+    prompt_tokens: int
+
+
+@dataclass
+class WarmupCaptures:
+    """What :func:`capture_graphs` captured: decode-step, prefill-block and ViT graphs, the seconds
+    it took, and the captures it left to their first use (the time limit ran out)."""
+
+    decode_graphs: int = 0
+    prefill_graphs: int = 0
+    vision_graphs: int = 0
+    seconds: float = 0.0
+    left: int = 0
+
+
+def served_shapes(runtime, max_crops: int, question: str = "What is in the image?") -> list[ServedShape]:
+    """Every shape a request at ``max_crops`` can take: each tiling some image size reaches (by the
+    runtime's tiling rule) and the text-only prompt."""
+    tilings: dict[tuple[int, int], tuple[int, int]] = {}
+    for height in _SIDES:
+        for width in _SIDES:
+            tiling = tuple(runtime.tiling(int(width), int(height), int(max_crops)))
+            tilings.setdefault(tiling, (int(width), int(height)))
+    shapes = {ServedShape(0, int(runtime.preprocess(None, question, max_crops).input_ids.shape[1]))}
+    for width, height in tilings.values():
+        inputs = runtime.preprocess(Image.new("RGB", (width, height), (120, 110, 100)), question, max_crops)
+        images = getattr(inputs, "images", None)
+        arrays = 0 if images is None else int(images.shape[0])
+        shapes.add(ServedShape(arrays, int(inputs.input_ids.shape[1])))
+    return sorted(shapes, key=lambda s: (s.arrays, s.prompt_tokens))
+
+
+def decode_windows(prompt_tokens: int, max_tokens: int) -> list[int]:
+    """The attention windows a request's decode steps use: from its first step's to the last one's
+    at ``max_tokens`` tokens after a prompt up to :data:`QUESTION_ALLOWANCE_TOKENS` longer."""
+    first = bucket_for(prompt_tokens + 1)
+    last = bucket_for(prompt_tokens + QUESTION_ALLOWANCE_TOKENS + max_tokens)
+    windows = [first]
+    while windows[-1] < last:
+        windows.append(windows[-1] * 2)
+    return windows
+
+
+def capture_graphs(engine: Engine, max_tokens: int, longest_tokens: int | None = None,
+                   time_limit_s: float = 300.0) -> WarmupCaptures:
+    """Capture, before serving, every CUDA graph a served request can need: the ViT at each number
+    of image arrays the controller's crops choices reach, each :func:`decode_configs` configuration's
+    prefill blocks at the token buckets of every :func:`served_shapes` prompt (and one a longer
+    question reaches), and its decode step at every window of :func:`decode_windows`, so that no
+    served request pays a capture (0.1-0.3 s each). The windows of answers of ``max_tokens`` come
+    first, those only answers up to ``longest_tokens`` reach after them. Stops after
+    ``time_limit_s`` (the rest are captured at first use, and ``left`` counts them). Nothing
+    without CUDA graphs."""
     runtime = engine.runtime
+    result = WarmupCaptures()
     if not runtime.execution["cuda_graphs"]:
-        return 0, 0.0
+        return result
     started = time.perf_counter()
-    image = Image.new("RGB", (640, 480), (120, 110, 100))
-    lengths: dict[int, int] = {}
-    for max_crops, p, top_k, blocks in decode_configs(engine):
+    configs = decode_configs(engine)
+    shapes = {m: served_shapes(runtime, m) for m in dict.fromkeys(c[0] for c in configs)}
+    capture_vision = getattr(runtime, "capture_vision", None)
+    pending_vision = sorted({s.arrays for found in shapes.values() for s in found if s.arrays})
+
+    def windows(max_crops: int, tokens: int) -> set[int]:
+        return {w for shape in shapes[max_crops] for w in decode_windows(shape.prompt_tokens, tokens)}
+
+    pending_decode = [(p, top_k, blocks, window) for max_crops, p, top_k, blocks in configs
+                      for window in sorted(windows(max_crops, max_tokens))]
+    if longest_tokens is not None and longest_tokens > max_tokens:
+        pending_decode += [(p, top_k, blocks, window) for max_crops, p, top_k, blocks in configs
+                           for window in sorted(windows(max_crops, longest_tokens) - windows(max_crops, max_tokens))]
+    if capture_vision is None:
+        pending_vision = []
+    capture_prefill = getattr(runtime, "capture_prefill", None)
+    pending_prefill = [] if capture_prefill is None else [
+        (p, top_k, blocks, bucket) for max_crops, p, top_k, blocks in configs
+        for bucket in sorted({prefill_bucket_for(s.prompt_tokens + extra) for s in shapes[max_crops]
+                              for extra in (0, QUESTION_ALLOWANCE_TOKENS)})]
+    done = 0
+    for arrays in pending_vision:
         if time.perf_counter() - started > time_limit_s:
             break
-        if max_crops not in lengths:
-            lengths[max_crops] = int(runtime.preprocess(image, "What is in the image?", max_crops).input_ids.shape[1])
+        result.vision_graphs += bool(capture_vision(arrays))
+        done += 1
+    for p, top_k, blocks, bucket in pending_prefill:
+        if time.perf_counter() - started > time_limit_s:
+            break
         with engine.executor.configured(p, top_k, blocks) as active:
-            for positions in (lengths[max_crops] + 1, lengths[max_crops] + max_tokens):  # first and last window
-                runtime.capture_decode(active, positions)
-    return runtime.captured_graphs, time.perf_counter() - started
+            result.prefill_graphs += capture_prefill(active, bucket)
+        done += 1
+    for p, top_k, blocks, window in pending_decode:
+        if time.perf_counter() - started > time_limit_s:
+            break
+        with engine.executor.configured(p, top_k, blocks) as active:
+            result.decode_graphs += bool(runtime.capture_decode(active, window))
+        done += 1
+    result.left = len(pending_vision) + len(pending_prefill) + len(pending_decode) - done
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def warm_up(engine: Engine, max_tokens: int) -> list[Result]:

@@ -331,3 +331,58 @@ def test_weights_drawn_on_a_gpu_are_deterministic_and_of_the_same_layout(tiny_mo
     assert digest(gpu) == digest(again) != digest(cpu)
     with (cpu / "model.safetensors").open("rb") as a, (gpu / "model.safetensors").open("rb") as b:
         assert a.read(8) == b.read(8)  # the same header: names, shapes, offsets
+
+
+def test_the_speed_step_times_seven_fast_rounds_and_prints_the_knob_table(dry_run):
+    speed = dry_run["json"]["steps"]["speed"]
+    assert speed["rounds"] == gpu_check.SPEED_ROUNDS == 7 and speed["eager_rounds"] == 1
+    for row in speed["rows"]:
+        assert row["fast"]["rounds"] == 7 and row["eager"]["rounds"] == 1 and row["captures_in_timing"] == 0
+        # every request ran to the asked tokens: the end of sequence does not stop a timed request
+        assert row["fast"]["tokens"] == row["eager"]["tokens"] == speed["max_new_tokens"] == 8
+    table = speed["knob_costs"]["fast"]["table"]
+    assert len(table) == speed["knob_costs"]["fast"]["pairs"] > 0
+    assert "----- the fast path's knob table (median totals) -----" in dry_run["log"]
+
+
+def _speed_figures(**row_changes) -> dict:
+    fast = {"rounds": 7, "tokens": 8}
+    row = {"max_crops": 4, "top_k": 8, "num_active_blocks": 16, "fast": fast, "eager": {"rounds": 1, "tokens": 8},
+           "captures_in_timing": 0}
+    for key, value in row_changes.items():
+        if key.startswith("fast_"):
+            fast[key[5:]] = value
+        else:
+            row[key] = value
+    return {"rows": [row], "paths": ["eager", "fast"], "max_new_tokens": 8, "graph_error": None,
+            "vision_graphs": {"graphs": 3, "error": None}}
+
+
+def test_the_speed_step_fails_on_figures_that_are_not_the_fast_paths_speed():
+    assert gpu_check.speed_problems(_speed_figures()) == []
+    assert gpu_check.speed_problems(_speed_figures(fast_rounds=3)) == [
+        "4/8/16: 3 timed rounds of the fast path, not 7"]
+    assert gpu_check.speed_problems(_speed_figures(fast_tokens=5)) == ["4/8/16: fast generated fewer than 8 tokens"]
+    assert gpu_check.speed_problems(_speed_figures(captures_in_timing=2)) == [
+        "4/8/16: 2 CUDA graph(s) captured during timed rounds"]
+    figures = _speed_figures()
+    figures["vision_graphs"]["error"] = "RuntimeError: capture failed"
+    assert gpu_check.speed_problems(figures) == ["the ViT's CUDA graphs failed: RuntimeError: capture failed"]
+
+
+def test_the_knob_rule_reads_a_difference_within_the_rounds_spread_as_flat():
+    from bench_speed import knob_costs
+
+    def row(top_k: int, totals: list[float]) -> dict:
+        return {"max_crops": 4, "top_k": top_k, "num_active_blocks": 16,
+                "fast": {"totals_ms": totals, "total_ms": sorted(totals)[len(totals) // 2]}}
+
+    # top-K 8 is 1 ms faster by the median, within the rounds' 4 ms spread: flat, not a violation
+    flat = knob_costs([row(4, [60, 62, 64, 66, 68]), row(8, [59, 61, 63, 65, 67])], "fast")
+    assert flat["violations"] == [] and len(flat["flat"]) == 1 and flat["table"][0]["tolerance_ms"] == 4.0
+    # 10 ms faster with a 1 ms spread: a violation
+    faster = knob_costs([row(4, [70, 70.5, 71, 71.5, 72]), row(8, [60, 60.5, 61, 61.5, 62])], "fast")
+    assert len(faster["violations"]) == 1 and faster["table"][0]["cost_ms"] == -10.0
+    # a clear cost: neither
+    costs = knob_costs([row(4, [60, 60.5, 61, 61.5, 62]), row(8, [70, 70.5, 71, 71.5, 72])], "fast")
+    assert costs["violations"] == [] and costs["flat"] == []

@@ -1,0 +1,87 @@
+"""The warm-up's graph captures (``serve.warmup``): the shapes and windows a served request can
+reach, and that a request after the warm-up captures nothing (its row's ``captured``, the
+``ctrl_graph_captures_total`` counter). On a CPU the fast path's graphs use the rerun backend,
+which keeps a graph's contract without a device."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+from PIL import Image
+from test_serve import RecordingDecider
+
+from runtime.cuda_graphs import GraphCache, RerunBackend
+from runtime.fast_decoder import CpuFormulation, CudaFormulation
+from serve.warmup import QUESTION_ALLOWANCE_TOKENS, capture_graphs, decode_windows, served_shapes
+
+
+@pytest.fixture
+def graphed(embedded_runtime) -> Iterator:
+    """The embedded runtime's fast path in a GPU's formulation, capturing its decode steps and prefill blocks."""
+    decoder = embedded_runtime.fast
+    decoder.use(CudaFormulation(decoder, grouped=True), GraphCache(RerunBackend(), label="decode step"),
+                GraphCache(RerunBackend(), label="prefill block"))
+    try:
+        yield embedded_runtime
+    finally:
+        decoder.use(CpuFormulation(decoder))
+
+
+def test_the_windows_of_a_request_span_its_first_step_to_its_last_with_a_longer_question():
+    assert QUESTION_ALLOWANCE_TOKENS == 64
+    assert decode_windows(600, 16) == [1024]
+    assert decode_windows(1000, 16) == [1024, 2048]  # 1000 + 64 + 16 positions reach past 1,024
+    assert decode_windows(10, 8) == [64, 128]
+    assert decode_windows(63, 1) == [64, 128]
+
+
+def test_served_shapes_are_every_tiling_at_the_crops_choice_and_the_text_prompt(embedded_runtime):
+    shapes = served_shapes(embedded_runtime, 4)
+    # tilings of up to 4 crops: 1, 2 (1x2, 2x1), 3, 4 (1x4, 2x2, 4x1) crops, each with the global image
+    assert {s.arrays for s in shapes} == {0, 2, 3, 4, 5}
+    text = [s.prompt_tokens for s in shapes if s.arrays == 0]
+    one = [s.prompt_tokens for s in shapes if s.arrays == 2]
+    assert len(text) == 1 and min(one) > text[0]
+    assert {s.arrays for s in served_shapes(embedded_runtime, 1)} == {0, 2}
+
+
+def test_after_the_warm_up_a_served_request_captures_nothing(graphed, tmp_path):
+    from pipeline.workspace import Workspace
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+    from serve.request_log import RequestLog
+
+    decider = RecordingDecider({(1, 1, 2): 5.0, (2, 2, 3): 10.0})  # it chooses max_crops 2, top-K 2, 3 blocks
+    engine = Engine(graphed, decider, model_name="embedded", max_queue=1, default_budget_ms=None,
+                    threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")))
+    captured = capture_graphs(engine, max_tokens=4)
+    decoder = graphed.fast
+    windows = {w for m in (1, 2) for s in served_shapes(graphed, m) for w in decode_windows(s.prompt_tokens, 4)}
+    assert captured.left == 0 and captured.vision_graphs == 0  # the embedded runtime has no ViT graphs
+    assert captured.decode_graphs == len(decoder.graphs) >= len(windows)
+    assert captured.prefill_graphs == len(decoder.prefill_graphs) > 0
+    request = ChatRequest("embedded", "What color?", Image.new("RGB", (640, 320), (200, 20, 20)), 4, 900.0)
+    row = engine.execute(new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0)).record
+    assert row["status"] == "ok" and row["captured"] is False
+    samples = engine.metrics.registry.get_sample_value
+    assert samples("ctrl_graph_captures_total", {"during": "request"}) is None
+    decoder.graphs.clear()  # as if the warm-up had not reached this window
+    decoder.prefill_graphs.clear()
+    row = engine.execute(new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0)).record
+    assert row["captured"] is True
+    assert samples("ctrl_graph_captures_total", {"during": "request"}) >= 1
+    engine.stop()
+
+
+def test_a_warm_up_out_of_time_leaves_the_rest_to_first_use(graphed):
+    from serve.engine import Engine
+
+    engine = Engine(graphed, RecordingDecider({(1, 1, 2): 5.0, (2, 2, 3): 10.0}), model_name="embedded",
+                    max_queue=1, default_budget_ms=None, threads=1, request_log=None)
+    captured = capture_graphs(engine, max_tokens=4, time_limit_s=0.0)
+    assert captured.decode_graphs == captured.prefill_graphs == 0 and captured.left > 0
+    assert len(graphed.fast.graphs) == len(graphed.fast.prefill_graphs) == 0
+    engine.stop()
