@@ -416,7 +416,8 @@ class Check:
             f"({e['cost_ms']:+.1f}, tolerance {e['tolerance_ms']:.1f})" for e in costs["table"]))
         fast, eager = row["fast"], row["eager"]
         figures["summary"] = (f"{SPEED_TARGET_CONFIG[0]}/{SPEED_TARGET_CONFIG[1]}/{SPEED_TARGET_CONFIG[2]} "
-                              f"({row['prompt_tokens']} tokens): fast {fast['total_ms']:.1f} ms (eager "
+                              f"({row['prompt_tokens']} tokens): preprocess {row['preprocess_ms']:.1f} ms, fast "
+                              f"{fast['total_ms']:.1f} ms (eager "
                               f"{eager['total_ms']:.1f}), vision {fast['vision_ms'] or 0:.1f}, prefill "
                               f"{fast['prefill_ms']:.1f}, step {fast['decode_step_ms'] or 0:.2f} ms; "
                               f"{figures['graphs']} graphs; knob table "

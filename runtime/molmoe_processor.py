@@ -265,15 +265,34 @@ class MolmoProcessor:
         if (scaled_h, scaled_w) != (height, width):
             pixels = torch.nn.functional.interpolate(pixels[None], size=[scaled_h, scaled_w], mode="bilinear",
                                                      align_corners=False, antialias=True)[0]
-        resized = torch.clip(pixels, 0.0, 1.0).permute(1, 2, 0).numpy()
+        mean = torch.tensor(self.config.image_mean, dtype=torch.float32)
+        std = torch.tensor(self.config.image_std, dtype=torch.float32)
         top = (out_h - scaled_h) // 2
         left = (out_w - scaled_w) // 2
-        padding = [[top, out_h - scaled_h - top], [left, out_w - scaled_w - left]]
-        mask = np.pad(np.ones(resized.shape[:2], dtype=bool), padding)
-        padded = np.pad(resized, padding + [[0, 0]], constant_values=0)
-        padded -= np.asarray(self.config.image_mean, dtype=np.float32)[None, None, :]
-        padded /= np.asarray(self.config.image_std, dtype=np.float32)[None, None, :]
-        return padded, mask
+        # normalized where the image is, the normalized zero around it: the same float32 operations as
+        # padding first and normalizing the whole canvas, on the image's pixels only
+        padded = ((torch.zeros(3) - mean) / std).expand(out_h, out_w, 3).contiguous()
+        padded[top:top + scaled_h, left:left + scaled_w] = (torch.clip(pixels, 0.0, 1.0).permute(1, 2, 0) - mean) / std
+        mask = np.zeros((out_h, out_w), dtype=bool)
+        mask[top:top + scaled_h, left:left + scaled_w] = True
+        return padded.numpy(), mask
+
+    def _crop_patches(self, canvas: np.ndarray, rows: int, cols: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The (rows x cols) crops of ``canvas`` (H, W[, c]) at the window's stride, patchified as
+        :meth:`_patchify` would the stacked crops: (rows * cols, patches, pixels per patch), written
+        into ``out`` where given. One copy: the crops overlap by the margins, read through a view."""
+        cfg = self.config
+        side, p, window = cfg.crop_patches, cfg.patch_px, cfg.window_px
+        rest = canvas.shape[2:]
+        strides = canvas.strides
+        view = np.lib.stride_tricks.as_strided(
+            canvas, shape=(rows, cols, side, side, p, p, *rest),
+            strides=(window * strides[0], window * strides[1], p * strides[0], p * strides[1], *strides),
+            writeable=False)
+        if out is None:
+            out = np.empty((rows * cols, side * side, p * p * int(np.prod(rest, dtype=np.int64))), dtype=canvas.dtype)
+        out.reshape(rows, cols, side, side, p, p, *rest)[...] = view
+        return out
 
     def _patchify(self, crops: np.ndarray) -> np.ndarray:
         """(n, H, W[, c]) -> (n, patches, pixels per patch): row-major patches, each (dy, dx[, c]) flattened."""
@@ -295,24 +314,23 @@ class MolmoProcessor:
         rows, cols = self.tiling(width, height, max_crops)
         src, img_mask = self._resize_and_pad(image, rows * window + margin, cols * window + margin)
 
-        patches_arr, mask_arr, ordering_arr = [], [], []
+        ordering_arr = []
         on = 0
         for i in range(rows):
-            y0 = i * window
             crop_y0, crop_h = _crop_extent(i, rows, cfg.crop_patches, left_margin, right_margin)
             for j in range(cols):
-                x0 = j * window
                 crop_x0, crop_w = _crop_extent(j, cols, cfg.crop_patches, left_margin, right_margin)
                 pooled_w, pooled_h = (crop_w + 1) // 2, (crop_h + 1) // 2
                 order = np.full((cfg.tokens_h, cfg.tokens_w), -1, dtype=np.int32)
                 order[crop_y0:crop_y0 + pooled_h, crop_x0:crop_x0 + pooled_w] = np.arange(
                     on, on + pooled_h * pooled_w, dtype=np.int32).reshape(pooled_h, pooled_w)
                 ordering_arr.append(order)
-                patches_arr.append(src[y0:y0 + crop, x0:x0 + crop])
-                mask_arr.append(img_mask[y0:y0 + crop, x0:x0 + crop])
                 on += pooled_h * pooled_w
-        patches = self._patchify(np.stack(patches_arr))
-        masks = self._patchify(np.stack(mask_arr)).astype(np.float32).mean(axis=-1)
+        # the global image's patches first, then every crop's, written once into the request's array
+        pixels_per_patch = cfg.patch_px * cfg.patch_px * src.shape[2]
+        patches = np.empty((1 + rows * cols, cfg.crop_patches ** 2, pixels_per_patch), dtype=src.dtype)
+        self._crop_patches(src, rows, cols, patches[1:])
+        masks = self._crop_patches(img_mask, rows, cols).astype(np.float32).mean(axis=-1)
         patch_ordering = np.stack(ordering_arr).reshape(-1)
         valid = patch_ordering >= 0
 
@@ -328,7 +346,7 @@ class MolmoProcessor:
 
         resized, resized_mask = self._resize_and_pad(image, crop, crop)
         global_mask = self._patchify(resized_mask[None]).astype(np.float32).mean(axis=-1)[0]
-        patches = np.concatenate([self._patchify(resized[None]), patches], 0)
+        patches[0] = self._patchify(resized[None])[0]
         patch_ordering = np.where(patch_ordering >= 0, patch_ordering + cfg.tokens_per_image, -1)
         patch_ordering = np.concatenate([np.arange(0, cfg.tokens_per_image), patch_ordering], 0)
         global_row = np.concatenate([np.full((cfg.tokens_w,), ids[IM_PATCH]), [ids[IM_COL]]])
