@@ -199,6 +199,11 @@ class Formulation:
         """float32 logits (vocab,) of a (1, d) hidden state after the last block (final norm, head)."""
         raise NotImplementedError
 
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables :meth:`block` reads, from ``OlmoeRotaryEmbedding``'s cos and sin (made
+        once per pass, not per block)."""
+        return cos, sin
+
     def copies_bytes(self) -> int:
         """Bytes of weight copies this formulation made (0 where it reads the loaded tensors)."""
         return 0
@@ -228,7 +233,7 @@ class Formulation:
         flat = index.t().reshape(-1)  # position = slot * tokens + token: the eager path's row order
         order = torch.argsort(flat, stable=True)
         rows, slots = order % tokens, order // tokens
-        offsets = torch.searchsorted(flat.index_select(0, order), self.fast.expert_ids, right=True).to(torch.int32)
+        offsets = torch.searchsorted(flat.index_select(0, order), self.fast.expert_ids, right=True, out_int32=True)
         inputs = self._round(h.index_select(0, rows))
         w = experts.gate_up_proj
         inter = w.shape[1] // 2
@@ -357,7 +362,8 @@ class CudaFormulation(Formulation):
         k = self._norm(qkv[:, q_end:k_end], attn.k_norm).view(tokens, kv_heads, dim)
         qk = torch.cat((q, k), dim=1).transpose(0, 1)  # (heads + kv_heads, tokens, dim): one rotation
         adt = self.attention_dtype
-        qk = (qk * cos + _rotate_half(qk) * sin).to(adt)
+        # rotate_half(qk) * sin is the halves swapped times the signed sin of :meth:`rotary`, exactly
+        qk = (qk * cos + torch.roll(qk, dim // 2, dims=-1) * sin).to(adt)
         q, k = qk[:heads], qk[heads:]
         v = qkv[:, k_end:].view(tokens, kv_heads, dim).transpose(0, 1).to(adt)
         out = fast.attend(index, q, k, v, mask)
@@ -373,7 +379,7 @@ class CudaFormulation(Formulation):
         probs = F.softmax(F.linear(h, gate.weight), dim=-1, dtype=torch.float)
         weights, index = torch.topk(probs, int(gate.top_k), dim=-1)
         chosen, order = torch.sort(index[0])
-        offsets = torch.searchsorted(chosen, self.fast.expert_ids, right=True).to(torch.int32)
+        offsets = torch.searchsorted(chosen, self.fast.expert_ids, right=True, out_int32=True)
         experts = layer.mlp.experts
         w = experts.gate_up_proj
         inter = w.shape[1] // 2
@@ -422,6 +428,12 @@ class CudaFormulation(Formulation):
                 weight = self._qkv[index] = torch.cat(
                     [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
         return weight
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, and sin with its first half negated: a block then rotates with one roll of q and k
+        instead of a negation and a concatenation (the same values: negating is exact)."""
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.fast.decoder.lm_head(self._norm(hidden, self.fast.decoder.model.norm)).float()[0]
@@ -609,7 +621,7 @@ class FastDecoder:
             return self._captured_prefill(hidden, blocks, reserve)
         self.ensure_capacity(tokens + reserve)
         self._owner += 1  # the cache now holds this request: earlier sessions are over
-        cos, sin = self.rope(torch.arange(tokens, device=self.device), hidden.dtype)
+        cos, sin = self.formulation.rotary(*self.rope(torch.arange(tokens, device=self.device), hidden.dtype))
         x = hidden
         for i in blocks:
             layer = self.layers[i]
@@ -630,7 +642,7 @@ class FastDecoder:
         if static is None or static[0].dtype != hidden.dtype:
             with torch.inference_mode(False):
                 x = torch.zeros(bucket, hidden.shape[1], dtype=hidden.dtype, device=self.device)
-                cos, sin = self.rope(torch.arange(bucket, device=self.device), hidden.dtype)
+                cos, sin = self.formulation.rotary(*self.rope(torch.arange(bucket, device=self.device), hidden.dtype))
             static = self._prefill_inputs[bucket] = (x, cos, sin)
         x, cos, sin = static
         x[:tokens] = hidden
@@ -723,7 +735,7 @@ class FastDecoder:
         """The decode step itself: fixed shapes, no host synchronisation with a sync-free
         formulation (what a graph captures)."""
         x = self.decoder.model.embed_tokens(self._token)
-        cos, sin = self.rope(self._position, x.dtype)
+        cos, sin = self.formulation.rotary(*self.rope(self._position, x.dtype))
         filled = torch.arange(window, device=self.device) <= self._position
         mask = torch.zeros(window, dtype=self.attention_dtype, device=self.device).masked_fill(
             ~filled, float("-inf"))[None, None, None]
