@@ -647,17 +647,22 @@ class FastDecoder:
         x, cos, sin = static
         x[:tokens] = hidden
         x[tokens:] = 0
+        def body(i: int) -> tuple[torch.Tensor]:
+            # the block's result written back into its input: a graph keeps no output of its own (at
+            # 1,024 graphs of a few MiB each that would be gigabytes), its temporaries are the pool's
+            x.copy_(self.formulation.block(i, x, cos, sin, None))
+            return (x,)
+
         for i in blocks:
             layer = self.layers[i]
             call_pre_hooks(layer)
             key = (int(i), int(layer.mlp.gate.top_k), bucket)
-            captured = self.prefill_graphs.get(key, lambda i=i: (self.formulation.block(i, x, cos, sin, None),))
+            # a capture's warm-up runs the block on x in place: x is the request's again after it
+            captured = self.prefill_graphs.get(key, lambda i=i: body(i), around=lambda: restored(x))
             if captured is None:  # the capture failed: this block and the rest uncaptured, on the same rows
-                out = self.formulation.block(i, x, cos, sin, None)
+                body(i)
             else:
                 captured.replay()
-                out = captured.outputs[0]
-            x.copy_(out)
             call_post_hooks(layer)
         return x[:tokens].clone()
 
