@@ -616,3 +616,43 @@ def test_a_runtime_without_two_stage_execution_is_refused_with_one_line(online_w
     with pytest.raises(CtrlError, match=r"^the no-split runtime does not implement two-stage") as info:
         train_online(_config(ws, fresh=True), runtime=runtime)
     assert "\n" not in str(info.value)
+
+
+def test_a_rollout_part_that_captured_a_graph_is_timed_again(executor, embedded_runtime):
+    """A rollout's prefix or answer that captured a CUDA graph (a new shape) is run again and the
+    second run timed, so no reward reads a capture. The rerun backend stands in for a GPU's graphs."""
+    from runtime.cuda_graphs import GraphCache, RerunBackend
+    from runtime.fast_decoder import CpuFormulation, CudaFormulation
+
+    decoder = embedded_runtime.fast
+    decoder.use(CudaFormulation(decoder, grouped=True), GraphCache(RerunBackend()), GraphCache(RerunBackend()))
+    calls: list[tuple[str, bool]] = []
+    inner = executor.executor
+    originals = {"prefix": inner.prefix, "answer": inner.answer}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            before = embedded_runtime.graph_captures
+            result = originals[name](*args, **kwargs)
+            calls.append((name, embedded_runtime.graph_captures > before))
+            return result
+        return call
+
+    inner.prefix, inner.answer = counted("prefix"), counted("answer")
+    try:
+        sample = _image_sample(executor.samples)
+        ctrl = executor.controller
+        knobs_ = (ctrl.max_crops_values.index(10), 0, 0, int(ctrl.blocks_valid[0].nonzero()[0].item()))
+        executor.run_fixed([sample], knobs_)  # warms this configuration up (its warm-ups capture)
+        decoder.graphs.clear()  # as a sample of a shape the warm-up did not see finds them
+        decoder.prefill_graphs.clear()
+        calls.clear()
+        rollouts = executor.run_fixed([sample], knobs_)
+    finally:
+        inner.prefix, inner.answer = originals["prefix"], originals["answer"]
+        decoder.use(CpuFormulation(decoder))
+    assert len(rollouts) == 1 and [name for name, captured in calls if captured] == ["prefix", "answer"]
+    for (name, captured), (next_name, next_captured) in zip(calls, calls[1:]):
+        if captured:  # the same part again, and that run captured nothing
+            assert next_name == name and not next_captured
+    assert not calls[-1][1]

@@ -393,3 +393,45 @@ def test_results_files_hold_a_record_per_line(tmp_path):
     with pytest.raises(ValueError, match="not JSON compliant"):
         write_json(tmp_path / "nan.json", {"per_sample_latencies": [{"T_total_ms": float("nan")}]})
     assert not (tmp_path / "nan.json").exists()
+
+
+def test_a_generation_that_captured_a_graph_is_timed_again(embedded_runtime, tmp_path):
+    """With CUDA graphs a sample of a new shape captures inside its generation (a one-time 0.1-0.3 s
+    on a GPU): its latency is measured on a second generation instead. Graphs with the rerun backend
+    stand in for a GPU's (runtime.cuda_graphs)."""
+    from runtime.cuda_graphs import GraphCache, RerunBackend
+    from runtime.fast_decoder import CpuFormulation, CudaFormulation
+    from testbed.dataset import VqaSample, write_dataset
+
+    dataset = tmp_path / "shapes"
+    (dataset / "images").mkdir(parents=True)
+    samples = []
+    for i, size in enumerate([(64, 64), (1200, 160), (160, 1200)]):  # 1 crop, then two wide tilings
+        Image.new("RGB", size, (200, 40 * i, 40)).save(dataset / "images" / f"img{i}.png")
+        samples.append(VqaSample(f"shapes-q{i}", f"img{i}", "What colour is it?", ("red",) * 3, "colour"))
+    write_dataset(dataset, "shapes", "validation", samples)
+    decoder = embedded_runtime.fast
+    decoder.use(CudaFormulation(decoder, grouped=True), GraphCache(RerunBackend()), GraphCache(RerunBackend()))
+    calls: list[tuple[int, bool]] = []  # (prompt tokens, whether the call captured)
+    generate = embedded_runtime.generate
+
+    def counted(inputs, max_new_tokens):
+        before = embedded_runtime.graph_captures
+        result = generate(inputs, max_new_tokens)
+        calls.append((int(inputs.input_ids.shape[1]), embedded_runtime.graph_captures > before))
+        return result
+
+    embedded_runtime.generate = counted
+    try:
+        run(dataset, tmp_path / "out", embedded_runtime, configs=[(6, 8, 16)], num_samples=3, warmup=1)
+    finally:
+        del embedded_runtime.generate
+        decoder.use(CpuFormulation(decoder))
+    measured = calls[1:]  # after the configuration's warm-up
+    assert any(captured for _, captured in measured), "no sample of a new shape: the test checks nothing"
+    # every generation that captured is followed by one of the same prompt that did not: the timed one
+    for (tokens, captured), (next_tokens, next_captured) in zip(measured, measured[1:]):
+        if captured:
+            assert next_tokens == tokens and not next_captured
+    assert not measured[-1][1]
+    assert len(measured) == 3 + sum(captured for _, captured in measured)
