@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.cuda_graphs import GraphCache, GraphStats, restored
+from runtime.cuda_graphs import Captured, GraphCache, GraphStats, restored
 
 #: torch's grouped product (public from torch 2.9 on; the private op before), None where it is missing
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -750,7 +750,7 @@ class FastDecoder:
         self._token.copy_(logits.argmax().reshape(1))
         return logits
 
-    def _graph(self, blocks: tuple[int, ...], top_k: tuple[int, ...], window: int):
+    def _graph(self, blocks: tuple[int, ...], top_k: tuple[int, ...], window: int) -> Captured | None:
         """The captured step of ``blocks`` at ``top_k`` over ``window`` positions (captured now if
         it is not yet); None when the capture failed (graphs are then off for this decoder)."""
         return self.graphs.get((blocks, top_k, window), lambda: (self._step(blocks, window),),
