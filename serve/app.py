@@ -232,7 +232,8 @@ async def models(request: Request) -> dict[str, Any]:
              "feasible_rates": engine.planner.feasible_rates(), "floors": engine.planner.floor_states(),
              "arrival_rate_rps": engine.planner.load(time.perf_counter())[0],
              "overhead_reserve_ms": engine.overhead_reserve_ms(), "execution": engine.runtime.execution,
-             "captured_graphs": getattr(engine.runtime, "captured_graphs", 0)}
+             "captured_graphs": getattr(engine.runtime, "captured_graphs", 0),
+             "graph_captures": engine.runtime.graph_captures}
     return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": served.created,
                                         "owned_by": "ctrl", "ctrl": about}]}
 

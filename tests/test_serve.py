@@ -288,7 +288,7 @@ def test_health_models_and_metrics(server_a):
     # the fast path by default; a CPU captures no graphs and attends in float32
     about = models["data"][0]["ctrl"]
     assert about["execution"] == {"compiled": True, "cuda_graphs": False, "attention_dtype": "float32"}
-    assert about["captured_graphs"] == 0
+    assert about["captured_graphs"] == about["graph_captures"] == 0
     assert_serving(server_a)
     status, metrics = request(server_a, "GET", "/metrics")
     text = metrics["text"]
