@@ -26,9 +26,9 @@ from controller.latency_guard import GuardGrid, guarded_stage2
 from online.data import OnlineSamples
 from runtime.base import ModelInputs, ModelRuntime, PrefixState
 from runtime.images import open_image
-from runtime.request import LatencyParts, RequestExecutor
+from runtime.request import Answer, LatencyParts, RequestExecutor
 from runtime.scoring import score_answer
-from runtime.timing import RequestTiming, StageTimer
+from runtime.timing import RequestTiming, StageTimer, uncaptured_run
 from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
 
 if TYPE_CHECKING:
@@ -266,12 +266,11 @@ class RolloutExecutor:
         if self.warmup and ("prefix", max_crops, p) not in self._warm:
             runtime.prefill_prefix(inputs, p, s1.budget_token[0])
             self._warm.add(("prefix", max_crops, p))
-        for _ in range(2):  # a prefix that captured a CUDA graph (a new image shape) is timed again
-            captures = runtime.graph_captures
+        def timed_prefix() -> tuple[RequestTiming, PrefixState]:
             shared = RequestTiming(segments=list(head.segments))
-            state = self.executor.prefix(inputs, p, s1.budget_token[0], shared)
-            if runtime.graph_captures == captures:
-                break
+            return shared, self.executor.prefix(inputs, p, s1.budget_token[0], shared)
+
+        shared, state = uncaptured_run(runtime, timed_prefix)
         out.model_s += time.perf_counter() - tick
         tick = time.perf_counter()
         # the cached global-crop feature, as offline training reads it: it equals the prefix's own
@@ -307,12 +306,11 @@ class RolloutExecutor:
         if self.warmup and (pre.max_crops, p, top_k, blocks) not in self._warm:
             self.executor.warm_up(pre.state, top_k, blocks)
             self._warm.add((pre.max_crops, p, top_k, blocks))
-        for _ in range(2):  # an answer that captured a CUDA graph (a new window or bucket) is timed again
-            captures = self.runtime.graph_captures
+        def timed_answer() -> tuple[RequestTiming, Answer]:
             timing = RequestTiming(segments=list(pre.timing.segments))
-            answer = self.executor.answer(pre.state, top_k, blocks, timing, max_tokens=self.max_new_tokens)
-            if self.runtime.graph_captures == captures:
-                break
+            return timing, self.executor.answer(pre.state, top_k, blocks, timing, max_tokens=self.max_new_tokens)
+
+        timing, answer = uncaptured_run(self.runtime, timed_answer)
         tokens, active = answer.tokens, answer.active_blocks
         out.model_s += time.perf_counter() - tick
         self.timer.resolve(timing)

@@ -74,12 +74,12 @@ from pipeline.knobs import Config
 from pipeline.origin_format import exp5_name, exp6_name
 from profiler.config import ProfileConfig, parse_configs
 from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, read_json
-from runtime import ModelRuntime, load_runtime
+from runtime import GenerationResult, ModelRuntime, load_runtime
 from runtime.distributed import init_distributed_from_env
 from runtime.images import open_image
 from runtime.precision import dtype_name
 from runtime.scoring import score_answer
-from runtime.timing import GenerateTimer, cpu_threads
+from runtime.timing import GenerateTimer, cpu_threads, uncaptured_run
 from testbed.dataset import VqaDataset, read_dataset
 
 __all__ = ["DatasetReport", "ProfileConfig", "ProfileReport", "format_report", "parse_configs", "profile_model",
@@ -227,12 +227,12 @@ class _Profiler:
             for index in indices:
                 sample = dataset.samples[index]
                 inputs = self._sample_inputs(dataset, index, c)
-                for _ in range(2):  # a generation that captured a CUDA graph (a new shape) is timed again
-                    captures = runtime.graph_captures
+
+                def timed_generate() -> tuple[GenerationResult, object]:
                     with timer.request() as marks:
-                        result = runtime.generate(inputs, cfg.max_new_tokens)
-                    if runtime.graph_captures == captures:
-                        break
+                        return runtime.generate(inputs, cfg.max_new_tokens), marks
+
+                result, marks = uncaptured_run(runtime, timed_generate)
                 t = timer.resolve(marks)
                 tokens = list(result.token_ids)
                 if t.num_passes != len(tokens):

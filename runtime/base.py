@@ -340,8 +340,8 @@ class ModelRuntime(ABC):
 
     @property
     def graph_captures(self) -> int:
-        """CUDA graph captures run since the model loaded (decode steps, the vision tower): a
-        served request during which it grew paid a capture (0 without graphs)."""
+        """CUDA graph captures run since the model loaded (decode steps, prefill blocks, the vision
+        path): a served request during which it grew paid a capture (0 without graphs)."""
         return 0
 
     # -- limits and cancellation

@@ -167,12 +167,10 @@ class FastSession:
     decoder: FastDecoder
 
 
-
 class Formulation:
     """How the fast path computes a block and the head (see the module docstring): the operations,
     their rounding and their kernels. It reads the weights and the KV cache of its ``fast`` decoder."""
 
-    name: ClassVar[str]
     #: a decode step reads no device value on the host (what a CUDA graph can capture)
     sync_free: ClassVar[bool]
 
@@ -254,7 +252,6 @@ class CpuFormulation(Formulation):
     half-precision kernels are slower, and the precision rule computes in float32 there anyway), a
     decode step's experts looped over on the host."""
 
-    name = "cpu"
     sync_free = False
 
     @property
@@ -321,7 +318,6 @@ class CudaFormulation(Formulation):
     them per block and step) and a prefill runs the experts module's own loop. ``float32_attention``:
     attend in float32, as the origin does, instead of the storage dtype."""
 
-    name = "cuda"
     sync_free = True
 
     def __init__(self, fast: FastDecoder, *, grouped: bool | None = None, float32_attention: bool = False) -> None:
@@ -526,10 +522,13 @@ class FastDecoder:
         self.release()
         self.formulation, self.graphs, self.prefill_graphs = formulation, graphs, prefill_graphs
 
+    def _caches(self) -> list[GraphCache]:
+        return [cache for cache in (self.graphs, self.prefill_graphs) if cache is not None]
+
     @property
     def graph_captures(self) -> int:
         """Captures run by this decoder's graph caches (decode steps and prefill blocks)."""
-        return sum(cache.stats.captures for cache in (self.graphs, self.prefill_graphs) if cache is not None)
+        return sum(cache.stats.captures for cache in self._caches())
 
     # -- the cache
     @property
@@ -553,17 +552,15 @@ class FastDecoder:
             keys[:, :, :self.capacity] = self.keys
             values[:, :, :self.capacity] = self.values
         self.keys, self.values = keys, values
-        for cache in (self.graphs, self.prefill_graphs):
-            if cache is not None:
-                cache.clear()
+        for cache in self._caches():
+            cache.clear()
 
     def release(self) -> None:
         """Drop the KV cache, the captured graphs and the formulation's weight copies (their memory
         goes back to the allocator); the next request allocates and captures again."""
         self.keys = self.values = None
-        for cache in (self.graphs, self.prefill_graphs):
-            if cache is not None:
-                cache.clear()
+        for cache in self._caches():
+            cache.clear()
         self._prefill_inputs.clear()
         self.formulation.release()
         self._owner += 1
@@ -572,7 +569,7 @@ class FastDecoder:
         """Bytes held by the cache, (on a GPU) reserved by the graphs' shared pool, and held by the
         formulation's weight copies."""
         cache = 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
-        pool = sum(c.pool_bytes() for c in (self.graphs, self.prefill_graphs) if c is not None)
+        pool = sum(cache.pool_bytes() for cache in self._caches())
         return {"kv_cache": cache, "graph_pool": pool, "fused_weights": self.formulation.copies_bytes()}
 
     # -- what both formulations share
@@ -647,6 +644,7 @@ class FastDecoder:
         x, cos, sin = static
         x[:tokens] = hidden
         x[tokens:] = 0
+
         def body(i: int) -> tuple[torch.Tensor]:
             # the block's result written back into its input: a graph keeps no output of its own (at
             # 1,024 graphs of a few MiB each that would be gigabytes), its temporaries are the pool's

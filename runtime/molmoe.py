@@ -210,9 +210,9 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         return super().graph_captures + (0 if vit is None else vit.cache.stats.captures)
 
     def capture_vision(self, arrays: int) -> bool:
-        """Capture the ViT for ``arrays`` image arrays (crops and the global image) now, rather than
-        in the first request with that many (a server's warm-up). Returns whether a graph was
-        captured (False without ViT graphs or when it is held already)."""
+        """Capture the vision path (ViT, pooling, projector) for ``arrays`` image arrays (crops and the
+        global image) now, rather than in the first request with that many (a server's warm-up).
+        Returns whether a graph was captured (False without vision graphs or when it is held already)."""
         runner = self.vision_backbone.runner
         if not isinstance(runner, GraphedFunction) or not runner.cache.enabled:
             return False
