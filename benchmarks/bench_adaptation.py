@@ -60,6 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve as bs
 from emulated_machine import StageFactors, stretched
+from molmoe_common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache" / "adapt"
@@ -516,16 +517,6 @@ def report(results: dict[str, Any]) -> str:
         lines += ["", "the offline start on the range calibrated on B against another range, same budgets:", ""]
         lines += paired_table(results["calibration_ablation"], "offline_start")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> None:

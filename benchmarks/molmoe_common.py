@@ -39,6 +39,17 @@ def child_env(site_dirs: Sequence[Path | str] = (), **extra: str) -> dict[str, s
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo): what every timing is quoted beside."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def stage_reference_files(reference: Path, dest: Path) -> Path:
     """Copy the released config.json, generation config, tokenizer and processor configs of the
     reference folder into ``dest`` (a checkpoint directory without weights)."""

@@ -30,6 +30,9 @@ class FeatureConfig:
                         "org/name[@revision] in the local HF cache.")
     device: str = execution_field("device")
     dtype: str = execution_field("dtype", more_help="Features of two dtypes are cached apart.")
+    float32_attention: bool = execution_field("float32_attention", more_help="MolmoE's vision tower attends as the "
+                                              "decoder does, and its features of two attention dtypes are cached "
+                                              "apart: extract them as the server will run.")
     batch_size: int = option(16, help="Requests per forward pass.", min=1)
     chunk_size: int = option(256, help="Samples per atomically written chunk: the resume granularity.", cli=False)
     force: bool = option(False, help="Recompute features already cached for this model.", flags=("--force",))

@@ -83,8 +83,8 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
     started = time.perf_counter()
     dist = init_distributed_from_env(config.device)
     lead = dist.rank == 0
-    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model, config.dtype,
-                                                                                    config.device)
+    fingerprint = runtime.fingerprint if runtime is not None else model_fingerprint(config.model,
+                                                                                    execution=_execution(config))
     if fingerprint is None:
         # a checkpoint loaded for the first time: its fingerprint comes from the load itself
         runtime = _load_model(config)
@@ -136,8 +136,13 @@ def extract_features(config: FeatureConfig, runtime: ModelRuntime | None = None,
     return report
 
 
+def _execution(config: FeatureConfig) -> ExecutionOptions:
+    return ExecutionOptions(device=local_device(config.device), dtype=config.dtype,
+                            float32_attention=config.float32_attention)
+
+
 def _load_model(config: FeatureConfig) -> ModelRuntime:
-    return load_runtime(config.model, ExecutionOptions(device=local_device(config.device), dtype=config.dtype))
+    return load_runtime(config.model, _execution(config))
 
 
 @dataclass

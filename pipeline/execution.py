@@ -29,8 +29,10 @@ EXECUTION_HELP: dict[str, str] = {
                  "experts as grouped matmuls, each configuration's step captured once as a CUDA graph on a GPU "
                  "(--eager: the eager reference path); recorded beside every measured latency. --compile/--no-compile "
                  "are the old names, still accepted.",
-    "float32_attention": "On the fast path, attend in float32 as the origin does (default: in the weights' dtype on a "
-                         "GPU; a CPU always attends in float32).",
+    "float32_attention": "On the fast path, attend in float32 as the origin does, in the decoder and in MolmoE's "
+                         "vision tower (default: in the weights' dtype on a GPU; a CPU always attends in "
+                         "float32). The vision tower's attention dtype is part of the model's fingerprint: "
+                         "features and controllers of the other are another model's.",
 }
 
 

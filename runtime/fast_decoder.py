@@ -442,6 +442,15 @@ class CudaFormulation(Formulation):
         self._float_weights.clear()
 
 
+def fast_attention_dtype(device: torch.device | str, weight_dtype: torch.dtype,
+                         float32_attention: bool = False) -> torch.dtype:
+    """The dtype :func:`formulation_for`'s formulation attends in on ``device``, known before any
+    model is built: the weights' on a GPU unless ``float32_attention``, float32 on a CPU."""
+    if torch.device(device).type == "cuda" and not float32_attention:
+        return weight_dtype
+    return torch.float32
+
+
 def formulation_for(fast: FastDecoder, float32_attention: bool = False) -> Formulation:
     """The device's formulation: :class:`CudaFormulation` on a GPU, :class:`CpuFormulation` elsewhere."""
     if fast.device.type == "cuda":

@@ -48,7 +48,7 @@ from runtime.base import (
 )
 from runtime.cuda_graphs import GraphCache
 from runtime.decoder_runtime import OlmoeDecoderRuntime
-from runtime.fast_decoder import GraphedFunction
+from runtime.fast_decoder import GraphedFunction, default_fast_path, fast_attention_dtype
 from runtime.memory import check_fits
 from runtime.molmoe_model import (
     MolmoVisionBackbone,
@@ -160,6 +160,8 @@ class MolmoERuntime(OlmoeDecoderRuntime):
             module.eval()
             module.requires_grad_(False)
         self.vision_backbone = vision
+        self._vit_graphs: dict[bool, GraphedFunction] = {}
+        self._vision_float32, self._vision_graphed = self.arch.float32_attention, False  # as set last
         self._init_decoder(decoder, fast_path, float32_attention)
         if len(self.tokenizer) > self.arch.vocab_size + self.arch.additional_vocab_size:
             msg = (f"{self.path}: the tokenizer has {len(self.tokenizer)} tokens, more than the "
@@ -168,7 +170,6 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         self._active: tuple[int, ...] | None = None
         self._scores = resolve_importance_scores(importance_scores)
         self.weights_fingerprint = checkpoint_fingerprint(self.path, digests)
-        self.fingerprint = qualify_fingerprint(self.weights_fingerprint, self.dtype)
 
     def _cache_bytes(self, dtype: torch.dtype) -> int:
         """The KV cache the memory check counts beside the weights (the fast path's, at the trained context)."""
@@ -192,27 +193,59 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         return digests
 
     def set_execution(self, fast_path: bool | None = None, float32_attention: bool = False) -> None:
-        """The decoder's path (``OlmoeDecoderRuntime.set_execution``); on the fast path on a GPU the
-        vision tower's ViT also runs as a CUDA graph per number of image arrays (the same kernels:
-        the image features do not change)."""
+        """The decoder's path (``OlmoeDecoderRuntime.set_execution``); the vision tower follows it
+        (:meth:`vision_attends_float32`), and on the fast path on a GPU its whole path runs as a CUDA
+        graph per number of image arrays (the same kernels as uncaptured: graphs do not change the
+        features)."""
         super().set_execution(fast_path, float32_attention)
-        if self.fast is None or not self.fast.use_graphs:
-            self.vision_backbone.runner = None
+        self._use_vision_path(self.vision_attends_float32(), graphed=self.fast is not None and self.fast.use_graphs)
+
+    def vision_attends_float32(self) -> bool:
+        """Whether a request's vision tower attends in float32: as the origin does (the checkpoint's
+        ``float32_attention``), except on the fast path where the decoder attends in the weights'
+        dtype (a GPU without ``--float32-attention``). Image features then differ from the origin's
+        (within docs/results.md's tolerance), and :attr:`fingerprint` says so."""
+        fast = self.fast
+        return self.arch.float32_attention and (fast is None or fast.attention_dtype == torch.float32)
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights' fingerprint qualified by the dtype and, where the vision tower does not attend
+        as the checkpoint says (:meth:`vision_attends_float32`), by the dtype it attends in: the image
+        features' identity (the feature cache's key, what a controller is matched to)."""
+        return qualify_fingerprint(self.weights_fingerprint, self.dtype, self._vision_attention_qualifier())
+
+    def _vision_attention_qualifier(self) -> torch.dtype | None:
+        return None if self.vision_attends_float32() == self.arch.float32_attention else self.dtype
+
+
+    def _use_vision_path(self, float32: bool, *, graphed: bool | None = None) -> None:
+        """The vision tower attending in float32 or not; where its graphs are on (``graphed``, else as
+        set last), replayed from that attention dtype's graph set."""
+        if graphed is None and self._vision_float32 == float32:
             return
-        if getattr(self, "_vit_graphs", None) is None:  # kept: switching paths keeps the captured graphs
+        self._vision_graphed = self._vision_graphed if graphed is None else graphed
+        self._vision_float32 = float32
+        vision = self.vision_backbone
+        vision.set_float32_attention(float32)
+        if not self._vision_graphed:
+            vision.runner = None
+            return
+        # one graph set per attention dtype, kept: switching paths keeps the captured graphs
+        if float32 not in self._vit_graphs:
             cache = GraphCache.for_device(self.device, max_graphs=MAX_VIT_GRAPHS, label="vision tower")
-            self._vit_graphs = GraphedFunction(self.vision_backbone.encode, cache)
-        self.vision_backbone.runner = self._vit_graphs
+            self._vit_graphs[float32] = GraphedFunction(vision.encode, cache)
+        vision.runner = self._vit_graphs[float32]
 
     @property
     def graph_captures(self) -> int:
-        vit = getattr(self, "_vit_graphs", None)
-        return super().graph_captures + (0 if vit is None else vit.cache.stats.captures)
+        return super().graph_captures + sum(graphs.cache.stats.captures for graphs in self._vit_graphs.values())
 
     def capture_vision(self, arrays: int) -> bool:
         """Capture the vision path (ViT, pooling, projector) for ``arrays`` image arrays (crops and the
         global image) now, rather than in the first request with that many (a server's warm-up).
         Returns whether a graph was captured (False without vision graphs or when it is held already)."""
+        self._use_vision_path(self.vision_attends_float32())
         runner = self.vision_backbone.runner
         if not isinstance(runner, GraphedFunction) or not runner.cache.enabled:
             return False
@@ -287,6 +320,7 @@ class MolmoERuntime(OlmoeDecoderRuntime):
         """The vision backbone's output for one request, (crops + 1, tokens per crop, d_model),
         and with ``global_crop`` the global-crop feature (float32 (d_model,) on the CPU): the
         mean of the global image's placed tokens with its own padding mask."""
+        self._use_vision_path(self.vision_attends_float32())
         masks = None if inputs.image_masks is None else inputs.image_masks[None].to(self.device)
         own = inputs.global_image_mask if global_crop else None
         if global_crop and own is None and self.vision_backbone.pad_embed is not None:
@@ -305,7 +339,8 @@ class MolmoERuntime(OlmoeDecoderRuntime):
     def encode_images(self, batch: Sequence[ModelInputs]) -> ImageFeatures:
         """Means of the projected image tokens the processor places (image_input_idx >= 0): of all
         of them, and of the global crop's; zeros for a text-only request. One request at a time:
-        crop counts differ between requests."""
+        crop counts differ between requests. The vision tower attends as requests' do (the
+        fingerprint says how)."""
         all_tokens = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         global_crop = torch.zeros(len(batch), self.image_feature_dim, dtype=torch.float32)
         with torch.inference_mode(), self.precision_context():
@@ -351,3 +386,14 @@ class MolmoERuntime(OlmoeDecoderRuntime):
     @property
     def vision_module(self) -> nn.Module:
         return self.vision_backbone
+
+
+def vision_attention_qualifier(path: Path, device: torch.device, dtype: torch.dtype, fast_path: bool | None,
+                               float32_attention: bool) -> torch.dtype | None:
+    """What :attr:`MolmoERuntime.fingerprint` qualifies by for the checkpoint at ``path`` loaded so,
+    from its config alone: the vision tower's attention dtype where it is not the checkpoint's."""
+    arch, _ = read_architecture(path)
+    fast = default_fast_path(device) if fast_path is None else fast_path
+    if not arch.float32_attention or not fast:
+        return None
+    return None if fast_attention_dtype(device, dtype, float32_attention) == torch.float32 else dtype

@@ -272,11 +272,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv
 
 
 class MolmoAttention(nn.Module):
-    """Origin ``MultiHeadDotProductAttention``: wq/wk/wv/wo with biases (ViT blocks and pooling)."""
+    """Origin ``MultiHeadDotProductAttention``: wq/wk/wv/wo with biases (ViT blocks and pooling).
+    ``float32``: attend in float32 (the checkpoint's ``float32_attention``, as the origin does)
+    rather than in the weights' dtype; :meth:`MolmoVisionBackbone.set_float32_attention` sets it."""
 
     def __init__(self, arch: MolmoEArchitecture, input_dim: int) -> None:
         super().__init__()
         self.arch = arch
+        self.float32 = arch.float32_attention
         inner = arch.vit_heads * arch.vit_head_dim
         kv = arch.vit_kv_heads * arch.vit_head_dim
         self.wq = nn.Linear(input_dim, inner)
@@ -288,7 +291,7 @@ class MolmoAttention(nn.Module):
         kv = inputs_q if inputs_kv is None else inputs_kv
         a = self.arch
         out = _attention(self.wq(inputs_q), self.wk(kv), self.wv(kv), a.vit_heads, a.vit_kv_heads, a.vit_head_dim,
-                         a.float32_attention)
+                         self.float32)
         return self.wo(out)
 
 
@@ -373,6 +376,17 @@ class MolmoVisionBackbone(nn.Module):
         self.image_pooling_2d = MolmoAttention(arch, arch.pooled_width)
         self.image_projector = MolmoImageProjector(arch.vit_width, arch.expert_hidden, arch.d_model)
         self.pad_embed = nn.Parameter(torch.zeros(2, arch.pooled_width)) if arch.pad_embed else None
+
+    @property
+    def float32_attention(self) -> bool:
+        """Whether the ViT and the pooling attend in float32 (see :class:`MolmoAttention`)."""
+        return self.image_pooling_2d.float32
+
+    def set_float32_attention(self, float32: bool) -> None:
+        """Attend in float32 (True) or in the weights' dtype (False) in every attention of the path."""
+        for module in self.modules():
+            if isinstance(module, MolmoAttention):
+                module.float32 = bool(float32)
 
     def forward(self, images: torch.Tensor, image_masks: torch.Tensor | None,
                 global_masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,13 +71,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def qualify_fingerprint(weights_fingerprint: str, dtype: torch.dtype) -> str:
+def qualify_fingerprint(weights_fingerprint: str, dtype: torch.dtype,
+                        vision_attention: torch.dtype | None = None) -> str:
     """The fingerprint of a model run in ``dtype``: the weights' own for float32 (what every
     float32 cache and record already carries), else a hash of both, so that features and
-    profile records of two precisions never share a key."""
-    if dtype == torch.float32:
+    profile records of two precisions never share a key. ``vision_attention``: the dtype a vision
+    tower attends in where it is not the checkpoint's own (the fast path's), hashed in too: its
+    image features are another model's."""
+    if dtype == torch.float32 and vision_attention is None:
         return weights_fingerprint
-    return hashlib.sha256(f"{weights_fingerprint}\ndtype={dtype_name(dtype)}".encode()).hexdigest()
+    text = f"{weights_fingerprint}\ndtype={dtype_name(dtype)}"
+    if vision_attention is not None:
+        text += f"\nvision_attention={dtype_name(vision_attention)}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def compute_context(dtype: torch.dtype) -> AbstractContextManager:

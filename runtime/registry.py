@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pipeline.execution import ExecutionOptions
 from runtime.base import ModelLoadError, ModelRuntime
 from runtime.cache import default_cache_root
@@ -29,7 +31,7 @@ from runtime.embedded_model import (
     is_embedded_dir,
 )
 from runtime.hub import is_hub_id, resolve_hub_id
-from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint
+from runtime.molmoe import MolmoERuntime, known_checkpoint_fingerprint, vision_attention_qualifier
 from runtime.precision import qualify_fingerprint, resolve_dtype
 from runtime.testbed_recipe import TESTBED_VERSION, TestbedRecipe
 
@@ -88,10 +90,18 @@ def load_runtime(model: str = "embedded", execution: ExecutionOptions | None = N
                          fast_path=execution.fast_path, float32_attention=execution.float32_attention)
 
 
-def model_fingerprint(model: str = "embedded", dtype: str = "auto", device: str = "cpu") -> str | None:
-    """The fingerprint ``load_runtime(model, device, dtype=dtype)`` would report, without loading
-    the weights: lets a fully cached feature run skip the model altogether. None when it cannot be
-    known without reading a checkpoint's weights (their first load computes it in passing)."""
+def model_fingerprint(model: str = "embedded", dtype: str = "auto", device: str = "cpu",
+                      execution: ExecutionOptions | None = None) -> str | None:
+    """The fingerprint ``load_runtime(model, execution)`` would report (``execution``'s device and
+    dtype, else ``device`` and ``dtype`` on the default path), without loading the weights: lets a
+    fully cached feature run skip the model altogether. None when it cannot be known without
+    reading a checkpoint's weights (their first load computes it in passing)."""
+    execution = execution or ExecutionOptions(device=device, dtype=dtype)
     kind, path = resolve_model(model)
     weights = directory_fingerprint(path) if kind == "embedded" else known_checkpoint_fingerprint(path)
-    return None if weights is None else qualify_fingerprint(weights, resolve_dtype(dtype, device))
+    if weights is None:
+        return None
+    torch_dtype = resolve_dtype(execution.dtype, execution.device)
+    vision = None if kind == "embedded" else vision_attention_qualifier(
+        path, torch.device(execution.device), torch_dtype, execution.fast_path, execution.float32_attention)
+    return qualify_fingerprint(weights, torch_dtype, vision)

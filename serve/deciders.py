@@ -390,6 +390,7 @@ def _from_file(path: Path, model_fingerprint: str) -> OfflineDecider | OnlineDec
     exported_for = str(deployed.model_fingerprint)
     if exported_for != model_fingerprint:
         msg = (f"{path}: exported for model {exported_for[:16]}, but the server runs model {model_fingerprint[:16]}\n"
-               "Hint: serve the model the controller was trained on (--model, --dtype), or export a run trained on it.")
+               "Hint: serve the model the controller was trained on (--model, --dtype and, for MolmoE on a GPU, "
+               "--float32-attention as its features were extracted), or export a run trained on it.")
         raise CacheMismatchError(msg)
     return OfflineDecider(deployed, path.name)

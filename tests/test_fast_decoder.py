@@ -551,8 +551,8 @@ def test_the_vit_captured_ahead_serves_the_request_with_that_many_arrays(tiny_mo
     assert not torch.equal(inputs.global_image_mask, inputs.image_masks[0])
     with torch.inference_mode(), runtime.precision_context():
         expected, expected_global = runtime._image_tokens(inputs, global_crop=True)
-    runtime._vit_graphs = GraphedFunction(runtime.vision_backbone.encode, GraphCache(RerunBackend()))
-    runtime.vision_backbone.runner = runtime._vit_graphs
+    runtime.vision_backbone.runner = GraphedFunction(runtime.vision_backbone.encode, GraphCache(RerunBackend()))
+    runtime._vit_graphs[runtime.vision_attends_float32()] = runtime.vision_backbone.runner
     assert runtime.capture_vision(arrays) is True and runtime.capture_vision(arrays) is False
     assert runtime.graph_captures == 1
     with torch.inference_mode(), runtime.precision_context(), OpTrace() as trace:
@@ -560,3 +560,33 @@ def test_the_vit_captured_ahead_serves_the_request_with_that_many_arrays(tiny_mo
     assert runtime.graph_captures == 1 and torch.equal(got, expected) and torch.equal(got_global, expected_global)
     # the global image's placed rows are found on the host, not by a boolean mask on the device
     assert [name for name in trace.syncs if "boolean" in name] == []
+
+
+def test_the_vision_tower_attends_as_the_fast_paths_decoder_and_the_fingerprint_says_so(tiny_molmoe_dir):
+    """In bfloat16 with the GPU's formulation (attention in the weights' dtype) the vision tower attends in
+    bfloat16 too (its tokens: tests/test_molmoe_native.py), and the fingerprint (the feature cache's key,
+    what a controller is matched to) is another; the fingerprint predicted from the config for a GPU is
+    that one. The CPU's formulation attends in float32 as the origin does, under the dtype's own."""
+    from pipeline.execution import ExecutionOptions
+    from runtime.precision import qualify_fingerprint
+    from runtime.registry import model_fingerprint
+
+    runtime = MolmoERuntime(tiny_molmoe_dir, dtype="bfloat16", fast_path=True)
+    items = [inputs_for(runtime, (640, 480), 6), inputs_for(runtime, (320, 240), 2)]
+    origin_fingerprint = runtime.fingerprint
+    assert runtime.vision_attends_float32() is True
+    assert origin_fingerprint == qualify_fingerprint(runtime.weights_fingerprint, torch.bfloat16)
+    assert model_fingerprint(str(tiny_molmoe_dir), dtype="bfloat16") == origin_fingerprint
+    expected = runtime.encode_images(items)
+    with formulation(runtime, lambda d: CudaFormulation(d, grouped=False)):
+        assert runtime.fast.attention_dtype == torch.bfloat16 and runtime.vision_attends_float32() is False
+        runtime.encode_images(items)
+        assert runtime.vision_backbone.float32_attention is False
+        assert runtime.fingerprint != origin_fingerprint
+        assert runtime.fingerprint == model_fingerprint(
+            str(tiny_molmoe_dir), execution=ExecutionOptions(device="cuda", dtype="bfloat16"))
+    assert model_fingerprint(str(tiny_molmoe_dir), execution=ExecutionOptions(
+        device="cuda", dtype="bfloat16", float32_attention=True)) == origin_fingerprint
+    again = runtime.encode_images(items)  # the CPU's formulation again: the origin's attention
+    assert runtime.vision_backbone.float32_attention is True and runtime.fingerprint == origin_fingerprint
+    assert torch.equal(again.all_tokens, expected.all_tokens)

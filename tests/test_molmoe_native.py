@@ -275,3 +275,28 @@ def test_the_experts_equal_the_per_expert_loop_bit_for_bit(dtype, tokens):
     with torch.no_grad():
         expected = per_expert_where(experts, hidden, top_k_index, weights)
         assert torch.equal(experts(hidden, top_k_index, weights), expected)
+
+
+@pytest.mark.parametrize("float32_attention", [True, False])
+def test_the_vision_tower_attends_as_the_origin_configured_so(native, origin, float32_attention):
+    """In bfloat16, the vision tower attending in float32 (the checkpoint's setting) or in bfloat16 (the
+    fast path on a GPU) gives the origin's tokens bit for bit with its ``float32_attention`` set alike;
+    the two settings give different tokens."""
+    import copy
+
+    reference = copy.deepcopy(origin.model.vision_backbone).to(torch.bfloat16)
+    for module in reference.modules():
+        if hasattr(module, "config") and hasattr(module.config, "float32_attention"):
+            module.config.float32_attention = float32_attention
+    ours = copy.deepcopy(native.vision_backbone).to(torch.bfloat16)
+    ours.set_float32_attention(float32_attention)
+    assert ours.float32_attention is float32_attention
+    item = native.preprocess(make_image(640, 480, seed=3), QUESTION, 6)
+    images, masks = item.images[None].to(torch.bfloat16), item.image_masks[None].to(torch.bfloat16)
+    with torch.no_grad():
+        expected, _ = reference(images, masks)
+        got, _ = ours(images, masks)
+        ours.set_float32_attention(not float32_attention)
+        other, _ = ours(images, masks)
+    assert torch.equal(got, expected)
+    assert not torch.equal(other, got)

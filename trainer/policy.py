@@ -613,7 +613,8 @@ def check_fingerprint(policy: ControllerPolicy, model_fingerprint: str, where: s
     if policy.model_fingerprint != model_fingerprint:
         msg = (f"{where}: trained on features of model {str(policy.model_fingerprint)[:16]}, "
                f"but these features come from model {str(model_fingerprint)[:16]}\n"
-               "Hint: run `ctrl extract-features` with the model the checkpoint was trained on, or train a new run.")
+               "Hint: run `ctrl extract-features` with the model the checkpoint was trained on (the same --dtype and, "
+               "for MolmoE on a GPU, --float32-attention alike), or train a new run.")
         raise CacheMismatchError(msg)
 
 
