@@ -36,7 +36,7 @@ from pipeline.errors import CtrlError
 from pipeline.knobs import Config
 from pipeline.origin_format import EXP5_DIR_PREFIX, EXP6_CONFIG_RE, EXP6_DIR_PREFIX, exp5_name, exp6_name
 from pipeline.workspace import write_bytes_atomic
-from profiler.tree import IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, read_json
+from profiler.tree import BATCH_ONE, IDENTITY_KEYS, PROFILE_VERSION, TreeWriter, read_json, sampling_of
 
 __all__ = ["ARCHIVE_VERSION", "UnpackReport", "pack_profile", "unpack_profile"]
 
@@ -79,6 +79,10 @@ class _Packer:
                        f"(version {PROFILE_VERSION})")
                 raise CtrlError(msg)
         config5, summary5 = d5["config"], d5["summary"][0]
+        if sampling_of(config5["ctrl_profile"]) != BATCH_ONE:
+            msg = (f"{path5}: a profile generated in batches or timing a subset (--batch-size, --latency-samples) "
+                   "keeps two sets of generations; the archive holds batch-1 profiles only")
+            raise CtrlError(msg)
         name = config5["dataset_name"]
         lats, preds = d6["per_sample_latencies"], d6["per_sample_predictions"]
         self._add_records(path6, name, lats, preds)

@@ -69,6 +69,12 @@ class ProfileConfig:
     out_dir: Path = option(Path("results/profile"), help="Results directory (exp5_accuracy_<dataset>/, "
                            "exp6_latency_<dataset>/).", flags=("--out",), is_dir=True)
     max_new_tokens: int = option(16, help="Generation cap per request.", min=1)
+    batch_size: int = option(1, help="Requests generated together for exp5's accuracy, all at one configuration "
+                             "(1: every generation alone, exp5 and exp6 from the same ones). Above 1, exp6's "
+                             "latencies come from separate generations alone, on --latency-samples.", min=1)
+    latency_samples: int | None = option(None, help="Samples whose latency exp6 records at batch size 1: a "
+                                         "seeded subset of each dataset's (default: all).", min=1)
+    latency_seed: int = option(0, help="Seed of the --latency-samples subset.", min=0)
     device: str = execution_field("device")
     # recorded in every file: a file of another dtype is another run's
     dtype: str = execution_field("dtype")
@@ -92,6 +98,8 @@ class ProfileConfig:
                 raise CtrlError(msg)
         bounds = (("--num-samples", self.num_samples, 1), ("--world-size", self.world_size, 1),
                   ("--max-new-tokens", self.max_new_tokens, 1), ("--warmup", self.warmup, 0),
+                  ("--batch-size", self.batch_size, 1), ("--latency-samples", self.latency_samples, 1),
+                  ("--latency-seed", self.latency_seed, 0),
                   ("--threads", self.threads, 0))
         for flag, value, low in bounds:
             if value is not None and value < low:

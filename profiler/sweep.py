@@ -73,8 +73,17 @@ from pipeline.execution import ExecutionOptions
 from pipeline.knobs import Config
 from pipeline.origin_format import exp5_name, exp6_name
 from profiler.config import ProfileConfig, parse_configs
-from profiler.tree import IDENTITY_KEYS, TreeWriter, dataset_dirs, is_complete, read_json
+from profiler.tree import (
+    IDENTITY_KEYS,
+    TreeWriter,
+    dataset_dirs,
+    is_complete,
+    latency_indices,
+    read_json,
+    sampling_identity,
+)
 from runtime import GenerationResult, ModelRuntime, load_runtime
+from runtime.base import BatchRequest
 from runtime.distributed import init_distributed_from_env
 from runtime.images import open_image
 from runtime.precision import dtype_name
@@ -91,6 +100,15 @@ __all__ = ["DatasetReport", "ProfileConfig", "ProfileReport", "format_report", "
 def rank_indices(n: int, world_size: int, rank: int) -> list[int]:
     """Rank r's dataset indices: r, r+W, ... below n (no sampler padding, so no duplicates)."""
     return list(range(rank, n, world_size))
+
+
+def _generations(config: ProfileConfig, n: int, indices: Sequence[int]) -> int:
+    """The generations one configuration runs over ``indices`` of a dataset of ``n`` samples: one per
+    sample, and in batches of more than one also one alone per latency sample among them."""
+    if config.batch_size == 1:
+        return len(indices)
+    identity = sampling_identity(config.batch_size, config.latency_samples, config.latency_seed, n)
+    return len(indices) + len(set(indices) & set(latency_indices(n, identity)))
 
 
 @dataclass
@@ -145,11 +163,12 @@ class _Profiler:
             "dtype": dtype_name(self.runtime.dtype),
         }
         execution = {k: v for k, v in self.runtime.execution.items() if k != "cuda_graphs"}
-        return {**{key: identity[key] for key in IDENTITY_KEYS}, "execution": execution}
+        sampling = sampling_identity(self.config.batch_size, self.config.latency_samples, self.config.latency_seed, n)
+        return {**{key: identity[key] for key in IDENTITY_KEYS}, "execution": execution, **sampling}
 
     def _foreign(self, path: Path, identity: dict) -> CtrlError:
         return CtrlError(f"{path}: written by a different profiling run (other model, samples, max_new_tokens, "
-                         f"device, dtype, execution path or world size than model "
+                         f"device, dtype, execution path, world size, batch size or latency samples than model "
                          f"{identity['model_fingerprint'][:12]}, "
                          f"{identity['num_samples']} samples); use another --out or delete that directory")
 
@@ -175,7 +194,7 @@ class _Profiler:
                     raise self._foreign(p, identity)
             if all(states):
                 report.skipped_configs.append((c, k, b))
-                self.advance(sum(len(rank_indices(n, W, r)) for r in ranks), f"{label} (done earlier)")
+                self.advance(sum(_generations(cfg, n, rank_indices(n, W, r)) for r in ranks), f"{label} (done earlier)")
                 continue
             active = list(runtime.blocks_for(b))
             for rank in ranks:
@@ -187,7 +206,7 @@ class _Profiler:
                         raise self._foreign(p, identity)
                 indices = rank_indices(n, W, rank)
                 if all(rstates):
-                    self.advance(len(indices), f"{label} rank {rank} (done earlier)")
+                    self.advance(_generations(cfg, n, indices), f"{label} rank {rank} (done earlier)")
                     continue
                 self._run_rank(dataset, identity, (c, k, b), ci, active, rank, indices, files, label)
             to_merge.append(((c, k, b), active))
@@ -213,53 +232,48 @@ class _Profiler:
 
     def _run_rank(self, dataset: VqaDataset, identity: dict, knob: Config, config_index: int, active: list[int],
                   rank: int, indices: list[int], files: list[Path], label: str) -> None:
-        cfg, runtime, timer = self.config, self.runtime, self.timer
+        cfg, runtime = self.config, self.runtime
         c, k, b = knob
         started = time.perf_counter()
         start_time = datetime.now()
+        timed = set(latency_indices(identity["num_samples"], identity))
         latencies: list[dict] = []
         predictions: list[dict] = []
+        latency_predictions: list[dict] | None = None
         with runtime.knobs(top_k=k, num_active_blocks=b):
-            if indices and cfg.warmup:
-                inputs = self._sample_inputs(dataset, indices[0], c)
+            timed_here = [i for i in indices if i in timed]
+            if timed_here and cfg.warmup:
+                inputs = self._sample_inputs(dataset, timed_here[0], c)
                 for _ in range(cfg.warmup):
                     runtime.generate(inputs, cfg.max_new_tokens)
-            for index in indices:
-                sample = dataset.samples[index]
-                inputs = self._sample_inputs(dataset, index, c)
-
-                def timed_generate() -> tuple[GenerationResult, object]:
-                    with timer.request() as marks:
-                        return runtime.generate(inputs, cfg.max_new_tokens), marks
-
-                result, marks = uncaptured_run(runtime, timed_generate)
-                t = timer.resolve(marks)
-                tokens = list(result.token_ids)
-                if t.num_passes != len(tokens):
-                    msg = f"{len(tokens)} tokens but {t.num_passes} forward passes were timed"
-                    raise RuntimeError(msg)
-                score, pred = score_answer(dataset.name, result.text, list(sample.answers))
-                meta = sample.metadata()
-                num_vision = 0 if inputs.image_token_positions is None else int(inputs.image_token_positions.numel())
-                seq = int(inputs.input_ids.shape[1])
-                latencies.append({
-                    "sample_id": index, "dataset_index": index, "rank": rank,
-                    "max_crops": c, "top_k": k, "num_active_blocks": b,
-                    "T_total_ms": t.total_ms, "T_vision_ms": t.vision_ms, "T_embed_ms": t.embed_ms,
-                    "T_prefill_ms": t.prefill_ms, "T_prefill_head_ms": t.prefill_head_ms, "T_decode_ms": t.decode_ms,
-                    "T_decode_steps_ms": t.decode_steps_ms,
-                    "num_crops": inputs.num_crops, "num_vision_tokens": num_vision,
-                    "num_language_tokens": inputs.num_text_tokens,
-                    "num_output_tokens": len(tokens), "num_total_tokens": seq,
-                    "ends_with_eos": bool(tokens) and tokens[-1] == runtime.eos_id,
-                    "accuracy": float(score), "metadata": meta,
-                })
-                predictions.append({"sample_id": index, "score": float(score), "pred": pred,
-                                    "answers": list(sample.answers),
-                                    "metadata": meta, "text": result.text, "dataset_index": index, "rank": rank,
-                                    "max_crops": c, "top_k": k, "num_active_blocks": b})
-                self.measured += 1
-                self.advance(1, f"{label} rank {rank}")
+            if cfg.batch_size == 1:
+                for index in indices:
+                    inputs = self._sample_inputs(dataset, index, c)
+                    if index in timed:
+                        result, latency = self._timed(dataset, index, inputs, knob, rank)
+                        latencies.append(latency)
+                    else:
+                        result = runtime.generate(inputs, cfg.max_new_tokens)
+                    predictions.append(self._prediction(dataset, index, result, knob, rank))
+                    self.measured += 1
+                    self.advance(1, f"{label} rank {rank}")
+            else:
+                for start in range(0, len(indices), cfg.batch_size):
+                    chunk = indices[start:start + cfg.batch_size]
+                    requests = [BatchRequest(self._sample_inputs(dataset, i, c), cfg.max_new_tokens) for i in chunk]
+                    for index, result in zip(chunk, runtime.generate_batch(requests), strict=True):
+                        if isinstance(result, CtrlError):
+                            msg = f"sample {dataset.samples[index].example_id}: {result}"
+                            raise CtrlError(msg)
+                        predictions.append(self._prediction(dataset, index, result, knob, rank))
+                    self.measured += len(chunk)
+                    self.advance(len(chunk), f"{label} rank {rank} (batches of {cfg.batch_size})")
+                latency_predictions = []
+                for index in timed_here:
+                    result, latency = self._timed(dataset, index, self._sample_inputs(dataset, index, c), knob, rank)
+                    latencies.append(latency)
+                    latency_predictions.append(self._prediction(dataset, index, result, knob, rank))
+                    self.advance(1, f"{label} rank {rank} (latency alone)")
         duration = time.perf_counter() - started
         self.measure_s += duration
         fmt = "%Y-%m-%d %H:%M:%S"
@@ -268,7 +282,49 @@ class _Profiler:
                  "cuda_graphs": runtime.execution["cuda_graphs"],
                  "dataset_indices": indices, "torch": torch.__version__, "complete": True}
         self._writer(dataset).write_rank(files, knob, rank, active, config_index, block, latencies, predictions,
-                                         duration, start_time.strftime(fmt), datetime.now().strftime(fmt))
+                                         duration, start_time.strftime(fmt), datetime.now().strftime(fmt),
+                                         latency_predictions=latency_predictions)
+
+    def _timed(self, dataset: VqaDataset, index: int, inputs, knob: Config, rank: int) -> tuple[GenerationResult, dict]:
+        """One generation alone, hook-timed, and its exp6 latency record."""
+        runtime, timer = self.runtime, self.timer
+        c, k, b = knob
+
+        def timed_generate() -> tuple[GenerationResult, object]:
+            with timer.request() as marks:
+                return runtime.generate(inputs, self.config.max_new_tokens), marks
+
+        result, marks = uncaptured_run(runtime, timed_generate)
+        t = timer.resolve(marks)
+        tokens = list(result.token_ids)
+        if t.num_passes != len(tokens):
+            msg = f"{len(tokens)} tokens but {t.num_passes} forward passes were timed"
+            raise RuntimeError(msg)
+        sample = dataset.samples[index]
+        score, _ = score_answer(dataset.name, result.text, list(sample.answers))
+        num_vision = 0 if inputs.image_token_positions is None else int(inputs.image_token_positions.numel())
+        return result, {
+            "sample_id": index, "dataset_index": index, "rank": rank,
+            "max_crops": c, "top_k": k, "num_active_blocks": b,
+            "T_total_ms": t.total_ms, "T_vision_ms": t.vision_ms, "T_embed_ms": t.embed_ms,
+            "T_prefill_ms": t.prefill_ms, "T_prefill_head_ms": t.prefill_head_ms, "T_decode_ms": t.decode_ms,
+            "T_decode_steps_ms": t.decode_steps_ms,
+            "num_crops": inputs.num_crops, "num_vision_tokens": num_vision,
+            "num_language_tokens": inputs.num_text_tokens,
+            "num_output_tokens": len(tokens), "num_total_tokens": int(inputs.input_ids.shape[1]),
+            "ends_with_eos": bool(tokens) and tokens[-1] == runtime.eos_id,
+            "accuracy": float(score), "metadata": sample.metadata(),
+        }
+
+    def _prediction(self, dataset: VqaDataset, index: int, result: GenerationResult, knob: Config,
+                    rank: int) -> dict:
+        """A generation's exp5 (and exp6) prediction record."""
+        c, k, b = knob
+        sample = dataset.samples[index]
+        score, pred = score_answer(dataset.name, result.text, list(sample.answers))
+        return {"sample_id": index, "score": float(score), "pred": pred, "answers": list(sample.answers),
+                "metadata": sample.metadata(), "text": result.text, "dataset_index": index, "rank": rank,
+                "max_crops": c, "top_k": k, "num_active_blocks": b}
 
     def _writer(self, dataset: VqaDataset) -> TreeWriter:
         cfg = self.config
@@ -336,7 +392,8 @@ def profile_model(config: ProfileConfig, runtime: ModelRuntime | None = None,
         runtime = load_runtime(config.model, ExecutionOptions.of(config))
     _check_knobs(config.combinations, runtime)
     if on_total is not None:
-        share = sum(len(rank_indices(n, config.world_size, dist.rank)) for n in sizes) if dist.active else sum(sizes)
+        share = sum(_generations(config, n, rank_indices(n, config.world_size, dist.rank) if dist.active
+                                 else range(n)) for n in sizes)
         on_total(share * len(config.combinations))
     profiler = _Profiler(config, runtime, progress or (lambda n, label: None))
     reports = []

@@ -10,6 +10,7 @@ archive is the tree the profiler wrote.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,36 @@ EAGER_EXECUTION = {"compiled": False, "attention_dtype": "float32"}
 def execution_of(block: dict) -> dict:
     """The execution path a ``ctrl_profile`` block records (:data:`EAGER_EXECUTION` where it records none)."""
     return block.get("execution", EAGER_EXECUTION)
+
+
+#: how a run generated: exp5's batch size and exp6's latency subset (recorded only where not these)
+BATCH_ONE = {"batch_size": 1, "latency_samples": None, "latency_seed": 0}
+
+
+def sampling_of(block: dict) -> dict:
+    """A ``ctrl_profile`` block's (or a run identity's) batch size and latency subset, the defaults
+    where it records none (every file of a batch-1 run that times every sample)."""
+    return {key: block.get(key, default) for key, default in BATCH_ONE.items()}
+
+
+def sampling_identity(batch_size: int, latency_samples: int | None, latency_seed: int, num_samples: int) -> dict:
+    """What a run's identity records of its sampling: nothing for the batch-1, every-sample run (its
+    files stay what they were before batching existed), else all three values."""
+    if latency_samples is not None and latency_samples >= num_samples:
+        latency_samples = None  # every sample: the subset is the whole set, whatever the seed
+    sampling = {"batch_size": int(batch_size), "latency_samples": latency_samples,
+                "latency_seed": int(latency_seed) if latency_samples is not None else 0}
+    return {} if sampling == BATCH_ONE else sampling
+
+
+def latency_indices(num_samples: int, identity: dict) -> list[int]:
+    """The dataset indices whose latency exp6 records: all, or the seeded subset of the identity's
+    ``latency_samples`` (sorted)."""
+    sampling = sampling_of(identity)
+    m = sampling["latency_samples"]
+    if m is None or m >= num_samples:
+        return list(range(num_samples))
+    return sorted(random.Random(sampling["latency_seed"]).sample(range(num_samples), m))
 
 
 #: one-line JSON by the C encoder (the standard library encodes with indentation in Python, 3x slower)
@@ -91,6 +122,7 @@ def is_complete(doc: dict | None, identity: dict, extra: dict) -> bool | None:
     keys = ("model_fingerprint", "num_samples", "samples_sha256", "max_new_tokens", "device", "dtype")
     same = all(block.get(k) == identity[k] for k in keys) and all(block.get(k) == v for k, v in extra.items())
     same = same and execution_of(block) == identity.get("execution", EAGER_EXECUTION)
+    same = same and sampling_of(block) == sampling_of(identity)
     return same and block.get("complete") is True
 
 
@@ -121,19 +153,24 @@ class TreeWriter:
 
     def write_rank(self, files: Sequence[Path], knob: Config, rank: int, active: list[int], config_index: int,
                    block: dict, latencies: list[dict], predictions: list[dict], duration: float,
-                   start_time: str, end_time: str) -> None:
-        """One rank's exp5 and exp6 files (``files`` = their paths) of one configuration."""
+                   start_time: str, end_time: str, latency_predictions: list[dict] | None = None) -> None:
+        """One rank's exp5 and exp6 files (``files`` = their paths) of one configuration: exp5's
+        ``predictions``, exp6's ``latencies`` with their own ``latency_predictions`` (None: the
+        same generations as exp5's)."""
         c, k, b = knob
         scores = [p["score"] for p in predictions]
         acc, std = accuracy_mean_std(scores)
+        lat_preds = predictions if latency_predictions is None else latency_predictions
+        lat_acc, _ = accuracy_mean_std([p["score"] for p in lat_preds])
+        batch = sampling_of(block)["batch_size"]
         base = self.base_config(knob, active)
         exp5_file, exp6_file = files
         # exp6 first: a crash between the two leaves exp5 missing, and the rank is redone
         write_json(exp6_file, {
             "summary": [{"max_crops": c, "top_k": k, "num_active_blocks": b, "num_total_blocks": self.num_layers,
-                         "active_block_indices": active, "num_samples": len(latencies), "accuracy": acc,
+                         "active_block_indices": active, "num_samples": len(latencies), "accuracy": lat_acc,
                          **latency_summary(latencies)}],
-            "per_sample_latencies": latencies, "per_sample_predictions": predictions,
+            "per_sample_latencies": latencies, "per_sample_predictions": lat_preds,
             "config": {**base, "batch_size": 1, "world_size": self.world_size, "rank": rank,
                        "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
         write_json(exp5_file, {
@@ -142,7 +179,8 @@ class TreeWriter:
                          "std": std, "duration_seconds": duration, "duration_minutes": duration / 60.0,
                          "duration_hours": duration / 3600.0, "start_time": start_time, "end_time": end_time}],
             "all_samples": predictions,
-            "config": {**base, "batch_size": 1, "batch_size_used": 1, "world_size": self.world_size, "rank": rank,
+            "config": {**base, "batch_size": batch, "batch_size_used": batch, "world_size": self.world_size,
+                       "rank": rank,
                        "config_index": config_index, "sampling_strategy": self.strategy,
                        "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
 
@@ -165,12 +203,15 @@ class TreeWriter:
         order = sorted(range(len(lats)), key=lambda i: lats[i]["dataset_index"])
         lats, preds = [lats[i] for i in order], [preds[i] for i in order]
         samples.sort(key=lambda r: r["dataset_index"])
-        expected = list(range(identity["num_samples"]))
-        for name, records in (("exp5", samples), ("exp6", lats)):
+        every = list(range(identity["num_samples"]))
+        timed = latency_indices(identity["num_samples"], identity)
+        for name, records, expected in (("exp5", samples, every), ("exp6", lats, timed)):
             got = [r["dataset_index"] for r in records]
             if got != expected:
+                which = (f"0..{identity['num_samples'] - 1}" if expected == every
+                         else f"the {len(expected)} latency samples")
                 msg = (f"{self.dataset_name} crops{c}_topk{k}_blocks{b}: the {name} rank files cover dataset "
-                       f"indices {got[:8]}..., expected 0..{identity['num_samples'] - 1} exactly once")
+                       f"indices {got[:8]}..., expected {which} exactly once")
                 raise CtrlError(msg)
         block = {**identity, "world_size": W, "complete": True}
         base = self.base_config(knob, active)
@@ -187,7 +228,7 @@ class TreeWriter:
                          "num_samples": len(samples),
                          "std": std5}],
             "all_samples": samples,
-            "config": {**base, "batch_size": 1, "world_size": W, "note": MERGE_NOTE,
+            "config": {**base, "batch_size": sampling_of(identity)["batch_size"], "world_size": W, "note": MERGE_NOTE,
                        "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": block}})
 
     def final(self, identity: dict) -> dict[Config, dict]:
@@ -210,7 +251,8 @@ class TreeWriter:
                   "max_new_tokens": self.max_new_tokens, **lists, "sampling_strategy": self.strategy,
                   "num_combinations": len(self.combinations), "world_size": self.world_size,
                   "ctrl_profile_version": PROFILE_VERSION, "ctrl_profile": {**identity, "complete": True}}
-        write_json(exp5_dir / EXP5_FINAL_NAME, {"summary": s5, "all_samples": a5, "config": common})
+        exp5_common = {**common, "batch_size": sampling_of(identity)["batch_size"]}
+        write_json(exp5_dir / EXP5_FINAL_NAME, {"summary": s5, "all_samples": a5, "config": exp5_common})
         write_json(exp6_dir / EXP6_FINAL_NAME, {"summary": s6, "all_samples": a6, "config": common})
         return summaries
 

@@ -130,6 +130,29 @@ class GenerationResult:
     text: str
 
 
+@dataclass(frozen=True)
+class RowKnobs:
+    """One request's configuration as the decoder runs it: its active blocks (sorted, block 0 first)
+    and its top-K per block (one entry per decoder block, skipped ones included)."""
+
+    blocks: tuple[int, ...]
+    top_k: tuple[int, ...]
+
+
+@dataclass
+class BatchRequest:
+    """One row of :meth:`ModelRuntime.generate_batch`: a request's inputs, its token limit and its
+    own knobs. ``top_k``: every block's (int) or some blocks' (mapping; the others keep the
+    runtime's current); ``active_blocks`` explicitly or ``num_active_blocks`` by the importance rule.
+    A knob left None is the runtime's current one (``runtime.knobs(...)`` around the call sets them)."""
+
+    inputs: ModelInputs
+    max_new_tokens: int = 16
+    top_k: int | Mapping[int, int] | None = None
+    active_blocks: Sequence[int] | None = None
+    num_active_blocks: int | None = None
+
+
 @dataclass
 class ImageFeatures:
     """Both image features of a batch of requests, from one vision pass: float32, shape
@@ -388,9 +411,39 @@ class ModelRuntime(ABC):
         """Generated ids as text, special tokens skipped (what the metrics score)."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)  # type: ignore[attr-defined]
 
+    def row_knobs(self, *, top_k: int | Mapping[int, int] | None = None, active_blocks: Sequence[int] | None = None,
+                  num_active_blocks: int | None = None) -> RowKnobs:
+        """One request's knobs resolved against the runtime's current ones (checked: KnobError)."""
+        per_block = self.current_top_k()
+        if top_k is not None:
+            for i, k in validate_top_k(top_k, self.num_layers, self.num_experts).items():
+                per_block[i] = k
+        if active_blocks is not None and num_active_blocks is not None:
+            msg = "pass num_active_blocks or active_blocks, not both"
+            raise KnobError(msg)
+        if num_active_blocks is not None:
+            active_blocks = self.blocks_for(num_active_blocks)
+        if active_blocks is None:
+            blocks = tuple(self.current_active_blocks())
+        else:
+            blocks = validate_active_blocks(active_blocks, self.num_layers) or tuple(range(self.num_layers))
+        return RowKnobs(blocks, tuple(per_block))
+
     @abstractmethod
-    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
-        """Greedy decoding with the current knobs, KV cache on."""
+    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16, *, top_k: int | Mapping[int, int] | None = None,
+                 active_blocks: Sequence[int] | None = None,
+                 num_active_blocks: int | None = None) -> GenerationResult:
+        """Greedy decoding, KV cache on, with this request's knobs (each one left None: the
+        runtime's current)."""
+
+    def generate_batch(self, requests: Sequence[BatchRequest], *,
+                       max_rows: int | None = None) -> list[GenerationResult | CtrlError]:
+        """Greedy decoding of many requests in shared passes, each with its own knobs; one result per
+        request, in order: its generation, or the error that refused it (the others still run).
+        ``max_rows`` bounds the rows decoding at once (None: the runtime's choice); the rest join
+        as rows leave."""
+        msg = f"the {self.kind} runtime does not implement batched generation"
+        raise CtrlError(msg)
 
     # -- two-stage execution (online phase): prefill split at the insertion position
     @property

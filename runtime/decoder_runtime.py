@@ -26,22 +26,33 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pipeline.errors import KnobError
+from pipeline.errors import CtrlError, KnobError
+from pipeline.resources import host_available_bytes
 from runtime.base import (
+    BatchRequest,
     DecodeState,
     GenerationResult,
     ModelInputs,
     ModelRuntime,
     PrefixState,
+    RowKnobs,
     greedy_decode,
     validate_active_blocks,
     validate_top_k,
 )
+from runtime.batched_decoder import BatchedDecoder, BatchRow
 from runtime.fast_decoder import FastDecoder, FastPrefixCache, FastSession, default_fast_path
+from runtime.memory import device_available_bytes
 from runtime.precision import compute_context
 
 if TYPE_CHECKING:
     from transformers import OlmoeForCausalLM
+
+
+#: rows a batched generate decodes at once when nothing bounds it (memory may bound it lower)
+MAX_BATCH_ROWS = 32
+#: memory kept free beside a batch's KV cache: activations of a packed prefill, the vision pass
+BATCH_HEADROOM_BYTES = 1 << 30
 
 
 @functools.cache
@@ -154,7 +165,15 @@ class OlmoeDecoderRuntime(ModelRuntime):
             out = self.decoder(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
             return out.logits[0].float().cpu()
 
-    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16) -> GenerationResult:
+    def generate(self, inputs: ModelInputs, max_new_tokens: int = 16, *, top_k: int | Mapping[int, int] | None = None,
+                 active_blocks: Sequence[int] | None = None,
+                 num_active_blocks: int | None = None) -> GenerationResult:
+        if top_k is None and active_blocks is None and num_active_blocks is None:
+            return self._generate(inputs, max_new_tokens)
+        with self.knobs(top_k=top_k, active_blocks=active_blocks, num_active_blocks=num_active_blocks):
+            return self._generate(inputs, max_new_tokens)
+
+    def _generate(self, inputs: ModelInputs, max_new_tokens: int) -> GenerationResult:
         if self.fast is not None:
             return self._generate_fast(inputs, max_new_tokens)
         from transformers import DynamicCache  # deferred: transformers takes seconds to import
@@ -186,6 +205,115 @@ class OlmoeDecoderRuntime(ModelRuntime):
             first = int(fast.logits(hidden[-1:]).argmax())
             tokens = greedy_decode(first, lambda token: fast.greedy_step(session, token), self.eos_id, max_new_tokens)
         return GenerationResult(tokens, self.decode_text(tokens))
+
+    # -- batches
+    def batch_decoder(self) -> BatchedDecoder:
+        """An empty batch over this runtime's decoder (``runtime.batched_decoder``): rows join with
+        :meth:`decoder_inputs` of their requests and their :meth:`row_knobs`, and leave as they end.
+        Call it under :meth:`batch_context`."""
+        return BatchedDecoder(self.decoder, self._all_layers, self.device, self.eos_id)
+
+    @contextmanager
+    def batch_context(self) -> Iterator[None]:
+        """What every call into a batch runs under: no autograd, the precision rule."""
+        with torch.inference_mode(), self.precision_context():
+            yield
+
+    def decoder_inputs(self, inputs: ModelInputs) -> torch.Tensor:
+        """float32 (tokens, d): the request's prompt embeddings with its image features placed (its
+        vision pass), what a row of a batch is prefilled from."""
+        return self._embed(inputs)[0][0].float()
+
+    def batch_rows_that_fit(self, tokens_per_row: int, available: int | None = None) -> int:
+        """How many rows of ``tokens_per_row`` positions (prompt and answer) the batch's KV cache can
+        hold in the device's free memory (the host's on a CPU), beside :data:`BATCH_HEADROOM_BYTES`."""
+        if available is None:
+            available = (device_available_bytes(self.device) if self.device.type == "cuda"
+                         else host_available_bytes())
+        if available is None:
+            return MAX_BATCH_ROWS
+        cfg = self.decoder.config
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        per_row = 2 * self.num_layers * int(cfg.num_key_value_heads) * head_dim * 4 * max(int(tokens_per_row), 1)
+        # the cache doubles when it grows: the rows must fit at twice their size
+        return max(0, (available - BATCH_HEADROOM_BYTES) // (2 * per_row))
+
+    def generate_batch(self, requests: Sequence[BatchRequest], *,
+                       max_rows: int | None = None) -> list[GenerationResult | CtrlError]:
+        if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
+            msg = f"max_rows must be a positive integer, got {max_rows!r}"
+            raise ValueError(msg)
+        results: list[GenerationResult | CtrlError | None] = [None] * len(requests)
+        pending: list[tuple[int, BatchRequest, RowKnobs]] = []
+        for i, request in enumerate(requests):
+            try:
+                knobs = self._checked_row(request)
+            except CtrlError as exc:
+                results[i] = CtrlError(f"request {i}: {exc}")
+                continue
+            if int(request.max_new_tokens) == 0:
+                results[i] = GenerationResult([], "")
+            else:
+                pending.append((i, request, knobs))
+        if pending:
+            longest = max(r.inputs.input_ids.shape[-1] + int(r.max_new_tokens) for _, r, _ in pending)
+            fits = self.batch_rows_that_fit(longest)
+            if max_rows is not None and int(max_rows) > fits:
+                msg = (f"a batch of {max_rows} rows of up to {longest} positions does not fit in the free memory "
+                       f"of {self.device}: at most {fits} rows do")
+                raise CtrlError(msg)
+            rows_at_once = max(1, min(len(pending), MAX_BATCH_ROWS if max_rows is None else int(max_rows), fits))
+            self._run_batch(pending, rows_at_once, results)
+        return results  # type: ignore[return-value]
+
+    def _checked_row(self, request: BatchRequest) -> RowKnobs:
+        """A request's knobs, its token limit and its inputs checked before it joins a batch."""
+        n = request.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            msg = f"max_new_tokens must be a non-negative integer, got {n!r}"
+            raise CtrlError(msg)
+        ids = request.inputs.input_ids
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            msg = f"input_ids must be a (1, tokens) tensor with at least one token, got {shape}"
+            raise CtrlError(msg)
+        limit = self.context_length
+        if limit is not None and ids.shape[1] + n > limit:
+            msg = f"{ids.shape[1]} prompt tokens and {n} new tokens exceed the model's {limit} positions"
+            raise CtrlError(msg)
+        return self.row_knobs(top_k=request.top_k, active_blocks=request.active_blocks,
+                              num_active_blocks=request.num_active_blocks)
+
+    def _run_batch(self, pending: list[tuple[int, BatchRequest, RowKnobs]], rows_at_once: int,
+                   results: list[GenerationResult | CtrlError | None]) -> None:
+        """Rows join as others leave, at most ``rows_at_once`` decoding together, until all are done."""
+        batch = self.batch_decoder()
+        queue = list(reversed(pending))
+        running: dict[int, tuple[int, BatchRow]] = {}
+        with self.batch_context():
+            while queue or batch.live:
+                embeds, knobs, limits, order = [], [], [], []
+                while queue and len(batch.live) + len(order) < rows_at_once:
+                    i, request, row_knobs = queue.pop()
+                    try:
+                        embeds.append(self.decoder_inputs(request.inputs))
+                    except torch.OutOfMemoryError:
+                        raise
+                    except (CtrlError, ValueError, IndexError, TypeError, RuntimeError) as exc:
+                        results[i] = CtrlError(f"request {i}: its inputs could not be embedded: {exc}")
+                        continue
+                    knobs.append(row_knobs)
+                    limits.append(int(request.max_new_tokens))
+                    order.append(i)
+                if order:
+                    for i, row in zip(order, batch.join(embeds, knobs, limits), strict=True):
+                        running[row.index] = (i, row)
+                if batch.live:
+                    batch.step()
+                for key, (i, row) in list(running.items()):
+                    if row.done:
+                        results[i] = GenerationResult(list(row.tokens), self.decode_text(row.tokens))
+                        del running[key]
 
     @property
     def captured_graphs(self) -> int:

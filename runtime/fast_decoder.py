@@ -135,13 +135,13 @@ def call_post_hooks(module: nn.Module) -> None:
         hook(module, (), None)
 
 
-def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """``OlmoeRMSNorm`` of a float32 ``x``: the same operations in the same order (its rounding)."""
     variance = x.pow(2).mean(-1, keepdim=True)
     return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -263,19 +263,19 @@ class CpuFormulation(Formulation):
         fast, layer = self.fast, self.fast.layers[index]
         attn = layer.self_attn
         tokens, heads, kv_heads, dim = x.shape[0], fast.num_heads, fast.kv_heads, fast.head_dim
-        h = _rms(x, layer.input_layernorm)
-        q = _rms(attn.q_proj(h), attn.q_norm).view(tokens, heads, dim).transpose(0, 1)
-        k = _rms(attn.k_proj(h), attn.k_norm).view(tokens, kv_heads, dim).transpose(0, 1)
+        h = rms_norm(x, layer.input_layernorm)
+        q = rms_norm(attn.q_proj(h), attn.q_norm).view(tokens, heads, dim).transpose(0, 1)
+        k = rms_norm(attn.k_proj(h), attn.k_norm).view(tokens, kv_heads, dim).transpose(0, 1)
         v = attn.v_proj(h).view(tokens, kv_heads, dim).transpose(0, 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         adt = self.attention_dtype
         out = fast.attend(index, q.to(adt), k.to(adt), v.to(adt), mask)
         x = x + attn.o_proj(out.transpose(0, 1).reshape(tokens, heads * dim).to(x.dtype))
         return x + self._moe(layer, x)
 
     def _moe(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        h = _rms(x, layer.post_attention_layernorm)
+        h = rms_norm(x, layer.post_attention_layernorm)
         _, weights, index = self._router(layer, h)
         experts = layer.mlp.experts
         if index.shape[0] == 1:
@@ -308,7 +308,7 @@ class CpuFormulation(Formulation):
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fast.decoder.lm_head(_rms(hidden, self.fast.decoder.model.norm)).float()[0]
+        return self.fast.decoder.lm_head(rms_norm(hidden, self.fast.decoder.model.norm)).float()[0]
 
 
 class CudaFormulation(Formulation):

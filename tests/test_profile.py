@@ -435,3 +435,87 @@ def test_a_generation_that_captured_a_graph_is_timed_again(embedded_runtime, tmp
             assert next_tokens == tokens and not next_captured
     assert not measured[-1][1]
     assert len(measured) == 3 + sum(captured for _, captured in measured)
+
+
+# -- batched profiles --------------------------------------------------------------------------
+
+def test_a_batched_profile_gives_batch_ones_answers_and_times_a_seeded_subset(profiled, embedded_runtime, tmp_path):
+    from pipeline.errors import CtrlError
+    from profiler.archive import pack_profile
+
+    root, dataset, _, _ = profiled
+    out = tmp_path / "b2"
+    report = run(dataset, out, embedded_runtime, num_samples=4, batch_size=3, latency_samples=2, latency_seed=5,
+                 world_size=2)
+    assert report.measured == 4 * len(CONFIGS)
+    alone = run(dataset, tmp_path / "b1", embedded_runtime, num_samples=4)
+    exp5, exp6 = out / "exp5_accuracy_tiny-vqa", out / "exp6_latency_tiny-vqa"
+    for c, k, b in CONFIGS:
+        batched = load(exp5 / f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}.json")
+        name = f"exp5_accuracy_results_crops{c}_topk{k}_blocks{b}.json"
+        single = load(tmp_path / "b1" / "exp5_accuracy_tiny-vqa" / name)
+        assert [(s["dataset_index"], s["text"]) for s in batched["all_samples"]] == [
+            (s["dataset_index"], s["text"]) for s in single["all_samples"]]
+        assert batched["config"]["batch_size"] == 3
+        assert batched["config"]["ctrl_profile"]["latency_samples"] == 2
+        timed = load(exp6 / f"exp6_latency_crops{c}_topk{k}_blocks{b}.json")
+        indices = [r["dataset_index"] for r in timed["per_sample_latencies"]]
+        # random.Random(5).sample(range(4), 2), sorted
+        assert indices == [2, 3]
+        assert timed["config"]["batch_size"] == 1
+        assert [p["dataset_index"] for p in timed["per_sample_predictions"]] == indices
+    # ingest reads it: exp6 rows for the subset only, exp5 for every sample
+    ws = Workspace(tmp_path / "ws")
+    assert run_ingest([out], ws).exit_code == 0
+    counts = run_query(ws, "SELECT experiment, count(*) AS n FROM measurements GROUP BY 1 ORDER BY 1").to_pylist()
+    assert counts == [{"experiment": "exp5", "n": 4 * len(CONFIGS)}, {"experiment": "exp6", "n": 2 * len(CONFIGS)}]
+    # resumed: nothing measured again; another batch size is another run's directory
+    assert run(dataset, out, embedded_runtime, num_samples=4, batch_size=3, latency_samples=2, latency_seed=5,
+               world_size=2).measured == 0
+    with pytest.raises(CtrlError, match="batch size or latency samples"):
+        run(dataset, out, embedded_runtime, num_samples=4, batch_size=2, latency_samples=2, latency_seed=5,
+            world_size=2)
+    with pytest.raises(CtrlError, match="the archive holds batch-1 profiles only"):
+        pack_profile(out, tmp_path / "p.parquet")
+    assert alone.measured == 4 * len(CONFIGS)
+
+
+def test_batch_size_one_writes_todays_files(profiled, embedded_runtime, tmp_path):
+    """--batch-size 1 with every sample timed records nothing new: the files of a run without the options."""
+    root, dataset, _, _ = profiled
+    out = tmp_path / "same"
+    run(dataset, out, embedded_runtime, batch_size=1, latency_samples=NUM_SAMPLES, latency_seed=3)
+    doc = load(out / "exp6_latency_tiny-vqa" / "exp6_latency_crops2_topk4_blocks12.json")
+    assert not {"batch_size", "latency_samples", "latency_seed"} & set(doc["config"]["ctrl_profile"])
+    # a latency subset at batch size 1 times those samples of the same generations
+    sub = tmp_path / "sub"
+    run(dataset, sub, embedded_runtime, latency_samples=1)
+    doc5 = load(sub / "exp5_accuracy_tiny-vqa" / "exp5_accuracy_results_crops2_topk4_blocks12.json")
+    doc6 = load(sub / "exp6_latency_tiny-vqa" / "exp6_latency_crops2_topk4_blocks12.json")
+    assert len(doc5["all_samples"]) == NUM_SAMPLES and len(doc6["per_sample_latencies"]) == 1
+    assert doc5["config"]["batch_size"] == 1
+
+
+def test_an_interrupted_batched_profile_resumes(profiled, embedded_runtime, tmp_path):
+    from profiler.sweep import ProfileConfig, profile_model
+
+    root, dataset, _, _ = profiled
+    out = tmp_path / "cut"
+    config = ProfileConfig(datasets=[dataset], configs=CONFIGS, out_dir=out, num_samples=NUM_SAMPLES,
+                           max_new_tokens=MAX_NEW_TOKENS, batch_size=2)
+
+    def stop_in_the_second_configuration(n: int, label: str) -> None:
+        if "crops6" in label and "latency" in label:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        profile_model(config, runtime=embedded_runtime, progress=stop_in_the_second_configuration)
+    again = profile_model(config, runtime=embedded_runtime)
+    # the first configuration's rank file was complete: only the second is generated again
+    assert again.datasets[0].skipped_configs == [] and again.measured == NUM_SAMPLES
+    fresh = run(dataset, tmp_path / "whole", embedded_runtime, batch_size=2)
+    for name in ("exp5_accuracy_tiny-vqa/exp5_accuracy_results_crops6_topk8_blocks16.json",
+                 "exp5_accuracy_tiny-vqa/exp5_accuracy_results_crops2_topk4_blocks12.json"):
+        assert [s["text"] for s in load(out / name)["all_samples"]] == [
+            s["text"] for s in load(tmp_path / "whole" / name)["all_samples"]]
+    assert fresh.measured == NUM_SAMPLES * len(CONFIGS)
