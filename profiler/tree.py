@@ -58,7 +58,7 @@ def sampling_of(block: dict) -> dict:
 
 def sampling_identity(batch_size: int, latency_samples: int | None, latency_seed: int, num_samples: int) -> dict:
     """What a run's identity records of its sampling: nothing for the batch-1, every-sample run (its
-    files stay what they were before batching existed), else all three values."""
+    files are those of a run without batching), else all three values."""
     if latency_samples is not None and latency_samples >= num_samples:
         latency_samples = None  # every sample: the subset is the whole set, whatever the seed
     sampling = {"batch_size": int(batch_size), "latency_samples": latency_samples,

@@ -44,7 +44,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.base import RowKnobs
-from runtime.fast_decoder import bucket_for, call_post_hooks, call_pre_hooks, grouped_mm, rms_norm, rotate_half
+from runtime.fast_decoder import (
+    bucket_for,
+    call_post_hooks,
+    call_pre_hooks,
+    grouped_mm,
+    rms_norm,
+    rope_tables,
+    rotated_qkv,
+)
 
 #: why a row left the batch
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -115,6 +123,11 @@ class BatchedDecoder:
     def capacity(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[3])
 
+    @property
+    def bytes_per_position(self) -> int:
+        """The KV cache's bytes for one position of one row (K and V of every block, float32)."""
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * 4
+
     def cache_bytes(self) -> int:
         return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
 
@@ -171,23 +184,13 @@ class BatchedDecoder:
         self._ensure(max(taken) + 1, max(r.prompt_tokens + r.max_new_tokens for r in self.live + new))
         x = torch.cat([e.to(self.device, torch.float32) for e in embeds])
         positions = torch.cat([torch.arange(r.prompt_tokens, device=self.device) for r in new])
-        cos, sin = self._rope(positions)
+        cos, sin = rope_tables(self.decoder, positions)
         starts = [0]
         for r in new:
             starts.append(starts[-1] + r.prompt_tokens)
         spans = {r.index: (starts[j], starts[j + 1]) for j, r in enumerate(new)}
-        for b in sorted({b for r in new for b in r.knobs.blocks}):
-            members = [r for r in self._drop_cancelled(new) if b in r.knobs.blocks]
-            if not members:
-                continue
-            idx = self._token_index([spans[r.index] for r in members], x.shape[0])
-            layer = self.layers[b]
-            call_pre_hooks(layer)
-            xs = x if idx is None else x.index_select(0, idx)
-            out = self._block(b, xs, cos if idx is None else cos.index_select(0, idx),
-                              sin if idx is None else sin.index_select(0, idx), members, prefill=True)
-            x = out if idx is None else x.index_copy(0, idx, out)
-            call_post_hooks(layer)
+        x = self._through_blocks(x, cos, sin, new, lambda members: self._token_index(
+            [spans[r.index] for r in members], x.shape[0]), prefill=True)
         # the rows belong to the batch once their prefill is complete (an exception leaves it as it was)
         self.rows = self.live + new
         joined = self._drop_cancelled(new)
@@ -209,21 +212,14 @@ class BatchedDecoder:
         tokens = torch.tensor([r.tokens[-1] for r in rows], device=self.device)
         x = self.decoder.model.embed_tokens(tokens).float()
         positions = torch.tensor([r.position for r in rows], device=self.device)
-        cos, sin = self._rope(positions)
+        cos, sin = rope_tables(self.decoder, positions)
         order = {r.index: j for j, r in enumerate(rows)}
-        for b in sorted({b for r in rows for b in r.knobs.blocks}):
-            members = [r for r in self._drop_cancelled(rows) if b in r.knobs.blocks]
-            if not members:
-                continue
+
+        def step_index(members: list[BatchRow]) -> torch.Tensor | None:
             picked = [order[r.index] for r in members]
-            idx = None if picked == list(range(len(rows))) else torch.tensor(picked, device=self.device)
-            layer = self.layers[b]
-            call_pre_hooks(layer)
-            xs = x if idx is None else x.index_select(0, idx)
-            out = self._block(b, xs, cos if idx is None else cos.index_select(0, idx),
-                              sin if idx is None else sin.index_select(0, idx), members, prefill=False)
-            x = out if idx is None else x.index_copy(0, idx, out)
-            call_post_hooks(layer)
+            return None if picked == list(range(len(rows))) else torch.tensor(picked, device=self.device)
+
+        x = self._through_blocks(x, cos, sin, rows, step_index, prefill=False)
         left = [r for r in rows if r.done]  # cancelled during the step
         kept = [r for r in rows if not r.done]
         if kept:
@@ -234,6 +230,25 @@ class BatchedDecoder:
                 if r.done:
                     left.append(r)
         return left
+
+    def _through_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[BatchRow],
+                        index_of: Callable[[list[BatchRow]], torch.Tensor | None], *, prefill: bool) -> torch.Tensor:
+        """``x`` (the pass's tokens of ``rows``) through every block some row has, each block on its
+        member rows' tokens only (``index_of(members)``: their positions in ``x``, None for all),
+        hooks around it; a row cancelled meanwhile drops out at the next block."""
+        for b in sorted({b for r in rows for b in r.knobs.blocks}):
+            members = [r for r in self._drop_cancelled(rows) if b in r.knobs.blocks]
+            if not members:
+                continue
+            idx = index_of(members)
+            layer = self.layers[b]
+            call_pre_hooks(layer)
+            xs = x if idx is None else x.index_select(0, idx)
+            out = self._block(b, xs, cos if idx is None else cos.index_select(0, idx),
+                              sin if idx is None else sin.index_select(0, idx), members, prefill=prefill)
+            x = out if idx is None else x.index_copy(0, idx, out)
+            call_post_hooks(layer)
+        return x
 
     def _drop_cancelled(self, rows: Sequence[BatchRow]) -> list[BatchRow]:
         for r in rows:
@@ -260,13 +275,6 @@ class BatchedDecoder:
         return torch.cat([torch.arange(start, end, device=self.device) for start, end in spans])
 
     # -- computing
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (tokens, head_dim) at ``positions``, as ``OlmoeRotaryEmbedding`` makes them."""
-        inv_freq = self.decoder.model.rotary_emb.inv_freq
-        freqs = positions[:, None].float() * inv_freq[None].to(device=positions.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.weight_dtype == torch.float32 else x.to(self.weight_dtype)
 
@@ -275,15 +283,7 @@ class BatchedDecoder:
         """Block ``index`` on the (tokens, d) float32 ``x`` of ``members`` (their tokens in order)."""
         layer = self.layers[index]
         attn = layer.self_attn
-        tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.kv_heads, self.head_dim
-        h = rms_norm(x, layer.input_layernorm)
-        q = rms_norm(attn.q_proj(h), attn.q_norm).view(tokens, heads, dim).transpose(0, 1)
-        k = rms_norm(attn.k_proj(h), attn.k_norm).view(tokens, kv_heads, dim).transpose(0, 1)
-        v = attn.v_proj(h).view(tokens, kv_heads, dim).transpose(0, 1)
-        cos, sin = cos[None], sin[None]
-        q = (q * cos + rotate_half(q) * sin).float()
-        k = (k * cos + rotate_half(k) * sin).float()
-        v = v.float()
+        q, k, v = (t.float() for t in rotated_qkv(layer, x, self.num_heads, self.kv_heads, self.head_dim, cos, sin))
         attend = self._attend_prefill if prefill else self._attend_step
         out = attend(index, q, k, v, members)  # (tokens, heads * dim)
         x = x + attn.o_proj(out.to(x.dtype))
@@ -337,12 +337,16 @@ class BatchedDecoder:
         row_k = [r.knobs.top_k[index] for r in members]
         kmax = max(row_k)
         tokens = h.shape[0]
-        if min(row_k) == kmax:
+        mixed_k = min(row_k) < kmax
+        # each token's row (on the host), where per-row top-K or the product count needs it
+        owner = (torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
+                 if mixed_k or self.count_products else None)
+        if not mixed_k:
             weights, chosen = torch.topk(probs, kmax, dim=-1)
         else:
             # each K's tokens get their own topk call: topk(p, 4) and topk(p, 12)[:4] may order tied
             # probabilities differently, and a row must route as it does alone
-            token_k = torch.repeat_interleave(torch.tensor(row_k), torch.tensor(counts))
+            token_k = torch.tensor(row_k)[owner]
             weights = torch.zeros(tokens, kmax, dtype=probs.dtype, device=self.device)
             chosen = torch.full((tokens, kmax), self.num_experts, dtype=torch.long, device=self.device)
             for k in sorted(set(row_k)):
@@ -356,7 +360,6 @@ class BatchedDecoder:
         rows, slots = order % tokens, order // tokens
         by_expert = flat.index_select(0, order)
         if self.count_products:
-            owner = torch.repeat_interleave(torch.arange(len(members)), torch.tensor(counts))
             for r, n in zip(members, torch.bincount(owner[rows.cpu()], minlength=len(members)).tolist(), strict=True):
                 r.expert_products += int(n)
         experts = layer.mlp.experts

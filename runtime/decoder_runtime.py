@@ -232,9 +232,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
                          else host_available_bytes())
         if available is None:
             return MAX_BATCH_ROWS
-        cfg = self.decoder.config
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        per_row = 2 * self.num_layers * int(cfg.num_key_value_heads) * head_dim * 4 * max(int(tokens_per_row), 1)
+        per_row = self.batch_decoder().bytes_per_position * max(int(tokens_per_row), 1)
         # the cache doubles when it grows: the rows must fit at twice their size
         return max(0, (available - BATCH_HEADROOM_BYTES) // (2 * per_row))
 

@@ -146,6 +146,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_tables(decoder: nn.Module, positions: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (tokens, head_dim) at ``positions`` (int64, device), as ``OlmoeRotaryEmbedding``."""
+    inv_freq = decoder.model.rotary_emb.inv_freq
+    freqs = positions[:, None].float() * inv_freq[None].to(device=positions.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotated_qkv(layer: nn.Module, x: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's queries, keys and values of float32 (tokens, d) ``x`` as the eager modules make them
+    (input norm, projections, q/k norms, rotation): (heads or kv_heads, tokens, dim)."""
+    attn, tokens = layer.self_attn, x.shape[0]
+    h = rms_norm(x, layer.input_layernorm)
+    q = rms_norm(attn.q_proj(h), attn.q_norm).view(tokens, heads, dim).transpose(0, 1)
+    k = rms_norm(attn.k_proj(h), attn.k_norm).view(tokens, kv_heads, dim).transpose(0, 1)
+    v = attn.v_proj(h).view(tokens, kv_heads, dim).transpose(0, 1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
 @dataclass
 class FastPrefixCache:
     """K/V of the blocks before the insertion point (``PrefixState.cache`` on the fast path):
@@ -262,13 +283,8 @@ class CpuFormulation(Formulation):
               mask: torch.Tensor | None) -> torch.Tensor:
         fast, layer = self.fast, self.fast.layers[index]
         attn = layer.self_attn
-        tokens, heads, kv_heads, dim = x.shape[0], fast.num_heads, fast.kv_heads, fast.head_dim
-        h = rms_norm(x, layer.input_layernorm)
-        q = rms_norm(attn.q_proj(h), attn.q_norm).view(tokens, heads, dim).transpose(0, 1)
-        k = rms_norm(attn.k_proj(h), attn.k_norm).view(tokens, kv_heads, dim).transpose(0, 1)
-        v = attn.v_proj(h).view(tokens, kv_heads, dim).transpose(0, 1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        tokens, heads, dim = x.shape[0], fast.num_heads, fast.head_dim
+        q, k, v = rotated_qkv(layer, x, heads, fast.kv_heads, dim, cos, sin)
         adt = self.attention_dtype
         out = fast.attend(index, q.to(adt), k.to(adt), v.to(adt), mask)
         x = x + attn.o_proj(out.transpose(0, 1).reshape(tokens, heads * dim).to(x.dtype))
@@ -584,10 +600,7 @@ class FastDecoder:
     # -- what both formulations share
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (tokens, head_dim) at ``positions`` (int64, device), as ``OlmoeRotaryEmbedding``."""
-        inv_freq = self.decoder.model.rotary_emb.inv_freq
-        freqs = positions[:, None].float() * inv_freq[None].to(device=positions.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_tables(self.decoder, positions, dtype)
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
