@@ -12,6 +12,15 @@ from trainer.config import TrainingConfig, check_int
 from trainer.reward import RewardConfig
 
 
+def check_rollout_batch(value: object) -> str:
+    """``rollout_batch`` as its canonical text: "auto" or a positive integer."""
+    text = str(value).strip().lower()
+    if text == "auto" or (text.isdigit() and int(text) >= 1 and not isinstance(value, bool)):
+        return text if text == "auto" else str(int(text))
+    msg = f"rollout_batch must be 'auto' or a positive integer, got {value!r}"
+    raise ValueError(msg)
+
+
 @dataclass
 class OnlineTrainConfig(TrainingConfig):
     """Options of ``ctrl train --online``; the shared ones are documented on ``TrainingConfig``.
@@ -47,6 +56,10 @@ class OnlineTrainConfig(TrainingConfig):
         greedy decisions, the held-out checks' and the evaluation's, keep to the configurations
         expected to fit). 0: no guard. Needs a parent offline run with an outcome model.
     warmup: run each configuration once unmeasured before its first measured run.
+    rollout_batch: "1" runs each rollout alone; "N" (N > 1) runs a step's rollouts batched, N rows a
+        pass after their prefixes, the suffix and decode latencies of those not timed alone from a
+        latency model fit on those that were (``online.rollout``, docs/online.md); "auto": as many
+        rows as fit where the runtime batches (faster on a CPU too, docs/results.md), else 1.
     threads: torch intra-op threads on CPU: with more threads
         than free cores, spinning threads make measured latencies slow and noisy.
     fast_path, float32_attention: the execution path of the model (``OlmoeDecoderRuntime.set_execution``);
@@ -95,6 +108,10 @@ class OnlineTrainConfig(TrainingConfig):
                                         "guard, which holds greedy decisions to the configurations expected to "
                                         "fit the budget on this machine (0 = no guard).")
     warmup: bool = option(True, help="Run each configuration once unmeasured before its first measured run.")
+    rollout_batch: str = option("auto", help="Rows of a batched rollout pass: 1 = every rollout alone and timed; "
+                                             "N > 1 = a step's rollouts batched after their prefixes, the suffix "
+                                             "and decode latencies of those not timed alone from a latency model; "
+                                             "auto = as many as fit where the model runs batches, else 1.")
     threads: int = execution_field("threads")
     fast_path: bool = execution_field("fast_path")
     float32_attention: bool = execution_field("float32_attention")
@@ -111,7 +128,7 @@ class OnlineTrainConfig(TrainingConfig):
 
     #: what a resumed run takes from the call instead of the run's config.json (not part of the experiment)
     PER_CALL: ClassVar[tuple[str, ...]] = ("steps", "device", "threads", "evaluate", "eval_max_samples", "report_to",
-                                           "fast_path", "float32_attention", "patience")
+                                           "fast_path", "float32_attention", "patience", "rollout_batch")
     #: config.json keys of runs written before an option's rename, and their names now
     RENAMED: ClassVar[dict[str, str]] = {"compile": "fast_path"}
 
@@ -130,6 +147,7 @@ class OnlineTrainConfig(TrainingConfig):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
             raise ValueError(msg)
         check_dtype_name(self.dtype)
+        self.rollout_batch = check_rollout_batch(self.rollout_batch)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):

@@ -10,6 +10,15 @@ Members that share (sample, crops, insertion position) share the stage-1 decisio
 prefix and the stage-2 distribution: the prefix depends on nothing else (blocks before the
 insertion point keep the default top-K), so it runs once per group and stage-1 choice, and
 its measured time is part of each such member's latency.
+
+**Batched rollouts** (``batch_rows`` of :meth:`RolloutExecutor.run_groups`): the prefixes still
+run alone and timed; the members then continue from them together, in passes of many rows
+(``ModelRuntime.answer_prefixes``), except those timed alone: every member whose top-K the
+latency model (``online.latency_model``) is not ready for, and a seeded share
+(:data:`TIMED_SHARE`) of the rest, which keep the model checked against hook measurements. A
+batched member's suffix and decode steps are the model's (``latency_modeled``), the rest
+of its latency measured. Its tokens are the ones batch 1 would give (the batched decoder's
+equality, up to near-ties).
 """
 
 from __future__ import annotations
@@ -24,15 +33,35 @@ from PIL import Image
 
 from controller.latency_guard import GuardGrid, guarded_stage2
 from online.data import OnlineSamples
-from runtime.base import ModelInputs, ModelRuntime, PrefixState
+from online.latency_model import MemberShape, SuffixLatencyModel
+from pipeline.errors import CtrlError
+from runtime.base import ModelInputs, ModelRuntime, PrefixRequest, PrefixState
 from runtime.images import open_image
 from runtime.request import Answer, LatencyParts, RequestExecutor
 from runtime.scoring import score_answer
-from runtime.timing import RequestTiming, StageTimer, uncaptured_run
+from runtime.timing import RequestTiming, Segment, StageTimer, uncaptured_run
 from trainer.two_stage import RolloutBatch, Stage1Output, TwoStageController
 
 if TYPE_CHECKING:
     from controller.latency_guard import LatencyGuard
+
+#: of the batched members whose top-K the latency model is ready for, the share still timed alone
+TIMED_SHARE = 0.25
+
+
+def rollout_rows(setting: str, runtime: ModelRuntime) -> int | None:
+    """The ``batch_rows`` of :meth:`RolloutExecutor.run_groups` for a ``--rollout-batch`` setting:
+    "auto" is as many rows as fit (None) where the runtime batches, which was faster than every
+    rollout alone on a CPU as well (docs/results.md, "Batched rollouts"), else 1; N > 1 needs a
+    runtime that batches."""
+    if setting == "auto":
+        return None if runtime.batches else 1
+    rows = int(setting)
+    if rows > 1 and not runtime.batches:
+        msg = (f"--rollout-batch {rows}: the {runtime.kind} runtime does not run batched generation\n"
+               "Hint: --rollout-batch 1 runs every rollout alone.")
+        raise CtrlError(msg)
+    return rows
 
 
 @dataclass
@@ -71,6 +100,8 @@ class Rollout:
     rank: int
     #: (name, wall_ms, blocks_ms, blocks_calls) per timed segment, in request order
     segments: list[tuple[str, float, float | None, int]] = field(default_factory=list)
+    #: suffix and decode-step latencies from the latency model (a batched rollout); False: all timed alone
+    latency_modeled: bool = False
 
     @property
     def latency_controller_ms(self) -> float:
@@ -86,6 +117,12 @@ class StepRollouts:
     prefix_first_member: list[int] = field(default_factory=list)
     controller_s: float = 0.0
     model_s: float = 0.0
+    #: the latency model's relative error on each member timed alone it was ready for
+    latency_model_errors: list[float] = field(default_factory=list)
+
+    @property
+    def modeled(self) -> int:
+        return sum(r.latency_modeled for r in self.rollouts)
 
     def batch(self, samples: OnlineSamples, device: torch.device,
               tiling_crops: torch.Tensor | None = None) -> RolloutBatch:
@@ -143,6 +180,28 @@ class _Prefix:
     index: int  # into StepRollouts.prefix_embeds
 
 
+@dataclass
+class _Member:
+    """A group member decided on its prefix: stage 2's choice, what it waits on to run."""
+
+    pre: _Prefix
+    top_k_index: int
+    blocks_index: int
+    top_k: int
+    num_active_blocks: int
+    active_blocks: tuple[int, ...]
+    group: int
+    member: int
+    budget: float
+    log_prob: float
+
+    @property
+    def shape(self) -> MemberShape:
+        p, state = self.pre.state.insertion_position, self.pre.state
+        return MemberShape(self.top_k, sum(b >= p for b in self.active_blocks), len(self.active_blocks),
+                           state.seq_len - state.extra_tokens)
+
+
 class RolloutExecutor:
     """Runs groups of rollouts with a :class:`TwoStageController` on a :class:`ModelRuntime`.
 
@@ -163,6 +222,7 @@ class RolloutExecutor:
         self._images: dict[int, Image.Image | None] = {}
         self._inputs: dict[tuple[int, int], ModelInputs] = {}
         self.tiling_crops = samples.tiling_crops(runtime, controller.max_crops_values)
+        self.latency_model = SuffixLatencyModel()
 
     def close(self) -> None:
         self.timer.close()
@@ -195,7 +255,8 @@ class RolloutExecutor:
     @torch.no_grad()
     def run_groups(self, groups: Sequence[tuple[int, float]], group_size: int, stage1_generator: torch.Generator,
                    stage2_generator: torch.Generator, rank: int = 0, world_size: int = 1, first_group: int = 0, *,
-                   controller: TwoStageController | None = None, decisions: Decisions = SAMPLED) -> StepRollouts:
+                   controller: TwoStageController | None = None, decisions: Decisions = SAMPLED,
+                   batch_rows: int | None = 1, timed_generator: torch.Generator | None = None) -> StepRollouts:
         """Run this rank's share of the members of ``groups`` ((sample, budget_ms) pairs).
 
         Stage-1 choices are drawn from ``stage1_generator``, which every rank advances the same
@@ -203,10 +264,17 @@ class RolloutExecutor:
         by their global index. Stage-2 choices use the rank's own ``stage2_generator``.
         ``controller``: decide with this controller instead of the executor's own (same knob
         values), e.g. to interleave two controllers request by request on one timer and warm-up set.
+        ``batch_rows``: 1 runs every member alone; N > 1 (None: as many as the runtime fits) runs
+        sampled members batched, N rows a pass, with ``timed_generator`` drawing the share timed
+        alone (the module docstring); the choices drawn are the same either way.
         """
         ctrl = controller if controller is not None else self.controller
         ctrl.eval()
         out = StepRollouts()
+        batched = (batch_rows is None or batch_rows > 1) and not decisions.greedy and decisions.force is None
+        if batched and timed_generator is None:
+            timed_generator = torch.Generator().manual_seed(0)
+        slots: list[Rollout | _Member] = []
         for g, (sample, budget) in enumerate(groups):
             tick = time.perf_counter()
             head = RequestTiming()
@@ -218,11 +286,23 @@ class RolloutExecutor:
                     by_prefix.setdefault((int(crops_pick[m]), int(insertion_pick[m])), []).append(m)
             out.controller_s += time.perf_counter() - tick
             for (c, pi), members in by_prefix.items():
-                pre = self._prefix(ctrl, s1, sample, c, pi, head, out)
+                pre = self._prefix(ctrl, s1, sample, c, pi, head, out, first_member=len(slots))
                 for m in members:
-                    out.rollouts.append(self._member(ctrl, s1, pre, out, decisions, stage2_generator, guarded,
-                                                     group=first_group + g, member=m, budget=budget, rank=rank))
+                    member = self._decide(ctrl, s1, pre, out, decisions, stage2_generator, guarded,
+                                          group=first_group + g, member=m, budget=budget)
+                    if batched and not self._timed_alone(member, timed_generator):
+                        slots.append(member)
+                    else:
+                        slots.append(self._run_alone(member, out, decisions, guarded, rank=rank))
+        waiting = [s for s in slots if isinstance(s, _Member)]
+        done = iter(self._run_batched(waiting, out, batch_rows, rank=rank) if waiting else [])
+        out.rollouts = [next(done) if isinstance(s, _Member) else s for s in slots]
         return out
+
+    def _timed_alone(self, member: _Member, generator: torch.Generator) -> bool:
+        """Whether a member of a batched step runs alone: its top-K's model not ready yet, or the seeded share."""
+        draw = float(torch.rand((), generator=generator))  # drawn for every member: the sequence is the step's own
+        return not self.latency_model.ready(member.top_k) or draw < TIMED_SHARE
 
     def _stage1(self, ctrl: TwoStageController, sample: int, budget: float, group_size: int,
                 generator: torch.Generator, decisions: Decisions,
@@ -257,7 +337,7 @@ class RolloutExecutor:
         return s1, crops_pick, insertion_pick, guarded
 
     def _prefix(self, ctrl: TwoStageController, s1: Stage1Output, sample: int, c: int, pi: int, head: RequestTiming,
-                out: StepRollouts) -> _Prefix:
+                out: StepRollouts, *, first_member: int) -> _Prefix:
         """The shared prefix of one (crops, insertion position) choice and stage 2's distributions on it."""
         runtime, device = self.runtime, self.runtime.device
         max_crops, p = ctrl.max_crops_values[c], ctrl.insertion_positions[pi]
@@ -281,14 +361,13 @@ class RolloutExecutor:
                 torch.tensor([c], device=device), torch.tensor([pi], device=device), state.latency_token[None])
         out.controller_s += time.perf_counter() - tick
         out.prefix_embeds.append(state.embeds[:, :-1].detach().clone())  # without the budget token
-        out.prefix_first_member.append(len(out.rollouts))
+        out.prefix_first_member.append(first_member)
         return _Prefix(state, sample, c, pi, max_crops, top_k_lp[0], blocks_lp[0], shared, len(out.prefix_embeds) - 1)
 
-    def _member(self, ctrl: TwoStageController, s1: Stage1Output, pre: _Prefix, out: StepRollouts,
+    def _decide(self, ctrl: TwoStageController, s1: Stage1Output, pre: _Prefix, out: StepRollouts,
                 decisions: Decisions, generator: torch.Generator, guarded: GuardGrid | None,
-                *, group: int, member: int, budget: float, rank: int) -> Rollout:
-        """One member from a shared prefix: its stage-2 choice, the rest of the prefill and decoding."""
-        p = pre.state.insertion_position
+                *, group: int, member: int, budget: float) -> _Member:
+        """One member's stage-2 choice on its shared prefix."""
         tick = time.perf_counter()
         if decisions.force is not None:
             k, b = decisions.force[2], decisions.force[3]
@@ -302,6 +381,17 @@ class RolloutExecutor:
             b = int(torch.multinomial(pre.blocks_log_probs.exp().cpu(), 1, generator=generator))
         top_k, blocks = ctrl.top_k_values[k], ctrl.num_active_blocks_values[b]
         out.controller_s += time.perf_counter() - tick
+        log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
+                    + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
+        active = self.runtime.knobs_after_prefix(pre.state.insertion_position, top_k, blocks).blocks
+        return _Member(pre, k, b, top_k, blocks, active, group, member, float(budget), float(log_prob))
+
+    def _run_alone(self, member: _Member, out: StepRollouts, decisions: Decisions, guarded: GuardGrid | None,
+                   *, rank: int) -> Rollout:
+        """A member timed alone from its prefix: the rest of the prefill and decoding (the latency
+        model observes it)."""
+        pre, top_k, blocks = member.pre, member.top_k, member.num_active_blocks
+        p = pre.state.insertion_position
         tick = time.perf_counter()
         if self.warmup and (pre.max_crops, p, top_k, blocks) not in self._warm:
             self.executor.warm_up(pre.state, top_k, blocks)
@@ -311,37 +401,61 @@ class RolloutExecutor:
             return timing, self.executor.answer(pre.state, top_k, blocks, timing, max_tokens=self.max_new_tokens)
 
         timing, answer = uncaptured_run(self.runtime, timed_answer)
-        tokens, active = answer.tokens, answer.active_blocks
         out.model_s += time.perf_counter() - tick
         self.timer.resolve(timing)
-        log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
-                    + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
-        rollout = self._rollout(timing, tokens, pre.state.inputs, group=group, member=member, sample=pre.sample,
-                             budget=budget, indices=(pre.crops_index, pre.insertion_index, k, b),
-                             knob_values=(pre.max_crops, p, top_k, blocks), active=active, log_prob=float(log_prob),
-                             prefix=pre.index, rank=rank)
+        rollout = self._rollout(timing, answer.tokens, member, answer.active_blocks, rank=rank)
+        suffix = next(seg for seg in timing.segments if seg.name == "suffix")
+        error = self.latency_model.relative_error(member.shape, float(suffix.wall_ms), rollout.decode_step_ms)
+        if error is not None:
+            out.latency_model_errors.append(error)
+        self.latency_model.observe(member.shape, float(suffix.wall_ms), suffix.blocks_ms, rollout.decode_step_ms)
         if guarded is not None:  # the guard follows the machine's speed and tail on the requests it decided
-            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, k, b]), rollout.latency_total_ms,
-                                    float(guarded.expected_ms[pre.crops_index, k, b]))
+            decisions.guard.observe(float(guarded.base_ms[pre.crops_index, member.top_k_index, member.blocks_index]),
+                                    rollout.latency_total_ms,
+                                    float(guarded.expected_ms[pre.crops_index, member.top_k_index,
+                                                              member.blocks_index]))
         return rollout
 
-    def _rollout(self, timing: RequestTiming, tokens: list[int], inputs: ModelInputs, *, group: int, member: int,
-                 sample: int, budget: float, indices: tuple[int, int, int, int], knob_values: tuple[int, int, int, int],
-                 active: tuple[int, ...], log_prob: float, prefix: int, rank: int) -> Rollout:
+    def _run_batched(self, members: list[_Member], out: StepRollouts, batch_rows: int | None,
+                     *, rank: int) -> list[Rollout]:
+        """Members continued from their prefixes in shared passes; their suffix and decode latencies modeled."""
+        tick = time.perf_counter()
+        rows = [PrefixRequest(m.pre.state, self.runtime.knobs_after_prefix(m.pre.state.insertion_position, m.top_k,
+                                                                           m.num_active_blocks), self.max_new_tokens)
+                for m in members]
+        results = self.runtime.answer_prefixes(rows, max_rows=batch_rows)
+        out.model_s += time.perf_counter() - tick
+        rollouts = []
+        for member, result in zip(members, results, strict=True):
+            timing = self.timer.resolve(RequestTiming(segments=list(member.pre.timing.segments)))
+            modeled = self.latency_model.predict(member.shape)
+            steps = len(result.token_ids) - 1
+            timing.segments.append(Segment("suffix", blocks_calls=member.shape.suffix_blocks,
+                                           wall_ms=modeled.suffix_ms, blocks_ms=modeled.suffix_blocks_ms))
+            timing.segments.extend(Segment("decode", blocks_calls=len(member.active_blocks), wall_ms=modeled.step_ms)
+                                   for _ in range(steps))
+            rollouts.append(self._rollout(timing, result.token_ids, member, member.active_blocks, rank=rank,
+                                          latency_modeled=True))
+        return rollouts
+
+    def _rollout(self, timing: RequestTiming, tokens: list[int], member: _Member, active: tuple[int, ...], *,
+                 rank: int, latency_modeled: bool = False) -> Rollout:
+        pre = member.pre
+        inputs, sample = pre.state.inputs, pre.sample
         parts = LatencyParts.of(timing)
         text = self.runtime.decode_text(tokens)
         score, pred = score_answer(self.samples.dataset[sample], text, self.samples.answers[sample])
         num_vision = 0 if inputs.image_token_positions is None else int(inputs.image_token_positions.numel())
-        c, pi, k, b = indices
-        max_crops, p, top_k, blocks = knob_values
         return Rollout(
-            group=group, member=member, sample=sample, budget_ms=float(budget), crops_index=c, insertion_index=pi,
-            top_k_index=k, blocks_index=b, max_crops=max_crops, insertion_position=p, top_k=top_k,
-            num_active_blocks=blocks, active_blocks=tuple(active), num_crops=inputs.num_crops,
-            num_vision_tokens=num_vision, num_text_tokens=inputs.num_text_tokens,
-            num_output_tokens=len(tokens), text=text, pred=pred, score=float(score), log_prob=log_prob,
+            group=member.group, member=member.member, sample=sample, budget_ms=member.budget,
+            crops_index=pre.crops_index, insertion_index=pre.insertion_index, top_k_index=member.top_k_index,
+            blocks_index=member.blocks_index, max_crops=pre.max_crops, insertion_position=pre.state.insertion_position,
+            top_k=member.top_k, num_active_blocks=member.num_active_blocks, active_blocks=tuple(active),
+            num_crops=inputs.num_crops, num_vision_tokens=num_vision, num_text_tokens=inputs.num_text_tokens,
+            num_output_tokens=len(tokens), text=text, pred=pred, score=float(score), log_prob=member.log_prob,
             latency_stage1_ms=parts.stage1_ms, latency_stage2_ms=parts.stage2_ms,
             latency_vision_ms=parts.vision_ms, latency_prefill_ms=parts.prefill_ms,
             latency_decode_ms=parts.decode_ms, decode_step_ms=list(parts.decode_step_ms),
-            latency_total_ms=parts.measured_ms, prefix=prefix, rank=rank,
-            segments=[(s.name, s.wall_ms, s.blocks_ms, s.blocks_calls) for s in timing.segments])
+            latency_total_ms=parts.measured_ms, prefix=pre.index, rank=rank,
+            segments=[(s.name, s.wall_ms, s.blocks_ms, s.blocks_calls) for s in timing.segments],
+            latency_modeled=latency_modeled)

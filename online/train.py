@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,7 @@ from online.config import OnlineTrainConfig
 from online.data import OnlineSamples, load_online_samples
 from online.evaluate import evaluate_online_run
 from online.guard import measure_latency_guard
-from online.rollout import Rollout, RolloutExecutor, StepRollouts
+from online.rollout import Rollout, RolloutExecutor, StepRollouts, rollout_rows
 from pipeline import knobs
 from pipeline.errors import CtrlError
 from pipeline.schema import ONLINE_STEPS, REWARD_TERMS, ROLLOUTS
@@ -185,7 +186,7 @@ def rollout_row(r: Rollout, samples: OnlineSamples, run_id: str, step: int, worl
         "latency_controller_ms": r.latency_controller_ms, "latency_stage1_ms": r.latency_stage1_ms,
         "latency_stage2_ms": r.latency_stage2_ms, "latency_decode_step_ms": list(r.decode_step_ms),
         "reward": None, "violated": bool(r.latency_total_ms > r.budget_ms), "log_prob": r.log_prob,
-        "generated_text": r.text,
+        "generated_text": r.text, "latency_modeled": r.latency_modeled,
     }
 
 
@@ -224,6 +225,7 @@ class OnlineTrainer:
             self._start(config)
         self.controller.to(self.runtime.device)
         self.controller.train()
+        self.rollout_rows = rollout_rows(self.config.rollout_batch, self.runtime)
         # every parameter takes part in the loss, which DDP requires
         self.model = torch.nn.parallel.DistributedDataParallel(self.controller) if self.dist.active else self.controller
         self.optimizer = torch.optim.AdamW(self.controller.parameters(), lr=self.config.lr,
@@ -414,7 +416,8 @@ class OnlineTrainer:
         first_group = (step - 1) * config.samples_per_step
         local = executor.run_groups(groups, config.group_size, seeded(config.seed, 3, step),
                                     seeded(config.seed, 4, step, dist.rank), dist.rank, dist.world_size,
-                                    first_group=first_group)
+                                    first_group=first_group, batch_rows=self.rollout_rows,
+                                    timed_generator=seeded(config.seed, 6, step, dist.rank))
         tick = time.perf_counter()
         gathered, num_prefixes = self._gather(local, step)
         parts = self._rewards(gathered)
@@ -435,7 +438,10 @@ class OnlineTrainer:
                **{f"reward/{t}": float(parts[t].mean()) for t in REWARD_TERMS}, **_rollout_means(gathered),
                "groups": len(groups), "zero_variance_groups": int((~valid).sum()), "rollouts": len(gathered),
                "prefixes": num_prefixes, "grad_norm": grad_norm, "time_model_s": local.model_s,
-               "time_controller_s": local.controller_s, "time_update_s": update}
+               "time_controller_s": local.controller_s, "time_update_s": update,
+               "rollouts_modeled": sum(bool(r["latency_modeled"]) for r in gathered),
+               "latency_model_error": (statistics.median(local.latency_model_errors) if local.latency_model_errors
+                                       else None)}
         if dist.rank == 0:
             write_table_atomic(gathered, ROLLOUTS, self.run.rollouts_path(step))
         row["time_bookkeeping_s"] = bookkeeping + time.perf_counter() - tick

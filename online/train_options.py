@@ -10,7 +10,7 @@ one call from the options given:
 * with ``--resume``, the run's saved options apply; an option given with it is applied when a
   resumed run may change it (offline: ``--num-epochs``; online: ``--steps``, ``--device``,
   ``--threads``, ``--fast-path``, ``--float32-attention``, ``--evaluate``, ``--eval-max-samples``,
-  ``--patience``; both:
+  ``--patience``, ``--rollout-batch``; both:
   ``--report-to``), accepted when it
   equals the run's value, and refused with one line otherwise.
 """
@@ -139,6 +139,7 @@ TRAIN_OPTIONS: dict[str, TrainOption] = {o.name: o for o in (
     TrainOption("threads", "threads", cli={"panel": ONLINE}),
     TrainOption("fast_path", "fast_path", cli={"panel": ONLINE}),
     TrainOption("float32_attention", "float32_attention", cli={"panel": ONLINE}),
+    TrainOption("rollout_batch", "rollout_batch", cli={"panel": ONLINE}),
 )}
 
 

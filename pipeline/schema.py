@@ -407,6 +407,9 @@ _ONLINE_EXTRA = (
     Column("violated", _B, "latency_total_ms > budget_ms", **_KEY),
     Column("log_prob", _F, "log pi of the configuration when it was sampled", **_KEY),
     Column("generated_text", _S, "the decoded answer before cleaning", **_KEY),
+    Column("latency_modeled", _B, "a batched rollout: its suffix and decode-step latencies are the latency "
+                                  "model's, the rest measured (--rollout-batch); false: every latency timed alone; "
+                                  "null in runs written before the column"),
 )
 
 ROLLOUTS = TableSchema(
@@ -458,6 +461,10 @@ ONLINE_STEPS = TableSchema(
         Column("check_same_choice", _L, "pairs where the latest controller chose the start's configuration: its one "
                                         "run stood for both (the other pairs ran both, back to back)"),
         Column("time_check_s", _F, "wall time of the check (rank 0)", "s"),
+        Column("rollouts_modeled", _L, "rollouts of the step that ran batched, their suffix and decode latencies "
+                                       "modeled (all ranks; 0 with --rollout-batch 1)"),
+        Column("latency_model_error", _F, "median relative error of the latency model's suffix + decode on the "
+                                          "step's rollouts timed alone that it could predict (rank 0; null: none)"),
         Column("kept_step", _L, "the step whose controller the run keeps after this step (0: its start; null: "
                                 "the run has no checks)"),
     ),

@@ -154,6 +154,16 @@ class BatchRequest:
 
 
 @dataclass
+class PrefixRequest:
+    """One row of :meth:`ModelRuntime.answer_prefixes`: a request continued from its prefix
+    (:meth:`ModelRuntime.prefill_prefix`) with the knobs of :meth:`ModelRuntime.knobs_after_prefix`."""
+
+    prefix: PrefixState
+    knobs: RowKnobs
+    max_new_tokens: int = 16
+
+
+@dataclass
 class ImageFeatures:
     """Both image features of a batch of requests, from one vision pass: float32, shape
     (len(batch), image_feature_dim) each, on the CPU, zero rows for text-only requests.
@@ -429,6 +439,14 @@ class ModelRuntime(ABC):
             blocks = validate_active_blocks(active_blocks, self.num_layers) or tuple(range(self.num_layers))
         return RowKnobs(blocks, tuple(per_block))
 
+    def knobs_after_prefix(self, insertion_position: int, top_k: int, num_active_blocks: int) -> RowKnobs:
+        """The knobs of a request continued from its prefix at insertion point p: ``top_k`` in blocks
+        p.. (blocks before p keep the current top-K they ran with) and the blocks kept for
+        ``num_active_blocks`` (blocks 0..p-1 always: they ran)."""
+        p = int(insertion_position)
+        return self.row_knobs(top_k={i: int(top_k) for i in range(p, self.num_layers)},
+                              active_blocks=self.blocks_for(num_active_blocks, first_kept=max(p, 1)))
+
     @abstractmethod
     def generate(self, inputs: ModelInputs, max_new_tokens: int = 16, *, top_k: int | Mapping[int, int] | None = None,
                  active_blocks: Sequence[int] | None = None,
@@ -442,6 +460,20 @@ class ModelRuntime(ABC):
         request, in order: its generation, or the error that refused it (the others still run).
         ``max_rows`` bounds the rows decoding at once (None: the runtime's choice); the rest join
         as rows leave."""
+        msg = f"the {self.kind} runtime does not implement batched generation"
+        raise CtrlError(msg)
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`generate_batch` and :meth:`answer_prefixes` run (not only refuse)."""
+        return False
+
+    def answer_prefixes(self, rows: Sequence[PrefixRequest], *,
+                        max_rows: int | None = None) -> list[GenerationResult]:
+        """Greedy decoding of many requests from their prefixes in shared passes: each row's prefill
+        continues from its prefix without the budget token (as :meth:`prefill_suffix`) with its own
+        knobs, then its decode steps; one result per row, in order. ``max_rows`` as in
+        :meth:`generate_batch`. The prefixes are not modified."""
         msg = f"the {self.kind} runtime does not implement batched generation"
         raise CtrlError(msg)
 

@@ -28,6 +28,12 @@ the weights' dtype as the precision rule says), attention in float32. A batched 
 another order than the same product on one row, so a row's logits equal its batch-1 logits within
 rounding, not bit for bit (tests/test_batched_decoder.py states the tolerance).
 
+**Rows from a prefix.** A row may join from a prefill already run up to block p (a request's
+shared prefix, ``PrefixState``): its input is then the hidden state after block p-1 and its
+:class:`RowPrefix` carries blocks 0..p-1's K/V, copied into the row's slot; the row's prefill
+runs its blocks from p on, and its decode steps run all its blocks (those before p at the
+top-K they prefilled with, as its knobs say).
+
 **Hooks.** The decoder blocks' forward hooks run around every block of every pass (pre-hooks
 before it, post-hooks after), once per pass for all rows in it, as the fast path calls them: a
 timer sees each block a pass runs. A row's :meth:`BatchRow.cancel` (from any thread) takes it out
@@ -58,6 +64,16 @@ from runtime.fast_decoder import (
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
 
 
+@dataclass(frozen=True)
+class RowPrefix:
+    """The part of a row's prefill that ran before it joined: blocks 0..``start``-1, whose float32
+    K/V are ``keys`` and ``values``, (start, kv_heads, prompt tokens, head_dim) each."""
+
+    start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 @dataclass(eq=False)
 class BatchRow:
     """One request's decoding in a batch.
@@ -71,6 +87,8 @@ class BatchRow:
     knobs: RowKnobs
     prompt_tokens: int
     max_new_tokens: int
+    #: the first block its prefill runs in the batch (blocks before it ran before it joined)
+    start: int = 0
     pick: Callable[[torch.Tensor], int] | None = None
     until: Callable[[int], bool] | None = None
     tokens: list[int] = field(default_factory=list)
@@ -157,11 +175,13 @@ class BatchedDecoder:
 
     def join(self, embeds: Sequence[torch.Tensor], knobs: Sequence[RowKnobs], max_new_tokens: Sequence[int], *,
              pick: Sequence[Callable[[torch.Tensor], int] | None] | None = None,
-             until: Sequence[Callable[[int], bool] | None] | None = None) -> list[BatchRow]:
+             until: Sequence[Callable[[int], bool] | None] | None = None,
+             prefixes: Sequence[RowPrefix | None] | None = None) -> list[BatchRow]:
         """Prefill new rows together and pick each one's first token: ``embeds[i]`` is row i's float32
         (tokens, d) decoder input, ``knobs[i]`` its configuration, ``max_new_tokens[i]`` its limit
         (>= 1); ``pick[i]`` turns its logits into a token (None: greedy), ``until[i]`` is its stop
-        rule on each new token. A row whose first token ends it leaves at once."""
+        rule on each new token; ``prefixes[i]``: the blocks its prefill ran before it joined (then
+        ``embeds[i]`` is the hidden state after them). A row whose first token ends it leaves at once."""
         count = len(embeds)
         if not (len(knobs) == len(max_new_tokens) == count):
             msg = "join needs one configuration and one token limit per row"
@@ -171,10 +191,16 @@ class BatchedDecoder:
             raise ValueError(msg)
         pick = list(pick) if pick is not None else [None] * count
         until = list(until) if until is not None else [None] * count
+        prefixes = list(prefixes) if prefixes is not None else [None] * count
+        for i, prefix in enumerate(prefixes):
+            if prefix is not None:
+                self._check_prefix(prefix, knobs[i], int(embeds[i].shape[0]))
         taken = {row.slot for row in self.live}
         new: list[BatchRow] = []
         for i in range(count):
-            row = BatchRow(self._joined, knobs[i], int(embeds[i].shape[0]), int(max_new_tokens[i]), pick[i], until[i])
+            start = 0 if prefixes[i] is None else int(prefixes[i].start)
+            row = BatchRow(self._joined, knobs[i], int(embeds[i].shape[0]), int(max_new_tokens[i]), start,
+                           pick[i], until[i])
             self._joined += 1
             row.slot = self._free_slot(taken)
             taken.add(row.slot)
@@ -182,6 +208,11 @@ class BatchedDecoder:
         if not new:
             return new
         self._ensure(max(taken) + 1, max(r.prompt_tokens + r.max_new_tokens for r in self.live + new))
+        for row, prefix in zip(new, prefixes, strict=True):
+            if prefix is not None and prefix.start:
+                self.keys[:prefix.start, row.slot, :, :row.prompt_tokens] = prefix.keys.to(self.device, torch.float32)
+                self.values[:prefix.start, row.slot, :, :row.prompt_tokens] = prefix.values.to(self.device,
+                                                                                               torch.float32)
         x = torch.cat([e.to(self.device, torch.float32) for e in embeds])
         positions = torch.cat([torch.arange(r.prompt_tokens, device=self.device) for r in new])
         cos, sin = rope_tables(self.decoder, positions)
@@ -201,6 +232,17 @@ class BatchedDecoder:
                 r.position = r.prompt_tokens
                 self._take(r, row_logits)
         return new
+
+    def _check_prefix(self, prefix: RowPrefix, knobs: RowKnobs, tokens: int) -> None:
+        p = int(prefix.start)
+        shape = (p, self.kv_heads, tokens, self.head_dim)
+        if not 0 <= p < len(self.layers) or tuple(prefix.keys.shape) != shape or tuple(prefix.values.shape) != shape:
+            msg = (f"a row's prefix of blocks 0..{p - 1} needs K/V of shape {shape}, "
+                   f"got {tuple(prefix.keys.shape)} and {tuple(prefix.values.shape)}")
+            raise ValueError(msg)
+        if knobs.blocks[:p] != tuple(range(p)):
+            msg = f"a row joining after block {p - 1} must keep blocks 0..{p - 1} (they ran), got {list(knobs.blocks)}"
+            raise ValueError(msg)
 
     def step(self) -> list[BatchRow]:
         """One decode step for every live row: its last token at its next position through its own
@@ -236,8 +278,12 @@ class BatchedDecoder:
         """``x`` (the pass's tokens of ``rows``) through every block some row has, each block on its
         member rows' tokens only (``index_of(members)``: their positions in ``x``, None for all),
         hooks around it; a row cancelled meanwhile drops out at the next block."""
-        for b in sorted({b for r in rows for b in r.knobs.blocks}):
-            members = [r for r in self._drop_cancelled(rows) if b in r.knobs.blocks]
+        # a prefill runs a row's blocks from its start on; a step runs all of them
+        def runs(r: BatchRow, b: int) -> bool:
+            return b in r.knobs.blocks and (not prefill or b >= r.start)
+
+        for b in sorted({b for r in rows for b in r.knobs.blocks if runs(r, b)}):
+            members = [r for r in self._drop_cancelled(rows) if runs(r, b)]
             if not members:
                 continue
             idx = index_of(members)

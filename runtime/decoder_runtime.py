@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import inspect
 from abc import abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,13 +35,14 @@ from runtime.base import (
     GenerationResult,
     ModelInputs,
     ModelRuntime,
+    PrefixRequest,
     PrefixState,
     RowKnobs,
     greedy_decode,
     validate_active_blocks,
     validate_top_k,
 )
-from runtime.batched_decoder import BatchedDecoder, BatchRow
+from runtime.batched_decoder import BatchedDecoder, BatchRow, RowPrefix
 from runtime.fast_decoder import FastDecoder, FastPrefixCache, FastSession, default_fast_path
 from runtime.memory import device_available_bytes
 from runtime.precision import compute_context
@@ -53,6 +55,24 @@ if TYPE_CHECKING:
 MAX_BATCH_ROWS = 32
 #: memory kept free beside a batch's KV cache: activations of a packed prefill, the vision pass
 BATCH_HEADROOM_BYTES = 1 << 30
+
+
+def _check_max_rows(max_rows: int | None) -> None:
+    if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
+        msg = f"max_rows must be a positive integer, got {max_rows!r}"
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class _PendingRow:
+    """A row waiting to join a batch: its index among the results, how to make its input (the
+    embeddings and, from a prefix, the blocks that ran), its knobs, token limit and positions."""
+
+    index: int
+    inputs: Callable[[], tuple[torch.Tensor, RowPrefix | None]]
+    knobs: RowKnobs
+    max_new_tokens: int
+    positions: int
 
 
 @functools.cache
@@ -236,13 +256,15 @@ class OlmoeDecoderRuntime(ModelRuntime):
         # the cache doubles when it grows: the rows must fit at twice their size
         return max(0, (available - BATCH_HEADROOM_BYTES) // (2 * per_row))
 
+    @property
+    def batches(self) -> bool:
+        return True
+
     def generate_batch(self, requests: Sequence[BatchRequest], *,
                        max_rows: int | None = None) -> list[GenerationResult | CtrlError]:
-        if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) < 1):
-            msg = f"max_rows must be a positive integer, got {max_rows!r}"
-            raise ValueError(msg)
+        _check_max_rows(max_rows)
         results: list[GenerationResult | CtrlError | None] = [None] * len(requests)
-        pending: list[tuple[int, BatchRequest, RowKnobs]] = []
+        pending: list[_PendingRow] = []
         for i, request in enumerate(requests):
             try:
                 knobs = self._checked_row(request)
@@ -252,17 +274,56 @@ class OlmoeDecoderRuntime(ModelRuntime):
             if int(request.max_new_tokens) == 0:
                 results[i] = GenerationResult([], "")
             else:
-                pending.append((i, request, knobs))
+                pending.append(_PendingRow(i, lambda r=request: (self.decoder_inputs(r.inputs), None), knobs,
+                                           int(request.max_new_tokens),
+                                           int(request.inputs.input_ids.shape[-1]) + int(request.max_new_tokens)))
         if pending:
-            longest = max(r.inputs.input_ids.shape[-1] + int(r.max_new_tokens) for _, r, _ in pending)
-            fits = self.batch_rows_that_fit(longest)
-            if max_rows is not None and int(max_rows) > fits:
-                msg = (f"a batch of {max_rows} rows of up to {longest} positions does not fit in the free memory "
-                       f"of {self.device}: at most {fits} rows do")
-                raise CtrlError(msg)
-            rows_at_once = max(1, min(len(pending), MAX_BATCH_ROWS if max_rows is None else int(max_rows), fits))
-            self._run_batch(pending, rows_at_once, results)
+            self._run_batch(pending, self._rows_at_once(pending, max_rows), results)
         return results  # type: ignore[return-value]
+
+    def answer_prefixes(self, rows: Sequence[PrefixRequest], *,
+                        max_rows: int | None = None) -> list[GenerationResult]:
+        _check_max_rows(max_rows)
+        results: list[GenerationResult | CtrlError | None] = [None] * len(rows)
+        pending = []
+        for i, row in enumerate(rows):
+            if int(row.max_new_tokens) < 1:
+                msg = f"row {i}: max_new_tokens must be at least 1, got {row.max_new_tokens!r}"
+                raise CtrlError(msg)
+            positions = row.prefix.seq_len - row.prefix.extra_tokens + int(row.max_new_tokens)
+            pending.append(_PendingRow(i, lambda r=row: self.row_prefix(r.prefix), row.knobs, int(row.max_new_tokens),
+                                       positions))
+        if pending:
+            self._run_batch(pending, self._rows_at_once(pending, max_rows), results)
+        for result in results:
+            if isinstance(result, CtrlError):
+                raise result
+        return results  # type: ignore[return-value]
+
+    def row_prefix(self, prefix: PrefixState) -> tuple[torch.Tensor, RowPrefix]:
+        """A prefix state as a batch row's input: the float32 (prompt tokens, d) hidden state after
+        block p-1 (without the budget token; nothing before it attended to it) and blocks 0..p-1's K/V."""
+        p, seq = prefix.insertion_position, prefix.seq_len - prefix.extra_tokens
+        hidden = prefix.hidden[0, :seq].float()
+        if isinstance(prefix.cache, FastPrefixCache):  # the prompt's positions already
+            keys, values = prefix.cache.keys[:p, :, :seq], prefix.cache.values[:p, :, :seq]
+        elif p:
+            layers = [prefix.cache.layers[i] for i in range(p)]
+            keys = torch.stack([layer.keys[0, :, :seq] for layer in layers])
+            values = torch.stack([layer.values[0, :, :seq] for layer in layers])
+        else:
+            batch = self.batch_decoder()
+            keys = values = torch.zeros((0, batch.kv_heads, seq, batch.head_dim), device=self.device)
+        return hidden, RowPrefix(p, keys.float(), values.float())
+
+    def _rows_at_once(self, pending: list[_PendingRow], max_rows: int | None) -> int:
+        longest = max(row.positions for row in pending)
+        fits = self.batch_rows_that_fit(longest)
+        if max_rows is not None and int(max_rows) > fits:
+            msg = (f"a batch of {max_rows} rows of up to {longest} positions does not fit in the free memory "
+                   f"of {self.device}: at most {fits} rows do")
+            raise CtrlError(msg)
+        return max(1, min(len(pending), MAX_BATCH_ROWS if max_rows is None else int(max_rows), fits))
 
     def _checked_row(self, request: BatchRequest) -> RowKnobs:
         """A request's knobs, its token limit and its inputs checked before it joins a batch."""
@@ -282,7 +343,7 @@ class OlmoeDecoderRuntime(ModelRuntime):
         return self.row_knobs(top_k=request.top_k, active_blocks=request.active_blocks,
                               num_active_blocks=request.num_active_blocks)
 
-    def _run_batch(self, pending: list[tuple[int, BatchRequest, RowKnobs]], rows_at_once: int,
+    def _run_batch(self, pending: list[_PendingRow], rows_at_once: int,
                    results: list[GenerationResult | CtrlError | None]) -> None:
         """Rows join as others leave, at most ``rows_at_once`` decoding together, until all are done."""
         batch = self.batch_decoder()
@@ -290,22 +351,24 @@ class OlmoeDecoderRuntime(ModelRuntime):
         running: dict[int, tuple[int, BatchRow]] = {}
         with self.batch_context():
             while queue or batch.live:
-                embeds, knobs, limits, order = [], [], [], []
+                embeds, prefixes, knobs, limits, order = [], [], [], [], []
                 while queue and len(batch.live) + len(order) < rows_at_once:
-                    i, request, row_knobs = queue.pop()
+                    row = queue.pop()
                     try:
-                        embeds.append(self.decoder_inputs(request.inputs))
+                        embed, prefix = row.inputs()
                     except torch.OutOfMemoryError:
                         raise
                     except (CtrlError, ValueError, IndexError, TypeError, RuntimeError) as exc:
-                        results[i] = CtrlError(f"request {i}: its inputs could not be embedded: {exc}")
+                        results[row.index] = CtrlError(f"request {row.index}: its inputs could not be embedded: {exc}")
                         continue
-                    knobs.append(row_knobs)
-                    limits.append(int(request.max_new_tokens))
-                    order.append(i)
+                    embeds.append(embed)
+                    prefixes.append(prefix)
+                    knobs.append(row.knobs)
+                    limits.append(row.max_new_tokens)
+                    order.append(row.index)
                 if order:
-                    for i, row in zip(order, batch.join(embeds, knobs, limits), strict=True):
-                        running[row.index] = (i, row)
+                    for i, joined in zip(order, batch.join(embeds, knobs, limits, prefixes=prefixes), strict=True):
+                        running[joined.index] = (i, joined)
                 if batch.live:
                     batch.step()
                 for key, (i, row) in list(running.items()):

@@ -17,7 +17,7 @@ from test_model_runtime import QUESTION, make_image
 
 from pipeline.errors import CtrlError
 from runtime import load_runtime
-from runtime.base import BatchRequest, GenerationResult
+from runtime.base import BatchRequest, GenerationResult, PrefixRequest
 from runtime.molmoe import MolmoERuntime
 
 #: rows of mixed knobs: (image size or None, max_crops, top_k, active blocks as a count, new tokens)
@@ -245,3 +245,50 @@ def test_rows_that_fit_count_the_cache_at_twice_its_size(embedded_runtime):
     available = BATCH_HEADROOM_BYTES + 10 * 2 * 100 * per_position
     assert embedded_runtime.batch_rows_that_fit(100, available=available) == 10
     assert embedded_runtime.batch_rows_that_fit(100, available=available - 1) == 9
+
+
+#: rows continued from a prefix: (image size or None, max_crops, insertion position p, top_k, block count, new tokens)
+FROM_PREFIX = [((320, 240), 1, 1, 8, 16, 6), ((640, 480), 4, 3, 1, 12, 5), (None, 1, 2, 12, 14, 7),
+               ((300, 300), 6, 4, 4, 16, 4), ((1000, 250), 2, 2, 2, 2, 6)]
+
+
+@pytest.mark.parametrize("model", ["embedded_runtime", "tiny_molmoe"])
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_rows_from_prefixes_answer_what_each_prefix_answers_alone(request, model, fast_path):
+    """Rows joining after blocks 0..p-1 (mixed p, a budget token appended to each prefix) give the
+    tokens and first logits of the same prefix continued alone (prefill_suffix, decode_step)."""
+    from runtime.request import RequestExecutor
+    from runtime.timing import RequestTiming, StageTimer
+
+    runtime = request.getfixturevalue(model)
+    runtime.set_execution(fast_path)
+    timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
+    try:
+        executor = RequestExecutor(runtime, timer)
+        gen = torch.Generator().manual_seed(5)
+        rows, expected = [], []
+        for j, (size, crops, p, k, blocks, n) in enumerate(FROM_PREFIX):
+            text_only = size is None and runtime.answers_without_image
+            image = None if text_only else make_image(*(size or (200, 200)), seed=j)
+            inputs = runtime.preprocess(image, f"{QUESTION} {j}", crops)
+            budget_token = torch.randn(runtime.hidden_size, generator=gen) * runtime.embedding_rms()
+            prefix = runtime.prefill_prefix(inputs, p, budget_token)
+            answer = executor.answer(prefix, k, blocks, RequestTiming(), max_tokens=n)
+            with runtime.knobs(top_k={i: k for i in range(p, runtime.num_layers)}):
+                first = runtime.prefill_suffix(prefix, answer.active_blocks).logits.float().cpu()
+            knobs = runtime.knobs_after_prefix(p, k, blocks)
+            assert knobs.blocks == answer.active_blocks
+            rows.append(PrefixRequest(prefix, knobs, n))
+            expected.append((answer.tokens, first))
+        batched = runtime.answer_prefixes(rows)
+        batch = runtime.batch_decoder()
+        inputs = [runtime.row_prefix(r.prefix) for r in rows]
+        with runtime.batch_context():
+            joined = batch.join([hidden for hidden, _ in inputs], [r.knobs for r in rows],
+                                [r.max_new_tokens for r in rows], prefixes=[kv for _, kv in inputs])
+    finally:
+        timer.close()
+        runtime.set_execution(None)
+    for (tokens, first), result, row in zip(expected, batched, joined, strict=True):
+        torch.testing.assert_close(row.logits.cpu(), first, atol=LOGIT_ATOL_FLOAT32[model], rtol=0)
+        assert result.token_ids == tokens

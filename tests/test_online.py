@@ -656,3 +656,98 @@ def test_a_rollout_part_that_captured_a_graph_is_timed_again(executor, embedded_
         if captured:  # the same part again, and that run captured nothing
             assert next_name == name and not next_captured
     assert not calls[-1][1]
+
+
+# -- batched rollouts ---------------------------------------------------------------------------
+def _seed_latency_model(model, top_k_values, blocks_values, tokens=(40, 120, 300)):
+    """Hand-made observations for every top-K: suffix = 2 + 0.01 x blocks x tokens, step = 1 + 0.5 x active blocks."""
+    from online.latency_model import MemberShape
+
+    for k in top_k_values:
+        for blocks, t in zip(blocks_values, tokens, strict=False):
+            model.observe(MemberShape(k, blocks - 1, blocks, t), 2 + 0.01 * (blocks - 1) * t, None,
+                          [1 + 0.5 * blocks] * 2)
+
+
+def test_batched_rollouts_draw_and_answer_what_batch_1_does(online_ws, embedded_runtime, executor):
+    """--rollout-batch N: the same knobs, log-probabilities and answers as every member alone; the
+    members that ran batched carry the latency model's suffix and decode steps (known here: the
+    model holds hand-made observations only), the ones timed alone their own measurements."""
+    from online.rollout import RolloutExecutor
+
+    groups = [(s, 120.0) for s in range(6)]
+
+    def run(batch_rows):
+        ex = RolloutExecutor(embedded_runtime, executor.controller, executor.samples, max_new_tokens=4)
+        ctrl = ex.controller
+        _seed_latency_model(ex.latency_model, ctrl.top_k_values, ctrl.num_active_blocks_values)
+        ex.latency_model.observe = lambda *args: None  # the model stays the hand-made one: its predictions are known
+        try:
+            return ex, ex.run_groups(groups, 4, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2),
+                                     batch_rows=batch_rows, timed_generator=torch.Generator().manual_seed(3))
+        finally:
+            ex.close()
+
+    _, alone = run(1)
+    ex, batched = run(4)
+    key = ("group", "member", "sample", "crops_index", "insertion_index", "top_k_index", "blocks_index", "text",
+           "active_blocks", "num_output_tokens", "prefix")
+    assert [[getattr(r, k) for k in key] for r in batched.rollouts] == [[getattr(r, k) for k in key]
+                                                                       for r in alone.rollouts]
+    assert [r.log_prob for r in batched.rollouts] == pytest.approx([r.log_prob for r in alone.rollouts])
+    assert batched.prefix_first_member == alone.prefix_first_member
+    assert not any(r.latency_modeled for r in alone.rollouts) and alone.latency_model_errors
+    modeled = [r for r in batched.rollouts if r.latency_modeled]
+    timed = [r for r in batched.rollouts if not r.latency_modeled]
+    assert modeled and timed and len(batched.latency_model_errors) == len(timed) and batched.modeled == len(modeled)
+    for r in modeled:
+        tokens = ex._model_inputs(r.sample, r.max_crops).input_ids.shape[-1]
+        suffix_blocks = sum(b >= r.insertion_position for b in r.active_blocks)
+        step = 1 + 0.5 * len(r.active_blocks)
+        suffix = next(wall for name, wall, _, _ in r.segments if name == "suffix")
+        assert suffix == pytest.approx(2 + 0.01 * suffix_blocks * tokens)
+        assert r.decode_step_ms == pytest.approx([step] * (r.num_output_tokens - 1))
+        measured = sum(wall for name, wall, _, _ in r.segments if name in ("stage1", "prefix", "stage2"))
+        assert r.latency_total_ms == pytest.approx(measured + suffix + step * (r.num_output_tokens - 1))
+    for r in timed:  # its own hook measurements: decode steps of a real model are not all equal to the line
+        assert r.latency_total_ms == pytest.approx(sum(wall for _, wall, _, _ in r.segments))
+
+
+def test_rollout_batch_is_auto_or_a_positive_count(embedded_runtime):
+    from online.config import OnlineTrainConfig
+    from online.rollout import rollout_rows
+    from pipeline import CtrlError
+    from runtime.base import ModelRuntime
+
+    assert OnlineTrainConfig().rollout_batch == "auto" and OnlineTrainConfig(rollout_batch=4).rollout_batch == "4"
+    for bad in ("0", "-2", "many", True):
+        with pytest.raises(ValueError, match="rollout_batch must be 'auto' or a positive integer"):
+            OnlineTrainConfig(rollout_batch=bad)
+    assert rollout_rows("auto", embedded_runtime) is None  # as many rows as fit, on a CPU too
+    assert rollout_rows("6", embedded_runtime) == 6
+
+    class NoBatches(type(embedded_runtime)):
+        kind = "no-batches"
+        batches = ModelRuntime.batches
+
+    runtime = object.__new__(NoBatches)
+    runtime.__dict__.update(embedded_runtime.__dict__)
+    assert rollout_rows("auto", runtime) == 1 and rollout_rows("1", runtime) == 1
+    with pytest.raises(CtrlError, match="--rollout-batch 3: the no-batches runtime does not run batched"):
+        rollout_rows("3", runtime)
+
+
+def test_a_batched_online_run_records_which_latencies_were_modeled(online_ws, embedded_runtime):
+    from online.train import train_online
+    from pipeline.catalog import run_query
+
+    _, ws = online_ws
+    result = train_online(_config(ws, run_id="online-batched", rollout_batch="4", steps=3, group_size=4),
+                          runtime=embedded_runtime)
+    rows = run_query(ws, """SELECT step, count(*) FILTER (WHERE latency_modeled) AS modeled,
+                                   count(*) FILTER (WHERE NOT latency_modeled) AS timed
+                            FROM rollouts WHERE run_id = 'online-batched' GROUP BY step ORDER BY step""").to_pylist()
+    steps = result.steps.sort("step")
+    assert [r["modeled"] for r in rows] == steps["rollouts_modeled"].to_list()
+    assert [r["modeled"] + r["timed"] for r in rows] == [8, 8, 8]
+    assert json.loads((result.run_dir / "config.json").read_text())["rollout_batch"] == "4"
