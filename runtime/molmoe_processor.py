@@ -251,9 +251,16 @@ class MolmoProcessor:
             num_text_tokens=len(text),
         )
 
-    def _resize_and_pad(self, image: np.ndarray, out_h: int, out_w: int) -> tuple[np.ndarray, np.ndarray]:
-        """The image scaled to fit (out_h, out_w), centred, zero-padded, normalized; and its bool pixel mask."""
-        height, width = image.shape[:2]
+    @staticmethod
+    def _unit_pixels(image: np.ndarray) -> torch.Tensor:
+        """(H, W, 3) uint8 -> contiguous float32 (3, H, W) in [0, 1], what :meth:`_resize_and_pad` reads."""
+        pixels = torch.empty((3, *image.shape[:2]), dtype=torch.float32)
+        return pixels.copy_(torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)).div_(255.0)
+
+    def _resize_and_pad(self, pixels: torch.Tensor, out_h: int, out_w: int) -> tuple[np.ndarray, np.ndarray]:
+        """The image (:meth:`_unit_pixels`) scaled to fit (out_h, out_w), centred, zero-padded,
+        normalized; and its bool pixel mask. ``pixels`` is not modified."""
+        height, width = pixels.shape[1:]
         # float32 throughout, as the origin's training code: it decides the scaled size
         scale = min(np.float32(out_w) / np.float32(width), np.float32(out_h) / np.float32(height))
         scaled_h = int(np.float32(height) * scale)
@@ -261,21 +268,27 @@ class MolmoProcessor:
         if scaled_h < 1 or scaled_w < 1:
             msg = f"image of {width}x{height} px is too elongated to resize into {out_w}x{out_h} px"
             raise ValueError(msg)
-        pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).to(torch.float32) / 255.0
+        # every step on contiguous (3, H, W) planes, where per-channel arithmetic is vectorised; the
+        # float32 values are those of the origin's order: to [0, 1], resize, clip, minus the mean, over the std
         if (scaled_h, scaled_w) != (height, width):
             pixels = torch.nn.functional.interpolate(pixels[None], size=[scaled_h, scaled_w], mode="bilinear",
                                                      align_corners=False, antialias=True)[0]
+        else:  # normalized in place below: the caller's pixels stay as they are
+            pixels = pixels.clone()
         mean = torch.tensor(self.config.image_mean, dtype=torch.float32)
         std = torch.tensor(self.config.image_std, dtype=torch.float32)
+        pad = (torch.zeros(3) - mean) / std  # the normalized zero around the image
+        pixels.clamp_(0.0, 1.0)
         top = (out_h - scaled_h) // 2
         left = (out_w - scaled_w) // 2
-        # normalized where the image is, the normalized zero around it: the same float32 operations as
-        # padding first and normalizing the whole canvas, on the image's pixels only
-        padded = ((torch.zeros(3) - mean) / std).expand(out_h, out_w, 3).contiguous()
-        padded[top:top + scaled_h, left:left + scaled_w] = (torch.clip(pixels, 0.0, 1.0).permute(1, 2, 0) - mean) / std
+        canvas = torch.empty((3, out_h, out_w), dtype=torch.float32)
+        for c in range(3):
+            canvas[c].fill_(pad[c])
+            canvas[c, top:top + scaled_h, left:left + scaled_w] = pixels[c].sub_(mean[c]).div_(std[c])
         mask = np.zeros((out_h, out_w), dtype=bool)
         mask[top:top + scaled_h, left:left + scaled_w] = True
-        return padded.numpy(), mask
+        # (H, W, 3), the layout the crops' patches are read from (``_crop_patches``), in one copy
+        return torch.empty((out_h, out_w, 3), dtype=torch.float32).copy_(canvas.permute(1, 2, 0)).numpy(), mask
 
     def _crop_patches(self, canvas: np.ndarray, rows: int, cols: int, out: np.ndarray | None = None) -> np.ndarray:
         """The (rows x cols) crops of ``canvas`` (H, W[, c]) at the window's stride, patchified as
@@ -312,7 +325,8 @@ class MolmoProcessor:
         crop_window_patches = cfg.crop_patches - (left_margin + right_margin)
         window, margin, crop = cfg.window_px, cfg.total_margin_px, cfg.crop_px
         rows, cols = self.tiling(width, height, max_crops)
-        src, img_mask = self._resize_and_pad(image, rows * window + margin, cols * window + margin)
+        pixels = self._unit_pixels(image)  # once for both resizes
+        src, img_mask = self._resize_and_pad(pixels, rows * window + margin, cols * window + margin)
 
         ordering_arr = []
         on = 0
@@ -344,7 +358,7 @@ class MolmoProcessor:
         per_row = np.concatenate([np.full(((w + 1) // 2,), ids[IM_PATCH]), [ids[IM_COL]]])
         crop_tokens = [[ids[IM_START]], np.tile(per_row, [(h + 1) // 2]), [ids[IM_END]]]
 
-        resized, resized_mask = self._resize_and_pad(image, crop, crop)
+        resized, resized_mask = self._resize_and_pad(pixels, crop, crop)
         global_mask = self._patchify(resized_mask[None]).astype(np.float32).mean(axis=-1)[0]
         patches[0] = self._patchify(resized[None])[0]
         patch_ordering = np.where(patch_ordering >= 0, patch_ordering + cfg.tokens_per_image, -1)

@@ -269,3 +269,48 @@ def test_config_bad_values_name_file_and_field(tmp_path: Path, field: str, value
 def test_tokenizer_missing_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         load_molmo_tokenizer(tmp_path)
+
+
+def _resize_and_pad_unfused(config: MolmoImageConfig, image: np.ndarray, out_h: int,
+                            out_w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The resize-and-pad as first written (every step its own tensor): what the in-place one must equal bit for bit."""
+    height, width = image.shape[:2]
+    scale = min(np.float32(out_w) / np.float32(width), np.float32(out_h) / np.float32(height))
+    scaled_h, scaled_w = int(np.float32(height) * scale), int(np.float32(width) * scale)
+    pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).to(torch.float32) / 255.0
+    if (scaled_h, scaled_w) != (height, width):
+        pixels = torch.nn.functional.interpolate(pixels[None], size=[scaled_h, scaled_w], mode="bilinear",
+                                                 align_corners=False, antialias=True)[0]
+    mean = torch.tensor(config.image_mean, dtype=torch.float32)
+    std = torch.tensor(config.image_std, dtype=torch.float32)
+    top, left = (out_h - scaled_h) // 2, (out_w - scaled_w) // 2
+    padded = ((torch.zeros(3) - mean) / std).expand(out_h, out_w, 3).contiguous()
+    padded[top:top + scaled_h, left:left + scaled_w] = (torch.clip(pixels, 0.0, 1.0).permute(1, 2, 0) - mean) / std
+    mask = np.zeros((out_h, out_w), dtype=bool)
+    mask[top:top + scaled_h, left:left + scaled_w] = True
+    return padded.numpy(), mask
+
+
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (336, 336), (1000, 250), (150, 150), (17, 900)])
+def test_resize_and_pad_equals_the_unfused_formulation_bit_for_bit(size) -> None:
+    """Every canvas the crops are cut from (each tiling up to 12 crops, and the global image) is the
+    same float32 array as the step-by-step formulation's, including images that need no resize."""
+    config = MolmoImageConfig()
+    processor = object.__new__(MolmoProcessor)
+    processor.config = config
+    width, height = size
+    image = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    shapes = {(config.crop_px, config.crop_px), (height, width)}
+    for max_crops in (1, 4, 10, 12):
+        rows, cols = knobs.select_tiling(height, width, max_crops, window_px=config.window_px,
+                                         total_margin_px=config.total_margin_px)
+        shapes.add((rows * config.window_px + config.total_margin_px, cols * config.window_px + config.total_margin_px))
+    pixels = processor._unit_pixels(image)
+    before = pixels.clone()
+    for out_h, out_w in sorted(shapes):
+        canvas, mask = processor._resize_and_pad(pixels, out_h, out_w)
+        expected, expected_mask = _resize_and_pad_unfused(config, image, out_h, out_w)
+        assert canvas.dtype == np.float32 and canvas.shape == (out_h, out_w, 3)
+        np.testing.assert_array_equal(canvas, expected)
+        np.testing.assert_array_equal(mask, expected_mask)
+    assert torch.equal(pixels, before)  # one conversion serves every resize of the request
