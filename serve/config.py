@@ -58,6 +58,10 @@ class ServeConfig:
     threads: int = execution_field("threads", min=None)
     max_queue: int = option(8, help=
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After.")
+    preprocess_workers: int | None = option(None, help=
+        "Threads that preprocess admitted requests (resize, normalise, tile at each crops choice) off the "
+        "model's thread, while they wait and while stage 1 decides; 0: the model's thread does it "
+        "(default: half the CPUs this process may use, 1 to 4).")
     default_budget_ms: float | None = option(None, help=
         "Latency budget of a request without latency_budget_ms (default: the top of the controller's "
         "training budget range).")
@@ -190,6 +194,10 @@ class ServeConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 raise ValueError(msg)
+        workers = self.preprocess_workers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            msg = f"--preprocess-workers must be an integer >= 0, got {workers!r}"
+            raise ValueError(msg)
         for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -286,6 +294,13 @@ class ServeConfig:
         if not is_loopback(self.host):
             return None
         return frozenset({"localhost", "127.0.0.1", "::1", self.host.lower().strip("[]")})
+
+    @property
+    def preprocess_threads(self) -> int:
+        """``preprocess_workers``, its default resolved: half the CPUs this process may use, 1 to 4."""
+        if self.preprocess_workers is not None:
+            return self.preprocess_workers
+        return max(1, min(4, available_cpus() // 2))
 
     @property
     def origins(self) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ from serve.budget import BudgetPlan, BudgetPlanner
 from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
+from serve.preprocessing import PreparedInputs, Preprocessor
 from serve.protocol import ChatRequest, RequestError
 from serve.queueing import DeadlineQueue, projected_start_ms
 from serve.request_log import RequestLog, RequestLogGone
@@ -116,6 +117,8 @@ class Job:
     #: the model's CUDA graph captures when the request reached it (None before): its record says
     #: whether it paid one
     captures_at_start: int | None = None
+    #: its inputs being prepared off the worker thread (None: the worker preprocesses it)
+    prepared: PreparedInputs | None = None
 
     def emit(self, text: str) -> None:
         """Queue a part of a streamed answer for the handler (thread-safe; never waits for the client)."""
@@ -225,8 +228,9 @@ class Engine:
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
                  guard: bool = True, queue_deadline: float = 0.0, burst_aware: bool = True,
-                 refuse_unreachable: bool = True, cheapest_floor: bool = False) -> None:
+                 refuse_unreachable: bool = True, cheapest_floor: bool = False, preprocess_workers: int = 0) -> None:
         self.runtime, self.decider = runtime, decider
+        self.preprocessor = Preprocessor(runtime, preprocess_workers)
         self.guard = bool(guard)
         self.queue_deadline = float(queue_deadline)
         self.refuse_unreachable = bool(refuse_unreachable)
@@ -275,6 +279,7 @@ class Engine:
             self._worker.join()
             self._worker = None
         self.timer.close()
+        self.preprocessor.close()
         if self.log is not None:
             self.log.close()
 
@@ -363,7 +368,14 @@ class Engine:
             self._release(ran=True)
             self._record(job, "refused", queue_ms=0.0, error=refused.message)
             raise
+        job.prepared = self.preprocessor.prepare(job.request.image, job.request.question, self._crops_choices(job))
         self._jobs.put(job)
+
+    def _crops_choices(self, job: Job) -> tuple[int, ...]:
+        """The max_crops values stage 1 may choose for the job (its own where it fixed its knobs)."""
+        if job.request.knobs is not None:
+            return (job.request.knobs["max_crops"],)
+        return tuple(int(m) for m in self.decider.max_crops_values)
 
     def _admit(self, job: Job) -> None:
         """Raise :class:`BudgetUnreachable` for a request with a budget of its own (its knobs the
@@ -425,6 +437,8 @@ class Engine:
                         self._service_s.append(time.perf_counter() - started)
                     self._running_since = None
                     self._release(ran=True)
+                    if job.prepared is not None:
+                        job.prepared.release()
                 job.finish(outcome)
 
     def _droppable(self, job: Job, cheapest_ms: float) -> bool:
@@ -473,7 +487,8 @@ class Engine:
             tiling = _tiling(runtime, req.image, decider.max_crops_values)
             reads_prompt = decider.reads_prompt_tokens
             if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
-                prompt_tokens = float(runtime.preprocess(None, req.question, 1).num_text_tokens)
+                prompt_tokens = float(job.prepared.text_tokens() if job.prepared is not None
+                                      else runtime.preprocess(None, req.question, 1).num_text_tokens)
             now = time.perf_counter()
             spent_ms = (now - job.arrival) * 1000.0
             plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
@@ -503,8 +518,10 @@ class Engine:
             # decoded token by token only where the text is needed before the end
             streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
                 req.stop or job.deltas is not None) else None
+            prepared = job.prepared
             outcome = self.executor.run(
-                stage1, lambda max_crops: runtime.preprocess(req.image, req.question, max_crops), stage2,
+                stage1, prepared.inputs if prepared is not None else (
+                    lambda max_crops: runtime.preprocess(req.image, req.question, max_crops)), stage2,
                 max_tokens=req.max_tokens, pick=TokenPicker(req.temperature, req.top_p, job.seed, runtime.device),
                 until=streamed.push if streamed is not None else None,
                 check=lambda block: self._check(job, block), on_token=counted)
