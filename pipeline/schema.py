@@ -494,7 +494,8 @@ REQUESTS = TableSchema(
         Column("controller_run", _S, "run id or file of the controller; `request` when the request fixed its knobs"),
         Column("controller_phase", _S, "offline | online | request"),
         Column("budget_ms", _D, "the request's latency budget", "ms"),
-        Column("budget_source", _S, "request | default (the request set no latency_budget_ms)"),
+        Column("budget_source", _S, "request (its latency_budget_ms, or its x-slo-ttft-ms / x-slo-tpot-ms "
+                                    "headers) | default (it stated no budget)"),
         Column("queue_length", _L, "requests waiting or running when it arrived"),
         Column("unreachable", _B, "on arrival, the requests ahead left too little of its budget for the cheapest "
                                   "configuration, and it asked to be run anyway (when_unreachable: run): it ran at "

@@ -52,7 +52,15 @@ from serve.engine import (
     Result,
     new_job,
 )
-from serve.protocol import ChatRequest, Limits, RequestError, check_prompt_tokens, parse_chat_request, parse_json_body
+from serve.protocol import (
+    ChatRequest,
+    Limits,
+    RequestError,
+    check_prompt_tokens,
+    parse_chat_request,
+    parse_json_body,
+    slo_budget_ms,
+)
 from serve.streaming import DISCONNECT_POLL_S, stream_reply
 
 #: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)
@@ -273,6 +281,8 @@ async def chat_completions(request: Request) -> Response:
             chat = await run_in_threadpool(served.parse_bounded, body)  # parsing and decoding off the event loop
             del body  # held until the answer otherwise, beside the image decoded from it
             give_back()
+            if chat.budget_ms is None:  # a gateway's objectives, where the body states no budget
+                chat.budget_ms = slo_budget_ms(request.headers, chat.max_tokens)
             if chat.model != engine.model_name:
                 raise RequestError(404, f"model {chat.model!r} is not served here; this server serves "
                                         f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found")

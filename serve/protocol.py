@@ -10,7 +10,9 @@ are earlier turns, since the model has no chat template for them. ``stream`` (wi
 ``latency_budget_ms`` (positive, finite), ``knobs`` (fixed max_crops / top_k /
 num_active_blocks instead of the controller's choice) and ``when_unreachable`` (``refuse``, the
 default, or ``run``: what the server does with a request whose budget the queue ahead leaves no
-room for, docs/serving.md#overload).
+room for, docs/serving.md#overload). A request without ``latency_budget_ms`` may state its budget
+as a gateway does, in the Gateway API Inference Extension's objective headers
+(:func:`slo_budget_ms`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import binascii
 import io
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,6 +36,8 @@ from serve.config import ServeConfig
 
 #: what a request may ask the server to do when the queue ahead leaves its budget no room
 WHEN_UNREACHABLE = ("refuse", "run")
+#: the Gateway API Inference Extension's latency objectives of a request, in milliseconds
+SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"
 #: knob names a request may fix in ``knobs``
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
 #: the most stop sequences a request may give (OpenAI's limit), and the longest one
@@ -286,6 +291,35 @@ def _budget(body: dict[str, Any]) -> float | None:
         _refuse(f"`latency_budget_ms` must be a positive, finite number of milliseconds, got {_shown(value)}",
                    "latency_budget_ms")
     return float(value)
+
+
+def slo_budget_ms(headers: Mapping[str, str], max_tokens: int) -> float | None:
+    """The latency budget a request's objective headers state, or None without them.
+
+    ``x-slo-ttft-ms`` (time to the first token) bounds stage 1, the prefill and stage 2; each of the
+    other ``max_tokens - 1`` tokens may take ``x-slo-tpot-ms`` (time per output token). A request
+    that meets ``ttft + tpot x (max_tokens - 1)`` end to end, the budget the controller reads, has
+    met both on average; without ``x-slo-tpot-ms`` the budget is the ttft alone (the whole answer
+    by the first token's deadline). ``x-slo-tpot-ms`` alone is refused: it says nothing of the
+    prefill. A body's ``latency_budget_ms`` takes precedence over both."""
+    values = {}
+    for name in (SLO_TTFT_HEADER, SLO_TPOT_HEADER):
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            value = math.nan
+        if not (_finite(value) and value > 0):
+            _refuse(f"header {name} must be a positive, finite number of milliseconds, got {raw[:40]!r}", name)
+        values[name] = value
+    if not values:
+        return None
+    if SLO_TTFT_HEADER not in values:
+        _refuse(f"header {SLO_TPOT_HEADER} needs {SLO_TTFT_HEADER} beside it: the budget is ttft + tpot x "
+                "(max_tokens - 1)", SLO_TPOT_HEADER)
+    return values[SLO_TTFT_HEADER] + values.get(SLO_TPOT_HEADER, 0.0) * max(int(max_tokens) - 1, 0)
 
 
 def _when_unreachable(body: dict[str, Any]) -> str:

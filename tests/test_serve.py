@@ -1232,3 +1232,29 @@ def test_an_online_run_is_served_under_its_latency_guard(serve_ws, embedded_runt
         assert request(server, "POST", "/v1/chat/completions", chat_body("What?", latency_budget_ms=200))[0] == 200
     finally:
         stop_server(server)
+
+
+def test_a_gateways_objective_headers_state_the_budget(server_a):
+    """x-slo-ttft-ms + x-slo-tpot-ms x (max_tokens - 1) is the budget of a request whose body states
+    none (an OpenAI client through such a gateway changes nothing); the body's own budget wins; a
+    per-token objective without a first-token one, or a bad number, is a 400 naming the header."""
+    client = openai.OpenAI(base_url=server_a.base_url + "/v1", api_key="unused",
+                           default_headers={"x-slo-ttft-ms": "400", "x-slo-tpot-ms": "50"})
+    reply = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": "How many?"}],
+                                           max_tokens=3)
+    assert (reply.model_extra["ctrl"]["budget_ms"], reply.model_extra["ctrl"]["budget_source"]) == (500.0, "request")
+    status, body = request(server_a, "POST", "/v1/chat/completions", chat_body("How many?", max_tokens=4),
+                           headers={"x-slo-ttft-ms": "250"})
+    assert status == 200 and body["ctrl"]["budget_ms"] == 250.0  # the first token's deadline for the whole answer
+    status, body = request(server_a, "POST", "/v1/chat/completions",
+                           chat_body("How many?", max_tokens=3, latency_budget_ms=900),
+                           headers={"x-slo-ttft-ms": "400", "x-slo-tpot-ms": "50"})
+    assert status == 200 and body["ctrl"]["budget_ms"] == 900.0
+    for headers, param, message in (({"x-slo-tpot-ms": "50"}, "x-slo-tpot-ms", "needs x-slo-ttft-ms beside it"),
+                                    ({"x-slo-ttft-ms": "soon"}, "x-slo-ttft-ms", "got 'soon'"),
+                                    ({"x-slo-ttft-ms": "-3"}, "x-slo-ttft-ms", "positive, finite"),
+                                    ({"x-slo-ttft-ms": "100", "x-slo-tpot-ms": "inf"}, "x-slo-tpot-ms", "got 'inf'")):
+        status, body = request(server_a, "POST", "/v1/chat/completions", chat_body("How many?", max_tokens=3),
+                               headers=headers)
+        assert status == 400 and body["error"]["param"] == param and message in body["error"]["message"]
+    assert_serving(server_a)
