@@ -592,6 +592,10 @@ REQUESTS = TableSchema(
                                "it was recorded or for requests that never reached the model"),
         Column("answer", _S, "the generated text"),
         Column("error", _S, "what failed, for status error"),
+        Column("batch_rows_prefill", _L, "--max-batch > 1: the requests prefilled together in the pass its "
+                                         "prefill ran in, itself included (null: served one at a time)"),
+        Column("batch_rows_decode", _D, "--max-batch > 1: the mean rows of the decode steps it took part in "
+                                        "(null: served one at a time, or answered in one token)"),
     ),
 )
 

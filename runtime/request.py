@@ -98,6 +98,19 @@ class Answer:
 
 
 @dataclass
+class StartedRequest(Generic[Decision]):
+    """A request through stage 2 (:meth:`RequestExecutor.start`): its decisions, inputs, prefix and
+    the segments timed so far (not yet resolved)."""
+
+    decision: Decision
+    inputs: ModelInputs
+    prefix: PrefixState
+    top_k: int
+    num_active_blocks: int
+    timing: RequestTiming
+
+
+@dataclass
 class RequestOutcome(Generic[Decision]):
     """One request run end to end: both decisions, what ran, the tokens and the timing."""
 
@@ -178,17 +191,12 @@ class RequestExecutor:
             state = self.runtime.prefill_suffix(prefix, active)
             self.runtime.decode_step(state, argmax_token(state.logits))
 
-    def run(self, stage1: Callable[[], Decision], inputs: Callable[[int], ModelInputs],
-            stage2: Callable[[Decision, PrefixState], tuple[int, int]], *, max_tokens: int,
-            pick: Callable[[torch.Tensor], int] = argmax_token, until: Callable[[int], bool] | None = None,
-            check: Callable[[int | None], None] | None = None,
-            on_token: Callable[[int], None] | None = None) -> RequestOutcome[Decision]:
-        """One request: ``stage1()`` decides crops and insertion, ``inputs(max_crops)`` preprocesses,
-        ``stage2(decision, prefix)`` decides (top-K, block count) on the prefix; then the answer.
-
-        ``check(block)`` runs before each decoder block and ``check(None)`` between the parts and
-        before each decode step: an exception it raises stops the request there. The timing is
-        resolved on return."""
+    def start(self, stage1: Callable[[], Decision], inputs: Callable[[int], ModelInputs],
+              stage2: Callable[[Decision, PrefixState], tuple[int, int]], *,
+              check: Callable[[int | None], None] | None = None) -> StartedRequest[Decision]:
+        """A request up to its answer: ``stage1()``, ``inputs(max_crops)``, the prefix and
+        ``stage2(decision, prefix)``, each timed (``check`` as in :meth:`run`); the answer then runs
+        alone (:meth:`answer`) or as a row of a batch (``ModelRuntime.answer_prefixes``)."""
         runtime, timing = self.runtime, RequestTiming()
 
         def between() -> None:
@@ -207,7 +215,25 @@ class RequestExecutor:
             with self.timer.segment("stage2", timing):
                 top_k, blocks = stage2(decision, prefix)
             between()
-            answer = self.answer(prefix, top_k, blocks, timing, max_tokens=max_tokens, pick=pick, until=until,
-                                 check=between, on_token=on_token)
-        self.timer.resolve(timing)
-        return RequestOutcome(decision, model_inputs, int(top_k), int(blocks), answer, timing)
+        return StartedRequest(decision, model_inputs, prefix, int(top_k), int(blocks), timing)
+
+    def run(self, stage1: Callable[[], Decision], inputs: Callable[[int], ModelInputs],
+            stage2: Callable[[Decision, PrefixState], tuple[int, int]], *, max_tokens: int,
+            pick: Callable[[torch.Tensor], int] = argmax_token, until: Callable[[int], bool] | None = None,
+            check: Callable[[int | None], None] | None = None,
+            on_token: Callable[[int], None] | None = None) -> RequestOutcome[Decision]:
+        """One request: ``stage1()`` decides crops and insertion, ``inputs(max_crops)`` preprocesses,
+        ``stage2(decision, prefix)`` decides (top-K, block count) on the prefix; then the answer.
+
+        ``check(block)`` runs before each decoder block and ``check(None)`` between the parts and
+        before each decode step: an exception it raises stops the request there. The timing is
+        resolved on return."""
+        started = self.start(stage1, inputs, stage2, check=check)
+        blocks_checked = self.runtime.between_blocks(check) if check is not None else nullcontext()
+        with torch.inference_mode(), blocks_checked:
+            answer = self.answer(started.prefix, started.top_k, started.num_active_blocks, started.timing,
+                                 max_tokens=max_tokens, pick=pick, until=until,
+                                 check=None if check is None else lambda: check(None), on_token=on_token)
+        self.timer.resolve(started.timing)
+        return RequestOutcome(started.decision, started.inputs, started.top_k, started.num_active_blocks, answer,
+                              started.timing)

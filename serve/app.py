@@ -466,4 +466,5 @@ def _ctrl(row: dict[str, Any]) -> dict[str, Any]:
         "queue_cap_ms": row.get("queue_cap_ms"), "reserve_ms": row.get("reserve_ms"),
         "latency_ms": {part: row.get(f"latency_{part}_ms") for part in LATENCY_PARTS},
         **{name: row.get(name) for name in COST_COLUMNS},
+        "batch_rows_prefill": row.get("batch_rows_prefill"), "batch_rows_decode": row.get("batch_rows_decode"),
     }

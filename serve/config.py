@@ -58,6 +58,11 @@ class ServeConfig:
     threads: int = execution_field("threads", min=None)
     max_queue: int = option(8, help=
         "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After.")
+    max_batch: str = option("auto", help=
+        "Requests decoding together (continuous batching: a request joins the running batch between decode "
+        "steps, its own knobs in the shared passes, and leaves at its end); 1 serves one request at a time; "
+        "auto: 1 until a device has measured a gain (a CPU's batched decode step was slower per row; "
+        "docs/serving.md#continuous-batching).")
     preprocess_workers: int | None = option(None, help=
         "Threads that preprocess admitted requests (resize, normalise, tile at each crops choice) off the "
         "model's thread, while they wait and while stage 1 decides; 0: the model's thread does it "
@@ -194,6 +199,11 @@ class ServeConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 raise ValueError(msg)
+        text = str(self.max_batch).strip().lower()
+        if not (text == "auto" or (text.isdigit() and int(text) >= 1)) or isinstance(self.max_batch, bool):
+            msg = f"--max-batch must be 'auto' or a positive integer, got {self.max_batch!r}"
+            raise ValueError(msg)
+        self.max_batch = text if text == "auto" else str(int(text))
         workers = self.preprocess_workers
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             msg = f"--preprocess-workers must be an integer >= 0, got {workers!r}"
@@ -294,6 +304,11 @@ class ServeConfig:
         if not is_loopback(self.host):
             return None
         return frozenset({"localhost", "127.0.0.1", "::1", self.host.lower().strip("[]")})
+
+    @property
+    def batch_rows(self) -> int:
+        """``max_batch`` resolved: "auto" is 1 (no device has measured a gain from a batch yet)."""
+        return 1 if self.max_batch == "auto" else int(self.max_batch)
 
     @property
     def preprocess_threads(self) -> int:

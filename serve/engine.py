@@ -51,9 +51,10 @@ from PIL import Image
 from controller.cost import LatencyScale, quantile_of
 from pipeline.knobs import MAX_CROPS_LIMIT
 from runtime import ModelRuntime
-from runtime.base import PrefixState
-from runtime.request import RequestExecutor
-from runtime.timing import RequestTiming, StageTimer, cpu_threads
+from runtime.base import ModelInputs, PrefixState
+from runtime.batched_decoder import BatchedDecoder, BatchRow
+from runtime.request import Answer, RequestExecutor, RequestOutcome, StartedRequest
+from runtime.timing import RequestTiming, Segment, StageTimer, cpu_threads
 from serve.budget import BudgetPlan, BudgetPlanner
 from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
@@ -228,7 +229,15 @@ class Engine:
                  metrics: ServeMetrics | None = None, latency_scale: LatencyScale | None = None,
                  queue_aware: bool = True, met_target: float | None = None, load_aware: bool = True,
                  guard: bool = True, queue_deadline: float = 0.0, burst_aware: bool = True,
-                 refuse_unreachable: bool = True, cheapest_floor: bool = False, preprocess_workers: int = 0) -> None:
+                 refuse_unreachable: bool = True, cheapest_floor: bool = False, preprocess_workers: int = 0,
+                 max_batch: int = 1) -> None:
+        if isinstance(max_batch, bool) or int(max_batch) < 1:
+            msg = f"max_batch must be a positive integer, got {max_batch!r}"
+            raise ValueError(msg)
+        if int(max_batch) > 1 and not runtime.batches:
+            msg = f"--max-batch {max_batch}: the {runtime.kind} runtime does not run batched generation"
+            raise ValueError(msg)
+        self.max_batch = int(max_batch)
         self.runtime, self.decider = runtime, decider
         self.preprocessor = Preprocessor(runtime, preprocess_workers)
         self.guard = bool(guard)
@@ -290,7 +299,7 @@ class Engine:
         stage 1 reads the budget less this reserve (:meth:`serve.budget.BudgetPlanner.reserve_ms`)."""
         return sum(self.planner.reserve_ms())
 
-    def _waiting_left_ms(self, now: float) -> list[float]:
+    def waiting_left_ms(self, now: float) -> list[float]:
         """The budget not yet spent of each request waiting now, in the order they will be served."""
         return [j.budget_ms - (now - j.arrival) * 1000.0 for j in self._jobs.snapshot()]
 
@@ -410,7 +419,7 @@ class Engine:
     def _refuse_if_full(self) -> None:
         """(under ``_lock``) :class:`Overloaded` when ``max_queue + 1`` places are taken (one running, the
         rest waiting or having their bodies read)."""
-        if self._reserved >= self.max_queue + 1:
+        if self._reserved >= self.max_queue + self.max_batch:
             self.metrics.requests.labels(status="rejected").inc()
             raise Overloaded(self._retry_after(self._reserved))
 
@@ -421,6 +430,9 @@ class Engine:
     # -- the worker
     def _run(self) -> None:
         with cpu_threads(self.threads, self.runtime.device):
+            if self.max_batch > 1:
+                self._run_batched()
+                return
             while True:
                 job = self._jobs.get()
                 if job is None:
@@ -436,10 +448,175 @@ class Engine:
                     if expired is None:  # a drop takes no model time: the typical service is of requests run
                         self._service_s.append(time.perf_counter() - started)
                     self._running_since = None
-                    self._release(ran=True)
-                    if job.prepared is not None:
-                        job.prepared.release()
+                    self._done(job)
                 job.finish(outcome)
+
+    def _done(self, job: Job) -> None:
+        """A request has left the worker: its place and its prepared inputs are free."""
+        self._release(ran=True)
+        if job.prepared is not None:
+            job.prepared.release()
+
+    # -- the batched worker
+    def _run_batched(self) -> None:
+        """Continuous batching: requests join the running batch between decode steps (each one's stage 1,
+        preprocessing, prefix and stage 2 alone, then its prefill with the others joining at that step),
+        every live row advances one token per step, a row leaves at its end."""
+        batch = self.runtime.batch_decoder()
+        rows: dict[int, _BatchedRequest] = {}
+        while True:
+            joining: list[_BatchedRequest] = []
+            while len(rows) + len(joining) < self.max_batch:
+                job = self._jobs.get(wait=not rows and not joining)
+                if job is None:
+                    break
+                started = self._start_row(job)
+                if started is not None:
+                    joining.append(started)
+            if not rows and not joining:
+                if self._jobs.closed and not len(self._jobs):
+                    return
+                continue
+            self._running_since = time.perf_counter()
+            if not rows and len(joining) == 1 and not len(self._jobs):
+                # alone with nobody waiting: the single-request path (the fast path's decode step is
+                # faster than a batch of one row); those arriving meanwhile wait and join the next batch
+                self._answer_alone(joining[0])
+                self._running_since = None
+                continue
+            try:
+                if joining:
+                    self._join(batch, joining, rows)
+                live = [r for r in rows.values() if not r.row.done]
+                for r in live:
+                    if r.job.cancelled.is_set() or self._aborting.is_set():
+                        r.row.cancel()
+                if batch.live:
+                    tick = time.perf_counter()
+                    with self.runtime.batch_context():
+                        batch.step()
+                    wall_ms = (time.perf_counter() - tick) * 1000.0
+                    for r in live:
+                        r.stepped(wall_ms, len(live))
+            except BaseException as exc:  # a pass failed: every row in it ends with the error, the worker lives on
+                for r in [*rows.values(), *joining]:
+                    if r.row is None or not r.row.done:
+                        self._end_row(r, exc)
+                rows.clear()
+                batch = self.runtime.batch_decoder()
+                continue
+            for key in [k for k, r in rows.items() if r.row.done]:
+                self._end_row(rows.pop(key))
+            if not rows:
+                self._running_since = None
+
+    def _start_row(self, job: Job) -> _BatchedRequest | None:
+        """A request taken from the queue, up to its row: dropped, failed (finished here: None) or started."""
+        expired = self._expired(job)
+        if expired is not None:
+            self._done(job)
+            job.finish(expired)
+            return None
+        queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
+        served = _Decisions(self, job)
+        job.captures_at_start = self.runtime.graph_captures
+        tick = time.perf_counter()
+        try:
+            waited_ms = self._begin(job, True)
+            started = self.executor.start(served.stage1, served.inputs, served.stage2,
+                                          check=lambda block: self._check(job, block))
+        except BaseException as exc:
+            self._failed(job, exc, queue_ms, True)
+            self._service_s.append(time.perf_counter() - tick)
+            self._done(job)
+            job.finish(exc)
+            return None
+        return _BatchedRequest(job, served, started, queue_ms, waited_ms, _text_stream(self.runtime, job), tick)
+
+    def _answer_alone(self, r: _BatchedRequest) -> None:
+        """A started request answered on the single-request path, as the one-at-a-time worker answers it."""
+        job, req, started = r.job, r.job.request, r.started
+        pick = TokenPicker(req.temperature, req.top_p, job.seed, self.runtime.device)
+        outcome: Result | BaseException
+        try:
+            with torch.inference_mode(), self.runtime.between_blocks(lambda block: self._check(job, block)):
+                answer = self.executor.answer(
+                    started.prefix, started.top_k, started.num_active_blocks, started.timing,
+                    max_tokens=req.max_tokens, pick=pick,
+                    until=r.streamed.push if r.streamed is not None else None, check=lambda: self._check(job),
+                    on_token=lambda tokens: setattr(job, "tokens_out", tokens))
+            self.timer.resolve(started.timing)
+            run = RequestOutcome(started.decision, started.inputs, started.top_k, started.num_active_blocks, answer,
+                                 started.timing)
+            text = r.streamed.finish() if r.streamed is not None else self.runtime.decode_text(answer.tokens)
+            stop_hit = r.streamed.stop_hit if r.streamed is not None else None
+            outcome = self._answered(job, r.served, run, queue_ms=r.queue_ms, waited_ms=r.waited_ms, text=text,
+                                     stop_hit=stop_hit, total_ms=(time.perf_counter() - job.arrival) * 1000.0,
+                                     record=True, batch_rows=(1, 1.0 if len(answer.tokens) > 1 else None))
+        except BaseException as exc:
+            self._failed(job, exc, r.queue_ms, True)
+            outcome = exc
+        self._service_s.append(time.perf_counter() - r.started_at)
+        self._done(job)
+        job.finish(outcome)
+
+    def _join(self, batch: BatchedDecoder, joining: list[_BatchedRequest], rows: dict[int, _BatchedRequest]) -> None:
+        """Prefill the joining requests together (the live rows wait for that pass) and pick their first tokens."""
+        runtime = self.runtime
+        embeds, prefixes, knobs, limits, picks, untils = [], [], [], [], [], []
+        for r in joining:
+            req, started = r.job.request, r.started
+            hidden, prefix = runtime.row_prefix(started.prefix)
+            embeds.append(hidden)
+            prefixes.append(prefix)
+            knobs.append(runtime.knobs_after_prefix(started.prefix.insertion_position, started.top_k,
+                                                    started.num_active_blocks))
+            limits.append(req.max_tokens)
+            picks.append(TokenPicker(req.temperature, req.top_p, r.job.seed, runtime.device))
+            untils.append(r.streamed.push if r.streamed is not None else None)
+        tick = time.perf_counter()
+        with runtime.batch_context():
+            joined = batch.join(embeds, knobs, limits, pick=picks, until=untils, prefixes=prefixes)
+        wall_ms = (time.perf_counter() - tick) * 1000.0
+        for r, row in zip(joining, joined, strict=True):
+            r.joined(row, wall_ms, len(joining))
+            rows[row.index] = r
+
+    def _end_row(self, r: _BatchedRequest, failure: BaseException | None = None) -> None:
+        """A row that left the batch: its answer (or why it has none) to its request."""
+        job, outcome = r.job, failure
+        if outcome is None and r.row.finish_reason == "cancelled":
+            why = "the server was stopped at once" if self._aborting.is_set() else "the client disconnected"
+            outcome = Cancelled(f"{why} while decoding, after {len(r.row.tokens)} token"
+                                f"{'s' if len(r.row.tokens) != 1 else ''} of the answer")
+        if outcome is not None:
+            self._failed(job, outcome, r.queue_ms, True)
+        else:
+            try:
+                outcome = self._answered_row(r)
+            except BaseException as exc:
+                outcome = exc
+        self._service_s.append(time.perf_counter() - r.started_at)
+        self._done(job)
+        job.finish(outcome)
+
+    def _answered_row(self, r: _BatchedRequest) -> Result:
+        runtime, started, row = self.runtime, r.started, r.row
+        tokens = list(row.tokens)
+        timing = self.timer.resolve(started.timing)
+        # the shared passes' walls, as the request's own suffix and decode segments
+        timing.segments.append(Segment("suffix", blocks_calls=len(row.knobs.blocks), wall_ms=r.prefill_ms,
+                                       blocks_ms=r.prefill_ms))
+        timing.segments.extend(Segment("decode", blocks_calls=len(row.knobs.blocks), wall_ms=ms)
+                               for ms in r.step_ms[:max(len(tokens) - 1, 0)])
+        outcome = RequestOutcome(started.decision, started.inputs, started.top_k, started.num_active_blocks,
+                                 Answer(tokens, row.knobs.blocks), timing)
+        text = r.streamed.finish() if r.streamed is not None else runtime.decode_text(tokens)
+        stop_hit = r.streamed.stop_hit if r.streamed is not None else None
+        total_ms = (time.perf_counter() - r.job.arrival) * 1000.0
+        rows = (r.prefill_rows, sum(r.step_rows) / len(r.step_rows) if r.step_rows else None)
+        return self._answered(r.job, r.served, outcome, queue_ms=r.queue_ms, waited_ms=r.waited_ms, text=text,
+                              stop_hit=stop_hit, total_ms=total_ms, record=True, batch_rows=rows)
 
     def _droppable(self, job: Job, cheapest_ms: float) -> bool:
         """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
@@ -471,82 +648,55 @@ class Engine:
         """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
         req, runtime = job.request, self.runtime
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
-        fixed = req.knobs is not None
-        decider: RequestDecider = self.decider if not fixed else FixedKnobs(
-            req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT, self.decider.cost)
-        # set by stage 1, read by stage 2 and the record
-        plan: BudgetPlan | None = None
-        lang = tiling = None
-        prompt_tokens = math.nan
-        started = spent_ms = 0.0
-
-        def stage1() -> Stage1Choice:
-            nonlocal decider, plan, lang, tiling, prompt_tokens, started, spent_ms
-            started = time.perf_counter()
-            lang = runtime.lang_features([req.question])[0]
-            tiling = _tiling(runtime, req.image, decider.max_crops_values)
-            reads_prompt = decider.reads_prompt_tokens
-            if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
-                prompt_tokens = float(job.prepared.text_tokens() if job.prepared is not None
-                                      else runtime.preprocess(None, req.question, 1).num_text_tokens)
-            now = time.perf_counter()
-            spent_ms = (now - job.arrival) * 1000.0
-            plan = self.planner.plan(job.budget_ms, spent_ms, now_s=now, fixed=fixed,
-                                     waiting_left_ms=() if fixed else self._waiting_left_ms(now))
-            if (plan.cheapest or (job.unreachable and not fixed)) and self.cheapest:
-                decider = self.cheapest
-            if reads_prompt and decider is self.decider:
-                return decider.stage1(lang, tiling, plan.controller_budget_ms, prompt_tokens=prompt_tokens)
-            return decider.stage1(lang, tiling, plan.controller_budget_ms)  # in the controller's units
-
-        def stage2(choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
-            p = choice.insertion_position
-            return decider.stage2(choice, Stage2Inputs(
-                lang, tiling, plan.controller_budget_ms, prefix.image_feature, prefix.latency_token if p > 0 else None,
-                served_budget_ms=plan.controller_budget_ms * plan.latency_scale if self.guard else None,
-                prompt_tokens=prompt_tokens))
-
-        def counted(tokens: int) -> None:
-            job.tokens_out = tokens
-
+        served = _Decisions(self, job)
         job.captures_at_start = runtime.graph_captures
         try:
-            if record:  # a request queued when the workspace went: refused before the model runs it
-                self.check_log()
-            self._check(job)
-            waited_ms = (time.perf_counter() - job.arrival) * 1000.0
-            # decoded token by token only where the text is needed before the end
-            streamed = TextStream(runtime.decode_text, req.stop, job.emit) if (
-                req.stop or job.deltas is not None) else None
-            prepared = job.prepared
+            waited_ms = self._begin(job, record)
+            streamed = _text_stream(runtime, job)
             outcome = self.executor.run(
-                stage1, prepared.inputs if prepared is not None else (
-                    lambda max_crops: runtime.preprocess(req.image, req.question, max_crops)), stage2,
-                max_tokens=req.max_tokens, pick=TokenPicker(req.temperature, req.top_p, job.seed, runtime.device),
+                served.stage1, served.inputs, served.stage2, max_tokens=req.max_tokens,
+                pick=TokenPicker(req.temperature, req.top_p, job.seed, runtime.device),
                 until=streamed.push if streamed is not None else None,
-                check=lambda block: self._check(job, block), on_token=counted)
-            tokens = outcome.tokens
-            text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
+                check=lambda block: self._check(job, block), on_token=lambda tokens: setattr(job, "tokens_out", tokens))
+            text = streamed.finish() if streamed is not None else runtime.decode_text(outcome.tokens)
             stop_hit = streamed.stop_hit if streamed is not None else None
             total_ms = (time.perf_counter() - job.arrival) * 1000.0
-        except Cancelled as stopped:
-            if record:
-                self._record(job, "cancelled", queue_ms=queue_ms, error=str(stopped))
+        except BaseException as exc:
+            self._failed(job, exc, queue_ms, record)
             raise
-        except RequestError:
-            raise
-        except Exception as exc:
-            if record:
-                self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
-            raise
+        return self._answered(job, served, outcome, queue_ms=queue_ms, waited_ms=waited_ms, text=text,
+                              stop_hit=stop_hit, total_ms=total_ms, record=record)
+
+    def _begin(self, job: Job, record: bool) -> float:
+        """The checks before a request reaches the model; what it waited (ms since it arrived)."""
+        if record:  # a request queued when the workspace went: refused before the model runs it
+            self.check_log()
+        self._check(job)
+        return (time.perf_counter() - job.arrival) * 1000.0
+
+    def _failed(self, job: Job, exc: BaseException, queue_ms: float, record: bool) -> None:
+        """Record a request that did not finish (a cancellation, an error; a refusal is recorded where it is made)."""
+        if not record or isinstance(exc, RequestError):
+            return
+        if isinstance(exc, Cancelled):
+            self._record(job, "cancelled", queue_ms=queue_ms, error=str(exc))
+        elif isinstance(exc, Exception):
+            self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
+
+    def _answered(self, job: Job, served: _Decisions, outcome: RequestOutcome, *, queue_ms: float,
+                  waited_ms: float, text: str, stop_hit: str | None, total_ms: float, record: bool,
+                  batch_rows: tuple[int, float] | None = None) -> Result:
+        """A finished request: what it cost told to the cost model and the planner, its record, its result.
+        ``batch_rows``: the rows of its batch at its prefill and their mean over its decode steps."""
+        runtime, tokens, plan, decider = self.runtime, outcome.tokens, served.plan, served.decider
         choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
         p, guarded_from = choice.insertion_position, choice.guarded_from
         # the scale counts the layout the reference latencies were recorded for (insertion position 0)
         ratio = decider.cost.observe(choice.cost_grid, (choice.max_crops, top_k, blocks), model_ms=parts.model_ms,
                                      measured_ms=parts.controller_ms + parts.model_ms, insertion_position=p)
-        adjustable = not fixed and plan.budget_class != "<1x"
-        self.planner.observe_served(after_ms=total_ms - spent_ms - parts.model_ms, adjustable=adjustable,
-                                    service_ms=(time.perf_counter() - started) * 1000.0,
+        adjustable = not served.fixed and plan.budget_class != "<1x"
+        self.planner.observe_served(after_ms=total_ms - served.spent_ms - parts.model_ms, adjustable=adjustable,
+                                    service_ms=(time.perf_counter() - served.started) * 1000.0,
                                     model_over_reference=ratio)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
@@ -563,7 +713,8 @@ class Engine:
                                      guarded_from=guarded_from, cost=choice,
                                      latency=latency, num_crops=outcome.inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
-                                     finish_reason=finish, stop_hit=stop_hit, stages=outcome.timing) if record else {}
+                                     finish_reason=finish, stop_hit=stop_hit, stages=outcome.timing,
+                                     batch_rows=batch_rows) if record else {}
         return result
 
     def _check(self, job: Job, block: int | None = None) -> None:
@@ -586,7 +737,8 @@ class Engine:
                 num_crops: int | None = None,
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
                 answer: str | None = None, finish_reason: str | None = None, stop_hit: str | None = None,
-                error: str | None = None, stages: RequestTiming | None = None) -> dict[str, Any]:
+                error: str | None = None, stages: RequestTiming | None = None,
+                batch_rows: tuple[int, float] | None = None) -> dict[str, Any]:
         """The request's row of the ``requests`` view; appended to the log and counted in the metrics."""
         latency = latency or {}
         total = latency.get("total")
@@ -610,6 +762,8 @@ class Engine:
             "seed": job.seed, "finish_reason": finish_reason, "stop_hit": stop_hit,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},
             "met": met, "captured": None if captures is None else captures > 0, "answer": answer, "error": error,
+            "batch_rows_prefill": None if batch_rows is None else batch_rows[0],
+            "batch_rows_decode": None if batch_rows is None else batch_rows[1],
         }
         if job.request_id.startswith("warmup-"):
             return row
@@ -636,6 +790,92 @@ class Engine:
         self.metrics.observe(row)
         self.served += 1
         return row
+
+
+class _Decisions:
+    """One request's two decisions as the worker makes them, and what stage 1 fixed for stage 2 and
+    the record (the decider, the budget plan, the request's features)."""
+
+    def __init__(self, engine: Engine, job: Job) -> None:
+        req, runtime = job.request, engine.runtime
+        self.engine, self.job = engine, job
+        self.fixed = req.knobs is not None
+        self.decider: RequestDecider = engine.decider if not self.fixed else FixedKnobs(
+            req.knobs, runtime.num_experts, runtime.num_layers, MAX_CROPS_LIMIT, engine.decider.cost)
+        self.plan: BudgetPlan | None = None
+        self.lang: torch.Tensor | None = None
+        self.tiling: torch.Tensor | None = None
+        self.prompt_tokens = math.nan
+        self.started = self.spent_ms = 0.0
+
+    def stage1(self) -> Stage1Choice:
+        engine, job, runtime = self.engine, self.job, self.engine.runtime
+        req = job.request
+        self.started = time.perf_counter()
+        self.lang = runtime.lang_features([req.question])[0]
+        self.tiling = _tiling(runtime, req.image, self.decider.max_crops_values)
+        reads_prompt = self.decider.reads_prompt_tokens
+        if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
+            self.prompt_tokens = float(job.prepared.text_tokens() if job.prepared is not None
+                                       else runtime.preprocess(None, req.question, 1).num_text_tokens)
+        now = time.perf_counter()
+        self.spent_ms = (now - job.arrival) * 1000.0
+        self.plan = plan = engine.planner.plan(job.budget_ms, self.spent_ms, now_s=now, fixed=self.fixed,
+                                               waiting_left_ms=() if self.fixed else engine.waiting_left_ms(now))
+        if (plan.cheapest or (job.unreachable and not self.fixed)) and engine.cheapest:
+            self.decider = engine.cheapest
+        if reads_prompt and self.decider is engine.decider:
+            return self.decider.stage1(self.lang, self.tiling, plan.controller_budget_ms,
+                                       prompt_tokens=self.prompt_tokens)
+        return self.decider.stage1(self.lang, self.tiling, plan.controller_budget_ms)  # in the controller's units
+
+    def inputs(self, max_crops: int) -> ModelInputs:
+        job = self.job
+        if job.prepared is not None:
+            return job.prepared.inputs(max_crops)
+        return self.engine.runtime.preprocess(job.request.image, job.request.question, max_crops)
+
+    def stage2(self, choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
+        p, plan = choice.insertion_position, self.plan
+        return self.decider.stage2(choice, Stage2Inputs(
+            self.lang, self.tiling, plan.controller_budget_ms, prefix.image_feature,
+            prefix.latency_token if p > 0 else None,
+            served_budget_ms=plan.controller_budget_ms * plan.latency_scale if self.engine.guard else None,
+            prompt_tokens=self.prompt_tokens))
+
+
+@dataclass
+class _BatchedRequest:
+    """A request in the batched worker: started alone (through stage 2), then a row of the batch."""
+
+    job: Job
+    served: _Decisions
+    started: StartedRequest
+    queue_ms: float
+    waited_ms: float
+    streamed: TextStream | None
+    started_at: float
+    row: BatchRow | None = None
+    prefill_ms: float = 0.0
+    prefill_rows: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    step_rows: list[int] = field(default_factory=list)
+
+    def joined(self, row: BatchRow, wall_ms: float, rows: int) -> None:
+        self.row, self.prefill_ms, self.prefill_rows = row, wall_ms, rows
+        self.job.tokens_out = len(row.tokens)
+
+    def stepped(self, wall_ms: float, rows: int) -> None:
+        if self.row is not None and len(self.row.tokens) > self.job.tokens_out:  # it took part (not cancelled)
+            self.step_ms.append(wall_ms)
+            self.step_rows.append(rows)
+            self.job.tokens_out = len(self.row.tokens)
+
+
+def _text_stream(runtime: ModelRuntime, job: Job) -> TextStream | None:
+    """The request's text decoded token by token, where it is needed before the end (stop sequences, streaming)."""
+    req = job.request
+    return TextStream(runtime.decode_text, req.stop, job.emit) if (req.stop or job.deltas is not None) else None
 
 
 #: the deployed cost model's prediction for the request at the configuration it ran (``Stage1Choice``)

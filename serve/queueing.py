@@ -82,10 +82,11 @@ class DeadlineQueue(Generic[T]):
         own = [item.budget_source == "request" for item in self._items]
         return service_order(deadlines, self._clock(), cheapest_s, own)
 
-    def get(self) -> T | None:
-        """The next item to serve (waits for one); None once closed and empty."""
+    def get(self, wait: bool = True) -> T | None:
+        """The next item to serve (``wait``: for one to come); None once closed and empty, or
+        without ``wait`` when none waits."""
         with self._ready:
-            while not self._items and not self._closed:
+            while wait and not self._items and not self._closed:
                 self._ready.wait()
             if not self._items:
                 return None
@@ -107,6 +108,12 @@ class DeadlineQueue(Generic[T]):
                     if self._items[i].arrival + self._items[i].budget_ms / 1000.0 <= deadline_s
                     and (self._items[i].budget_source != "request"
                          or self._items[i].arrival + self._items[i].budget_ms / 1000.0 - now >= cheapest_s)]
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: no item will come after those waiting."""
+        with self._ready:
+            return self._closed
 
     def __len__(self) -> int:
         with self._ready:

@@ -1,0 +1,110 @@
+"""``ctrl serve --max-batch N``: continuous batching over a real socket. Requests decoding together
+answer what each answers alone, each with its own knobs; one that leaves early (its client gone)
+leaves the others' answers as they were; every record says beside how many rows it ran."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+from PIL import Image
+from test_serve import chat_body, png_data_uri, request, serve_ws, start_server, stop_server  # noqa: F401
+
+from pipeline.catalog import run_query
+from pipeline.workspace import Workspace
+
+#: (image size or None, question, max_crops, top_k, num_active_blocks, max_tokens)
+REQUESTS = [((320, 240), "What colour is it?", 1, 8, 16, 10), ((640, 480), "How many shapes?", 4, 2, 12, 12),
+            (None, "Say something.", 1, 4, 14, 9), ((300, 300), "Where is the circle?", 2, 6, 16, 12),
+            ((1000, 250), "Which shape is largest?", 3, 1, 13, 11), ((200, 200), "Is it red?", 1, 3, 15, 12)]
+
+
+@pytest.fixture(scope="module")
+def batched_server(serve_ws, tmp_path_factory):  # noqa: F811
+    _, ws, _ = serve_ws
+    server = start_server(ws.root, tmp_path_factory.mktemp("batched") / "log.txt", "--controller", "offline-run",
+                          "--max-batch", "4", "--max-queue", "16")
+    yield server
+    stop_server(server)
+
+
+def _image(size, seed):
+    return None if size is None else Image.new("RGB", size, (40 * seed % 255, 90, 200 - 20 * seed))
+
+
+def _body(j, spec):
+    size, question, crops, k, blocks, n = spec
+    image = _image(size, j)
+    content = question if image is None else [{"type": "text", "text": question},
+                                              {"type": "image_url", "image_url": {"url": png_data_uri(image)}}]
+    return chat_body(content, max_tokens=n, latency_budget_ms=60_000,
+                     knobs={"max_crops": crops, "top_k": k, "num_active_blocks": blocks})
+
+
+def _alone(runtime, j, spec) -> str:
+    size, question, crops, k, blocks, n = spec
+    inputs = runtime.preprocess(_image(size, j), question, crops)
+    return runtime.generate(inputs, n, top_k=k, num_active_blocks=blocks).text
+
+
+def test_requests_decoding_together_answer_what_each_answers_alone(batched_server, serve_ws,  # noqa: F811
+                                                                     embedded_runtime):
+    replies: dict[int, tuple[int, dict]] = {}
+
+    def send(j, spec):
+        replies[j] = request(batched_server, "POST", "/v1/chat/completions", _body(j, spec))
+
+    for _ in range(2):  # the second round finds the first's batch warm
+        threads = [threading.Thread(target=send, args=(j, spec)) for j, spec in enumerate(REQUESTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for j, spec in enumerate(REQUESTS):
+            status, body = replies[j]
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == _alone(embedded_runtime, j, spec)
+            knobs = body["ctrl"]["knobs"]
+            assert (knobs["max_crops"], knobs["top_k"], knobs["num_active_blocks"]) == spec[2:5]
+    _, ws, _ = serve_ws
+    rows = run_query(Workspace(ws.root), "SELECT batch_rows_prefill, batch_rows_decode, latency_decode_ms, "
+                                         "num_output_tokens FROM requests WHERE status = 'ok' "
+                                         "AND batch_rows_prefill IS NOT NULL").to_pylist()
+    assert len(rows) >= 2 * len(REQUESTS)
+    assert all(1 <= r["batch_rows_prefill"] <= 4 for r in rows)
+    decoding = [r for r in rows if r["num_output_tokens"] > 1]
+    assert all(1 <= r["batch_rows_decode"] <= 4 and r["latency_decode_ms"] > 0 for r in decoding)
+    assert max(r["batch_rows_decode"] for r in decoding) > 1  # some requests did share their decode steps
+
+
+def test_a_client_that_leaves_mid_decode_ends_its_row_alone(batched_server, serve_ws,  # noqa: F811
+                                                             embedded_runtime):
+    """A long request whose client disconnects is cancelled in the batch; the request beside it answers
+    what it answers alone."""
+    long_body = chat_body("Tell me everything.", max_tokens=200, latency_budget_ms=60_000, stream=True,
+                          knobs={"max_crops": 1, "top_k": 8, "num_active_blocks": 16})
+    conn = http.client.HTTPConnection("127.0.0.1", batched_server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=long_body,
+                 headers={"Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200
+    stream.readline()  # its first token is out: it is decoding
+    spec = REQUESTS[1]
+    status, body = request(batched_server, "POST", "/v1/chat/completions", _body(1, spec))
+    conn.close()  # gone mid-decode: the server cancels its row at the next step
+    assert status == 200 and body["choices"][0]["message"]["content"] == _alone(embedded_runtime, 1, spec)
+    status, health = request(batched_server, "GET", "/health")
+    assert status == 200, json.dumps(health)
+    assert body["ctrl"]["batch_rows_decode"] > 1  # it decoded beside the long request
+    _, ws, _ = serve_ws
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        cancelled = run_query(Workspace(ws.root), "SELECT error, num_output_tokens FROM requests "
+                                                  "WHERE status = 'cancelled'").to_pylist()
+        if cancelled:
+            break
+        time.sleep(0.2)
+    assert len(cancelled) == 1 and "client disconnected while decoding" in cancelled[0]["error"]
