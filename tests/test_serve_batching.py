@@ -5,7 +5,6 @@ leaves the others' answers as they were; every record says beside how many rows 
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
 
@@ -80,31 +79,54 @@ def test_requests_decoding_together_answer_what_each_answers_alone(batched_serve
     assert max(r["batch_rows_decode"] for r in decoding) > 1  # some requests did share their decode steps
 
 
+def _streaming(server, body: bytes) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    return conn
+
+
+def _wait_for_queue(server, pending: int) -> None:
+    deadline = time.monotonic() + 30
+    while request(server, "GET", "/health")[1]["queue_length"] < pending:
+        assert time.monotonic() < deadline, f"fewer than {pending} requests reached the server"
+        time.sleep(0.01)
+
+
 def test_a_client_that_leaves_mid_decode_ends_its_row_alone(batched_server, serve_ws,  # noqa: F811
                                                              embedded_runtime):
-    """A long request whose client disconnects is cancelled in the batch; the request beside it answers
-    what it answers alone."""
+    """A long request and a short one wait behind a request running alone, then decode together; the
+    long one's client disconnects mid-decode: its row is cancelled at the next step, and the short one
+    answers what it answers alone."""
     long_body = chat_body("Tell me everything.", max_tokens=200, latency_budget_ms=60_000, stream=True,
                           knobs={"max_crops": 1, "top_k": 8, "num_active_blocks": 16})
-    conn = http.client.HTTPConnection("127.0.0.1", batched_server.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=long_body,
-                 headers={"Content-Type": "application/json"})
-    stream = conn.getresponse()
-    assert stream.status == 200
-    stream.readline()  # its first token is out: it is decoding
+    before = request(batched_server, "GET", "/health")[1]["queue_length"]
+    assert before == 0
+    first = _streaming(batched_server, long_body)  # alone: nobody waits when it starts
+    first_reply = first.getresponse()
+    first_reply.readline()
+    gone = _streaming(batched_server, long_body)
     spec = REQUESTS[1]
-    status, body = request(batched_server, "POST", "/v1/chat/completions", _body(1, spec))
-    conn.close()  # gone mid-decode: the server cancels its row at the next step
+    replies = {}
+    short = threading.Thread(target=lambda: replies.setdefault(
+        "short", request(batched_server, "POST", "/v1/chat/completions", _body(1, spec))))
+    short.start()
+    _wait_for_queue(batched_server, 3)  # the lone request running, the two waiting behind it
+    first.close()  # the lone request is cancelled; the two waiting join one batch
+    gone_reply = gone.getresponse()
+    assert gone_reply.status == 200
+    gone_reply.readline()  # decoding beside the short one
+    gone.close()
+    short.join(timeout=60)
+    status, body = replies["short"]
     assert status == 200 and body["choices"][0]["message"]["content"] == _alone(embedded_runtime, 1, spec)
-    status, health = request(batched_server, "GET", "/health")
-    assert status == 200, json.dumps(health)
-    assert body["ctrl"]["batch_rows_decode"] > 1  # it decoded beside the long request
+    assert body["ctrl"]["batch_rows_prefill"] == 2 and body["ctrl"]["batch_rows_decode"] > 1
     _, ws, _ = serve_ws
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        cancelled = run_query(Workspace(ws.root), "SELECT error, num_output_tokens FROM requests "
-                                                  "WHERE status = 'cancelled'").to_pylist()
-        if cancelled:
+        cancelled = run_query(Workspace(ws.root), "SELECT error FROM requests WHERE status = 'cancelled' "
+                                                  "AND error LIKE '%while decoding%'").to_pylist()
+        if len(cancelled) == 2:
             break
         time.sleep(0.2)
-    assert len(cancelled) == 1 and "client disconnected while decoding" in cancelled[0]["error"]
+    assert len(cancelled) == 2 and all("client disconnected" in r["error"] for r in cancelled)
+    assert request(batched_server, "GET", "/health")[0] == 200
