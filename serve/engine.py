@@ -499,9 +499,8 @@ class Engine:
                     for r in live:
                         r.stepped(wall_ms, len(live))
             except BaseException as exc:  # a pass failed: every row in it ends with the error, the worker lives on
-                for r in [*rows.values(), *joining]:
-                    if r.row is None or not r.row.done:
-                        self._end_row(r, exc)
+                for r in {id(r): r for r in [*rows.values(), *joining]}.values():
+                    self._end_row(r, None if r.row is not None and r.row.done else exc)
                 rows.clear()
                 batch = self.runtime.batch_decoder()
                 continue

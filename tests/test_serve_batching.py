@@ -130,3 +130,55 @@ def test_a_client_that_leaves_mid_decode_ends_its_row_alone(batched_server, serv
         time.sleep(0.2)
     assert len(cancelled) == 2 and all("client disconnected" in r["error"] for r in cancelled)
     assert request(batched_server, "GET", "/health")[0] == 200
+
+
+def test_a_failed_pass_ends_its_rows_with_the_error_and_the_worker_serves_on(embedded_runtime, monkeypatch):
+    """Requests queued together join one batch; a decode step that raises ends each of them with that
+    error (once each: their places freed), and the next request is answered."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from test_serve import RecordingDecider
+
+    from runtime.batched_decoder import BatchedDecoder
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+
+    real_step, failures = BatchedDecoder.step, []
+
+    def failing_step(self):
+        if not failures:
+            failures.append(len(self.live))
+            msg = "injected failure"
+            raise RuntimeError(msg)
+        return real_step(self)
+
+    monkeypatch.setattr(BatchedDecoder, "step", failing_step)
+    engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=8, default_budget_ms=None,
+                    threads=1, request_log=None, max_batch=4)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+
+        def job(question):
+            j = new_job(ChatRequest("embedded", question, None, 6, 5000.0), engine, time.perf_counter(),
+                        datetime.now(UTC), 0.0)
+            j.loop, j.future = loop, loop.create_future()
+            return j
+
+        queued = [job(f"Question {i}?") for i in range(3)]
+        for j in queued:
+            engine.submit(j)
+        engine.start()  # the worker finds all three waiting: one batch
+        outcomes = await asyncio.gather(*(j.future for j in queued), return_exceptions=True)
+        after = job("And now?")
+        engine.submit(after)
+        return outcomes, await after.future
+
+    try:
+        outcomes, after = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert failures == [3]
+    assert all(isinstance(o, RuntimeError) and str(o) == "injected failure" for o in outcomes)
+    assert after.num_output_tokens >= 1 and engine.pending == 0
