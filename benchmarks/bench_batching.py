@@ -85,7 +85,7 @@ async def serve_all(engine, requests, clients: int) -> list[dict]:
     return [records[i] for i in range(len(requests))]
 
 
-def run_arm(runtime, requests, clients: int, max_batch: int) -> tuple[float, list[dict]]:
+def run_arm(runtime, requests, clients: int, max_batch: int, threads: int) -> tuple[float, list[dict]]:
     from controller.cost import LatencyScale
     from controller.machine import MachineCost
     from serve.deciders import FixedKnobs
@@ -93,8 +93,8 @@ def run_arm(runtime, requests, clients: int, max_batch: int) -> tuple[float, lis
 
     decider = FixedKnobs({"max_crops": 1, "top_k": 1, "num_active_blocks": runtime.num_layers}, runtime.num_experts,
                          runtime.num_layers, 12, MachineCost(LatencyScale({})))
-    engine = Engine(runtime, decider, model_name="bench", max_queue=len(requests), default_budget_ms=1e6, threads=0,
-                    request_log=None, preprocess_workers=1, max_batch=max_batch, queue_deadline=0.0,
+    engine = Engine(runtime, decider, model_name="bench", max_queue=len(requests), default_budget_ms=1e6,
+                    threads=threads, request_log=None, preprocess_workers=1, max_batch=max_batch, queue_deadline=0.0,
                     refuse_unreachable=False)
     engine.start()
     try:
@@ -113,23 +113,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-batch", default="1,4", help="comma-separated --max-batch settings")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads (the server's --threads)")
     args = parser.parse_args()
 
     import torch
     from molmoe_common import cpu_name
 
-    torch.set_num_threads(args.threads)
     runtime = load(args.model)
     requests = requests_for(args.requests, args.max_tokens)
     settings = [int(s) for s in args.max_batch.split(",")]
-    run_arm(runtime, requests[:2], 1, settings[-1])  # one-time costs out of the first arm
+    run_arm(runtime, requests[:2], 1, settings[-1], args.threads)  # one-time costs out of the first arm
     walls: dict[int, list[float]] = {s: [] for s in settings}
     records: dict[int, list[dict]] = {s: [] for s in settings}
     texts: dict[int, list[str]] = {}
     for _ in range(args.rounds):
         for setting in settings:
-            wall, recs = run_arm(runtime, requests, args.clients, setting)
+            wall, recs = run_arm(runtime, requests, args.clients, setting, args.threads)
             walls[setting].append(wall)
             records[setting] += recs
             texts.setdefault(setting, [r["text"] for r in recs])

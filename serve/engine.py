@@ -462,7 +462,7 @@ class Engine:
         """Continuous batching: requests join the running batch between decode steps (each one's stage 1,
         preprocessing, prefix and stage 2 alone, then its prefill with the others joining at that step),
         every live row advances one token per step, a row leaves at its end."""
-        batch = self.runtime.batch_decoder()
+        batch = self._new_batch()
         rows: dict[int, _BatchedRequest] = {}
         while True:
             joining: list[_BatchedRequest] = []
@@ -502,12 +502,17 @@ class Engine:
                 for r in {id(r): r for r in [*rows.values(), *joining]}.values():
                     self._end_row(r, None if r.row is not None and r.row.done else exc)
                 rows.clear()
-                batch = self.runtime.batch_decoder()
+                batch = self._new_batch()
                 continue
             for key in [k for k, r in rows.items() if r.row.done]:
                 self._end_row(rows.pop(key))
             if not rows:
                 self._running_since = None
+
+    def _new_batch(self) -> BatchedDecoder:
+        batch = self.runtime.batch_decoder()
+        batch.count_products = False  # a count for tests, not for serving
+        return batch
 
     def _start_row(self, job: Job) -> _BatchedRequest | None:
         """A request taken from the queue, up to its row: dropped, failed (finished here: None) or started."""

@@ -123,10 +123,11 @@ def server_a(serve_ws, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server_b(serve_ws, tmp_path_factory):
-    """The online controller file, an API key, no waiting room."""
+    """The online controller file, an API key, no waiting room, one request at a time."""
     _, ws, online_file = serve_ws
     server = start_server(ws.root, tmp_path_factory.mktemp("server-b") / "log.txt", "--controller", str(online_file),
-                          "--api-key", "secret-key", "--max-queue", "0", "--served-model-name", "molmoe-test")
+                          "--api-key", "secret-key", "--max-queue", "0", "--served-model-name", "molmoe-test",
+                          "--max-batch", "1")
     yield server
     stop_server(server)
 

@@ -182,3 +182,35 @@ def test_a_failed_pass_ends_its_rows_with_the_error_and_the_worker_serves_on(emb
     assert failures == [3]
     assert all(isinstance(o, RuntimeError) and str(o) == "injected failure" for o in outcomes)
     assert after.num_output_tokens >= 1 and engine.pending == 0
+
+
+def test_max_batch_is_auto_or_a_positive_count():
+    from serve.config import ServeConfig
+
+    auto = ServeConfig(controller="x")
+    assert auto.max_batch == "auto"
+    assert auto.batch_rows("cpu", True) == 4  # measured faster on a CPU
+    assert auto.batch_rows("cuda", True) == 1 and auto.batch_rows("cpu", False) == 1
+    assert ServeConfig(controller="x", max_batch=3).batch_rows("cuda", True) == 3
+    for bad in ("0", "many", -1, True):
+        with pytest.raises(ValueError, match="--max-batch must be 'auto' or a positive integer"):
+            ServeConfig(controller="x", max_batch=bad)
+
+
+def test_a_batch_holds_max_batch_requests_beside_the_queue(serve_ws, tmp_path):  # noqa: F811
+    """--max-batch 2 --max-queue 0: the server holds two requests (running, or waiting to join the
+    batch), and a third is answered 503 at once."""
+    _, ws, _ = serve_ws
+    server = start_server(ws.root, tmp_path / "log.txt", "--controller", "offline-run", "--max-batch", "2",
+                          "--max-queue", "0")
+    try:
+        body = chat_body("Tell me everything.", max_tokens=200, latency_budget_ms=60_000, stream=True,
+                         knobs={"max_crops": 1, "top_k": 8, "num_active_blocks": 16})
+        running = [_streaming(server, body) for _ in range(2)]
+        _wait_for_queue(server, 2)
+        status, reply = request(server, "POST", "/v1/chat/completions", chat_body("What?", max_tokens=2))
+        assert status == 503 and int(reply["_headers"]["retry-after"]) >= 1
+        for conn in running:
+            conn.close()
+    finally:
+        stop_server(server)

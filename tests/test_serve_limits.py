@@ -118,8 +118,9 @@ def long_prompt_server(trained_ws, tmp_path_factory):
     """A server that admits a long prompt (24,000 characters, about 9,700 tokens), and how long that
     prompt's request takes there with every block: (server, seconds)."""
     _, ws, _ = trained_ws
+    # one request at a time: the tests below queue requests behind the one running
     server = start_server(ws.root, tmp_path_factory.mktemp("limits-long") / "log.txt", "--controller", "offline-run",
-                          "--max-prompt-chars", "100000", "--max-prompt-tokens", "100000")
+                          "--max-prompt-chars", "100000", "--max-prompt-tokens", "100000", "--max-batch", "1")
     status, reply = request(server, "POST", "/v1/chat/completions",
                             chat_body(text_of(24_000), max_tokens=1, knobs=ALL_BLOCKS))
     assert status == 200, reply
