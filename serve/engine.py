@@ -1,14 +1,16 @@
-"""Requests through the model, one at a time, behind a bounded queue.
+"""Requests through the model behind a bounded queue: one at a time, or many decoding together.
 
-One worker thread owns the model: the knobs (top-K per block, active blocks) are state of the
-model, so two requests cannot run on one copy at once, and on the CPU one request already uses
-every core (docs/serving.md#concurrency has the measurement). Requests wait in a queue of at
-most ``max_queue``; one more is refused at once (:class:`Overloaded`, HTTP 503 with
-Retry-After) instead of waiting longer than any budget. A request with a budget of its own that
-the requests ahead leave no room for, even at the cheapest configuration, is refused on arrival
-(:class:`BudgetUnreachable`, 503), and the waiting are served earliest deadline first
-(:mod:`serve.queueing`). The time a request waits counts against its budget: stage 1 reads the
-budget less the time since the request arrived.
+One worker thread owns the model. With ``max_batch`` 1 it runs one request at a time; with more it
+batches continuously (:meth:`Engine._run_batched`): a request's stage 1, preprocessing, prefix and
+stage 2 run alone, then it joins the running batch between decode steps (``runtime.batched_decoder``,
+each row with its own knobs) and leaves at its end; a request that finds the batch empty and no one
+waiting runs on the single-request path. Requests wait in a queue of at most ``max_queue``; one
+more is refused at once (:class:`Overloaded`, HTTP 503 with Retry-After) instead of waiting longer
+than any budget. A request with a budget of its own that the requests ahead leave no room for,
+even at the cheapest configuration, is refused on arrival (:class:`BudgetUnreachable`, 503), and
+the waiting are served earliest deadline first (:mod:`serve.queueing`). The time a request waits
+counts against its budget: stage 1 reads the budget less the time since the request arrived.
+Admitted requests are preprocessed off the worker meanwhile (:mod:`serve.preprocessing`).
 
 A request's timeline: its arrival (the HTTP handler starts), parse (body, JSON, image decode) and
 queue, then its way through the model (``runtime.request.RequestExecutor``: stage 1, preprocess,
