@@ -7,18 +7,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline.execution import ExecutionOptions, check_dtype_name, execution_field
-from pipeline.options import option
+from pipeline.options import auto_or_count, option
 from trainer.config import TrainingConfig, check_int
 from trainer.reward import RewardConfig
-
-
-def check_rollout_batch(value: object) -> str:
-    """``rollout_batch`` as its canonical text: "auto" or a positive integer."""
-    text = str(value).strip().lower()
-    if text == "auto" or (text.isdigit() and int(text) >= 1 and not isinstance(value, bool)):
-        return text if text == "auto" else str(int(text))
-    msg = f"rollout_batch must be 'auto' or a positive integer, got {value!r}"
-    raise ValueError(msg)
 
 
 @dataclass
@@ -147,7 +138,7 @@ class OnlineTrainConfig(TrainingConfig):
             msg = "pass both budget_min_ms and budget_max_ms, or neither (calibrated)"
             raise ValueError(msg)
         check_dtype_name(self.dtype)
-        self.rollout_batch = check_rollout_batch(self.rollout_batch)
+        self.rollout_batch = auto_or_count("rollout_batch", self.rollout_batch)
         for name in ("images_dir", "importance_scores"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):

@@ -85,3 +85,13 @@ def option_flags(cls: type, name: str) -> tuple[str, ...]:
     if f.metadata.get("flags"):
         return tuple(f.metadata["flags"])
     return flags_by_rule(name, f.type in ("bool", bool))
+
+
+def auto_or_count(flag: str, value: object) -> str:
+    """An option that is "auto" or a positive integer, as its canonical text; ValueError naming
+    ``flag`` otherwise."""
+    text = str(value).strip().lower()
+    if not isinstance(value, bool) and (text == "auto" or (text.isdigit() and int(text) >= 1)):
+        return text if text == "auto" else str(int(text))
+    msg = f"{flag} must be 'auto' or a positive integer, got {value!r}"
+    raise ValueError(msg)

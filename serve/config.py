@@ -17,7 +17,7 @@ from pathlib import Path
 
 from controller.cost import LATENCY_SCALE_QUANTILE, LATENCY_SCALE_WINDOW
 from pipeline.execution import DTYPE_CHOICES, ExecutionOptions, execution_field
-from pipeline.options import WORKSPACE_CLI, option, option_flags
+from pipeline.options import WORKSPACE_CLI, auto_or_count, option, option_flags
 
 #: the prompt-token limit of a model whose runtime does not say its context length
 FALLBACK_MAX_PROMPT_TOKENS = 4096
@@ -57,7 +57,7 @@ class ServeConfig:
     dtype: str = execution_field("dtype", choices=None, metavar="<auto|bfloat16|float16|float32>")
     threads: int = execution_field("threads", min=None)
     max_queue: int = option(8, help=
-        "Requests waiting for the model beyond the one running; one more is answered 503 with Retry-After.")
+        "Requests waiting for the model beyond those running; one more is answered 503 with Retry-After.")
     max_batch: str = option("auto", help=
         "Requests decoding together (continuous batching: a request joins the running batch between decode "
         "steps, its own knobs in the shared passes, and leaves at its end); 1 serves one request at a time; "
@@ -199,11 +199,7 @@ class ServeConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 msg = f"--{name.replace('_', '-')} must be a positive integer, got {value!r}"
                 raise ValueError(msg)
-        text = str(self.max_batch).strip().lower()
-        if not (text == "auto" or (text.isdigit() and int(text) >= 1)) or isinstance(self.max_batch, bool):
-            msg = f"--max-batch must be 'auto' or a positive integer, got {self.max_batch!r}"
-            raise ValueError(msg)
-        self.max_batch = text if text == "auto" else str(int(text))
+        self.max_batch = auto_or_count("--max-batch", self.max_batch)
         workers = self.preprocess_workers
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             msg = f"--preprocess-workers must be an integer >= 0, got {workers!r}"
