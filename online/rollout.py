@@ -35,7 +35,7 @@ from controller.latency_guard import GuardGrid, guarded_stage2
 from online.data import OnlineSamples
 from online.latency_model import MemberShape, SuffixLatencyModel
 from pipeline.errors import CtrlError
-from runtime.base import ModelInputs, ModelRuntime, PrefixRequest, PrefixState
+from runtime.base import ModelInputs, ModelRuntime, PrefixRequest, PrefixState, RowKnobs
 from runtime.images import open_image
 from runtime.request import Answer, LatencyParts, RequestExecutor
 from runtime.scoring import score_answer
@@ -189,11 +189,15 @@ class _Member:
     blocks_index: int
     top_k: int
     num_active_blocks: int
-    active_blocks: tuple[int, ...]
+    knobs: RowKnobs  # as the runtime runs it after the prefix
     group: int
     member: int
     budget: float
     log_prob: float
+
+    @property
+    def active_blocks(self) -> tuple[int, ...]:
+        return self.knobs.blocks
 
     @property
     def shape(self) -> MemberShape:
@@ -383,8 +387,8 @@ class RolloutExecutor:
         out.controller_s += time.perf_counter() - tick
         log_prob = (s1.crops_log_probs[0, pre.crops_index] + s1.insertion_log_probs[0, pre.insertion_index]
                     + pre.top_k_log_probs[k] + pre.blocks_log_probs[b])
-        active = self.runtime.knobs_after_prefix(pre.state.insertion_position, top_k, blocks).blocks
-        return _Member(pre, k, b, top_k, blocks, active, group, member, float(budget), float(log_prob))
+        knobs = self.runtime.knobs_after_prefix(pre.state.insertion_position, top_k, blocks)
+        return _Member(pre, k, b, top_k, blocks, knobs, group, member, float(budget), float(log_prob))
 
     def _run_alone(self, member: _Member, out: StepRollouts, decisions: Decisions, guarded: GuardGrid | None,
                    *, rank: int) -> Rollout:
@@ -420,9 +424,7 @@ class RolloutExecutor:
                      *, rank: int) -> list[Rollout]:
         """Members continued from their prefixes in shared passes; their suffix and decode latencies modeled."""
         tick = time.perf_counter()
-        rows = [PrefixRequest(m.pre.state, self.runtime.knobs_after_prefix(m.pre.state.insertion_position, m.top_k,
-                                                                           m.num_active_blocks), self.max_new_tokens)
-                for m in members]
+        rows = [PrefixRequest(m.pre.state, m.knobs, self.max_new_tokens) for m in members]
         results = self.runtime.answer_prefixes(rows, max_rows=batch_rows)
         out.model_s += time.perf_counter() - tick
         rollouts = []

@@ -300,20 +300,20 @@ class OlmoeDecoderRuntime(ModelRuntime):
                 raise result
         return results  # type: ignore[return-value]
 
-    def row_prefix(self, prefix: PrefixState) -> tuple[torch.Tensor, RowPrefix]:
+    def row_prefix(self, prefix: PrefixState) -> tuple[torch.Tensor, RowPrefix | None]:
         """A prefix state as a batch row's input: the float32 (prompt tokens, d) hidden state after
-        block p-1 (without the budget token; nothing before it attended to it) and blocks 0..p-1's K/V."""
+        block p-1 (without the budget token; nothing before it attended to it) and blocks 0..p-1's
+        K/V (None at p = 0: no block ran, the row is prefilled from its embeddings)."""
         p, seq = prefix.insertion_position, prefix.seq_len - prefix.extra_tokens
         hidden = prefix.hidden[0, :seq].float()
+        if not p:
+            return hidden, None
         if isinstance(prefix.cache, FastPrefixCache):  # the prompt's positions already
             keys, values = prefix.cache.keys[:p, :, :seq], prefix.cache.values[:p, :, :seq]
-        elif p:
+        else:
             layers = [prefix.cache.layers[i] for i in range(p)]
             keys = torch.stack([layer.keys[0, :, :seq] for layer in layers])
             values = torch.stack([layer.values[0, :, :seq] for layer in layers])
-        else:
-            batch = self.batch_decoder()
-            keys = values = torch.zeros((0, batch.kv_heads, seq, batch.head_dim), device=self.device)
         return hidden, RowPrefix(p, keys.float(), values.float())
 
     def _rows_at_once(self, pending: list[_PendingRow], max_rows: int | None) -> int:

@@ -229,6 +229,14 @@ class RequestExecutor:
         before each decode step: an exception it raises stops the request there. The timing is
         resolved on return."""
         started = self.start(stage1, inputs, stage2, check=check)
+        return self.complete(started, max_tokens=max_tokens, pick=pick, until=until, check=check, on_token=on_token)
+
+    def complete(self, started: StartedRequest[Decision], *, max_tokens: int,
+                 pick: Callable[[torch.Tensor], int] = argmax_token, until: Callable[[int], bool] | None = None,
+                 check: Callable[[int | None], None] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> RequestOutcome[Decision]:
+        """A started request's answer alone (``check`` and the rest as in :meth:`run`); the timing is
+        resolved on return."""
         blocks_checked = self.runtime.between_blocks(check) if check is not None else nullcontext()
         with torch.inference_mode(), blocks_checked:
             answer = self.answer(started.prefix, started.top_k, started.num_active_blocks, started.timing,

@@ -419,8 +419,8 @@ class Engine:
         raise BudgetUnreachable(wait_ms, job.budget_ms, max(1, math.ceil(backlog_ms / 1000.0)))
 
     def _refuse_if_full(self) -> None:
-        """(under ``_lock``) :class:`Overloaded` when ``max_queue + 1`` places are taken (one running, the
-        rest waiting or having their bodies read)."""
+        """(under ``_lock``) :class:`Overloaded` when ``max_queue + max_batch`` places are taken (those
+        running, the rest waiting or having their bodies read)."""
         if self._reserved >= self.max_queue + self.max_batch:
             self.metrics.requests.labels(status="rejected").inc()
             raise Overloaded(self._retry_after(self._reserved))
@@ -475,10 +475,8 @@ class Engine:
                 started = self._start_row(job)
                 if started is not None:
                     joining.append(started)
-            if not rows and not joining:
-                if self._jobs.closed and not len(self._jobs):
-                    return
-                continue
+            if not rows and not joining:  # the queue waited, and was closed empty
+                return
             self._running_since = time.perf_counter()
             if not rows and len(joining) == 1 and not len(self._jobs):
                 # alone with nobody waiting: the single-request path (the fast path's decode step is
@@ -541,24 +539,12 @@ class Engine:
 
     def _answer_alone(self, r: _BatchedRequest) -> None:
         """A started request answered on the single-request path, as the one-at-a-time worker answers it."""
-        job, req, started = r.job, r.job.request, r.started
-        pick = TokenPicker(req.temperature, req.top_p, job.seed, self.runtime.device)
+        job = r.job
         outcome: Result | BaseException
         try:
-            with torch.inference_mode(), self.runtime.between_blocks(lambda block: self._check(job, block)):
-                answer = self.executor.answer(
-                    started.prefix, started.top_k, started.num_active_blocks, started.timing,
-                    max_tokens=req.max_tokens, pick=pick,
-                    until=r.streamed.push if r.streamed is not None else None, check=lambda: self._check(job),
-                    on_token=lambda tokens: setattr(job, "tokens_out", tokens))
-            self.timer.resolve(started.timing)
-            run = RequestOutcome(started.decision, started.inputs, started.top_k, started.num_active_blocks, answer,
-                                 started.timing)
-            text = r.streamed.finish() if r.streamed is not None else self.runtime.decode_text(answer.tokens)
-            stop_hit = r.streamed.stop_hit if r.streamed is not None else None
-            outcome = self._answered(job, r.served, run, queue_ms=r.queue_ms, waited_ms=r.waited_ms, text=text,
-                                     stop_hit=stop_hit, total_ms=(time.perf_counter() - job.arrival) * 1000.0,
-                                     record=True, batch_rows=(1, 1.0 if len(answer.tokens) > 1 else None))
+            run = self._complete(job, r.started, r.streamed)
+            outcome = self._answered(job, r.served, run, r.streamed, queue_ms=r.queue_ms, waited_ms=r.waited_ms,
+                                     record=True, batch_rows=(1, 1.0 if len(run.tokens) > 1 else None))
         except BaseException as exc:
             self._failed(job, exc, r.queue_ms, True)
             outcome = exc
@@ -607,7 +593,7 @@ class Engine:
         job.finish(outcome)
 
     def _answered_row(self, r: _BatchedRequest) -> Result:
-        runtime, started, row = self.runtime, r.started, r.row
+        started, row = r.started, r.row
         tokens = list(row.tokens)
         timing = self.timer.resolve(started.timing)
         # the shared passes' walls, as the request's own suffix and decode segments
@@ -617,12 +603,9 @@ class Engine:
                                for ms in r.step_ms[:max(len(tokens) - 1, 0)])
         outcome = RequestOutcome(started.decision, started.inputs, started.top_k, started.num_active_blocks,
                                  Answer(tokens, row.knobs.blocks), timing)
-        text = r.streamed.finish() if r.streamed is not None else runtime.decode_text(tokens)
-        stop_hit = r.streamed.stop_hit if r.streamed is not None else None
-        total_ms = (time.perf_counter() - r.job.arrival) * 1000.0
         rows = (r.prefill_rows, sum(r.step_rows) / len(r.step_rows) if r.step_rows else None)
-        return self._answered(r.job, r.served, outcome, queue_ms=r.queue_ms, waited_ms=r.waited_ms, text=text,
-                              stop_hit=stop_hit, total_ms=total_ms, record=True, batch_rows=rows)
+        return self._answered(r.job, r.served, outcome, r.streamed, queue_ms=r.queue_ms, waited_ms=r.waited_ms,
+                              record=True, batch_rows=rows)
 
     def _droppable(self, job: Job, cheapest_ms: float) -> bool:
         """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
@@ -652,26 +635,29 @@ class Engine:
 
     def execute(self, job: Job, *, record: bool = True) -> Result:
         """Run one request on the model (the worker thread's work; tests and the warm-up call it directly)."""
-        req, runtime = job.request, self.runtime
+        runtime = self.runtime
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
         served = _Decisions(self, job)
         job.captures_at_start = runtime.graph_captures
         try:
             waited_ms = self._begin(job, record)
             streamed = _text_stream(runtime, job)
-            outcome = self.executor.run(
-                served.stage1, served.inputs, served.stage2, max_tokens=req.max_tokens,
-                pick=TokenPicker(req.temperature, req.top_p, job.seed, runtime.device),
-                until=streamed.push if streamed is not None else None,
-                check=lambda block: self._check(job, block), on_token=lambda tokens: setattr(job, "tokens_out", tokens))
-            text = streamed.finish() if streamed is not None else runtime.decode_text(outcome.tokens)
-            stop_hit = streamed.stop_hit if streamed is not None else None
-            total_ms = (time.perf_counter() - job.arrival) * 1000.0
+            started = self.executor.start(served.stage1, served.inputs, served.stage2,
+                                          check=lambda block: self._check(job, block))
+            outcome = self._complete(job, started, streamed)
         except BaseException as exc:
             self._failed(job, exc, queue_ms, record)
             raise
-        return self._answered(job, served, outcome, queue_ms=queue_ms, waited_ms=waited_ms, text=text,
-                              stop_hit=stop_hit, total_ms=total_ms, record=record)
+        return self._answered(job, served, outcome, streamed, queue_ms=queue_ms, waited_ms=waited_ms, record=record)
+
+    def _complete(self, job: Job, started: StartedRequest, streamed: TextStream | None) -> RequestOutcome:
+        """A started request's answer on the single-request path."""
+        req = job.request
+        pick = TokenPicker(req.temperature, req.top_p, job.seed, self.runtime.device)
+        return self.executor.complete(
+            started, max_tokens=req.max_tokens, pick=pick,
+            until=streamed.push if streamed is not None else None, check=lambda block: self._check(job, block),
+            on_token=lambda tokens: setattr(job, "tokens_out", tokens))
 
     def _begin(self, job: Job, record: bool) -> float:
         """The checks before a request reaches the model; what it waited (ms since it arrived)."""
@@ -689,12 +675,16 @@ class Engine:
         elif isinstance(exc, Exception):
             self._record(job, "error", queue_ms=queue_ms, error=f"{type(exc).__name__}: {exc}")
 
-    def _answered(self, job: Job, served: _Decisions, outcome: RequestOutcome, *, queue_ms: float,
-                  waited_ms: float, text: str, stop_hit: str | None, total_ms: float, record: bool,
-                  batch_rows: tuple[int, float] | None = None) -> Result:
-        """A finished request: what it cost told to the cost model and the planner, its record, its result.
-        ``batch_rows``: the rows of its batch at its prefill and their mean over its decode steps."""
+    def _answered(self, job: Job, served: _Decisions, outcome: RequestOutcome, streamed: TextStream | None, *,
+                  queue_ms: float, waited_ms: float, record: bool,
+                  batch_rows: tuple[int, float | None] | None = None) -> Result:
+        """A finished request: its text (``streamed``'s where it was decoded token by token), what it
+        cost told to the cost model and the planner, its record, its result. ``batch_rows``: the rows
+        of its batch at its prefill and their mean over its decode steps."""
         runtime, tokens, plan, decider = self.runtime, outcome.tokens, served.plan, served.decider
+        text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
+        stop_hit = streamed.stop_hit if streamed is not None else None
+        total_ms = (time.perf_counter() - job.arrival) * 1000.0
         choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
         p, guarded_from = choice.insertion_position, choice.guarded_from
         # the scale counts the layout the reference latencies were recorded for (insertion position 0)

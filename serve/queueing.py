@@ -109,12 +109,6 @@ class DeadlineQueue(Generic[T]):
                     and (self._items[i].budget_source != "request"
                          or self._items[i].arrival + self._items[i].budget_ms / 1000.0 - now >= cheapest_s)]
 
-    @property
-    def closed(self) -> bool:
-        """:meth:`close` was called: no item will come after those waiting."""
-        with self._ready:
-            return self._closed
-
     def __len__(self) -> int:
         with self._ready:
             return len(self._items)
