@@ -487,17 +487,21 @@ class Engine:
             try:
                 if joining:
                     self._join(batch, joining, rows)
-                live = [r for r in rows.values() if not r.row.done]
-                for r in live:
+                stepping = []
+                for r in rows.values():
+                    if r.row.done:
+                        continue
                     if r.job.cancelled.is_set() or self._aborting.is_set():
-                        r.row.cancel()
+                        r.row.cancel()  # out before the step's first block: not one of its rows
+                    else:
+                        stepping.append(r)
                 if batch.live:
                     tick = time.perf_counter()
                     with self.runtime.batch_context():
                         batch.step()
                     wall_ms = (time.perf_counter() - tick) * 1000.0
-                    for r in live:
-                        r.stepped(wall_ms, len(live))
+                    for r in stepping:
+                        r.stepped(wall_ms, len(stepping))
             except BaseException as exc:  # a pass failed: every row in it ends with the error, the worker lives on
                 for r in {id(r): r for r in [*rows.values(), *joining]}.values():
                     self._end_row(r, None if r.row is not None and r.row.done else exc)
@@ -862,7 +866,7 @@ class _BatchedRequest:
         self.job.tokens_out = len(row.tokens)
 
     def stepped(self, wall_ms: float, rows: int) -> None:
-        if self.row is not None and len(self.row.tokens) > self.job.tokens_out:  # it took part (not cancelled)
+        if self.row is not None and len(self.row.tokens) > self.job.tokens_out:  # it took a token in the step
             self.step_ms.append(wall_ms)
             self.step_rows.append(rows)
             self.job.tokens_out = len(self.row.tokens)
