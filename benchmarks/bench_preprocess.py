@@ -9,8 +9,8 @@ the token layout, the prompt's tokens), timed with one torch thread. Images are 
 each size (the resize's work does not depend on the pixels). The tokenizer and the processor
 config are the released ones from the MolmoE reference folder (``tests/molmoe_origin.py`` finds
 it); the model's weights are not needed. The step-by-step resize formulation
-(``tests/test_molmoe_processor.py``, what the processor computed before its canvas was filled in
-place) is timed beside it in the same run.
+(``tests/test_molmoe_processor.py``: every step its own tensor, the reference the processor's
+in-place canvas is held to bit for bit) is timed beside it in the same run.
 
 ``--engine-requests N`` (0: off) then serves N requests (seeded 640x480 images, max_crops 10,
 8 new tokens) through ``serve.engine.Engine`` on a tiny MolmoE checkpoint (the reference's builder,

@@ -1,8 +1,8 @@
 """A request's preprocessing off the model thread, while it waits and while stage 1 decides.
 
-Stage 1 picks a request's crops (max_crops) before the image is cut into them, so the worker
-thread used to resize, normalise and tile the image between stage 1 and the vision tower, on the
-request's budget and the model's time. Here a pool of threads (``--preprocess-workers``) prepares
+Stage 1 picks a request's crops (max_crops) before the image is cut into them: done on the worker
+thread between stage 1 and the vision tower, the resize, normalisation and tiling would be on the
+request's budget and the model's time. A pool of threads (``--preprocess-workers``) prepares
 every request as it is admitted: its inputs at each crops choice its decider can make, one per
 distinct tiling (a runtime's inputs depend on max_crops only through the tiling its image gets
 there: ``ModelRuntime.tiling``), and its prompt's token count. The worker then takes the inputs
@@ -63,7 +63,7 @@ class PreparedInputs:
 
 class Preprocessor:
     """The pool that prepares admitted requests (``workers`` threads; 0: none, everything on the
-    worker thread as before)."""
+    worker thread)."""
 
     def __init__(self, runtime: ModelRuntime, workers: int) -> None:
         if isinstance(workers, bool) or int(workers) < 0:
@@ -83,7 +83,7 @@ class Preprocessor:
         for m in dict.fromkeys(max_crops_values):
             try:
                 key_of[int(m)] = None if image is None else runtime.tiling(image.width, image.height, int(m))
-            except (CtrlError, TypeError, ValueError):  # refused where the worker reaches it, as before
+            except (CtrlError, TypeError, ValueError):  # refused where the worker reaches it
                 continue
         by_key: dict[object, Future[ModelInputs]] = {}
         for m, key in key_of.items():

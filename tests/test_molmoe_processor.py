@@ -273,7 +273,7 @@ def test_tokenizer_missing_is_a_load_error(tmp_path: Path) -> None:
 
 def _resize_and_pad_unfused(config: MolmoImageConfig, image: np.ndarray, out_h: int,
                             out_w: int) -> tuple[np.ndarray, np.ndarray]:
-    """The resize-and-pad as first written (every step its own tensor): what the in-place one must equal bit for bit."""
+    """The resize-and-pad step by step (every step its own tensor): what the in-place one must equal bit for bit."""
     height, width = image.shape[:2]
     scale = min(np.float32(out_w) / np.float32(width), np.float32(out_h) / np.float32(height))
     scaled_h, scaled_w = int(np.float32(height) * scale), int(np.float32(width) * scale)
