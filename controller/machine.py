@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol
 
@@ -157,18 +157,26 @@ class MachineCost:
         return MachineCost(scale, self.guard)
 
     def grid(self, lang: torch.Tensor | None, tiling_crops: torch.Tensor | None, budget_ms: float, *,
-             request_ms: Mapping[Config, float] | None = None, prompt_tokens: float = math.nan) -> CostGrid:
+             request_ms: Mapping[Config, float] | None = None, prompt_tokens: float = math.nan,
+             batch_factor_of: Callable[[Config], float] | None = None) -> CostGrid:
         """One request's :class:`CostGrid` at ``budget_ms``: the guard's (``lang`` (Dl,), ``tiling_crops``
         (C,) and ``prompt_tokens`` are its inputs) where there is one; else the profile's medians, with
         ``request_ms`` (this request's own predicted cost per configuration, profile ms) read in their
-        place where given, times the latency scale of each configuration (budget in served ms)."""
+        place where given, times the latency scale of each configuration (budget in served ms).
+        ``batch_factor_of``: per configuration, how much longer than alone the request would take in the
+        batch it joins (a server's continuous batching), a further factor of every configuration."""
         if self.guard is not None:
-            return self.guard.grid(lang, tiling_crops, budget_ms, prompt_tokens)
-        base = dict(self.scale.reference_ms)
-        if request_ms:
-            base.update(request_ms)
-        return CostGrid(tuple(base), torch.tensor(list(base.values()), dtype=torch.float64), self.scale.of,
-                        float(budget_ms), "profile")
+            grid = self.guard.grid(lang, tiling_crops, budget_ms, prompt_tokens)
+        else:
+            base = dict(self.scale.reference_ms)
+            if request_ms:
+                base.update(request_ms)
+            grid = CostGrid(tuple(base), torch.tensor(list(base.values()), dtype=torch.float64), self.scale.of,
+                            float(budget_ms), "profile")
+        if batch_factor_of is None:
+            return grid
+        machine = grid.factor_of
+        return replace(grid, factor_of=lambda config: machine(config) * batch_factor_of(config))
 
     def observe(self, grid: CostGrid | None, config: Config, *, model_ms: float, measured_ms: float,
                 insertion_position: int = 0) -> float | None:

@@ -538,7 +538,16 @@ REQUESTS = TableSchema(
                             "null for requests that did not reach stage 1"),
         Column("controller_budget_ms", _D, "what both stages read, in the profile's ms: min(budget_left_ms, "
                                            "queue_cap_ms - after-stage-1 reserve, arrival_cap_ms - after-stage-1 "
-                                           "reserve) x budget_margin / latency_scale", "ms"),
+                                           "reserve) x budget_margin / latency_scale / batch_factor", "ms"),
+        Column("batch_factor", _D, "--max-batch > 1: how much longer than alone the request was expected to take "
+                                   "beside the rows of the batch it joined, at the knobs of the request started "
+                                   "before it (docs/serving.md#the-batch-factor); 1 alone, for fixed knobs and "
+                                   "--max-batch 1"),
+        Column("batch_rows_expected", _L, "--max-batch > 1: the rows of the batch it joined as stage 1 found them, "
+                                          "itself included (1: alone); null for fixed knobs and --max-batch 1"),
+        Column("occupancy", _D, "the share of a request's time on the worker that it holds the worker alone, as "
+                                "the queue and arrival caps read it (1 one request at a time; the recent requests' "
+                                "mean under --max-batch > 1); null for fixed knobs"),
         Column("decided_by", _S, "controller | table (the run's table fallback) | cheapest (the budget read was "
                                  "below every configuration's reference latency) | request (fixed knobs)"),
         Column("question_group", _S, "the question family or cluster the question reads as under the controller's "
@@ -596,6 +605,14 @@ REQUESTS = TableSchema(
                                          "prefill ran in, itself included (null: served one at a time)"),
         Column("batch_rows_decode", _D, "--max-batch > 1: the mean rows of the decode steps it took part in "
                                         "(null: served one at a time, or answered in one token)"),
+        Column("alone_max_crops", _L, "the crops the controller would have chosen alone, where the batch the "
+                                      "request joined changed its choice (docs/serving.md#the-batch-factor); null "
+                                      "where it did not", "crops"),
+        Column("alone_top_k", _L, "the top-K stage 2 would have chosen alone, where the batch changed the choice "
+                                  "at the same crops; null otherwise (null too where the crops differ: stage 2 "
+                                  "alone would read another vision pass)"),
+        Column("alone_num_active_blocks", _L, "the blocks stage 2 would have chosen alone (as alone_top_k)",
+               "blocks"),
     ),
 )
 

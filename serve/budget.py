@@ -18,7 +18,11 @@ the answer (:class:`BudgetPlan`, one request-log column each):
    configurations when arrivals come faster than its choices are served, before a queue forms,
    and back when they slow; the tail beyond the mean is the margin's to keep.
 4. **The latency scale** (:class:`controller.cost.LatencyScale`): the budget is divided by it to
-   read in the profile's milliseconds.
+   read in the profile's milliseconds; under continuous batching also by the request's **batch
+   factor** (:class:`serve.batch_cost.BatchCost`: how much longer than alone it is expected to take
+   beside the rows it joins), while the queue and arrival caps count each request's hold on the
+   worker at its **occupancy** (the share of its time it holds the worker alone), so that they reckon
+   with the batched service rate, not one request's time.
 5. **The margin of the request's budget class** (:func:`budget_class`): each class of budgets, by
    their ratio to the cheapest configuration's expected time, keeps its own
    :class:`BudgetMargin`, so that a stream of budgets nothing can meet moves no
@@ -146,16 +150,20 @@ def class_name(index: int) -> str:
     return f"{edges[index - 1]:g}-{edges[index]:g}x"
 
 
-def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float) -> float | None:
+def queue_cap_ms(time_left_ms: Sequence[float], cheapest_ms: float, occupancy: float = 1.0) -> float | None:
     """The most the request starting now may take (served ms, end to end) so that each request
     waiting behind it can still meet its budget at the cheapest configuration.
 
     ``time_left_ms``: the waiting requests' budget not yet spent, in queue order; the i-th (from 1)
     also waits for the i - 1 before it, each taken at ``cheapest_ms`` (the least a request takes),
-    and then runs itself, so it needs ``t + i * cheapest_ms <= time_left_ms[i - 1]``. A waiting
+    and then runs itself. A request holds the worker alone for ``occupancy`` of its time (1: one
+    request at a time; less in a batch, :class:`serve.batch_cost.BatchCost`), so the i-th needs
+    ``occupancy * (t + (i - 1) * cheapest_ms) + cheapest_ms <= time_left_ms[i - 1]``. A waiting
     request that cannot make it even when this one takes the cheapest configuration does not cap
     it (it is lost either way). None when nothing caps."""
-    caps = [left - i * cheapest_ms for i, left in enumerate(time_left_ms, start=1)]
+    occupancy = min(1.0, max(1e-3, float(occupancy)))
+    caps = [(left - cheapest_ms) / occupancy - (i - 1) * cheapest_ms
+            for i, left in enumerate(time_left_ms, start=1)]
     feasible = [cap for cap in caps if cap >= cheapest_ms]
     return min(feasible) if feasible else None
 
@@ -169,7 +177,9 @@ class Load:
     ``other_mean_ms`` on average with second moment ``other_m2_ms2``. ``service_scv``: the squared
     coefficient of variation of the adjustable requests' service times (0: all alike); ``arrival_scv``:
     the arrivals' variability (1: Poisson; the index of dispersion of their counts,
-    :meth:`ArrivalRate.dispersion`)."""
+    :meth:`ArrivalRate.dispersion`); ``occupancy``: the share of a request's time that it holds the
+    server alone (1: one request at a time; less under batching, :class:`serve.batch_cost.BatchCost`),
+    what turns a request's latency into the server's busy time."""
 
     rate_adjustable: float
     rate_other: float = 0.0
@@ -177,11 +187,13 @@ class Load:
     other_m2_ms2: float = 0.0
     service_scv: float = 0.0
     arrival_scv: float = 1.0
+    occupancy: float = 1.0
 
 
 def utilisation(service_ms: float, load: Load) -> float:
-    """The share of the time the server is busy when every adjustable request takes ``service_ms``."""
-    return load.rate_adjustable / 1000.0 * service_ms + load.rate_other / 1000.0 * load.other_mean_ms
+    """The share of the time the server is busy when every adjustable request takes ``service_ms``
+    (each holding it for ``occupancy`` of that)."""
+    return load.occupancy * (load.rate_adjustable / 1000.0 * service_ms + load.rate_other / 1000.0 * load.other_mean_ms)
 
 
 def mean_wait_ms(service_ms: float, load: Load) -> float:
@@ -189,12 +201,13 @@ def mean_wait_ms(service_ms: float, load: Load) -> float:
     Pollaczek-Khinchine formula ``W = (lambda_a E[S_a^2] + lambda_o E[S_o^2]) / (2 (1 - rho))``, with
     ``E[S_a^2] = (1 + scv) service_ms^2``, exact for Poisson arrivals, plus Kingman's term for arrivals
     of another variability, ``(arrival_scv - 1) / 2 * rho / (1 - rho) * E[S]`` (so that the whole is
-    Kingman's ``rho / (1 - rho) (c_a^2 + c_s^2) / 2 E[S]``); infinite when ``rho >= 1``."""
+    Kingman's ``rho / (1 - rho) (c_a^2 + c_s^2) / 2 E[S]``); infinite when ``rho >= 1``. The service
+    times the queue reads are the server's busy time, ``occupancy`` x the requests' times."""
     rho = utilisation(service_ms, load)
     if rho >= 1.0:
         return math.inf
-    second_moment = (load.rate_adjustable / 1000.0 * (1.0 + load.service_scv) * service_ms ** 2
-                     + load.rate_other / 1000.0 * load.other_m2_ms2)
+    second_moment = load.occupancy ** 2 * (load.rate_adjustable / 1000.0 * (1.0 + load.service_scv) * service_ms ** 2
+                                           + load.rate_other / 1000.0 * load.other_m2_ms2)
     wait = second_moment / (2.0 * (1.0 - rho))
     total_rate = (load.rate_adjustable + load.rate_other) / 1000.0
     if load.arrival_scv != 1.0 and total_rate > 0:
@@ -351,6 +364,9 @@ class BudgetPlan:
     cheapest: bool  # the cheapest configuration, the controller not asked: below every reference, or the floor
     arrival_scv: float | None = None  # the arrivals' variability the wait model read (1: Poisson)
     floor: bool = False  # the class's controller requests fell below the cheapest configuration's replay
+    batch_factor: float = 1.0  # how much longer than alone it is expected to take in the batch it joins
+    batch_rows_expected: int | None = None  # --max-batch > 1: the rows of the batch it joins, itself included
+    occupancy: float | None = None  # the share of a request's time it holds the worker alone (the caps read)
 
     def record(self) -> dict[str, float | str | bool | None]:
         return asdict(self)
@@ -478,10 +494,12 @@ class BudgetPlanner:
         after, reply = self.reserve_ms()
         return self.cheapest_reference_ms * (self.latency_scale.value if scale is None else scale) + after + reply
 
-    def load(self, now_s: float, budget_ms: float | None = None) -> tuple[float | None, Load | None]:
+    def load(self, now_s: float, budget_ms: float | None = None, occupancy: float = 1.0
+             ) -> tuple[float | None, Load | None]:
         """(the adjustable arrival rate, the :class:`Load` now); (None, None) before enough arrivals.
         Burst-aware (the default), the rates are :meth:`ArrivalRate.burst_rate` and, given the budget,
-        the arrivals' variability is their counts' dispersion over windows of that budget."""
+        the arrivals' variability is their counts' dispersion over windows of that budget;
+        ``occupancy``: :attr:`Load.occupancy`."""
         streams = self._arrivals
         rate_of = (lambda s: s.burst_rate(now_s)) if self.burst_aware else (lambda s: s.rate(now_s))
         rate_a = rate_of(streams[True])
@@ -502,7 +520,13 @@ class BudgetPlanner:
             scv = min(3.0, var / mean ** 2) if mean > 0 else 0.0
         mean_o = sum(other) / len(other) if other else 0.0
         m2_o = sum(s * s for s in other) / len(other) if other else 0.0
-        return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv, arrival_scv)
+        return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv, arrival_scv, min(1.0, max(1e-3, occupancy)))
+
+    def arrival_rate_rps(self, now_s: float) -> float | None:
+        """Every request's arrival rate now (both streams, as :meth:`load` reads them); None before enough arrivals."""
+        rates = [s.burst_rate(now_s) if self.burst_aware else s.rate(now_s) for s in self._arrivals.values()]
+        known = [r for r in rates if r is not None]
+        return sum(known) if known else None
 
     def class_of(self, budget_ms: float) -> int:
         return budget_class(budget_ms, self.cheapest_ms())
@@ -523,10 +547,15 @@ class BudgetPlanner:
 
     # -- the plan
     def plan(self, budget_ms: float, spent_ms: float, *, now_s: float, waiting_left_ms: Sequence[float] = (),
-             fixed: bool = False) -> BudgetPlan:
+             fixed: bool = False, batch_factor: float = 1.0, batch_rows_expected: int | None = None,
+             occupancy: float = 1.0) -> BudgetPlan:
         """The budget the controller reads for a request at stage 1. ``waiting_left_ms``: the budget
         not yet spent of each request waiting behind it, in queue order; ``fixed``: its knobs are the
-        request's own (every term recorded, none applied)."""
+        request's own (every term recorded, none applied). Under batching: ``batch_factor``, how much
+        longer than alone the request is expected to take in the batch it joins (the controller's budget
+        is divided by it), ``batch_rows_expected`` the rows it joins, itself included, and ``occupancy`` the share
+        of a request's time it holds the worker alone (the caps' service rate);
+        :class:`serve.batch_cost.BatchCost`."""
         after, reply = self.reserve_ms()
         reserve = after + reply
         scale = self.latency_scale.value
@@ -535,8 +564,8 @@ class BudgetPlanner:
         index = budget_class(budget_ms, cheapest_ms)
         queue_cap = None
         if self.queue_aware and cheapest_ms is not None and waiting_left_ms and not fixed:
-            queue_cap = queue_cap_ms(waiting_left_ms, cheapest_ms - reply)
-        rate, load = self.load(now_s, budget_ms - reply)
+            queue_cap = queue_cap_ms(waiting_left_ms, cheapest_ms - reply, occupancy)
+        rate, load = self.load(now_s, budget_ms - reply, occupancy)
         arrival_cap = None
         if self.load_aware and load is not None and not fixed and index > 0:
             arrival_cap = arrival_cap_ms(budget_ms - reply, load)
@@ -552,13 +581,15 @@ class BudgetPlanner:
         for cap in (queue_cap, arrival_cap):
             if cap is not None:
                 decided = min(decided, cap - after)
-        controller_budget = decided * margin / scale
+        factor = 1.0 if fixed else max(1.0, float(batch_factor))
+        controller_budget = decided * margin / scale / factor
         floor = not fixed and index > 0 and self.cheapest_floor and self._floor_active(index, cheapest_ms)
         cheapest = (not fixed and self.cheapest_reference_ms is not None
                     and (floor or controller_budget < self.cheapest_reference_ms))
         return BudgetPlan(budget_ms, spent_ms, reserve, reply, budget_left, queue_cap, rate, arrival_cap, scale,
                           class_name(index), margin, target, feasible, controller_budget, cheapest,
-                          None if load is None else load.arrival_scv, floor)
+                          None if load is None else load.arrival_scv, floor, factor, batch_rows_expected,
+                          None if fixed else float(occupancy))
 
     def floor_states(self) -> dict[str, bool]:
         """Per class with controller requests, whether the floor decides its requests now."""

@@ -24,6 +24,7 @@ crop count), plus, for an online run, the latency token, and picks top-K and the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,6 +78,9 @@ class Stage2Inputs:
     served_budget_ms: float | None = None
     #: the text tokens of the formatted prompt (NaN: not counted; read by a per-request table)
     prompt_tokens: float = math.nan
+    #: per configuration, how much longer than alone the request would take in the batch it joins (a server's
+    #: continuous batching: ``serve.batch_cost.BatchCost.factor``); the machine's cost holds it to that too
+    batch_factor_of: Callable[[Config], float] | None = None
 
 
 class RequestDecider(Protocol):
@@ -191,7 +195,8 @@ def held_to_machine(choice: Stage1Choice, top_k: int, blocks: int, inputs: Stage
     chosen = (choice.max_crops, int(top_k), int(blocks))
     if inputs.served_budget_ms is None:
         return chosen[1], chosen[2]
-    choice.cost_grid = cost.grid(inputs.lang, inputs.tiling_crops, inputs.served_budget_ms, request_ms=request_cost_ms)
+    choice.cost_grid = cost.grid(inputs.lang, inputs.tiling_crops, inputs.served_budget_ms, request_ms=request_cost_ms,
+                                 batch_factor_of=inputs.batch_factor_of)
     run = choice.cost_grid.held(chosen)
     if run != chosen:
         choice.guarded_from = "/".join(str(v) for v in chosen)

@@ -43,7 +43,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -51,12 +52,13 @@ import torch
 from PIL import Image
 
 from controller.cost import LatencyScale, quantile_of
-from pipeline.knobs import MAX_CROPS_LIMIT
+from pipeline.knobs import MAX_CROPS_LIMIT, Config
 from runtime import ModelRuntime
-from runtime.base import ModelInputs, PrefixState
+from runtime.base import ModelInputs, PrefixState, RowKnobs
 from runtime.batched_decoder import BatchedDecoder, BatchRow
 from runtime.request import Answer, RequestExecutor, RequestOutcome, StartedRequest
 from runtime.timing import RequestTiming, Segment, StageTimer, cpu_threads
+from serve.batch_cost import BatchCost
 from serve.budget import BudgetPlan, BudgetPlanner
 from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
@@ -69,7 +71,7 @@ from serve.request_log import RequestLog, RequestLogGone
 #: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
 PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",
                 "arrival_cap_ms", "arrival_scv", "latency_scale", "budget_class", "budget_margin", "met_target",
-                "feasible_rate", "floor", "controller_budget_ms")
+                "feasible_rate", "floor", "controller_budget_ms", "batch_factor", "batch_rows_expected", "occupancy")
 #: the measured parts of a request (request-log columns ``latency_<part>_ms``, the reply's ``ctrl.latency_ms``)
 LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
 
@@ -260,6 +262,11 @@ class Engine:
                                      cheapest_floor=cheapest_floor)
         # below every configuration's reference latency the controller would extrapolate
         self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
+        self.batch_cost = BatchCost()
+        # the batched worker's rows (running and joining) as the request it starts now finds them, and the
+        # knobs of the request it started last (the typical choice stage 1 reckons a batch factor at)
+        self._beside: list[RowKnobs] = []
+        self._last_knobs: RowKnobs | None = None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
         self.executor = RequestExecutor(runtime, self.timer)
         # the worker's share of the cheapest configuration's time (the reply's write is the handler's)
@@ -320,6 +327,12 @@ class Engine:
     @property
     def pending(self) -> int:
         return self._pending
+
+    @property
+    def occupancy(self) -> float:
+        """The share of a request's time on the worker that it holds the worker alone: 1 one request at a
+        time, the batched server's measured share under continuous batching (:class:`serve.batch_cost.BatchCost`)."""
+        return self.batch_cost.occupancy if self.max_batch > 1 else 1.0
 
     # -- admission
     def budget_for(self, request: ChatRequest) -> tuple[float, str]:
@@ -401,6 +414,7 @@ class Engine:
         if typical is None:
             return
         cheapest, worker = typical[0], typical[0] - typical[1]
+        worker *= self.occupancy  # what each one ahead holds the worker for
         now = time.perf_counter()
         ahead = self._jobs.ahead_of(job.arrival + job.budget_ms / 1000.0)
         # those ahead that will be dropped when their turn comes take no time
@@ -472,6 +486,9 @@ class Engine:
                 job = self._jobs.get(wait=not rows and not joining)
                 if job is None:
                     break
+                alone = not rows and not joining and not len(self._jobs)
+                self._beside = [] if alone else [
+                    *(r.row.knobs for r in rows.values() if not r.row.done), *(r.knobs for r in joining)]
                 started = self._start_row(job)
                 if started is not None:
                     joining.append(started)
@@ -496,12 +513,17 @@ class Engine:
                     else:
                         stepping.append(r)
                 if batch.live:
+                    knobs = [r.row.knobs for r in stepping]
+                    predicted = self.batch_cost.step_ms(knobs)  # before this step joins the fit
                     tick = time.perf_counter()
                     with self.runtime.batch_context():
                         batch.step()
                     wall_ms = (time.perf_counter() - tick) * 1000.0
+                    self.batch_cost.observe_step(knobs, wall_ms)
                     for r in stepping:
-                        r.stepped(wall_ms, len(stepping))
+                        alone = self.batch_cost.alone_ms(r.knobs)
+                        r.stepped(wall_ms, len(stepping),
+                                  None if predicted is None or alone is None else min(1.0, alone / predicted))
             except BaseException as exc:  # a pass failed: every row in it ends with the error, the worker lives on
                 for r in {id(r): r for r in [*rows.values(), *joining]}.values():
                     self._end_row(r, None if r.row is not None and r.row.done else exc)
@@ -539,7 +561,12 @@ class Engine:
             self._done(job)
             job.finish(exc)
             return None
-        return _BatchedRequest(job, served, started, queue_ms, waited_ms, _text_stream(self.runtime, job), tick)
+        knobs = self.runtime.knobs_after_prefix(started.prefix.insertion_position, started.top_k,
+                                                started.num_active_blocks)
+        if not served.fixed:
+            self._last_knobs = knobs
+        return _BatchedRequest(job, served, started, queue_ms, waited_ms, _text_stream(self.runtime, job), tick,
+                               knobs, (time.perf_counter() - tick) * 1000.0)
 
     def _answer_alone(self, r: _BatchedRequest) -> None:
         """A started request answered on the single-request path, as the one-at-a-time worker answers it."""
@@ -565,8 +592,7 @@ class Engine:
             hidden, prefix = runtime.row_prefix(started.prefix)
             embeds.append(hidden)
             prefixes.append(prefix)
-            knobs.append(runtime.knobs_after_prefix(started.prefix.insertion_position, started.top_k,
-                                                    started.num_active_blocks))
+            knobs.append(r.knobs)
             limits.append(req.max_tokens)
             picks.append(TokenPicker(req.temperature, req.top_p, r.job.seed, runtime.device))
             untils.append(r.streamed.push if r.streamed is not None else None)
@@ -609,7 +635,7 @@ class Engine:
                                  Answer(tokens, row.knobs.blocks), timing)
         rows = (r.prefill_rows, sum(r.step_rows) / len(r.step_rows) if r.step_rows else None)
         return self._answered(r.job, r.served, outcome, r.streamed, queue_ms=r.queue_ms, waited_ms=r.waited_ms,
-                              record=True, batch_rows=rows)
+                              record=True, batch_rows=rows, batched=r)
 
     def _droppable(self, job: Job, cheapest_ms: float) -> bool:
         """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
@@ -681,23 +707,39 @@ class Engine:
 
     def _answered(self, job: Job, served: _Decisions, outcome: RequestOutcome, streamed: TextStream | None, *,
                   queue_ms: float, waited_ms: float, record: bool,
-                  batch_rows: tuple[int, float | None] | None = None) -> Result:
+                  batch_rows: tuple[int, float | None] | None = None, batched: _BatchedRequest | None = None) -> Result:
         """A finished request: its text (``streamed``'s where it was decoded token by token), what it
-        cost told to the cost model and the planner, its record, its result. ``batch_rows``: the rows
-        of its batch at its prefill and their mean over its decode steps."""
+        cost told to the cost model, the batch cost and the planner, its record, its result.
+        ``batch_rows``: the rows of its batch at its prefill and their mean over its decode steps;
+        ``batched``: its row's account where it ran in a batch."""
         runtime, tokens, plan, decider = self.runtime, outcome.tokens, served.plan, served.decider
         text = streamed.finish() if streamed is not None else runtime.decode_text(tokens)
         stop_hit = streamed.stop_hit if streamed is not None else None
         total_ms = (time.perf_counter() - job.arrival) * 1000.0
         choice, top_k, blocks, parts = outcome.stage1, outcome.top_k, outcome.num_active_blocks, outcome.parts
         p, guarded_from = choice.insertion_position, choice.guarded_from
+        service_ms = (time.perf_counter() - served.started) * 1000.0
+        # the scale reads a batched request's model time as it would have run alone: the batch factor is
+        # applied on top of the scale, not learnt into it
+        alone_model_ms = parts.model_ms
+        if batched is not None:
+            alone_model_ms += batched.alone_decode_ms() - parts.decode_ms
+            # the decode share as alone: the batch factor multiplies its decode steps from there
+            self.batch_cost.observe_request(model_ms=alone_model_ms, decode_ms=batched.alone_decode_ms(),
+                                            start_ms=batched.start_ms, exclusive_ms=batched.exclusive_ms(),
+                                            worker_ms=service_ms)
+        else:
+            if parts.decode_step_ms and self.max_batch > 1:
+                knobs = runtime.knobs_after_prefix(p, top_k, blocks)
+                for step_ms in parts.decode_step_ms:
+                    self.batch_cost.observe_alone(knobs, step_ms)
+            self.batch_cost.observe_request(model_ms=parts.model_ms, decode_ms=parts.decode_ms, worker_ms=service_ms)
         # the scale counts the layout the reference latencies were recorded for (insertion position 0)
-        ratio = decider.cost.observe(choice.cost_grid, (choice.max_crops, top_k, blocks), model_ms=parts.model_ms,
+        ratio = decider.cost.observe(choice.cost_grid, (choice.max_crops, top_k, blocks), model_ms=alone_model_ms,
                                      measured_ms=parts.controller_ms + parts.model_ms, insertion_position=p)
         adjustable = not served.fixed and plan.budget_class != "<1x"
         self.planner.observe_served(after_ms=total_ms - served.spent_ms - parts.model_ms, adjustable=adjustable,
-                                    service_ms=(time.perf_counter() - served.started) * 1000.0,
-                                    model_over_reference=ratio)
+                                    service_ms=service_ms, model_over_reference=ratio)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
         latency = {
@@ -714,7 +756,7 @@ class Engine:
                                      latency=latency, num_crops=outcome.inputs.num_crops,
                                      num_prompt_tokens=prompt_tokens, num_output_tokens=len(tokens), answer=text,
                                      finish_reason=finish, stop_hit=stop_hit, stages=outcome.timing,
-                                     batch_rows=batch_rows) if record else {}
+                                     batch_rows=batch_rows, alone=served.alone) if record else {}
         return result
 
     def _check(self, job: Job, block: int | None = None) -> None:
@@ -738,7 +780,8 @@ class Engine:
                 num_prompt_tokens: int | None = None, num_output_tokens: int | None = None,
                 answer: str | None = None, finish_reason: str | None = None, stop_hit: str | None = None,
                 error: str | None = None, stages: RequestTiming | None = None,
-                batch_rows: tuple[int, float] | None = None) -> dict[str, Any]:
+                batch_rows: tuple[int, float] | None = None,
+                alone: tuple[int, int | None, int | None] | None = None) -> dict[str, Any]:
         """The request's row of the ``requests`` view; appended to the log and counted in the metrics."""
         latency = latency or {}
         total = latency.get("total")
@@ -764,6 +807,7 @@ class Engine:
             "met": met, "captured": None if captures is None else captures > 0, "answer": answer, "error": error,
             "batch_rows_prefill": None if batch_rows is None else batch_rows[0],
             "batch_rows_decode": None if batch_rows is None else batch_rows[1],
+            **dict(zip(ALONE_COLUMNS, alone or (None, None, None), strict=True)),
         }
         if job.request_id.startswith("warmup-"):
             return row
@@ -794,7 +838,7 @@ class Engine:
 
 class _Decisions:
     """One request's two decisions as the worker makes them, and what stage 1 fixed for stage 2 and
-    the record (the decider, the budget plan, the request's features)."""
+    the record (the decider, the budget plan, the request's features, the batch it joins)."""
 
     def __init__(self, engine: Engine, job: Job) -> None:
         req, runtime = job.request, engine.runtime
@@ -807,6 +851,26 @@ class _Decisions:
         self.tiling: torch.Tensor | None = None
         self.prompt_tokens = math.nan
         self.started = self.spent_ms = 0.0
+        # the rows of the batch it joins (none: it runs alone) and the rate requests start at beside it
+        self.beside: list[RowKnobs] = list(engine._beside) if engine.max_batch > 1 and not self.fixed else []
+        self.starts_per_s = 0.0
+        self._factors: dict[tuple[int, int, int], float] = {}
+        #: (max_crops, top_k, blocks) the controller would have chosen alone where the batch changed its choice
+        #: (top-K and blocks None where its crops differ: stage 2 alone would read another vision pass)
+        self.alone: tuple[int, int | None, int | None] | None = None
+
+    def batch_factor(self, insertion_position: int, top_k: int, blocks: int) -> float:
+        """How much longer than alone the request would take at these knobs beside the batch it joins."""
+        key = (insertion_position, top_k, blocks)
+        if key not in self._factors:
+            knobs = self.engine.runtime.knobs_after_prefix(insertion_position, top_k, blocks)
+            self._factors[key] = self.engine.batch_cost.factor(knobs, self.beside, self.starts_per_s)
+        return self._factors[key]
+
+    def _decide_stage1(self, budget_ms: float) -> Stage1Choice:
+        if self.decider.reads_prompt_tokens and self.decider is self.engine.decider:
+            return self.decider.stage1(self.lang, self.tiling, budget_ms, prompt_tokens=self.prompt_tokens)
+        return self.decider.stage1(self.lang, self.tiling, budget_ms)  # in the controller's units
 
     def stage1(self) -> Stage1Choice:
         engine, job, runtime = self.engine, self.job, self.engine.runtime
@@ -814,20 +878,31 @@ class _Decisions:
         self.started = time.perf_counter()
         self.lang = runtime.lang_features([req.question])[0]
         self.tiling = _tiling(runtime, req.image, self.decider.max_crops_values)
-        reads_prompt = self.decider.reads_prompt_tokens
-        if reads_prompt:  # the per-request table's prompt length, counted as the features counted it
+        if self.decider.reads_prompt_tokens:  # the per-request table's prompt length, as the features counted it
             self.prompt_tokens = float(job.prepared.text_tokens() if job.prepared is not None
                                        else runtime.preprocess(None, req.question, 1).num_text_tokens)
         now = time.perf_counter()
         self.spent_ms = (now - job.arrival) * 1000.0
+        factor, rows = 1.0, None
+        if engine.max_batch > 1 and not self.fixed:
+            rows = len(self.beside) + 1
+            self.starts_per_s = engine.planner.arrival_rate_rps(now) or 0.0
+            if self.beside:  # at the knobs of the request started last: the typical choice
+                typical = engine._last_knobs or runtime.knobs_after_prefix(0, runtime.default_top_k,
+                                                                           runtime.num_layers)
+                factor = engine.batch_cost.factor(typical, self.beside, self.starts_per_s)
         self.plan = plan = engine.planner.plan(job.budget_ms, self.spent_ms, now_s=now, fixed=self.fixed,
-                                               waiting_left_ms=() if self.fixed else engine.waiting_left_ms(now))
+                                               waiting_left_ms=() if self.fixed else engine.waiting_left_ms(now),
+                                               batch_factor=factor, batch_rows_expected=rows,
+                                               occupancy=engine.occupancy)
         if (plan.cheapest or (job.unreachable and not self.fixed)) and engine.cheapest:
             self.decider = engine.cheapest
-        if reads_prompt and self.decider is engine.decider:
-            return self.decider.stage1(self.lang, self.tiling, plan.controller_budget_ms,
-                                       prompt_tokens=self.prompt_tokens)
-        return self.decider.stage1(self.lang, self.tiling, plan.controller_budget_ms)  # in the controller's units
+        choice = self._decide_stage1(plan.controller_budget_ms)
+        if self.beside and self.decider is engine.decider:
+            alone = self._decide_stage1(plan.controller_budget_ms * plan.batch_factor)
+            if alone.max_crops != choice.max_crops:
+                self.alone = (alone.max_crops, None, None)
+        return choice
 
     def inputs(self, max_crops: int) -> ModelInputs:
         job = self.job
@@ -835,13 +910,29 @@ class _Decisions:
             return job.prepared.inputs(max_crops)
         return self.engine.runtime.preprocess(job.request.image, job.request.question, max_crops)
 
+    def _stage2_inputs(self, choice: Stage1Choice, prefix: PrefixState, budget_ms: float,
+                       batch_factor_of: Callable[[Config], float] | None = None) -> Stage2Inputs:
+        plan, p = self.plan, choice.insertion_position
+        # the guard holds the choice to the budget read before the batch's factor (served ms): the factor
+        # applies per configuration there (batch_factor_of)
+        unbatched = budget_ms * plan.batch_factor if batch_factor_of is not None else budget_ms
+        served = unbatched * plan.latency_scale if self.engine.guard else None
+        return Stage2Inputs(self.lang, self.tiling, budget_ms, prefix.image_feature,
+                            prefix.latency_token if p > 0 else None, served_budget_ms=served,
+                            prompt_tokens=self.prompt_tokens, batch_factor_of=batch_factor_of)
+
     def stage2(self, choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
         p, plan = choice.insertion_position, self.plan
-        return self.decider.stage2(choice, Stage2Inputs(
-            self.lang, self.tiling, plan.controller_budget_ms, prefix.image_feature,
-            prefix.latency_token if p > 0 else None,
-            served_budget_ms=plan.controller_budget_ms * plan.latency_scale if self.engine.guard else None,
-            prompt_tokens=self.prompt_tokens))
+        if not self.beside or self.decider is not self.engine.decider:
+            return self.decider.stage2(choice, self._stage2_inputs(choice, prefix, plan.controller_budget_ms))
+        alone_budget = plan.controller_budget_ms * plan.batch_factor
+        in_batch = self.decider.stage2(choice, self._stage2_inputs(
+            choice, prefix, plan.controller_budget_ms, lambda c: self.batch_factor(p, c[1], c[2])))
+        if self.alone is None:  # the same crops: what stage 2 would have chosen alone
+            alone = self.decider.stage2(replace(choice), self._stage2_inputs(choice, prefix, alone_budget))
+            if tuple(alone) != tuple(in_batch):
+                self.alone = (choice.max_crops, int(alone[0]), int(alone[1]))
+        return in_batch
 
 
 @dataclass
@@ -855,21 +946,36 @@ class _BatchedRequest:
     waited_ms: float
     streamed: TextStream | None
     started_at: float
+    knobs: RowKnobs  # as its row runs them
+    start_ms: float  # stage 1 to stage 2 on the worker, the batch waiting
     row: BatchRow | None = None
     prefill_ms: float = 0.0
     prefill_rows: int = 0
     step_ms: list[float] = field(default_factory=list)
     step_rows: list[int] = field(default_factory=list)
+    #: per decode step, its predicted time alone over the batch's (None: not measured yet)
+    step_alone: list[float | None] = field(default_factory=list)
 
     def joined(self, row: BatchRow, wall_ms: float, rows: int) -> None:
         self.row, self.prefill_ms, self.prefill_rows = row, wall_ms, rows
         self.job.tokens_out = len(row.tokens)
 
-    def stepped(self, wall_ms: float, rows: int) -> None:
+    def stepped(self, wall_ms: float, rows: int, alone_share: float | None = None) -> None:
         if self.row is not None and len(self.row.tokens) > self.job.tokens_out:  # it took a token in the step
             self.step_ms.append(wall_ms)
             self.step_rows.append(rows)
+            self.step_alone.append(alone_share)
             self.job.tokens_out = len(self.row.tokens)
+
+    def exclusive_ms(self) -> float:
+        """Its time holding the worker alone: its start, its share of its prefill pass and of each step."""
+        steps = sum(ms / max(1, rows) for ms, rows in zip(self.step_ms, self.step_rows, strict=True))
+        return self.start_ms + self.prefill_ms / max(1, self.prefill_rows) + steps
+
+    def alone_decode_ms(self) -> float:
+        """Its decode steps as long as they are predicted to take alone (where measured; as run elsewhere)."""
+        return sum(ms * (1.0 if share is None else share) for ms, share in zip(self.step_ms, self.step_alone,
+                                                                               strict=True))
 
 
 def _text_stream(runtime: ModelRuntime, job: Job) -> TextStream | None:
@@ -878,6 +984,8 @@ def _text_stream(runtime: ModelRuntime, job: Job) -> TextStream | None:
     return TextStream(runtime.decode_text, req.stop, job.emit) if (req.stop or job.deltas is not None) else None
 
 
+#: the configuration the controller would have chosen alone, where the batch it joined changed its choice
+ALONE_COLUMNS = ("alone_max_crops", "alone_top_k", "alone_num_active_blocks")
 #: the deployed cost model's prediction for the request at the configuration it ran (``Stage1Choice``)
 COST_COLUMNS = ("expected_latency_ms", "latency_quantile_ms", "cost_basis")
 

@@ -163,6 +163,40 @@ def capture_graphs(engine: Engine, max_tokens: int, longest_tokens: int | None =
     return result
 
 
+#: decode steps the batched warm-up times per batch
+WARM_BATCH_STEPS = 6
+
+
+def warm_batches(engine: Engine, max_tokens: int = WARM_BATCH_STEPS + 1) -> int:
+    """Under continuous batching (``--max-batch`` > 1), run the batched pass before the first request
+    does: for every batch size from 1 to ``max_batch`` rows, at the warm-up's fastest and slowest
+    configurations (each batch of one configuration, then of both alternating), a text prompt's
+    rows join and take up to ``max_tokens - 1`` decode steps, each step timed into the engine's
+    :class:`serve.batch_cost.BatchCost` (its step fit is measured from the start). Returns the steps
+    timed; 0 with one row per batch."""
+    if engine.max_batch <= 1:
+        return 0
+    runtime, cost = engine.runtime, engine.batch_cost
+    embeds = runtime.decoder_inputs(runtime.preprocess(None, "What is in the image?", 1))
+    configs = warmup_configs(engine)
+    kinds = [runtime.knobs_after_prefix(0, top_k, blocks) for _, top_k, blocks in (configs[0], configs[-1])]
+    steps = 0
+    with cpu_threads(engine.threads, runtime.device), runtime.batch_context():
+        for rows in range(1, engine.max_batch + 1):
+            for mix in ([kinds[0]], [kinds[1]], kinds):
+                knobs = [mix[i % len(mix)] for i in range(rows)]
+                batch = runtime.batch_decoder()
+                batch.count_products = False
+                batch.join([embeds] * rows, knobs, [max_tokens] * rows)
+                while batch.live:
+                    stepping = [r.knobs for r in batch.live]
+                    tick = time.perf_counter()
+                    batch.step()
+                    cost.observe_step(stepping, (time.perf_counter() - tick) * 1000.0)
+                    steps += 1
+    return steps
+
+
 def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
     """Run the :func:`warmup_configs` (an image request each, ``max_tokens`` long), unrecorded; twice
     where they seed the latency scale. Returns the requests' results.

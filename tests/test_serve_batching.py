@@ -5,6 +5,7 @@ leaves the others' answers as they were; every record says beside how many rows 
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
 
@@ -214,3 +215,162 @@ def test_a_batch_holds_max_batch_requests_beside_the_queue(serve_ws, tmp_path): 
             conn.close()
     finally:
         stop_server(server)
+
+
+class BudgetDecider:
+    """Decides by the budget it reads: crops 2 from 100 ms, top-K 4 over 12 blocks from 500 ms (else 2 over
+    8); remembers every budget each stage read."""
+
+    phase, controller_run = "offline", "budget-decider"
+    max_crops_values = (1, 2)
+    budget_range_ms = (10.0, 5000.0)
+    reads_prompt_tokens = False
+
+    def __init__(self) -> None:
+        from controller.cost import LatencyScale
+        from controller.machine import MachineCost
+
+        self.reference_latency_ms: dict = {}
+        self.cost = MachineCost(LatencyScale({}))
+        self.stage1_budgets: list[float] = []
+        self.stage2_budgets: list[float] = []
+
+    def stage1(self, lang, tiling_crops, budget_ms):
+        from serve.deciders import Stage1Choice
+
+        self.stage1_budgets.append(budget_ms)
+        return Stage1Choice(2 if budget_ms >= 100 else 1, 0, None, "controller")
+
+    def stage2(self, choice, inputs):
+        self.stage2_budgets.append(inputs.budget_ms)
+        return (4, 12) if inputs.budget_ms >= 500 else (2, 8)
+
+
+def test_the_controller_chooses_for_the_batch_it_joins_and_records_what_it_would_have_chosen_alone(
+        embedded_runtime):
+    """Two requests queued together: the first starts alone (batch factor 1) and takes the dear knobs;
+    the second joins it, reads its budget divided by the batch factor (measured: here a step fit where
+    a shared step is far dearer than a step alone) and takes cheaper knobs at stage 2; its record
+    says what it would have taken alone."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from serve.batch_cost import step_features
+    from serve.engine import Engine, new_job
+    from serve.protocol import ChatRequest
+
+    decider = BudgetDecider()
+    engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=8, default_budget_ms=None,
+                    threads=1, request_log=None, max_batch=4)
+    layers = embedded_runtime.num_layers
+    for blocks in (4, 8, 12, layers):  # batched step 1 + 0.1 / block run + 0.05 / product; alone 0.5 + 0.05 / product
+        for k in (1, 4, 8):
+            row = embedded_runtime.knobs_after_prefix(0, k, blocks)
+            other = embedded_runtime.knobs_after_prefix(0, 2, 4)
+            for rows in ([row], [row, other], [row, row, other]):
+                u, p = step_features(rows)[1:]
+                engine.batch_cost.observe_step(rows, 1 + 0.1 * u + 0.05 * p)
+            engine.batch_cost.observe_alone(row, 0.5 + 0.05 * step_features([row])[2])
+    for _ in range(5):
+        engine.batch_cost.observe_request(model_ms=100.0, decode_ms=90.0)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for question in ("First?", "Second?"):
+            j = new_job(ChatRequest("embedded", question, None, 4, 1000.0), engine, time.perf_counter(),
+                        datetime.now(UTC), 0.0)
+            j.loop, j.future = loop, loop.create_future()
+            engine.submit(j)
+            jobs.append(j)
+        engine.start()  # the worker finds both waiting: the second joins the first's batch
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    a, b = first.record, second.record
+    assert (a["batch_rows_expected"], a["batch_factor"]) == (1, 1.0)
+    assert (a["max_crops"], a["top_k"], a["num_active_blocks"]) == (2, 4, 12)
+    assert a["alone_max_crops"] is None and a["alone_top_k"] is None
+    # beside the first row at its knobs: 12 blocks run, 96 products together (step 7), 48 alone (step 2.9);
+    # decode steps 90 % of a request's model time
+    assert b["batch_rows_expected"] == 2 and b["batch_factor"] == pytest.approx(1 + 0.9 * (7 / 2.9 - 1))
+    assert (b["max_crops"], b["top_k"], b["num_active_blocks"]) == (2, 2, 8)
+    assert (b["alone_max_crops"], b["alone_top_k"], b["alone_num_active_blocks"]) == (2, 4, 12)
+    # stage 1 read the budget in the batch, then alone (x the factor); stage 2 the same two
+    in_batch, alone = decider.stage1_budgets[1:3]
+    assert in_batch == pytest.approx(b["controller_budget_ms"])
+    assert alone == pytest.approx(in_batch * b["batch_factor"]) and 100 <= in_batch < 500 <= alone
+    assert decider.stage2_budgets[1:3] == pytest.approx([in_batch, alone])
+    assert 0 < b["occupancy"] <= 1
+
+
+def test_a_stop_sequence_ends_its_row_alone(batched_server, embedded_runtime):
+    """Requests decoding together, one of them with a stop sequence its answer reaches: it ends there
+    (cut before it), and the others answer what each answers alone."""
+    spec = REQUESTS[3]
+    full = _alone(embedded_runtime, 3, spec)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    stopped = json.loads(_body(3, spec))
+    stopped["stop"] = [stop]
+    replies: dict[int, tuple[int, dict]] = {}
+
+    def send(j, body):
+        replies[j] = request(batched_server, "POST", "/v1/chat/completions", body)
+
+    bodies = {j: _body(j, s) for j, s in enumerate(REQUESTS[:3])} | {3: json.dumps(stopped).encode()}
+    threads = [threading.Thread(target=send, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    status, body = replies[3]
+    assert status == 200 and body["choices"][0]["message"]["content"] == full[:full.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    for j, spec_j in enumerate(REQUESTS[:3]):
+        status, body = replies[j]
+        assert status == 200 and body["choices"][0]["message"]["content"] == _alone(embedded_runtime, j, spec_j)
+
+
+def test_a_burst_far_past_capacity_is_shed_and_never_queued_past_its_budget(batched_server, serve_ws):  # noqa: F811
+    """Forty controller-decided requests at once with budgets of four times one request's time: the
+    server holds what its queue and batch hold, sheds the rest at once (503 with Retry-After) or drops
+    from the queue those whose budgets it can no longer meet (504); no request it answers waited for
+    the model longer than its budget; the next request after the burst is answered."""
+    body = chat_body("What is in the image?", max_tokens=8)
+    status, alone = request(batched_server, "POST", "/v1/chat/completions", body)
+    assert status == 200
+    budget = 4 * alone["ctrl"]["latency_ms"]["total"]
+    burst_body = chat_body("What is in the image?", max_tokens=8, latency_budget_ms=budget)
+    replies: list[tuple[int, dict]] = []
+    lock = threading.Lock()
+
+    def send():
+        reply = request(batched_server, "POST", "/v1/chat/completions", burst_body)
+        with lock:
+            replies.append(reply)
+
+    threads = [threading.Thread(target=send) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(s for s, _ in replies)
+    assert set(statuses) <= {200, 503, 504} and statuses.count(200) >= 1
+    assert statuses.count(503) + statuses.count(504) >= 1, statuses
+    assert all(int(b["_headers"]["retry-after"]) >= 1 for s, b in replies if s == 503)
+    answered = [b["ctrl"]["latency_ms"] for s, b in replies if s == 200]
+    assert all(lat["parse"] + lat["queue"] <= budget for lat in answered), (budget, answered)
+    status, _ = request(batched_server, "POST", "/v1/chat/completions", body)
+    assert status == 200
+    # the controller decided each answered request for the batch it joined
+    _, ws, _ = serve_ws
+    rows = run_query(Workspace(ws.root), "SELECT batch_factor, batch_rows_expected, occupancy FROM requests "
+                                         f"WHERE status = 'ok' AND budget_ms = {budget}").to_pylist()
+    assert len(rows) == statuses.count(200)
+    assert all(r["batch_factor"] >= 1 and 1 <= r["batch_rows_expected"] <= 4 and 0 < r["occupancy"] <= 1
+               for r in rows)
+    assert max(r["batch_rows_expected"] for r in rows) > 1

@@ -85,3 +85,25 @@ def test_a_warm_up_out_of_time_leaves_the_rest_to_first_use(graphed):
     assert captured.decode_graphs == captured.prefill_graphs == 0 and captured.left > 0
     assert len(graphed.fast.graphs) == len(graphed.fast.prefill_graphs) == 0
     engine.stop()
+
+
+def test_the_warm_up_times_the_batched_pass_so_the_batch_factor_is_known_from_the_first_request(embedded_runtime):
+    from serve.engine import Engine
+    from serve.warmup import WARM_BATCH_STEPS, warm_batches, warm_up
+
+    one = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=4, default_budget_ms=None,
+                 threads=1, request_log=None)
+    assert warm_batches(one) == 0  # one request at a time: nothing batched to time
+    engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=4, default_budget_ms=None,
+                    threads=1, request_log=None, max_batch=3)
+    full = embedded_runtime.knobs_after_prefix(0, embedded_runtime.default_top_k, embedded_runtime.num_layers)
+    assert engine.batch_cost.factor(full, [full]) == 1.0  # nothing measured yet
+    steps = warm_batches(engine)
+    # 3 batch sizes x 3 mixes, each up to WARM_BATCH_STEPS steps (a row may end early at EOS)
+    assert 9 <= steps <= 9 * WARM_BATCH_STEPS
+    assert engine.batch_cost.step_ms([full, full]) is not None
+    warm_up(engine, 8)  # the single-request steps: the factor's other half
+    assert engine.batch_cost.alone_ms(full) is not None
+    assert engine.batch_cost.factor(full, [full, full]) >= 1.0
+    one.stop()
+    engine.stop()
