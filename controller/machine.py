@@ -130,6 +130,11 @@ def _cells(configs: tuple[Config, ...], values: tuple[tuple[int, ...], ...]) -> 
 class RequestGuard(Protocol):
     """What the cost model reads of an online run's latency guard (``controller.latency_guard.LatencyGuard``)."""
 
+    #: the machine's speed when the guard was fitted (None: no drift factor)
+    fit_median: float | None
+
+    def drift(self) -> float: ...
+
     def grid(self, lang: torch.Tensor, tiling_crops: torch.Tensor | None, budget_ms: float,
              prompt_tokens: float = math.nan) -> CostGrid: ...
 

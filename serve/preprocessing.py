@@ -40,11 +40,13 @@ class PreparedInputs:
         self._lock = threading.Lock()
 
     def inputs(self, max_crops: int) -> ModelInputs:
-        """The inputs at ``max_crops`` (prepared in the pool, or computed here for a choice the pool
-        was not asked for); a preprocessing error is raised here, on the request's path."""
+        """The inputs at ``max_crops``: prepared in the pool, or computed here for a choice the pool was
+        not asked for or has not started yet (it may be busy with the other choices: waiting for them
+        would put their preprocessing on this request's path); a preprocessing error is raised here,
+        on the request's path."""
         with self._lock:
             future = self._by_key.get(self._key_of.get(int(max_crops)))
-        if future is None:
+        if future is None or future.cancel():
             return self._runtime.preprocess(self._image, self._question, int(max_crops))
         return future.result()
 
@@ -85,11 +87,12 @@ class Preprocessor:
                 key_of[int(m)] = None if image is None else runtime.tiling(image.width, image.height, int(m))
             except (CtrlError, TypeError, ValueError):  # refused where the worker reaches it
                 continue
+        # the token count first: stage 1 reads it, and it should not wait behind every crops choice's image
+        text = self._pool.submit(lambda: int(runtime.preprocess(None, question, 1).num_text_tokens))
         by_key: dict[object, Future[ModelInputs]] = {}
         for m, key in key_of.items():
             if key not in by_key:
                 by_key[key] = self._pool.submit(runtime.preprocess, image, question, m)
-        text = self._pool.submit(lambda: int(runtime.preprocess(None, question, 1).num_text_tokens))
         return PreparedInputs(runtime, image, question, by_key, key_of, text)
 
     def close(self) -> None:

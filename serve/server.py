@@ -28,7 +28,7 @@ from serve.deciders import find_controller, load_decider
 from serve.engine import Engine
 from serve.protocol import Limits, warm_image_decoding
 from serve.request_log import RequestLog
-from serve.warmup import capture_graphs, warm_batches, warm_up
+from serve.warmup import capture_graphs, warm_batches, warm_decisions, warm_up
 
 
 def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: None) -> Engine:
@@ -65,6 +65,10 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
         measured = (f"; latency scale {scale.value:.2f}, margins start at {engine.planner.initial_margin:.2f}"
                     if scale.calibrates else "")
         log(f"warm-up: {len(results)} requests of {config.default_max_tokens} tokens{measured}")
+        decided = warm_decisions(engine, config.default_max_tokens)
+        guard = engine.decider.cost.guard
+        drift = f"; the latency guard's drift x{guard.drift():.2f}" if guard is not None else ""
+        log(f"warm-up: {len(decided)} requests decided by the controller{drift}")
         if engine.max_batch > 1:
             log(f"warm-up: {warm_batches(engine)} batched decode steps at 1-{engine.max_batch} rows timed")
         captured = capture_graphs(engine, config.default_max_tokens, config.max_tokens_limit,

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import numpy as np
 from PIL import Image
 
+from controller.latency_guard import DRIFT_MIN
 from pipeline.knobs import Config
 from runtime.fast_decoder import bucket_for, prefill_bucket_for
 from runtime.timing import cpu_threads
@@ -216,4 +217,26 @@ def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
                 results.append(engine.execute(job, record=False))
     if engine.latency_scale.calibrates:
         engine.planner.seed_margin(engine.latency_scale.ratios())
+    return results
+
+
+def warm_decisions(engine: Engine, max_tokens: int) -> list[Result]:
+    """Requests the controller decides (an image request each, ``max_tokens`` long, unrecorded), at
+    budgets spread over its training range: its stages have run before the first request's (their
+    first call cost that request 15-25 ms on a 2-core VM), and where it holds an online run's latency
+    guard with a drift factor, the guard has seen ``DRIFT_MIN`` requests of this machine as it runs
+    now, so the first requests are not decided at the speed of the spell the guard was fitted in.
+    One request where there is no drift to seed. Returns the requests' results."""
+    guard = engine.decider.cost.guard
+    count = DRIFT_MIN if guard is not None and guard.fit_median is not None else 1
+    low, high = engine.decider.budget_range_ms
+    low = max(float(low), 1.0)
+    budgets = np.geomspace(low, max(float(high), low), count + 2)[1:-1]  # inside the range: the controller decides
+    image = Image.new("RGB", (640, 480), (120, 110, 100))
+    results: list[Result] = []
+    for budget_ms in budgets:
+        request = ChatRequest(engine.model_name, "What is in the image?", image, max_tokens, float(budget_ms), None)
+        job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-decided-{len(results)}")
+        with cpu_threads(engine.threads, engine.runtime.device):
+            results.append(engine.execute(job, record=False))
     return results

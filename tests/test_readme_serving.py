@@ -102,7 +102,7 @@ def test_the_readmes_serving_lines_answer_right_within_budget(readme_env, tmp_pa
         assert sample["question"] in curl_line
         choice = reply["choices"][0]
         assert choice["message"]["content"].strip() in sample["answers"], (choice, sample)
-        assert choice["finish_reason"] == "stop" and reply["ctrl"]["met"] is True, reply
+        assert choice["finish_reason"] == "stop" and reply["ctrl"]["met"] is True, reply["ctrl"]
 
         printed = subprocess.run(["bash", "-c", openai_line], cwd=ROOT, env=readme_env, capture_output=True,
                                  text=True, timeout=300)

@@ -4,6 +4,7 @@ while the request waits, at each crops choice once per distinct tiling."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -31,6 +32,14 @@ def spied(embedded_runtime, monkeypatch):
     return embedded_runtime, calls
 
 
+def _pool_done(prepared) -> None:
+    """Wait until the pool has made everything it was asked for."""
+    deadline = time.monotonic() + 60
+    while not all(f.done() for f in [*prepared._by_key.values(), prepared._text]):
+        assert time.monotonic() < deadline, "the pool did not finish in 60 s"
+        time.sleep(0.01)
+
+
 def _served(runtime, workers: int, image, knobs=None):
     engine = Engine(runtime, RecordingDecider(), model_name="embedded", max_queue=4, default_budget_ms=None,
                     threads=1, request_log=None, preprocess_workers=workers)
@@ -38,6 +47,8 @@ def _served(runtime, workers: int, image, knobs=None):
                   datetime.now(UTC), 0.0)
     try:
         engine.submit(job)
+        if job.prepared is not None:  # the pool done first: a choice it has not started is computed on the worker
+            _pool_done(job.prepared)
         result = engine.execute(job, record=False)  # on this thread, as the worker would
     finally:
         engine.stop()
@@ -66,6 +77,7 @@ def test_crops_choices_of_one_tiling_are_prepared_once(spied):
     pool = Preprocessor(runtime, 1)
     try:
         prepared = pool.prepare(small, "What is it?", (1, 2))
+        _pool_done(prepared)
         at_two = prepared.inputs(2)
         assert torch.equal(prepared.inputs(1).images, at_two.images)
         assert prepared.text_tokens() == runtime.preprocess(None, "What is it?", 1).num_text_tokens
@@ -102,3 +114,29 @@ def test_preprocess_workers_default_to_half_the_cpus_and_refuse_negatives(monkey
     assert ServeConfig(controller="x", preprocess_workers=0).preprocess_threads == 0
     with pytest.raises(ValueError, match="--preprocess-workers must be an integer >= 0"):
         ServeConfig(controller="x", preprocess_workers=-1)
+
+
+def test_the_token_count_comes_first_and_a_choice_the_pool_has_not_started_is_computed_on_the_worker(spied):
+    runtime, calls = spied
+    image = Image.new("RGB", (640, 320), (200, 20, 20))
+    pool = Preprocessor(runtime, 1)
+    gate, busy = threading.Event(), threading.Event()
+    try:
+        pool._pool.submit(lambda: (busy.set(), gate.wait(60)))  # the pool's one thread busy with another request
+        assert busy.wait(60)
+        prepared = pool.prepare(image, "What color is it?", (1, 2))
+        # the pool has started neither choice: the worker makes the one stage 1 chose now, not after both
+        at_two = prepared.inputs(2)
+        assert calls == [(threading.current_thread().name, 2, True)]
+        expected = runtime.preprocess(image, "What color is it?", 2)
+        assert torch.equal(at_two.images, expected.images) and torch.equal(at_two.input_ids, expected.input_ids)
+        calls.clear()
+        gate.set()
+        # once free, the pool counts the prompt's tokens before any image, and skips the choice taken
+        assert prepared.text_tokens() == runtime.preprocess(None, "What color is it?", 1).num_text_tokens
+        prepared.inputs(1)
+        pooled = [(m, has_image) for t, m, has_image in calls if t.startswith("ctrl-preprocess")]
+        assert pooled == [(1, False), (1, True)]
+    finally:
+        gate.set()
+        pool.close()

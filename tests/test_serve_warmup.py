@@ -107,3 +107,121 @@ def test_the_warm_up_times_the_batched_pass_so_the_batch_factor_is_known_from_th
     assert engine.batch_cost.factor(full, [full, full]) >= 1.0
     one.stop()
     engine.stop()
+
+
+class _CountingGuard:
+    """A latency guard that prices every configuration at 10 ms and counts what the server tells it."""
+
+    fit_median = 1.0
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[float, float]] = []
+
+    def drift(self) -> float:
+        return 1.0
+
+    def grid(self, lang, tiling_crops, budget_ms, prompt_tokens=float("nan")):
+        import torch
+
+        from controller.machine import CostGrid
+
+        return CostGrid(((2, 2, 3),), torch.tensor([10.0], dtype=torch.float64), lambda _config: 1.0, budget_ms,
+                        "guard")
+
+    def observe(self, base_ms, measured_ms, expected_ms=None) -> None:
+        self.observed.append((base_ms, measured_ms))
+
+
+class _GuardedDecider(RecordingDecider):
+    """Decides (2, 2, 3) by its guard's grid, as an online run's controller holding a latency guard does."""
+
+    phase = "online"
+
+    def __init__(self, guard: _CountingGuard) -> None:
+        from controller.cost import LatencyScale
+        from controller.machine import MachineCost
+
+        super().__init__()
+        self.cost = MachineCost(LatencyScale({}), guard)
+
+    def stage1(self, lang, tiling_crops, budget_ms):
+        choice = super().stage1(lang, tiling_crops, budget_ms)
+        choice.cost_grid = self.cost.grid(lang, tiling_crops, budget_ms)
+        return choice
+
+    def stage2(self, choice, inputs):
+        return 2, 3
+
+
+def test_the_warm_up_asks_the_controller_inside_its_budget_range_and_records_nothing(embedded_runtime, tmp_path):
+    from test_serve import in_process_engine
+
+    from serve.warmup import warm_decisions
+
+    decider = RecordingDecider()  # budgets 10-1000 ms, no latency guard: one request
+    engine = in_process_engine(embedded_runtime, decider, tmp_path)
+    try:
+        results = warm_decisions(engine, max_tokens=2)
+        assert len(results) == 1 and results[0].num_output_tokens == 2
+        assert len(decider.budgets) == 1 and 10.0 < decider.budgets[0] < 1000.0  # the controller was asked
+        assert engine.served == 0 and engine.log.path.stat().st_size == 0  # unrecorded
+    finally:
+        engine.stop()
+
+
+def test_the_warm_up_gives_a_latency_guard_enough_requests_for_its_drift(embedded_runtime, tmp_path):
+    from test_serve import in_process_engine
+
+    from controller.latency_guard import DRIFT_MIN
+    from serve.warmup import warm_decisions
+
+    guard = _CountingGuard()
+    decider = _GuardedDecider(guard)
+    engine = in_process_engine(embedded_runtime, decider, tmp_path)
+    try:
+        results = warm_decisions(engine, max_tokens=2)
+        assert len(results) == DRIFT_MIN == 8
+        # budgets spread over the range, inside it, each request told to the guard with its measured time
+        assert decider.budgets == sorted(decider.budgets) and 10.0 < decider.budgets[0] < decider.budgets[-1] < 1000.0
+        assert len(guard.observed) == DRIFT_MIN and all(base == 10.0 and ms > 0 for base, ms in guard.observed)
+        guard.fit_median = None  # a guard without a drift factor: nothing to seed beyond one request
+        assert len(warm_decisions(engine, max_tokens=2)) == 1
+    finally:
+        engine.stop()
+
+
+def test_the_apps_start_parses_a_request_on_the_handlers_pool_and_counts_nothing(embedded_runtime, tmp_path,
+                                                                                monkeypatch):
+    import threading
+
+    from fastapi.testclient import TestClient
+    from test_serve import in_process_engine
+
+    from serve.app import Served, create_app
+    from serve.protocol import Limits, RequestError
+
+    parsed: list[tuple[str, object]] = []
+    real = Served.parse_bounded
+
+    def spy(self, body):
+        try:
+            chat = real(self, body)
+        except RequestError as exc:
+            parsed.append((threading.current_thread().name, exc))
+            raise
+        parsed.append((threading.current_thread().name, chat))
+        return chat
+
+    monkeypatch.setattr(Served, "parse_bounded", spy)
+    # limits that refuse the warm-up's image (more pixels than 10): the server starts all the same
+    for pixels, refused in ((10**6, False), (10, True)):
+        parsed.clear()
+        app = create_app(in_process_engine(embedded_runtime, RecordingDecider(), tmp_path / str(pixels)),
+                         Limits(default_max_tokens=2, max_tokens_limit=8, max_image_pixels=pixels),
+                         max_body_bytes=10**6)
+        with TestClient(app) as client:  # its lifespan starts (and at the end stops) the engine
+            assert len(parsed) == 1 and parsed[0][0] != threading.current_thread().name
+            assert isinstance(parsed[0][1], RequestError) is refused
+            if not refused:
+                assert parsed[0][1].image is not None and parsed[0][1].model == "embedded"
+            assert 'ctrl_requests_total{status="invalid"}' not in client.get("/metrics").text
