@@ -12,6 +12,13 @@ over the wall time), the median and 90th percentile of the requests' served late
 (``latency_total_ms``), their median decode time per token, the mean rows a decode step ran, and
 how many answers differ from the first setting's (greedy: none should).
 
+``--interleave-steps N`` (0: off) then measures what a joining request's prefill costs the rows
+already decoding (the server prefills a joining request whole, between two decode steps): per batch
+of ``--interleave-rows`` rows (at the first configuration, decoding without end), N decode steps
+alone and N more each right after one new request's whole prefill joins (a 640x480 image at that
+configuration's crops), alternating; the medians of the rows' gap between two tokens either way, and
+of the prefill pass alone.
+
 The CPU's model is printed: compare only figures of one run.
 """
 
@@ -105,6 +112,46 @@ def run_arm(runtime, requests, clients: int, max_batch: int, threads: int) -> tu
         engine.stop()
 
 
+def interleave(runtime, rows_counts: list[int], steps: int, threads: int) -> list[tuple[int, float, float, float]]:
+    """Per count of decoding rows: the median gap between two of their tokens with nothing beside their
+    decode step, with a request's whole prefill joining before it, and that prefill's median wall (ms)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from runtime.timing import cpu_threads
+
+    crops, top_k, blocks = CONFIGS[0]
+    pixels = np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8)
+    joining = runtime.decoder_inputs(runtime.preprocess(Image.fromarray(pixels), "What is in the image?", crops))
+    prompt = runtime.decoder_inputs(runtime.preprocess(None, "What is in the image?", crops))
+    knobs = runtime.knobs_after_prefix(0, top_k, blocks)
+    eos = int(runtime.eos_id)
+
+    def no_eos(logits: torch.Tensor) -> int:  # the rows decode on for the whole measurement
+        return int(logits.flatten().index_fill(0, torch.tensor([eos]), float("-inf")).argmax())
+
+    out = []
+    with cpu_threads(threads, runtime.device), runtime.batch_context():
+        for rows in rows_counts:
+            batch = runtime.batch_decoder()
+            batch.count_products = False
+            batch.join([prompt] * rows, [knobs] * rows, [10 * steps + 10] * rows, pick=[no_eos] * rows)
+            alone, beside, prefill = [], [], []
+            for _ in range(steps):
+                tick = time.perf_counter()
+                batch.step()
+                alone.append((time.perf_counter() - tick) * 1000.0)
+                tick = time.perf_counter()
+                batch.join([joining], [knobs], [1])  # its first token ends it: the rows' next step is theirs alone
+                joined = time.perf_counter()
+                batch.step()
+                beside.append((time.perf_counter() - tick) * 1000.0)
+                prefill.append((joined - tick) * 1000.0)
+            out.append((rows, statistics.median(alone), statistics.median(beside), statistics.median(prefill)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="embedded, testbed, tiny-molmoe or a model directory")
@@ -114,6 +161,9 @@ def main() -> None:
     parser.add_argument("--max-batch", default="1,4", help="comma-separated --max-batch settings")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads (the server's --threads)")
+    parser.add_argument("--interleave-steps", type=int, default=0,
+                        help="decode steps with and without a joining prefill per batch size (0: not measured)")
+    parser.add_argument("--interleave-rows", default="1,2,4", help="comma-separated batch sizes of --interleave-steps")
     args = parser.parse_args()
 
     import torch
@@ -148,6 +198,15 @@ def main() -> None:
         print(f"| {setting} | {args.requests / statistics.median(walls[setting]):.2f} | "
               f"{statistics.median(served):.1f} | {served[int(0.9 * (len(served) - 1))]:.1f} | "
               f"{statistics.median(per_token):.2f} | {statistics.mean(rows) if rows else 1.0:.2f} | {differ} |")
+    if args.interleave_steps:
+        crops, top_k, blocks = CONFIGS[0]
+        print(f"\nA joining request's whole prefill between two decode steps ({crops}/{top_k}/{blocks}, a 640x480 "
+              f"image joining; medians of {args.interleave_steps} steps each):")
+        print("| rows decoding | gap between tokens, ms: step alone | with a prefill joining | the prefill alone |")
+        print("|---:|---:|---:|---:|")
+        for rows, alone, beside, prefill in interleave(runtime, [int(r) for r in args.interleave_rows.split(",")],
+                                                        args.interleave_steps, args.threads):
+            print(f"| {rows} | {alone:.2f} | {beside:.2f} | {prefill:.2f} |")
 
 
 if __name__ == "__main__":
