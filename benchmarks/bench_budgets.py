@@ -307,6 +307,39 @@ def report(args: argparse.Namespace, su: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report_compare(args: argparse.Namespace, su: dict[str, Any]) -> str:
+    """Markdown: per load and budget where both labels of ``--compare A,B`` ran the controller, label A minus
+    label B on the same requests (the same arrival times), first ``--cold`` and steady state apart: right
+    answers within budget, the rate within budget (moving-block bootstrap intervals) and each one's right
+    answers within budget per second of the run (goodput). Empty without ``--compare``."""
+    if not args.compare:
+        return ""
+    a_label, b_label = args.compare.split(",")
+    runs = {(r["label"], r["load"], r["budget_ms"]): r for r in read_records(args.out)
+            if r["kind"] == "controller" and arrivals_of(r) == "poisson"}
+    cold = args.cold
+    lines = [f"| load | budget ms | part | {a_label}: within | {b_label}: within | {a_label} - {b_label}: right "
+             f"within budget [CI] | within [CI] | goodput {a_label} / {b_label} (right within budget per s) |",
+             "|---:|---:|---|---:|---:|---|---|---|"]
+    for (label, load, budget), ra in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        rb = runs.get((b_label, load, budget))
+        if label != a_label or rb is None:
+            continue
+        oa, ob = bs.outcomes_of(ra), bs.outcomes_of(rb)
+        if len(oa) != len(ob):
+            continue
+        seconds = args.requests / ra["rate_rps"]
+        for part, sa, sb in (("first", oa[:cold], ob[:cold]), ("steady", oa[cold:], ob[cold:])):
+            fa, fb = part_stats(sa, budget), part_stats(sb, budget)
+            d = paired(sa, sb, budget, min(args.block, max(1, len(sa) // 4)), args.seed)
+            part_s = seconds * len(sa) / len(oa)
+            lines.append(f"| {load} | {budget:g} | {part} | {fa['within']:.3f} | {fb['within']:.3f} | "
+                         f"{d['diff_right']:+.1f} [{d['diff_right_ci'][0]:+.1f}, {d['diff_right_ci'][1]:+.1f}] | "
+                         f"{d['diff_within']:+.3f} [{d['diff_within_ci'][0]:+.3f}, {d['diff_within_ci'][1]:+.3f}] | "
+                         f"{fa['right_within'] / part_s:.2f} / {fb['right_within'] / part_s:.2f} |")
+    return "\n".join(lines)
+
+
 def steady_cells(args: argparse.Namespace, arrivals: str = "poisson"
                  ) -> dict[tuple[str, str, float, float], tuple[dict, list[Any]]]:
     """(label, kind, load, budget) -> (steady figures, outcomes) of every controller run of the arrival
@@ -586,6 +619,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=bs.CACHE / "bench_budgets.jsonl")
     p.add_argument("--plot", type=Path, default=None, help="write the plot here (phase report)")
+    p.add_argument("--compare", default="", help="phase report: A,B (two labels): label A's controller runs minus "
+                                                 "label B's on the same requests, per load and budget")
     return p.parse_args(argv)
 
 
@@ -596,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         su = json.loads(setup_path.read_text())
         print(report(args, su))
         print(report_arrivals(args, su))
+        print(report_compare(args, su))
         print("\n".join(check_targets(args, su)))
         print("\n".join(check_arrival_targets(args, su)))
         if args.plot:

@@ -61,8 +61,9 @@ class ServeConfig:
     max_batch: str = option("auto", help=
         "Requests decoding together (continuous batching: a request joins the running batch between decode "
         "steps, its own knobs in the shared passes, and leaves at its end); 1 serves one request at a time; "
-        "auto: 4 on a CPU (measured faster there), 1 on a GPU until a card has measured it "
-        "(docs/serving.md#continuous-batching).")
+        "auto: 1, the setting measured to keep the most budgets: on a CPU four rows served the testbed no "
+        "more requests per second and fewer right answers within budget than one at a time, and no card has "
+        "measured it yet (docs/serving.md#continuous-batching).")
     preprocess_workers: int | None = option(None, help=
         "Threads that preprocess admitted requests (resize, normalise, tile at each crops choice) off the "
         "model's thread, while they wait and while stage 1 decides; 0: the model's thread does it "
@@ -301,12 +302,12 @@ class ServeConfig:
             return None
         return frozenset({"localhost", "127.0.0.1", "::1", self.host.lower().strip("[]")})
 
-    def batch_rows(self, device_type: str, batches: bool) -> int:
-        """``max_batch`` resolved for a model on ``device_type`` that runs batches (``batches``) or not:
-        "auto" is :data:`AUTO_MAX_BATCH_CPU` on a CPU, 1 elsewhere (not measured on a GPU yet)."""
+    def batch_rows(self, batches: bool) -> int:
+        """``max_batch`` resolved for a model that runs batches (``batches``) or not:
+        "auto" is :data:`AUTO_MAX_BATCH` where the model batches, 1 where it does not."""
         if self.max_batch != "auto":
             return int(self.max_batch)
-        return AUTO_MAX_BATCH_CPU if device_type == "cpu" and batches else 1
+        return AUTO_MAX_BATCH if batches else 1
 
     @property
     def preprocess_threads(self) -> int:
@@ -323,9 +324,11 @@ class ServeConfig:
         return tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
 
 
-#: --max-batch auto on a CPU: 4 rows served 18-59 % more requests per second than one at a time, the
-#: same at one client (docs/results.md, "Continuous batching")
-AUTO_MAX_BATCH_CPU = 4
+#: --max-batch auto: one request at a time. On a 2-vCPU CPU four rows served the embedded model's long
+#: answers 56-59 % more requests per second, but the served testbed's short ones no more, and its
+#: controller fewer right answers within budget at loads 0.5-1.0 (docs/results.md, "Continuous batching
+#: past one request's capacity"); no GPU has measured it
+AUTO_MAX_BATCH = 1
 
 
 def available_cpus() -> int:

@@ -48,7 +48,7 @@ def build_engine(config: ServeConfig, log: Callable[[str], None] = lambda _: Non
                     queue_deadline=config.queue_deadline, burst_aware=config.burst_aware,
                     refuse_unreachable=config.refuse_unreachable, cheapest_floor=config.cheapest_floor,
                     preprocess_workers=config.preprocess_threads,
-                    max_batch=config.batch_rows(runtime.device.type, runtime.batches))
+                    max_batch=config.batch_rows(runtime.batches))
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `requests` view (plain duckdb reads the catalog)
     log(f"controller {decider.controller_run} ({decider.phase}); default budget {engine.default_budget_ms:.1f} ms; "
