@@ -222,8 +222,8 @@ def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
 
 def warm_decisions(engine: Engine, max_tokens: int) -> list[Result]:
     """Requests the controller decides (an image request each, ``max_tokens`` long, unrecorded), at
-    budgets spread over its training range: its stages have run before the first request's (their
-    first call cost that request 15-25 ms on a 2-core VM), and where it holds an online run's latency
+    budgets spread over its training range: its stages have run before the first request's (a first
+    call pays one-time costs of its own), and where it holds an online run's latency
     guard with a drift factor, the guard has seen ``DRIFT_MIN`` requests of this machine as it runs
     now, so the first requests are not decided at the speed of the spell the guard was fitted in.
     One request where there is no drift to seed. Returns the requests' results."""
