@@ -621,7 +621,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write the plot here (phase report)")
     p.add_argument("--compare", default="", help="phase report: A,B (two labels): label A's controller runs minus "
                                                  "label B's on the same requests, per load and budget")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compare and len([x for x in args.compare.split(",") if x]) != 2:
+        p.error(f"--compare takes two labels, A,B; got {args.compare!r}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:

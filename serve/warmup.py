@@ -49,6 +49,8 @@ def decode_configs(engine: Engine) -> list[tuple[int, int, int, int]]:
     return [(c, 0, k, b) for c, k, b in warmup_configs(engine)]
 
 
+#: the image size and question of every warm-up request
+_WARM_IMAGE_SIZE, _WARM_QUESTION = (640, 480), "What is in the image?"
 #: prompt tokens a question may add beyond the warm-up's own before its decode steps reach a window
 #: the warm-up did not capture (a served prompt is the image's tokens plus its question's)
 QUESTION_ALLOWANCE_TOKENS = 64
@@ -78,7 +80,7 @@ class WarmupCaptures:
     left: int = 0
 
 
-def served_shapes(runtime, max_crops: int, question: str = "What is in the image?") -> list[ServedShape]:
+def served_shapes(runtime, max_crops: int, question: str = _WARM_QUESTION) -> list[ServedShape]:
     """Every shape a request at ``max_crops`` can take: each tiling some image size reaches (by the
     runtime's tiling rule) and the text-only prompt."""
     tilings: dict[tuple[int, int], tuple[int, int]] = {}
@@ -178,7 +180,7 @@ def warm_batches(engine: Engine, max_tokens: int = WARM_BATCH_STEPS + 1) -> int:
     if engine.max_batch <= 1:
         return 0
     runtime, cost = engine.runtime, engine.batch_cost
-    embeds = runtime.decoder_inputs(runtime.preprocess(None, "What is in the image?", 1))
+    embeds = runtime.decoder_inputs(runtime.preprocess(None, _WARM_QUESTION, 1))
     configs = warmup_configs(engine)
     kinds = [runtime.knobs_after_prefix(0, top_k, blocks) for _, top_k, blocks in (configs[0], configs[-1])]
     steps = 0
@@ -198,6 +200,16 @@ def warm_batches(engine: Engine, max_tokens: int = WARM_BATCH_STEPS + 1) -> int:
     return steps
 
 
+def _warm_request(engine: Engine, max_tokens: int, budget_ms: float | None, knobs: dict[str, int] | None,
+                  request_id: str) -> Result:
+    """One unrecorded warm-up request (``knobs`` None: the controller decides at ``budget_ms``)."""
+    image = Image.new("RGB", _WARM_IMAGE_SIZE, (120, 110, 100))
+    request = ChatRequest(engine.model_name, _WARM_QUESTION, image, max_tokens, budget_ms, knobs)
+    job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, request_id)
+    with cpu_threads(engine.threads, engine.runtime.device):
+        return engine.execute(job, record=False)
+
+
 def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
     """Run the :func:`warmup_configs` (an image request each, ``max_tokens`` long), unrecorded; twice
     where they seed the latency scale. Returns the requests' results.
@@ -205,16 +217,12 @@ def warm_up(engine: Engine, max_tokens: int) -> list[Result]:
     The seeded ratios are only as right as ``max_tokens`` is typical: the server passes what a
     request without ``max_tokens`` generates, since a shorter warm-up reads the machine as faster
     than it serves."""
-    image = Image.new("RGB", (640, 480), (120, 110, 100))
     rounds = 2 if engine.latency_scale.calibrates else 1
     results: list[Result] = []
     for _ in range(rounds):
         for max_crops, top_k, blocks in warmup_configs(engine):
             knobs = {"max_crops": max_crops, "top_k": top_k, "num_active_blocks": blocks}
-            request = ChatRequest(engine.model_name, "What is in the image?", image, max_tokens, None, knobs)
-            job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-{len(results)}")
-            with cpu_threads(engine.threads, engine.runtime.device):
-                results.append(engine.execute(job, record=False))
+            results.append(_warm_request(engine, max_tokens, None, knobs, f"warmup-{len(results)}"))
     if engine.latency_scale.calibrates:
         engine.planner.seed_margin(engine.latency_scale.ratios())
     return results
@@ -232,11 +240,5 @@ def warm_decisions(engine: Engine, max_tokens: int) -> list[Result]:
     low, high = engine.decider.budget_range_ms
     low = max(float(low), 1.0)
     budgets = np.geomspace(low, max(float(high), low), count + 2)[1:-1]  # inside the range: the controller decides
-    image = Image.new("RGB", (640, 480), (120, 110, 100))
-    results: list[Result] = []
-    for budget_ms in budgets:
-        request = ChatRequest(engine.model_name, "What is in the image?", image, max_tokens, float(budget_ms), None)
-        job = new_job(request, engine, time.perf_counter(), datetime.now(UTC), 0.0, f"warmup-decided-{len(results)}")
-        with cpu_threads(engine.threads, engine.runtime.device):
-            results.append(engine.execute(job, record=False))
-    return results
+    return [_warm_request(engine, max_tokens, float(budget_ms), None, f"warmup-decided-{i}")
+            for i, budget_ms in enumerate(budgets)]
