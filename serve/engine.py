@@ -60,13 +60,20 @@ from runtime.request import Answer, RequestExecutor, RequestOutcome, StartedRequ
 from runtime.timing import RequestTiming, Segment, StageTimer, cpu_threads
 from serve.batch_cost import BatchCost
 from serve.budget import BudgetPlan, BudgetPlanner
-from serve.deciders import CheapestConfig, FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
+from serve.deciders import FixedKnobs, RequestDecider, Stage1Choice, Stage2Inputs
 from serve.decoding import TextStream, TokenPicker, draw_seed
 from serve.metrics import ServeMetrics
 from serve.preprocessing import PreparedInputs, Preprocessor
 from serve.protocol import ChatRequest, RequestError
-from serve.queueing import DeadlineQueue, projected_start_ms
 from serve.request_log import RequestLog, RequestLogGone
+from serve.scheduling import (  # noqa: F401 (the refusals are the engine's API too)
+    BudgetLeftBehind,
+    BudgetUnreachable,
+    DeadlineExceeded,
+    Overloaded,
+    Scheduler,
+    milliseconds,
+)
 
 #: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
 PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",
@@ -76,22 +83,8 @@ PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_m
 LATENCY_PARTS = ("parse", "queue", "stage1", "preprocess", "vision", "prefill", "stage2", "decode", "model", "total")
 
 
-def milliseconds(value: float) -> str:
-    """``value`` ms for a message: whole milliseconds, or three significant digits below ten."""
-    return f"{value:,.0f} ms" if value >= 10 else f"{value:.3g} ms"
-
-
 class Cancelled(Exception):
     """The client went away, or the server stops at once: the request stops where it is (the message says where)."""
-
-
-class DeadlineExceeded(RequestError):
-    """A request dropped from the queue: its budget had long passed before the model could start it."""
-
-    def __init__(self, spent_ms: float, budget_ms: float, factor: float) -> None:
-        super().__init__(504, f"the request waited {milliseconds(spent_ms)} for the model, more than {factor:g} x "
-                              f"its latency budget of {milliseconds(budget_ms)}: dropped instead of answered that late",
-                         "latency_budget_ms", "deadline_exceeded")
 
 
 @dataclass
@@ -124,6 +117,15 @@ class Job:
     captures_at_start: int | None = None
     #: its inputs being prepared off the worker thread (None: the worker preprocesses it)
     prepared: PreparedInputs | None = None
+
+    @property
+    def fixed(self) -> bool:
+        """Its knobs are its own (the controller does not decide it)."""
+        return self.request.knobs is not None
+
+    @property
+    def when_unreachable(self) -> str:
+        return self.request.when_unreachable
 
     def emit(self, text: str) -> None:
         """Queue a part of a streamed answer for the handler (thread-safe; never waits for the client)."""
@@ -170,16 +172,6 @@ class Result:
                 "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
 
 
-class BudgetLeftBehind(RequestError):
-    """Dropped from the queue: what is left of its budget is less than the cheapest configuration takes."""
-
-    def __init__(self, spent_ms: float, budget_ms: float, cheapest_ms: float) -> None:
-        super().__init__(504, f"the request waited {milliseconds(spent_ms)} for the model; what is left of its latency "
-                              f"budget of {milliseconds(budget_ms)} is less than the cheapest configuration's "
-                              f"{milliseconds(cheapest_ms)}: dropped instead of answered late", "latency_budget_ms",
-                         "budget_unreachable")
-
-
 class LogUnavailable(RequestError):
     """The request log can no longer record requests (its workspace is gone): the server takes none."""
 
@@ -206,25 +198,6 @@ class Slot:
             engine._release()
 
 
-class Overloaded(RequestError):
-    def __init__(self, retry_after_s: int) -> None:
-        super().__init__(503, f"the server is at capacity (queue full); retry in {retry_after_s} s", None,
-                         "queue_full")
-        self.retry_after_s = retry_after_s
-
-
-class BudgetUnreachable(Overloaded):
-    """Refused on arrival: the requests ahead of it, each at the cheapest configuration, leave too little of
-    its budget for even the cheapest configuration (HTTP 503, Retry-After: when the queue will have drained)."""
-
-    def __init__(self, wait_ms: float, budget_ms: float, retry_after_s: int) -> None:
-        RequestError.__init__(self, 503, f"the requests ahead of this one need {milliseconds(wait_ms)} of the model "
-                                         f"at the least, which leaves too little of its latency budget of "
-                                         f"{milliseconds(budget_ms)} for any configuration; retry in "
-                                         f"{retry_after_s} s", "latency_budget_ms", "budget_unreachable")
-        self.retry_after_s = retry_after_s
-
-
 class Engine:
     """The model, the controller, the queue and the worker thread that runs requests."""
 
@@ -244,9 +217,6 @@ class Engine:
         self.max_batch = int(max_batch)
         self.runtime, self.decider = runtime, decider
         self.preprocessor = Preprocessor(runtime, preprocess_workers)
-        self.guard = bool(guard)
-        self.queue_deadline = float(queue_deadline)
-        self.refuse_unreachable = bool(refuse_unreachable)
         self.model_name = model_name
         self.max_queue = int(max_queue)
         self.default_budget_ms = float(default_budget_ms if default_budget_ms is not None
@@ -257,11 +227,14 @@ class Engine:
         if latency_scale is not None:  # the server's pinned or configured scale, read by the decider's cost model
             decider.cost = decider.cost.with_scale(latency_scale)
         self.latency_scale = decider.cost.scale
-        self.planner = BudgetPlanner(decider.reference_latency_ms, self.latency_scale, met_target=met_target,
-                                     queue_aware=queue_aware, load_aware=load_aware, burst_aware=burst_aware,
-                                     cheapest_floor=cheapest_floor)
-        # below every configuration's reference latency the controller would extrapolate
-        self.cheapest = CheapestConfig(decider) if decider.reference_latency_ms else None
+        planner = BudgetPlanner(decider.reference_latency_ms, self.latency_scale, met_target=met_target,
+                                queue_aware=queue_aware, load_aware=load_aware, burst_aware=burst_aware,
+                                cheapest_floor=cheapest_floor)
+        self.scheduler = Scheduler(decider, planner, clock=time.perf_counter, max_queue=self.max_queue,
+                                   max_batch=self.max_batch, queue_deadline=queue_deadline,
+                                   refuse_unreachable=refuse_unreachable, guard=guard,
+                                   occupancy=lambda: self.occupancy)
+        self.planner, self.cheapest = planner, self.scheduler.cheapest
         self.batch_cost = BatchCost()
         # the batched worker's rows (running and joining) as the request it starts now finds them, and the
         # knobs of the request it started last (the typical choice stage 1 reckons a batch factor at)
@@ -269,9 +242,7 @@ class Engine:
         self._last_knobs: RowKnobs | None = None
         self.timer = StageTimer(runtime.vision_module, list(runtime.decoder_layers), runtime.device)
         self.executor = RequestExecutor(runtime, self.timer)
-        # the worker's share of the cheapest configuration's time (the reply's write is the handler's)
-        self._jobs: DeadlineQueue[Job] = DeadlineQueue(self._cheapest_worker_ms, time.perf_counter)
-        self._running_since: float | None = None  # perf_counter when the worker took the request it runs
+        self._jobs = self.scheduler.queue
         self._reserved = 0  # places taken: bodies being read, requests waiting, the one running
         self._pending = 0  # waiting + running
         self._lock = threading.Lock()
@@ -310,19 +281,7 @@ class Engine:
 
     def waiting_left_ms(self, now: float) -> list[float]:
         """The budget not yet spent of each request waiting now, in the order they will be served."""
-        return [j.budget_ms - (now - j.arrival) * 1000.0 for j in self._jobs.snapshot()]
-
-    def _cheapest_worker_ms(self) -> float | None:
-        """The least the cheapest configuration typically takes on the worker (less the reply's write:
-        :meth:`serve.budget.BudgetPlanner.cheapest_least_ms`)."""
-        typical = self.planner.cheapest_least_ms()
-        return None if typical is None else typical[0] - typical[1]
-
-    def _running_left_ms(self, now: float, worker_ms: float) -> float:
-        """The least the running request may still take: the least the cheapest configuration takes on the
-        worker, ``worker_ms``, less the time it has run (0 when none runs)."""
-        since = self._running_since
-        return 0.0 if since is None else max(0.0, worker_ms - (now - since) * 1000.0)
+        return self.scheduler.waiting_left_ms(now)
 
     @property
     def pending(self) -> int:
@@ -383,11 +342,9 @@ class Engine:
             self._pending += 1
             self.metrics.queue_length.set(self._pending)
         job.enqueued = time.perf_counter()
-        adjustable = job.request.knobs is None and self.planner.class_of(job.budget_ms) > 0
-        # when it reached the server, not when parsed
-        self.planner.observe_arrival(job.arrival, adjustable, job.budget_ms)
+        self.scheduler.arrived(job)
         try:
-            self._admit(job)
+            self.scheduler.admit(job)
         except BudgetUnreachable as refused:
             self._release(ran=True)
             self._record(job, "refused", queue_ms=0.0, error=refused.message)
@@ -401,41 +358,10 @@ class Engine:
             return (job.request.knobs["max_crops"],)
         return tuple(int(m) for m in self.decider.max_crops_values)
 
-    def _admit(self, job: Job) -> None:
-        """Raise :class:`BudgetUnreachable` for a request with a budget of its own (its knobs the
-        controller's or its own) when the server is busy and the requests to be served before it (the one
-        running, less what it has run; those waiting with earlier deadlines, at the cheapest
-        configuration) would leave less of its budget than the cheapest configuration takes. Every time
-        is the least the cheapest configuration typically takes, so that a request is refused only where
-        even that leaves it no room."""
-        if not self.refuse_unreachable or job.budget_source != "request":
-            return
-        typical = self.planner.cheapest_least_ms()
-        if typical is None:
-            return
-        cheapest, worker = typical[0], typical[0] - typical[1]
-        worker *= self.occupancy  # what each one ahead holds the worker for
-        now = time.perf_counter()
-        ahead = self._jobs.ahead_of(job.arrival + job.budget_ms / 1000.0)
-        # those ahead that will be dropped when their turn comes take no time
-        wait_ms = projected_start_ms([(j.arrival - now) * 1000.0 + j.budget_ms for j in ahead],
-                                     [self._droppable(j, cheapest) for j in ahead],
-                                     self._running_left_ms(now, worker), worker, cheapest)
-        if wait_ms <= 0:  # an idle server runs it, whatever its budget
-            return
-        spent_ms = (now - job.arrival) * 1000.0
-        if spent_ms + wait_ms + cheapest <= job.budget_ms:
-            return
-        if job.request.when_unreachable == "run":
-            job.unreachable = True
-            return
-        backlog_ms = self._running_left_ms(now, worker) + len(self._jobs) * worker
-        raise BudgetUnreachable(wait_ms, job.budget_ms, max(1, math.ceil(backlog_ms / 1000.0)))
-
     def _refuse_if_full(self) -> None:
         """(under ``_lock``) :class:`Overloaded` when ``max_queue + max_batch`` places are taken (those
         running, the rest waiting or having their bodies read)."""
-        if self._reserved >= self.max_queue + self.max_batch:
+        if self.scheduler.full(self._reserved):
             self.metrics.requests.labels(status="rejected").inc()
             raise Overloaded(self._retry_after(self._reserved))
 
@@ -453,7 +379,7 @@ class Engine:
                 job = self._jobs.get()
                 if job is None:
                     return
-                started = self._running_since = time.perf_counter()
+                started = self.scheduler.running_since = time.perf_counter()
                 outcome: Result | BaseException
                 expired = self._expired(job)
                 try:
@@ -463,7 +389,7 @@ class Engine:
                 finally:  # the slot is free before the answer leaves: a client's next request finds room
                     if expired is None:  # a drop takes no model time: the typical service is of requests run
                         self._service_s.append(time.perf_counter() - started)
-                    self._running_since = None
+                    self.scheduler.running_since = None
                     self._done(job)
                 job.finish(outcome)
 
@@ -494,12 +420,12 @@ class Engine:
                     joining.append(started)
             if not rows and not joining:  # the queue waited, and was closed empty
                 return
-            self._running_since = time.perf_counter()
+            self.scheduler.running_since = time.perf_counter()
             if not rows and len(joining) == 1 and not len(self._jobs):
                 # alone with nobody waiting: the single-request path (the fast path's decode step is
                 # faster than a batch of one row); those arriving meanwhile wait and join the next batch
                 self._answer_alone(joining[0])
-                self._running_since = None
+                self.scheduler.running_since = None
                 continue
             try:
                 if joining:
@@ -533,7 +459,7 @@ class Engine:
             for key in [k for k, r in rows.items() if r.row.done]:
                 self._end_row(rows.pop(key))
             if not rows:
-                self._running_since = None
+                self.scheduler.running_since = None
 
     def _new_batch(self) -> BatchedDecoder:
         batch = self.runtime.batch_decoder()
@@ -637,28 +563,13 @@ class Engine:
         return self._answered(r.job, r.served, outcome, r.streamed, queue_ms=r.queue_ms, waited_ms=r.waited_ms,
                               record=True, batch_rows=rows, batched=r)
 
-    def _droppable(self, job: Job, cheapest_ms: float) -> bool:
-        """Whether the queue drops ``job`` once what is left of its budget is less than ``cheapest_ms``."""
-        return (self.refuse_unreachable and job.budget_source == "request" and job.request.when_unreachable == "refuse"
-                and not job.unreachable and cheapest_ms <= job.budget_ms)
-
     def _expired(self, job: Job) -> RequestError | None:
-        """The job's :class:`DeadlineExceeded` (recorded as ``dropped``) when it has spent more than
-        ``queue_deadline`` times its budget, or its :class:`BudgetLeftBehind` when it would be refused on
-        arrival now (:meth:`_admit`'s requests: what is left of its budget is less than the cheapest
-        configuration's expected time); None when it is still worth running."""
-        spent_ms = (time.perf_counter() - job.arrival) * 1000.0
-        typical = self.planner.cheapest_least_ms()
-        cheapest = None if typical is None else typical[0]
-        dropped: RequestError
-        # a request that found the server idle runs, as on arrival: what it spent is its own parsing
-        if (cheapest is not None and job.queue_length > 0 and self._droppable(job, cheapest)
-                and job.budget_ms < spent_ms + cheapest):
-            dropped = BudgetLeftBehind(spent_ms, job.budget_ms, cheapest)
-        elif not self.queue_deadline or spent_ms <= self.queue_deadline * job.budget_ms:
+        """The job's drop (:meth:`serve.scheduling.Scheduler.expired`), recorded as ``dropped``; None when it
+        is still worth running."""
+        dropped = self.scheduler.expired(job)
+        if dropped is None:
             return None
-        else:
-            dropped = DeadlineExceeded(spent_ms, job.budget_ms, self.queue_deadline)
+        spent_ms = (time.perf_counter() - job.arrival) * 1000.0
         queue_ms = (time.perf_counter() - job.enqueued) * 1000.0 if job.enqueued else 0.0
         self._record(job, "dropped", queue_ms=queue_ms, waited_ms=spent_ms, error=dropped.message)
         return dropped
@@ -735,11 +646,10 @@ class Engine:
                     self.batch_cost.observe_alone(knobs, step_ms)
             self.batch_cost.observe_request(model_ms=parts.model_ms, decode_ms=parts.decode_ms, worker_ms=service_ms)
         # the scale counts the layout the reference latencies were recorded for (insertion position 0)
-        ratio = decider.cost.observe(choice.cost_grid, (choice.max_crops, top_k, blocks), model_ms=alone_model_ms,
-                                     measured_ms=parts.controller_ms + parts.model_ms, insertion_position=p)
-        adjustable = not served.fixed and plan.budget_class != "<1x"
-        self.planner.observe_served(after_ms=total_ms - served.spent_ms - parts.model_ms, adjustable=adjustable,
-                                    service_ms=service_ms, model_over_reference=ratio)
+        self.scheduler.observe_served(decider, choice, (choice.max_crops, top_k, blocks), fixed=served.fixed,
+                                      plan=plan, model_ms=alone_model_ms,
+                                      measured_ms=parts.controller_ms + parts.model_ms,
+                                      after_ms=total_ms - served.spent_ms - parts.model_ms, service_ms=service_ms)
         knobs = {"max_crops": choice.max_crops, "insertion_position": p, "top_k": top_k,
                  "num_active_blocks": blocks}
         latency = {
@@ -813,13 +723,7 @@ class Engine:
             return row
         if captures:
             self.metrics.graph_captures.labels(during="request").inc(captures)
-        if status == "ok" and decider is not None and total is not None and plan is not None:
-            # judged on the client's clock: the reply's time comes after the server's total
-            kept = total + plan.reply_reserve_ms <= job.budget_ms
-            self.planner.observe_outcome(plan, kept)
-            self.planner.observe_kept(job.budget_ms, kept)  # the floor's own decisions too: it stops once they keep up
-        elif status in ("refused", "dropped") and decider is not None:
-            self.planner.observe_refused(job.budget_ms)
+        self.scheduler.observe_end(status, job.budget_ms, controller=decider is not None, total_ms=total, plan=plan)
         if self.log is not None:
             try:
                 recorded = self.log.append(row)
@@ -867,10 +771,8 @@ class _Decisions:
             self._factors[key] = self.engine.batch_cost.factor(knobs, self.beside, self.starts_per_s)
         return self._factors[key]
 
-    def _decide_stage1(self, budget_ms: float) -> Stage1Choice:
-        if self.decider.reads_prompt_tokens and self.decider is self.engine.decider:
-            return self.decider.stage1(self.lang, self.tiling, budget_ms, prompt_tokens=self.prompt_tokens)
-        return self.decider.stage1(self.lang, self.tiling, budget_ms)  # in the controller's units
+    def _decide_stage1(self, budget_ms: float) -> Stage1Choice:  # in the controller's units
+        return self.engine.scheduler.stage1(self.decider, self.lang, self.tiling, budget_ms, self.prompt_tokens)
 
     def stage1(self) -> Stage1Choice:
         engine, job, runtime = self.engine, self.job, self.engine.runtime
@@ -891,12 +793,9 @@ class _Decisions:
                 typical = engine._last_knobs or runtime.knobs_after_prefix(0, runtime.default_top_k,
                                                                            runtime.num_layers)
                 factor = engine.batch_cost.factor(typical, self.beside, self.starts_per_s)
-        self.plan = plan = engine.planner.plan(job.budget_ms, self.spent_ms, now_s=now, fixed=self.fixed,
-                                               waiting_left_ms=() if self.fixed else engine.waiting_left_ms(now),
-                                               batch_factor=factor, batch_rows_expected=rows,
-                                               occupancy=engine.occupancy)
-        if (plan.cheapest or (job.unreachable and not self.fixed)) and engine.cheapest:
-            self.decider = engine.cheapest
+        self.plan = plan = engine.scheduler.plan(job, self.spent_ms, now, batch_factor=factor,
+                                                 batch_rows_expected=rows)
+        self.decider = engine.scheduler.decider_for(job, plan, self.decider)
         choice = self._decide_stage1(plan.controller_budget_ms)
         if self.beside and self.decider is engine.decider:
             alone = self._decide_stage1(plan.controller_budget_ms * plan.batch_factor)
@@ -912,14 +811,9 @@ class _Decisions:
 
     def _stage2_inputs(self, choice: Stage1Choice, prefix: PrefixState, budget_ms: float,
                        batch_factor_of: Callable[[Config], float] | None = None) -> Stage2Inputs:
-        plan, p = self.plan, choice.insertion_position
-        # the guard holds the choice to the budget read before the batch's factor (served ms): the factor
-        # applies per configuration there (batch_factor_of)
-        unbatched = budget_ms * plan.batch_factor if batch_factor_of is not None else budget_ms
-        served = unbatched * plan.latency_scale if self.engine.guard else None
-        return Stage2Inputs(self.lang, self.tiling, budget_ms, prefix.image_feature,
-                            prefix.latency_token if p > 0 else None, served_budget_ms=served,
-                            prompt_tokens=self.prompt_tokens, batch_factor_of=batch_factor_of)
+        latency_token = prefix.latency_token if choice.insertion_position > 0 else None
+        return self.engine.scheduler.stage2_inputs(self.plan, self.lang, self.tiling, budget_ms, prefix.image_feature,
+                                                   latency_token, self.prompt_tokens, batch_factor_of)
 
     def stage2(self, choice: Stage1Choice, prefix: PrefixState) -> tuple[int, int]:
         p, plan = choice.insertion_position, self.plan

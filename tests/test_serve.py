@@ -949,7 +949,7 @@ def test_the_guard_runs_a_smaller_configuration_when_the_chosen_one_cannot_fit(e
     tight = serve_once(engine, 60.0)  # reads under 60 ms: 2/2/3 cannot fit, 2/1/3 (5 ms) does
     assert (tight["max_crops"], tight["top_k"], tight["num_active_blocks"]) == (2, 1, 3)
     assert tight["guarded_from"] == "2/2/3" and tight["decided_by"] == "controller"
-    engine.guard = False
+    engine.scheduler.guard = False
     assert serve_once(engine, 60.0)["top_k"] == 2
     engine.stop()
 
@@ -1057,7 +1057,7 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
     assert engine._expired(job(300.0, 0.15, when_unreachable="run")) is None
     engine.default_budget_ms = 300.0
     assert engine._expired(job(None, 0.15)) is None  # the default budget: only the queue deadline drops it
-    engine.refuse_unreachable = False
+    engine.scheduler.refuse_unreachable = False
     assert engine._expired(job(300.0, 0.15)) is None
     engine.stop()
     rows = [json.loads(line) for line in engine.log.path.read_text().splitlines()]
