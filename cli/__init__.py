@@ -12,7 +12,7 @@ from importlib import import_module
 from cli.common import app
 
 #: the command modules, in the order ``ctrl --help`` lists their commands (importing one registers them)
-COMMAND_MODULES = ("dataset", "features", "train", "evaluate", "serve", "profile", "testbed")
+COMMAND_MODULES = ("dataset", "features", "train", "evaluate", "serve", "simulate", "profile", "testbed")
 for _module in COMMAND_MODULES:
     import_module(f"cli.{_module}")
 

@@ -70,7 +70,7 @@ GROUPS_COLUMNS = {
 #: view name -> file (glob) inside workspace/runs/<run_id>/
 RUN_VIEWS = {"runs": "run.parquet", "metrics": "metrics.parquet", "evaluations": "evaluation.parquet",
              "evaluation_groups": "evaluation_groups.parquet", "online_steps": "online_steps.parquet",
-             "rollouts": "rollouts/step-*.parquet"}
+             "rollouts": "rollouts/step-*.parquet", "simulations": "simulations/*.parquet"}
 
 
 def duckdb_glob(root: Path, pattern: str = "") -> str:

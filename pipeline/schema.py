@@ -470,8 +470,52 @@ ONLINE_STEPS = TableSchema(
     ),
 )
 
+SIMULATIONS = TableSchema(
+    name="simulations",
+    description="One row per (simulation, decider, arrival rate, budget mix) of `ctrl simulate`: the server's "
+                "own admission, queue, planner and controller on a virtual clock, each request's model time and "
+                "score the profile's for its sample at the configuration chosen "
+                "(runs/<run_id>/simulations/<simulation_id>.parquet; docs/simulate.md).",
+    primary_key=("simulation_id", "decider", "rate_rps", "budget_ms"),
+    columns=(
+        Column("simulation_id", _S, "one `ctrl simulate` call (UTC time and a random suffix)", **_KEY),
+        _RUN_ID,
+        Column("decider", _S, "controller, or static:C/K/B (crops/top-K/blocks fixed per request; cheapest and "
+                              "front expand to these)", **_KEY),
+        Column("arrivals", _S, "poisson, or trace:<file name> (its mean rate rescaled to rate_rps)"),
+        Column("rate_rps", _F, "mean arrival rate, all replicas together", "1/s", nullable=False),
+        Column("load", _F, "rate_rps over one replica's capacity_rps"),
+        Column("budget_ms", _S, "the budget (ms), or the mix of budgets with their shares (150:0.6,300:0.4)",
+               nullable=False),
+        Column("replicas", _L, "servers behind the balancer (with a target: the fewest found to meet it)"),
+        Column("balancer", _S, "round-robin | least-loaded | power-of-two"),
+        Column("seed", _L, "seeds the arrivals, the samples drawn and the budgets of a mix"),
+        Column("sample_split", _S, "the unseen samples drawn from: dataset:<name>, val or test"),
+        Column("samples", _L, "unseen samples recorded at every configuration, drawn with replacement"),
+        Column("latency_scale", _F, "the machine's model time over the profile's"),
+        Column("overheads", _S, "where the fixed per-request costs came from: profile (none), or the request log"),
+        Column("capacity_rps", _F, "one replica's capacity: 1 / the mean worker time at the full configuration",
+               "1/s"),
+        Column("target", _F, "--target: the within-budget share the fewest replicas were sought for (null: none)"),
+        Column("meets_target", _B, "whether this row's replicas meet the target (null without one)"),
+        Column("requests", _L, "requests simulated in the cell"),
+        Column("within_budget", _F, "share answered within budget on the client's clock (503, 504: missed)"),
+        Column("within_budget_low", _F, "95 % Wilson interval of within_budget, lower end"),
+        Column("within_budget_high", _F, "95 % Wilson interval of within_budget, upper end"),
+        Column("accuracy", _F, "mean score of the answered requests"),
+        Column("right_within_budget", _F, "mean over all requests of the score where answered within budget, else 0"),
+        Column("goodput_rps", _F, "right answers within budget per second of arrivals", "1/s"),
+        Column("latency_p50_ms", _F, "median client latency of the answered requests", "ms"),
+        Column("latency_p95_ms", _F, "95th percentile client latency of the answered requests", "ms"),
+        Column("latency_p99_ms", _F, "99th percentile client latency of the answered requests", "ms"),
+        Column("rejected_503", _F, "share refused on arrival: queue full, or budget unreachable behind the queue"),
+        Column("dropped_504", _F, "share dropped from the queue (budget left behind, or past the queue deadline)"),
+        Column("cheapest_share", _F, "share the server's cheapest rule decided (the controller not asked)"),
+    ),
+)
+
 RUN_TABLES: dict[str, TableSchema] = {t.name: t for t in (RUNS, METRICS, EVALUATIONS, EVALUATION_GROUPS, ONLINE_STEPS,
-                                                           ROLLOUTS)}
+                                                           ROLLOUTS, SIMULATIONS)}
 
 # -- the request log, written by `ctrl serve` under workspace/requests/ (one JSON line per request)
 _D = pa.float64()

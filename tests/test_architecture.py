@@ -28,7 +28,9 @@ ALLOWED = {
     "controller": {"pipeline", "trainer"},
     "online": {"pipeline", "runtime", "trainer", "controller"},
     "serve": {"pipeline", "runtime", "trainer", "controller"},
-    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "controller", "online", "serve"},
+    "simulate": {"pipeline", "trainer", "controller", "serve"},
+    "cli": {"pipeline", "runtime", "testbed", "features", "profiler", "trainer", "controller", "online", "serve",
+            "simulate"},
 }
 #: where a function may import a project module (the CLI defers its stages for ``ctrl --help``)
 LOCAL_IMPORTS_ALLOWED = {"cli"}
