@@ -1,0 +1,329 @@
+"""``ctrl simulate``: the server's scheduler on a virtual clock over a profile's unseen samples."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from conftest import build_offline_workspace
+from pipeline.catalog import run_query
+from pipeline.errors import CtrlError
+from pipeline.schema import SIMULATIONS
+from pipeline.workspace import Workspace
+from simulate.calibration import Overheads, calibrate
+from simulate.config import SimulateConfig, SimulateOptionError, parse_budget_mix
+from simulate.profile import pareto_front
+from simulate.run import fewest_replicas, load_inputs, make_workload, summarize, trace_times
+from simulate.simulation import ServerOptions, Simulation, Workload, cheapest_config
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def sim_ws(tmp_path_factory, embedded_runtime):
+    """A synthetic workspace with a one-epoch offline run (no cross-fitting: its test split is unseen)."""
+    _, ws = build_offline_workspace(tmp_path_factory.mktemp("simulate"), embedded_runtime, 80)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def inputs(sim_ws):
+    """The run's profile and controller, no fixed costs, the machine as fast as the profile."""
+    _, _, profile, decider, _ = load_inputs(SimulateConfig(workspace=sim_ws.root, run="offline-run", rate="1",
+                                                           budget_ms="1000"))
+    return profile, decider
+
+
+def _config(ws, **kw):
+    base = {"workspace": ws.root, "run": "offline-run", "budget_ms": "1000", "rate": "1"}
+    return SimulateConfig(**{**base, **kw})
+
+
+# -- options and inputs refused with one line
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"budget_ms": "150:0.6,300:0.3"}, "the shares sum to 0.9, not 1"),
+    ({"budget_ms": "150,300"}, "has no share"),
+    ({"budget_ms": ""}, "--budget-ms is required"),
+    ({"rate": "0"}, "--rate: '0' must be a number > 0"),
+    ({"rate": "fast"}, "--rate: 'fast' is not a number"),
+    ({"rate": None}, "give --rate"),
+    ({"load": "0.5"}, "not both"),
+    ({"replicas": 20, "requests": 10}, "--replicas 20 is more than the 10 requests"),
+    ({"deciders": "static:4/8"}, "is not controller, cheapest, front or static:C/K/B"),
+    ({"deciders": "best"}, "'best' is not controller"),
+    ({"requests": 10, "duration": 5.0}, "--requests or --duration"),
+])
+def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, options, message):
+    with pytest.raises(SimulateOptionError, match=message.replace("(", r"\(").replace("+", r"\+")) as caught:
+        _config(Workspace(tmp_path), **options)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_budget_mix_is_budgets_with_shares():
+    assert parse_budget_mix("150") == ((150.0, 1.0),)
+    assert parse_budget_mix("150:0.6, 300:0.4") == ((150.0, 0.6), (300.0, 0.4))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("0.5\n0.2\n", r":2: 0.2 s comes before the line above"),
+    ("-1\n2\n", r":1: '-1' is a negative time"),
+    ("# nothing\n\n", "needs at least two distinct times, got 0"),
+])
+def test_a_bad_trace_is_refused_naming_its_line(tmp_path, text, message):
+    path = tmp_path / "trace.txt"
+    path.write_text(text)
+    with pytest.raises(CtrlError, match=message):
+        trace_times(path)
+
+
+def test_a_run_without_unseen_samples_is_refused(sim_ws, tmp_path):
+    config_path = sim_ws.runs_dir / "offline-run" / "config.json"
+    saved = config_path.read_text()
+    try:  # a held-out dataset no sample belongs to
+        config = json.loads(saved)
+        config["holdout_dataset"] = "nowhere"
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(CtrlError, match="nowhere"):
+            load_inputs(_config(sim_ws))
+    finally:
+        config_path.write_text(saved)
+
+
+def test_a_static_configuration_the_profile_lacks_is_refused(sim_ws, inputs):
+    profile, decider = inputs
+    sim = Simulation(profile, decider, Overheads())
+    workload = Workload(np.array([0.0]), np.array([0]), np.array([1000.0]))
+    with pytest.raises(CtrlError, match="the profile has no configuration 99/1/1"):
+        sim.run(workload, (99, 1, 1))
+
+
+# -- the unseen samples and the front
+
+
+def test_requests_draw_only_the_runs_test_split(sim_ws, inputs):
+    from trainer.data import load_offline_data, split_of
+
+    profile, _ = inputs
+    data = load_offline_data(sim_ws)
+    complete = [i for i, s in enumerate(data.split) if s == "test" and bool(data.mask[i].all())]
+    assert profile.split == "test" and len(profile) == len(complete) > 0
+    assert all(split_of(data.dataset[i], data.sample_key[i]) == "test" for i in complete)
+    np.testing.assert_allclose(profile.latency_ms, data.latency_ms.numpy()[complete])
+
+
+def test_the_front_keeps_what_nothing_beats_on_both():
+    accuracy = {(1, 1, 1): 0.5, (2, 1, 1): 0.6, (3, 1, 1): 0.55, (4, 1, 1): 0.7}
+    latency = {(1, 1, 1): 10.0, (2, 1, 1): 20.0, (3, 1, 1): 30.0, (4, 1, 1): 40.0}
+    assert pareto_front(accuracy, latency) == ((1, 1, 1), (2, 1, 1), (4, 1, 1))
+
+
+# -- the server's behaviour on the virtual clock
+
+
+def _static(profile):
+    """A configuration whose latencies differ across the first samples."""
+    return max(profile.configs)
+
+
+def test_an_idle_server_answers_each_request_in_its_profiled_time_with_its_score(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    column = profile.configs.index(static)
+    samples = np.arange(min(5, len(profile)))
+    arrivals = np.arange(len(samples)) * 100.0  # 100 s apart: nobody waits
+    sim = Simulation(profile, decider, Overheads(latency_scale=1.5))
+    served = sim.run(Workload(arrivals, samples, np.full(len(samples), 1e6)), static)
+    assert [r.status for r in served] == ["ok"] * len(samples)
+    for r, i in zip(served, samples, strict=True):
+        assert r.config == static
+        assert r.latency_ms == pytest.approx(profile.latency_ms[i, column] * 1.5)
+        assert r.score == profile.score[i, column]
+
+
+def test_requests_arriving_together_wait_for_each_other_in_deadline_order(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    column = profile.configs.index(static)
+    over = Overheads(parse_ms=2.0, reply_ms=3.0)
+    # three at once; the third has the earliest deadline, so it runs second
+    workload = Workload(np.zeros(3), np.array([0, 1, 2]), np.array([1e6, 3e6, 2e6]))
+    served = Simulation(profile, decider, over).run(workload, static)
+    t0, t1, t2 = (profile.latency_ms[i, column] for i in (0, 1, 2))
+    assert [r.status for r in served] == ["ok"] * 3
+    assert served[0].latency_ms == pytest.approx(2.0 + t0 + 3.0)
+    assert served[2].latency_ms == pytest.approx(2.0 + t0 + t2 + 3.0)
+    assert served[1].latency_ms == pytest.approx(2.0 + t0 + t2 + t1 + 3.0)
+
+
+def test_a_full_queue_answers_503_and_a_second_replica_takes_the_request(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    workload = Workload(np.zeros(3), np.array([0, 1, 2]), np.full(3, 1e6))
+    one = Simulation(profile, decider, Overheads(), options=ServerOptions(max_queue=0)).run(workload, static)
+    assert [r.status for r in one] == ["ok", "full", "full"]
+    two = Simulation(profile, decider, Overheads(), replicas=2, balancer="round-robin",
+                     options=ServerOptions(max_queue=0)).run(workload, static)
+    assert [r.status for r in two] == ["ok", "ok", "full"]
+    assert [r.replica for r in two] == [0, 1, 0]
+    column = profile.configs.index(static)
+    assert two[1].latency_ms == pytest.approx(profile.latency_ms[1, column])  # it did not wait
+
+
+def test_least_loaded_sends_a_request_to_the_idle_replica(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    workload = Workload(np.array([0.0, 0.0, 0.0]), np.array([0, 1, 2]), np.full(3, 1e6))
+    served = Simulation(profile, decider, Overheads(), replicas=3).run(workload, static)
+    assert sorted(r.replica for r in served) == [0, 1, 2]
+
+
+def test_a_request_that_has_waited_past_the_queue_deadline_is_dropped(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    column = profile.configs.index(static)
+    first = profile.latency_ms[0, column]
+    # the second's budget is a quarter of the first's time: by its turn it has spent 4x and more
+    budget = first / 4.5
+    workload = Workload(np.zeros(2), np.array([0, 1]), np.array([1e6, budget]))
+    served = Simulation(profile, decider, Overheads(), options=ServerOptions(queue_deadline=4.0)).run(workload, static)
+    assert [r.status for r in served][0] == "ok"
+    assert served[1].status in ("dropped", "refused")  # refused on arrival, or dropped when its turn comes
+    assert not served[1].met and served[1].score == 0.0
+
+
+def test_a_budget_below_every_configuration_takes_the_cheapest_one(inputs):
+    profile, decider = inputs
+    low = min(decider.reference_latency_ms.values()) / 10
+    n = min(6, len(profile))
+    workload = Workload(np.arange(n) * 100.0, np.arange(n), np.full(n, low))
+    served = Simulation(profile, decider, Overheads()).run(workload)
+    assert {r.decided_by for r in served} == {"cheapest"}
+    assert {r.config for r in served} == {cheapest_config(decider)}
+
+
+def test_the_controller_at_a_generous_budget_on_an_idle_server_meets_every_budget(inputs):
+    profile, decider = inputs
+    n = min(8, len(profile))
+    budget = 50 * max(decider.reference_latency_ms.values())
+    workload = Workload(np.arange(n) * 100.0, np.arange(n), np.full(n, budget))
+    served = Simulation(profile, decider, Overheads()).run(workload)
+    assert all(r.met for r in served)
+    assert all(r.decided_by in ("controller", "table") for r in served)
+
+
+def test_every_decider_serves_the_same_requests_and_runs_repeat_exactly(sim_ws, inputs):
+    profile, decider = inputs
+    config = _config(sim_ws, rate="20", requests=60, budget_ms="150:0.5,600:0.5", seed=3)
+    workload = make_workload(config, 20.0, profile, 3)
+    again = make_workload(config, 20.0, profile, 3)
+    np.testing.assert_array_equal(workload.arrivals, again.arrivals)
+    np.testing.assert_array_equal(workload.samples, again.samples)
+    assert set(np.unique(workload.budgets_ms)) == {150.0, 600.0}
+    sim = Simulation(profile, decider, Overheads())
+    first, second = sim.run(workload), sim.run(workload)
+    assert [(r.status, r.config, r.latency_ms) for r in first] == [(r.status, r.config, r.latency_ms) for r in second]
+
+
+def test_the_figures_count_a_late_or_refused_request_as_missed():
+    from simulate.simulation import SimRequest
+
+    def req(status, latency, budget, score):
+        r = SimRequest(0, 0, 0.0, budget, status=status, latency_ms=latency, score=score)
+        return r
+
+    requests = [req("ok", 90.0, 100.0, 1.0), req("ok", 120.0, 100.0, 1.0), req("full", math.nan, 100.0, 0.0),
+                req("dropped", math.nan, 100.0, 0.0)]
+    figures = summarize(requests, Workload(np.array([0.0, 1.0, 2.0, 4.0]), np.zeros(4, int), np.full(4, 100.0)))
+    assert figures["within_budget"] == 0.25
+    assert figures["accuracy"] == 1.0  # of the two answered
+    assert figures["right_within_budget"] == 0.25
+    assert figures["goodput_rps"] == 0.25  # one right answer in 4 s
+    assert figures["rejected_503"] == 0.25 and figures["dropped_504"] == 0.25
+
+
+def test_the_fewest_replicas_search_finds_the_smallest_that_meets_the_target():
+    from simulate.run import CellResult, Decider
+
+    calls = []
+
+    def simulated(n):
+        calls.append(n)
+        return CellResult(Decider("x", None), 1.0, 1.0, "100", n, {"within_budget": min(1.0, n / 10)}, [])
+
+    assert fewest_replicas(simulated, 0.7, 64).replicas == 7
+    assert fewest_replicas(simulated, 0.7, 5).meets_target is False
+    assert max(calls) <= 16
+
+
+# -- calibration from a served request log
+
+
+def test_calibration_reads_the_medians_of_a_request_log(tmp_path):
+    rows = []
+    for i, (crops, model) in enumerate([(2, 100.0), (2, 120.0), (6, 300.0)]):
+        rows.append({"status": "ok", "model_fingerprint": "abc", "max_crops": crops, "top_k": 8,
+                     "num_active_blocks": 16, "reply_reserve_ms": 4.0 + i, "latency_parse_ms": 1.0 + i,
+                     "latency_queue_ms": 0.0, "latency_stage1_ms": 2.0, "latency_preprocess_ms": 5.0 * crops,
+                     "latency_stage2_ms": 0.5, "latency_model_ms": model,
+                     "latency_total_ms": 1.0 + i + 2.0 + 5.0 * crops + model + 0.5 + 1.5})
+    rows.append({**rows[0], "status": "error"})
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reference = {(2, 8, 16): 50.0, (6, 8, 16): 100.0}
+    over = calibrate(log, reference, "abc")
+    assert over.requests == 3
+    assert over.parse_ms == 2.0 and over.stage1_ms == 2.0 and over.stage2_ms == 0.5 and over.reply_ms == 5.0
+    assert over.preprocess_ms == {2: 10.0, 6: 30.0}
+    assert over.rest_ms == pytest.approx(1.5)
+    assert over.latency_scale == 2.4  # ratios 2.0, 2.4, 3.0
+    with pytest.raises(CtrlError, match="no answered request of model other"):
+        calibrate(log, reference, "other")
+
+
+# -- the command
+
+
+def test_ctrl_simulate_prints_the_answer_and_writes_the_simulations_view(sim_ws, tmp_path):
+    plot = tmp_path / "attainment.png"
+    result = runner.invoke(app, ["simulate", "-w", str(sim_ws.root), "--run", "offline-run", "--load", "0.5,0.9",
+                                 "--budget-ms", "400", "--requests", "80", "--deciders", "controller,cheapest,front",
+                                 "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "the controller:" in lines[0] and "within budget" in lines[0]
+    assert lines[1].startswith("The best static, ") and lines[2].startswith("Controller minus best static")
+    assert plot.stat().st_size > 1000
+    files = sorted((sim_ws.runs_dir / "offline-run" / "simulations").glob("*.parquet"))
+    assert files and pq.read_schema(files[-1]).names == SIMULATIONS.column_names
+    rows = run_query(sim_ws, "SELECT decider, load, requests, within_budget, rejected_503 + dropped_504 AS lost "
+                             "FROM simulations ORDER BY load, decider").to_pylist()
+    assert sorted({round(r["load"], 6) for r in rows}) == [0.5, 0.9]
+    assert {r["decider"] for r in rows} >= {"controller"}
+    assert all(r["requests"] == 80 and 0 <= r["within_budget"] <= 1 - r["lost"] + 1e-9 for r in rows)
+
+
+def test_ctrl_simulate_with_a_target_reports_replicas(sim_ws):
+    result = runner.invoke(app, ["simulate", "-w", str(sim_ws.root), "--run", "offline-run", "--load", "3",
+                                 "--budget-ms", "400", "--requests", "60", "--deciders", "controller,cheapest",
+                                 "--target", "0.9", "--max-replicas", "8"])
+    assert result.exit_code == 0, result.output
+    assert "Replicas to meet 90.0 %" in result.output or "Controller minus best static" in result.output
+    rows = run_query(sim_ws, "SELECT replicas, meets_target, target FROM simulations WHERE target IS NOT NULL"
+                     ).to_pylist()
+    assert rows and all(r["target"] == 0.9 and 1 <= r["replicas"] <= 8 for r in rows)
+    assert all(r["meets_target"] or r["replicas"] == 8 for r in rows)
+
+
+def test_ctrl_simulate_refuses_an_unknown_run_in_one_line(sim_ws):
+    result = runner.invoke(app, ["simulate", "-w", str(sim_ws.root), "--run", "nope", "--rate", "1",
+                                 "--budget-ms", "100"])
+    assert result.exit_code == 1
+    assert "run 'nope' not found" in result.output
