@@ -105,8 +105,9 @@ def _median(values: pl.Series | list[float]) -> float:
 
 def calibrate(source: Path, reference_ms: Mapping[Config, float], model_fingerprint: str | None = None
               ) -> Overheads:
-    """The :class:`Overheads` of a served request log; the latency scale from the requests whose
-    configuration has a reference latency (1 where none has)."""
+    """The :class:`Overheads` of a served request log; the latency scale is the median of the requests' model
+    time over ``reference_ms`` of their configuration (the simulated samples' median latency there; 1 where no
+    request ran a configuration with one)."""
     log = read_log(source, model_fingerprint)
     parts = {c: log[c].to_list() for c in LOG_COLUMNS if c.startswith("latency_")}
     rest = [t - (q or 0) - (p or 0) - (s1 or 0) - (pp or 0) - (m or 0) - (s2 or 0)

@@ -72,6 +72,10 @@ class SimulateConfig:
         "dataset, else its test split.")
     workspace: Path | None = option(None, help="Workspace: the run, the profile and where the results go.",
                                     **WORKSPACE_CLI)
+    samples: str | None = option(None, help=
+        "Draw the requests from this dataset of the workspace's profile instead of the run's unseen split: a "
+        "request set profiled after the run was trained, which it never learned from (you vouch for that; "
+        "benchmarks/bench_simulate.py profiles its own).")
     rate: str | None = option(None, help=
         "Arrival rate in requests per second, Poisson; a list (5,10,20) simulates each. One of --rate, --load.",
         metavar="R[,R...]")

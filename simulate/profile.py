@@ -30,6 +30,7 @@ class SimProfile:
 
     run_id: str
     split: str  # what the samples are: "dataset:<name>", "val" or "test"
+    example_id: tuple[str | None, ...]  # per sample, its id in its dataset
     configs: tuple[Config, ...]
     latency_ms: np.ndarray  # (N, A) the recorded model latency of each sample at each configuration
     score: np.ndarray  # (N, A) the recorded score
@@ -44,6 +45,12 @@ class SimProfile:
 
     def __len__(self) -> int:
         return int(self.latency_ms.shape[0])
+
+    def median_latency_ms(self) -> dict[Config, float]:
+        """Per configuration, the median recorded latency of these samples: what a served request log's
+        model times are compared with to read the machine's latency scale."""
+        medians = np.median(self.latency_ms, axis=0)
+        return {c: float(m) for c, m in zip(self.configs, medians, strict=True)}
 
     def column(self, config: Config) -> int:
         """The column of ``config``; a one-line error where the profile lacks it."""
@@ -68,8 +75,18 @@ def pareto_front(accuracy: dict[Config, float], latency_ms: dict[Config, float])
     return tuple(sorted(front, key=lambda c: (latency_ms[c], c)))
 
 
-def unseen_rows(data: OfflineData, config: OfflineTrainConfig) -> tuple[list[int], str, list[int]]:
-    """(the unseen samples' rows, what they are, the rows the run learned from)."""
+def unseen_rows(data: OfflineData, config: OfflineTrainConfig, samples: str | None = None
+                ) -> tuple[list[int], str, list[int]]:
+    """(the unseen samples' rows, what they are, the rows the run learned from). ``samples``: a dataset
+    named by the caller as one the run never learned from (a request set profiled after training)."""
+    if samples is not None:
+        if samples not in set(data.dataset):
+            known = ", ".join(sorted(set(data.dataset)))
+            msg = f"--samples {samples!r}: no such dataset in the workspace's profile (it has: {known})"
+            raise CtrlError(msg)
+        unseen = [i for i, d in enumerate(data.dataset) if d == samples]
+        learned = [i for i, d in enumerate(data.dataset) if d != samples and data.split[i] == "train"]
+        return unseen, f"dataset:{samples} (given)", learned
     if config.holdout_dataset:
         unseen = [i for i, d in enumerate(data.dataset) if d == config.holdout_dataset]
         learned = [i for i, d in enumerate(data.dataset) if d != config.holdout_dataset
@@ -81,15 +98,16 @@ def unseen_rows(data: OfflineData, config: OfflineTrainConfig) -> tuple[list[int
     return unseen, split, learned
 
 
-def load_profile(workspace: Workspace, run: RunDir, data: OfflineData | None = None) -> SimProfile:
-    """The :class:`SimProfile` of an offline ``run``; a one-line error where it has no unseen sample
-    recorded at every configuration."""
+def load_profile(workspace: Workspace, run: RunDir, data: OfflineData | None = None,
+                 samples: str | None = None) -> SimProfile:
+    """The :class:`SimProfile` of an offline ``run`` (``samples``: :func:`unseen_rows`); a one-line error
+    where it has no unseen sample recorded at every configuration."""
     config = OfflineTrainConfig.from_json(run.read_config())
     if data is None:
         data = load_offline_data(workspace, config.model_fingerprint)
     if config.holdout_dataset:
         hold_out_dataset(data, config.holdout_dataset)  # the dataset must exist (its own error otherwise)
-    unseen, split, learned = unseen_rows(data, config)
+    unseen, split, learned = unseen_rows(data, config, samples)
     if not unseen:
         msg = (f"run {run.run_id}: no unseen samples to draw requests from (its {split} split is empty)\n"
                "Hint: ingest more samples, or simulate a run trained with --holdout-dataset.")
@@ -115,7 +133,8 @@ def load_profile(workspace: Workspace, run: RunDir, data: OfflineData | None = N
         (len(complete), len(data.action_space.max_crops_values)), float("nan"))
     prompt = (data.prompt_tokens[idx].numpy() if data.prompt_tokens is not None
               else np.full(len(complete), np.nan, dtype=np.float32))
-    return SimProfile(run.run_id, split, configs, latency[complete].astype(np.float64),
+    return SimProfile(run.run_id, split, tuple(data.example_id[i] for i in complete), configs,
+                      latency[complete].astype(np.float64),
                       score[complete].astype(np.float64), data.lang_features[idx], tiling.float(),
                       data.image_features[idx], data.image_present[idx].numpy(), prompt.astype(np.float64),
                       pareto_front(accuracy, median), accuracy, median)

@@ -187,7 +187,7 @@ def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, 
                "which a simulation without the model has not got\nHint: simulate the offline run it started from.")
         raise CtrlError(msg)
     fingerprint = OfflineTrainConfig.from_json(run.read_config()).model_fingerprint
-    profile = load_profile(workspace, run)
+    profile = load_profile(workspace, run, samples=config.samples)
     decider = load_decider(find_controller(workspace, str(run.path)), fingerprint)
     if not isinstance(decider, OfflineDecider):
         msg = f"run {run.run_id}: its controller is not an offline one"
@@ -196,7 +196,8 @@ def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, 
         msg = (f"run {run.run_id}: its controller records no reference latency per configuration (trained without "
                "a table fallback), so the server's budget planner has nothing to plan with")
         raise CtrlError(msg)
-    overheads = (calibrate(config.calibrate_from, decider.reference_latency_ms, fingerprint)
+    # the scale multiplies these samples' recorded latencies: it is read against their medians
+    overheads = (calibrate(config.calibrate_from, profile.median_latency_ms(), fingerprint)
                  if config.calibrate_from is not None else Overheads())
     if config.latency_scale is not None:
         overheads = replace(overheads, latency_scale=float(config.latency_scale))

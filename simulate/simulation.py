@@ -56,6 +56,7 @@ class SimRequest:
     config: Config | None = None
     decided_by: str | None = None
     latency_ms: float = math.nan  # the client's: arrival to the reply's last byte
+    model_ms: float = math.nan  # its model time (the profile's times the latency scale)
     score: float = 0.0
     plan: BudgetPlan | None = field(default=None, repr=False)
     #: from the decision to the answer: (decider, stage-1 choice, model ms, ms spent before it, worker ms)
@@ -136,6 +137,8 @@ class Simulation:
         self.seed, self.warm = seed, warm
         configs = profile.configs
         self._fixed_limits = (max(c[1] for c in configs), max(c[2] for c in configs))
+        memoize_per_question(decider.deployed)
+        self._median_ms = profile.median_latency_ms()
 
     def run(self, workload: Workload, static: Config | None = None) -> list[SimRequest]:
         """Every request of ``workload`` simulated, in arrival order."""
@@ -246,7 +249,7 @@ class Simulation:
         column = profile.column(config)
         model_ms = float(lat[i, column]) * over.latency_scale
         worker_ms = over.worker_ms(config[0], model_ms)
-        job.config, job.decided_by, job.plan = config, choice.decided_by, plan
+        job.config, job.decided_by, job.plan, job.model_ms = config, choice.decided_by, plan, model_ms
         job.score = float(score[i, column])
         job.served = (decider, choice, model_ms, spent_ms, worker_ms)
         return worker_ms
@@ -267,15 +270,15 @@ class Simulation:
 
     def _warm_up(self, replica: _Replica) -> None:
         """The server's warm-up, as its latency scale and margins see it: per crops choice its fastest and
-        slowest configuration by reference latency, twice, each at its reference times the machine's scale
-        (:func:`serve.warmup.warm_up`)."""
+        slowest configuration by reference latency, twice, each taking the samples' median latency there
+        times the machine's scale (:func:`serve.warmup.warm_up`)."""
         decider = replica.scheduler.decider
-        reference = decider.reference_latency_ms
-        configs = warmup_configs(reference, decider.max_crops_values)
+        configs = warmup_configs(decider.reference_latency_ms, decider.max_crops_values)
         for _ in range(2):
             for config in configs:
-                decider.cost.observe(None, config, model_ms=reference[config] * self.overheads.latency_scale,
-                                     measured_ms=reference[config] * self.overheads.latency_scale)
+                base = self._median_ms.get(config, decider.reference_latency_ms[config])
+                model_ms = base * self.overheads.latency_scale
+                decider.cost.observe(None, config, model_ms=model_ms, measured_ms=model_ms)
         replica.scheduler.planner.seed_margin(decider.cost.scale.ratios())
 
     def _balance(self, replicas: Sequence[_Replica], turn: int, rng: np.random.Generator) -> _Replica:
@@ -287,6 +290,41 @@ class Simulation:
             a, b = rng.choice(len(replicas), size=2, replace=False)
             return replicas[a] if replicas[a].taken <= replicas[b].taken else replicas[b]
         return min(replicas, key=lambda r: (r.taken, r.index))
+
+
+def memoize_per_question(deployed: torch.nn.Module) -> None:
+    """Remember, per question, what the deployed controller computes from the question alone: its
+    question group and its cost model's prediction at every configuration (they do not depend on the
+    budget, which is all that changes between two requests of one sample). Keyed by the storage of the
+    feature rows; each entry holds its rows, so that their memory is never reused for another question's
+    while the entry lives. The controller's own methods compute every first call."""
+    if getattr(deployed, "_ctrl_memoized", False):
+        return
+    group, expected = deployed.question_group, getattr(deployed, "expected_latency", None)
+    groups: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    latencies: dict[tuple, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+
+    def key(*tensors: torch.Tensor | None) -> tuple:
+        return tuple((t.data_ptr(), tuple(t.shape), t.dtype) if t is not None else None for t in tensors)
+
+    def question_group(lang: torch.Tensor) -> torch.Tensor:
+        k = key(lang)
+        if k not in groups:
+            groups[k] = (lang, group(lang))
+        return groups[k][1]
+
+    def expected_latency(lang: torch.Tensor, tiling_crops: torch.Tensor | None = None,
+                         prompt_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        # the prompt's length is a fresh one-element tensor per call: its bytes are the key (NaN included)
+        k = (*key(lang, tiling_crops), None if prompt_tokens is None else prompt_tokens.numpy().tobytes())
+        if k not in latencies:
+            latencies[k] = ((lang, tiling_crops), expected(lang, tiling_crops, prompt_tokens))
+        return latencies[k][1]
+
+    object.__setattr__(deployed, "question_group", question_group)
+    if expected is not None:
+        object.__setattr__(deployed, "expected_latency", expected_latency)
+    object.__setattr__(deployed, "_ctrl_memoized", True)
 
 
 def warmup_configs(reference: dict[Config, float], max_crops_values: Sequence[int]) -> list[Config]:

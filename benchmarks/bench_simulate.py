@@ -1,0 +1,425 @@
+"""``ctrl simulate`` against ``ctrl serve``: the same requests, arrival times and budgets, predicted by the
+simulation and then measured on the served testbed, in one run.
+
+Usage::
+
+    python benchmarks/bench_simulate.py                       # prepare, calibrate, predict, measure, report
+    python benchmarks/bench_simulate.py --phase report        # the tables from the saved runs
+    python benchmarks/bench_simulate.py --loads 0.7 --multiples 2 --requests 60 --statics 1   # a smoke run
+
+What it runs (prepared once under benchmarks/.cache, each step skipped when done):
+
+* **The request pool**: the first ``--pool`` samples of ``bench_serve.py``'s fresh testbed set (seed 4242,
+  never seen by the testbed model, the shipped profile or the controller), renamed ``testbed_bench``.
+* **Its profile on this machine**: ``ctrl profile --model testbed --configs balanced`` (every configuration,
+  one greedy generation each, hook-timed), ingested beside the shipped profile into a workspace of its own
+  with features extracted, and ``bench_serve.py``'s offline run (``bench-serve``) copied into it. The
+  simulation draws its requests from this dataset (``--samples testbed_bench``): every request's model time
+  and score at every configuration is known.
+* **Calibration**: a fresh ``ctrl serve`` (the controller deciding at its default budget) answers
+  ``--calibration-requests`` pool requests one at a time. Their mean client latency is the service time
+  (capacity = its inverse; budgets are ``--multiples`` of it) and their request log is what the simulation
+  calibrates its fixed costs and latency scale from (``--calibrate-from``): nothing of the measured cells.
+
+Then per cell (``--loads`` x ``--multiples``): the requests (pool samples drawn with replacement, Poisson
+arrivals at load x capacity, seeded per load) are simulated for the controller and ``--statics``
+configurations of the front (fixed knobs, the cell's budget sent with them), with the server's defaults;
+then each is sent open loop to a fresh ``ctrl serve --threads 1``. Reported per cell and decider, predicted
+against measured: the share within budget (client clock, 503/504 missed), the accuracy of the answered,
+the p95 client latency of the answered, and whether the deciders rank the same by right answers within
+budget where the measured paired interval separates them. Every run is appended to ``--out`` as it
+finishes; a re-run skips what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CACHE = ROOT / "benchmarks" / ".cache"
+
+from simulate.config import SimulateConfig  # noqa: E402
+from simulate.run import load_inputs, make_workload, summarize  # noqa: E402
+from simulate.simulation import ServerOptions, SimRequest, Simulation, Workload  # noqa: E402
+
+POOL_NAME, RUN_ID, BENCH_SEED, BENCH_SAMPLES = "testbed_bench", "bench-serve", 4242, 1300
+
+
+def _module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bb = _module("bench_budgets")
+bs = bb.bs
+
+
+def ctrl(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, check=True)
+
+
+def prepare(pool: int) -> tuple[Path, Path]:
+    """The pool dataset and the simulation workspace (each step skipped when done)."""
+    from testbed.dataset import read_dataset, write_dataset
+    from testbed.task import generate_dataset
+
+    serve_ws = CACHE / "serve-ws"
+    bs.prepare_workspace(serve_ws, RUN_ID)
+    source = CACHE / f"bench-testbed-seed{BENCH_SEED}-n{BENCH_SAMPLES}"
+    if not (source / "dataset.json").exists():
+        generate_dataset(source, BENCH_SAMPLES, seed=BENCH_SEED, split="bench")
+    pool_dir = CACHE / f"sim-pool-{pool}"
+    if not (pool_dir / "dataset.json").exists():
+        full = read_dataset(source)
+        (pool_dir / "images").mkdir(parents=True, exist_ok=True)
+        for s in full.samples[:pool]:
+            target = pool_dir / "images" / f"{s.image_id}.png"
+            if not target.exists():
+                shutil.copyfile(full.image_path(s), target)
+        write_dataset(pool_dir, POOL_NAME, "bench", list(full.samples[:pool]))
+    profile_dir = CACHE / f"sim-profile-{pool}"
+    ctrl("profile", "--model", "testbed", "--dataset", str(pool_dir), "--configs", "balanced", "--out",
+         str(profile_dir), "--threads", "1")
+    ws = CACHE / f"sim-ws-{pool}"
+    if not (ws / "CURRENT").exists():
+        ctrl("ingest", str(ROOT / "data" / "exp5"), str(ROOT / "data" / "exp6"), str(profile_dir), "-w", str(ws))
+    images = CACHE / f"sim-images-{pool}"
+    if not images.exists():
+        images.mkdir()
+        for folder in (ROOT / "data" / "testbed" / "images", pool_dir / "images"):
+            for f in folder.iterdir():
+                (images / f.name).symlink_to(f.resolve())
+    ctrl("extract-features", "-w", str(ws), "--model", "testbed", "--images", str(images))
+    if not (ws / "runs" / RUN_ID).exists():
+        shutil.copytree(serve_ws / "runs" / RUN_ID, ws / "runs" / RUN_ID,
+                        ignore=shutil.ignore_patterns("simulations"))
+    return pool_dir, ws
+
+
+def pool_requests(pool_dir: Path) -> dict[str, Any]:
+    """The pool's requests by example id (what the client sends and scores with)."""
+    import base64
+
+    from testbed.dataset import read_dataset
+
+    dataset = read_dataset(pool_dir)
+    out = {}
+    for i, s in enumerate(dataset.samples):
+        uri = "data:image/png;base64," + base64.b64encode(dataset.image_path(s).read_bytes()).decode()
+        out[s.example_id] = bs.BenchRequest(i, s.example_id, s.family, s.question, list(s.answers), uri)
+    return out
+
+
+def newest_log(ws: Path, before: set[Path]) -> Path:
+    found = sorted(set((ws / "requests").glob("*.jsonl")) - before)
+    if not found:
+        msg = f"no new request log under {ws / 'requests'}"
+        raise SystemExit(msg)
+    return found[-1]
+
+
+def calibration_phase(ws: Path, requests: dict[str, Any], count: int, out: Path, pause_s: float = 0.1,
+                      suffix: str = "") -> dict[str, Any]:
+    """A fresh server answers ``count`` pool requests one at a time (``pause_s`` after each answer; 0: back to
+    back), the controller deciding at its default budget: their mean client latency and their request log."""
+    saved = bs.path_with(out, f".calibration{suffix}.json")
+    if saved.exists():
+        return json.loads(saved.read_text())
+    before = set((ws / "requests").glob("*.jsonl"))
+    server = bs.Server(ws, RUN_ID, bs.path_with(out, ".server.log"), 8)
+    try:
+        rng = np.random.default_rng(7)
+        ids = list(requests)
+        chosen = [requests[ids[i]] for i in rng.integers(len(ids), size=count)]
+        outs = []
+        for r in chosen:
+            outs.append(bs.send(server.port, bs.body_of(r, None, None), time.perf_counter(), 0.0, r, POOL_NAME))
+            time.sleep(pause_s)
+    finally:
+        server.stop()
+    ok = [o.latency_ms for o in outs if o.status == 200]
+    result = {"service_ms": float(np.mean(ok)), "answered": len(ok), "log": str(newest_log(ws, before)),
+              "pause_s": pause_s}
+    bs.write_json(saved, result)
+    return result
+
+
+def statics_of(front: tuple, count: int) -> list[tuple[int, int, int]]:
+    """``count`` configurations spread along the front, its cheapest and its dearest first."""
+    if count <= 0:
+        return []
+    picks = np.unique(np.round(np.linspace(0, len(front) - 1, count)).astype(int))
+    return [tuple(front[i]) for i in picks]
+
+
+def cell_of(args: argparse.Namespace, ws: Path, calibration: dict[str, Any]) -> tuple[Any, ...]:
+    config = SimulateConfig(workspace=ws, run=RUN_ID, samples=POOL_NAME, rate="1", budget_ms="1000",
+                            requests=args.requests, calibrate_from=Path(calibration["log"]))
+    _, _, profile, decider, overheads = load_inputs(config)
+    return config, profile, decider, overheads
+
+
+def outcome_requests(outs: list[Any], workload: Workload) -> list[SimRequest]:
+    """Measured outcomes as simulated requests (for the same figures)."""
+    reqs = []
+    for i, (o, budget) in enumerate(zip(outs, workload.budgets_ms, strict=True)):
+        status = {200: "ok", 503: "refused", 504: "dropped"}.get(o.status, "error")
+        reqs.append(SimRequest(i, int(workload.samples[i]), float(workload.arrivals[i]), float(budget),
+                               status=status, latency_ms=o.latency_ms if o.status == 200 else math.nan,
+                               score=o.score, decided_by=o.decided_by))
+    return reqs
+
+
+def measure_phase(args: argparse.Namespace, ws: Path, pool_dir: Path, cells: dict[str, Any],
+                  calibration: dict[str, Any]) -> None:
+    config, profile, decider, overheads = cell_of(args, ws, calibration)
+    requests = pool_requests(pool_dir)
+    service, capacity = cells["service_ms"], 1000.0 / cells["service_ms"]
+    statics = statics_of(profile.front, args.statics)
+    done = {(r["load"], r["multiple"], r["decider"]) for r in read_records(args.out)}
+    server = None
+    try:
+        for li, load in enumerate(args.loads):
+            rate = load * capacity
+            workload = make_workload(config, rate, profile, 1000 + li)
+            for multiple in args.multiples:
+                budget = multiple * service
+                cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), budget))
+                for name, static in [("controller", None), *((f"static:{bs.config_name(c)}", c) for c in statics)]:
+                    if (load, multiple, name) in done:
+                        continue
+                    tick = time.perf_counter()
+                    predicted = Simulation(profile, decider, overheads, options=ServerOptions()).run(cell, static)
+                    predict_s = time.perf_counter() - tick
+                    if server is None:
+                        server = bs.Server(ws, RUN_ID, bs.path_with(args.out, ".server.log"), 8)
+                    else:
+                        server.restart()
+                    items = [(requests[profile.example_id[int(s)]], float(t), budget, static)
+                             for t, s in zip(cell.arrivals, cell.samples, strict=True)]
+                    outs = bb.open_loop(server.port, POOL_NAME, items)
+                    measured = outcome_requests(outs, cell)
+                    record = {"load": load, "multiple": multiple, "decider": name, "rate_rps": rate,
+                              "budget_ms": budget, "requests": len(cell), "predict_s": predict_s,
+                              "predicted": summarize(predicted, cell), "measured": summarize(measured, cell),
+                              "predicted_right": [r.score if r.met else 0.0 for r in predicted],
+                              "measured_right": [r.score if r.met else 0.0 for r in measured],
+                              "predicted_configs": [bs.config_name(r.config) if r.config else None for r in predicted],
+                              "measured_configs": [o.knobs for o in outs],
+                              "predicted_latency_ms": [r.latency_ms for r in predicted],
+                              "measured_latency_ms": [r.latency_ms for r in measured],
+                              "predicted_model_ms": [r.model_ms for r in predicted],
+                              "measured_model_ms": [o.model_ms for o in outs],
+                              "measured_server_ms": [o.server_ms for o in outs]}
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    p, m = record["predicted"], record["measured"]
+                    print(f"load {load} x{multiple} {name}: within {100 * p['within_budget']:.1f} / "
+                          f"{100 * m['within_budget']:.1f} %, accuracy {p['accuracy']:.3f} / {m['accuracy']:.3f}, "
+                          f"p95 {p['latency_p95_ms']:.0f} / {m['latency_p95_ms']:.0f} ms (predicted / measured)",
+                          flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calibration: dict[str, Any]) -> Path:
+    """The saved runs' predictions again, from another calibration's log (the cells, their requests and
+    their measurements unchanged): ``<out>-<calibration>.jsonl``."""
+    config, profile, decider, overheads = cell_of(args, ws, calibration)
+    out = args.out.with_name(f"{args.out.stem}-{args.calibrate_with}.jsonl")
+    rows = []
+    for r in read_records(args.out):
+        li = args.loads.index(r["load"])
+        workload = make_workload(config, r["rate_rps"], profile, 1000 + li)
+        cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), r["budget_ms"]))
+        static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
+        predicted = Simulation(profile, decider, overheads, options=ServerOptions()).run(cell, static)
+        measured_right = r["measured_right"]
+        r = {**r, "predicted": summarize(predicted, cell), "predicted_right": [p.score if p.met else 0.0
+                                                                               for p in predicted],
+             "predicted_configs": [bs.config_name(p.config) if p.config else None for p in predicted],
+             "predicted_latency_ms": [p.latency_ms for p in predicted],
+             "predicted_model_ms": [p.model_ms for p in predicted], "measured_right": measured_right}
+        rows.append(json.dumps(r))
+    out.write_text("\n".join(rows) + "\n")
+    return out
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(args: argparse.Namespace, cells: dict[str, Any], calibration: dict[str, Any]) -> str:
+    """Predicted against measured per cell and decider, the targets' hit rates, and the rankings."""
+    records = read_records(args.out)
+    how = "back to back" if calibration.get("pause_s", 0.1) == 0 else f"{calibration.get('pause_s', 0.1):g} s apart"
+    lines = [f"Service time {cells['service_ms']:.1f} ms (capacity {1000 / cells['service_ms']:.2f}/s); "
+             f"{len(records)} runs; predictions calibrated from {calibration['answered']} requests {how}.", "",
+             "| load | budget | decider | within budget: predicted / measured | accuracy | p95 ms |",
+             "|---|---|---|---|---|---|"]
+    hits = {"within": 0, "accuracy": 0, "p95": 0}
+    for r in records:
+        p, m = r["predicted"], r["measured"]
+        within = abs(p["within_budget"] - m["within_budget"]) <= 0.02
+        accuracy = abs(p["accuracy"] - m["accuracy"]) <= 0.015
+        p95 = abs(p["latency_p95_ms"] - m["latency_p95_ms"]) <= 0.10 * m["latency_p95_ms"]
+        hits["within"] += within
+        hits["accuracy"] += accuracy
+        hits["p95"] += p95
+        lines.append(f"| {r['load']:g} | {r['multiple']:g}x ({r['budget_ms']:.0f} ms) | {r['decider']} | "
+                     f"{100 * p['within_budget']:.1f} / {100 * m['within_budget']:.1f} %"
+                     f"{'' if within else ' (miss)'} | "
+                     f"{p['accuracy']:.3f} / {m['accuracy']:.3f} {'' if accuracy else '(miss)'} | "
+                     f"{p['latency_p95_ms']:.0f} / {m['latency_p95_ms']:.0f} {'' if p95 else '(miss)'} |")
+    n = max(1, len(records))
+    lines += ["", f"Within 2 points: {hits['within']}/{n}; accuracy within 1.5 points: {hits['accuracy']}/{n}; "
+                  f"p95 within 10 %: {hits['p95']}/{n} (target: 90 % of the cells each)."]
+    lines += ["", *ranking_lines(records, args.block), "", *term_lines(records)]
+    return "\n".join(lines)
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None
+             and math.isfinite(x) and math.isfinite(y) and y > 0]
+    return float(np.median([x / y for x, y in pairs])) if pairs else math.nan
+
+
+def term_lines(records: list[dict[str, Any]]) -> list[str]:
+    """Where the model of the server is wrong, per run: the model time (measured over predicted, the same
+    request at the same configuration), the time outside it (client latency less model time, medians,
+    measured less predicted: host costs plus queueing), and, for the controller, the share of requests
+    decided alike."""
+    out = ["| load | budget | decider | model time measured / predicted | latency less model: measured - "
+           "predicted (ms, medians) | decided alike |", "|---|---|---|---|---|---|"]
+    for r in records:
+        same = [i for i, (a, b) in enumerate(zip(r["predicted_configs"], r["measured_configs"], strict=True))
+                if a is not None and a == b]
+        ratio = _median_ratio([r["measured_model_ms"][i] for i in same], [r["predicted_model_ms"][i] for i in same])
+
+        def outside(latency: list[float], model: list[float | None]) -> float:
+            rest = [x - y for x, y in zip(latency, model, strict=True)
+                    if y is not None and math.isfinite(x) and math.isfinite(y)]
+            return float(np.median(rest)) if rest else math.nan
+
+        host = (outside(r["measured_latency_ms"], r["measured_model_ms"])
+                - outside(r["predicted_latency_ms"], r["predicted_model_ms"]))
+        answered = sum(a is not None and b is not None
+                       for a, b in zip(r["predicted_configs"], r["measured_configs"], strict=True))
+        alike = f"{100 * len(same) / answered:.0f} %" if r["decider"] == "controller" and answered else ""
+        out.append(f"| {r['load']:g} | {r['multiple']:g}x | {r['decider']} | x{ratio:.2f} | {host:+.1f} | {alike} |")
+    return out
+
+
+def ranking_lines(records: list[dict[str, Any]], block: int) -> list[str]:
+    """Per cell, each pair of deciders the measured paired interval separates (right answers within budget):
+    whether the simulation orders them the same."""
+    cells: dict[tuple[float, float], list[dict[str, Any]]] = {}
+    for r in records:
+        cells.setdefault((r["load"], r["multiple"]), []).append(r)
+    agree = total = 0
+    out = []
+    for (load, multiple), runs in sorted(cells.items()):
+        for i, a in enumerate(runs):
+            for b in runs[i + 1:]:
+                diff = np.asarray(a["measured_right"]) - np.asarray(b["measured_right"])
+                _, low, high = bs.block_bootstrap_ci(diff, block=block)
+                if low <= 0 <= high:
+                    continue
+                total += 1
+                predicted = float(np.sum(a["predicted_right"]) - np.sum(b["predicted_right"]))
+                same = (predicted > 0) == (high > 0)
+                agree += same
+                if not same:
+                    out.append(f"load {load:g} x{multiple:g}: measured {a['decider']} vs {b['decider']} "
+                               f"{'+' if high > 0 else '-'}, predicted the other way")
+    return [f"Rankings: the simulation orders {agree} of the {total} pairs the measurement separates the same.",
+            *out]
+
+
+def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calibration: dict[str, Any]) -> str:
+    """Simulated requests per second on one thread: the controller and the cheapest front configuration, each
+    over ``--speed-requests`` requests at load 0.9 and the middle budget multiple, median of three."""
+    import platform
+
+    import torch
+
+    torch.set_num_threads(1)
+    config, profile, decider, overheads = cell_of(args, ws, calibration)
+    service = cells["service_ms"]
+    rate = 0.9 * 1000.0 / service
+    config.requests = args.speed_requests
+    workload = make_workload(config, rate, profile, 1)
+    budget = args.multiples[len(args.multiples) // 2] * service
+    cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), budget))
+    lines = [f"Simulation speed, {len(cell)} requests, one thread ({platform.processor() or platform.machine()}):"]
+    for name, static in (("controller", None), (f"static:{bs.config_name(profile.front[0])}", profile.front[0])):
+        times = []
+        for _ in range(3):
+            tick = time.perf_counter()
+            Simulation(profile, decider, overheads).run(cell, static)
+            times.append(time.perf_counter() - tick)
+        lines.append(f"  {name}: {len(cell) / float(np.median(times)):,.0f} requests/s (median of 3)")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", choices=("all", "report", "speed", "repredict"), default="all")
+    p.add_argument("--calibrate-with", choices=("paced", "back-to-back"), default="back-to-back",
+                   help="the calibration run the predictions read: requests 0.1 s apart, or back to back")
+    p.add_argument("--pool", type=int, default=200, help="pool requests (the first of the fresh set)")
+    p.add_argument("--loads", default="0.5,0.7,0.9")
+    p.add_argument("--multiples", default="1.5,2,3")
+    p.add_argument("--requests", type=int, default=200, help="requests per run")
+    p.add_argument("--statics", type=int, default=3, help="front configurations run as statics")
+    p.add_argument("--calibration-requests", type=int, default=40)
+    p.add_argument("--block", type=int, default=25, help="moving-block bootstrap block (requests)")
+    p.add_argument("--speed-requests", type=int, default=10_000, help="requests the speed phase simulates")
+    p.add_argument("--out", type=Path, default=CACHE / "bench_simulate.jsonl")
+    args = p.parse_args(argv)
+    args.loads = [float(v) for v in args.loads.split(",")]
+    args.multiples = [float(v) for v in args.multiples.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    pool_dir, ws = prepare(args.pool)
+    requests = pool_requests(pool_dir)
+    # the cells (service time, capacity) come from the paced run; the predictions from --calibrate-with's
+    cells = calibration_phase(ws, requests, args.calibration_requests, args.out)
+    calibration = cells if args.calibrate_with == "paced" else calibration_phase(
+        ws, requests, args.calibration_requests, args.out, pause_s=0.0, suffix="-back-to-back")
+    if args.phase == "repredict":
+        args.out = repredict_phase(args, ws, cells, calibration)
+        args.phase = "report"
+    if args.phase == "speed":
+        print(speed_phase(args, ws, cells, calibration))
+        return
+    if args.phase == "all":
+        measure_phase(args, ws, pool_dir, cells, calibration)
+    text = report(args, cells, calibration)
+    print(text)
+    bs.path_with(args.out, ".md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
