@@ -16,10 +16,14 @@ What it runs (prepared once under benchmarks/.cache, each step skipped when done
   with features extracted, and ``bench_serve.py``'s offline run (``bench-serve``) copied into it. The
   simulation draws its requests from this dataset (``--samples testbed_bench``): every request's model time
   and score at every configuration is known.
-* **Calibration**: a fresh ``ctrl serve`` (the controller deciding at its default budget) answers
-  ``--calibration-requests`` pool requests one at a time. Their mean client latency is the service time
-  (capacity = its inverse; budgets are ``--multiples`` of it) and their request log is what the simulation
-  calibrates its fixed costs and latency scale from (``--calibrate-from``): nothing of the measured cells.
+* **The cells' scale**: a fresh ``ctrl serve`` (the controller deciding at its default budget) answers
+  ``--calibration-requests`` pool requests one at a time, 0.1 s apart. Their mean client latency is the
+  service time (capacity = its inverse; budgets are ``--multiples`` of it).
+* **Calibration** (``--calibrate-with``): the request log the simulation reads its fixed costs and latency
+  scales from (``--calibrate-from``), of a run apart from the measured cells: that paced run, or (the
+  default) a fresh server answering as many controller requests back to back and then a dozen at each
+  static's knobs. A paced server's model times read ~1.5x slower on this VM than a loaded one's.
+* ``--phase repredict``: the saved runs' predictions again from the other calibration, measurements kept.
 
 Then per cell (``--loads`` x ``--multiples``): the requests (pool samples drawn with replacement, Poisson
 arrivals at load x capacity, seeded per load) are simulated for the controller and ``--statics``
@@ -41,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / ".cache"
 
+from simulate.calibration import SCALE_MIN_REQUESTS  # noqa: E402
 from simulate.config import SimulateConfig  # noqa: E402
 from simulate.run import load_inputs, make_workload, summarize  # noqa: E402
 from simulate.simulation import ServerOptions, SimRequest, Simulation, Workload  # noqa: E402
@@ -133,10 +139,11 @@ def newest_log(ws: Path, before: set[Path]) -> Path:
     return found[-1]
 
 
-def calibration_phase(ws: Path, requests: dict[str, Any], count: int, out: Path, pause_s: float = 0.1,
-                      suffix: str = "") -> dict[str, Any]:
-    """A fresh server answers ``count`` pool requests one at a time (``pause_s`` after each answer; 0: back to
-    back), the controller deciding at its default budget: their mean client latency and their request log."""
+def calibration_phase(ws: Path, requests: dict[str, Any], knobs: list[tuple[int, int, int] | None], out: Path,
+                      pause_s: float = 0.1, suffix: str = "") -> dict[str, Any]:
+    """A fresh server answers a pool request per entry of ``knobs`` one at a time (``pause_s`` after each
+    answer; 0: back to back), at those knobs or (None) decided by the controller at its default budget:
+    the controller's requests' mean client latency, and the request log."""
     saved = bs.path_with(out, f".calibration{suffix}.json")
     if saved.exists():
         return json.loads(saved.read_text())
@@ -145,18 +152,70 @@ def calibration_phase(ws: Path, requests: dict[str, Any], count: int, out: Path,
     try:
         rng = np.random.default_rng(7)
         ids = list(requests)
-        chosen = [requests[ids[i]] for i in rng.integers(len(ids), size=count)]
+        chosen = [requests[ids[i]] for i in rng.integers(len(ids), size=len(knobs))]
         outs = []
-        for r in chosen:
-            outs.append(bs.send(server.port, bs.body_of(r, None, None), time.perf_counter(), 0.0, r, POOL_NAME))
+        for r, k in zip(chosen, knobs, strict=True):
+            outs.append(bs.send(server.port, bs.body_of(r, None, k), time.perf_counter(), 0.0, r, POOL_NAME))
             time.sleep(pause_s)
     finally:
         server.stop()
-    ok = [o.latency_ms for o in outs if o.status == 200]
+    ok = [o.latency_ms for o, k in zip(outs, knobs, strict=True) if o.status == 200 and k is None]
     result = {"service_ms": float(np.mean(ok)), "answered": len(ok), "log": str(newest_log(ws, before)),
               "pause_s": pause_s}
     bs.write_json(saved, result)
     return result
+
+
+def loaded_calibration(args: argparse.Namespace, ws: Path, requests: dict[str, Any], cells: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """A fresh server under load, apart from the cells: ``4 x --calibration-requests`` pool requests, Poisson
+    at ``--calibration-load`` of the capacity (its own seed), budgets of 2x the service time, every fourth
+    at a static's knobs in turn. Its request log, and what only the client knows: the time outside the
+    server's clock (client latency less the server's total, less the log's reply term) and the spread of
+    each request's model time around its sample's profiled one at that configuration (the log does not
+    say which sample a request was; the client does)."""
+    saved = bs.path_with(args.out, ".calibration-loaded.json")
+    if saved.exists():
+        return json.loads(saved.read_text())
+    _, profile, _, _ = cell_of(args, ws, cells)
+    statics = statics_of(profile.front, args.statics)
+    count = 4 * args.calibration_requests
+    rng = np.random.default_rng(99)
+    arrivals = bb.arrival_times("poisson", count, args.calibration_load * 1000.0 / cells["service_ms"], rng)
+    samples = rng.integers(len(profile), size=count)
+    knobs = [statics[(i // 4) % len(statics)] if statics and i % 4 == 3 else None for i in range(count)]
+    budget = 2.0 * cells["service_ms"]
+    before = set((ws / "requests").glob("*.jsonl"))
+    server = bs.Server(ws, RUN_ID, bs.path_with(args.out, ".server.log"), 8)
+    try:
+        items = [(requests[profile.example_id[int(s)]], float(t), budget, k)
+                 for t, s, k in zip(arrivals, samples, knobs, strict=True)]
+        outs = bb.open_loop(server.port, POOL_NAME, items)
+    finally:
+        server.stop()
+    gaps = [o.latency_ms - o.server_ms for o in outs if o.status == 200 and o.server_ms is not None]
+    logs: dict[str, list[float]] = {}
+    for o, s in zip(outs, samples, strict=True):
+        if o.status == 200 and o.model_ms and o.knobs:
+            config = tuple(int(v) for v in o.knobs.split("/"))
+            profiled = profile.latency_ms[int(s), profile.column(config)]
+            logs.setdefault(o.knobs, []).append(math.log(o.model_ms / profiled))
+    spread = [x - float(np.mean(v)) for v in logs.values() if len(v) >= 5 for x in v]
+    log = newest_log(ws, before)
+    reply = calibrate_log(log, profile).reply_ms
+    result = {"service_ms": float(np.mean([o.latency_ms for o, k in zip(outs, knobs, strict=True)
+                                           if o.status == 200 and k is None])),
+              "answered": sum(o.status == 200 for o in outs), "log": str(log), "pause_s": None,
+              "load": args.calibration_load, "client_ms": max(0.0, float(np.median(gaps)) - reply),
+              "noise": float(np.std(spread)) if spread else 0.0}
+    bs.write_json(saved, result)
+    return result
+
+
+def calibrate_log(log: Path, profile: Any) -> Any:
+    from simulate.calibration import calibrate
+
+    return calibrate(log, profile.median_latency_ms(), None, profile.log_spread())
 
 
 def statics_of(front: tuple, count: int) -> list[tuple[int, int, int]]:
@@ -171,6 +230,8 @@ def cell_of(args: argparse.Namespace, ws: Path, calibration: dict[str, Any]) -> 
     config = SimulateConfig(workspace=ws, run=RUN_ID, samples=POOL_NAME, rate="1", budget_ms="1000",
                             requests=args.requests, calibrate_from=Path(calibration["log"]))
     _, _, profile, decider, overheads = load_inputs(config)
+    if "client_ms" in calibration:  # what only the client of a loaded calibration run measured
+        overheads = replace(overheads, client_ms=calibration["client_ms"], noise_sigma=calibration["noise"])
     return config, profile, decider, overheads
 
 
@@ -242,14 +303,27 @@ def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], c
     """The saved runs' predictions again, from another calibration's log (the cells, their requests and
     their measurements unchanged): ``<out>-<calibration>.jsonl``."""
     config, profile, decider, overheads = cell_of(args, ws, calibration)
-    out = args.out.with_name(f"{args.out.stem}-{args.calibrate_with}.jsonl")
+    tag = args.calibrate_with + ("-oracle-scale" if args.oracle_scale else "")
+    out = args.out.with_name(f"{args.out.stem}-{tag}.jsonl")
     rows = []
     for r in read_records(args.out):
         li = args.loads.index(r["load"])
         workload = make_workload(config, r["rate_rps"], profile, 1000 + li)
         cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), r["budget_ms"]))
         static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
-        predicted = Simulation(profile, decider, overheads, options=ServerOptions()).run(cell, static)
+        run_overheads = overheads
+        if args.oracle_scale:  # a diagnosis, not a prediction: the run's own model times over the profile's
+            ratios: dict[tuple[int, int, int], list[float]] = {}
+            for i, (c, ms) in enumerate(zip(r["measured_configs"], r["measured_model_ms"], strict=True)):
+                if c is not None and ms is not None:
+                    knobs = tuple(int(v) for v in c.split("/"))
+                    ratios.setdefault(knobs, []).append(ms / profile.latency_ms[cell.samples[i], profile.column(knobs)])
+            every = [x for v in ratios.values() for x in v]
+            spread = [math.log(x) - float(np.mean(np.log(v))) for v in ratios.values() if len(v) >= 5 for x in v]
+            run_overheads = replace(overheads, latency_scale=float(np.median(every)),
+                                    scale_by_config={k: float(np.median(v)) for k, v in ratios.items() if len(v) >= 5},
+                                    noise_sigma=float(np.std(spread)) if spread else 0.0)
+        predicted = Simulation(profile, decider, run_overheads, options=ServerOptions()).run(cell, static)
         measured_right = r["measured_right"]
         r = {**r, "predicted": summarize(predicted, cell), "predicted_right": [p.score if p.met else 0.0
                                                                                for p in predicted],
@@ -261,6 +335,10 @@ def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], c
     return out
 
 
+def ws_of(args: argparse.Namespace) -> Path:
+    return CACHE / f"sim-ws-{args.pool}"
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -270,9 +348,14 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def report(args: argparse.Namespace, cells: dict[str, Any], calibration: dict[str, Any]) -> str:
     """Predicted against measured per cell and decider, the targets' hit rates, and the rankings."""
     records = read_records(args.out)
-    how = "back to back" if calibration.get("pause_s", 0.1) == 0 else f"{calibration.get('pause_s', 0.1):g} s apart"
+    how = ("back to back" if calibration.get("pause_s", 0.1) == 0 else f"at load {calibration['load']:g}"
+           if calibration.get("pause_s", 0.1) is None else f"{calibration.get('pause_s', 0.1):g} s apart")
+    _, _, _, overheads = cell_of(args, ws_of(args), calibration)
     lines = [f"Service time {cells['service_ms']:.1f} ms (capacity {1000 / cells['service_ms']:.2f}/s); "
-             f"{len(records)} runs; predictions calibrated from {calibration['answered']} requests {how}.", "",
+             f"{len(records)} runs; predictions calibrated from the run of {calibration['answered']} controller "
+             f"requests {how} (latency scale x{overheads.latency_scale:.2f}, per configuration "
+             + ", ".join(f"{bs.config_name(c)} x{v:.2f}" for c, v in overheads.scale_by_config.items())
+             + f"; service noise {overheads.noise_sigma:.2f}; client {overheads.client_ms:.1f} ms).", "",
              "| load | budget | decider | within budget: predicted / measured | accuracy | p95 ms |",
              "|---|---|---|---|---|---|"]
     hits = {"within": 0, "accuracy": 0, "p95": 0}
@@ -370,11 +453,15 @@ def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calib
     budget = args.multiples[len(args.multiples) // 2] * service
     cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), budget))
     lines = [f"Simulation speed, {len(cell)} requests, one thread ({platform.processor() or platform.machine()}):"]
-    for name, static in (("controller", None), (f"static:{bs.config_name(profile.front[0])}", profile.front[0])):
+    _, _, _, unmemoized, _ = load_inputs(config)
+    object.__setattr__(unmemoized.deployed, "_ctrl_memoized", True)  # the baseline: every call computed
+    for name, static, who in (("controller", None, decider),
+                              ("controller without the per-question memo", None, unmemoized),
+                              (f"static:{bs.config_name(profile.front[0])}", profile.front[0], decider)):
         times = []
         for _ in range(3):
             tick = time.perf_counter()
-            Simulation(profile, decider, overheads).run(cell, static)
+            Simulation(profile, who, overheads).run(cell, static)
             times.append(time.perf_counter() - tick)
         lines.append(f"  {name}: {len(cell) / float(np.median(times)):,.0f} requests/s (median of 3)")
     return "\n".join(lines)
@@ -383,8 +470,12 @@ def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calib
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase", choices=("all", "report", "speed", "repredict"), default="all")
-    p.add_argument("--calibrate-with", choices=("paced", "back-to-back"), default="back-to-back",
-                   help="the calibration run the predictions read: requests 0.1 s apart, or back to back")
+    p.add_argument("--calibrate-with", choices=("paced", "back-to-back", "loaded"), default="loaded",
+                   help="the calibration run the predictions read: the paced run that defines the cells "
+                        "(controller requests 0.1 s apart), one back to back with some requests at each "
+                        "static's knobs, or one under load (with the client's own costs and the service "
+                        "spread paired with the profile)")
+    p.add_argument("--calibration-load", type=float, default=0.7, help="the loaded calibration run's load")
     p.add_argument("--pool", type=int, default=200, help="pool requests (the first of the fresh set)")
     p.add_argument("--loads", default="0.5,0.7,0.9")
     p.add_argument("--multiples", default="1.5,2,3")
@@ -392,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--statics", type=int, default=3, help="front configurations run as statics")
     p.add_argument("--calibration-requests", type=int, default=40)
     p.add_argument("--block", type=int, default=25, help="moving-block bootstrap block (requests)")
+    p.add_argument("--oracle-scale", action="store_true",
+                   help="repredict: each run at its own measured model time over the profile's (a diagnosis of "
+                        "what the rest of the model gets right when the machine's speed is known, not a prediction)")
     p.add_argument("--speed-requests", type=int, default=10_000, help="requests the speed phase simulates")
     p.add_argument("--out", type=Path, default=CACHE / "bench_simulate.jsonl")
     args = p.parse_args(argv)
@@ -405,9 +499,15 @@ def main(argv: list[str] | None = None) -> None:
     pool_dir, ws = prepare(args.pool)
     requests = pool_requests(pool_dir)
     # the cells (service time, capacity) come from the paced run; the predictions from --calibrate-with's
-    cells = calibration_phase(ws, requests, args.calibration_requests, args.out)
-    calibration = cells if args.calibrate_with == "paced" else calibration_phase(
-        ws, requests, args.calibration_requests, args.out, pause_s=0.0, suffix="-back-to-back")
+    cells = calibration_phase(ws, requests, [None] * args.calibration_requests, args.out)
+    calibration = cells
+    if args.calibrate_with == "back-to-back":  # the controller's requests, then some at each static's knobs
+        _, profile, _, _ = cell_of(args, ws, cells)
+        knobs = [None] * args.calibration_requests + [
+            c for c in statics_of(profile.front, args.statics) for _ in range(SCALE_MIN_REQUESTS + 4)]
+        calibration = calibration_phase(ws, requests, knobs, args.out, pause_s=0.0, suffix="-back-to-back")
+    elif args.calibrate_with == "loaded":
+        calibration = loaded_calibration(args, ws, requests, cells)
     if args.phase == "repredict":
         args.out = repredict_phase(args, ws, cells, calibration)
         args.phase = "report"

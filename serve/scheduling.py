@@ -225,12 +225,13 @@ class Scheduler:
 
     # -- what a request teaches
     def observe_served(self, decider: RequestDecider, choice: Stage1Choice, config: Config, *, fixed: bool,
-                       plan: BudgetPlan, model_ms: float, measured_ms: float, after_ms: float,
+                       plan: BudgetPlan | None, model_ms: float, measured_ms: float, after_ms: float,
                        service_ms: float) -> float | None:
         """A finished request's costs, told to ``decider``'s cost model (``model_ms`` as it would have run
         alone; ``measured_ms`` the controller's and the model's time) and to the planner (``after_ms``: the
-        time after stage 1 outside the model's path; ``service_ms``: the worker's time on it). Returns the
-        model time over the configuration's reference (None: no reference)."""
+        time after stage 1 outside the model's path; ``service_ms``: the worker's time on it). ``plan`` may
+        be None for a request at its own knobs (``fixed``). Returns the model time over the configuration's
+        reference (None: no reference)."""
         ratio = decider.cost.observe(choice.cost_grid, config, model_ms=model_ms, measured_ms=measured_ms,
                                      insertion_position=choice.insertion_position)
         adjustable = not fixed and plan.budget_class != "<1x"

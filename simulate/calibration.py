@@ -24,6 +24,8 @@ import polars as pl
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
 
+#: the fewest requests at one configuration that give it a latency scale of its own
+SCALE_MIN_REQUESTS = 8
 #: the request-log columns the calibration reads
 LOG_COLUMNS = ("status", "model_fingerprint", "max_crops", "top_k", "num_active_blocks", "reply_reserve_ms",
                "latency_parse_ms", "latency_queue_ms", "latency_stage1_ms", "latency_preprocess_ms",
@@ -39,11 +41,22 @@ class Overheads:
     stage2_ms: float = 0.0
     rest_ms: float = 0.0  # after the model and stage 2 until the answer's text
     reply_ms: float = 0.0
+    client_ms: float = 0.0  # outside the server's clock: the client's connection, upload and read
     preprocess_ms: dict[int, float] = field(default_factory=dict)  # per max_crops; others: the overall median
     preprocess_other_ms: float = 0.0
     latency_scale: float = 1.0
+    #: per configuration with at least SCALE_MIN_REQUESTS requests in the log, its own median ratio (a machine
+    #: does not slow every configuration alike); the others take ``latency_scale``
+    scale_by_config: dict[Config, float] = field(default_factory=dict)
+    #: the log-normal spread (sd of the log) of a request's model time around its sample's recorded one: what
+    #: the log's spread holds beyond the samples' own (0: every request takes its sample's time exactly)
+    noise_sigma: float = 0.0
     source: str = "profile"  # or the log it was read from
     requests: int = 0  # answered requests it was read from
+
+    def scale(self, config: Config) -> float:
+        """The machine's model time over the profile's at ``config``."""
+        return self.scale_by_config.get(tuple(config), self.latency_scale)
 
     def preprocess(self, max_crops: int) -> float:
         return self.preprocess_ms.get(int(max_crops), self.preprocess_other_ms)
@@ -103,8 +116,8 @@ def _median(values: pl.Series | list[float]) -> float:
     return float(np.median(array)) if array.size else 0.0
 
 
-def calibrate(source: Path, reference_ms: Mapping[Config, float], model_fingerprint: str | None = None
-              ) -> Overheads:
+def calibrate(source: Path, reference_ms: Mapping[Config, float], model_fingerprint: str | None = None,
+              sample_spread: Mapping[Config, float] | None = None) -> Overheads:
     """The :class:`Overheads` of a served request log; the latency scale is the median of the requests' model
     time over ``reference_ms`` of their configuration (the simulated samples' median latency there; 1 where no
     request ran a configuration with one)."""
@@ -119,17 +132,28 @@ def calibrate(source: Path, reference_ms: Mapping[Config, float], model_fingerpr
     for crops, ms in zip(log["max_crops"].to_list(), parts["latency_preprocess_ms"], strict=True):
         if crops is not None and ms is not None:
             preprocess.setdefault(int(crops), []).append(ms)
-    ratios = []
+    ratios: dict[Config, list[float]] = {}
     for c, k, b, ms in zip(log["max_crops"].to_list(), log["top_k"].to_list(), log["num_active_blocks"].to_list(),
                            parts["latency_model_ms"], strict=True):
         if None in (c, k, b, ms):
             continue
-        reference = reference_ms.get((int(c), int(k), int(b)))
+        config = (int(c), int(k), int(b))
+        reference = reference_ms.get(config)
         if reference and reference > 0:
-            ratios.append(ms / reference)
+            ratios.setdefault(config, []).append(ms / reference)
+    every = [r for values in ratios.values() for r in values]
+    noise = 0.0
+    if sample_spread:  # the served spread around each configuration's median, less the samples' own
+        served = [math.log(r) - float(np.mean(np.log(v))) for c, v in ratios.items()
+                  if len(v) >= SCALE_MIN_REQUESTS for r in v]
+        own = [sample_spread[c] ** 2 for c, v in ratios.items() if len(v) >= SCALE_MIN_REQUESTS and c in sample_spread]
+        if len(served) >= SCALE_MIN_REQUESTS and own:
+            noise = math.sqrt(max(0.0, float(np.var(served)) - float(np.mean(own))))
     return Overheads(parse_ms=_median(parts["latency_parse_ms"]), stage1_ms=_median(parts["latency_stage1_ms"]),
                      stage2_ms=_median(parts["latency_stage2_ms"]), rest_ms=max(0.0, _median(rest)),
                      reply_ms=_median(log["reply_reserve_ms"]),
                      preprocess_ms={c: _median(v) for c, v in sorted(preprocess.items())},
                      preprocess_other_ms=_median(parts["latency_preprocess_ms"]),
-                     latency_scale=_median(ratios) if ratios else 1.0, source=str(source), requests=log.height)
+                     latency_scale=_median(every) if every else 1.0,
+                     scale_by_config={c: _median(v) for c, v in sorted(ratios.items()) if len(v) >= SCALE_MIN_REQUESTS},
+                     noise_sigma=noise, source=str(source), requests=log.height)

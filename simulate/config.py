@@ -109,6 +109,14 @@ class SimulateConfig:
     max_replicas: int = option(64, help="The most replicas --target tries.", min=1)
     latency_scale: float | None = option(None, help=
         "This machine's model time over the profile's (default: measured from --calibrate-from, else 1).", min=0)
+    service_noise: float | None = option(None, help=
+        "The spread of a request's model time around its sample's recorded one: the standard deviation of its "
+        "log (0.2: about a fifth); each request's time is drawn log-normal about its sample's, the same draw for "
+        "every decider. Default: what --calibrate-from's log holds beyond the samples' own spread, else 0.",
+        min=0)
+    client_ms: float = option(0.0, help=
+        "Time per request outside the server's clock, added to every client latency: the client's connection, "
+        "upload and read of the reply (ms; the request log does not see it).", min=0)
     calibrate_from: Path | None = option(None, help=
         "A workspace or a request log (requests/*.jsonl) of `ctrl serve` on the machine to simulate: the fixed "
         "per-request costs (parse, stage 1, preprocessing per crops, stage 2, reply) are its medians, and the "
@@ -169,6 +177,12 @@ class SimulateConfig:
             raise SimulateOptionError(msg)
         if self.latency_scale is not None and not (math.isfinite(self.latency_scale) and self.latency_scale > 0):
             msg = f"--latency-scale must be a number > 0, got {self.latency_scale!r}"
+            raise SimulateOptionError(msg)
+        if not (math.isfinite(self.client_ms) and self.client_ms >= 0):
+            msg = f"--client-ms must be a number of ms >= 0, got {self.client_ms!r}"
+            raise SimulateOptionError(msg)
+        if self.service_noise is not None and not (math.isfinite(self.service_noise) and 0 <= self.service_noise <= 2):
+            msg = f"--service-noise must be a log standard deviation in [0, 2], got {self.service_noise!r}"
             raise SimulateOptionError(msg)
         self.decider_specs = parse_deciders(self.deciders)
 

@@ -52,6 +52,11 @@ class SimProfile:
         medians = np.median(self.latency_ms, axis=0)
         return {c: float(m) for c, m in zip(self.configs, medians, strict=True)}
 
+    def log_spread(self) -> dict[Config, float]:
+        """Per configuration, the standard deviation of the log of these samples' recorded latency."""
+        logs = np.log(np.maximum(self.latency_ms, 1e-9))
+        return {c: float(sd) for c, sd in zip(self.configs, logs.std(axis=0), strict=True)}
+
     def column(self, config: Config) -> int:
         """The column of ``config``; a one-line error where the profile lacks it."""
         try:

@@ -197,10 +197,14 @@ def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, 
                "a table fallback), so the server's budget planner has nothing to plan with")
         raise CtrlError(msg)
     # the scale multiplies these samples' recorded latencies: it is read against their medians
-    overheads = (calibrate(config.calibrate_from, profile.median_latency_ms(), fingerprint)
+    overheads = (calibrate(config.calibrate_from, profile.median_latency_ms(), fingerprint, profile.log_spread())
                  if config.calibrate_from is not None else Overheads())
-    if config.latency_scale is not None:
-        overheads = replace(overheads, latency_scale=float(config.latency_scale))
+    if config.latency_scale is not None:  # one scale for every configuration
+        overheads = replace(overheads, latency_scale=float(config.latency_scale), scale_by_config={})
+    if config.service_noise is not None:
+        overheads = replace(overheads, noise_sigma=float(config.service_noise))
+    if config.client_ms:
+        overheads = replace(overheads, client_ms=float(config.client_ms))
     return workspace, run, profile, decider, overheads
 
 

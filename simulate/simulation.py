@@ -31,7 +31,7 @@ import torch
 from controller.cost import LatencyScale
 from pipeline.knobs import Config
 from serve.budget import BudgetPlan, BudgetPlanner
-from serve.deciders import CheapestConfig, FixedKnobs, OfflineDecider, RequestDecider
+from serve.deciders import CheapestConfig, FixedKnobs, OfflineDecider, RequestDecider, Stage1Choice
 from serve.scheduling import BudgetUnreachable, Scheduler
 from simulate.calibration import Overheads
 from simulate.profile import SimProfile
@@ -154,6 +154,9 @@ class Simulation:
             for replica in replicas:
                 self._warm_up(replica)
         rng = np.random.default_rng(self.seed)
+        # each request's own draw of the machine's noise, the same whoever decides it
+        noise = np.random.default_rng([self.seed, 1]).standard_normal(len(workload))
+        self._noise = np.exp(self.overheads.noise_sigma * noise)
         requests = [SimRequest(i, int(s), float(t), float(b), knobs=static)
                     for i, (t, s, b) in enumerate(zip(workload.arrivals, workload.samples, workload.budgets_ms,
                                                       strict=True))]
@@ -247,7 +250,7 @@ class Simulation:
         top_k, blocks = decider.stage2(choice, inputs)
         config = (int(choice.max_crops), int(top_k), int(blocks))
         column = profile.column(config)
-        model_ms = float(lat[i, column]) * over.latency_scale
+        model_ms = float(lat[i, column]) * over.scale(config) * self._noise[job.index]
         worker_ms = over.worker_ms(config[0], model_ms)
         job.config, job.decided_by, job.plan, job.model_ms = config, choice.decided_by, plan, model_ms
         job.score = float(score[i, column])
@@ -266,20 +269,28 @@ class Simulation:
         sched.observe_end("ok", job.budget_ms, controller=not job.fixed, total_ms=total_ms, plan=job.plan)
         sched.planner.observe_reply(over.reply_ms)
         job.status = "ok"
-        job.latency_ms = total_ms + over.reply_ms
+        job.latency_ms = total_ms + over.reply_ms + over.client_ms
 
     def _warm_up(self, replica: _Replica) -> None:
-        """The server's warm-up, as its latency scale and margins see it: per crops choice its fastest and
-        slowest configuration by reference latency, twice, each taking the samples' median latency there
-        times the machine's scale (:func:`serve.warmup.warm_up`)."""
-        decider = replica.scheduler.decider
+        """The server's warm-up (:func:`serve.warmup.warm_up`): per crops choice its fastest and slowest
+        configuration by reference latency, twice, each a request at its own knobs that takes the samples'
+        median latency there times the machine's scale, and teaches the latency scale and the planner's
+        reserves what a served request does; then the margins are seeded from the scale."""
+        sched, over = replica.scheduler, self.overheads
+        decider = sched.decider
         configs = warmup_configs(decider.reference_latency_ms, decider.max_crops_values)
         for _ in range(2):
             for config in configs:
                 base = self._median_ms.get(config, decider.reference_latency_ms[config])
-                model_ms = base * self.overheads.latency_scale
-                decider.cost.observe(None, config, model_ms=model_ms, measured_ms=model_ms)
-        replica.scheduler.planner.seed_margin(decider.cost.scale.ratios())
+                model_ms = base * over.scale(config)
+                worker_ms = over.worker_ms(config[0], model_ms)
+                fixed = FixedKnobs({"max_crops": config[0], "top_k": config[1], "num_active_blocks": config[2]},
+                                   self._fixed_limits[0], self._fixed_limits[1], max(config[0], 1), decider.cost)
+                measured_ms = over.stage1_ms + over.stage2_ms + model_ms
+                sched.observe_served(fixed, Stage1Choice(config[0], 0, None, "request"), config, fixed=True,
+                                     plan=None, model_ms=model_ms, measured_ms=measured_ms,
+                                     after_ms=worker_ms - model_ms, service_ms=worker_ms)
+        sched.planner.seed_margin(decider.cost.scale.ratios())
 
     def _balance(self, replicas: Sequence[_Replica], turn: int, rng: np.random.Generator) -> _Replica:
         if len(replicas) == 1:
@@ -351,7 +362,7 @@ def capacity_rps(profile: SimProfile, overheads: Overheads) -> float:
     """One replica's capacity: 1 / the mean worker time of the unseen samples at :func:`full_config`."""
     column = profile.column(full_config(profile))
     config = full_config(profile)
-    worker = [overheads.worker_ms(config[0], float(ms) * overheads.latency_scale)
+    worker = [overheads.worker_ms(config[0], float(ms) * overheads.scale(config))
               for ms in profile.latency_ms[:, column]]
     return 1000.0 / float(np.mean(worker))
 

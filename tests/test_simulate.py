@@ -60,6 +60,8 @@ def _config(ws, **kw):
     ({"deciders": "static:4/8"}, "is not controller, cheapest, front or static:C/K/B"),
     ({"deciders": "best"}, "'best' is not controller"),
     ({"requests": 10, "duration": 5.0}, "--requests or --duration"),
+    ({"client_ms": -1.0}, "--client-ms must be a number of ms >= 0"),
+    ({"service_noise": 3.0}, "--service-noise must be a log standard deviation in"),
 ])
 def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, options, message):
     with pytest.raises(SimulateOptionError, match=message.replace("(", r"\(").replace("+", r"\+")) as caught:
@@ -146,6 +148,18 @@ def test_an_idle_server_answers_each_request_in_its_profiled_time_with_its_score
         assert r.config == static
         assert r.latency_ms == pytest.approx(profile.latency_ms[i, column] * 1.5)
         assert r.score == profile.score[i, column]
+
+
+def test_the_clients_own_costs_add_to_every_client_latency_and_not_to_the_servers(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    column = profile.configs.index(static)
+    # two at once: the second waits for the first's worker time only, not for its client's costs
+    workload = Workload(np.zeros(2), np.array([0, 1]), np.full(2, 1e6))
+    served = Simulation(profile, decider, Overheads(client_ms=7.0)).run(workload, static)
+    t0, t1 = profile.latency_ms[0, column], profile.latency_ms[1, column]
+    assert served[0].latency_ms == pytest.approx(t0 + 7.0)
+    assert served[1].latency_ms == pytest.approx(t0 + t1 + 7.0)
 
 
 def test_requests_arriving_together_wait_for_each_other_in_deadline_order(inputs):
@@ -286,6 +300,60 @@ def test_calibration_reads_the_medians_of_a_request_log(tmp_path):
     assert over.latency_scale == 2.4  # ratios 2.0, 2.4, 3.0
     with pytest.raises(CtrlError, match="no answered request of model other"):
         calibrate(log, reference, "other")
+
+
+def test_a_configuration_with_enough_requests_in_the_log_keeps_its_own_latency_scale(tmp_path):
+    from simulate.calibration import SCALE_MIN_REQUESTS
+
+    reference = {(2, 4, 12): 10.0, (6, 8, 14): 20.0, (10, 8, 16): 40.0}
+    runs = [((2, 4, 12), 30.0)] * SCALE_MIN_REQUESTS + [((6, 8, 14), 20.0)] * 3 + [((10, 8, 16), 44.0)] * 6
+    rows = [{"status": "ok", "model_fingerprint": "abc", "max_crops": c, "top_k": k, "num_active_blocks": b,
+             "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0, "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0,
+             "latency_preprocess_ms": 1.0, "latency_stage2_ms": 1.0, "latency_model_ms": ms,
+             "latency_total_ms": ms + 5.0} for (c, k, b), ms in runs]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    over = calibrate(log, reference)
+    # ratios: 3.0 x 8, 1.0 x 3, 1.1 x 6; the median of all 17 is the 9th smallest, 1.1
+    assert over.scale_by_config == {(2, 4, 12): 3.0}
+    assert over.latency_scale == pytest.approx(1.1)
+    assert over.scale((2, 4, 12)) == 3.0 and over.scale((6, 8, 14)) == pytest.approx(1.1)
+
+
+def test_the_log_spread_beyond_the_samples_own_is_the_service_noise(tmp_path):
+    import math as m
+
+    reference = {(2, 4, 12): 10.0}
+    ratios = [m.exp(0.3), m.exp(-0.3)] * 4  # the log of the ratio: +-0.3, a variance of 0.09
+    rows = [{"status": "ok", "model_fingerprint": "abc", "max_crops": 2, "top_k": 4, "num_active_blocks": 12,
+             "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0, "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0,
+             "latency_preprocess_ms": 1.0, "latency_stage2_ms": 1.0, "latency_model_ms": 10.0 * r,
+             "latency_total_ms": 10.0 * r + 5.0} for r in ratios]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    # the samples themselves spread 0.2 (a variance of 0.04): 0.05 is the machine's
+    assert calibrate(log, reference, sample_spread={(2, 4, 12): 0.2}).noise_sigma == pytest.approx(m.sqrt(0.05))
+    assert calibrate(log, reference, sample_spread={(2, 4, 12): 0.5}).noise_sigma == 0.0  # no room left for noise
+    assert calibrate(log, reference).noise_sigma == 0.0
+
+
+def test_service_noise_draws_each_requests_time_the_same_for_every_decider(inputs):
+    profile, decider = inputs
+    a, b = profile.configs[0], _static(profile)
+    n = min(30, len(profile))
+    samples = np.arange(n) % len(profile)
+    workload = Workload(np.arange(n) * 100.0, samples, np.full(n, 1e6))
+    sim = Simulation(profile, decider, Overheads(noise_sigma=0.3))
+    factors = []
+    for static in (a, b):
+        column = profile.configs.index(static)
+        served = sim.run(workload, static)
+        factors.append([r.latency_ms / profile.latency_ms[r.sample, column] for r in served])
+    np.testing.assert_allclose(factors[0], factors[1])  # paired: the same draw whoever decides
+    logs = np.log(factors[0])
+    assert 0.15 < logs.std() < 0.45 and abs(np.median(logs)) < 0.2
+    again = [r.latency_ms for r in Simulation(profile, decider, Overheads(noise_sigma=0.3)).run(workload, a)]
+    assert again == [r.latency_ms for r in sim.run(workload, a)]  # seeded
 
 
 # -- the command
