@@ -20,9 +20,13 @@ What it runs (prepared once under benchmarks/.cache, each step skipped when done
   ``--calibration-requests`` pool requests one at a time, 0.1 s apart. Their mean client latency is the
   service time (capacity = its inverse; budgets are ``--multiples`` of it).
 * **Calibration** (``--calibrate-with``): the request log the simulation reads its fixed costs and latency
-  scales from (``--calibrate-from``), of a run apart from the measured cells: that paced run, or (the
-  default) a fresh server answering as many controller requests back to back and then a dozen at each
-  static's knobs. A paced server's model times read ~1.5x slower on this VM than a loaded one's.
+  scales from (``--calibrate-from``), of a run apart from the measured cells: that paced run; a fresh
+  server answering as many controller requests back to back and then a dozen at each static's knobs; or
+  (the default) a fresh server under load (four times as many requests, Poisson at
+  ``--calibration-load``, every fourth at a static's knobs), whose client also measures what the log
+  cannot: the time outside the server's clock (``--client-ms``) and the spread of each request's model
+  time around its sample's profiled one (``--service-noise``). A paced server's model times read ~1.5x
+  slower on this VM than a loaded one's.
 * ``--phase repredict``: the saved runs' predictions again from the other calibration, measurements kept.
 
 Then per cell (``--loads`` x ``--multiples``): the requests (pool samples drawn with replacement, Poisson
