@@ -246,6 +246,30 @@ def test_every_decider_serves_the_same_requests_and_runs_repeat_exactly(sim_ws, 
     assert [(r.status, r.config, r.latency_ms) for r in first] == [(r.status, r.config, r.latency_ms) for r in second]
 
 
+def test_a_trace_is_replayed_at_the_rate_asked_for_with_its_bursts(sim_ws, inputs, tmp_path):
+    profile, _ = inputs
+    trace = tmp_path / "trace.txt"
+    # a burst of ten arrivals 10 ms apart, then one every second: mean gap (0.09 + 10) / 10 s
+    times = [i * 0.01 for i in range(10)] + [0.09 + i for i in range(1, 11)]
+    trace.write_text("# seconds\n" + "\n".join(f"{t:g}" for t in times) + "\n")
+    config = _config(sim_ws, rate="2", trace=trace, requests=20)
+    workload = make_workload(config, 2.0, profile, 0)
+    gaps = np.diff(workload.arrivals)
+    assert len(workload) == 20
+    assert workload.arrivals[0] == 0.0  # a file's first arrival is at 0
+    # rescaled so that its 19 gaps take 19 / 2 s (a mean rate of 2/s), the burst's gaps a hundredth of the others
+    assert workload.arrivals[-1] == pytest.approx(9.5)
+    assert gaps[1] / gaps[12] == pytest.approx(0.01)
+
+
+def test_a_duration_bounds_the_arrivals(sim_ws, inputs):
+    profile, _ = inputs
+    config = _config(sim_ws, rate="50", duration=2.0, requests=None)
+    workload = make_workload(config, 50.0, profile, 0)
+    assert workload.arrivals.max() <= 2.0
+    assert 60 <= len(workload) <= 140  # Poisson, 100 expected
+
+
 def test_the_figures_count_a_late_or_refused_request_as_missed():
     from simulate.simulation import SimRequest
 
