@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.catalog import build_catalog
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
 from pipeline.schema import SIMULATIONS
@@ -243,6 +244,8 @@ def simulate(config: SimulateConfig, progress: Callable[[int, int], None] | None
                 progress(done, total)
     result = SimulationResult(new_simulation_id(), run.run_id, profile, overheads, capacity, cells, config.target)
     result.path = write_simulation(run, result, config)
+    if workspace.current_generation() is not None:
+        build_catalog(workspace)  # ctrl.duckdb gains the `simulations` view (plain duckdb reads the catalog)
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import duckdb
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -400,6 +401,12 @@ def test_ctrl_simulate_prints_the_answer_and_writes_the_simulations_view(sim_ws,
     assert sorted({round(r["load"], 6) for r in rows}) == [0.5, 0.9]
     assert {r["decider"] for r in rows} >= {"controller"}
     assert all(r["requests"] == 80 and 0 <= r["within_budget"] <= 1 - r["lost"] + 1e-9 for r in rows)
+    # plain DuckDB on the workspace's catalog sees the new view too
+    con = duckdb.connect(str(sim_ws.catalog_path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM simulations").fetchone()[0] == len(rows)
+    finally:
+        con.close()
 
 
 def test_ctrl_simulate_with_a_target_reports_replicas(sim_ws):
