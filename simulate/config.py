@@ -69,7 +69,8 @@ class SimulateConfig:
     run: str = option("latest", help=
         "The offline run whose controller is simulated: a run id, a run directory or 'latest' (the most recently "
         "started offline run with a checkpoint). Requests draw samples from its unseen split: its held-out "
-        "dataset, else its test split.")
+        "dataset; else, cross-fitted, its validation split (the deployed network trains on the test split too); "
+        "else its test split.")
     workspace: Path | None = option(None, help="Workspace: the run, the profile and where the results go.",
                                     **WORKSPACE_CLI)
     samples: str | None = option(None, help=
