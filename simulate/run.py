@@ -182,7 +182,8 @@ class SimulationResult:
 def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, OfflineDecider, Overheads]:
     """The run, its profile, its controller and the overheads ``config`` simulates with."""
     workspace = Workspace(config.workspace)
-    run = RunDir.resolve(workspace, config.run, ("offline", "online"))
+    # "latest" is the latest offline run: an online run cannot be simulated (below)
+    run = RunDir.resolve(workspace, config.run, ("offline",))
     if run.phase == "online":
         msg = (f"run {run.run_id} is an online run: its stage 2 reads the latency token of the model's own blocks, "
                "which a simulation without the model has not got\nHint: simulate the offline run it started from.")
