@@ -1,14 +1,17 @@
-"""The costs of a served request outside the profiled model time, and the machine's latency scale: read
-from a ``ctrl serve`` request log (a workspace's ``requests/*.jsonl`` or one such file), else none.
+"""The costs of a served request outside the profiled model time, the machine's latency scales and its
+service noise: read from a ``ctrl serve`` request log (a workspace's ``requests/*.jsonl`` or one such
+file), else none.
 
 A served request's time is its parse, its queue, stage 1 (the controller's first decision and the
 budget plan), the preprocessing at the chosen crops that the worker waits for, the model (vision,
 prefill, decode: what the profile records), stage 2, the rest until the answer's text
-(detokenising, the record) and the reply's write. The simulation takes each fixed part as the median
-of the log's answered requests (preprocessing per crops choice), and the latency scale as their
-median model time over the reference latency of the configuration they ran. The log records the
-reply's write only as the server's reserve for it (the 90th percentile of recent replies): its
-median is read, so the reply term leans long.
+(detokenising, the record) and the reply's write. From the log's :data:`RECENT_REQUESTS` most recent
+answered requests, the simulation takes each fixed part as their median (preprocessing per crops
+choice); the latency scale as their median model time over the simulated samples' median latency at
+the configuration they ran (per configuration where enough ran it); and the service noise as the
+spread of those ratios beyond the samples' own. The log records the reply's write only as the
+server's reserve for it (the 90th percentile of recent replies): its median is read, so the reply
+term leans long; the client's own costs are not in the log at all.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from pipeline.knobs import Config
 
 #: the fewest requests at one configuration that give it a latency scale of its own
 SCALE_MIN_REQUESTS = 8
+#: the answered requests the calibration reads: the most recent (a workspace's logs span every session
+#: served on it, on whatever machine and load it ran then)
+RECENT_REQUESTS = 2000
 #: the request-log columns the calibration reads
-LOG_COLUMNS = ("status", "model_fingerprint", "max_crops", "top_k", "num_active_blocks", "reply_reserve_ms",
+LOG_COLUMNS = ("time", "status", "model_fingerprint", "max_crops", "top_k", "num_active_blocks", "reply_reserve_ms",
                "latency_parse_ms", "latency_queue_ms", "latency_stage1_ms", "latency_preprocess_ms",
                "latency_stage2_ms", "latency_model_ms", "latency_total_ms")
 
@@ -79,8 +85,9 @@ def log_files(source: Path) -> list[Path]:
     return files
 
 
-def read_log(source: Path, model_fingerprint: str | None = None) -> pl.DataFrame:
-    """The answered requests of ``source``'s logs (of the model ``model_fingerprint`` where given)."""
+def read_log(source: Path, model_fingerprint: str | None = None, recent: int = RECENT_REQUESTS) -> pl.DataFrame:
+    """The ``recent`` most recent answered requests of ``source``'s logs (of the model ``model_fingerprint``
+    where given), oldest first."""
     frames = []
     for path in log_files(source):
         if path.stat().st_size == 0:  # a server that answered nothing
@@ -97,7 +104,7 @@ def read_log(source: Path, model_fingerprint: str | None = None) -> pl.DataFrame
             msg = f"{path}: not a request log of `ctrl serve` (no column {missing[0]!r})"
             raise CtrlError(msg)
         frames.append(frame.select([pl.col(c).cast(pl.Float64) if c.startswith(("latency_", "reply_", "max_", "top_",
-                                                                                 "num_")) else pl.col(c)
+                                                                                 "num_")) else pl.col(c).cast(pl.Utf8)
                                     for c in LOG_COLUMNS]))
     log = pl.concat(frames) if frames else pl.DataFrame(schema={c: pl.Float64 for c in LOG_COLUMNS})
     if log.height:
@@ -108,7 +115,8 @@ def read_log(source: Path, model_fingerprint: str | None = None) -> pl.DataFrame
         which = f" of model {model_fingerprint[:16]}" if model_fingerprint else ""
         msg = f"{source}: the request log has no answered request{which} to calibrate from"
         raise CtrlError(msg)
-    return log
+    # ISO 8601 times in UTC, as the server writes them, sort as text
+    return log.sort("time", maintain_order=True).tail(recent)
 
 
 def _median(values: pl.Series | list[float]) -> float:
@@ -117,11 +125,11 @@ def _median(values: pl.Series | list[float]) -> float:
 
 
 def calibrate(source: Path, reference_ms: Mapping[Config, float], model_fingerprint: str | None = None,
-              sample_spread: Mapping[Config, float] | None = None) -> Overheads:
+              sample_spread: Mapping[Config, float] | None = None, recent: int = RECENT_REQUESTS) -> Overheads:
     """The :class:`Overheads` of a served request log; the latency scale is the median of the requests' model
     time over ``reference_ms`` of their configuration (the simulated samples' median latency there; 1 where no
     request ran a configuration with one)."""
-    log = read_log(source, model_fingerprint)
+    log = read_log(source, model_fingerprint, recent)
     parts = {c: log[c].to_list() for c in LOG_COLUMNS if c.startswith("latency_")}
     rest = [t - (q or 0) - (p or 0) - (s1 or 0) - (pp or 0) - (m or 0) - (s2 or 0)
             for t, q, p, s1, pp, m, s2 in zip(parts["latency_total_ms"], parts["latency_queue_ms"],

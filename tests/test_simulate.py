@@ -308,7 +308,8 @@ def test_the_fewest_replicas_search_finds_the_smallest_that_meets_the_target():
 def test_calibration_reads_the_medians_of_a_request_log(tmp_path):
     rows = []
     for i, (crops, model) in enumerate([(2, 100.0), (2, 120.0), (6, 300.0)]):
-        rows.append({"status": "ok", "model_fingerprint": "abc", "max_crops": crops, "top_k": 8,
+        rows.append({"time": f"2026-12-07T05:00:0{i}.000000Z", "status": "ok", "model_fingerprint": "abc",
+                     "max_crops": crops, "top_k": 8,
                      "num_active_blocks": 16, "reply_reserve_ms": 4.0 + i, "latency_parse_ms": 1.0 + i,
                      "latency_queue_ms": 0.0, "latency_stage1_ms": 2.0, "latency_preprocess_ms": 5.0 * crops,
                      "latency_stage2_ms": 0.5, "latency_model_ms": model,
@@ -327,12 +328,30 @@ def test_calibration_reads_the_medians_of_a_request_log(tmp_path):
         calibrate(log, reference, "other")
 
 
+def test_calibration_reads_the_most_recent_requests_of_every_log(tmp_path):
+    def row(second, model_ms):
+        return {"time": f"2026-12-07T05:00:{second:02d}.000000Z", "status": "ok", "model_fingerprint": "abc",
+                "max_crops": 2, "top_k": 4, "num_active_blocks": 12, "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0,
+                "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0, "latency_preprocess_ms": 1.0,
+                "latency_stage2_ms": 1.0, "latency_model_ms": model_ms, "latency_total_ms": model_ms + 5.0}
+
+    (tmp_path / "requests").mkdir()
+    # an older session on a slow machine (5x), a newer one at 2x, in files whose names sort the other way
+    (tmp_path / "requests" / "b-old.jsonl").write_text("\n".join(json.dumps(row(s, 50.0)) for s in range(10)))
+    (tmp_path / "requests" / "a-new.jsonl").write_text("\n".join(json.dumps(row(s, 20.0)) for s in range(20, 26)))
+    reference = {(2, 4, 12): 10.0}
+    assert calibrate(tmp_path, reference, recent=6).latency_scale == 2.0
+    assert calibrate(tmp_path, reference, recent=8).requests == 8
+    assert calibrate(tmp_path, reference, recent=100).latency_scale == 5.0  # the median of 10 at 5x, 6 at 2x
+
+
 def test_a_configuration_with_enough_requests_in_the_log_keeps_its_own_latency_scale(tmp_path):
     from simulate.calibration import SCALE_MIN_REQUESTS
 
     reference = {(2, 4, 12): 10.0, (6, 8, 14): 20.0, (10, 8, 16): 40.0}
     runs = [((2, 4, 12), 30.0)] * SCALE_MIN_REQUESTS + [((6, 8, 14), 20.0)] * 3 + [((10, 8, 16), 44.0)] * 6
-    rows = [{"status": "ok", "model_fingerprint": "abc", "max_crops": c, "top_k": k, "num_active_blocks": b,
+    rows = [{"time": "2026-12-07T05:00:00.000000Z", "status": "ok", "model_fingerprint": "abc", "max_crops": c,
+             "top_k": k, "num_active_blocks": b,
              "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0, "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0,
              "latency_preprocess_ms": 1.0, "latency_stage2_ms": 1.0, "latency_model_ms": ms,
              "latency_total_ms": ms + 5.0} for (c, k, b), ms in runs]
@@ -350,7 +369,8 @@ def test_the_log_spread_beyond_the_samples_own_is_the_service_noise(tmp_path):
 
     reference = {(2, 4, 12): 10.0}
     ratios = [m.exp(0.3), m.exp(-0.3)] * 4  # the log of the ratio: +-0.3, a variance of 0.09
-    rows = [{"status": "ok", "model_fingerprint": "abc", "max_crops": 2, "top_k": 4, "num_active_blocks": 12,
+    rows = [{"time": "2026-12-07T05:00:00.000000Z", "status": "ok", "model_fingerprint": "abc", "max_crops": 2,
+             "top_k": 4, "num_active_blocks": 12,
              "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0, "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0,
              "latency_preprocess_ms": 1.0, "latency_stage2_ms": 1.0, "latency_model_ms": 10.0 * r,
              "latency_total_ms": 10.0 * r + 5.0} for r in ratios]
