@@ -53,7 +53,6 @@ from serve.engine import (
     Engine,
     Job,
     LogUnavailable,
-    Overloaded,
     Result,
     new_job,
 )
@@ -66,6 +65,7 @@ from serve.protocol import (
     parse_json_body,
     slo_budget_ms,
 )
+from serve.scheduling import Overloaded
 from serve.streaming import DISCONNECT_POLL_S, stream_reply
 
 #: requests whose bodies are parsed and images decoded at once (the others wait, holding only their bytes)

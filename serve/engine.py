@@ -66,14 +66,7 @@ from serve.metrics import ServeMetrics
 from serve.preprocessing import PreparedInputs, Preprocessor
 from serve.protocol import ChatRequest, RequestError
 from serve.request_log import RequestLog, RequestLogGone
-from serve.scheduling import (  # noqa: F401 (the refusals are the engine's API too)
-    BudgetLeftBehind,
-    BudgetUnreachable,
-    DeadlineExceeded,
-    Overloaded,
-    Scheduler,
-    milliseconds,
-)
+from serve.scheduling import BudgetUnreachable, Overloaded, Scheduler
 
 #: the budget plan's terms recorded with a request (serve.budget.BudgetPlan; the requests view's columns)
 PLAN_COLUMNS = ("reserve_ms", "reply_reserve_ms", "budget_left_ms", "queue_cap_ms", "arrival_rate_rps",

@@ -7,6 +7,7 @@ each attention window the served prompts reach."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -21,17 +22,21 @@ from serve.engine import Engine, Result, new_job
 from serve.protocol import ChatRequest
 
 
+def fastest_and_slowest(reference_ms: Mapping[Config, float], max_crops: int) -> list[Config]:
+    """At one crops choice, its fastest and its slowest configuration by reference latency (one where
+    they are the same; none without a reference latency there)."""
+    ranked = sorted((ms, knobs) for knobs, ms in reference_ms.items() if knobs[0] == int(max_crops))
+    return list(dict.fromkeys([ranked[0][1], ranked[-1][1]])) if ranked else []
+
+
 def warmup_configs(engine: Engine) -> list[Config]:
     """What the warm-up runs: per crops choice of the controller, its fastest and its slowest
     configuration by reference latency (the range the latency scale is seeded over), or the model's
     defaults at that crops choice where the controller has no reference latencies."""
     configs: list[Config] = []
-    reference = engine.latency_scale.reference_ms
     for max_crops in engine.decider.max_crops_values:
-        ranked = sorted((ms, knobs) for knobs, ms in reference.items() if knobs[0] == int(max_crops))
-        chosen = [ranked[0][1], ranked[-1][1]] if ranked else [
-            (int(max_crops), engine.runtime.default_top_k, engine.runtime.num_layers)]
-        configs.extend(dict.fromkeys(chosen))
+        configs.extend(fastest_and_slowest(engine.latency_scale.reference_ms, max_crops) or [
+            (int(max_crops), engine.runtime.default_top_k, engine.runtime.num_layers)])
     return configs
 
 

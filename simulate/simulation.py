@@ -33,6 +33,7 @@ from pipeline.knobs import Config
 from serve.budget import BudgetPlan, BudgetPlanner
 from serve.deciders import CheapestConfig, FixedKnobs, OfflineDecider, RequestDecider, Stage1Choice
 from serve.scheduling import BudgetUnreachable, Scheduler
+from serve.warmup import fastest_and_slowest
 from simulate.calibration import Overheads
 from simulate.profile import SimProfile
 
@@ -108,6 +109,7 @@ class _Replica:
         self.taken = 0  # places: bodies being read, requests waiting, the one running
         self.pending = 0  # waiting + running
         self.busy = False
+        self.fixed: dict[Config, FixedKnobs] = {}  # the deciders of requests at their own knobs
 
 
 class _Clock:
@@ -238,9 +240,7 @@ class Simulation:
         i = job.sample
         spent_ms = (now - job.arrival) * 1000.0
         plan = sched.plan(job, spent_ms, now)
-        decider: RequestDecider = sched.decider if not job.fixed else FixedKnobs(
-            {"max_crops": job.knobs[0], "top_k": job.knobs[1], "num_active_blocks": job.knobs[2]},
-            self._fixed_limits[0], self._fixed_limits[1], max(job.knobs[0], 1), sched.decider.cost)
+        decider: RequestDecider = sched.decider if not job.fixed else self._fixed(replica, job.knobs)
         decider = sched.decider_for(job, plan, decider)
         lang, tiling = profile.lang[i], profile.tiling[i]
         prompt = float(profile.prompt_tokens[i])
@@ -278,19 +278,28 @@ class Simulation:
         reserves what a served request does; then the margins are seeded from the scale."""
         sched, over = replica.scheduler, self.overheads
         decider = sched.decider
-        configs = warmup_configs(decider.reference_latency_ms, decider.max_crops_values)
+        configs = [c for m in decider.max_crops_values for c in fastest_and_slowest(decider.reference_latency_ms, m)]
         for _ in range(2):
             for config in configs:
                 base = self._median_ms.get(config, decider.reference_latency_ms[config])
                 model_ms = base * over.scale(config)
                 worker_ms = over.worker_ms(config[0], model_ms)
-                fixed = FixedKnobs({"max_crops": config[0], "top_k": config[1], "num_active_blocks": config[2]},
-                                   self._fixed_limits[0], self._fixed_limits[1], max(config[0], 1), decider.cost)
+                fixed = self._fixed(replica, config)
                 measured_ms = over.stage1_ms + over.stage2_ms + model_ms
                 sched.observe_served(fixed, Stage1Choice(config[0], 0, None, "request"), config, fixed=True,
                                      plan=None, model_ms=model_ms, measured_ms=measured_ms,
                                      after_ms=worker_ms - model_ms, service_ms=worker_ms)
         sched.planner.seed_margin(decider.cost.scale.ratios())
+
+    def _fixed(self, replica: _Replica, config: Config) -> FixedKnobs:
+        """The decider of a request at its own knobs ``config`` on ``replica`` (its cost model the server's),
+        made once per configuration and replica."""
+        fixed = replica.fixed.get(config)
+        if fixed is None:
+            knobs = {"max_crops": config[0], "top_k": config[1], "num_active_blocks": config[2]}
+            fixed = replica.fixed[config] = FixedKnobs(knobs, self._fixed_limits[0], self._fixed_limits[1],
+                                                       max(config[0], 1), replica.scheduler.decider.cost)
+        return fixed
 
     def _balance(self, replicas: Sequence[_Replica], turn: int, rng: np.random.Generator) -> _Replica:
         if len(replicas) == 1:
@@ -338,16 +347,6 @@ def memoize_per_question(deployed: torch.nn.Module) -> None:
     object.__setattr__(deployed, "_ctrl_memoized", True)
 
 
-def warmup_configs(reference: dict[Config, float], max_crops_values: Sequence[int]) -> list[Config]:
-    """Per crops choice, its fastest and its slowest configuration by reference latency (those with one)."""
-    configs: list[Config] = []
-    for max_crops in max_crops_values:
-        ranked = sorted((ms, knobs) for knobs, ms in reference.items() if knobs[0] == int(max_crops))
-        if ranked:
-            configs.extend(dict.fromkeys([ranked[0][1], ranked[-1][1]]))
-    return configs
-
-
 def cheapest_config(decider: OfflineDecider) -> Config:
     """The configuration the server's cheapest rule runs (the smallest reference latency)."""
     return CheapestConfig(decider).config
@@ -360,8 +359,8 @@ def full_config(profile: SimProfile) -> Config:
 
 def capacity_rps(profile: SimProfile, overheads: Overheads) -> float:
     """One replica's capacity: 1 / the mean worker time of the unseen samples at :func:`full_config`."""
-    column = profile.column(full_config(profile))
     config = full_config(profile)
+    column = profile.column(config)
     worker = [overheads.worker_ms(config[0], float(ms) * overheads.scale(config))
               for ms in profile.latency_ms[:, column]]
     return 1000.0 / float(np.mean(worker))

@@ -990,9 +990,10 @@ def test_a_request_the_queue_leaves_no_room_for_is_refused_on_arrival(embedded_r
 
     from controller.cost import LatencyScale
     from pipeline.workspace import Workspace
-    from serve.engine import BudgetUnreachable, Engine, new_job
+    from serve.engine import Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
+    from serve.scheduling import BudgetUnreachable
 
     decider = RecordingDecider({(2, 2, 3): 150.0, (1, 2, 3): 100.0})  # the cheapest: 100 ms x scale 2
     engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=16, default_budget_ms=None,
@@ -1031,9 +1032,10 @@ def test_a_queued_request_whose_budget_is_left_behind_is_dropped_not_run(embedde
 
     from controller.cost import LatencyScale
     from pipeline.workspace import Workspace
-    from serve.engine import BudgetLeftBehind, Engine, new_job
+    from serve.engine import Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
+    from serve.scheduling import BudgetLeftBehind
 
     decider = RecordingDecider({(2, 2, 3): 150.0, (1, 2, 3): 100.0})
     engine = Engine(embedded_runtime, decider, model_name="embedded", max_queue=16, default_budget_ms=None,
@@ -1159,8 +1161,9 @@ def test_a_left_requests_outcome_is_not_left_as_an_exception_no_one_reads():
 
 
 def test_a_full_queue_refuses_before_the_body_is_parsed(embedded_runtime, tmp_path):
-    from serve.engine import Overloaded, new_job
+    from serve.engine import new_job
     from serve.protocol import ChatRequest
+    from serve.scheduling import Overloaded
 
     engine = in_process_engine(embedded_runtime, RecordingDecider(), tmp_path)  # max_queue 1, no worker
     engine.check_room()

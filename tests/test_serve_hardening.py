@@ -714,9 +714,10 @@ def test_the_default_queue_deadline_drops_after_four_budgets_not_eight(embedded_
 
     from pipeline.workspace import Workspace
     from serve.config import ServeConfig
-    from serve.engine import DeadlineExceeded, Engine, new_job
+    from serve.engine import Engine, new_job
     from serve.protocol import ChatRequest
     from serve.request_log import RequestLog
+    from serve.scheduling import DeadlineExceeded
 
     engine = Engine(embedded_runtime, RecordingDecider(), model_name="embedded", max_queue=1, default_budget_ms=100.0,
                     threads=1, request_log=RequestLog(Workspace(tmp_path / "ws")),
