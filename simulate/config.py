@@ -6,12 +6,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.options import WORKSPACE_CLI, option
+from pipeline.options import WORKSPACE_CLI, option, option_default
+from serve.config import ServeConfig
 
 #: how requests are spread over the replicas
 BALANCERS = ("round-robin", "least-loaded", "power-of-two")
-#: the simulation's own defaults where the issue of a flag is a server's (``ctrl serve``'s defaults)
-SERVE_DEFAULT_MAX_QUEUE, SERVE_DEFAULT_QUEUE_DEADLINE, SERVE_DEFAULT_MET_TARGET = 8, 4.0, 0.95
+#: the server's options a simulated replica runs with: ``ctrl serve``'s defaults, written once there
+SERVE_DEFAULT_MAX_QUEUE, SERVE_DEFAULT_QUEUE_DEADLINE, SERVE_DEFAULT_MET_TARGET = (
+    option_default(ServeConfig, name) for name in ("max_queue", "queue_deadline", "met_target"))
 
 
 class SimulateOptionError(ValueError):

@@ -35,6 +35,7 @@ from serve.deciders import CheapestConfig, FixedKnobs, OfflineDecider, RequestDe
 from serve.scheduling import BudgetUnreachable, Scheduler
 from serve.warmup import fastest_and_slowest
 from simulate.calibration import Overheads
+from simulate.config import SERVE_DEFAULT_MAX_QUEUE, SERVE_DEFAULT_MET_TARGET, SERVE_DEFAULT_QUEUE_DEADLINE
 from simulate.profile import SimProfile
 
 
@@ -76,9 +77,9 @@ class SimRequest:
 class ServerOptions:
     """The ``ctrl serve`` options a replica runs with (their defaults are the server's)."""
 
-    max_queue: int = 8
-    queue_deadline: float = 4.0
-    met_target: float | None = 0.95
+    max_queue: int = SERVE_DEFAULT_MAX_QUEUE
+    queue_deadline: float = SERVE_DEFAULT_QUEUE_DEADLINE
+    met_target: float | None = SERVE_DEFAULT_MET_TARGET
 
 
 @dataclass(frozen=True)
