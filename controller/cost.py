@@ -39,18 +39,21 @@ def quantile_of(values: Sequence[float] | Iterable[float], q: float, empty: floa
 
 
 class RecentWindow:
-    """The last ``size`` values appended, thread-safe, and quantiles of them."""
+    """The last ``size`` values appended, thread-safe, and quantiles of them (read far more often than
+    appended to: the sorted values are kept until the next append)."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
             msg = f"a window holds at least one value, got {size!r}"
             raise ValueError(msg)
         self._values: deque[float] = deque(maxlen=int(size))
+        self._sorted: list[float] | None = None
         self._lock = threading.Lock()
 
     def append(self, value: float) -> None:
         with self._lock:
             self._values.append(float(value))
+            self._sorted = None
 
     def values(self) -> list[float]:
         """The values held, oldest first."""
@@ -62,7 +65,13 @@ class RecentWindow:
 
     def quantile(self, q: float, empty: float = 0.0) -> float:
         """:func:`quantile_of` the values held (``empty`` when there are none)."""
-        return quantile_of(self.values(), q, empty)
+        with self._lock:
+            ordered = self._sorted
+            if ordered is None:
+                ordered = self._sorted = sorted(self._values)
+        if not ordered:
+            return empty
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def median(self, empty: float = 0.0) -> float:
         return self.quantile(0.5, empty)

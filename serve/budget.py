@@ -43,13 +43,16 @@ Every function here takes plain numbers; tests call them with values written out
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from controller.cost import LatencyScale, QuantileTracker, quantile_of
+import numpy as np
+
+from controller.cost import LatencyScale, QuantileTracker, RecentWindow, quantile_of
 from pipeline.knobs import Config
 
 #: how far one request moves the budget margin (log scale, per unit of met - target)
@@ -226,13 +229,18 @@ def wait_exceeds(t_ms: float, rho: float, mean_wait: float) -> float:
 
 
 def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
-    """The longest service time ``s`` with ``s + mean_wait_ms(s) <= budget_ms`` (bisection: the left
-    side grows with ``s``); None without adjustable arrivals, 0 when not even an instant request would
-    meet the budget at this load."""
+    """The longest service time ``s`` (at most ``budget_ms``) with ``s + mean_wait_ms(s) <= budget_ms``;
+    None without adjustable arrivals, 0 when not even an instant request would meet the budget at this
+    load. The left side grows with ``s``; times ``1 - rho(s)`` the inequality is a quadratic in ``s``,
+    whose root is the cap (bisection where the quadratic does not hold: arrivals smoother than Poisson)."""
     if load.rate_adjustable <= 0 or not budget_ms > 0:
         return None
     if mean_wait_ms(0.0, load) > budget_ms:
         return 0.0
+    if load.arrival_scv >= 1.0:
+        cap = _arrival_cap_root(budget_ms, load)
+        if cap is not None:
+            return cap
     low, high = 0.0, budget_ms
     for _ in range(60):
         mid = (low + high) / 2
@@ -243,22 +251,67 @@ def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
     return low
 
 
+def _arrival_cap_root(budget_ms: float, load: Load) -> float | None:
+    """:func:`arrival_cap_ms` in closed form. With ``rho(s) = r s + b`` and the second moment ``A s^2 + C``,
+    ``s + W(s) <= B`` times ``1 - rho(s)`` reads ``a2 s^2 + a1 s + a0 <= 0`` (Kingman's term ``K rho^2``
+    included); its crossing below the saturation point is the cap, stepped down to the last float that
+    keeps the inequality as :func:`mean_wait_ms` computes it. None where that fails (the caller bisects)."""
+    occupancy = load.occupancy
+    r = occupancy * load.rate_adjustable / 1000.0
+    b = occupancy * load.rate_other / 1000.0 * load.other_mean_ms
+    big_a = occupancy ** 2 * load.rate_adjustable / 1000.0 * (1.0 + load.service_scv)
+    big_c = occupancy ** 2 * load.rate_other / 1000.0 * load.other_m2_ms2
+    total_rate = (load.rate_adjustable + load.rate_other) / 1000.0
+    k = (load.arrival_scv - 1.0) / 2.0 / total_rate if load.arrival_scv != 1.0 and total_rate > 0 else 0.0
+    a2 = big_a / 2.0 - r + k * r * r
+    a1 = 1.0 - b + 2.0 * k * r * b + budget_ms * r
+    a0 = big_c / 2.0 + k * b * b - budget_ms * (1.0 - b)
+    saturation = (1.0 - b) / r
+    if a2 == 0.0:
+        root = -a0 / a1 if a1 > 0 else math.inf
+    else:
+        disc = a1 * a1 - 4.0 * a2 * a0
+        if disc < 0:
+            return None
+        q = -0.5 * (a1 + math.copysign(math.sqrt(disc), a1))
+        roots = [x for x in (q / a2, a0 / q if q != 0 else math.nan) if 0.0 <= x <= saturation]
+        if not roots:
+            return None
+        root = min(roots)
+    cap = min(budget_ms, max(0.0, root))
+
+    def meets(s: float) -> bool:
+        return s + mean_wait_ms(s, load) <= budget_ms
+
+    for _ in range(64):  # the root's rounding: the last float on the side the inequality holds
+        if meets(cap):
+            return cap
+        cap = math.nextafter(cap, 0.0)
+    return None
+
+
 def cheapest_met_share(costs_ms: Sequence[float], budget_ms: float, rate_per_s: float) -> float:
     """The share of requests the cheapest configuration would answer within ``budget_ms`` were every
     request served with it: each of ``costs_ms`` (what it would take, on the machine as the recently
     served requests found it) waits in an M/G/1 queue of those costs at ``rate_per_s``,
     ``P(wait <= t) = 1 - rho exp(-t rho / W)`` (the Pollaczek-Khinchine mean ``W``, an exponential tail);
     the mean of ``P(wait <= budget - cost)`` over the costs. 0 where that queue is unstable."""
-    if not costs_ms:
+    costs = np.asarray(costs_ms, dtype=np.float64)
+    if costs.shape[0] == 0:
         return math.nan
     # every request at the cheapest configuration: a queue of "other" requests only
-    queue = Load(0.0, max(0.0, rate_per_s), sum(costs_ms) / len(costs_ms),
-                 sum(c * c for c in costs_ms) / len(costs_ms))
+    queue = Load(0.0, max(0.0, rate_per_s), float(costs.mean()), float((costs * costs).mean()))
     rho = utilisation(0.0, queue)
     if rho >= 1.0:
         return 0.0
     mean_wait = mean_wait_ms(0.0, queue)
-    return sum(1.0 - wait_exceeds(budget_ms - cost, rho, mean_wait) for cost in costs_ms) / len(costs_ms)
+    # wait_exceeds over every cost at once
+    slack = budget_ms - costs
+    if rho <= 0.0 or mean_wait <= 0.0:
+        exceeds = np.where(slack < 0, 1.0, 0.0)
+    else:
+        exceeds = np.where(slack < 0, 1.0, rho * np.exp(-np.maximum(slack, 0.0) * rho / mean_wait))
+    return float((1.0 - exceeds).mean())
 
 
 class ArrivalRate:
@@ -278,9 +331,9 @@ class ArrivalRate:
 
     def _recent(self, now_s: float, count: int | None = None) -> list[float]:
         with self._lock:
-            times = list(self._times)
-        if count is not None:
-            times = times[-count:]
+            held = len(self._times)
+            start = 0 if count is None else max(0, held - count)
+            times = list(itertools.islice(self._times, start, held))
         return [t for t in times if now_s - t <= self.horizon_s]
 
     def rate(self, now_s: float) -> float | None:
@@ -305,21 +358,23 @@ class ArrivalRate:
         """The index of dispersion (variance over mean) of the arrival counts in consecutive windows of
         ``bin_s`` ending now, over the arrivals kept in the horizon: 1 for a Poisson stream, more for a
         bursty one; None with fewer than :data:`DISPERSION_MIN_BINS` windows or arrivals."""
-        recent = self._recent(now_s)
-        if not bin_s > 0 or len(recent) < DISPERSION_MIN_BINS:
+        with self._lock:
+            times = np.fromiter(self._times, dtype=np.float64, count=len(self._times))
+        age = now_s - times
+        recent = age[age <= self.horizon_s]
+        if not bin_s > 0 or recent.shape[0] < DISPERSION_MIN_BINS:
             return None
-        bins = int((now_s - recent[0]) // bin_s)
+        bins = int(recent[0] // bin_s)
         if bins < DISPERSION_MIN_BINS:
             return None
-        counts = [0] * bins
-        for t in recent:
-            index = int((now_s - t) // bin_s)
-            if index < bins:
-                counts[index] += 1
-        mean = sum(counts) / bins
-        if mean <= 0:
+        index = np.floor_divide(recent, bin_s).astype(np.int64)
+        counts = np.bincount(index[index < bins])
+        # the counts' sum and sum of squares in integers (exact); the empty windows count as zeros
+        total, squares = int(counts.sum()), int((counts * counts).sum())
+        if total <= 0:
             return None
-        return sum((c - mean) ** 2 for c in counts) / (bins - 1) / mean
+        mean = total / bins
+        return (squares * bins - total * total) / bins / (bins - 1) / mean
 
 
 def replay_cheapest(arrivals: Sequence[tuple[float, float]], costs_ms: Sequence[float]) -> list[bool]:
@@ -393,12 +448,15 @@ class BudgetPlanner:
         self.initial_margin = 1.0
         self._margins: dict[int, BudgetMargin] = {}
         self._feasible: dict[int, deque[float]] = {}
-        self._after: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # after stage 1, outside the model's path
-        self._reply: deque[float] = deque(maxlen=OVERHEAD_WINDOW)  # serialising and writing the reply
+        self._after = RecentWindow(OVERHEAD_WINDOW)  # after stage 1, outside the model's path
+        self._reply = RecentWindow(OVERHEAD_WINDOW)  # serialising and writing the reply
         self._served: deque[tuple[float, float]] = deque(maxlen=FEASIBLE_WINDOW)  # (model / reference, after)
         self._service: dict[bool, deque[float]] = {True: deque(maxlen=SERVICE_WINDOW),
                                                    False: deque(maxlen=SERVICE_WINDOW)}
         self._arrivals = {True: ArrivalRate(), False: ArrivalRate()}
+        # what every plan reads of the served requests, kept until the next one is served
+        self._service_moments: tuple[float, float, float] | None = None
+        self._cheapest_costs: list[float] | None = None
         self._lock = threading.Lock()
 
     # -- what the server measures
@@ -439,8 +497,10 @@ class BudgetPlanner:
         with self._lock:
             self._after.append(max(0.0, after_ms))
             self._service[bool(adjustable)].append(max(0.0, service_ms))
+            self._service_moments = None
             if model_over_reference is not None and math.isfinite(model_over_reference):
                 self._served.append((model_over_reference, max(0.0, after_ms)))
+                self._cheapest_costs = None
 
     def observe_reply(self, reply_ms: float) -> None:
         """The time from the answer's text to the reply's last byte handed to the socket."""
@@ -470,7 +530,7 @@ class BudgetPlanner:
     def reserve_ms(self) -> tuple[float, float]:
         """(after stage 1, reply): each the 90th percentile of the last requests, 0 before the first."""
         with self._lock:
-            return _p90(list(self._after)), _p90(list(self._reply))
+            return self._after.quantile(0.9), self._reply.quantile(0.9)
 
     def cheapest_least_ms(self) -> tuple[float, float] | None:
         """(the least the cheapest configuration typically takes to serve a request, its reply's part): its
@@ -482,8 +542,8 @@ class BudgetPlanner:
         if self.cheapest_reference_ms is None or self.cheapest_config is None:
             return None
         with self._lock:
-            after = quantile_of(list(self._after), LEAST_QUANTILE)
-            reply = quantile_of(list(self._reply), LEAST_QUANTILE)
+            after = self._after.quantile(LEAST_QUANTILE)
+            reply = self._reply.quantile(LEAST_QUANTILE)
         scale = self.latency_scale.of(self.cheapest_config, LEAST_QUANTILE)
         return self.cheapest_reference_ms * scale + after + reply, reply
 
@@ -511,16 +571,26 @@ class BudgetPlanner:
             dispersion = streams[True].dispersion(now_s, budget_ms / 1000.0)
             if dispersion is not None:
                 arrival_scv = min(ARRIVAL_SCV_BOUNDS[1], max(ARRIVAL_SCV_BOUNDS[0], dispersion))
-        with self._lock:
-            adjustable, other = list(self._service[True]), list(self._service[False])
-        scv = 0.0
-        if len(adjustable) >= 5:
-            mean = sum(adjustable) / len(adjustable)
-            var = sum((s - mean) ** 2 for s in adjustable) / len(adjustable)
-            scv = min(3.0, var / mean ** 2) if mean > 0 else 0.0
-        mean_o = sum(other) / len(other) if other else 0.0
-        m2_o = sum(s * s for s in other) / len(other) if other else 0.0
+        scv, mean_o, m2_o = self._service_statistics()
         return rate_a, Load(rate_a, rate_o, mean_o, m2_o, scv, arrival_scv, min(1.0, max(1e-3, occupancy)))
+
+    def _service_statistics(self) -> tuple[float, float, float]:
+        """(the adjustable requests' service-time scv, the other requests' mean and second moment) over
+        the last requests served."""
+        with self._lock:
+            moments = self._service_moments
+            if moments is not None:
+                return moments
+            adjustable, other = list(self._service[True]), list(self._service[False])
+            scv = 0.0
+            if len(adjustable) >= 5:
+                mean = sum(adjustable) / len(adjustable)
+                var = sum((s - mean) ** 2 for s in adjustable) / len(adjustable)
+                scv = min(3.0, var / mean ** 2) if mean > 0 else 0.0
+            mean_o = sum(other) / len(other) if other else 0.0
+            m2_o = sum(s * s for s in other) / len(other) if other else 0.0
+            self._service_moments = (scv, mean_o, m2_o)
+            return self._service_moments
 
     def arrival_rate_rps(self, now_s: float) -> float | None:
         """Every request's arrival rate now (both streams, as :meth:`load` reads them); None before enough arrivals."""
@@ -607,7 +677,7 @@ class BudgetPlanner:
             kept = list(self._kept.get(index, ()))
             history = list(self._history)
             served = list(self._served)
-            reply = quantile_of(self._reply, 0.5)
+            reply = self._reply.quantile(0.5)
             was_on = self._floor_on.get(index, False)
         if len(kept) < FLOOR_MIN or not served:
             return False
@@ -641,10 +711,12 @@ class BudgetPlanner:
         if self.cheapest_reference_ms is None:
             return None
         with self._lock:
-            served = list(self._served)
-            if not served:
+            costs = self._cheapest_costs
+            if costs is None:
+                costs = self._cheapest_costs = [ratio * self.cheapest_reference_ms + after
+                                                for ratio, after in self._served]
+            if not costs:
                 return None
-            costs = [ratio * self.cheapest_reference_ms + after for ratio, after in served]
             share = cheapest_met_share(costs, budget_ms, rate_per_s)
             history = self._feasible.setdefault(index, deque(maxlen=FEASIBLE_WINDOW))
             history.append(share)

@@ -25,6 +25,14 @@ def test_a_window_forgets_the_oldest_values():
     assert window.values() == [1.0, 2.0, 3.0] and len(window) == 3
     assert window.median() == 2.0 and window.quantile(1.0) == 3.0
     assert RecentWindow(2).median(empty=7.0) == 7.0
+    growing = RecentWindow(3)
+    growing.append(1.0)
+    assert growing.median() == 1.0
+    growing.append(5.0)
+    assert growing.quantile(1.0) == 5.0  # read after each append: never a stale answer
+    for value in (9.0, 11.0):
+        growing.append(value)
+    assert growing.median() == 9.0 and growing.quantile(0.0) == 5.0
     with pytest.raises(ValueError, match="at least one value"):
         RecentWindow(0)
 

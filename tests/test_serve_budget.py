@@ -13,6 +13,7 @@ from serve.budget import (
     BudgetMargin,
     BudgetPlanner,
     Load,
+    _arrival_cap_root,
     arrival_cap_ms,
     budget_class,
     cheapest_met_share,
@@ -59,6 +60,32 @@ def test_arrival_cap_by_hand():
     assert arrival_cap_ms(300.0, Load(0.0)) is None
     # others alone hold the server 99 % of the time: even an instant request waits past the budget
     assert arrival_cap_ms(50.0, Load(1.0, rate_other=19.8, other_mean_ms=50.0, other_m2_ms2=2500.0)) == 0.0
+
+
+def test_arrival_cap_with_bursty_arrivals_and_batching_by_hand():
+    # 10 requests/s arriving three times as variable as Poisson: W(s) = 0.005 s^2 / (1 - 0.01 s) (Pollaczek-
+    # Khinchine) + (3 - 1) / 2 x rho^2 / (1 - rho) / 0.01 (Kingman) = 0.015 s^2 / (1 - 0.01 s);
+    # s + W(s) = 200 is 0.005 s^2 + 3 s - 200 = 0: s = (sqrt(13) - 3) / 0.01 = 60.555 ms
+    assert arrival_cap_ms(200.0, Load(10.0, arrival_scv=3.0)) == pytest.approx(60.555, abs=1e-3)
+    # answered in closed form, not by the bisection that remains for arrivals smoother than Poisson
+    assert _arrival_cap_root(200.0, Load(10.0, arrival_scv=3.0)) == pytest.approx(60.555, abs=1e-3)
+    # the same arrivals held at half the requests' time (a batch): rho = 0.005 s, W(s) = 0.00375 s^2 / (1 - 0.005 s);
+    # -0.00125 s^2 + 2 s - 200 = 0: s = (2 - sqrt(3)) / 0.0025 = 107.180 ms
+    assert arrival_cap_ms(200.0, Load(10.0, arrival_scv=3.0, occupancy=0.5)) == pytest.approx(107.180, abs=1e-3)
+    # Poisson, with others holding the server 25 % of the time at 50 ms each (second moment 2,500 ms^2):
+    # W(s) = (0.005 s^2 + 12.5) / (2 (0.75 - 0.005 s)); s + W(s) = 200: -0.0025 s^2 + 1.75 s - 143.75 = 0,
+    # s = (1.75 - sqrt(3.0625 - 1.4375)) / 0.005 = 95.049 ms
+    assert arrival_cap_ms(200.0, Load(5.0, rate_other=5.0, other_mean_ms=50.0,
+                                      other_m2_ms2=2500.0)) == pytest.approx(95.049, abs=1e-3)
+
+
+def test_the_arrival_cap_is_the_longest_service_time_that_meets_the_budget():
+    for load in (Load(40.0, 3.0, 20.0, 900.0, 0.7, 9.0, 0.3), Load(2.0, service_scv=2.5), Load(25.0, 10.0, 4.0, 20.0)):
+        for budget in (30.0, 150.0, 1000.0):
+            cap = arrival_cap_ms(budget, load)
+            assert cap + mean_wait_ms(cap, load) <= budget
+            longer = cap * (1 + 1e-9) + 1e-9
+            assert longer > budget or longer + mean_wait_ms(longer, load) > budget
 
 
 def test_what_the_cheapest_configuration_would_meet():
@@ -121,6 +148,24 @@ def test_the_queue_and_the_arrivals_cap_the_plan():
     # requests with fixed knobs are never capped (the terms are recorded, none applied)
     fixed = p.plan(200.0, 0.0, now_s=101.0, waiting_left_ms=[105.0], fixed=True)
     assert fixed.queue_cap_ms is None and fixed.arrival_cap_ms is None and fixed.controller_budget_ms == 94.0
+
+
+def test_each_served_request_moves_the_next_plan():
+    p = planner()
+    for i in range(11):
+        p.observe_arrival(100.0 + i / 10, adjustable=True)
+    assert p.plan(200.0, 0.0, now_s=101.0).arrival_cap_ms == pytest.approx(76.180, abs=1e-2)
+    for service in (30.0, 90.0) * 5:  # the twenty served now spread: mean 60, variance 450, scv 0.125
+        p.observe_served(after_ms=10.0, service_ms=service, adjustable=True, model_over_reference=None)
+    # s + 0.01 x 1.125 s^2 / (2 (1 - 0.01 s)) = 198: -0.004375 s^2 + 2.98 s - 198 = 0 at s = 74.617 ms
+    assert p.plan(200.0, 0.0, now_s=101.0).arrival_cap_ms == pytest.approx(74.617, abs=1e-2)
+    # the cheapest configuration's met share, from the model-time ratios served: one at 1 x its 20 ms + 10
+    # ms after stage 1, queued at 10 requests/s: 1 - 0.3 exp(-168 x 0.3 / 6.4286) = 0.99988
+    p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=1.0)
+    assert p.plan(200.0, 0.0, now_s=101.0).feasible_rate == pytest.approx(0.99988, abs=1e-5)
+    # then one at 5 x: costs 30 and 110 ms, rho 0.7, W = 108.33 ms, share 0.68359; the class's mean 0.84174
+    p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=5.0)
+    assert p.plan(200.0, 0.0, now_s=101.0).feasible_rate == pytest.approx(0.84174, abs=1e-5)
 
 
 def test_below_every_reference_the_cheapest_rule_applies():
