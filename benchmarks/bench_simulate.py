@@ -303,13 +303,35 @@ def measure_phase(args: argparse.Namespace, ws: Path, pool_dir: Path, cells: dic
             server.stop()
 
 
+def measured_overheads(runs: list[tuple[dict[str, Any], Workload]], profile: Any, base: Any) -> Any:
+    """``base`` with the latency scales (overall and per configuration with >= 5 requests) and the service
+    spread that ``runs`` (records with their cells) measured: their served model times over the profiled
+    times of the same samples at the same configurations."""
+    ratios: dict[tuple[int, int, int], list[float]] = {}
+    for r, cell in runs:
+        for i, (c, ms) in enumerate(zip(r["measured_configs"], r["measured_model_ms"], strict=True)):
+            if c is not None and ms is not None:
+                knobs = tuple(int(v) for v in c.split("/"))
+                ratios.setdefault(knobs, []).append(ms / profile.latency_ms[cell.samples[i], profile.column(knobs)])
+    every = [x for v in ratios.values() for x in v]
+    if not every:
+        return base
+    spread = [math.log(x) - float(np.mean(np.log(v))) for v in ratios.values() if len(v) >= 5 for x in v]
+    return replace(base, latency_scale=float(np.median(every)),
+                   scale_by_config={k: float(np.median(v)) for k, v in ratios.items() if len(v) >= 5},
+                   noise_sigma=float(np.std(spread)) if spread else 0.0)
+
+
 def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calibration: dict[str, Any]) -> Path:
-    """The saved runs' predictions again, from another calibration's log (the cells, their requests and
-    their measurements unchanged): ``<out>-<calibration>.jsonl``."""
+    """The saved runs' predictions again, from another calibration (the cells, their requests and their
+    measurements unchanged): ``<out>-<calibration>.jsonl``. ``--oracle-scale``: each run at its own measured
+    speed (a diagnosis); ``--rolling-scale N``: each run at the speed the N runs measured just before it (a
+    prediction from the minutes before the cell, as a server's recent log would give it)."""
     config, profile, decider, overheads = cell_of(args, ws, calibration)
-    tag = args.calibrate_with + ("-oracle-scale" if args.oracle_scale else "")
+    tag = args.calibrate_with + ("-oracle-scale" if args.oracle_scale else "") + (
+        f"-rolling-{args.rolling_scale}" if args.rolling_scale else "")
     out = args.out.with_name(f"{args.out.stem}-{tag}.jsonl")
-    rows = []
+    rows, before = [], []
     for r in read_records(args.out):
         li = args.loads.index(r["load"])
         workload = make_workload(config, r["rate_rps"], profile, 1000 + li)
@@ -317,16 +339,10 @@ def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], c
         static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
         run_overheads = overheads
         if args.oracle_scale:  # a diagnosis, not a prediction: the run's own model times over the profile's
-            ratios: dict[tuple[int, int, int], list[float]] = {}
-            for i, (c, ms) in enumerate(zip(r["measured_configs"], r["measured_model_ms"], strict=True)):
-                if c is not None and ms is not None:
-                    knobs = tuple(int(v) for v in c.split("/"))
-                    ratios.setdefault(knobs, []).append(ms / profile.latency_ms[cell.samples[i], profile.column(knobs)])
-            every = [x for v in ratios.values() for x in v]
-            spread = [math.log(x) - float(np.mean(np.log(v))) for v in ratios.values() if len(v) >= 5 for x in v]
-            run_overheads = replace(overheads, latency_scale=float(np.median(every)),
-                                    scale_by_config={k: float(np.median(v)) for k, v in ratios.items() if len(v) >= 5},
-                                    noise_sigma=float(np.std(spread)) if spread else 0.0)
+            run_overheads = measured_overheads([(r, cell)], profile, overheads)
+        elif args.rolling_scale and before:  # the runs measured just before this one (the first: the calibration)
+            run_overheads = measured_overheads(before[-args.rolling_scale:], profile, overheads)
+        before.append((r, cell))
         predicted = Simulation(profile, decider, run_overheads, options=ServerOptions()).run(cell, static)
         measured_right = r["measured_right"]
         r = {**r, "predicted": summarize(predicted, cell), "predicted_right": [p.score if p.met else 0.0
@@ -337,6 +353,47 @@ def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], c
         rows.append(json.dumps(r))
     out.write_text("\n".join(rows) + "\n")
     return out
+
+
+def noise_floor_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calibration: dict[str, Any]) -> str:
+    """How often the simulation meets the targets against itself. Per measured run, the simulation at that
+    run's own speed and spread (``--oracle-scale``'s overheads) is drawn ``--draws`` times (the service noise
+    and the balancer reseeded; the arrivals, samples and budgets kept), at the benchmark's cell size and at
+    ``--floor-requests``; each draw after the first is compared with the first, as a measurement is with a
+    prediction whose only error is the run's own luck. A target that a perfect simulator misses in many
+    draws cannot be checked on cells that small."""
+    config, profile, decider, overheads = cell_of(args, ws, calibration)
+    records = read_records(args.out)
+    lines = [f"Noise floor: {len(records)} runs, each at its own measured speed and spread, {args.draws} draws of "
+             "the service noise; the share of draws within each target of the first draw.", "",
+             "| requests per cell | within 2 pt | accuracy 1.5 pt | p95 10 % | within-budget gap, median (p90) pt |",
+             "|---|---|---|---|---|"]
+    def cell_at(r: dict[str, Any], size: int) -> Workload:
+        config.requests = size
+        workload = make_workload(config, r["rate_rps"], profile, 1000 + args.loads.index(r["load"]))
+        return Workload(workload.arrivals, workload.samples, np.full(len(workload), r["budget_ms"]))
+
+    for size in (args.requests, *args.floor_requests):
+        hits = {"within": 0, "accuracy": 0, "p95": 0}
+        gaps, pairs = [], 0
+        for r in records:
+            static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
+            own = measured_overheads([(r, cell_at(r, args.requests))], profile, overheads)
+            cell = cell_at(r, size)
+            draws = [summarize(Simulation(profile, decider, own, options=ServerOptions(), seed=seed).run(cell, static),
+                               cell) for seed in range(args.draws)]
+            first = draws[0]
+            for d in draws[1:]:
+                pairs += 1
+                gap = abs(d["within_budget"] - first["within_budget"])
+                gaps.append(100 * gap)
+                hits["within"] += gap <= 0.02
+                hits["accuracy"] += abs(d["accuracy"] - first["accuracy"]) <= 0.015
+                hits["p95"] += abs(d["latency_p95_ms"] - first["latency_p95_ms"]) <= 0.10 * first["latency_p95_ms"]
+        share = {k: 100 * v / max(1, pairs) for k, v in hits.items()}
+        lines.append(f"| {size:,} | {share['within']:.0f} % | {share['accuracy']:.0f} % | {share['p95']:.0f} % | "
+                     f"{np.median(gaps):.1f} ({np.percentile(gaps, 90):.1f}) |")
+    return "\n".join(lines)
 
 
 def ws_of(args: argparse.Namespace) -> Path:
@@ -473,7 +530,7 @@ def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calib
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("all", "report", "speed", "repredict"), default="all")
+    p.add_argument("--phase", choices=("all", "report", "speed", "repredict", "noise-floor"), default="all")
     p.add_argument("--calibrate-with", choices=("paced", "back-to-back", "loaded"), default="loaded",
                    help="the calibration run the predictions read: the paced run that defines the cells "
                         "(controller requests 0.1 s apart), one back to back with some requests at each "
@@ -490,11 +547,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oracle-scale", action="store_true",
                    help="repredict: each run at its own measured model time over the profile's (a diagnosis of "
                         "what the rest of the model gets right when the machine's speed is known, not a prediction)")
+    p.add_argument("--rolling-scale", type=int, default=0, metavar="N",
+                   help="repredict: each run at the model-time scale and spread the N runs measured just before it "
+                        "(the first run: the calibration's)")
+    p.add_argument("--draws", type=int, default=8, help="noise-floor: draws of the service noise per run")
+    p.add_argument("--floor-requests", default="1000",
+                   help="noise-floor: cell sizes to draw besides --requests (comma-separated)")
     p.add_argument("--speed-requests", type=int, default=10_000, help="requests the speed phase simulates")
     p.add_argument("--out", type=Path, default=CACHE / "bench_simulate.jsonl")
     args = p.parse_args(argv)
     args.loads = [float(v) for v in args.loads.split(",")]
     args.multiples = [float(v) for v in args.multiples.split(",")]
+    args.floor_requests = [int(v) for v in args.floor_requests.split(",") if v]
     return args
 
 
@@ -517,6 +581,11 @@ def main(argv: list[str] | None = None) -> None:
         args.phase = "report"
     if args.phase == "speed":
         print(speed_phase(args, ws, cells, calibration))
+        return
+    if args.phase == "noise-floor":
+        text = noise_floor_phase(args, ws, cells, calibration)
+        print(text)
+        bs.path_with(args.out, "-noise-floor.md").write_text(text + "\n")
         return
     if args.phase == "all":
         measure_phase(args, ws, pool_dir, cells, calibration)
