@@ -423,7 +423,9 @@ OUTCOME_FIELDS = tuple(Outcome.__dataclass_fields__)
 
 def body_of(request: BenchRequest, budget_ms: float | None, knobs: Config | None) -> bytes:
     payload: dict[str, Any] = {"model": "testbed", "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": request.question}, {"type": "image_url", "image_url": {"url": request.uri}}]}]}
+        {"type": "text", "text": request.question}, {"type": "image_url", "image_url": {"url": request.uri}}]}],
+        # names the profiled sample, so that a calibration from the request log pairs it with its own latency
+        "metadata": {"example_id": request.example_id}}
     if budget_ms is not None:
         payload["latency_budget_ms"] = budget_ms
     if knobs is not None:

@@ -29,6 +29,8 @@ def simulate(**options: Any) -> None:
         out.print(table)
     over = result.overheads
     say(f"run {result.run_id}: {len(result.profile)} unseen samples ({result.profile.split}); one replica's capacity "
-        f"{result.capacity_rps:.3g} requests/s; latency scale {over.latency_scale:.2f}; fixed costs from "
-        f"{over.source}")
+        f"{result.capacity_rps:.3g} requests/s; latency scale {over.latency_scale:.2f}; service noise "
+        f"{over.noise_sigma:.2f}; fixed costs from {over.source}"
+        + (f" ({over.paired:,} of its {over.requests:,} requests paired with their profiled samples)"
+           if over.paired else ""))
     say(f"written: {result.path}" + (f", {plot}" if plot is not None else ""))

@@ -626,6 +626,10 @@ REQUESTS = TableSchema(
         Column("top_p", _D, "nucleus sampling's probability mass (1: the whole vocabulary)"),
         Column("seed", _L, "the sampling seed: the request's `seed`, or one drawn for it, so that the answer can be "
                            "reproduced with the same knobs; null for greedy decoding"),
+        Column("metadata", _S, "the request's `metadata` (the client's own labels: up to 16 string pairs, "
+                               "OpenAI's field) as a JSON object's text, e.g. `metadata->>'example_id'`; null "
+                               "without one. `ctrl simulate --calibrate-from` pairs a request whose "
+                               "`example_id` names a simulated sample with that sample's profiled latency"),
         *(Column(f"latency_{stage}_ms", _D, what, "ms") for stage, what in (
             ("parse", "arrival to the queue: body, JSON, image decoding"),
             ("queue", "waiting for the model"),

@@ -38,6 +38,7 @@ spent ``queue_deadline`` times its budget when the worker takes it from the queu
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -705,7 +706,9 @@ class Engine:
             **{k: (knobs or {}).get(k) for k in ("max_crops", "insertion_position", "top_k", "num_active_blocks")},
             "num_crops": num_crops, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": num_output_tokens,
             "stream": job.request.stream, "temperature": job.request.temperature, "top_p": job.request.top_p,
-            "seed": job.seed, "finish_reason": finish_reason, "stop_hit": stop_hit,
+            "seed": job.seed,
+            "metadata": None if job.request.metadata is None else json.dumps(job.request.metadata, ensure_ascii=False),
+            "finish_reason": finish_reason, "stop_hit": stop_hit,
             **{f"latency_{k}_ms": latency.get(k) for k in LATENCY_PARTS},
             "met": met, "captured": None if captures is None else captures > 0, "answer": answer, "error": error,
             "batch_rows_prefill": None if batch_rows is None else batch_rows[0],

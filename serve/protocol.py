@@ -40,6 +40,8 @@ WHEN_UNREACHABLE = ("refuse", "run")
 SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"
 #: knob names a request may fix in ``knobs``
 KNOB_NAMES = ("max_crops", "top_k", "num_active_blocks")
+#: ``metadata``: the most pairs, the longest key and the longest value (OpenAI's limits)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 #: the most stop sequences a request may give (OpenAI's limit), and the longest one
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
@@ -87,6 +89,8 @@ class ChatRequest:
     seed: int | None = None
     #: refuse (503) or run at the cheapest configuration a request the queue ahead leaves no room for
     when_unreachable: str = "refuse"
+    #: the client's own labels (OpenAI's ``metadata``), recorded in the request log
+    metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,8 @@ def parse_chat_request(body: Any, limits: Limits) -> ChatRequest:
                 "image_required")
     return ChatRequest(model=model, question=question, image=image, max_tokens=_max_tokens(body, limits),
                        budget_ms=_budget(body), knobs=_knobs(body.get("knobs")),
-                       when_unreachable=_when_unreachable(body), **decoding)
+                       when_unreachable=_when_unreachable(body), metadata=_metadata(body.get("metadata")),
+                       **decoding)
 
 
 def _decoding(body: dict[str, Any]) -> dict[str, Any]:
@@ -328,6 +333,24 @@ def _when_unreachable(body: dict[str, Any]) -> str:
         _refuse(f"`when_unreachable` must be one of {', '.join(WHEN_UNREACHABLE)}, got {_shown(value)}",
                 "when_unreachable")
     return value
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's ``metadata``: at most 16 string keys of at most 64 characters, each to a string of at most 512."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        _refuse(f"`metadata` must be an object of at most {MAX_METADATA_PAIRS} string pairs, got {_shown(value)}",
+                "metadata")
+    for key, item in value.items():
+        if not key or len(key) > MAX_METADATA_KEY:
+            _refuse(f"`metadata` keys must have 1 to {MAX_METADATA_KEY} characters, got {_shown(key)}", "metadata")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            _refuse(f"`metadata.{key}` must be a string of at most {MAX_METADATA_VALUE} characters, got "
+                    f"{_shown(item)}", f"metadata.{key}")
+        _unicode(key, "metadata")
+        _unicode(item, f"metadata.{key}")
+    return {str(k): str(v) for k, v in value.items()} or None
 
 
 def _knobs(value: Any) -> dict[str, int] | None:

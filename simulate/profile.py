@@ -12,6 +12,7 @@ that any choice has an outcome.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -56,6 +57,28 @@ class SimProfile:
         """Per configuration, the standard deviation of the log of these samples' recorded latency."""
         logs = np.log(np.maximum(self.latency_ms, 1e-9))
         return {c: float(sd) for c, sd in zip(self.configs, logs.std(axis=0), strict=True)}
+
+    @cached_property
+    def _row_of(self) -> dict[str, int]:
+        """Each example id held by exactly one sample, and its row (an id two samples share names neither)."""
+        rows: dict[str, int] = {}
+        shared: set[str] = set()
+        for row, example in enumerate(self.example_id):
+            if example is None:
+                continue
+            if example in rows:
+                shared.add(example)
+            rows[example] = row
+        return {k: v for k, v in rows.items() if k not in shared}
+
+    def sample_latency_ms(self, example_id: str, config: Config) -> float | None:
+        """The recorded latency of the sample ``example_id`` at ``config``; None where no one sample has that id
+        or the profile lacks the configuration."""
+        row = self._row_of.get(example_id)
+        config = tuple(int(v) for v in config)
+        if row is None or config not in self.configs:
+            return None
+        return float(self.latency_ms[row, self.configs.index(config)])
 
     def column(self, config: Config) -> int:
         """The column of ``config``; a one-line error where the profile lacks it."""

@@ -199,7 +199,8 @@ def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, 
                "a table fallback), so the server's budget planner has nothing to plan with")
         raise CtrlError(msg)
     # the scale multiplies these samples' recorded latencies: it is read against their medians
-    overheads = (calibrate(config.calibrate_from, profile.median_latency_ms(), fingerprint, profile.log_spread())
+    overheads = (calibrate(config.calibrate_from, profile.median_latency_ms(), fingerprint, profile.log_spread(),
+                           sample_latency_ms=profile.sample_latency_ms)
                  if config.calibrate_from is not None else Overheads())
     if config.latency_scale is not None:  # one scale for every configuration
         overheads = replace(overheads, latency_scale=float(config.latency_scale), scale_by_config={})

@@ -8,12 +8,13 @@ and its answer's score is the profile's score there. The fixed costs around the 
 (:class:`simulate.calibration.Overheads`) come from a served request log, or are none.
 
 A request's way, as the server takes it: it reaches a replica (the balancer's choice; a full queue
-answers 503 at once), is parsed (``parse_ms``), then admitted (a budget the queue ahead leaves no room
-for is refused, 503) and queued. When the worker is free it takes the next by deadline, drops one whose
+answers 503 at once), is parsed, then admitted (a budget the queue ahead leaves no room for is
+refused, 503) and queued. When the worker is free it takes the next by deadline, drops one whose
 budget is gone (504), else plans its budget and lets the decider choose; the request holds the worker
 for its stage 1, preprocessing, model time, stage 2 and the rest, and its reply reaches the client
-``reply_ms`` later. The replica then learns what the server learns: the latency scale, the reserves,
-the margins, the floor.
+``reply_ms`` later. Its parse, stage 1, stage 2 and rest are one served request's of the log, drawn
+per request (the same for every decider). The replica then learns what the server learns: the
+latency scale, the reserves, the margins, the floor.
 
 Only one request runs per replica at a time, as ``ctrl serve --max-batch auto`` serves.
 """
@@ -160,6 +161,10 @@ class Simulation:
         # each request's own draw of the machine's noise, the same whoever decides it
         noise = np.random.default_rng([self.seed, 1]).standard_normal(len(workload))
         self._noise = np.exp(self.overheads.noise_sigma * noise)
+        # and its draw of the served requests' fixed costs (a row of the log), the same whoever decides it
+        rows = self.overheads.fixed_rows
+        self._row = (np.random.default_rng([self.seed, 2]).integers(len(rows), size=len(workload))
+                     if rows is not None and len(rows) else [None] * len(workload))
         requests = [SimRequest(i, int(s), float(t), float(b), knobs=static)
                     for i, (t, s, b) in enumerate(zip(workload.arrivals, workload.samples, workload.budgets_ms,
                                                       strict=True))]
@@ -208,7 +213,8 @@ class Simulation:
                     request.status = "full"
                     continue
                 replica.taken += 1
-                schedule(at + over.parse_ms / 1000.0, _SUBMIT, request, replica)
+                parse_ms = over.fixed(self._row[request.index])[0]
+                schedule(at + parse_ms / 1000.0, _SUBMIT, request, replica)
             elif kind == _SUBMIT:
                 sched = replica.scheduler
                 request.queue_length = replica.pending
@@ -252,7 +258,7 @@ class Simulation:
         config = (int(choice.max_crops), int(top_k), int(blocks))
         column = profile.column(config)
         model_ms = float(lat[i, column]) * over.scale(config) * self._noise[job.index]
-        worker_ms = over.worker_ms(config[0], model_ms)
+        worker_ms = over.worker_ms(config[0], model_ms, self._row[job.index])
         job.config, job.decided_by, job.plan, job.model_ms = config, choice.decided_by, plan, model_ms
         job.score = float(score[i, column])
         job.served = (decider, choice, model_ms, spent_ms, worker_ms)
@@ -264,8 +270,9 @@ class Simulation:
         decider, choice, model_ms, spent_ms, worker_ms = job.served
         job.served = None
         total_ms = spent_ms + worker_ms
+        _, stage1_ms, stage2_ms, _ = over.fixed(self._row[job.index])
         sched.observe_served(decider, choice, job.config, fixed=job.fixed, plan=job.plan, model_ms=model_ms,
-                             measured_ms=over.stage1_ms + over.stage2_ms + model_ms,
+                             measured_ms=stage1_ms + stage2_ms + model_ms,
                              after_ms=worker_ms - model_ms, service_ms=worker_ms)
         sched.observe_end("ok", job.budget_ms, controller=not job.fixed, total_ms=total_ms, plan=job.plan)
         sched.planner.observe_reply(over.reply_ms)

@@ -203,6 +203,24 @@ def test_temperature_0_and_a_tiny_nucleus_are_greedy(client, greedy, server, tra
     assert nucleus.choices[0].message.content == greedy.choices[0].message.content
 
 
+def test_metadata_is_recorded_in_the_request_log(client, server, trained_ws):
+    _, ws, _ = trained_ws
+    labels = {"example_id": "vqa-17", "team": "vision é"}
+    reply = ask(client, max_tokens=2, extra_body={"metadata": labels})
+    assert json.loads(logged(ws.root, server, reply.id)["metadata"]) == labels
+    assert logged(ws.root, server, ask(client, max_tokens=2).id)["metadata"] is None
+
+
+@pytest.mark.parametrize(("metadata", "param"), [
+    ("vqa-17", "metadata"), ({"k": 3}, "metadata.k"), ({"": "x"}, "metadata"), ({"k" * 65: "x"}, "metadata"),
+    ({"k": "v" * 513}, "metadata.k"), ({f"k{i}": "v" for i in range(17)}, "metadata")])
+def test_bad_metadata_is_a_400_naming_it(client, metadata, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="embedded", messages=QUESTION, max_tokens=2,
+                                       extra_body={"metadata": metadata})
+    assert refused.value.param == param
+
+
 # -- refused fields -----------------------------------------------------------------------------
 
 REFUSED = {

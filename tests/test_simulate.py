@@ -163,6 +163,22 @@ def test_the_clients_own_costs_add_to_every_client_latency_and_not_to_the_server
     assert served[1].latency_ms == pytest.approx(t0 + t1 + 7.0)
 
 
+def test_each_request_draws_one_served_requests_fixed_costs(inputs):
+    profile, decider = inputs
+    static = _static(profile)
+    column = profile.configs.index(static)
+    # two served requests' parse, stage 1, stage 2 and rest: 1 + 2 + 3 + 4 and 10 + 20 + 30 + 40 ms around the model
+    rows = np.array([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
+    over = Overheads(parse_ms=5.0, stage1_ms=5.0, stage2_ms=5.0, rest_ms=5.0, fixed_rows=rows)
+    samples = np.zeros(40, dtype=int)
+    workload = Workload(np.arange(40) * 100.0, samples, np.full(40, 1e6))  # 100 s apart: nobody waits
+    served = Simulation(profile, decider, over).run(workload, static)
+    around = sorted({round(r.latency_ms - profile.latency_ms[0, column], 6) for r in served})
+    assert around == [10.0, 100.0]  # one row or the other, never the medians' 20 ms
+    again = Simulation(profile, decider, over).run(workload, None)  # the controller: the same draws per request
+    assert [r.latency_ms - r.model_ms for r in again] == pytest.approx([r.latency_ms - r.model_ms for r in served])
+
+
 def test_requests_arriving_together_wait_for_each_other_in_deadline_order(inputs):
     profile, decider = inputs
     static = _static(profile)
@@ -324,6 +340,8 @@ def test_calibration_reads_the_medians_of_a_request_log(tmp_path):
     assert over.preprocess_ms == {2: 10.0, 6: 30.0}
     assert over.rest_ms == pytest.approx(1.5)
     assert over.latency_scale == 2.4  # ratios 2.0, 2.4, 3.0
+    # each answered request's parse, stage 1, stage 2 and rest, for the simulated requests to draw
+    assert over.fixed_rows.tolist() == [[1.0, 2.0, 0.5, 1.5], [2.0, 2.0, 0.5, 1.5], [3.0, 2.0, 0.5, 1.5]]
     with pytest.raises(CtrlError, match="no answered request of model other"):
         calibrate(log, reference, "other")
 
@@ -380,6 +398,45 @@ def test_the_log_spread_beyond_the_samples_own_is_the_service_noise(tmp_path):
     assert calibrate(log, reference, sample_spread={(2, 4, 12): 0.2}).noise_sigma == pytest.approx(m.sqrt(0.05))
     assert calibrate(log, reference, sample_spread={(2, 4, 12): 0.5}).noise_sigma == 0.0  # no room left for noise
     assert calibrate(log, reference).noise_sigma == 0.0
+
+
+def test_requests_naming_their_sample_are_read_against_its_own_latency(tmp_path):
+    import math as m
+
+    own = {"fast": 10.0, "slow": 30.0}  # two samples' profiled latency at 2/4/12; their median: 20 ms
+    served = [("fast", m.exp(0.1)), ("slow", m.exp(-0.1))] * 2 + [("slow", m.exp(0.1)), ("fast", m.exp(-0.1))] * 2
+    rows = [{"time": "2026-12-07T05:00:00.000000Z", "status": "ok", "model_fingerprint": "abc", "max_crops": 2,
+             "top_k": 4, "num_active_blocks": 12, "reply_reserve_ms": 1.0, "latency_parse_ms": 1.0,
+             "latency_queue_ms": 0.0, "latency_stage1_ms": 1.0, "latency_preprocess_ms": 1.0,
+             "latency_stage2_ms": 1.0, "latency_model_ms": own[sample] * r, "latency_total_ms": own[sample] * r + 5.0,
+             "metadata": json.dumps({"example_id": sample, "team": "x"})} for sample, r in served]
+    # one request naming a sample the simulation does not hold, one without metadata: read against the median
+    rows += [{**rows[0], "metadata": json.dumps({"example_id": "unknown"}), "latency_model_ms": 40.0},
+             {**rows[0], "metadata": None, "latency_model_ms": 40.0}]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reference = {(2, 4, 12): 20.0}
+
+    def sample_latency(example_id, config):
+        return own.get(example_id) if tuple(config) == (2, 4, 12) else None
+
+    over = calibrate(log, reference, sample_spread={(2, 4, 12): 0.5}, sample_latency_ms=sample_latency)
+    assert over.paired == 8 and over.requests == 10
+    # paired, each request's log ratio is +-0.1 around 0: the noise is 0.1, whatever the samples' own spread
+    assert over.noise_sigma == pytest.approx(0.1)
+    # the scale: the median of eight ratios e^+-0.1 and two of 40 / 20 = 2, the 5th and 6th of ten: e^0.1
+    assert over.scale((2, 4, 12)) == pytest.approx(m.exp(0.1))
+    # unpaired (no sample latencies given), the same log reads 0.5 x and 1.5 x the median: a wide spread
+    assert calibrate(log, reference).paired == 0
+
+
+def test_a_profile_finds_a_sample_by_its_example_id(inputs):
+    profile = inputs[0]
+    config = profile.configs[3]
+    first = profile.example_id[0]
+    assert profile.sample_latency_ms(first, config) == float(profile.latency_ms[0, 3])
+    assert profile.sample_latency_ms("no such sample", config) is None
+    assert profile.sample_latency_ms(first, (99, 99, 99)) is None
 
 
 def test_service_noise_draws_each_requests_time_the_same_for_every_decider(inputs):
