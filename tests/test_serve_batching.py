@@ -115,7 +115,13 @@ def test_a_client_that_leaves_mid_decode_ends_its_row_alone(batched_server, serv
     first.close()  # the lone request is cancelled; the two waiting join one batch
     gone_reply = gone.getresponse()
     assert gone_reply.status == 200
-    gone_reply.readline()  # decoding beside the short one
+    # the role and the prefill's token, then a token of the first decode step beside the short one: only
+    # then does the client leave (leaving at the first line may cancel its row before that step)
+    events = 0
+    while events < 3:
+        line = gone_reply.readline()
+        assert line, "the stream ended before its first decode step"
+        events += line.startswith(b"data: ")
     gone.close()
     short.join(timeout=60)
     status, body = replies["short"]
