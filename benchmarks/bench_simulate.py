@@ -201,7 +201,7 @@ def loaded_calibration(args: argparse.Namespace, ws: Path, requests: dict[str, A
     logs: dict[str, list[float]] = {}
     for o, s in zip(outs, samples, strict=True):
         if o.status == 200 and o.model_ms and o.knobs:
-            config = tuple(int(v) for v in o.knobs.split("/"))
+            config = bs.parse_config(o.knobs)
             profiled = profile.latency_ms[int(s), profile.column(config)]
             logs.setdefault(o.knobs, []).append(math.log(o.model_ms / profiled))
     spread = [x - float(np.mean(v)) for v in logs.values() if len(v) >= 5 for x in v]
@@ -303,6 +303,11 @@ def measure_phase(args: argparse.Namespace, ws: Path, pool_dir: Path, cells: dic
             server.stop()
 
 
+def static_of(record: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The configuration of a run's ``static:C/K/B`` decider; None for the controller."""
+    return None if record["decider"] == "controller" else bs.parse_config(record["decider"].removeprefix("static:"))
+
+
 def measured_overheads(runs: list[tuple[dict[str, Any], Workload]], profile: Any, base: Any) -> Any:
     """``base`` with the latency scales (overall and per configuration with >= 5 requests) and the service
     spread that ``runs`` (records with their cells) measured: their served model times over the profiled
@@ -311,7 +316,7 @@ def measured_overheads(runs: list[tuple[dict[str, Any], Workload]], profile: Any
     for r, cell in runs:
         for i, (c, ms) in enumerate(zip(r["measured_configs"], r["measured_model_ms"], strict=True)):
             if c is not None and ms is not None:
-                knobs = tuple(int(v) for v in c.split("/"))
+                knobs = bs.parse_config(c)
                 ratios.setdefault(knobs, []).append(ms / profile.latency_ms[cell.samples[i], profile.column(knobs)])
     every = [x for v in ratios.values() for x in v]
     if not every:
@@ -336,7 +341,7 @@ def repredict_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], c
         li = args.loads.index(r["load"])
         workload = make_workload(config, r["rate_rps"], profile, 1000 + li)
         cell = Workload(workload.arrivals, workload.samples, np.full(len(workload), r["budget_ms"]))
-        static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
+        static = static_of(r)
         run_overheads = overheads
         if args.oracle_scale:  # a diagnosis, not a prediction: the run's own model times over the profile's
             run_overheads = measured_overheads([(r, cell)], profile, overheads)
@@ -377,7 +382,7 @@ def noise_floor_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any],
         hits = {"within": 0, "accuracy": 0, "p95": 0}
         gaps, pairs = [], 0
         for r in records:
-            static = None if r["decider"] == "controller" else tuple(int(v) for v in r["decider"][7:].split("/"))
+            static = static_of(r)
             own = measured_overheads([(r, cell_at(r, args.requests))], profile, overheads)
             cell = cell_at(r, size)
             draws = [summarize(Simulation(profile, decider, own, options=ServerOptions(), seed=seed).run(cell, static),

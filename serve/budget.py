@@ -266,6 +266,8 @@ def _arrival_cap_root(budget_ms: float, load: Load) -> float | None:
     a2 = big_a / 2.0 - r + k * r * r
     a1 = 1.0 - b + 2.0 * k * r * b + budget_ms * r
     a0 = big_c / 2.0 + k * b * b - budget_ms * (1.0 - b)
+    if r <= 0.0:  # a load holding the server no time: the bisection answers
+        return None
     saturation = (1.0 - b) / r
     if a2 == 0.0:
         root = -a0 / a1 if a1 > 0 else math.inf

@@ -7,15 +7,16 @@ budget plan), the preprocessing at the chosen crops that the worker waits for, t
 prefill, decode: what the profile records), stage 2, the rest until the answer's text
 (detokenising, the record) and the reply's write. From the log's :data:`RECENT_REQUESTS` most recent
 answered requests, the simulation takes each fixed part as their median (preprocessing per crops
-choice), and each simulated request draws one of those requests' parse, stage 1, stage 2 and rest, so
-that they spread as served; the latency scale as their median model time over the simulated samples' median latency at
-the configuration they ran (per configuration where enough ran it); and the service noise as the
-spread of those ratios beyond the samples' own. A request whose ``metadata`` names a simulated sample
-(``example_id``) is paired with that sample's own profiled latency instead: its ratio counts in the
-scale, and where enough requests are paired the noise is their ratios' own spread (per configuration,
-around its mean), not an estimate net of the samples' spread. The log records the reply's write only as the
-server's reserve for it (the 90th percentile of recent replies): its median is read, so the reply
-term leans long; the client's own costs are not in the log at all.
+choice), and each simulated request draws one of those requests' parse, stage 1, stage 2 and rest,
+so that they spread as served; the latency scale as their median model time over the simulated
+samples' median latency at the configuration they ran (per configuration where enough ran it); and
+the service noise as the spread of those ratios beyond the samples' own. A request whose
+``metadata`` names a simulated sample (``example_id``) is paired with that sample's own profiled
+latency instead: its ratio counts in the scale, and where enough requests are paired the noise is
+their ratios' own spread (per configuration, around its mean), not an estimate net of the samples'
+spread. The log records the reply's write only as the server's reserve for it (the 90th percentile
+of recent replies): its median is read, so the reply term leans long; the client's own costs are not
+in the log at all.
 """
 
 from __future__ import annotations

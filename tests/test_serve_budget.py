@@ -67,6 +67,8 @@ def test_arrival_cap_with_bursty_arrivals_and_batching_by_hand():
     # Khinchine) + (3 - 1) / 2 x rho^2 / (1 - rho) / 0.01 (Kingman) = 0.015 s^2 / (1 - 0.01 s);
     # s + W(s) = 200 is 0.005 s^2 + 3 s - 200 = 0: s = (sqrt(13) - 3) / 0.01 = 60.555 ms
     assert arrival_cap_ms(200.0, Load(10.0, arrival_scv=3.0)) == pytest.approx(60.555, abs=1e-3)
+    # requests that hold the server no time (occupancy 0) wait for nothing: the budget itself
+    assert arrival_cap_ms(200.0, Load(10.0, arrival_scv=3.0, occupancy=0.0)) == pytest.approx(200.0)
     # answered in closed form, not by the bisection that remains for arrivals smoother than Poisson
     assert _arrival_cap_root(200.0, Load(10.0, arrival_scv=3.0)) == pytest.approx(60.555, abs=1e-3)
     # the same arrivals held at half the requests' time (a batch): rho = 0.005 s, W(s) = 0.00375 s^2 / (1 - 0.005 s);
