@@ -59,12 +59,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / ".cache"
 
+from serve.config import available_cpus  # noqa: E402
 from simulate.calibration import SCALE_MIN_REQUESTS  # noqa: E402
 from simulate.config import SimulateConfig  # noqa: E402
-from simulate.run import load_inputs, make_workload, summarize  # noqa: E402
+from simulate.run import load_inputs, make_workload, simulate, summarize  # noqa: E402
 from simulate.simulation import ServerOptions, SimRequest, Simulation, Workload  # noqa: E402
 
 POOL_NAME, RUN_ID, BENCH_SEED, BENCH_SAMPLES = "testbed_bench", "bench-serve", 4242, 1300
+#: the loads of the speed phase's sweep
+SWEEP_LOADS = (0.6, 0.7, 0.8, 0.9)
 
 
 def _module(name: str) -> Any:
@@ -505,7 +508,9 @@ def ranking_lines(records: list[dict[str, Any]], block: int) -> list[str]:
 
 def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calibration: dict[str, Any]) -> str:
     """Simulated requests per second on one thread: the controller and the cheapest front configuration, each
-    over ``--speed-requests`` requests at load 0.9 and the middle budget multiple, median of three."""
+    over ``--speed-requests`` requests at load 0.9 and the middle budget multiple, median of three; then a
+    sweep of the controller over :data:`SWEEP_LOADS`, ``--speed-requests`` each, through ``ctrl simulate``'s
+    entry in this process and in one worker per CPU (wall clock, loading and starting included)."""
     import platform
 
     import torch
@@ -530,6 +535,17 @@ def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calib
             Simulation(profile, who, overheads).run(cell, static)
             times.append(time.perf_counter() - tick)
         lines.append(f"  {name}: {len(cell) / float(np.median(times)):,.0f} requests/s (median of 3)")
+    # a sweep through `ctrl simulate`'s own entry, wall clock (inputs loaded, workers started): in this process,
+    # then in one worker per CPU
+    sweep = replace(config, rate=None, load=",".join(f"{v:g}" for v in SWEEP_LOADS),
+                                requests=args.speed_requests, deciders="controller")
+    total = len(SWEEP_LOADS) * args.speed_requests
+    for jobs in (1, available_cpus()):
+        tick = time.perf_counter()
+        simulate(replace(sweep, jobs=jobs))
+        seconds = time.perf_counter() - tick
+        lines.append(f"  controller sweep, {len(SWEEP_LOADS)} loads x {args.speed_requests:,} requests, --jobs {jobs}: "
+                     f"{seconds:.1f} s ({total / seconds:,.0f} requests/s)")
     return "\n".join(lines)
 
 

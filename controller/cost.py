@@ -49,11 +49,14 @@ class RecentWindow:
         self._values: deque[float] = deque(maxlen=int(size))
         self._sorted: list[float] | None = None
         self._lock = threading.Lock()
+        #: counts the appends: what a reader caching a statistic of the window compares
+        self.version = 0
 
     def append(self, value: float) -> None:
         with self._lock:
             self._values.append(float(value))
             self._sorted = None
+            self.version += 1
 
     def values(self) -> list[float]:
         """The values held, oldest first."""
@@ -140,6 +143,8 @@ class LatencyScale:
         self._ratios = RecentWindow(window)
         self._by_config: dict[Config, RecentWindow] = {}
         self._lock = threading.Lock()
+        #: counts the ratios recorded: what a reader caching a statistic of the scale compares
+        self.version = 0
 
     @property
     def source(self) -> str:
@@ -164,6 +169,8 @@ class LatencyScale:
             own = self._by_config.setdefault(tuple(knobs), RecentWindow(CONFIG_SCALE_WINDOW))
         self._ratios.append(ratio)
         own.append(ratio)
+        with self._lock:
+            self.version += 1
         return ratio
 
     def of(self, knobs: Config, quantile: float = 0.5) -> float:

@@ -459,6 +459,8 @@ class BudgetPlanner:
         # what every plan reads of the served requests, kept until the next one is served
         self._service_moments: tuple[float, float, float] | None = None
         self._cheapest_costs: list[float] | None = None
+        # cheapest_least_ms and the versions of the windows and the scale it was read from
+        self._cheapest_least: tuple[tuple[int, int, int], tuple[float, float]] | None = None
         self._lock = threading.Lock()
 
     # -- what the server measures
@@ -543,11 +545,20 @@ class BudgetPlanner:
         that the cheapest configuration would often have answered in time."""
         if self.cheapest_reference_ms is None or self.cheapest_config is None:
             return None
+        # read several times per request (admission, the queue's order, drops): kept until a window or the
+        # scale changes
         with self._lock:
+            versions = (self._after.version, self._reply.version, self.latency_scale.version)
+            cached = self._cheapest_least
+            if cached is not None and cached[0] == versions:
+                return cached[1]
             after = self._after.quantile(LEAST_QUANTILE)
             reply = self._reply.quantile(LEAST_QUANTILE)
         scale = self.latency_scale.of(self.cheapest_config, LEAST_QUANTILE)
-        return self.cheapest_reference_ms * scale + after + reply, reply
+        least = (self.cheapest_reference_ms * scale + after + reply, reply)
+        with self._lock:
+            self._cheapest_least = (versions, least)
+        return least
 
     def cheapest_ms(self, scale: float | None = None) -> float | None:
         """The cheapest configuration's expected served time: its reference x the scale + the reserves."""

@@ -9,6 +9,11 @@ from pathlib import Path
 from pipeline.options import WORKSPACE_CLI, option, option_default
 from serve.config import ServeConfig
 
+#: --jobs 0 starts worker processes only for at least this many requests decided by the controller in all
+#: cells, a static configuration's request counting :data:`STATIC_REQUEST_WEIGHT` of one (it takes about that
+#: share of the time): below it, starting the workers (seconds: torch's import) costs more than they save
+PARALLEL_MIN_REQUESTS, STATIC_REQUEST_WEIGHT = 20_000, 1 / 8
+
 #: how requests are spread over the replicas
 BALANCERS = ("round-robin", "least-loaded", "power-of-two")
 #: the server's options a simulated replica runs with: ``ctrl serve``'s defaults, written once there
@@ -134,6 +139,11 @@ class SimulateConfig:
         "As `ctrl serve --met-target`: the within-budget share the budget margins aim at (0: margins pinned at "
         "1).", min=0, max=1)
     seed: int = option(0, help="Seeds the arrivals, the samples drawn and the budgets of a mix.")
+    jobs: int = option(0, help=
+        "Worker processes that simulate cells side by side, one thread each; the results are the same whatever "
+        "the number. 0: one per CPU this process may use, up to the number of cells, where the cells hold at "
+        f"least {PARALLEL_MIN_REQUESTS:,} requests for the controller to decide (a static's count "
+        f"{STATIC_REQUEST_WEIGHT:.3g}); else none, as starting them takes seconds.", min=0)
     plot: Path | None = option(None, help=
         "Write the within-budget share against the arrival rate, one line per decider, to this PNG.")
 
@@ -186,6 +196,9 @@ class SimulateConfig:
             raise SimulateOptionError(msg)
         if self.service_noise is not None and not (math.isfinite(self.service_noise) and 0 <= self.service_noise <= 2):
             msg = f"--service-noise must be a log standard deviation in [0, 2], got {self.service_noise!r}"
+            raise SimulateOptionError(msg)
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 0:
+            msg = f"--jobs must be an integer >= 0 (0: as many as the CPUs and cells allow), got {self.jobs!r}"
             raise SimulateOptionError(msg)
         self.decider_specs = parse_deciders(self.deciders)
 

@@ -8,8 +8,11 @@ once, seeded, and every decider serves the same ones: the comparisons between de
 from __future__ import annotations
 
 import math
+import multiprocessing
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,11 +28,20 @@ from pipeline.knobs import Config
 from pipeline.schema import SIMULATIONS
 from pipeline.workspace import Workspace, atomic_path
 from serve.arrivals import ArrivalProcess, ArrivalSpecError, arrival_times, read_trace
+from serve.config import available_cpus
 from serve.deciders import OfflineDecider, find_controller, load_decider
 from simulate.calibration import Overheads, calibrate
-from simulate.config import SimulateConfig, mix_name
+from simulate.config import PARALLEL_MIN_REQUESTS, STATIC_REQUEST_WEIGHT, SimulateConfig, mix_name
 from simulate.profile import SimProfile, load_profile
-from simulate.simulation import ServerOptions, SimRequest, Simulation, Workload, capacity_rps, cheapest_config
+from simulate.simulation import (
+    ServerOptions,
+    SimRequest,
+    Simulation,
+    Workload,
+    capacity_rps,
+    cheapest_config,
+    without_memo,
+)
 from trainer.config import OfflineTrainConfig
 from trainer.runs import RunDir
 
@@ -211,40 +223,130 @@ def load_inputs(config: SimulateConfig) -> tuple[Workspace, RunDir, SimProfile, 
     return workspace, run, profile, decider, overheads
 
 
+@dataclass(frozen=True)
+class CellTask:
+    """One decider on one workload cell: what a worker is handed."""
+
+    rate_rps: float
+    workload: Workload
+    decider: Decider
+
+
+class CellRunner:
+    """Simulates :class:`CellTask` cells with one run's profile, controller and overheads (in this process, or
+    in a worker that loaded its own: the same inputs give the same results)."""
+
+    def __init__(self, config: SimulateConfig, profile: SimProfile, decider: OfflineDecider,
+                 overheads: Overheads) -> None:
+        self.config, self.profile, self.decider, self.overheads = config, profile, decider, overheads
+        self.capacity = capacity_rps(profile, overheads)
+        self.options = ServerOptions(config.max_queue, config.queue_deadline, config.met_target or None)
+
+    def __call__(self, task: CellTask) -> CellResult:
+        config = self.config
+
+        def simulated(replicas: int) -> CellResult:
+            sim = Simulation(self.profile, self.decider, self.overheads, replicas=replicas, balancer=config.balancer,
+                             options=self.options, seed=config.seed)
+            requests = sim.run(task.workload, task.decider.static)
+            for request in requests:  # a sweep would hold one plan per request simulated
+                request.plan = None
+            return CellResult(task.decider, task.rate_rps, task.rate_rps / self.capacity, mix_name(config.budgets),
+                              replicas, summarize(requests, task.workload), requests)
+
+        if config.target is None:
+            return simulated(config.replicas)
+        return fewest_replicas(simulated, config.target, config.max_replicas)
+
+
+def worker_count(config: SimulateConfig, tasks: list[CellTask]) -> int:
+    """The worker processes ``--jobs`` asks for, resolved (1: none, the cells run in this process)."""
+    if config.jobs:
+        return max(1, min(int(config.jobs), len(tasks)))
+    work = sum(len(t.workload) * (1.0 if t.decider.static is None else STATIC_REQUEST_WEIGHT) for t in tasks)
+    if len(tasks) < 2 or work < PARALLEL_MIN_REQUESTS:
+        return 1
+    return max(1, min(available_cpus(), len(tasks)))
+
+
+_WORKER: CellRunner | None = None
+
+
+def _start_worker(config: SimulateConfig, profile: SimProfile, deployed: Any, controller_run: str,
+                  overheads: Overheads) -> None:
+    """A worker process's start: one thread (the workers share the CPUs) and its copy of the inputs (a decider
+    of its own round the deployed controller, as every simulation makes for each replica)."""
+    import torch
+
+    global _WORKER
+    torch.set_num_threads(1)
+    _WORKER = CellRunner(config, profile, OfflineDecider(deployed, controller_run), overheads)
+
+
+def _run_in_worker(task: CellTask) -> CellResult:
+    assert _WORKER is not None, "a worker runs cells only after _start_worker"
+    return _WORKER(task)
+
+
+def run_cells(runner: CellRunner, tasks: list[CellTask], jobs: int,
+              progress: Callable[[int, int], None] | None = None) -> list[CellResult]:
+    """Every task's cell, in the tasks' order: here (``jobs`` 1) or in ``jobs`` worker processes, each handed a
+    copy of the runner's inputs."""
+    total = len(tasks)
+    if jobs <= 1:
+        cells = []
+        for task in tasks:
+            cells.append(runner(task))
+            if progress is not None:
+                progress(len(cells), total)
+        return cells
+    # forkserver, not fork: a parent with a progress bar's or a library's threads running can hand a forked
+    # child one of their locks held
+    context = multiprocessing.get_context("forkserver")
+    # each worker forks from a server that has imported the simulation (torch included) once; the server is
+    # the process's one (ingestion's too), and ends with it as ingestion's does
+    context.set_forkserver_preload(["pipeline._die_with_parent", "simulate.run"])
+    inputs = (runner.config, runner.profile, without_memo(runner.decider.deployed), runner.decider.controller_run,
+              runner.overheads)
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=inputs)
+    try:
+        futures = [pool.submit(_run_in_worker, task) for task in tasks]
+        for done, _ in enumerate(as_completed(futures), start=1):
+            if progress is not None:
+                progress(done, total)
+        return [f.result() for f in futures]
+    except BrokenProcessPool:
+        msg = (f"--jobs {jobs}: a worker process died (killed, or out of memory)\n"
+               "Hint: rerun with --jobs 1 to simulate in this process.")
+        raise CtrlError(msg) from None
+    except BaseException:  # interrupted, or a cell's error: the other cells' work is not wanted
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            if process.is_alive():
+                process.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def simulate(config: SimulateConfig, progress: Callable[[int, int], None] | None = None) -> SimulationResult:
     """Run ``config``'s simulation and write its rows to the run's ``simulations/`` (the ``simulations``
     view); returns every cell."""
     if config.trace is not None:
         trace_times(config.trace)  # a bad trace is refused before anything loads
     workspace, run, profile, decider, overheads = load_inputs(config)
-    capacity = capacity_rps(profile, overheads)
-    rates = list(config.rates) if config.rates else [load * capacity for load in config.loads]
+    runner = CellRunner(config, profile, decider, overheads)
+    rates = list(config.rates) if config.rates else [load * runner.capacity for load in config.loads]
     deciders = expand_deciders(config.decider_specs, profile, decider)
-    options = ServerOptions(config.max_queue, config.queue_deadline, config.met_target or None)
-    cells: list[CellResult] = []
-    total, done = len(rates) * len(deciders), 0
+    tasks: list[CellTask] = []
     for cell_index, rate in enumerate(rates):
         workload = make_workload(config, rate, profile, config.seed + cell_index)
         if config.target is None and config.replicas > len(workload):
             msg = f"--replicas {config.replicas} is more than the {len(workload)} requests of the cell at {rate:.3g}/s"
             raise CtrlError(msg)
-        for d in deciders:
-            def simulated(replicas: int, d: Decider = d, workload: Workload = workload, rate: float = rate
-                          ) -> CellResult:
-                sim = Simulation(profile, decider, overheads, replicas=replicas, balancer=config.balancer,
-                                 options=options, seed=config.seed)
-                requests = sim.run(workload, d.static)
-                return CellResult(d, rate, rate / capacity, mix_name(config.budgets), replicas,
-                                  summarize(requests, workload), requests)
-
-            if config.target is None:
-                cells.append(simulated(config.replicas))
-            else:
-                cells.append(fewest_replicas(simulated, config.target, config.max_replicas))
-            done += 1
-            if progress is not None:
-                progress(done, total)
-    result = SimulationResult(new_simulation_id(), run.run_id, profile, overheads, capacity, cells, config.target)
+        tasks.extend(CellTask(rate, workload, d) for d in deciders)
+    cells = run_cells(runner, tasks, worker_count(config, tasks), progress)
+    result = SimulationResult(new_simulation_id(), run.run_id, profile, overheads, runner.capacity, cells,
+                              config.target)
     result.path = write_simulation(run, result, config)
     if workspace.current_generation() is not None:
         build_catalog(workspace)  # ctrl.duckdb gains the `simulations` view (plain duckdb reads the catalog)

@@ -21,6 +21,7 @@ Only one request runs per replica at a time, as ``ctrl serve --max-batch auto`` 
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections.abc import Sequence
@@ -353,6 +354,20 @@ def memoize_per_question(deployed: torch.nn.Module) -> None:
     if expected is not None:
         object.__setattr__(deployed, "expected_latency", expected_latency)
     object.__setattr__(deployed, "_ctrl_memoized", True)
+
+
+_MEMO_ATTRIBUTES = ("question_group", "expected_latency", "_ctrl_memoized")
+
+
+def without_memo(deployed: torch.nn.Module) -> torch.nn.Module:
+    """``deployed`` as it was before :func:`memoize_per_question` (the module itself where it was not memoized;
+    else a shallow copy without the memo, whose functions cannot be pickled), for another process."""
+    if not getattr(deployed, "_ctrl_memoized", False):
+        return deployed
+    clone = copy.copy(deployed)
+    for name in _MEMO_ATTRIBUTES:
+        clone.__dict__.pop(name, None)
+    return clone
 
 
 def cheapest_config(decider: OfflineDecider) -> Config:

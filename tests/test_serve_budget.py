@@ -170,6 +170,23 @@ def test_each_served_request_moves_the_next_plan():
     assert p.plan(200.0, 0.0, now_s=101.0).feasible_rate == pytest.approx(0.84174, abs=1e-5)
 
 
+def test_the_cheapest_configurations_least_time_follows_the_windows_and_the_scale():
+    scale = LatencyScale(REFERENCE)
+    p = BudgetPlanner(REFERENCE, scale, met_target=0.95)
+    for _ in range(10):
+        p.observe_served(after_ms=10.0, service_ms=60.0, adjustable=True, model_over_reference=None)
+        p.observe_reply(2.0)
+    assert p.cheapest_least_ms() == (32.0, 2.0)  # 20 x scale 1 + the 10th percentiles 10 and 2
+    for _ in range(2):  # of twelve, the 10th percentile is the second smallest
+        p.observe_served(after_ms=0.0, service_ms=60.0, adjustable=True, model_over_reference=None)
+    assert p.cheapest_least_ms() == (22.0, 2.0)
+    for _ in range(2):
+        p.observe_reply(0.5)
+    assert p.cheapest_least_ms() == (20.5, 0.5)
+    scale.observe((6, 8, 14), 150.0)  # a ratio of 3: the scale every configuration reads until its own
+    assert p.cheapest_least_ms() == (60.5, 0.5)
+
+
 def test_below_every_reference_the_cheapest_rule_applies():
     plan = planner().plan(45.0, 0.0, now_s=1.0)  # (45 - 12) / 2 = 16.5 < 20
     assert plan.cheapest and plan.budget_class == "<1x" and plan.met_target is None

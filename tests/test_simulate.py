@@ -20,7 +20,18 @@ from pipeline.workspace import Workspace
 from simulate.calibration import Overheads, calibrate
 from simulate.config import SimulateConfig, SimulateOptionError, parse_budget_mix
 from simulate.profile import pareto_front
-from simulate.run import fewest_replicas, load_inputs, make_workload, summarize, trace_times
+from simulate.run import (
+    CellRunner,
+    CellTask,
+    Decider,
+    fewest_replicas,
+    load_inputs,
+    make_workload,
+    run_cells,
+    summarize,
+    trace_times,
+    worker_count,
+)
 from simulate.simulation import ServerOptions, Simulation, Workload, cheapest_config
 
 runner = CliRunner()
@@ -63,6 +74,7 @@ def _config(ws, **kw):
     ({"requests": 10, "duration": 5.0}, "--requests or --duration"),
     ({"client_ms": -1.0}, "--client-ms must be a number of ms >= 0"),
     ({"service_noise": 3.0}, "--service-noise must be a log standard deviation in"),
+    ({"jobs": -1}, "--jobs must be an integer >= 0"),
 ])
 def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, options, message):
     with pytest.raises(SimulateOptionError, match=message.replace("(", r"\(").replace("+", r"\+")) as caught:
@@ -261,6 +273,48 @@ def test_every_decider_serves_the_same_requests_and_runs_repeat_exactly(sim_ws, 
     sim = Simulation(profile, decider, Overheads())
     first, second = sim.run(workload), sim.run(workload)
     assert [(r.status, r.config, r.latency_ms) for r in first] == [(r.status, r.config, r.latency_ms) for r in second]
+
+
+def _outcomes(cells):
+    """Every cell's figures and every request's end, as text (NaN equal to NaN)."""
+    return repr([(c.decider.name, c.rate_rps, c.replicas, c.figures,
+                  [(r.status, r.config, r.decided_by, r.latency_ms, r.score) for r in c.requests]) for c in cells])
+
+
+def test_cells_simulated_in_worker_processes_end_as_those_simulated_here(sim_ws):
+    config = _config(sim_ws, rate="3,9", requests=70, budget_ms="150:0.5,600:0.5", service_noise=0.3,
+                     deciders="controller,cheapest")
+    _, _, profile, decider, overheads = load_inputs(config)
+    runner = CellRunner(config, profile, decider, overheads)
+    deciders = [Decider("controller", None), Decider("cheapest", cheapest_config(decider))]
+    tasks = [CellTask(rate, make_workload(config, rate, profile, seed), d)
+             for seed, rate in enumerate((3.0, 9.0)) for d in deciders]
+    here = run_cells(runner, tasks, 1)  # the controller is memoized in this process now
+    done = []
+    there = run_cells(runner, tasks, 2, progress=lambda n, total: done.append((n, total)))
+    assert [c.decider.name for c in there] == ["controller", "cheapest"] * 2
+    assert [c.rate_rps for c in there] == [3.0, 3.0, 9.0, 9.0]
+    assert _outcomes(there) == _outcomes(here)
+    assert done == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_worker_processes_start_only_for_enough_controller_requests(sim_ws, monkeypatch):
+    monkeypatch.setattr("simulate.run.available_cpus", lambda: 4)
+    arrivals = np.arange(10_000, dtype=float)
+
+    def tasks(count, static=None, size=10_000):
+        workload = Workload(arrivals[:size], np.zeros(size, dtype=int), np.full(size, 100.0))
+        return [CellTask(1.0, workload, Decider("d", static))] * count
+
+    auto = _config(sim_ws)
+    assert worker_count(auto, tasks(2)) == 2  # 20,000 controller requests: one worker per cell
+    assert worker_count(auto, tasks(6)) == 4  # no more than the CPUs
+    assert worker_count(auto, tasks(2, size=9_999)) == 1
+    assert worker_count(auto, tasks(1, size=10_000)) == 1  # one cell: nothing to share
+    assert worker_count(auto, tasks(15, static=(1, 8, 16))) == 1  # a static's request is an eighth of the work
+    assert worker_count(auto, tasks(16, static=(1, 8, 16))) == 4
+    assert worker_count(_config(sim_ws, jobs=3), tasks(2, size=5)) == 2  # --jobs, at most one per cell
+    assert worker_count(_config(sim_ws, jobs=1), tasks(8)) == 1
 
 
 def test_a_trace_is_replayed_at_the_rate_asked_for_with_its_bursts(sim_ws, inputs, tmp_path):
