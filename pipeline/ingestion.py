@@ -378,7 +378,12 @@ def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
                 if nxt is not None:
                     pending[pool.submit(_parse_to_fragment, str(nxt), fragments_root)] = nxt
         return [], []
-    except BrokenProcessPool:  # from a result, or from a submit once the pool has seen the death
+    except (BrokenProcessPool, OSError) as err:  # from a result, or from a submit once the pool has seen the death
+        # CPython's executor marks itself broken and closes its pipes without the lock a submit holds: a submit
+        # racing a worker's death can write to a pipe being closed (OSError, EBADF) instead of raising
+        # BrokenProcessPool
+        if isinstance(err, OSError) and not getattr(pool, "_broken", False):
+            raise
         _kill_surviving_workers(pool)
         return [p for p in paths if p not in finished], sorted(pending.values())
     finally:

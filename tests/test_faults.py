@@ -606,6 +606,37 @@ def test_a_parser_process_killed_mid_ingest_fails_no_run(small_tree, tmp_path):
     assert len(report.files) == 15
 
 
+def test_a_submit_racing_a_broken_pool_is_retried_like_a_dead_parser(small_tree, tmp_path, monkeypatch):
+    """CPython's executor can answer a submit racing a worker's death with an OSError (EBADF) instead of
+    BrokenProcessPool: ingestion retries the unfinished files as it does after a death, and still raises an
+    OSError from a pool that is not broken."""
+    import errno
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pipeline.ingestion as ingestion
+
+    def racing(fail_when_broken: bool):
+        class RacingPool(ProcessPoolExecutor):
+            submits = 0
+
+            def submit(self, *args, **kwargs):
+                type(self).submits += 1
+                if type(self).submits == 3:  # the third submit meets the pool breaking under it
+                    if fail_when_broken:
+                        self._broken = "a child process terminated abruptly"
+                    raise OSError(errno.EBADF, "Bad file descriptor")
+                return super().submit(*args, **kwargs)
+        return RacingPool
+
+    monkeypatch.setattr(ingestion, "ProcessPoolExecutor", racing(True))
+    report = run_ingest([small_tree], Workspace(tmp_path / "ws"), num_workers=2)
+    assert all(f.status == "ok" for f in report.files), [f.error for f in report.errors]
+    assert len(report.files) == 9
+    monkeypatch.setattr(ingestion, "ProcessPoolExecutor", racing(False))
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        run_ingest([small_tree], Workspace(tmp_path / "ws2"), num_workers=2)
+
+
 def test_a_file_name_with_control_characters_is_escaped_in_every_message(small_tree, tmp_path):
     from typer.testing import CliRunner
 
