@@ -537,8 +537,8 @@ def speed_phase(args: argparse.Namespace, ws: Path, cells: dict[str, Any], calib
         lines.append(f"  {name}: {len(cell) / float(np.median(times)):,.0f} requests/s (median of 3)")
     # a sweep through `ctrl simulate`'s own entry, wall clock (inputs loaded, workers started): in this process,
     # then in one worker per CPU
-    sweep = replace(config, rate=None, load=",".join(f"{v:g}" for v in SWEEP_LOADS),
-                                requests=args.speed_requests, deciders="controller")
+    sweep = replace(config, rate=None, load=",".join(f"{v:g}" for v in SWEEP_LOADS), requests=args.speed_requests,
+                    deciders="controller")
     total = len(SWEEP_LOADS) * args.speed_requests
     for jobs in (1, available_cpus()):
         tick = time.perf_counter()

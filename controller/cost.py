@@ -32,7 +32,11 @@ CONFIG_SCALE_WINDOW, CONFIG_SCALE_MIN = 16, 5
 def quantile_of(values: Sequence[float] | Iterable[float], q: float, empty: float = 0.0) -> float:
     """The sorted value at rank ``floor(q * n)`` (no interpolation: a value that was measured);
     ``empty`` for no values."""
-    ordered = sorted(values)
+    return _ranked(sorted(values), q, empty)
+
+
+def _ranked(ordered: Sequence[float], q: float, empty: float) -> float:
+    """:func:`quantile_of` of values already sorted."""
     if not ordered:
         return empty
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -72,9 +76,7 @@ class RecentWindow:
             ordered = self._sorted
             if ordered is None:
                 ordered = self._sorted = sorted(self._values)
-        if not ordered:
-            return empty
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return _ranked(ordered, q, empty)
 
     def median(self, empty: float = 0.0) -> float:
         return self.quantile(0.5, empty)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import time
@@ -37,6 +36,7 @@ from pipeline.errors import CtrlError, IngestError, describe
 from pipeline.health import catalog_problem, fragment_meta_path, fragment_problems, generation_problems
 from pipeline.ingest_config import IngestConfig
 from pipeline.parse import PARSER_VERSION, NotResultsFile, parse_file
+from pipeline.process_pool import forkserver_context, kill_workers
 from pipeline.schema import FILES
 from pipeline.workspace import Workspace, atomic_path, file_sha256
 
@@ -353,12 +353,8 @@ def _run_parsers(todo: list[Path], fragments_root: str, workers: int):
 def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
     """Parse ``paths`` in a process pool, yielding (path, meta); returns ([], []) when all finished,
     else (the paths not finished, those in flight) once a worker died."""
-    # forkserver, not fork: the parent may already run DuckDB/polars/arrow threads, and a
-    # forked child can inherit one of their locks held and hang
-    ctx = multiprocessing.get_context("forkserver")
     # the forkserver ends with this process (a SIGKILLed ingest leaves no orphans), its workers with it
-    ctx.set_forkserver_preload(["pipeline._die_with_parent", "pipeline.parse"])
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=forkserver_context("pipeline.parse"))
     pending: dict[Future, Path] = {}
     queue = iter(paths)
     finished: set[Path] = set()
@@ -384,21 +380,10 @@ def _pool_pass(paths: list[Path], fragments_root: str, workers: int):
         # BrokenProcessPool
         if isinstance(err, OSError) and not getattr(pool, "_broken", False):
             raise
-        _kill_surviving_workers(pool)
+        kill_workers(pool)
         return [p for p in paths if p not in finished], sorted(pending.values())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _kill_surviving_workers(pool: ProcessPoolExecutor) -> None:
-    """Kill the workers of a broken pool. The pool terminates its workers itself, but a worker
-    it was starting while another died can escape that (CPython's executor marks itself broken
-    without the lock ``submit`` spawns under) and would then wait for work forever, and the
-    pool's shutdown with it. Every submit has returned when the broken future is seen here, so
-    the pool's process table is complete."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        if process.is_alive():
-            process.kill()
 
 
 def _build(workspace: Workspace, out: Path, manifest: dict[str, dict], report: IngestReport) -> dict:

@@ -218,14 +218,13 @@ def mean_wait_ms(service_ms: float, load: Load) -> float:
     return max(0.0, wait)
 
 
-def wait_exceeds(t_ms: float, rho: float, mean_wait: float) -> float:
-    """``P(wait > t)`` for a queue of utilisation ``rho`` and mean wait ``mean_wait`` with an exponential
-    tail, ``rho exp(-t rho / W)`` (exact for M/M/1); 0 for an idle server, 1 for ``t < 0``."""
-    if t_ms < 0:
-        return 1.0
+def wait_exceeds(t_ms: np.ndarray, rho: float, mean_wait: float) -> np.ndarray:
+    """``P(wait > t)`` for each of ``t_ms`` in a queue of utilisation ``rho`` and mean wait ``mean_wait`` with
+    an exponential tail, ``rho exp(-t rho / W)`` (exact for M/M/1); 0 for an idle server, 1 for ``t < 0``."""
+    t = np.asarray(t_ms, dtype=np.float64)
     if rho <= 0.0 or mean_wait <= 0.0:
-        return 0.0
-    return rho * math.exp(-t_ms * rho / mean_wait)
+        return np.where(t < 0, 1.0, 0.0)
+    return np.where(t < 0, 1.0, rho * np.exp(-np.maximum(t, 0.0) * rho / mean_wait))
 
 
 def arrival_cap_ms(budget_ms: float, load: Load) -> float | None:
@@ -306,14 +305,7 @@ def cheapest_met_share(costs_ms: Sequence[float], budget_ms: float, rate_per_s: 
     rho = utilisation(0.0, queue)
     if rho >= 1.0:
         return 0.0
-    mean_wait = mean_wait_ms(0.0, queue)
-    # wait_exceeds over every cost at once
-    slack = budget_ms - costs
-    if rho <= 0.0 or mean_wait <= 0.0:
-        exceeds = np.where(slack < 0, 1.0, 0.0)
-    else:
-        exceeds = np.where(slack < 0, 1.0, rho * np.exp(-np.maximum(slack, 0.0) * rho / mean_wait))
-    return float((1.0 - exceeds).mean())
+    return float((1.0 - wait_exceeds(budget_ms - costs, rho, mean_wait_ms(0.0, queue))).mean())
 
 
 class ArrivalRate:

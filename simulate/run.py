@@ -8,7 +8,6 @@ once, seeded, and every decider serves the same ones: the comparisons between de
 from __future__ import annotations
 
 import math
-import multiprocessing
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -25,6 +24,7 @@ import pyarrow.parquet as pq
 from pipeline.catalog import build_catalog
 from pipeline.errors import CtrlError
 from pipeline.knobs import Config
+from pipeline.process_pool import forkserver_context, kill_workers
 from pipeline.schema import SIMULATIONS
 from pipeline.workspace import Workspace, atomic_path
 from serve.arrivals import ArrivalProcess, ArrivalSpecError, arrival_times, read_trace
@@ -234,7 +234,7 @@ class CellTask:
 
 class CellRunner:
     """Simulates :class:`CellTask` cells with one run's profile, controller and overheads (in this process, or
-    in a worker that loaded its own: the same inputs give the same results)."""
+    in a worker handed a copy of them: the same inputs give the same results)."""
 
     def __init__(self, config: SimulateConfig, profile: SimProfile, decider: OfflineDecider,
                  overheads: Overheads) -> None:
@@ -300,15 +300,11 @@ def run_cells(runner: CellRunner, tasks: list[CellTask], jobs: int,
             if progress is not None:
                 progress(len(cells), total)
         return cells
-    # forkserver, not fork: a parent with a progress bar's or a library's threads running can hand a forked
-    # child one of their locks held
-    context = multiprocessing.get_context("forkserver")
-    # each worker forks from a server that has imported the simulation (torch included) once; the server is
-    # the process's one (ingestion's too), and ends with it as ingestion's does
-    context.set_forkserver_preload(["pipeline._die_with_parent", "simulate.run"])
     inputs = (runner.config, runner.profile, without_memo(runner.decider.deployed), runner.decider.controller_run,
               runner.overheads)
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_start_worker, initargs=inputs)
+    # each worker forks from a server that has imported the simulation (torch included) once
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=forkserver_context("simulate.run"),
+                               initializer=_start_worker, initargs=inputs)
     try:
         futures = [pool.submit(_run_in_worker, task) for task in tasks]
         for done, _ in enumerate(as_completed(futures), start=1):
@@ -320,9 +316,7 @@ def run_cells(runner: CellRunner, tasks: list[CellTask], jobs: int,
                "Hint: rerun with --jobs 1 to simulate in this process.")
         raise CtrlError(msg) from None
     except BaseException:  # interrupted, or a cell's error: the other cells' work is not wanted
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            if process.is_alive():
-                process.kill()
+        kill_workers(pool)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
